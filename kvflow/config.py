@@ -1,0 +1,101 @@
+"""Engine configuration: plain dataclasses validated once on construction."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+def parse_memory(value: int | float | str) -> int:
+    """Parse '4GiB', '512MiB', '2GB', '1.5g' or a plain byte count into bytes."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    text = value.strip().lower().replace(" ", "")
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+             "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "b": 1}
+    for suffix, mult in units.items():
+        if text.endswith(suffix):
+            return int(float(text[: -len(suffix)]) * mult)
+    return int(float(text))
+
+
+@dataclass
+class ModelConfig:
+    """Which weights to load and how. `model=None` means the default SmolLM2-135M-Instruct."""
+
+    model: str | None = None
+    dtype: str = "auto"  # auto | bfloat16 | float32
+    max_model_len: int | None = None  # None: the model's own context length
+    seed: int = 0
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "bfloat16", "bf16", "float32", "fp32"):
+            raise ValueError(f"dtype must be auto, bfloat16 or float32, got {self.dtype!r}")
+        self.dtype = {"bf16": "bfloat16", "fp32": "float32"}.get(self.dtype, self.dtype)
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache: blocks of `block_size` tokens; the pool is sized from `kv_cache_memory`
+    (capped by free RAM) unless `num_blocks` is given."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | str = "4GiB"
+    enable_prefix_caching: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        self.kv_cache_memory = parse_memory(self.kv_cache_memory)
+        if self.kv_cache_memory <= 0:
+            raise ValueError("kv_cache_memory must be positive")
+
+
+@dataclass
+class SchedulerConfig:
+    """Per-step limits: token budget, concurrent sequences, context length."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
+
+
+def default_num_threads() -> int:
+    """Compute threads for torch: KVFLOW_NUM_THREADS, else 1 (measured fastest on 2 cores:
+    the second core is left for the engine's own CPU work and OpenMP never spin-waits)."""
+    env = os.environ.get("KVFLOW_NUM_THREADS")
+    return int(env) if env else 1
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    num_threads: int = field(default_factory=default_num_threads)
+    trace: str | None = None  # path of a JSONL step trace

@@ -1,0 +1,193 @@
+"""Scheduler: decides, each step, who runs and how many tokens each (continuous batching with
+chunked prefill), reserves their KV slots, and applies the sampled tokens afterwards."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from kvflow.config import CacheConfig, SchedulerConfig
+from kvflow.core.kv_cache_manager import KVCacheManager, cdiv
+from kvflow.core.scheduler_output import NewRequestData, SchedulerOutput
+from kvflow.request import FinishReason, Request, RequestStatus
+
+__all__ = ["Scheduler", "SchedulerOutput", "RequestUpdate"]
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What one step changed for one request: its new tokens and, if it ended, why."""
+
+    request: Request
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+
+
+class Scheduler:
+    """Running requests first, in admission order (decode = 1 token, an ongoing prefill takes
+    what budget is left), then waiting requests first-come-first-served while the token budget,
+    `max_num_seqs` and free blocks allow. When a running request cannot get a block, the most
+    recently admitted running request is preempted and recomputed later."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        if cache_config.num_blocks is None:
+            raise ValueError("CacheConfig.num_blocks must be set before building a Scheduler")
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.step_index = 0
+        self.num_preemptions = 0
+        self.first_scheduled_time: dict[str, float] = {}
+        self._finished_ids: set[str] = set()
+
+    # -- requests in and out -------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        max_len = self.config.max_model_len
+        total = req.num_prompt_tokens + req.max_tokens
+        if total > max_len:
+            raise ValueError(
+                f"prompt has {req.num_prompt_tokens} tokens and max_tokens is {req.max_tokens}: "
+                f"{total} is over max_model_len {max_len}")
+        if cdiv(total, self.block_size) > self.kv_cache_manager.num_total_blocks:
+            raise ValueError(
+                f"request needs {cdiv(total, self.block_size)} KV blocks but the cache has only "
+                f"{self.kv_cache_manager.num_total_blocks}")
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort_request(self, request_id: str) -> bool:
+        """End a request wherever it is; its blocks return to the pool now."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return False
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(step=self.step_index, finished_req_ids=self._finished_ids)
+        self._finished_ids = set()
+        budget = self.config.max_num_batched_tokens
+        kv = self.kv_cache_manager
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            assert n > 0, f"running request {req.request_id} has nothing to compute"
+            while kv.allocate_slots(req, n) is None:
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                self._schedule(req, n, out)
+                budget -= n
+                i += 1
+                continue
+            break  # `req` preempted itself: nobody after it runs either
+
+        if not out.preempted_req_ids:
+            # Blocks the admitted prefills still need, so admission never promises them twice.
+            pending = sum(kv.num_blocks_needed(r, r.num_tokens) for r in self.running
+                          if r.num_computed_tokens + out.num_scheduled_tokens.get(r.request_id, 0)
+                          < r.num_tokens)
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = self.waiting[0]
+                if kv.num_blocks_needed(req, req.num_tokens) > kv.num_free_blocks - pending:
+                    break  # the whole remaining prompt must fit, or admission would thrash
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                kv.allocate_slots(req, n)
+                self.waiting.popleft()
+                resumed = req.status == RequestStatus.PREEMPTED
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                out.scheduled_new_reqs.append(NewRequestData(
+                    req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
+                    req.sampling_params))
+                if resumed:
+                    out.resumed_req_ids.append(req.request_id)
+                self.first_scheduled_time.setdefault(req.request_id, time.time())
+                self._schedule(req, n, out)
+                budget -= n
+                pending += kv.num_blocks_needed(req, req.num_tokens)
+
+        self.step_index += 1
+        return out
+
+    def _schedule(self, req: Request, n: int, out: SchedulerOutput) -> None:
+        assert req.num_computed_tokens + n <= self.config.max_model_len
+        out.num_scheduled_tokens[req.request_id] = n
+        out.num_computed_tokens[req.request_id] = req.num_computed_tokens
+        out.block_ids[req.request_id] = self.kv_cache_manager.get_block_ids(req.request_id)
+        out.total_num_scheduled_tokens += n
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.kv_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted_req_ids.append(req.request_id)
+
+    def update_from_output(self, sched_out: SchedulerOutput,
+                           sampled: dict[str, list[int]]) -> list[RequestUpdate]:
+        """Advance each scheduled request by its tokens, append what was sampled, check stops,
+        and free the blocks of requests that finished in this step."""
+        updates = []
+        for req_id, n in sched_out.num_scheduled_tokens.items():
+            req = self.requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += n
+            new_tokens = sampled.get(req_id)
+            if not new_tokens:
+                continue
+            finish = None
+            accepted = []
+            for token in new_tokens:
+                req.append_output_token(token)
+                accepted.append(token)
+                finish = self._check_stop(req, token)
+                if finish is not None:
+                    break
+            if finish is not None:
+                self.running.remove(req)
+                self._finish(req, finish)
+            updates.append(RequestUpdate(req, accepted, req.finish_reason))
+        return updates
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token == req.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if params.stop_token_ids and token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv_cache_manager.free(req)
+        self._finished_ids.add(req.request_id)
+        del self.requests[req.request_id]
+        self.first_scheduled_time.pop(req.request_id, None)

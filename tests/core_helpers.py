@@ -1,0 +1,66 @@
+"""A model-free driver for the core: a fake 'model' whose next token is a pure function of the
+context, so outputs must not depend on batching, chunking or preemption."""
+from __future__ import annotations
+
+from kvflow.config import CacheConfig, SchedulerConfig
+from kvflow.core.scheduler import Scheduler
+from kvflow.request import Request
+from kvflow.sampling_params import SamplingParams
+
+
+def fake_next_token(context: list[int]) -> int:
+    h = 17
+    for t in context:
+        h = (h * 31 + t) % 1_000_003
+    return 3 + h % 997
+
+
+class FakeRunner:
+    """Tracks token ids per request the way the real runner does, from SchedulerOutput only."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+
+    def execute(self, out) -> dict[str, list[int]]:
+        for rid in out.finished_req_ids | set(out.preempted_req_ids):
+            self.tokens.pop(rid, None)
+        for new in out.scheduled_new_reqs:
+            self.tokens[new.req_id] = list(new.token_ids)
+        sampled = {}
+        for rid, n in out.num_scheduled_tokens.items():
+            toks = self.tokens[rid]
+            if out.num_computed_tokens[rid] + n == len(toks):
+                t = fake_next_token(toks)
+                toks.append(t)
+                sampled[rid] = [t]
+        return sampled
+
+
+def make_scheduler(num_blocks=64, block_size=4, budget=32, max_num_seqs=16, max_model_len=256):
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                                     max_model_len=max_model_len),
+                     CacheConfig(block_size=block_size, num_blocks=num_blocks))
+
+
+def make_request(rid: str, prompt_len: int, max_tokens: int = 8, **kw) -> Request:
+    prompt = [(7 * i + len(rid)) % 500 + 3 for i in range(prompt_len)]
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0, **kw))
+
+
+def run_to_completion(sched, runner=None, max_steps=10_000, on_step=None):
+    runner = runner or FakeRunner()
+    outputs: dict[str, list[int]] = {}
+    steps = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
+        sampled = runner.execute(out)
+        updates = sched.update_from_output(out, sampled)
+        sched.kv_cache_manager.check_invariants()
+        for u in updates:
+            outputs.setdefault(u.request.request_id, []).extend(u.new_token_ids)
+        steps.append(out)
+        if on_step:
+            on_step(out, updates)
+    return outputs, steps
