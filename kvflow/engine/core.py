@@ -1,0 +1,141 @@
+"""EngineCore: owns the scheduler and the model runner; step() is schedule -> execute -> update."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+import torch
+
+from kvflow.config import EngineConfig
+from kvflow.core.scheduler import Scheduler
+from kvflow.engine.kv_sizing import max_concurrency, num_kv_blocks
+from kvflow.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from kvflow.engine.step_trace import StepTrace
+from kvflow.model.loader import load_model
+from kvflow.model.runner import ModelRunner
+from kvflow.model_path import resolve_model_path
+from kvflow.request import Request
+
+logger = logging.getLogger("kvflow")
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """`auto` is bfloat16 where the CPU has native bf16 (AVX-512 BF16 / AMX), else float32."""
+    if name == "auto":
+        cap = torch.backends.cpu.get_cpu_capability().lower()
+        return torch.bfloat16 if ("avx512" in cap or "amx" in cap) else torch.float32
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+class EngineCore:
+    """The busy part of the engine. Used in-process by LLMEngine and in its own process by
+    `kvflow serve`."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        t0 = time.perf_counter()
+        self.config = config
+        torch.set_num_threads(config.num_threads)
+        mc = config.model_config
+        self.model_path = resolve_model_path(mc.model)
+        self.dtype = resolve_dtype(mc.dtype)
+        self.model, self.arch = load_model(self.model_path, self.dtype)
+        self.max_model_len = mc.max_model_len or self.arch.max_position_embeddings
+        sc = replace(config.scheduler_config, max_model_len=self.max_model_len)
+        self.kv_bytes_per_token = self.arch.kv_bytes_per_token(self.dtype.itemsize)
+        cc = replace(config.cache_config,
+                     num_blocks=num_kv_blocks(config.cache_config, self.kv_bytes_per_token))
+        self.scheduler_config, self.cache_config = sc, cc
+        self.scheduler = Scheduler(sc, cc)
+        self.runner = ModelRunner(self.model, self.arch, cc.num_blocks, cc.block_size, self.dtype,
+                                  self.arch.eos_token_id)
+        self.trace = StepTrace(config.trace, sc.max_num_batched_tokens, cc.block_size,
+                               cc.num_blocks) if config.trace else None
+        self._last_preemptions = 0
+        self._first_scheduled: dict[str, float] = {}
+        self.startup_time = time.perf_counter() - t0
+        logger.info(self.startup_report())
+
+    def startup_report(self) -> str:
+        cc, a = self.cache_config, self.arch
+        return (f"kvflow: model {self.model_path} ({a.architecture}, "
+                f"{a.num_parameters() / 1e6:.1f}M params, {str(self.dtype).removeprefix('torch.')}); "
+                f"KV {self.kv_bytes_per_token} B/token; {cc.num_blocks} blocks x {cc.block_size} = "
+                f"{cc.num_blocks * cc.block_size} tokens; max concurrency at max_model_len "
+                f"{self.max_model_len}: {max_concurrency(cc.num_blocks, cc.block_size, self.max_model_len):.2f}; "
+                f"threads {torch.get_num_threads()}; ready in {self.startup_time:.1f}s")
+
+    # -- requests ------------------------------------------------------------------------
+    def add_request(self, r: EngineCoreRequest) -> None:
+        """Queue a request; ValueError (naming the numbers) if it can never fit."""
+        params = r.sampling_params
+        n_prompt = len(r.prompt_token_ids)
+        if n_prompt == 0:
+            raise ValueError("prompt must not be empty")
+        if params.max_tokens is None:
+            if n_prompt >= self.max_model_len:
+                raise ValueError(f"prompt has {n_prompt} tokens; max_model_len is {self.max_model_len}")
+            params = replace(params, max_tokens=self.max_model_len - n_prompt)
+        req = Request(r.request_id, r.prompt_token_ids, params,
+                      eos_token_id=r.eos_token_id if r.eos_token_id is not None else self.arch.eos_token_id,
+                      arrival_time=r.arrival_time or time.time(), priority=r.priority)
+        self.scheduler.add_request(req)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.scheduler.abort_request(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the loop ------------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        start = time.time()
+        t0 = time.perf_counter()
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            return EngineCoreOutputs(scheduler_stats=self.stats(sched_out, 0.0))
+        if self.trace:
+            reqs = self.scheduler.requests
+            before = {rid: reqs[rid].num_tokens for rid in sched_out.num_scheduled_tokens}
+            prompts = {rid: reqs[rid].num_prompt_tokens for rid in sched_out.num_scheduled_tokens}
+        for new in sched_out.scheduled_new_reqs:
+            self._first_scheduled.setdefault(new.req_id, start)
+        runner_out = self.runner.execute(sched_out)
+        updates = self.scheduler.update_from_output(sched_out, runner_out.sampled)
+        outputs = []
+        for u in updates:
+            rid = u.request.request_id
+            lp = runner_out.logprobs.get(rid)
+            finish = u.finish_reason.value if u.finish_reason is not None else None
+            outputs.append(EngineCoreOutput(
+                rid, u.new_token_ids, [lp] if lp is not None else None, finish,
+                u.request.stop_reason if finish else None,
+                first_scheduled_time=self._first_scheduled.get(rid)))
+            if finish:
+                self._first_scheduled.pop(rid, None)
+        step_time = time.perf_counter() - t0
+        if self.trace:
+            self.trace.record(sched_out, before, prompts, updates, start, step_time,
+                              self.scheduler.kv_cache_manager.num_free_blocks)
+        return EngineCoreOutputs(outputs, self.stats(sched_out, step_time))
+
+    def stats(self, sched_out, step_time: float) -> SchedulerStats:
+        s = self.scheduler
+        kv = s.kv_cache_manager
+        preempted = s.num_preemptions - self._last_preemptions
+        self._last_preemptions = s.num_preemptions
+        prompt_tokens = sum(n for rid, n in sched_out.num_scheduled_tokens.items()
+                            if rid in s.requests and sched_out.num_computed_tokens[rid]
+                            < s.requests[rid].num_prompt_tokens)
+        return SchedulerStats(
+            num_running=len(s.running), num_waiting=len(s.waiting), kv_cache_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_total_blocks,
+            num_preemptions=preempted, num_prompt_tokens=prompt_tokens,
+            num_generation_tokens=sched_out.total_num_scheduled_tokens - prompt_tokens,
+            step_time=step_time)
+
+    def shutdown(self) -> None:
+        if self.trace:
+            self.trace.close()
+            self.trace = None

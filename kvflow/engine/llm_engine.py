@@ -1,0 +1,48 @@
+"""LLMEngine: the synchronous engine for offline use (EngineCore in-process)."""
+from __future__ import annotations
+
+from kvflow.config import EngineConfig
+from kvflow.engine.core import EngineCore
+from kvflow.engine.output_processor import OutputKind, OutputProcessor
+from kvflow.outputs import RequestOutput
+from kvflow.sampling_params import SamplingParams
+from kvflow.tokenizer import get_tokenizer
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.core = EngineCore(config)
+        self.tokenizer = get_tokenizer(self.core.model_path)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.eos_token_id = self.core.arch.eos_token_id
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, kind: OutputKind = OutputKind.FINAL) -> None:
+        core_reqs = self.output_processor.add_request(
+            request_id, prompt, prompt_token_ids, params, kind, self.eos_token_id)
+        try:
+            for r in core_reqs:
+                self.core.add_request(r)
+        except ValueError:
+            self.core.abort_requests(self.output_processor.abort_request(request_id))
+            raise
+
+    def abort_request(self, request_id: str) -> None:
+        self.core.abort_requests(self.output_processor.abort_request(request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests() or self.output_processor.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        core_out = self.core.step()
+        outputs, to_abort = self.output_processor.process_outputs(core_out.outputs)
+        if to_abort:
+            self.core.abort_requests(to_abort)
+        return outputs
+
+    def shutdown(self) -> None:
+        self.core.shutdown()

@@ -1,0 +1,174 @@
+"""OutputProcessor: turns the core's token deltas into RequestOutputs. It detokenizes
+incrementally, ends requests on stop strings, and fans `n` samples out and back in."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field, replace
+
+from kvflow.engine.detokenizer import IncrementalDetokenizer, decode_token
+from kvflow.engine.protocol import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
+from kvflow.outputs import CompletionOutput, Logprob, RequestOutput
+from kvflow.sampling_params import SamplingParams
+
+
+class OutputKind(enum.Enum):
+    FINAL = 0       # one RequestOutput when every sample has finished
+    DELTA = 1       # each RequestOutput carries only what is new since the last one
+    CUMULATIVE = 2  # each RequestOutput carries everything so far
+
+
+@dataclass
+class SampleState:
+    """One of the `n` samples of a request (one request in the core)."""
+
+    core_id: str
+    index: int
+    detokenizer: IncrementalDetokenizer
+    params: SamplingParams
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_sent_tokens: int = 0
+    finish_sent: bool = False
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[SampleState]
+    kind: OutputKind
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self.core_to_sample: dict[str, tuple[RequestState, SampleState]] = {}
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, kind: OutputKind = OutputKind.FINAL,
+                    eos_token_id: int | None = None, arrival_time: float | None = None,
+                    priority: int = 0) -> list[EngineCoreRequest]:
+        """Register a request; returns the core requests to send (one per sample)."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        arrival = arrival_time or time.time()
+        state = RequestState(request_id, prompt, list(prompt_token_ids), [], kind, arrival)
+        core_reqs = []
+        for i in range(params.n):
+            core_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            p = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + i
+                p = replace(params, n=1, seed=seed)
+            sample = SampleState(core_id, i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, p), p)
+            if p.logprobs is not None:
+                sample.logprobs, sample.cumulative_logprob = [], 0.0
+            state.samples.append(sample)
+            self.core_to_sample[core_id] = (state, sample)
+            core_reqs.append(EngineCoreRequest(core_id, list(prompt_token_ids), p, eos_token_id,
+                                               arrival, priority))
+        self.requests[request_id] = state
+        return core_reqs
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a request; returns the core ids still to abort in the core."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return []
+        ids = []
+        for s in state.samples:
+            self.core_to_sample.pop(s.core_id, None)
+            if s.finish_reason is None:
+                ids.append(s.core_id)
+        return ids
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step's outputs. Returns the RequestOutputs to hand out and the core ids
+        that a stop string ended (the caller aborts them in the core)."""
+        now = time.time()
+        touched: dict[str, RequestState] = {}
+        to_abort: list[str] = []
+        for out in outputs:
+            entry = self.core_to_sample.get(out.request_id)
+            if entry is None:
+                continue  # aborted by the user while the step ran
+            state, sample = entry
+            if out.first_scheduled_time and state.first_scheduled_time is None:
+                state.first_scheduled_time = out.first_scheduled_time
+            if out.new_token_ids and state.first_token_time is None:
+                state.first_token_time = now
+            sample.token_ids.extend(out.new_token_ids)
+            if out.new_logprobs and sample.logprobs is not None:
+                for lp in out.new_logprobs:
+                    sample.logprobs.append(self._logprob_dict(lp))
+                    sample.cumulative_logprob += lp.logprobs[0]
+            finished = out.finish_reason is not None
+            stop_str = sample.detokenizer.update(out.new_token_ids, finished)
+            if stop_str is not None and not finished:
+                to_abort.append(sample.core_id)
+                finished = True
+            if stop_str is not None:
+                sample.finish_reason, sample.stop_reason = "stop", stop_str
+            elif finished:
+                sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+            if finished:
+                self.core_to_sample.pop(sample.core_id, None)
+            touched[state.request_id] = state
+
+        results = []
+        for state in touched.values():
+            done = state.finished
+            if done:
+                del self.requests[state.request_id]
+            if state.kind == OutputKind.FINAL and not done:
+                continue
+            results.append(self._make_output(state, done))
+        return results, to_abort
+
+    def _logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+        d: dict[int, Logprob] = {}
+        for rank, (tok, value) in enumerate(zip(lp.token_ids, lp.logprobs)):
+            if tok not in d:
+                d[tok] = Logprob(value, lp.sampled_rank if rank == 0 else rank,
+                                 decode_token(self.tokenizer, tok))
+        return d
+
+    def _make_output(self, state: RequestState, finished: bool) -> RequestOutput:
+        completions = []
+        for s in state.samples:
+            if state.kind == OutputKind.DELTA:
+                start = s.num_sent_tokens
+                text = s.detokenizer.get_delta()
+                if not text and start == len(s.token_ids) and (s.finish_reason is None or s.finish_sent):
+                    continue  # nothing new for this sample
+                s.finish_sent = s.finish_reason is not None
+                completions.append(CompletionOutput(
+                    s.index, text, s.token_ids[start:], s.cumulative_logprob,
+                    s.logprobs[start:] if s.logprobs is not None else None,
+                    s.finish_reason, s.stop_reason))
+                s.num_sent_tokens = len(s.token_ids)
+            else:
+                completions.append(CompletionOutput(
+                    s.index, s.detokenizer.output_text, list(s.token_ids), s.cumulative_logprob,
+                    s.logprobs, s.finish_reason, s.stop_reason))
+        metrics = {"arrival_time": state.arrival_time,
+                   "first_scheduled_time": state.first_scheduled_time,
+                   "first_token_time": state.first_token_time}
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
+                             finished, metrics=metrics)

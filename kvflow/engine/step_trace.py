@@ -1,0 +1,53 @@
+"""The per-step trace: one JSON object per step (who ran, how many tokens, which blocks)."""
+from __future__ import annotations
+
+import json
+from typing import IO
+
+from kvflow.core.scheduler import RequestUpdate
+from kvflow.core.scheduler_output import SchedulerOutput
+
+
+class StepTrace:
+    def __init__(self, path: str, budget: int, block_size: int, num_blocks: int) -> None:
+        self._file: IO[str] = open(path, "w", encoding="utf-8")
+        self._header = {"budget": budget, "block_size": block_size, "num_blocks": num_blocks}
+
+    def record(self, out: SchedulerOutput, num_tokens_before: dict[str, int],
+               num_prompt_tokens: dict[str, int], updates: list[RequestUpdate],
+               start: float, step_time: float, num_free_blocks: int,
+               num_cached_tokens: dict[str, int] | None = None) -> None:
+        sampled = {u.request.request_id: u.new_token_ids[0] for u in updates if u.new_token_ids}
+        finished = sorted(out.finished_req_ids)  # aborted before this step
+        finished += [u.request.request_id for u in updates if u.finish_reason is not None]
+        reqs = []
+        for rid, n in out.num_scheduled_tokens.items():
+            computed = out.num_computed_tokens[rid]
+            decode = n == 1 and computed == num_tokens_before[rid] - 1 and computed >= num_prompt_tokens[rid]
+            entry = {
+                "id": rid,
+                "phase": "decode" if decode else "prefill",
+                "tokens": n,
+                "num_computed_tokens": computed,
+                "blocks": out.block_ids[rid],
+                "sampled": sampled.get(rid),
+            }
+            if num_cached_tokens and rid in num_cached_tokens:
+                entry["cached_tokens"] = num_cached_tokens[rid]
+            reqs.append(entry)
+        record = {
+            "step": out.step,
+            "time": start,
+            "step_time": step_time,
+            "num_scheduled_tokens": out.total_num_scheduled_tokens,
+            "requests": reqs,
+            "preempted": list(out.preempted_req_ids),
+            "finished": finished,
+            "free_blocks": num_free_blocks,
+            **self._header,
+        }
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()

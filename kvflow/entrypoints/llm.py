@@ -1,0 +1,104 @@
+"""LLM: offline batch generation, vLLM-style."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from kvflow.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, default_num_threads
+from kvflow.engine.llm_engine import LLMEngine
+from kvflow.outputs import RequestOutput
+from kvflow.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """Generate offline with continuous batching. `model=None` loads the default
+    SmolLM2-135M-Instruct; `trace=PATH` writes one JSON line per engine step."""
+
+    def __init__(self, model: str | None = None, dtype: str = "auto",
+                 max_model_len: int | None = None, max_num_seqs: int = 128,
+                 max_num_batched_tokens: int = 2048, block_size: int = 16,
+                 num_blocks: int | None = None, kv_cache_memory: int | str = "4GiB",
+                 seed: int = 0, trace: str | None = None, num_threads: int | None = None) -> None:
+        config = EngineConfig(
+            model_config=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
+            cache_config=CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                                     kv_cache_memory=kv_cache_memory),
+            scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                             max_num_seqs=max_num_seqs),
+            num_threads=num_threads or default_num_threads(),
+            trace=trace,
+        )
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs come back in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        encoded = [self._encode(p) for p in prompts]
+        for ids, p in zip(encoded, params):
+            self._check_fits(ids, p)
+        order = {}
+        for (text, ids), p in zip(encoded, params):
+            rid = str(next(self._ids))
+            order[rid] = len(order)
+            self.engine.add_request(rid, ids, p, prompt=text)
+        return self._run(order, use_tqdm)
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Chat through the model's chat template; one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            return prompt, ids
+        return None, list(prompt)
+
+    def _check_fits(self, encoded: tuple[str | None, list[int]], params: SamplingParams) -> None:
+        ids = encoded[1]
+        max_len = self.engine.max_model_len
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > max_len:
+            raise ValueError(f"prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: "
+                             f"{len(ids) + params.max_tokens} is over max_model_len {max_len}")
+
+    def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(order)
+        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        n_in = n_out = 0
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    results[order[out.request_id]] = out
+                    n_in += len(out.prompt_token_ids)
+                    n_out += sum(len(c.token_ids) for c in out.outputs)
+                    elapsed = bar.format_dict["elapsed"] or 1e-9
+                    bar.set_postfix_str(f"input: {n_in / elapsed:.0f} tok/s, "
+                                        f"output: {n_out / elapsed:.0f} tok/s", refresh=False)
+                    bar.update(1)
+        bar.close()
+        return results

@@ -1,0 +1,125 @@
+"""The offline API on the default model: sampling controls, stopping, errors."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvflow import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(default_model_path):
+    return LLM(default_model_path, max_model_len=512, num_blocks=256)
+
+
+def texts(outs):
+    return [o.outputs[0].text for o in outs]
+
+
+def test_generate_returns_outputs_in_input_order(llm):
+    prompts = ["The capital of France is", "def fib(n):", "1, 2, 3, 4,"]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
+    assert [o.prompt for o in outs] == prompts
+    alone = [llm.generate([p], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0]
+             for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in alone]
+    assert all(o.outputs[0].finish_reason in ("stop", "length") for o in outs)
+
+
+def test_seeded_sampling_is_reproducible_across_batch_compositions(llm):
+    target = "Write a short poem about the sea:"
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=1234)
+    alone = llm.generate([target], params, use_tqdm=False)[0].outputs[0].token_ids
+    others = ["Tell me a joke.", "The weather today", "Numbers: 4 8 15"]
+    mixed = llm.generate(others[:2] + [target] + others[2:],
+                         [SamplingParams(max_tokens=20, temperature=1.0)] * 2 + [params]
+                         + [SamplingParams(max_tokens=5, temperature=0.7)], use_tqdm=False)
+    assert mixed[2].outputs[0].token_ids == alone
+    other_seed = llm.generate([target], SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95,
+                                                       seed=99), use_tqdm=False)[0]
+    assert other_seed.outputs[0].token_ids != alone
+
+
+def test_top_k_one_and_temperature_zero_equal_greedy(llm):
+    prompt = ["Once upon a time"]
+    greedy = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
+    top1 = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=1.3, top_k=1, seed=5),
+                        use_tqdm=False)
+    assert top1[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
+
+
+def test_stop_string_ends_the_text_before_it(llm):
+    prompt = ["List the days of the week: Monday, Tuesday,"]
+    full = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)[0]
+    text = full.outputs[0].text
+    stop = text.strip()[4:8]
+    assert stop and stop in text
+    out = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert stop not in out.text and text.startswith(out.text)
+    kept = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0, stop=[stop],
+                                               include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text.endswith(stop) and text.startswith(kept.text)
+
+
+def test_stop_token_ids_and_max_tokens(llm):
+    prompt = ["Count: 1, 2, 3,"]
+    full = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert full.finish_reason == "length" and len(full.token_ids) == 10
+    stop_id = full.token_ids[3]
+    out = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_id]),
+                       use_tqdm=False)[0].outputs[0]
+    first = full.token_ids.index(stop_id)
+    assert out.token_ids == full.token_ids[:first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+
+
+def test_n_samples_and_logprobs(llm):
+    out = llm.generate(["Pick a number:"], SamplingParams(n=3, max_tokens=8, temperature=1.0,
+                                                         seed=42, logprobs=2), use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    for c in out.outputs:
+        assert len(c.logprobs) == len(c.token_ids)
+        for tok, lp in zip(c.token_ids, c.logprobs):
+            assert tok in lp and lp[tok].logprob <= 0 and len(lp) >= 2
+            assert all(math.isfinite(v.logprob) for v in lp.values())
+        assert c.cumulative_logprob == pytest.approx(sum(lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)))
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+def test_chat_uses_the_template(llm):
+    outs = llm.chat([{"role": "user", "content": "Name a planet."}],
+                    SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)
+    text = outs[0].outputs[0].text
+    assert text.strip() and "<|im_start|>" not in text
+    assert "<|im_start|>assistant" in outs[0].prompt
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"temperature": -0.5}, "temperature"),
+])
+def test_bad_sampling_params_raise_clear_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_prompt_over_max_model_len_names_both_numbers(llm):
+    with pytest.raises(ValueError, match=r"500 tokens.*max_tokens is 100.*max_model_len 512"):
+        llm.generate([[5] * 500], SamplingParams(max_tokens=100), use_tqdm=False)
+
+
+def test_empty_prompt_is_refused(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([""], SamplingParams(max_tokens=4), use_tqdm=False)
+
+
+def test_unknown_model_path_is_refused():
+    with pytest.raises(ValueError, match="does-not-exist"):
+        LLM("/nonexistent/does-not-exist")
