@@ -46,7 +46,7 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory: int | str = "4GiB"
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -65,8 +65,17 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_model_len: int = 8192
+    # a prefill takes at most this many tokens per step (0: no cap), so long prompts can't starve
+    long_prefill_token_threshold: int = 0
+    # a waiting request that lacks blocks may be passed over this many steps, then it goes first
+    max_admission_skips: int = 16
+    policy: str = "fcfs"  # fcfs | priority (lower `priority` value first, then arrival)
 
     def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be fcfs or priority, got {self.policy!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_num_seqs <= 0:

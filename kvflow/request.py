@@ -52,11 +52,14 @@ class Request:
     eos_token_id: int | None = None
     arrival_time: float = field(default_factory=time.time)
     priority: int = 0
+    cache_salt: str | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_preemptions: int = 0
+    num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission
+    num_skips: int = 0  # times admission passed over it for lack of blocks
     stop_reason: int | str | None = None
     all_token_ids: list[int] = field(init=False)
 

@@ -43,7 +43,8 @@ def make_scheduler(num_blocks=64, block_size=4, budget=32, max_num_seqs=16, max_
 
 
 def make_request(rid: str, prompt_len: int, max_tokens: int = 8, **kw) -> Request:
-    prompt = [(7 * i + len(rid)) % 500 + 3 for i in range(prompt_len)]
+    salt = sum(ord(c) * 131 ** k for k, c in enumerate(rid))
+    prompt = [(7 * i + salt) % 500 + 3 for i in range(prompt_len)]
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0, **kw))
 
 

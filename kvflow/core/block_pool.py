@@ -1,4 +1,5 @@
-"""BlockPool: owns the KV blocks, their reference counts and the free queue."""
+"""BlockPool: owns the KV blocks, their reference counts, the free queue and the prefix cache
+(full blocks findable by the hash of their contents)."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -9,25 +10,34 @@ from dataclasses import dataclass
 class KVBlock:
     block_id: int
     ref_cnt: int = 0
+    block_hash: int | None = None  # set once the block is full and cached
 
 
 class BlockPool:
-    """Fixed set of `num_blocks` blocks. Free blocks wait in a queue (oldest freed first),
-    so that a later prefix cache can evict least-recently-used blocks in O(1)."""
+    """Fixed set of `num_blocks` blocks. Free blocks wait in a queue, least recently freed at the
+    front; a free block keeps its cached contents until it is handed out again, so eviction is
+    least-recently-used and every operation is O(1)."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, KVBlock] = {}  # block hash -> block
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks nobody holds, cached ones included (they are evictable)."""
         return len(self._free)
 
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return sum(1 for b in self._free if self.blocks[b].block_hash is not None)
+
     def get_new_blocks(self, n: int) -> list[KVBlock]:
-        """Take `n` blocks from the front of the free queue (ref count becomes 1)."""
+        """Take `n` blocks from the front of the free queue, evicting their cached contents."""
         if n > len(self._free):
             raise ValueError(f"asked for {n} blocks, only {len(self._free)} free")
         out = []
@@ -35,9 +45,20 @@ class BlockPool:
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             assert block.ref_cnt == 0, f"free block {block_id} has ref_cnt {block.ref_cnt}"
+            if block.block_hash is not None:
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
         return out
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """Take one more reference to cached blocks (a prefix-cache hit)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
 
     def free_blocks(self, blocks: list[KVBlock]) -> None:
         """Drop one reference to each block; blocks nobody holds go to the back of the queue.
@@ -47,6 +68,26 @@ class BlockPool:
             assert block.ref_cnt >= 0, f"block {block.block_id} ref_cnt went negative"
             if block.ref_cnt == 0:
                 self._free[block.block_id] = None
+
+    def lookup(self, block_hash: int) -> KVBlock | None:
+        return self.cached.get(block_hash)
+
+    def cache_block(self, block: KVBlock, block_hash: int) -> None:
+        """Make a full block findable by its hash (the first block with a given hash wins)."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; refused (False) while any block is in use."""
+        if len(self._free) != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()
+        return True
 
     def is_free(self, block_id: int) -> bool:
         return block_id in self._free

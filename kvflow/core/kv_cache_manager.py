@@ -1,4 +1,5 @@
-"""KVCacheManager: which blocks each request holds; allocate_slots is all-or-nothing."""
+"""KVCacheManager: which blocks each request holds; allocate_slots is all-or-nothing; with
+prefix caching, a new request starts from the longest run of cached full blocks of its prompt."""
 from __future__ import annotations
 
 from kvflow.core.block_pool import BlockPool, KVBlock
@@ -9,11 +10,21 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], salt: str | None) -> int:
+    """Chained block hash: a block's identity is its tokens and everything before them."""
+    return hash((parent_hash, token_ids, salt))
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         self.block_size = block_size
-        self.block_pool = BlockPool(num_blocks)
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        self.req_to_hashes: dict[str, list[int]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request already cached
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of which found cached
 
     @property
     def num_total_blocks(self) -> int:
@@ -33,34 +44,100 @@ class KVCacheManager:
         held = len(self.req_to_blocks.get(req.request_id, ()))
         return max(0, cdiv(num_tokens, self.block_size) - held)
 
-    def allocate_slots(self, req: Request, num_new_tokens: int) -> list[int] | None:
-        """Reserve room for `num_computed_tokens + num_new_tokens` positions. Returns the ids of
-        the newly allocated blocks (possibly none), or None, changing nothing, if they don't fit."""
-        need = self.num_blocks_needed(req, req.num_computed_tokens + num_new_tokens)
-        if need > self.block_pool.num_free_blocks:
+    def _block_hashes(self, req: Request, num_full_blocks: int) -> list[int]:
+        """Hashes of the first `num_full_blocks` blocks of `req`'s tokens, computed once each."""
+        hashes = self.req_to_hashes.setdefault(req.request_id, [])
+        bs, tokens = self.block_size, req.all_token_ids
+        for i in range(len(hashes), num_full_blocks):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, tuple(tokens[i * bs:(i + 1) * bs]), req.cache_salt))
+        return hashes
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
+        """The longest run of cached full blocks at the start of `req`'s tokens, never covering
+        the last token (it must be computed to sample). Changes nothing."""
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        blocks = []
+        for h in self._block_hashes(req, max_blocks):
+            block = self.block_pool.lookup(h)
+            if block is None:
+                break
+            blocks.append(block)
+        self.prefix_queries += req.num_tokens
+        self.prefix_hits += len(blocks) * self.block_size
+        return blocks, len(blocks) * self.block_size
+
+    def num_evictable(self, blocks: list[KVBlock]) -> int:
+        """How many of these cached blocks sit in the free queue (taking them uses free room)."""
+        return sum(1 for b in blocks if b.ref_cnt == 0)
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       computed_blocks: list[KVBlock] | None = None) -> list[int] | None:
+        """Reserve room for `num_computed_tokens + num_new_tokens` positions (after taking
+        `computed_blocks`, the prefix-cache hit found at admission). Returns the ids of the newly
+        allocated blocks (possibly none), or None, changing nothing, if they don't fit."""
+        computed_blocks = computed_blocks or []
+        held = len(self.req_to_blocks.get(req.request_id, ())) + len(computed_blocks)
+        need = max(0, cdiv(req.num_computed_tokens + num_new_tokens, self.block_size) - held)
+        if need + self.num_evictable(computed_blocks) > self.block_pool.num_free_blocks:
             return None
+        blocks = self.req_to_blocks.setdefault(req.request_id, [])
+        if computed_blocks:
+            self.block_pool.touch(computed_blocks)
+            blocks.extend(computed_blocks)
+            self.num_cached_blocks[req.request_id] = len(computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(need)
-        self.req_to_blocks.setdefault(req.request_id, []).extend(new_blocks)
+        blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(req, blocks, req.num_computed_tokens + num_new_tokens)
         return [b.block_id for b in new_blocks]
+
+    def _cache_full_blocks(self, req: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+        # Blocks that this step fills get findable now: their K/V are written in this step's
+        # forward, before any later step can read them.
+        num_full = min(num_tokens, req.num_tokens) // self.block_size
+        start = self.num_cached_blocks.get(req.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(req, num_full)
+        for i in range(start, num_full):
+            self.block_pool.cache_block(blocks[i], hashes[i])
+        self.num_cached_blocks[req.request_id] = num_full
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     def free(self, req: Request) -> None:
-        """Return all of `req`'s blocks to the pool (its last block first)."""
+        """Return all of `req`'s blocks to the pool (its last block first, so the tail is
+        evicted before the shared prefix)."""
         blocks = self.req_to_blocks.pop(req.request_id, [])
+        self.num_cached_blocks.pop(req.request_id, None)
         self.block_pool.free_blocks(list(reversed(blocks)))
 
+    def forget(self, req: Request) -> None:
+        """Drop per-request hash memo once the request is gone for good."""
+        self.req_to_hashes.pop(req.request_id, None)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
     def check_invariants(self) -> None:
-        """No block held twice, ref counts match holders and are >= 0, free + used = total."""
+        """Ref counts equal holders and are >= 0, a request never holds a block twice,
+        free + used = total."""
         holders: dict[int, int] = {}
         for blocks in self.req_to_blocks.values():
-            for b in blocks:
-                holders[b.block_id] = holders.get(b.block_id, 0) + 1
+            ids = [b.block_id for b in blocks]
+            assert len(ids) == len(set(ids)), "a request holds a block twice"
+            for i in ids:
+                holders[i] = holders.get(i, 0) + 1
         for block in self.block_pool.blocks:
             assert block.ref_cnt >= 0, f"block {block.block_id} has negative ref_cnt"
             assert block.ref_cnt == holders.get(block.block_id, 0), (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} but held by {holders.get(block.block_id, 0)}")
             assert (block.ref_cnt == 0) == self.block_pool.is_free(block.block_id)
-        assert all(n == 1 for n in holders.values()), "a block is owned by two requests"
+        shared = [i for i, n in holders.items() if n > 1]
+        assert all(self.block_pool.blocks[i].block_hash is not None for i in shared), (
+            "only cached (full, hashed) blocks may be shared")
         assert self.num_free_blocks + len(holders) == self.num_total_blocks

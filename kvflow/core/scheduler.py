@@ -34,7 +34,8 @@ class Scheduler:
             raise ValueError("CacheConfig.num_blocks must be set before building a Scheduler")
         self.config = scheduler_config
         self.block_size = cache_config.block_size
-        self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size)
+        self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
+                                               cache_config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -58,7 +59,20 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request, front: bool = False) -> None:
+        if self.config.policy == "priority":
+            # lower priority value first, then arrival; a preempted request keeps its rank
+            key = (req.priority, req.arrival_time)
+            i = len(self.waiting)
+            while i > 0 and (self.waiting[i - 1].priority, self.waiting[i - 1].arrival_time) > key:
+                i -= 1
+            self.waiting.insert(i, req)
+        elif front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
 
     def abort_request(self, request_id: str) -> bool:
         """End a request wherever it is; its blocks return to the pool now."""
@@ -71,6 +85,12 @@ class Scheduler:
             self.waiting.remove(req)
         self._finish(req, RequestStatus.FINISHED_ABORTED)
         return True
+
+    def reset_prefix_cache(self) -> bool:
+        """Clear the prefix cache; refused (False) while any request holds blocks."""
+        if self.running:
+            return False
+        return self.kv_cache_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -85,14 +105,23 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         kv = self.kv_cache_manager
 
+        cap = self.config.long_prefill_token_threshold
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if 0 < cap < n:
+                n = cap
             assert n > 0, f"running request {req.request_id} has nothing to compute"
             while kv.allocate_slots(req, n) is None:
-                victim = self.running.pop()
+                victim = self._pick_victim()
+                vi = self.running.index(victim)
+                del self.running[vi]
+                if victim.request_id in out.num_scheduled_tokens:  # priority policy only
+                    budget += self._unschedule(victim, out)
                 self._preempt(victim, out)
+                if vi < i:
+                    i -= 1
                 if victim is req:
                     break
             else:
@@ -100,35 +129,70 @@ class Scheduler:
                 budget -= n
                 i += 1
                 continue
-            break  # `req` preempted itself: nobody after it runs either
+            if req.status == RequestStatus.PREEMPTED:
+                continue  # `req` itself was preempted; the one now at index i is next
+            i += 1
 
         if not out.preempted_req_ids:
-            # Blocks the admitted prefills still need, so admission never promises them twice.
-            pending = sum(kv.num_blocks_needed(r, r.num_tokens) for r in self.running
-                          if r.num_computed_tokens + out.num_scheduled_tokens.get(r.request_id, 0)
-                          < r.num_tokens)
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                req = self.waiting[0]
-                if kv.num_blocks_needed(req, req.num_tokens) > kv.num_free_blocks - pending:
-                    break  # the whole remaining prompt must fit, or admission would thrash
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
-                kv.allocate_slots(req, n)
-                self.waiting.popleft()
-                resumed = req.status == RequestStatus.PREEMPTED
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                out.scheduled_new_reqs.append(NewRequestData(
-                    req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
-                    req.sampling_params))
-                if resumed:
-                    out.resumed_req_ids.append(req.request_id)
-                self.first_scheduled_time.setdefault(req.request_id, time.time())
-                self._schedule(req, n, out)
-                budget -= n
-                pending += kv.num_blocks_needed(req, req.num_tokens)
+            budget = self._admit(budget, out)
 
         self.step_index += 1
         return out
+
+    def _admit(self, budget: int, out: SchedulerOutput) -> int:
+        """Admit waiting requests in queue order while budget, max_num_seqs and blocks allow. A
+        request whose whole remaining prompt does not fit is passed over (it keeps its place) at
+        most `max_admission_skips` times; after that nobody overtakes it."""
+        kv = self.kv_cache_manager
+        cap = self.config.long_prefill_token_threshold
+        # Blocks the admitted prefills still need, so admission never promises them twice.
+        pending = sum(kv.num_blocks_needed(r, r.num_tokens) for r in self.running
+                      if r.num_computed_tokens + out.num_scheduled_tokens.get(r.request_id, 0)
+                      < r.num_tokens)
+        admitted = []
+        for req in self.waiting:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            computed, num_cached = kv.get_computed_blocks(req)
+            need = (kv.num_blocks_needed(req, req.num_tokens) - len(computed)
+                    + kv.num_evictable(computed))
+            if need > kv.num_free_blocks - pending:
+                if req.num_skips >= self.config.max_admission_skips:
+                    break  # it has waited long enough: it goes first once it fits
+                req.num_skips += 1
+                continue
+            req.num_computed_tokens = num_cached
+            n = min(req.num_tokens - num_cached, budget)
+            if 0 < cap < n:
+                n = cap
+            new = kv.allocate_slots(req, n, computed)
+            assert new is not None, "admission checked the blocks"
+            kv.prefix_queries += req.num_tokens
+            kv.prefix_hits += num_cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            admitted.append(req)
+            resumed = req.status == RequestStatus.PREEMPTED
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled_new_reqs.append(NewRequestData(
+                req.request_id, list(req.all_token_ids), req.num_prompt_tokens, req.sampling_params))
+            if resumed:
+                out.resumed_req_ids.append(req.request_id)
+            out.num_cached_tokens[req.request_id] = num_cached
+            self.first_scheduled_time.setdefault(req.request_id, time.time())
+            self._schedule(req, n, out)
+            budget -= n
+            pending += kv.num_blocks_needed(req, req.num_tokens)
+        for req in admitted:
+            self.waiting.remove(req)
+        return budget
+
+    def _pick_victim(self) -> Request:
+        """fcfs: the most recently admitted; priority: the lowest priority, latest arrival."""
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
 
     def _schedule(self, req: Request, n: int, out: SchedulerOutput) -> None:
         assert req.num_computed_tokens + n <= self.config.max_model_len
@@ -137,13 +201,20 @@ class Scheduler:
         out.block_ids[req.request_id] = self.kv_cache_manager.get_block_ids(req.request_id)
         out.total_num_scheduled_tokens += n
 
+    def _unschedule(self, req: Request, out: SchedulerOutput) -> int:
+        n = out.num_scheduled_tokens.pop(req.request_id)
+        del out.num_computed_tokens[req.request_id]
+        del out.block_ids[req.request_id]
+        out.total_num_scheduled_tokens -= n
+        return n
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._enqueue(req, front=True)
         out.preempted_req_ids.append(req.request_id)
 
     def update_from_output(self, sched_out: SchedulerOutput,
@@ -188,6 +259,7 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         self.kv_cache_manager.free(req)
+        self.kv_cache_manager.forget(req)
         self._finished_ids.add(req.request_id)
         del self.requests[req.request_id]
         self.first_scheduled_time.pop(req.request_id, None)

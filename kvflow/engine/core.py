@@ -12,20 +12,12 @@ from kvflow.core.scheduler import Scheduler
 from kvflow.engine.kv_sizing import max_concurrency, num_kv_blocks
 from kvflow.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kvflow.engine.step_trace import StepTrace
-from kvflow.model.loader import load_model
+from kvflow.model.loader import load_model, resolve_dtype
 from kvflow.model.runner import ModelRunner
 from kvflow.model_path import resolve_model_path
 from kvflow.request import Request
 
 logger = logging.getLogger("kvflow")
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    """`auto` is bfloat16 where the CPU has native bf16 (AVX-512 BF16 / AMX), else float32."""
-    if name == "auto":
-        cap = torch.backends.cpu.get_cpu_capability().lower()
-        return torch.bfloat16 if ("avx512" in cap or "amx" in cap) else torch.float32
-    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
 class EngineCore:
@@ -78,7 +70,8 @@ class EngineCore:
             params = replace(params, max_tokens=self.max_model_len - n_prompt)
         req = Request(r.request_id, r.prompt_token_ids, params,
                       eos_token_id=r.eos_token_id if r.eos_token_id is not None else self.arch.eos_token_id,
-                      arrival_time=r.arrival_time or time.time(), priority=r.priority)
+                      arrival_time=r.arrival_time or time.time(), priority=r.priority,
+                      cache_salt=r.cache_salt)
         self.scheduler.add_request(req)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -87,6 +80,10 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        """Clear the prefix cache; refused (False) while requests are running."""
+        return self.scheduler.reset_prefix_cache()
 
     # -- the loop ------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
@@ -111,13 +108,16 @@ class EngineCore:
             outputs.append(EngineCoreOutput(
                 rid, u.new_token_ids, [lp] if lp is not None else None, finish,
                 u.request.stop_reason if finish else None,
+                num_cached_tokens=max(u.request.num_cached_tokens, 0),
                 first_scheduled_time=self._first_scheduled.get(rid)))
             if finish:
                 self._first_scheduled.pop(rid, None)
         step_time = time.perf_counter() - t0
         if self.trace:
+            kv = self.scheduler.kv_cache_manager
             self.trace.record(sched_out, before, prompts, updates, start, step_time,
-                              self.scheduler.kv_cache_manager.num_free_blocks)
+                              kv.num_free_blocks, sched_out.num_cached_tokens,
+                              kv.block_pool.num_cached_free_blocks)
         return EngineCoreOutputs(outputs, self.stats(sched_out, step_time))
 
     def stats(self, sched_out, step_time: float) -> SchedulerStats:
@@ -133,7 +133,8 @@ class EngineCore:
             num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_total_blocks,
             num_preemptions=preempted, num_prompt_tokens=prompt_tokens,
             num_generation_tokens=sched_out.total_num_scheduled_tokens - prompt_tokens,
-            step_time=step_time)
+            step_time=step_time, prefix_cache_queries=kv.prefix_queries,
+            prefix_cache_hits=kv.prefix_hits)
 
     def shutdown(self) -> None:
         if self.trace:

@@ -16,6 +16,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     eos_token_id: int | None = None
     arrival_time: float = 0.0
     priority: int = 0
+    cache_salt: str | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -46,6 +47,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_prompt_tokens: int = 0  # scheduled this step
     num_generation_tokens: int = 0
     step_time: float = 0.0
+    prefix_cache_queries: int = 0  # prompt tokens looked up, since start
+    prefix_cache_hits: int = 0  # of which found in the cache
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -16,7 +16,8 @@ class StepTrace:
     def record(self, out: SchedulerOutput, num_tokens_before: dict[str, int],
                num_prompt_tokens: dict[str, int], updates: list[RequestUpdate],
                start: float, step_time: float, num_free_blocks: int,
-               num_cached_tokens: dict[str, int] | None = None) -> None:
+               num_cached_tokens: dict[str, int] | None = None,
+               num_cached_free_blocks: int = 0) -> None:
         sampled = {u.request.request_id: u.new_token_ids[0] for u in updates if u.new_token_ids}
         finished = sorted(out.finished_req_ids)  # aborted before this step
         finished += [u.request.request_id for u in updates if u.finish_reason is not None]
@@ -44,6 +45,7 @@ class StepTrace:
             "preempted": list(out.preempted_req_ids),
             "finished": finished,
             "free_blocks": num_free_blocks,
+            "cached_free_blocks": num_cached_free_blocks,
             **self._header,
         }
         self._file.write(json.dumps(record) + "\n")

@@ -1,0 +1,37 @@
+"""The tokenizer of an HF folder or a GGUF file (transformers' fast tokenizer).
+
+Converting a GGUF vocabulary takes seconds, so the converted tokenizer is saved once in the
+model's cache folder and loaded from there on every later start."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+from kvflow.model_path import cache_dir_for, is_gguf
+
+
+def get_tokenizer(path: str):
+    """A `transformers` tokenizer (with chat template and `eos_token_id`) for `path`."""
+    from transformers import AutoTokenizer
+
+    if not is_gguf(path):
+        return AutoTokenizer.from_pretrained(path)
+    cached = os.path.join(cache_dir_for(path), "tokenizer")
+    if os.path.isfile(os.path.join(cached, "tokenizer.json")):
+        return AutoTokenizer.from_pretrained(cached)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    _save_atomically(tokenizer, cached)
+    return tokenizer
+
+
+def _save_atomically(tokenizer, target: str) -> None:
+    # Several processes may start at once: write to a private folder, then rename into place.
+    parent = os.path.dirname(target)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="tokenizer.", dir=parent)
+    try:
+        tokenizer.save_pretrained(tmp)
+        os.rename(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another process won the race; theirs is identical
