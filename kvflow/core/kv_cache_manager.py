@@ -65,8 +65,6 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        self.prefix_queries += req.num_tokens
-        self.prefix_hits += len(blocks) * self.block_size
         return blocks, len(blocks) * self.block_size
 
     def num_evictable(self, blocks: list[KVBlock]) -> int:

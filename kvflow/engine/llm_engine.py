@@ -21,9 +21,11 @@ class LLMEngine:
         return self.core.max_model_len
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, kind: OutputKind = OutputKind.FINAL) -> None:
+                    prompt: str | None = None, kind: OutputKind = OutputKind.FINAL,
+                    priority: int = 0, cache_salt: str | None = None) -> None:
         core_reqs = self.output_processor.add_request(
-            request_id, prompt, prompt_token_ids, params, kind, self.eos_token_id)
+            request_id, prompt, prompt_token_ids, params, kind, self.eos_token_id,
+            priority=priority, cache_salt=cache_salt)
         try:
             for r in core_reqs:
                 self.core.add_request(r)

@@ -45,6 +45,7 @@ class RequestState:
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -63,7 +64,7 @@ class OutputProcessor:
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, kind: OutputKind = OutputKind.FINAL,
                     eos_token_id: int | None = None, arrival_time: float | None = None,
-                    priority: int = 0) -> list[EngineCoreRequest]:
+                    priority: int = 0, cache_salt: str | None = None) -> list[EngineCoreRequest]:
         """Register a request; returns the core requests to send (one per sample)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -82,7 +83,7 @@ class OutputProcessor:
             state.samples.append(sample)
             self.core_to_sample[core_id] = (state, sample)
             core_reqs.append(EngineCoreRequest(core_id, list(prompt_token_ids), p, eos_token_id,
-                                               arrival, priority))
+                                               arrival, priority, cache_salt))
         self.requests[request_id] = state
         return core_reqs
 
@@ -111,6 +112,7 @@ class OutputProcessor:
             state, sample = entry
             if out.first_scheduled_time and state.first_scheduled_time is None:
                 state.first_scheduled_time = out.first_scheduled_time
+                state.num_cached_tokens = out.num_cached_tokens
             if out.new_token_ids and state.first_token_time is None:
                 state.first_token_time = now
             sample.token_ids.extend(out.new_token_ids)
@@ -171,4 +173,4 @@ class OutputProcessor:
                    "first_scheduled_time": state.first_scheduled_time,
                    "first_token_time": state.first_token_time}
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             finished, metrics=metrics)
+                             finished, num_cached_tokens=state.num_cached_tokens, metrics=metrics)

@@ -20,13 +20,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch compute threads (default 1, or KVFLOW_NUM_THREADS)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse cached KV blocks of shared prompt prefixes (default on)")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="cap on one request's prefill tokens per step (0: no cap)")
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, num_blocks=args.num_blocks,
-                kv_cache_memory=args.kv_cache_memory, seed=args.seed, num_threads=args.num_threads)
+                kv_cache_memory=args.kv_cache_memory, seed=args.seed, num_threads=args.num_threads,
+                enable_prefix_caching=args.enable_prefix_caching,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
+                scheduling_policy=args.scheduling_policy)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -83,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--trace", default=None, help="write the per-step trace (JSONL) here")
     g.set_defaults(func=cmd_generate)
 
-    from kvflow.entrypoints import bench_cli
+    from kvflow.entrypoints import bench_cli, serve_cli
+    serve_cli.register(sub, add_engine_args)
     bench_cli.register(sub, add_engine_args, engine_kwargs)
 
     args = parser.parse_args(argv)

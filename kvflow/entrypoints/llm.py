@@ -23,13 +23,18 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 128,
                  max_num_batched_tokens: int = 2048, block_size: int = 16,
                  num_blocks: int | None = None, kv_cache_memory: int | str = "4GiB",
-                 seed: int = 0, trace: str | None = None, num_threads: int | None = None) -> None:
+                 seed: int = 0, trace: str | None = None, num_threads: int | None = None,
+                 enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
+                 scheduling_policy: str = "fcfs") -> None:
         config = EngineConfig(
             model_config=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
             cache_config=CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                                     kv_cache_memory=kv_cache_memory),
+                                     kv_cache_memory=kv_cache_memory,
+                                     enable_prefix_caching=enable_prefix_caching),
             scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
-                                             max_num_seqs=max_num_seqs),
+                                             max_num_seqs=max_num_seqs,
+                                             long_prefill_token_threshold=long_prefill_token_threshold,
+                                             policy=scheduling_policy),
             num_threads=num_threads or default_num_threads(),
             trace=trace,
         )
@@ -39,8 +44,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs come back in input order."""
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 cache_salt: str | None = None) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs come back in input order.
+        `priority` (lower first) applies with scheduling_policy="priority"; requests with
+        different `cache_salt` never share prefix-cache blocks."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -51,14 +59,17 @@ class LLM:
                   else list(sampling_params))
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        priority = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
         encoded = [self._encode(p) for p in prompts]
-        for ids, p in zip(encoded, params):
+        for (_, ids), p in zip(encoded, params):
             self._check_fits(ids, p)
         order = {}
-        for (text, ids), p in zip(encoded, params):
+        for (text, ids), p, prio in zip(encoded, params, priority):
             rid = str(next(self._ids))
             order[rid] = len(order)
-            self.engine.add_request(rid, ids, p, prompt=text)
+            self.engine.add_request(rid, ids, p, prompt=text, priority=prio, cache_salt=cache_salt)
         return self._run(order, use_tqdm)
 
     def chat(self, messages: list[Message] | list[list[Message]],
@@ -76,8 +87,10 @@ class LLM:
             return prompt, ids
         return None, list(prompt)
 
-    def _check_fits(self, encoded: tuple[str | None, list[int]], params: SamplingParams) -> None:
-        ids = encoded[1]
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.core.reset_prefix_cache()
+
+    def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
         max_len = self.engine.max_model_len
         if not ids:
             raise ValueError("prompt must not be empty")

@@ -1,0 +1,29 @@
+"""Prefix caching on the real default model: reused blocks give the same tokens as recomputing."""
+from __future__ import annotations
+
+import json
+
+from kvflow import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+def test_shared_prefix_is_reused_and_output_is_unchanged(default_model_path, tmp_path):
+    prefix = [(i * 37) % 4000 + 100 for i in range(10 * 16)]  # 10 blocks of 16
+    a, b = prefix + [11, 12, 13], prefix + [21, 22, 23, 24, 25]
+    trace = tmp_path / "on.jsonl"
+    on = LLM(default_model_path, dtype="float32", max_model_len=512, num_blocks=64, trace=str(trace))
+    first = on.generate([a], GREEDY, use_tqdm=False)[0]
+    second = on.generate([b], GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 160
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    admitted = [r for s in steps for r in s["requests"] if r.get("cached_tokens")]
+    assert len(admitted) == 1 and admitted[0]["cached_tokens"] == 160
+    assert admitted[0]["num_computed_tokens"] == 160 and admitted[0]["tokens"] == 5
+
+    off = LLM(default_model_path, dtype="float32", max_model_len=512, num_blocks=64,
+              enable_prefix_caching=False)
+    reference = off.generate([b], GREEDY, use_tqdm=False)[0]
+    assert reference.num_cached_tokens == 0
+    assert second.outputs[0].token_ids == reference.outputs[0].token_ids
