@@ -1,7 +1,6 @@
 """EngineCore: owns the scheduler and the model runner; step() is schedule -> execute -> update."""
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import replace
 
@@ -12,12 +11,13 @@ from kvflow.core.scheduler import Scheduler
 from kvflow.engine.kv_sizing import max_concurrency, num_kv_blocks
 from kvflow.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kvflow.engine.step_trace import StepTrace
+from kvflow.logger import init_logger
 from kvflow.model.loader import load_model, resolve_dtype
 from kvflow.model.runner import ModelRunner
 from kvflow.model_path import resolve_model_path
 from kvflow.request import Request
 
-logger = logging.getLogger("kvflow")
+logger = init_logger("kvflow.engine")
 
 
 class EngineCore:

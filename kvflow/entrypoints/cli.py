@@ -38,9 +38,16 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.explain:
+        from kvflow.entrypoints.trace_cli import cmd_explain
+        return cmd_explain(args, engine_kwargs(args))
+    if args.prompt is None:
+        print("error: a prompt is required (or --explain)", file=sys.stderr)
+        return 2
     from kvflow.engine.output_processor import OutputKind
     from kvflow.entrypoints.llm import LLM
     from kvflow.sampling_params import SamplingParams
+    from kvflow.tokenizer import render_chat
 
     try:
         llm = LLM(trace=args.trace, **engine_kwargs(args))
@@ -51,9 +58,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.raw:
             ids = tok.encode(args.prompt)
         else:
-            ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}],
-                                          add_generation_prompt=True, tokenize=True)
-            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            _, ids = render_chat(tok, [{"role": "user", "content": args.prompt}])
         engine = llm.engine
         engine.add_request("cli", ids, params, kind=OutputKind.DELTA)
     except ValueError as e:
@@ -78,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt, streamed")
-    g.add_argument("prompt")
+    g.add_argument("prompt", nargs="?")
     add_engine_args(g)
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -91,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--trace", default=None, help="write the per-step trace (JSONL) here")
     g.set_defaults(func=cmd_generate)
 
-    from kvflow.entrypoints import bench_cli, serve_cli
+    from kvflow.entrypoints import bench_cli, serve_cli, trace_cli
+    trace_cli.add_explain_args(g)
+    trace_cli.register(sub)
     serve_cli.register(sub, add_engine_args)
     bench_cli.register(sub, add_engine_args, engine_kwargs)
 

@@ -10,6 +10,7 @@ from kvflow.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
+from kvflow.tokenizer import render_chat
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -45,7 +46,8 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None,
-                 cache_salt: str | None = None) -> list[RequestOutput]:
+                 cache_salt: str | None = None,
+                 prompt_texts: Sequence[str] | None = None) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids); outputs come back in input order.
         `priority` (lower first) applies with scheduling_policy="priority"; requests with
         different `cache_salt` never share prefix-cache blocks."""
@@ -63,6 +65,8 @@ class LLM:
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
         encoded = [self._encode(p) for p in prompts]
+        if prompt_texts is not None:
+            encoded = [(text, ids) for text, (_, ids) in zip(prompt_texts, encoded)]
         for (_, ids), p in zip(encoded, params):
             self._check_fits(ids, p)
         order = {}
@@ -77,9 +81,9 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Chat through the model's chat template; one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        rendered = [render_chat(self.tokenizer, c, add_generation_prompt) for c in conversations]
+        return self.generate([ids for _, ids in rendered], sampling_params, use_tqdm,
+                             prompt_texts=[text for text, _ in rendered])
 
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
