@@ -27,3 +27,18 @@ def test_shared_prefix_is_reused_and_output_is_unchanged(default_model_path, tmp
     reference = off.generate([b], GREEDY, use_tqdm=False)[0]
     assert reference.num_cached_tokens == 0
     assert second.outputs[0].token_ids == reference.outputs[0].token_ids
+
+
+def test_parallel_samples_share_their_prompt_blocks(default_model_path, tmp_path):
+    trace = tmp_path / "n.jsonl"
+    llm = LLM(default_model_path, dtype="float32", max_model_len=512, num_blocks=64, trace=str(trace))
+    prompt = [(i * 53) % 4000 + 100 for i in range(4 * 16 + 3)]
+    out = llm.generate([prompt], SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=7),
+                       use_tqdm=False)[0]
+    assert len(out.outputs) == 3
+    first_step = json.loads(trace.read_text().splitlines()[0])
+    held = [set(r["blocks"]) for r in first_step["requests"]]
+    assert len(held) == 3
+    shared = held[0] & held[1] & held[2]
+    assert len(shared) == 4  # the four full prompt blocks, computed once
+    assert [r.get("cached_tokens", 0) for r in first_step["requests"]] == [0, 64, 64]
