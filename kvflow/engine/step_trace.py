@@ -12,6 +12,7 @@ class StepTrace:
     def __init__(self, path: str, budget: int, block_size: int, num_blocks: int) -> None:
         self._file: IO[str] = open(path, "w", encoding="utf-8")
         self._header = {"budget": budget, "block_size": block_size, "num_blocks": num_blocks}
+        self._finished_last_step: set[str] = set()
 
     def record(self, out: SchedulerOutput, num_tokens_before: dict[str, int],
                num_prompt_tokens: dict[str, int], updates: list[RequestUpdate],
@@ -19,8 +20,11 @@ class StepTrace:
                num_cached_tokens: dict[str, int] | None = None,
                num_cached_free_blocks: int = 0) -> None:
         sampled = {u.request.request_id: u.new_token_ids[0] for u in updates if u.new_token_ids}
-        finished = sorted(out.finished_req_ids)  # aborted before this step
-        finished += [u.request.request_id for u in updates if u.finish_reason is not None]
+        # finished_req_ids also repeats last step's finishes; only aborts since then are new here
+        finished = sorted(out.finished_req_ids - self._finished_last_step)
+        ended = [u.request.request_id for u in updates if u.finish_reason is not None]
+        self._finished_last_step = set(ended)
+        finished += ended
         reqs = []
         for rid, n in out.num_scheduled_tokens.items():
             computed = out.num_computed_tokens[rid]
