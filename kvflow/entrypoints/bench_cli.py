@@ -5,5 +5,6 @@ from __future__ import annotations
 def register(sub, add_engine_args, engine_kwargs) -> None:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from kvflow.entrypoints import bench_throughput
+    from kvflow.entrypoints import bench_serve, bench_throughput
     bench_throughput.register(bench_sub, add_engine_args, engine_kwargs)
+    bench_serve.register(bench_sub)

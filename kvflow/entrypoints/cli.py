@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvflow.entrypoints import bench_cli, serve_cli, trace_cli
     trace_cli.add_explain_args(g)
     trace_cli.register(sub)
-    serve_cli.register(sub, add_engine_args)
+    serve_cli.register(sub, add_engine_args, engine_kwargs)
     bench_cli.register(sub, add_engine_args, engine_kwargs)
 
     args = parser.parse_args(argv)

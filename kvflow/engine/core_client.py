@@ -1,0 +1,124 @@
+"""EngineCoreClient: the frontend's handle on the engine-core process (spawn, ZeroMQ, death)."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import tempfile
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvflow.config import EngineConfig
+from kvflow.engine.core_proc import SHUTDOWN, CoreMessage, EngineCoreReady, run_engine_core
+from kvflow.engine.protocol import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
+
+# How often the output reader checks that the core process still lives while no message comes.
+DEATH_POLL_S = 0.25
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone; no request can complete."""
+
+
+class EngineStartupError(RuntimeError):
+    """The engine-core process could not load the model."""
+
+
+class EngineCoreClient:
+    """Starts the core process and talks to it. Sends are synchronous (a PUSH socket with no
+    high-water mark never blocks), so aborting works from any `finally` block."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._dir = tempfile.mkdtemp(prefix="kvflow-")
+        self.input_addr = f"ipc://{os.path.join(self._dir, 'input')}"
+        self.output_addr = f"ipc://{os.path.join(self._dir, 'output')}"
+        self.ctx = zmq.asyncio.Context()
+        self.input_sock = zmq.Context.instance().socket(zmq.PUSH)
+        self.input_sock.setsockopt(zmq.SNDHWM, 0)
+        self.input_sock.setsockopt(zmq.LINGER, 0)
+        self.input_sock.bind(self.input_addr)
+        self.output_sock = self.ctx.socket(zmq.PULL)
+        self.output_sock.setsockopt(zmq.RCVHWM, 0)
+        self.output_sock.setsockopt(zmq.LINGER, 0)
+        self.output_sock.bind(self.output_addr)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self.proc: multiprocessing.process.BaseProcess | None = None
+        self.info: EngineCoreReady | None = None
+        self.closed = False
+
+    # -- lifecycle -------------------------------------------------------------------
+    async def start(self) -> EngineCoreReady:
+        """Spawn the core and wait until it has loaded the model (or say why it could not)."""
+        mp = multiprocessing.get_context("spawn")
+        self.proc = mp.Process(target=run_engine_core, name="kvflow-engine-core", daemon=True,
+                               args=(self.config, self.input_addr, self.output_addr, os.getpid()))
+        self.proc.start()
+        while True:
+            if await self.output_sock.poll(int(DEATH_POLL_S * 1000)):
+                kind, payload = await self.output_sock.recv_multipart()
+                if kind == CoreMessage.READY:
+                    self.info = msgspec.msgpack.decode(payload, type=EngineCoreReady)
+                    return self.info
+                if kind == CoreMessage.FAILED:
+                    self.proc.join(5)
+                    raise EngineStartupError(msgspec.msgpack.decode(payload, type=str))
+            elif not self.proc.is_alive():
+                raise EngineStartupError(
+                    f"engine core process exited with code {self.proc.exitcode} while loading the model")
+
+    def is_alive(self) -> bool:
+        return self.proc is not None and self.proc.is_alive()
+
+    def shutdown(self, timeout: float = 3.0) -> None:
+        """Stop the core process (politely, then by force) and remove the sockets."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.proc is not None and self.proc.is_alive():
+            try:
+                self._send(EngineCoreRequestType.UTILITY, [SHUTDOWN])
+            except zmq.ZMQError:
+                pass
+            self.proc.join(timeout)
+            if self.proc.is_alive():
+                self.proc.terminate()
+                self.proc.join(timeout)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(timeout)
+        self.input_sock.close(0)
+        self.output_sock.close(0)
+        self.ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # -- messages --------------------------------------------------------------------
+    def _send(self, kind: EngineCoreRequestType, obj) -> None:
+        self.input_sock.send_multipart([kind.value, self.encoder.encode(obj)], copy=False)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(EngineCoreRequestType.ADD, request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and not self.closed:
+            self._send(EngineCoreRequestType.ABORT, list(request_ids))
+
+    async def get_message(self) -> tuple[bytes, object]:
+        """The next message from the core, decoded. Raises EngineDeadError once the process
+        has died (noticed within DEATH_POLL_S while the core is silent)."""
+        while True:
+            if await self.output_sock.poll(int(DEATH_POLL_S * 1000)):
+                kind, payload = await self.output_sock.recv_multipart()
+                if kind == CoreMessage.OUTPUTS:
+                    return kind, self.outputs_decoder.decode(payload)
+                if kind == CoreMessage.REQ_ERROR:
+                    return kind, msgspec.msgpack.decode(payload, type=tuple[str, str])
+                if kind == CoreMessage.FAILED:
+                    raise EngineDeadError("engine core failed: "
+                                          + msgspec.msgpack.decode(payload, type=str).strip())
+            if not self.is_alive():
+                code = self.proc.exitcode if self.proc is not None else None
+                raise EngineDeadError(f"engine core process died (exit code {code})")

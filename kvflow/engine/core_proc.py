@@ -1,0 +1,159 @@
+"""The EngineCore busy loop in its own process, for `kvflow serve`.
+
+The frontend binds two ZeroMQ sockets and spawns this process, which connects to both:
+
+    frontend --PUSH--> [type, msgpack]  --PULL--> core     (add / abort / utility)
+    frontend <--PULL-- [kind, msgpack]  <--PUSH-- core     (ready / outputs / errors)
+
+When no request is unfinished the loop blocks on its input socket (never spins); otherwise it
+drains whatever arrived and runs one step. The child dies with its parent: PR_SET_PDEATHSIG
+where Linux offers it, and a parent-pid check every loop as the fallback.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import traceback
+
+import msgspec
+import zmq
+
+from kvflow.config import EngineConfig
+from kvflow.engine.protocol import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
+
+
+class EngineCoreReady(msgspec.Struct, array_like=True):
+    """What the frontend needs to know once the model is loaded."""
+
+    pid: int
+    model_path: str
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    vocab_size: int
+    startup_report: str
+
+
+class CoreMessage:
+    """First frame of a core -> frontend message."""
+
+    READY = b"R"      # EngineCoreReady
+    OUTPUTS = b"O"    # EngineCoreOutputs
+    REQ_ERROR = b"E"  # [core request id, message]: add_request refused it
+    FAILED = b"F"     # str: startup failed or the loop crashed; the process then exits
+
+
+SHUTDOWN = "shutdown"  # the utility call that stops the loop
+_IDLE_POLL_MS = 1000   # how often an idle core checks that its parent still lives
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the parent-pid check in the loop still applies
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int) -> None:
+    """Process entry point: load the model, report ready (or why not), then serve steps."""
+    # Ctrl+C reaches the whole process group; the frontend decides when the core stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    ctx = zmq.Context(1)
+    out_sock = ctx.socket(zmq.PUSH)
+    out_sock.setsockopt(zmq.LINGER, 2000)
+    out_sock.connect(output_addr)
+    in_sock = ctx.socket(zmq.PULL)
+    in_sock.setsockopt(zmq.LINGER, 0)
+    in_sock.connect(input_addr)
+    encoder = msgspec.msgpack.Encoder()
+    if os.getppid() != parent_pid:
+        return
+    try:
+        from kvflow.engine.core import EngineCore
+        core = EngineCore(config)
+    except Exception as e:  # noqa: BLE001 - any load failure is reported, not raised
+        msg = str(e) if isinstance(e, (ValueError, RuntimeError, OSError)) else traceback.format_exc()
+        out_sock.send_multipart([CoreMessage.FAILED, encoder.encode(f"{type(e).__name__}: {msg}")])
+        out_sock.close()
+        ctx.term()
+        sys.exit(1)
+    ready = EngineCoreReady(
+        os.getpid(), core.model_path, core.max_model_len, core.cache_config.num_blocks,
+        core.cache_config.block_size, core.scheduler_config.max_num_seqs, core.arch.vocab_size,
+        core.startup_report())
+    out_sock.send_multipart([CoreMessage.READY, encoder.encode(ready)])
+    try:
+        EngineCoreLoop(core, in_sock, out_sock, parent_pid).run()
+    except Exception:  # noqa: BLE001
+        out_sock.send_multipart([CoreMessage.FAILED, encoder.encode(traceback.format_exc())])
+        sys.exit(1)
+    finally:
+        core.shutdown()
+        in_sock.close()
+        out_sock.close()
+        ctx.term()
+
+
+class EngineCoreLoop:
+    """Drain input, step, send outputs; block while idle."""
+
+    def __init__(self, core, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid: int) -> None:
+        self.core = core
+        self.in_sock, self.out_sock = in_sock, out_sock
+        self.parent_pid = parent_pid
+        self.poller = zmq.Poller()
+        self.poller.register(in_sock, zmq.POLLIN)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.add_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+        self.ids_decoder = msgspec.msgpack.Decoder(list[str])
+        self.running = True
+
+    def run(self) -> None:
+        while self.running:
+            if os.getppid() != self.parent_pid:
+                return  # orphaned: the frontend is gone
+            busy = self.core.has_unfinished_requests()
+            if not busy and not self.poller.poll(_IDLE_POLL_MS):
+                continue
+            handled = self.drain_input()
+            if not self.running:
+                return
+            if busy or handled:
+                # Also after input alone (e.g. an abort): the step's stats tell the frontend
+                # that blocks came back.
+                out = self.core.step()
+                self.send_outputs(out)
+
+    def drain_input(self) -> int:
+        n = 0
+        while True:
+            try:
+                kind, payload = self.in_sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return n
+            n += 1
+            self.handle(kind.bytes, payload.buffer)
+            if not self.running:
+                return n
+
+    def handle(self, kind: bytes, payload) -> None:
+        if kind == EngineCoreRequestType.ADD.value:
+            req = self.add_decoder.decode(payload)
+            try:
+                self.core.add_request(req)
+            except ValueError as e:
+                self.out_sock.send_multipart(
+                    [CoreMessage.REQ_ERROR, self.encoder.encode([req.request_id, str(e)])])
+        elif kind == EngineCoreRequestType.ABORT.value:
+            self.core.abort_requests(self.ids_decoder.decode(payload))
+        elif kind == EngineCoreRequestType.UTILITY.value:
+            if self.ids_decoder.decode(payload)[:1] == [SHUTDOWN]:
+                self.running = False
+
+    def send_outputs(self, out: EngineCoreOutputs) -> None:
+        self.out_sock.send_multipart([CoreMessage.OUTPUTS, self.encoder.encode(out)], copy=False)

@@ -1,0 +1,264 @@
+"""The OpenAI-compatible HTTP + WebSocket server: FastAPI app, gatekeeping, uvicorn runner."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import signal
+import socket
+import time
+
+import uvicorn
+from fastapi import FastAPI, Request, WebSocket
+from fastapi.responses import Response
+
+import kvflow
+from kvflow.config import EngineConfig
+from kvflow.engine.async_engine import AsyncLLM
+from kvflow.engine.core_client import EngineDeadError, EngineStartupError
+from kvflow.engine.kv_sizing import max_concurrency
+from kvflow.entrypoints.openai.errors import error_response, install_error_handlers
+from kvflow.entrypoints.openai.metrics import ServerMetrics
+from kvflow.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                DetokenizeRequest, TokenizeRequest)
+from kvflow.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
+from kvflow.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from kvflow.entrypoints.openai.serving_engine import ServerSettings, ShuttingDownError
+from kvflow.entrypoints.openai.serving_ws import WebSocketSession
+
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})  # no API key needed
+ENGINE_DEATH_GRACE_S = 3.0  # time for in-flight clients to read their error before exit
+
+
+class Gate:
+    """ASGI middleware in front of every route: 503 while shutting down, the bearer key,
+    and the request body size limit (413)."""
+
+    def __init__(self, app, settings: ServerSettings) -> None:
+        self.app, self.settings = app, settings
+
+    async def __call__(self, scope, receive, send) -> None:
+        kind = scope["type"]
+        if kind not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        if path not in OPEN_PATHS:
+            if kind == "http" and self.settings.shutting_down:
+                return await error_response(503, "the server is shutting down",
+                                            code="shutting_down")(scope, receive, send)
+            if self.settings.api_key and not self._authorized(scope):
+                if kind == "websocket":
+                    await receive()  # websocket.connect
+                    return await send({"type": "websocket.close", "code": 1008})
+                return await error_response(401, "invalid or missing API key (expected "
+                                                  "'Authorization: Bearer KEY')",
+                                            code="invalid_api_key")(scope, receive, send)
+        if kind == "http":
+            length = dict(scope["headers"]).get(b"content-length")
+            limit = self.settings.max_body_bytes
+            if length is not None and length.isdigit() and int(length) > limit:
+                return await error_response(413, f"request body of {int(length)} bytes is over the "
+                                                 f"limit of {limit} bytes",
+                                            code="request_too_large")(scope, receive, send)
+            if length is None and scope["method"] in ("POST", "PUT", "PATCH"):
+                receive = await self._buffered(receive, limit, scope, send)
+                if receive is None:
+                    return
+        return await self.app(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"").decode("latin-1")
+        token = given[7:] if given[:7].lower() == "bearer " else None
+        if token is None and scope["type"] == "websocket":
+            # Browsers cannot set headers on a WebSocket: accept ?api_key=KEY as well.
+            from urllib.parse import parse_qs
+            token = (parse_qs(scope.get("query_string", b"").decode()).get("api_key") or [None])[0]
+        return token is not None and hmac.compare_digest(token.encode(), self.settings.api_key.encode())
+
+    @staticmethod
+    async def _buffered(receive, limit: int, scope, send):
+        """Read a body of unknown length (chunked) up to the limit, then replay it."""
+        body, more = [], True
+        size = 0
+        while more:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return receive
+            body.append(msg.get("body", b""))
+            size += len(body[-1])
+            more = msg.get("more_body", False)
+            if size > limit:
+                await error_response(413, f"request body is over the limit of {limit} bytes",
+                                     code="request_too_large")(scope, receive, send)
+                return None
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(body), "more_body": False}
+            return await receive()
+        return replay
+
+
+def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics) -> FastAPI:
+    app = FastAPI(title="kvflow", version=kvflow.__version__)
+    install_error_handlers(app)
+    completions = OpenAIServingCompletion(engine, settings)
+    chat = OpenAIServingChat(engine, settings)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, exc: EngineDeadError):
+        return error_response(503, f"the engine is not running: {exc}", code="engine_dead")
+
+    @app.exception_handler(ShuttingDownError)
+    async def _stopping(request: Request, exc: ShuttingDownError):
+        return error_response(503, str(exc), code="shutting_down")
+
+    @app.get("/health")
+    async def health():
+        if engine.is_dead:
+            return error_response(503, f"the engine is not running: {engine.dead_error}",
+                                  code="engine_dead")
+        if settings.shutting_down:
+            return error_response(503, "the server is shutting down", code="shutting_down")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": kvflow.__version__}
+
+    @app.get("/metrics")
+    async def get_metrics():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    started = int(time.time())
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": started, "owned_by": "kvflow",
+             "root": engine.model_path, "max_model_len": engine.max_model_len}
+            for name in settings.served_model_names]}
+
+    @app.post("/v1/completions")
+    async def create_completion(req: CompletionRequest, raw: Request):
+        return await completions.create(req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(req: ChatCompletionRequest, raw: Request):
+        return await chat.create(req, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        completions.check_model(req.model)
+        tok = engine.tokenizer
+        if req.messages is not None:
+            text = render_chat(tok, req.messages, req.add_generation_prompt)
+            ids = tok.encode(text, add_special_tokens=False)
+        elif req.prompt is not None:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            return error_response(400, "give either prompt or messages", "prompt", "invalid_value")
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        completions.check_model(req.model)
+        vocab = engine.info.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            return error_response(400, f"tokens: token id {bad} is outside the vocabulary [0, {vocab})",
+                                  "tokens", "invalid_value")
+        return {"prompt": engine.tokenizer.decode(req.tokens)}
+
+    @app.websocket("/v1/ws")
+    async def websocket(ws: WebSocket):
+        if settings.shutting_down or engine.is_dead:
+            await ws.close(code=1013)  # try again later
+            return
+        await WebSocketSession(ws, completions, chat).run()
+
+    app.add_middleware(Gate, settings=settings)
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, but a signal also ends in-flight streams at once (instead of waiting for them)
+    and the process exits normally afterwards, so that the engine process is stopped too."""
+
+    def __init__(self, config: uvicorn.Config, on_exit) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True
+        self._on_exit()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind before loading the model: a busy port fails in a second, not after the load."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
+
+
+async def run_server(config: EngineConfig, settings: ServerSettings, host: str, port: int,
+                     access_log: bool = False) -> int:
+    """Start the engine process, serve until a signal (or the engine dies), stop both."""
+    sock = bind_socket(host, port)
+    metrics = ServerMetrics(settings.model_name)
+    try:
+        engine = AsyncLLM(config, metrics)
+        info = await engine.start()
+    except (EngineStartupError, ValueError, RuntimeError) as e:
+        sock.close()
+        print(f"kvflow serve: could not start the engine: {e}", flush=True)
+        return 1
+    metrics.set_total_blocks(info.num_blocks)
+    loop = asyncio.get_running_loop()
+    app = build_app(engine, settings, metrics)
+    uv_config = uvicorn.Config(app, lifespan="off", access_log=access_log, log_level="info",
+                               timeout_graceful_shutdown=5)
+    stopping = False
+
+    def begin_shutdown() -> None:
+        nonlocal stopping
+        settings.shutting_down = True
+        if not stopping:
+            stopping = True
+            engine.abort_all(ShuttingDownError("the server is shutting down"))
+
+    server = _Server(uv_config, lambda: loop.call_soon_threadsafe(begin_shutdown))
+
+    def on_engine_dead(error: EngineDeadError) -> None:
+        print(f"kvflow serve: {error}; shutting down in {ENGINE_DEATH_GRACE_S:.0f}s", flush=True)
+        loop.call_later(ENGINE_DEATH_GRACE_S, lambda: setattr(server, "should_exit", True))
+
+    engine.on_dead = on_engine_dead
+    tokens = info.num_blocks * info.block_size
+    shown_host = f"[{host}]" if ":" in host else host
+    print(f"kvflow serve: http://{shown_host}:{port}/v1  model {settings.model_name!r} "
+          f"({engine.model_path})\n"
+          f"  KV cache: {info.num_blocks} blocks x {info.block_size} = {tokens} tokens; "
+          f"max_model_len {info.max_model_len}; max concurrency at max_model_len "
+          f"{max_concurrency(info.num_blocks, info.block_size, info.max_model_len):.2f}; "
+          f"max_num_seqs {info.max_num_seqs}\n"
+          f"  engine core pid {info.pid}", flush=True)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        settings.shutting_down = True
+        await engine.shutdown()
+        sock.close()
+    return 1 if engine.is_dead else 0

@@ -1,0 +1,96 @@
+"""Prometheus metrics for `GET /metrics` (names follow vLLM's, with a `kvflow:` prefix)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvflow.engine.async_engine import StatLogger
+from kvflow.engine.protocol import SchedulerStats
+from kvflow.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0, 240.0, 480.0, 960.0)
+
+
+class ServerMetrics(StatLogger):
+    """Engine gauges from the core's SchedulerStats; request latencies measured here, in the
+    frontend, from what the client actually sees."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry()
+        label = ["model_name"]
+
+        def hist(name, doc, buckets):
+            return Histogram(name, doc, label, registry=r, buckets=buckets).labels(model_name)
+
+        def gauge(name, doc):
+            return Gauge(name, doc, label, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(name, doc, label, registry=r).labels(model_name)
+
+        self.ttft = hist("kvflow:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.itl = hist("kvflow:inter_token_latency_seconds", "Time between output deltas.",
+                        _LATENCY_BUCKETS)
+        self.e2e = hist("kvflow:e2e_request_latency_seconds", "Arrival to last token.", _E2E_BUCKETS)
+        self.queue_time = hist("kvflow:request_queue_time_seconds",
+                               "Arrival to first scheduled.", _E2E_BUCKETS)
+        self.running = gauge("kvflow:num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("kvflow:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kvflow:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).")
+        self.free_blocks = gauge("kvflow:num_free_blocks", "Free KV cache blocks.")
+        self.total_blocks = gauge("kvflow:num_total_blocks", "KV cache blocks in the pool.")
+        self.prompt_tokens = counter("kvflow:prompt_tokens", "Prompt tokens of started requests.")
+        self.generation_tokens = counter("kvflow:generation_tokens", "Generated tokens.")
+        self.preemptions = counter("kvflow:num_preemptions", "Preemptions.")
+        self._finished = Counter("kvflow:request_success", "Finished requests by finish reason.",
+                                 ["model_name", "finished_reason"], registry=r)
+        self._model_name = model_name
+        self._last_token_time: dict[str, float] = {}
+
+    def set_total_blocks(self, num_blocks: int) -> None:
+        self.total_blocks.set(num_blocks)
+        self.free_blocks.set(num_blocks)
+
+    def record_stats(self, stats: SchedulerStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.free_blocks.set(stats.num_free_blocks)
+        if stats.num_total_blocks:
+            self.total_blocks.set(stats.num_total_blocks)
+        if stats.num_preemptions:
+            self.preemptions.inc(stats.num_preemptions)
+
+    def record_outputs(self, outputs: list[RequestOutput], now: float) -> None:
+        for out in outputs:
+            rid = out.request_id
+            n_new = sum(len(c.token_ids) for c in out.outputs)
+            if n_new:
+                self.generation_tokens.inc(n_new)
+                last = self._last_token_time.get(rid)
+                if last is None:
+                    arrival = out.metrics.get("arrival_time") or now
+                    self.ttft.observe(max(0.0, now - arrival))
+                    self.prompt_tokens.inc(len(out.prompt_token_ids))
+                    scheduled = out.metrics.get("first_scheduled_time")
+                    if scheduled:
+                        self.queue_time.observe(max(0.0, scheduled - arrival))
+                else:
+                    self.itl.observe(now - last)
+                self._last_token_time[rid] = now
+            for c in out.outputs:
+                if c.finish_reason is not None:
+                    self._finished.labels(self._model_name, c.finish_reason).inc()
+            if out.finished:
+                self._last_token_time.pop(rid, None)
+                arrival = out.metrics.get("arrival_time")
+                if arrival:
+                    self.e2e.observe(max(0.0, now - arrival))
+
+    def forget(self, request_id: str) -> None:
+        self._last_token_time.pop(request_id, None)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

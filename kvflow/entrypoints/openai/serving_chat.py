@@ -1,0 +1,135 @@
+"""POST /v1/chat/completions: messages through the model's chat template, deltas out."""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvflow.entrypoints.openai.errors import APIError, bad_request
+from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from kvflow.entrypoints.openai.serving_engine import OpenAIServing, sse, until_disconnected
+from kvflow.outputs import Logprob
+from kvflow.sampling_params import SamplingParams
+
+
+@dataclass
+class ChatJob:
+    request_id: str
+    created: int
+    model: str
+    prompt: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    top_logprobs: int
+    include_usage: bool
+
+
+def _entry(lp: Logprob) -> dict:
+    token = lp.decoded_token or ""
+    return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int) -> dict:
+    """`choices[].logprobs` of the chat API: one entry per token with its top-N alternatives."""
+    content = []
+    for tok, d in zip(token_ids, logprobs):
+        top = sorted(d.values(), key=lambda lp: lp.rank or 0)[:top_n]
+        content.append({**_entry(d[tok]), "top_logprobs": [_entry(lp) for lp in top]})
+    return {"content": content}
+
+
+def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+    """The prompt text of a conversation; template errors become a 400."""
+    try:
+        convo = [{"role": m.role, "content": m.text()} for m in messages]
+        return tokenizer.apply_chat_template(convo, add_generation_prompt=add_generation_prompt,
+                                             tokenize=False)
+    except ValueError as e:
+        raise bad_request(e) from None
+    except Exception as e:  # noqa: BLE001 - jinja raises its own errors for bad conversations
+        raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages",
+                       code="invalid_value") from None
+
+
+class OpenAIServingChat(OpenAIServing):
+    def prepare(self, req: ChatCompletionRequest) -> ChatJob:
+        self.check_model(req.model)
+        self.check_n(req.n)
+        if not req.messages:
+            raise bad_request("messages must not be empty")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs",
+                           code="invalid_value")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        try:
+            params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        except ValueError as e:
+            raise bad_request(e) from None
+        prompt = render_chat(self.tokenizer, req.messages, req.add_generation_prompt)
+        # The template already holds the special tokens it wants.
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        self.check_prompt(ids, params.max_tokens)
+        self.check_available(params.n)
+        return ChatJob(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.settings.model_name,
+                       prompt, ids, params, req.top_logprobs or 0, req.include_usage)
+
+    async def chunks(self, job: ChatJob) -> AsyncIterator[dict]:
+        head = {"id": job.request_id, "object": "chat.completion.chunk", "created": job.created,
+                "model": job.model}
+        extra = {"usage": None} if job.include_usage else {}
+        gen = self.engine.generate(job.prompt_ids, job.params, job.request_id, prompt=job.prompt)
+        for i in range(job.params.n):
+            yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}], **extra}
+        completion_tokens = 0
+        async for out in gen:
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                delta = {"content": c.text} if c.text or c.finish_reason is None else {}
+                logprobs = None
+                if job.params.logprobs is not None and c.logprobs is not None:
+                    logprobs = chat_logprobs(c.token_ids, c.logprobs, job.top_logprobs)
+                if not c.text and c.finish_reason is None and logprobs is None:
+                    continue  # e.g. a skipped special token or a held-back partial character
+                choice = {"index": c.index, "delta": delta, "logprobs": logprobs,
+                          "finish_reason": c.finish_reason}
+                if c.finish_reason is not None:
+                    choice["stop_reason"] = c.stop_reason
+                yield {**head, "choices": [choice], **extra}
+        if job.include_usage:
+            n_prompt = len(job.prompt_ids)
+            yield {**head, "choices": [], "usage": {
+                "prompt_tokens": n_prompt, "completion_tokens": completion_tokens,
+                "total_tokens": n_prompt + completion_tokens}}
+
+    async def collect(self, job: ChatJob) -> dict:
+        job.include_usage = True
+        choices: dict[int, dict] = {}
+        usage = None
+        async for chunk in self.chunks(job):
+            if not chunk["choices"]:
+                usage = chunk["usage"]
+            for c in chunk["choices"]:
+                choice = choices.setdefault(c["index"], {
+                    "index": c["index"], "message": {"role": "assistant", "content": ""},
+                    "logprobs": None, "finish_reason": None, "stop_reason": None})
+                choice["message"]["content"] += c["delta"].get("content") or ""
+                if c["logprobs"] is not None:
+                    if choice["logprobs"] is None:
+                        choice["logprobs"] = {"content": []}
+                    choice["logprobs"]["content"].extend(c["logprobs"]["content"])
+                if c["finish_reason"] is not None:
+                    choice["finish_reason"], choice["stop_reason"] = c["finish_reason"], c.get("stop_reason")
+        return {"id": job.request_id, "object": "chat.completion", "created": job.created,
+                "model": job.model, "choices": [choices[i] for i in sorted(choices)], "usage": usage}
+
+    async def create(self, req: ChatCompletionRequest, raw: Request):
+        job = self.prepare(req)
+        if req.stream:
+            return StreamingResponse(sse(self.chunks(job)), media_type="text/event-stream")
+        result = await until_disconnected(raw, self.collect(job))
+        return result if not isinstance(result, dict) else JSONResponse(result)

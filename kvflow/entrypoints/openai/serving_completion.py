@@ -1,0 +1,142 @@
+"""POST /v1/completions: prompts (text or token ids) in, text out, streamed or whole.
+
+The stream of chunks is the one source of truth: SSE sends it, the WebSocket sends it, and a
+non-streamed response is the same chunks joined."""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvflow.entrypoints.openai.errors import bad_request
+from kvflow.entrypoints.openai.protocol import CompletionRequest
+from kvflow.entrypoints.openai.serving_engine import (OpenAIServing, merge_streams, sse,
+                                                      until_disconnected)
+from kvflow.outputs import Logprob
+from kvflow.sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionJob:
+    request_id: str
+    created: int
+    model: str
+    prompts: list[tuple[str | None, list[int]]]
+    params: SamplingParams
+    echo: bool
+    include_usage: bool
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],
+                        offset: int) -> tuple[dict, int]:
+    """OpenAI's legacy shape for the given tokens; returns it and the text offset after them."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for tok, d in zip(token_ids, logprobs):
+        sampled = d[tok]
+        text = sampled.decoded_token or ""
+        tokens.append(text)
+        token_logprobs.append(sampled.logprob)
+        top.append({(lp.decoded_token or ""): lp.logprob
+                    for lp in sorted(d.values(), key=lambda lp: lp.rank or 0)})
+        offsets.append(offset)
+        offset += len(text)
+    return ({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+             "text_offset": offsets}, offset)
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    def prepare(self, req: CompletionRequest) -> CompletionJob:
+        """Check and tokenize; raises APIError (400/404/503) before anything is streamed."""
+        self.check_model(req.model)
+        self.check_n(req.n)
+        try:
+            params = req.sampling_params(req.max_tokens, req.logprobs)
+        except ValueError as e:
+            raise bad_request(e) from None
+        prompts = self._prompts(req.prompt)
+        for _, ids in prompts:
+            self.check_prompt(ids, params.max_tokens)
+        self.check_available(len(prompts) * params.n)
+        return CompletionJob(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.settings.model_name,
+                             prompts, params, req.echo, req.include_usage)
+
+    def _prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompt = [prompt]
+        if not prompt:
+            raise bad_request("prompt must not be empty")
+        return [(p, self.tokenizer.encode(p, add_special_tokens=True)) if isinstance(p, str)
+                else (None, list(p)) for p in prompt]
+
+    async def chunks(self, job: CompletionJob) -> AsyncIterator[dict]:
+        n = job.params.n
+        gens = [self.engine.generate(ids, job.params, f"{job.request_id}-{i}", prompt=text)
+                for i, (text, ids) in enumerate(job.prompts)]
+        echo = [(text if text is not None else self.tokenizer.decode(ids)) if job.echo else ""
+                for text, ids in job.prompts]
+        started: set[int] = set()
+        offsets: dict[int, int] = {}
+        completion_tokens = 0
+        head = {"id": job.request_id, "object": "text_completion", "created": job.created,
+                "model": job.model}
+        async for i, out in merge_streams(gens):
+            for c in out.outputs:
+                index = i * n + c.index
+                text = c.text
+                if index not in started:
+                    started.add(index)
+                    text = echo[i] + text
+                    offsets[index] = len(echo[i])
+                logprobs = None
+                if job.params.logprobs is not None and c.logprobs is not None:
+                    logprobs, offsets[index] = completion_logprobs(c.token_ids, c.logprobs, offsets[index])
+                completion_tokens += len(c.token_ids)
+                if not text and c.finish_reason is None and logprobs is None:
+                    continue  # e.g. a skipped special token or a held-back partial character
+                chunk = {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                              "finish_reason": c.finish_reason,
+                                              "stop_reason": c.stop_reason}]}
+                if job.include_usage:
+                    chunk["usage"] = None
+                yield chunk
+        if job.include_usage:
+            prompt_tokens = sum(len(ids) for _, ids in job.prompts)
+            yield {**head, "choices": [], "usage": {
+                "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}}
+
+    async def collect(self, job: CompletionJob) -> dict:
+        """The whole response: the stream's chunks joined per choice."""
+        job.include_usage = True
+        choices: dict[int, dict] = {}
+        usage = None
+        async for chunk in self.chunks(job):
+            if not chunk["choices"]:
+                usage = chunk["usage"]
+            for c in chunk["choices"]:
+                choice = choices.setdefault(c["index"], {"index": c["index"], "text": "",
+                                                         "logprobs": None, "finish_reason": None,
+                                                         "stop_reason": None})
+                choice["text"] += c["text"]
+                if c["logprobs"] is not None:
+                    if choice["logprobs"] is None:
+                        choice["logprobs"] = {k: [] for k in c["logprobs"]}
+                    for k, v in c["logprobs"].items():
+                        choice["logprobs"][k].extend(v)
+                if c["finish_reason"] is not None:
+                    choice["finish_reason"], choice["stop_reason"] = c["finish_reason"], c["stop_reason"]
+        return {"id": job.request_id, "object": "text_completion", "created": job.created,
+                "model": job.model, "choices": [choices[i] for i in sorted(choices)], "usage": usage}
+
+    async def create(self, req: CompletionRequest, raw: Request):
+        job = self.prepare(req)
+        if req.stream:
+            return StreamingResponse(sse(self.chunks(job)), media_type="text/event-stream")
+        result = await until_disconnected(raw, self.collect(job))
+        return result if not isinstance(result, dict) else JSONResponse(result)

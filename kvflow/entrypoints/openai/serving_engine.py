@@ -1,0 +1,179 @@
+"""What completions and chat share: settings, request checks, stream plumbing."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import Response
+
+from kvflow.engine.async_engine import AsyncLLM
+from kvflow.engine.core_client import EngineDeadError
+from kvflow.entrypoints.openai.errors import APIError, bad_request, error_body
+
+MAX_N = 128
+
+
+@dataclass
+class ServerSettings:
+    served_model_names: list[str]
+    api_key: str | None = None
+    max_waiting_requests: int | None = None
+    max_body_bytes: int = 8 * 2**20
+    shutting_down: bool = field(default=False)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+class ShuttingDownError(RuntimeError):
+    pass
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.settings.served_model_names:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                                f"{', '.join(repr(m) for m in self.settings.served_model_names)}.",
+                           param="model", code="model_not_found")
+
+    def check_available(self, num_new: int) -> None:
+        """503 while shutting down, once the engine died, or past --max-waiting-requests."""
+        if self.settings.shutting_down:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        if self.engine.is_dead:
+            raise APIError(503, f"the engine is not running: {self.engine.dead_error}", code="engine_dead")
+        limit = self.settings.max_waiting_requests
+        if limit is not None:
+            waiting = self.engine.num_waiting_after(num_new)
+            if waiting > limit:
+                raise APIError(503, f"the server is busy: {waiting} requests would be waiting "
+                                    f"(max_waiting_requests is {limit}); retry in a moment",
+                               code="server_busy", headers={"Retry-After": "1"})
+
+    def check_prompt(self, ids: list[int], max_tokens: int | None) -> None:
+        """The same limits the core enforces, checked here so that they become a 400."""
+        max_len = self.engine.max_model_len
+        vocab = self.engine.info.vocab_size
+        if not ids:
+            raise bad_request("prompt must not be empty")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"prompt contains token id {bad}, outside the vocabulary [0, {vocab})")
+        if max_tokens is None:
+            if len(ids) >= max_len:
+                raise bad_request(f"prompt has {len(ids)} tokens; max_model_len is {max_len}")
+        elif len(ids) + max_tokens > max_len:
+            raise APIError(400, f"prompt has {len(ids)} tokens and max_tokens is {max_tokens}: "
+                                f"{len(ids) + max_tokens} is over max_model_len {max_len}",
+                           param="max_tokens", code="invalid_value")
+        info = self.engine.info
+        total = max_len if max_tokens is None else len(ids) + max_tokens
+        blocks = -(-total // info.block_size)
+        if blocks > info.num_blocks:
+            raise APIError(400, f"prompt and max_tokens need {total} tokens ({blocks} KV blocks) but "
+                                f"the KV cache holds only {info.num_blocks} blocks; lower max_tokens",
+                           param="max_tokens", code="invalid_value")
+
+    @staticmethod
+    def check_n(n: int) -> None:
+        if isinstance(n, int) and n > MAX_N:
+            raise bad_request(f"n must be at most {MAX_N}, got {n}")
+
+
+async def merge_streams(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """Interleave several async iterators as (index, item). Closing the merged stream cancels
+    (and so aborts) the ones still running."""
+    if len(gens) == 1:
+        async for item in gens[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, gen: AsyncIterator) -> None:
+        try:
+            async for item in gen:
+                queue.put_nowait((i, item))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, e))
+            return
+        queue.put_nowait((i, done))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def stream_error(e: BaseException) -> dict:
+    """The error object sent inside a stream that has already begun."""
+    if isinstance(e, APIError):
+        return error_body(e.status, e.message, e.param, e.code)
+    if isinstance(e, ValueError):
+        err = bad_request(e)
+        return error_body(400, err.message, err.param, err.code)
+    if isinstance(e, ShuttingDownError):
+        return error_body(503, str(e), code="shutting_down")
+    if isinstance(e, EngineDeadError):
+        return error_body(503, f"the engine is not running: {e}", code="engine_dead")
+    return error_body(500, f"internal server error: {type(e).__name__}: {e}", code="internal_error")
+
+
+STREAM_ERRORS = (APIError, ValueError, EngineDeadError, ShuttingDownError)
+
+
+async def sse(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    """Server-sent events: `data: {chunk}` lines, an error object if the stream fails, `[DONE]`."""
+    try:
+        async for chunk in chunks:
+            yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+    except STREAM_ERRORS as e:
+        yield b"data: " + msgspec.json.encode(stream_error(e)) + b"\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+async def until_disconnected(raw: Request, coro) -> object:
+    """Run a non-streaming handler, cancelling it (and so aborting its requests) if the
+    client goes away first."""
+    task = asyncio.ensure_future(coro)
+
+    async def disconnected() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return Response(status_code=499)  # nobody is listening

@@ -1,0 +1,113 @@
+"""WebSocket /v1/ws: many streamed requests over one socket.
+
+Client -> server (JSON text):
+    {"id": "a", "type": "completion", "prompt": "...", ...}        any /v1/completions fields
+    {"id": "b", "type": "chat", "messages": [...], ...}            any /v1/chat/completions fields
+    {"id": "a", "type": "cancel"}                                   abort request "a"
+`type` may be left out: a request with `messages` is a chat, else a completion.
+
+Server -> client (JSON text), per request id:
+    {"type": "chunk", "id": "a", "data": {...}}     the same chunk an SSE stream carries
+    {"type": "done", "id": "a"}                     after the last chunk
+    {"type": "cancelled", "id": "a"}                after a cancel
+    {"type": "error", "id": "a", "error": {...}}    OpenAI-shaped error; the request is over
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import msgspec
+from fastapi import WebSocket, WebSocketDisconnect
+from pydantic import ValidationError
+
+from kvflow.entrypoints.openai.errors import APIError, error_body
+from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvflow.entrypoints.openai.serving_chat import OpenAIServingChat
+from kvflow.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from kvflow.entrypoints.openai.serving_engine import STREAM_ERRORS, stream_error
+
+
+class WebSocketSession:
+    """One connection: a reader loop plus one task per request."""
+
+    def __init__(self, ws: WebSocket, completions: OpenAIServingCompletion,
+                 chat: OpenAIServingChat) -> None:
+        self.ws = ws
+        self.completions, self.chat = completions, chat
+        self.tasks: dict[str, asyncio.Task] = {}
+        self._send_lock = asyncio.Lock()
+
+    async def send(self, obj: dict) -> None:
+        async with self._send_lock:
+            await self.ws.send_text(msgspec.json.encode(obj).decode())
+
+    async def run(self) -> None:
+        await self.ws.accept()
+        try:
+            while True:
+                text = await self.ws.receive_text()
+                await self.handle(text)
+        except WebSocketDisconnect:
+            pass
+        finally:
+            for task in self.tasks.values():
+                task.cancel()  # aborts each request in the engine
+            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+
+    async def handle(self, text: str) -> None:
+        try:
+            msg = json.loads(text)
+        except json.JSONDecodeError as e:
+            await self.send({"type": "error", "id": None,
+                             **error_body(400, f"message is not valid JSON: {e}")})
+            return
+        if not isinstance(msg, dict):
+            await self.send({"type": "error", "id": None, **error_body(400, "message must be a JSON object")})
+            return
+        rid, kind = msg.get("id"), msg.get("type")
+        if kind == "cancel":
+            task = self.tasks.pop(rid, None) if isinstance(rid, str) else None
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                await self.send({"type": "cancelled", "id": rid})
+            return
+        if not isinstance(rid, str) or not rid:
+            await self.send({"type": "error", "id": rid,
+                             **error_body(400, "id: each request needs a string id", "id")})
+            return
+        if rid in self.tasks:
+            await self.send({"type": "error", "id": rid,
+                             **error_body(400, f"id: request {rid!r} is still running", "id")})
+            return
+        if kind is None:
+            kind = "chat" if "messages" in msg else "completion"
+        if kind not in ("chat", "completion"):
+            await self.send({"type": "error", "id": rid, **error_body(
+                400, f"type must be completion, chat or cancel, got {kind!r}", "type")})
+            return
+        self.tasks[rid] = asyncio.create_task(self.serve(rid, kind, msg))
+
+    async def serve(self, rid: str, kind: str, body: dict) -> None:
+        serving = self.chat if kind == "chat" else self.completions
+        model = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        try:
+            try:
+                req = model.model_validate(body)
+            except ValidationError as e:
+                err = e.errors()[0]
+                field = ".".join(str(x) for x in err.get("loc", ()))
+                raise APIError(400, f"{field}: {err.get('msg')}", param=field or None,
+                               code="invalid_value") from None
+            job = serving.prepare(req)
+            async for chunk in serving.chunks(job):
+                await self.send({"type": "chunk", "id": rid, "data": chunk})
+            await self.send({"type": "done", "id": rid})
+        except STREAM_ERRORS as e:
+            await self.send({"type": "error", "id": rid, **stream_error(e)})
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            pass  # the socket is gone; run() cleans up
+        finally:
+            if self.tasks.get(rid) is asyncio.current_task():
+                del self.tasks[rid]

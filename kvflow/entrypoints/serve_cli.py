@@ -1,0 +1,86 @@
+"""`kvflow serve [MODEL]`: the OpenAI-compatible server."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+from kvflow.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                           default_num_threads, parse_memory)
+
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+
+
+def engine_config(kwargs: dict) -> EngineConfig:
+    """The EngineConfig that `LLM(**kwargs)` would build, from the shared engine options.
+    An option this function does not know is an error, never silently dropped."""
+    kw = dict(kwargs)
+    config = EngineConfig(
+        model_config=ModelConfig(model=kw.pop("model"), dtype=kw.pop("dtype"),
+                                 max_model_len=kw.pop("max_model_len"), seed=kw.pop("seed")),
+        cache_config=CacheConfig(block_size=kw.pop("block_size"), num_blocks=kw.pop("num_blocks"),
+                                 kv_cache_memory=kw.pop("kv_cache_memory"),
+                                 enable_prefix_caching=kw.pop("enable_prefix_caching", True)),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=kw.pop("max_num_batched_tokens"), max_num_seqs=kw.pop("max_num_seqs"),
+            long_prefill_token_threshold=kw.pop("long_prefill_token_threshold", 0),
+            policy=kw.pop("scheduling_policy", "fcfs")),
+        parallel_config=ParallelConfig(tensor_parallel_size=kw.pop("tensor_parallel_size", 1)),
+        num_threads=kw.pop("num_threads") or default_num_threads())
+    if kw:
+        raise ValueError(f"kvflow serve does not know the engine options {sorted(kw)}")
+    return config
+
+
+def served_name(args: argparse.Namespace) -> str:
+    """What clients pass as `model`: the path as given, or the default model's name."""
+    if args.model is None:
+        return DEFAULT_SERVED_NAME
+    return os.path.basename(os.path.normpath(args.model)) if os.path.exists(args.model) else args.model
+
+
+def cmd_serve(args: argparse.Namespace, engine_kwargs) -> int:
+    from kvflow.entrypoints.openai.api_server import run_server
+    from kvflow.entrypoints.openai.serving_engine import ServerSettings
+
+    if args.model_pos is not None:
+        if args.model is not None and args.model != args.model_pos:
+            print("error: give the model once (positional or --model)", file=sys.stderr)
+            return 2
+        args.model = args.model_pos
+    try:
+        config = engine_config(engine_kwargs(args))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    settings = ServerSettings(
+        served_model_names=args.served_model_name or [served_name(args)],
+        api_key=args.api_key or os.environ.get("KVFLOW_API_KEY") or None,
+        max_waiting_requests=args.max_waiting_requests,
+        max_body_bytes=parse_memory(args.max_body_size))
+    try:
+        return asyncio.run(run_server(config, settings, args.host, args.port, args.access_log))
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def register(sub, add_engine_args, engine_kwargs) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible server (HTTP SSE + WebSocket)")
+    p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
+                   help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 to listen on all)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (also from KVFLOW_API_KEY)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use; the first is reported")
+    p.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="answer 503 (retry later) when more requests than this would wait")
+    p.add_argument("--max-body-size", default="8MiB", help="largest request body (413 above)")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.set_defaults(func=lambda a: cmd_serve(a, engine_kwargs))

@@ -1,0 +1,104 @@
+"""Start a real `kvflow serve` subprocess on a free port, wait for /health, stop it, and check
+that no process is left behind."""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import psutil
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STARTUP_TIMEOUT_S = 240
+
+
+def _die_with_test_process() -> None:
+    # A killed test run must not leave a server behind: SIGTERM it when its parent dies.
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m kvflow.entrypoints.cli serve ARGS` with its output in a log file."""
+
+    def __init__(self, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="kvflow-serve-", suffix=".log", delete=False)
+        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", KVFLOW_NUM_THREADS="1",
+                   PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvflow.entrypoints.cli", "serve", "--port", str(self.port), *args],
+            cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_die_with_test_process)
+        self.ps = psutil.Process(self.proc.pid)
+        self._wait_ready()
+        self.children = self.ps.children(recursive=True)
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvflow serve exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.kill()
+        raise RuntimeError(f"kvflow serve not ready after {STARTUP_TIMEOUT_S}s:\n{self.output()}")
+
+    def output(self) -> str:
+        with open(self.log.name) as f:
+            return f.read()
+
+    @property
+    def engine_pid(self) -> int:
+        """The engine-core process (the multiprocessing spawn child, not the resource tracker)."""
+        for child in self.children:
+            if "spawn_main" in " ".join(child.cmdline()):
+                return child.pid
+        raise RuntimeError("no engine-core child process found")
+
+    def leftover_children(self, timeout: float = 10.0) -> list[int]:
+        _, alive = psutil.wait_procs(self.children, timeout=timeout)
+        return [p.pid for p in alive]
+
+    def terminate(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Send `sig` and wait for the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        """Teardown of last resort: the whole process group."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(10)
+        for child in self.children:
+            if child.is_running():
+                child.kill()
+
+    def close(self) -> None:
+        try:
+            self.terminate(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill()
+        self.log.close()
+        os.unlink(self.log.name)
