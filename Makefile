@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test serve bench clean
+.PHONY: install test serve bench clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,14 +18,23 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-test: $(STAMP)
+# The dashboard's browser test drives Debian's Chromium and its driver (never a downloaded browser).
+browser:
+	test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || \
+	  (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium chromium-driver)
+
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -q
 
 serve: $(STAMP)
 	$(BIN)/kvflow serve
 
+# W1 (and W2 where the server is up) for kvflow and the anchors, one run, one table.
+# The anchors (vLLM CPU, llama.cpp) get their own venvs under benchmarks/ on first use;
+# one that fails to set up is listed as such. BENCH_ARGS, e.g. "--engines kvflow,hf-static --threads 1".
 bench: $(STAMP)
-	$(BIN)/python benchmarks/throughput.py
+	PY=$(PY) benchmarks/setup_anchors.sh || true
+	$(BIN)/python benchmarks/compare.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 
 from kvflow.config import EngineConfig
 from kvflow.engine.core_client import EngineCoreClient, EngineDeadError
-from kvflow.engine.core_proc import CoreMessage, EngineCoreReady
+from kvflow.engine.core_proc import RESET_PREFIX_CACHE, CoreMessage, EngineCoreReady
 from kvflow.engine.output_processor import OutputKind, OutputProcessor
 from kvflow.engine.protocol import EngineCoreOutputs, SchedulerStats
 from kvflow.model_path import resolve_model_path
@@ -47,10 +47,12 @@ class AsyncLLM:
         self.queues: dict[str, asyncio.Queue] = {}
         self.num_core_requests = 0  # unfinished requests in the core, as sent from here
         self.last_stats = SchedulerStats()
+        self.snapshot = None  # the core's latest EngineSnapshot while a dashboard watches
         self.dead_error: EngineDeadError | None = None
         self.on_dead: Callable[[EngineDeadError], None] | None = None
         self._output_task: asyncio.Task | None = None
         self._core_ids: dict[str, int] = {}  # request id -> number of unfinished core requests
+        self._utility_waiters: dict[str, list[asyncio.Future]] = {}  # call name -> awaiting callers
 
     async def start(self) -> EngineCoreReady:
         """Load the tokenizer here while the core loads the model there."""
@@ -84,13 +86,14 @@ class AsyncLLM:
     # -- requests --------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                        prompt: str | None = None, arrival_time: float | None = None,
+                       priority: int = 0, cache_salt: str | None = None,
                        ) -> AsyncIterator[RequestOutput]:
         """Stream DELTA RequestOutputs for one request (all its `n` samples) until finished."""
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error))
         core_reqs = self.processor.add_request(
             request_id, prompt, prompt_token_ids, params, OutputKind.DELTA,
-            arrival_time=arrival_time or time.time())
+            arrival_time=arrival_time or time.time(), priority=priority, cache_salt=cache_salt)
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
         self._core_ids[request_id] = len(core_reqs)
@@ -112,6 +115,15 @@ class AsyncLLM:
                 self.abort(request_id)
             self._forget(request_id)
 
+    async def reset_prefix_cache(self) -> bool:
+        """Clear the core's prefix cache; False (nothing done) while requests are running."""
+        if self.dead_error is not None:
+            raise EngineDeadError(str(self.dead_error))
+        fut = asyncio.get_running_loop().create_future()
+        self._utility_waiters.setdefault(RESET_PREFIX_CACHE, []).append(fut)
+        self.client.request_reset_prefix_cache()
+        return await fut
+
     def abort(self, request_id: str) -> None:
         """Drop a request here and in the core (its blocks return at the core's next step)."""
         if self.processor is None:
@@ -120,6 +132,12 @@ class AsyncLLM:
         if ids and not self.is_dead:
             self.client.abort_requests(ids)
         self.stat_logger.forget(request_id)
+
+    def enable_snapshots(self, on: bool) -> None:
+        """Dashboard snapshots from the core: on while someone watches."""
+        if not on:
+            self.snapshot = None
+        self.client.enable_snapshots(on)
 
     def abort_all(self, error: BaseException) -> None:
         """End every in-flight request with `error` (shutdown)."""
@@ -138,8 +156,17 @@ class AsyncLLM:
                 kind, msg = await self.client.get_message()
                 if kind == CoreMessage.OUTPUTS:
                     self._handle_outputs(msg)
+                elif kind == CoreMessage.SNAPSHOT:
+                    self.snapshot = msg
                 elif kind == CoreMessage.REQ_ERROR:
                     self._handle_request_error(*msg)
+                elif kind == CoreMessage.UTILITY:
+                    name, result = msg
+                    waiters = self._utility_waiters.get(name)
+                    if waiters:  # the core answers calls in the order they were sent
+                        fut = waiters.pop(0)
+                        if not fut.done():
+                            fut.set_result(result)
         except EngineDeadError as e:
             self._die(e)
         except asyncio.CancelledError:
@@ -180,6 +207,11 @@ class AsyncLLM:
         self.dead_error = error
         for queue in self.queues.values():
             queue.put_nowait(error)
+        for waiters in self._utility_waiters.values():
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_exception(error)
+        self._utility_waiters.clear()
         if self.on_dead is not None:
             self.on_dead(error)
 

@@ -11,8 +11,10 @@ import zmq
 import zmq.asyncio
 
 from kvflow.config import EngineConfig
-from kvflow.engine.core_proc import SHUTDOWN, CoreMessage, EngineCoreReady, run_engine_core
+from kvflow.engine.core_proc import (RESET_PREFIX_CACHE, SHUTDOWN, SNAPSHOTS_OFF, SNAPSHOTS_ON,
+                                    CoreMessage, EngineCoreReady, run_engine_core)
 from kvflow.engine.protocol import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
+from kvflow.engine.snapshot import EngineSnapshot
 
 # How often the output reader checks that the core process still lives while no message comes.
 DEATH_POLL_S = 0.25
@@ -46,6 +48,7 @@ class EngineCoreClient:
         self.output_sock.bind(self.output_addr)
         self.encoder = msgspec.msgpack.Encoder()
         self.outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self.snapshot_decoder = msgspec.msgpack.Decoder(EngineSnapshot)
         self.proc: multiprocessing.process.BaseProcess | None = None
         self.info: EngineCoreReady | None = None
         self.closed = False
@@ -106,6 +109,15 @@ class EngineCoreClient:
         if request_ids and not self.closed:
             self._send(EngineCoreRequestType.ABORT, list(request_ids))
 
+    def request_reset_prefix_cache(self) -> None:
+        """Ask the core to clear its prefix cache; it answers with a UTILITY message."""
+        self._send(EngineCoreRequestType.UTILITY, [RESET_PREFIX_CACHE])
+
+    def enable_snapshots(self, on: bool) -> None:
+        """Ask the core for dashboard snapshots (a few a second), or to stop making them."""
+        if not self.closed:
+            self._send(EngineCoreRequestType.UTILITY, [SNAPSHOTS_ON if on else SNAPSHOTS_OFF])
+
     async def get_message(self) -> tuple[bytes, object]:
         """The next message from the core, decoded. Raises EngineDeadError once the process
         has died (noticed within DEATH_POLL_S while the core is silent)."""
@@ -114,8 +126,12 @@ class EngineCoreClient:
                 kind, payload = await self.output_sock.recv_multipart()
                 if kind == CoreMessage.OUTPUTS:
                     return kind, self.outputs_decoder.decode(payload)
+                if kind == CoreMessage.SNAPSHOT:
+                    return kind, self.snapshot_decoder.decode(payload)
                 if kind == CoreMessage.REQ_ERROR:
                     return kind, msgspec.msgpack.decode(payload, type=tuple[str, str])
+                if kind == CoreMessage.UTILITY:
+                    return kind, msgspec.msgpack.decode(payload, type=tuple[str, bool])
                 if kind == CoreMessage.FAILED:
                     raise EngineDeadError("engine core failed: "
                                           + msgspec.msgpack.decode(payload, type=str).strip())

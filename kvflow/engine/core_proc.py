@@ -22,6 +22,7 @@ import zmq
 
 from kvflow.config import EngineConfig
 from kvflow.engine.protocol import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
+from kvflow.engine.snapshot import EngineSnapshot, SnapshotSource
 
 
 class EngineCoreReady(msgspec.Struct, array_like=True):
@@ -44,9 +45,13 @@ class CoreMessage:
     OUTPUTS = b"O"    # EngineCoreOutputs
     REQ_ERROR = b"E"  # [core request id, message]: add_request refused it
     FAILED = b"F"     # str: startup failed or the loop crashed; the process then exits
+    SNAPSHOT = b"S"   # EngineSnapshot, at most every 250 ms while a dashboard watches
+    UTILITY = b"U"    # [call name, result]: the answer to a utility call
 
 
 SHUTDOWN = "shutdown"  # the utility call that stops the loop
+SNAPSHOTS_ON, SNAPSHOTS_OFF = "snapshots_on", "snapshots_off"  # a dashboard watches, or no more
+RESET_PREFIX_CACHE = "reset_prefix_cache"  # answered with True, or False while requests run
 _IDLE_POLL_MS = 1000   # how often an idle core checks that its parent still lives
 
 
@@ -112,13 +117,15 @@ class EngineCoreLoop:
         self.add_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
         self.ids_decoder = msgspec.msgpack.Decoder(list[str])
         self.running = True
+        self.snapshots = SnapshotSource(core.scheduler)
 
     def run(self) -> None:
         while self.running:
             if os.getppid() != self.parent_pid:
                 return  # orphaned: the frontend is gone
             busy = self.core.has_unfinished_requests()
-            if not busy and not self.poller.poll(_IDLE_POLL_MS):
+            if not busy and not self.poller.poll(self.snapshots.wait_ms(_IDLE_POLL_MS)):
+                self.send_snapshot(self.snapshots.poll())  # the state after the last step
                 continue
             handled = self.drain_input()
             if not self.running:
@@ -128,6 +135,7 @@ class EngineCoreLoop:
                 # that blocks came back.
                 out = self.core.step()
                 self.send_outputs(out)
+                self.send_snapshot(self.snapshots.after_step(out.scheduler_stats))
 
     def drain_input(self) -> int:
         n = 0
@@ -152,8 +160,20 @@ class EngineCoreLoop:
         elif kind == EngineCoreRequestType.ABORT.value:
             self.core.abort_requests(self.ids_decoder.decode(payload))
         elif kind == EngineCoreRequestType.UTILITY.value:
-            if self.ids_decoder.decode(payload)[:1] == [SHUTDOWN]:
+            call = self.ids_decoder.decode(payload)[:1]
+            if call == [SHUTDOWN]:
                 self.running = False
+            elif call in ([SNAPSHOTS_ON], [SNAPSHOTS_OFF]):
+                self.snapshots.set_enabled(call == [SNAPSHOTS_ON])
+            elif call == [RESET_PREFIX_CACHE]:
+                done = self.core.reset_prefix_cache()
+                self.out_sock.send_multipart(
+                    [CoreMessage.UTILITY, self.encoder.encode([RESET_PREFIX_CACHE, done])])
+
+    def send_snapshot(self, snap: EngineSnapshot | None) -> None:
+        if snap is not None:
+            self.out_sock.send_multipart([CoreMessage.SNAPSHOT, self.encoder.encode(snap)],
+                                         copy=False)
 
     def send_outputs(self, out: EngineCoreOutputs) -> None:
         self.out_sock.send_multipart([CoreMessage.OUTPUTS, self.encoder.encode(out)], copy=False)

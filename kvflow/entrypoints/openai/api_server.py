@@ -16,6 +16,7 @@ from kvflow.config import EngineConfig
 from kvflow.engine.async_engine import AsyncLLM
 from kvflow.engine.core_client import EngineDeadError, EngineStartupError
 from kvflow.engine.kv_sizing import max_concurrency
+from kvflow.entrypoints.openai.dashboard import DASHBOARD_PATHS, dashboard_router
 from kvflow.entrypoints.openai.errors import error_response, install_error_handlers
 from kvflow.entrypoints.openai.metrics import ServerMetrics
 from kvflow.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -25,7 +26,8 @@ from kvflow.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvflow.entrypoints.openai.serving_engine import ServerSettings, ShuttingDownError
 from kvflow.entrypoints.openai.serving_ws import WebSocketSession
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})  # no API key needed
+# no API key needed
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", *DASHBOARD_PATHS})
 ENGINE_DEATH_GRACE_S = 3.0  # time for in-flight clients to read their error before exit
 
 
@@ -133,6 +135,17 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
     async def get_metrics():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        if engine.is_dead:
+            return error_response(503, f"the engine is not running: {engine.dead_error}",
+                                  code="engine_dead")
+        if not await engine.reset_prefix_cache():
+            return error_response(409, "the prefix cache cannot be reset while requests are "
+                                       "running; retry when the server is idle",
+                                  code="requests_running")
+        return Response(status_code=200)
+
     started = int(time.time())
 
     @app.get("/v1/models")
@@ -180,6 +193,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
             return
         await WebSocketSession(ws, completions, chat).run()
 
+    app.include_router(dashboard_router(engine, metrics.recent, settings))
     app.add_middleware(Gate, settings=settings)
     return app
 

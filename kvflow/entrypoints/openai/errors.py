@@ -13,7 +13,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 logger = logging.getLogger("kvflow")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error",
+          413: "invalid_request_error",
           429: "rate_limit_error", 503: "service_unavailable_error"}
 
 
@@ -63,6 +64,18 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts[:5]) or "invalid request", param
 
 
+def _body_error_message(exc: StarletteHTTPException) -> str | None:
+    """FastAPI says only "There was an error parsing the body"; name the cause it hides."""
+    cause = exc.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        return f"request body is not valid UTF-8: {cause}"
+    if isinstance(cause, RecursionError):
+        return "request body JSON is nested too deeply"
+    if cause is not None and exc.status_code == 400:
+        return f"request body could not be parsed: {type(cause).__name__}: {cause}"
+    return None
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -80,7 +93,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+        return error_response(exc.status_code, _body_error_message(exc) or str(exc.detail),
+                              headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):

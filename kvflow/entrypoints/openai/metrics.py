@@ -5,6 +5,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from kvflow.engine.async_engine import StatLogger
 from kvflow.engine.protocol import SchedulerStats
+from kvflow.entrypoints.openai.dashboard import RecentLatencies
 from kvflow.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -44,10 +45,16 @@ class ServerMetrics(StatLogger):
         self.prompt_tokens = counter("kvflow:prompt_tokens", "Prompt tokens of started requests.")
         self.generation_tokens = counter("kvflow:generation_tokens", "Generated tokens.")
         self.preemptions = counter("kvflow:num_preemptions", "Preemptions.")
+        self.prefix_queries = counter("kvflow:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("kvflow:prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache.")
+        self._last_prefix = (0, 0)  # the core reports cumulative counts; counters take deltas
         self._finished = Counter("kvflow:request_success", "Finished requests by finish reason.",
                                  ["model_name", "finished_reason"], registry=r)
         self._model_name = model_name
         self._last_token_time: dict[str, float] = {}
+        self.recent = RecentLatencies()  # the dashboard's last minute
 
     def set_total_blocks(self, num_blocks: int) -> None:
         self.total_blocks.set(num_blocks)
@@ -62,8 +69,16 @@ class ServerMetrics(StatLogger):
             self.total_blocks.set(stats.num_total_blocks)
         if stats.num_preemptions:
             self.preemptions.inc(stats.num_preemptions)
+        queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        last_q, last_h = self._last_prefix
+        if queries > last_q:
+            self.prefix_queries.inc(queries - last_q)
+        if hits > last_h:
+            self.prefix_hits.inc(hits - last_h)
+        self._last_prefix = (max(queries, last_q), max(hits, last_h))
 
     def record_outputs(self, outputs: list[RequestOutput], now: float) -> None:
+        self.recent.record_outputs(outputs, now)
         for out in outputs:
             rid = out.request_id
             n_new = sum(len(c.token_ids) for c in out.outputs)
@@ -90,6 +105,7 @@ class ServerMetrics(StatLogger):
                     self.e2e.observe(max(0.0, now - arrival))
 
     def forget(self, request_id: str) -> None:
+        self.recent.forget(request_id)
         self._last_token_time.pop(request_id, None)
 
     def render(self) -> bytes:

@@ -40,6 +40,10 @@ class SamplingFields(OpenAIBaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Prefix caching: requests share cached blocks only when their salts are equal.
+    cache_salt: str | None = Field(None, max_length=1024)
+    # With --scheduling-policy priority: lower values are served first.
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
 
     @property
     def include_usage(self) -> bool:

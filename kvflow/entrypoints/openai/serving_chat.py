@@ -26,6 +26,8 @@ class ChatJob:
     params: SamplingParams
     top_logprobs: int
     include_usage: bool
+    priority: int = 0
+    cache_salt: str | None = None
 
 
 def _entry(lp: Logprob) -> dict:
@@ -75,18 +77,22 @@ class OpenAIServingChat(OpenAIServing):
         self.check_prompt(ids, params.max_tokens)
         self.check_available(params.n)
         return ChatJob(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.settings.model_name,
-                       prompt, ids, params, req.top_logprobs or 0, req.include_usage)
+                       prompt, ids, params, req.top_logprobs or 0, req.include_usage,
+                       req.priority, req.cache_salt)
 
     async def chunks(self, job: ChatJob) -> AsyncIterator[dict]:
         head = {"id": job.request_id, "object": "chat.completion.chunk", "created": job.created,
                 "model": job.model}
         extra = {"usage": None} if job.include_usage else {}
-        gen = self.engine.generate(job.prompt_ids, job.params, job.request_id, prompt=job.prompt)
+        gen = self.engine.generate(job.prompt_ids, job.params, job.request_id, prompt=job.prompt,
+                                   priority=job.priority, cache_salt=job.cache_salt)
         for i in range(job.params.n):
             yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}], **extra}
         completion_tokens = 0
+        cached_tokens = 0
         async for out in gen:
+            cached_tokens = max(cached_tokens, out.num_cached_tokens)
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
                 delta = {"content": c.text} if c.text or c.finish_reason is None else {}
@@ -104,7 +110,8 @@ class OpenAIServingChat(OpenAIServing):
             n_prompt = len(job.prompt_ids)
             yield {**head, "choices": [], "usage": {
                 "prompt_tokens": n_prompt, "completion_tokens": completion_tokens,
-                "total_tokens": n_prompt + completion_tokens}}
+                "total_tokens": n_prompt + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}}
 
     async def collect(self, job: ChatJob) -> dict:
         job.include_usage = True

@@ -29,6 +29,8 @@ class CompletionJob:
     params: SamplingParams
     echo: bool
     include_usage: bool
+    priority: int = 0
+    cache_salt: str | None = None
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],
@@ -62,7 +64,8 @@ class OpenAIServingCompletion(OpenAIServing):
             self.check_prompt(ids, params.max_tokens)
         self.check_available(len(prompts) * params.n)
         return CompletionJob(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.settings.model_name,
-                             prompts, params, req.echo, req.include_usage)
+                             prompts, params, req.echo, req.include_usage, req.priority,
+                             req.cache_salt)
 
     def _prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompt, str):
@@ -76,16 +79,19 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def chunks(self, job: CompletionJob) -> AsyncIterator[dict]:
         n = job.params.n
-        gens = [self.engine.generate(ids, job.params, f"{job.request_id}-{i}", prompt=text)
+        gens = [self.engine.generate(ids, job.params, f"{job.request_id}-{i}", prompt=text,
+                                     priority=job.priority, cache_salt=job.cache_salt)
                 for i, (text, ids) in enumerate(job.prompts)]
         echo = [(text if text is not None else self.tokenizer.decode(ids)) if job.echo else ""
                 for text, ids in job.prompts]
         started: set[int] = set()
         offsets: dict[int, int] = {}
         completion_tokens = 0
+        cached: dict[int, int] = {}  # prompt index -> its prompt tokens found in the prefix cache
         head = {"id": job.request_id, "object": "text_completion", "created": job.created,
                 "model": job.model}
         async for i, out in merge_streams(gens):
+            cached[i] = max(cached.get(i, 0), out.num_cached_tokens)
             for c in out.outputs:
                 index = i * n + c.index
                 text = c.text
@@ -109,7 +115,8 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_tokens = sum(len(ids) for _, ids in job.prompts)
             yield {**head, "choices": [], "usage": {
                 "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}}
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}}
 
     async def collect(self, job: CompletionJob) -> dict:
         """The whole response: the stream's chunks joined per choice."""

@@ -1,0 +1,133 @@
+"""The live dashboard: `GET /dashboard` (one static page) and `GET /dashboard/stream` (server-sent
+events with the engine's latest snapshot and the last minute's request latencies).
+
+The core makes snapshots only while somebody watches: the first stream to open switches them
+on, the last to close switches them off. Like /metrics, these routes need no API key; they show
+request ids and token counts, never text.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import deque
+
+import msgspec
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse, Response, StreamingResponse
+
+from kvflow.engine.async_engine import StatLogger
+from kvflow.outputs import RequestOutput
+
+STATIC_DIR = os.path.join(os.path.dirname(__file__), "static")
+STATIC_FILES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+DASHBOARD_PATHS = frozenset({"/dashboard", "/dashboard/stream",
+                             *(f"/dashboard/{name}" for name in STATIC_FILES)})
+STREAM_INTERVAL_S = 0.25  # push at most 4 times a second
+KEEPALIVE_S = 15.0  # an SSE comment while nothing changes keeps proxies from closing the stream
+LATENCY_WINDOW_S = 60.0
+
+
+class RecentLatencies(StatLogger):
+    """TTFT and mean inter-token latency of each request that finished in the last minute,
+    measured where the client sees them (the frontend), like the /metrics histograms."""
+
+    def __init__(self, window_s: float = LATENCY_WINDOW_S, max_kept: int = 4096) -> None:
+        self.window_s = window_s
+        self.finished: deque[tuple[float, float, float | None]] = deque(maxlen=max_kept)
+        self._live: dict[str, list[float]] = {}  # id -> [ttft, first token time, last, deltas]
+        self.version = 0  # bumped on every finish, so the stream knows when to resend
+
+    def record_outputs(self, outputs: list[RequestOutput], now: float) -> None:
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if any(c.token_ids for c in out.outputs):
+                if live is None:
+                    arrival = out.metrics.get("arrival_time") or now
+                    live = self._live[out.request_id] = [max(0.0, now - arrival), now, now, 1]
+                else:
+                    live[2], live[3] = now, live[3] + 1
+            if out.finished and live is not None:
+                del self._live[out.request_id]
+                ttft, first, last, deltas = live
+                itl = (last - first) / (deltas - 1) if deltas > 1 else None
+                self.finished.append((now, ttft, itl))
+                self.version += 1
+
+    def forget(self, request_id: str) -> None:
+        self._live.pop(request_id, None)
+
+    def last_minute(self, now: float) -> list[tuple[float, float, float | None]]:
+        """(finish time, ttft, mean itl) per request finished within the window, oldest first."""
+        while self.finished and now - self.finished[0][0] > self.window_s:
+            self.finished.popleft()
+        return list(self.finished)
+
+
+class Viewers:
+    """Counts open streams; tells the engine to make snapshots while there is at least one."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.count = 0
+
+    def __enter__(self) -> Viewers:
+        self.count += 1
+        if self.count == 1:
+            self.engine.enable_snapshots(True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.count -= 1
+        if self.count == 0 and not self.engine.is_dead:
+            self.engine.enable_snapshots(False)
+
+
+def dashboard_router(engine, latencies: RecentLatencies, settings) -> APIRouter:
+    """Routes of the dashboard. `engine` is the AsyncLLM (its `snapshot` is the latest the
+    core sent); `settings.shutting_down` ends the streams."""
+    router = APIRouter()
+    viewers = Viewers(engine)
+    encoder = msgspec.json.Encoder()
+
+    @router.get("/dashboard", include_in_schema=False)
+    async def page():
+        return FileResponse(os.path.join(STATIC_DIR, "dashboard.html"), media_type="text/html")
+
+    def event(snapshot) -> bytes:
+        now = time.time()
+        info = engine.info
+        body = {"time": now, "model": settings.model_name,
+                "max_model_len": info.max_model_len if info else None,
+                "engine_dead": engine.is_dead, "snapshot": snapshot,
+                "latencies": latencies.last_minute(now)}
+        return b"data: " + encoder.encode(body) + b"\n\n"
+
+    async def stream(request: Request):
+        with viewers:
+            sent, sent_version, quiet_since = object(), -1, time.monotonic()
+            yield b"retry: 1000\n\n"
+            while not settings.shutting_down and not await request.is_disconnected():
+                snap = engine.snapshot
+                if snap is not sent or latencies.version != sent_version:
+                    sent, sent_version = snap, latencies.version
+                    quiet_since = time.monotonic()
+                    yield event(snap)
+                elif time.monotonic() - quiet_since > KEEPALIVE_S:
+                    quiet_since = time.monotonic()
+                    yield b": keepalive\n\n"
+                await asyncio.sleep(STREAM_INTERVAL_S)
+
+    @router.get("/dashboard/stream", include_in_schema=False)
+    async def events(request: Request):
+        return StreamingResponse(stream(request), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    # after /dashboard/stream, which this pattern would otherwise swallow
+    @router.get("/dashboard/{name}", include_in_schema=False)
+    async def asset(name: str):
+        if name not in STATIC_FILES:
+            return Response(status_code=404)
+        return FileResponse(os.path.join(STATIC_DIR, name), media_type=STATIC_FILES[name])
+
+    return router
