@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvflow.csrc import load_library, run_split
 from kvflow.model.arch import LlamaArchConfig
 
 
@@ -19,8 +20,19 @@ def allocate_kv_caches(arch: LlamaArchConfig, num_blocks: int, block_size: int,
                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One (k_cache, v_cache) pair per layer, each [num_blocks, block_size, kv_heads, head_dim]."""
     shape = (num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+    if device is not None and torch.device(device).type != "cpu":
+        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                for _ in range(arch.num_hidden_layers)]
+    # Zeroed (unwritten slots may be read under a mask, and 0 * NaN would poison the sum), but
+    # through numpy's calloc: the OS hands out zero pages on first touch instead of a multi-GiB
+    # memset at start-up.
+    n = int(np.prod(shape))
+    return [(_zeros_cpu(n, dtype).view(shape), _zeros_cpu(n, dtype).view(shape))
             for _ in range(arch.num_hidden_layers)]
+
+
+def _zeros_cpu(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_numpy(np.zeros(numel * dtype.itemsize, dtype=np.uint8)).view(dtype)
 
 
 @dataclass
@@ -45,49 +57,62 @@ class AttentionMetadata:
     query_start_loc: np.ndarray  # [N + 1]
     query_lens: np.ndarray  # [N]
     seq_lens: np.ndarray  # [N]
-    block_tables: torch.Tensor  # [N, max_blocks] int64, padded with block 0
+    block_tables: np.ndarray  # [N, max_blocks] int64, padded with block 0
     # Rows with one query token (decodes) run together in one batched attention call.
-    decode_token_idx: torch.Tensor  # [B] token index of each decode row in the flat batch
-    decode_block_tables: torch.Tensor  # [B, max_decode_blocks]
-    decode_key_mask: torch.Tensor  # [B, 1, 1, max_decode_blocks * block_size] True where key < seq_len
+    decode_rows: np.ndarray  # [B] int64, token index of each decode row in the flat batch
+    decode_seq_lens: np.ndarray  # [B] int64
+    decode_block_tables: np.ndarray  # [B, max_decode_blocks] int64, C-contiguous
     prefills: list[PrefillSeq]
+    _torch_decode: tuple | None = None  # tensors of the PyTorch fallback, built on first use
 
     @property
     def num_decodes(self) -> int:
-        return int(self.decode_token_idx.shape[0])
+        return len(self.decode_rows)
 
 
 def build_attention_metadata(query_lens: np.ndarray, seq_lens: np.ndarray,
-                             block_tables: list[list[int]], block_size: int,
+                             block_tables: list[list[int]] | np.ndarray, block_size: int,
                              device: torch.device | str | None = None) -> AttentionMetadata:
-    """Slot mapping, padded block tables and per-path index tensors for one step."""
+    """Slot mapping, padded block tables and per-path index arrays for one step.
+
+    `block_tables` is a list of per-request block lists, or an already padded [N, max_blocks]
+    int64 array (what the runner keeps between steps)."""
     query_lens = np.asarray(query_lens, dtype=np.int64)
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     n = len(query_lens)
     assert len(seq_lens) == n == len(block_tables), "one query_len, seq_len and block table per request"
     assert (query_lens >= 1).all() and (seq_lens >= query_lens).all()
-    max_blocks = max((len(b) for b in block_tables), default=0)
-    table = np.zeros((n, max(max_blocks, 1)), dtype=np.int64)
-    for i, blocks in enumerate(block_tables):  # per request, not per token
-        table[i, :len(blocks)] = blocks
-    assert ((seq_lens + block_size - 1) // block_size <= [len(b) for b in block_tables]).all(), \
-        "a block table is too short for its sequence"
+    if isinstance(block_tables, np.ndarray):
+        table = block_tables
+        lens = None
+    else:
+        lens = np.fromiter((len(b) for b in block_tables), dtype=np.int64, count=n)
+        table = np.zeros((n, max(int(lens.max(initial=0)), 1)), dtype=np.int64)
+        for i, blocks in enumerate(block_tables):  # per request, not per token
+            table[i, :len(blocks)] = blocks
+        assert ((seq_lens + block_size - 1) // block_size <= lens).all(), \
+            "a block table is too short for its sequence"
 
     query_start_loc = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(query_lens, out=query_start_loc[1:])
     num_tokens = int(query_start_loc[-1])
-    seq_of_token = np.repeat(np.arange(n), query_lens)
-    positions = (np.arange(num_tokens) - query_start_loc[seq_of_token]
-                 + (seq_lens - query_lens)[seq_of_token])
-    slots = table[seq_of_token, positions // block_size] * block_size + positions % block_size
+    is_decode = query_lens == 1
+    if is_decode.all():  # the common decode-only step: one token per request
+        positions = seq_lens - 1
+        slots = table[np.arange(n), positions // block_size] * block_size + positions % block_size
+    else:
+        seq_of_token = np.repeat(np.arange(n), query_lens)
+        positions = (np.arange(num_tokens) - query_start_loc[seq_of_token]
+                     + (seq_lens - query_lens)[seq_of_token])
+        slots = table[seq_of_token, positions // block_size] * block_size + positions % block_size
 
-    decode_seqs = np.flatnonzero(query_lens == 1)
+    decode_seqs = np.flatnonzero(is_decode)
     decode_seq_lens = seq_lens[decode_seqs]
     dec_blocks = int((decode_seq_lens.max() + block_size - 1) // block_size) if len(decode_seqs) else 1
-    decode_mask = np.arange(dec_blocks * block_size)[None, :] < decode_seq_lens[:, None]
+    decode_tables = np.ascontiguousarray(table[decode_seqs, :dec_blocks])
 
     prefills = []
-    for i in np.flatnonzero(query_lens > 1):
+    for i in np.flatnonzero(~is_decode):
         q_len, s_len = int(query_lens[i]), int(seq_lens[i])
         if q_len == s_len:  # the whole sequence is new: plain causal over this step's own K/V
             prefills.append(PrefillSeq(int(query_start_loc[i]), q_len, s_len, None, None))
@@ -108,10 +133,10 @@ def build_attention_metadata(query_lens: np.ndarray, seq_lens: np.ndarray,
         query_start_loc=query_start_loc,
         query_lens=query_lens,
         seq_lens=seq_lens,
-        block_tables=torch.from_numpy(table).to(device),
-        decode_token_idx=torch.from_numpy(query_start_loc[decode_seqs]).to(device),
-        decode_block_tables=torch.from_numpy(table[decode_seqs, :dec_blocks]).to(device),
-        decode_key_mask=torch.from_numpy(decode_mask[:, None, None, :]).to(device),
+        block_tables=table,
+        decode_rows=query_start_loc[decode_seqs],
+        decode_seq_lens=decode_seq_lens,
+        decode_block_tables=decode_tables,
         prefills=prefills,
     )
 
@@ -120,8 +145,66 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
              slot_mapping: torch.Tensor) -> None:
     """Store this step's K/V ([T, kv_heads, head_dim]) at their flat cache slots."""
     kvh, d = k_cache.shape[-2:]
+    lib = load_library()
+    if (lib is not None and k_cache.dtype == k.dtype == torch.float32 and k_cache.device.type == "cpu"
+            and k.stride()[1:] == (d, 1) and v.stride() == k.stride() and k_cache.is_contiguous()):
+        lib.write_kv_f32(k.data_ptr(), v.data_ptr(), k.stride(0), slot_mapping.data_ptr(),
+                         k_cache.data_ptr(), v_cache.data_ptr(), 0, k.shape[0], kvh * d)
+        return
     k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+_KERNELS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+
+
+def _decode_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float, out: torch.Tensor) -> bool:
+    """Decode rows through the C kernel, straight from the paged cache. False: not available."""
+    lib = load_library()
+    if lib is None or k_cache.dtype not in _KERNELS or k_cache.device.type != "cpu":
+        return False
+    fn = getattr(lib, _KERNELS[k_cache.dtype])
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    # q may be a strided view of the fused qkv output: only its heads must be dense
+    qf = q if q.dtype == torch.float32 and q.stride()[1:] == (head_dim, 1) else q.float().contiguous()
+    of = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(q.shape)
+    tables, lens, rows = meta.decode_block_tables, meta.decode_seq_lens, meta.decode_rows
+
+    def run(begin: int, end: int) -> None:
+        fn(qf.data_ptr(), qf.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+           tables.ctypes.data, tables.shape[1], lens.ctypes.data, rows.ctypes.data, begin, end,
+           num_heads, num_kv_heads, head_dim, k_cache.shape[1], scale, of.data_ptr(),
+           num_heads * head_dim)
+
+    # rows split between threads by key count (the kernel's work is ~ keys)
+    run_split(run, len(rows), torch.get_num_threads(), weights=lens)
+    if of is not out:
+        idx = torch.from_numpy(rows)
+        out[idx] = of[idx].to(out.dtype)
+    return True
+
+
+def _decode_with_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    """Fallback: gather each row's blocks (padded to the longest) and run one masked SDPA."""
+    if meta._torch_decode is None:
+        n_keys = meta.decode_block_tables.shape[1] * meta.block_size
+        mask = np.arange(n_keys)[None, :] < meta.decode_seq_lens[:, None]
+        meta._torch_decode = (torch.from_numpy(meta.decode_rows).to(q.device),
+                              torch.from_numpy(meta.decode_block_tables).to(q.device),
+                              torch.from_numpy(mask[:, None, None, :]).to(q.device))
+    rows, tables, mask = meta._torch_decode
+    b, num_heads, head_dim = len(rows), q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    # [B, blocks, block_size, kvh, D] -> [B, kvh, L, D]
+    kd = k_cache[tables].view(b, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+    vd = v_cache[tables].view(b, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+    qd = q[rows].unsqueeze(2)  # [B, H, 1, D]
+    od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale,
+                                        enable_gqa=num_heads != num_kv_heads)
+    out[rows] = od.squeeze(2)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -135,15 +218,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     gqa = num_heads != num_kv_heads
 
-    if meta.num_decodes:
-        b = meta.num_decodes
-        # [B, blocks, block_size, kvh, D] -> [B, kvh, L, D]
-        kd = k_cache[meta.decode_block_tables].view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
-        vd = v_cache[meta.decode_block_tables].view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
-        qd = q[meta.decode_token_idx].unsqueeze(2)  # [B, H, 1, D]
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_key_mask,
-                                            scale=scale, enable_gqa=gqa)
-        out[meta.decode_token_idx] = od.squeeze(2)
+    if meta.num_decodes and not _decode_with_kernel(q, k_cache, v_cache, meta, scale, out):
+        _decode_with_torch(q, k_cache, v_cache, meta, scale, out)
 
     kvh_d = (num_kv_heads, head_dim)
     for p in meta.prefills:

@@ -1,16 +1,19 @@
 """The Llama family (Llama 2/3, SmolLM, Mistral, Qwen2): one flat batch of tokens, paged KV.
 
 Weights are fused at load time (q|k|v rows into `qkv_proj`, gate|up into `gate_up_proj`) so
-each layer runs four matmuls. Numerics follow Hugging Face's LlamaModel (RMSNorm in fp32,
+each layer runs four matmuls; on the CPU in fp32 they run through oneDNN on prepacked copies. Numerics follow Hugging Face's LlamaModel (RMSNorm in fp32,
 rotate_half RoPE with cos/sin computed in fp32)."""
 from __future__ import annotations
 
 import math
+import os
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow.csrc.ops import add_rms_norm, rope_, silu_mul
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.attention import AttentionMetadata, paged_attention, write_kv
 
@@ -39,17 +42,24 @@ def rope_inv_freq(arch: LlamaArchConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+def onednn_usable(dtype: torch.dtype) -> bool:
+    """oneDNN's prepacked fp32 GEMM beats MKL's F.linear here: ~1.5x for decode-sized batches
+    and the LM head, the same for long prefills (benchmarks/README.md). KVFLOW_NO_ONEDNN=1 opts out."""
+    return (dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and os.environ.get("KVFLOW_NO_ONEDNN") != "1")
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos/sin [T, 1, D] (HF's rotate_half convention)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """An (out, in) fp32 weight in oneDNN's blocked layout, for `linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64)  # 64: a decode-sized batch hint
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, w, bias)
 
 
 def _weight(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
@@ -72,23 +82,30 @@ class LlamaDecoderLayer(nn.Module):
         self.o_proj = _weight(h, self.q_size, dtype=dtype, device=device)
         self.gate_up_proj = _weight(2 * arch.intermediate_size, h, dtype=dtype, device=device)
         self.down_proj = _weight(h, arch.intermediate_size, dtype=dtype, device=device)
+        self.packed: dict[str, torch.Tensor] = {}  # oneDNN copies of the projections (pack_weights)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual_delta: torch.Tensor | None, rope: tuple,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x is the residual stream, `residual_delta` the previous layer's MLP output, not yet
+        added (the add is fused into this layer's first norm). Returns (x, this MLP's output)."""
         t = x.shape[0]
-        h = rms_norm(x, self.input_layernorm, self.eps)
-        qkv = F.linear(h, self.qkv_proj, self.qkv_bias)
+        h = add_rms_norm(x, residual_delta, self.input_layernorm, self.eps)
+        pk = self.packed
+        qkv = linear(h, self.qkv_proj, pk.get("qkv_proj"), self.qkv_bias)
+        # RoPE on the q and k heads together, in place in the fused projection's output
+        rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rope)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         attn = paged_attention(q, k_cache, v_cache, meta, self.scale, self.num_kv_heads, k=k, v=v)
-        x = x + F.linear(attn, self.o_proj)
-        h = rms_norm(x, self.post_attention_layernorm, self.eps)
-        gate, up = F.linear(h, self.gate_up_proj).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_proj)
+        h = add_rms_norm(x, linear(attn, self.o_proj, pk.get("o_proj")), self.post_attention_layernorm,
+                         self.eps)
+        gate_up = linear(h, self.gate_up_proj, pk.get("gate_up_proj"))
+        return x, linear(silu_mul(gate_up), self.down_proj, pk.get("down_proj"))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -112,19 +129,32 @@ class LlamaForCausalLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("rope_cos", emb.cos().to(rope_device), persistent=False)
         self.register_buffer("rope_sin", emb.sin().to(rope_device), persistent=False)
+        self.packed_lm_head: torch.Tensor | None = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+    def pack_weights(self) -> bool:
+        """Keep oneDNN-packed copies of the projections and the LM head beside the weights
+        (which stay as they are for state_dict and the embedding). False: not usable here."""
+        if self.embed_tokens.device.type != "cpu" or not onednn_usable(self.dtype):
+            return False
+        for layer in self.layers:
+            layer.packed = {name: pack_weight(getattr(layer, name))
+                            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+        self.packed_lm_head = pack_weight(self.embed_tokens if self.lm_head is None else self.lm_head)
+        return True
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | np.ndarray,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] for the flat batch; K/V land in `kv_caches`."""
         x = F.embedding(input_ids, self.embed_tokens)
-        cos = self.rope_cos[positions].to(self.dtype).unsqueeze(1)
-        sin = self.rope_sin[positions].to(self.dtype).unsqueeze(1)
+        pos = positions if isinstance(positions, np.ndarray) else positions.numpy()
+        rope = (np.ascontiguousarray(pos, dtype=np.int64), self.rope_cos, self.rope_sin)
+        delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, attn_metadata)
-        return rms_norm(x, self.norm, self.arch.rms_norm_eps)
+            x, delta = layer(x, delta, rope, kv_cache, attn_metadata)
+        return add_rms_norm(x, delta, self.norm, self.arch.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [S, vocab] in fp32 for the rows that sample."""
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight, self.packed_lm_head).float()

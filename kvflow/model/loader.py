@@ -53,6 +53,7 @@ def load_model(path: str, dtype: torch.dtype,
     model.eval()
     if device is not None:
         model.to(device)
+    model.pack_weights()
     return model, arch
 
 

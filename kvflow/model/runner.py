@@ -23,6 +23,13 @@ class CachedRequestState:
     num_prompt_tokens: int
     params: SamplingParams
     generator: torch.Generator | None
+    plain_greedy: bool = False  # argmax is all its sampling needs (no penalties, bans, logprobs)
+    needs_history: bool = False  # penalties / min_tokens read its prompt and output tokens
+
+
+def _needs_history(p: SamplingParams) -> bool:
+    return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            or p.min_tokens > 0)
 
 
 @dataclass
@@ -55,8 +62,11 @@ class ModelRunner:
             gen = old.generator if old is not None else None
             if gen is None and new.sampling_params.seed is not None:
                 gen = torch.Generator().manual_seed(new.sampling_params.seed)
+            p = new.sampling_params
+            history = _needs_history(p)
             self.requests[new.req_id] = CachedRequestState(
-                new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params, gen)
+                new.req_id, list(new.token_ids), new.num_prompt_tokens, p, gen,
+                plain_greedy=p.greedy and not history and p.logprobs is None, needs_history=history)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -64,42 +74,48 @@ class ModelRunner:
         if out.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput()
         req_ids = list(out.num_scheduled_tokens)
+        n = len(req_ids)
         states = [self.requests[rid] for rid in req_ids]
-        query_lens = np.fromiter(out.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
-        starts = np.fromiter((out.num_computed_tokens[r] for r in req_ids), dtype=np.int64,
-                             count=len(req_ids))
+        query_lens = np.fromiter(out.num_scheduled_tokens.values(), dtype=np.int64, count=n)
+        starts = np.fromiter(map(out.num_computed_tokens.__getitem__, req_ids), dtype=np.int64, count=n)
         seq_lens = starts + query_lens
-        num_known = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=len(states))
-        samples = seq_lens == num_known
+        num_known = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=n)
+        rows = np.flatnonzero(seq_lens == num_known)  # requests whose known tokens are all in
 
-        input_ids: list[int] = []
-        for s, start, end in zip(states, starts.tolist(), seq_lens.tolist()):
-            input_ids.extend(s.token_ids[start:end])
-        cu = np.zeros(len(req_ids) + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=cu[1:])
-        positions = np.arange(cu[-1], dtype=np.int64) - np.repeat(cu[:-1] - starts, query_lens)
-
+        # Per request O(1) work for decodes; prompt chunks copy their own tokens only.
+        if out.total_num_scheduled_tokens == n:
+            input_ids = [s.token_ids[i] for s, i in zip(states, starts.tolist())]
+        else:
+            input_ids = []
+            for s, start, end in zip(states, starts.tolist(), seq_lens.tolist()):
+                input_ids.extend(s.token_ids[start:end])
         meta = build_attention_metadata(query_lens, seq_lens,
                                         [out.block_ids[r] for r in req_ids], self.block_size)
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.long),
-                            torch.from_numpy(positions), self.kv_caches, meta)
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.long), meta.positions,
+                            self.kv_caches, meta)
 
-        rows = np.nonzero(samples)[0]
         result = ModelRunnerOutput()
         if len(rows) == 0:
             return result
-        logits = self.model.compute_logits(hidden[torch.from_numpy(cu[rows + 1] - 1)])
-        sampling_rows = [
-            SamplingRow(states[i].params, states[i].token_ids[:states[i].num_prompt_tokens],
-                        states[i].token_ids[states[i].num_prompt_tokens:], states[i].generator,
-                        self.eos_token_id)
-            for i in rows.tolist()
-        ]
-        sampled = self.sampler(logits, build_sampling_metadata(sampling_rows, logits.shape[-1]))
-        for i, token, lp in zip(rows.tolist(), sampled.sampled_token_ids, sampled.logprobs):
-            state = states[i]
+        # logits only at each sampling request's last position
+        logits = self.model.compute_logits(hidden[torch.from_numpy(meta.query_start_loc[rows + 1] - 1)])
+        sampled_states = [states[i] for i in rows.tolist()]
+        if all(s.plain_greedy for s in sampled_states):
+            tokens, logprobs = logits.argmax(dim=-1).tolist(), None
+        else:
+            sampled = self.sampler(logits, build_sampling_metadata(
+                [self._sampling_row(s) for s in sampled_states], logits.shape[-1]))
+            tokens, logprobs = sampled.sampled_token_ids, sampled.logprobs
+        for j, (state, token) in enumerate(zip(sampled_states, tokens)):
             state.token_ids.append(token)
             result.sampled[state.req_id] = [token]
-            if lp is not None:
-                result.logprobs[state.req_id] = lp
+            if logprobs is not None and logprobs[j] is not None:
+                result.logprobs[state.req_id] = logprobs[j]
         return result
+
+    def _sampling_row(self, s: CachedRequestState) -> SamplingRow:
+        # token histories are copied only for requests whose sampling reads them
+        if s.needs_history:
+            return SamplingRow(s.params, s.token_ids[:s.num_prompt_tokens],
+                               s.token_ids[s.num_prompt_tokens:], s.generator, self.eos_token_id)
+        return SamplingRow(s.params, [], [], s.generator, self.eos_token_id)

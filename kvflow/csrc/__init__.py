@@ -1,0 +1,122 @@
+"""kvflow's small CPU kernels: plain C compiled once per machine with the system compiler and
+called through ctypes (no torch headers, so the build takes about a second; ctypes releases
+the GIL, so a call can be split over threads by row ranges).
+
+`load_library()` returns None when no compiler is available or the build fails (or when
+KVFLOW_NO_KERNELS=1); callers then take their pure-PyTorch paths."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+
+import numpy as np
+
+logger = logging.getLogger("kvflow")
+
+_DIR = os.path.dirname(os.path.abspath(__file__))
+_SOURCES = [os.path.join(_DIR, f) for f in ("paged_attention.c", "fused_ops.c")]
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_SIGNATURES = {
+    # q, q_stride, k_cache, v_cache, tables, bt_stride, seq_lens, rows, begin, end, H, KVH, D,
+    # block_size, scale, out, out_stride
+    "paged_decode_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
+                         _i64, _i64, _f32, _ptr, _i64],
+    "paged_decode_bf16": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
+                          _i64, _i64, _f32, _ptr, _i64],
+    # residual, delta, weight, out, begin, end, n, eps
+    "add_rms_norm_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _f32],
+    # qkv, stride, positions, cos, sin, begin, end, n_heads, dim
+    "rope_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
+    # gate_up, out, begin, end, n
+    "silu_mul_f32": [_ptr, _ptr, _i64, _i64, _i64],
+    # k, v, src_stride, slots, k_cache, v_cache, begin, end, width
+    "write_kv_f32": [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+}
+
+
+def _cpu_id() -> str:
+    """What the compiled code depends on: -march=native ties a build to this CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = []
+    return platform.machine() + "".join(lines)
+
+
+def _build_dir() -> str:
+    root = os.environ.get("KVFLOW_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvflow")
+    return os.path.join(root, "kernels")
+
+
+@lru_cache(maxsize=1)
+def load_library() -> ctypes.CDLL | None:
+    """Compile (once, cached by sources, flags and CPU) and load the kernel library."""
+    if os.environ.get("KVFLOW_NO_KERNELS") == "1":
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        logger.warning("kvflow: no C compiler found; using the PyTorch paths")
+        return None
+    digest = hashlib.sha256(" ".join(_FLAGS).encode() + _cpu_id().encode())
+    for src in _SOURCES:
+        with open(src, "rb") as f:
+            digest.update(f.read())
+    out_dir = _build_dir()
+    lib_path = os.path.join(out_dir, f"kvflow_kernels-{digest.hexdigest()[:16]}.so")
+    if not os.path.isfile(lib_path):
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            # build privately then rename: concurrent starts never load a half-written file
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+            os.close(fd)
+            subprocess.run([cc, *_FLAGS, *_SOURCES, "-o", tmp, "-lm"], check=True,
+                           capture_output=True, timeout=120)
+            os.replace(tmp, lib_path)
+        except (OSError, subprocess.SubprocessError) as e:
+            err = getattr(e, "stderr", b"") or b""
+            logger.warning("kvflow: building the C kernels failed (%s %s); using the PyTorch paths",
+                           e, err.decode(errors="replace")[-500:])
+            return None
+    lib = ctypes.CDLL(lib_path)
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = None, argtypes
+    return lib
+
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def run_split(fn, num_rows: int, threads: int, weights: np.ndarray | None = None,
+              min_rows: int = 2) -> None:
+    """Call fn(begin, end) over [0, num_rows), split in up to `threads` contiguous ranges of
+    about equal weight (row count, or `weights`), the first range in the calling thread."""
+    global _pool
+    if threads <= 1 or num_rows < min_rows:
+        fn(0, num_rows)
+        return
+    if weights is None:
+        bounds = np.linspace(0, num_rows, threads + 1).astype(np.int64)
+    else:
+        cum = np.cumsum(weights)
+        bounds = np.concatenate(([0], np.searchsorted(cum, cum[-1] * np.arange(1, threads) / threads),
+                                 [num_rows]))
+    ranges = [(int(a), int(b)) for a, b in zip(bounds, bounds[1:]) if b > a]
+    if _pool is None or _pool._max_workers < threads - 1:
+        _pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="kvflow-kernel")
+    futures = [_pool.submit(fn, a, b) for a, b in ranges[1:]]
+    fn(*ranges[0])
+    for f in futures:
+        f.result()

@@ -1,0 +1,95 @@
+/* Fused fp32 elementwise steps of a Llama layer, one pass over memory each instead of the
+ * 4-6 PyTorch ops (and allocations) that each would take. Row ranges [begin, end) let the
+ * caller split the work between threads. Numerics follow Hugging Face's LlamaModel in fp32. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVFLOW_AVX2 1
+#endif
+
+/* residual[t] += delta[t] (when delta is given), then
+ * out[t] = weight * residual[t] * rsqrt(mean(residual[t]^2) + eps) */
+void add_rms_norm_f32(float *residual, const float *delta, const float *weight, float *out,
+                      int64_t begin, int64_t end, int64_t n, float eps) {
+    for (int64_t t = begin; t < end; t++) {
+        float *x = residual + t * n;
+        float *o = out + t * n;
+        float ss = 0.f;
+        if (delta) {
+            const float *d = delta + t * n;
+            for (int64_t i = 0; i < n; i++) x[i] += d[i];
+        }
+#pragma omp simd reduction(+:ss)
+        for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+        const float r = 1.f / sqrtf(ss / (float)n + eps);
+        for (int64_t i = 0; i < n; i++) o[i] = weight[i] * (x[i] * r);
+    }
+}
+
+/* In place on the q and k heads of each row of qkv (row stride `stride`): HF's rotate_half
+ * RoPE, x * cos + rotate_half(x) * sin, with cos/sin rows of the table [max_pos, dim]. */
+void rope_f32(float *qkv, int64_t stride, const int64_t *positions, const float *cos_table,
+              const float *sin_table, int64_t begin, int64_t end, int64_t n_heads, int64_t dim) {
+    const int64_t half = dim / 2;
+    for (int64_t t = begin; t < end; t++) {
+        const float *c = cos_table + positions[t] * dim, *s = sin_table + positions[t] * dim;
+        for (int64_t h = 0; h < n_heads; h++) {
+            float *x = qkv + t * stride + h * dim;
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = x[i], x2 = x[i + half];
+                x[i] = x1 * c[i] - x2 * s[i];
+                x[i + half] = x2 * c[i + half] + x1 * s[i + half];
+            }
+        }
+    }
+}
+
+#ifdef KVFLOW_AVX2
+/* exp(x), Cephes' polynomial, about 1 ulp in float over the range used here. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+/* out[t] = silu(gate_up[t, :n]) * gate_up[t, n:2n] */
+void silu_mul_f32(const float *gate_up, float *out, int64_t begin, int64_t end, int64_t n) {
+    for (int64_t t = begin; t < end; t++) {
+        const float *g = gate_up + t * 2 * n, *u = g + n;
+        float *o = out + t * n;
+        int64_t i = 0;
+#ifdef KVFLOW_AVX2
+        const __m256 one = _mm256_set1_ps(1.f);
+        for (; i + 8 <= n; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < n; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+}
+
+/* k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t] for the rows of one step (each row is
+ * `width` = kv_heads * head_dim floats; k/v rows `src_stride` apart, as views of qkv). */
+void write_kv_f32(const float *k, const float *v, int64_t src_stride, const int64_t *slots,
+                  float *k_cache, float *v_cache, int64_t begin, int64_t end, int64_t width) {
+    for (int64_t t = begin; t < end; t++) {
+        memcpy(k_cache + slots[t] * width, k + t * src_stride, sizeof(float) * (size_t)width);
+        memcpy(v_cache + slots[t] * width, v + t * src_stride, sizeof(float) * (size_t)width);
+    }
+}

@@ -1,0 +1,68 @@
+"""Tensor-level entry points of the fused C kernels, each with its PyTorch equivalent as the
+fallback (no compiler, non-fp32 activations, or another device). Numerics as in HF's Llama."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kvflow.csrc import load_library, run_split
+
+_MIN_PARALLEL_ROWS = 64  # below this, a second thread costs more than it saves
+
+
+def _fast(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+               for t in tensors) and load_library() is not None
+
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """residual += delta (in place, if given); return RMSNorm(residual) * weight."""
+    if not _fast(residual, weight, *([delta] if delta is not None else [])):
+        if delta is not None:
+            residual.add_(delta)
+        xf = residual.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(residual.dtype)
+    out = torch.empty_like(residual)
+    n = residual.shape[-1]
+    fn = load_library().add_rms_norm_f32
+    r, d, w, o = (residual.data_ptr(), delta.data_ptr() if delta is not None else None,
+                  weight.data_ptr(), out.data_ptr())
+    run_split(lambda a, b: fn(r, d, w, o, a, b, n, eps), residual.numel() // n,
+              torch.get_num_threads(), min_rows=_MIN_PARALLEL_ROWS)
+    return out
+
+
+def rope_(qkv: torch.Tensor, n_heads: int, head_dim: int, positions: np.ndarray,
+          cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate the first `n_heads` heads of each row of qkv [T, width] in place (HF rotate_half
+    RoPE); cos/sin are the [max_pos, head_dim] fp32 tables, positions int64 [T]."""
+    t = qkv.shape[0]
+    if not (_fast(qkv, cos, sin) and positions.dtype == np.int64 and positions.flags.c_contiguous):
+        x = qkv[:, :n_heads * head_dim].view(t, n_heads, head_dim)
+        idx = torch.from_numpy(positions)
+        c, s = cos[idx].to(qkv.dtype).unsqueeze(1), sin[idx].to(qkv.dtype).unsqueeze(1)
+        half = head_dim // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        x.copy_(x * c + rotated * s)
+        return
+    fn = load_library().rope_f32
+    q, p, c, s = qkv.data_ptr(), positions.ctypes.data, cos.data_ptr(), sin.data_ptr()
+    stride = qkv.stride(0)
+    run_split(lambda a, b: fn(q, stride, p, c, s, a, b, n_heads, head_dim), t,
+              torch.get_num_threads(), min_rows=_MIN_PARALLEL_ROWS)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] along the last dim."""
+    if not _fast(gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    t, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(t, n)
+    fn = load_library().silu_mul_f32
+    g, o = gate_up.data_ptr(), out.data_ptr()
+    run_split(lambda a, b: fn(g, o, a, b, n), t, torch.get_num_threads(), min_rows=_MIN_PARALLEL_ROWS)
+    return out

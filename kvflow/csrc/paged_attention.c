@@ -1,0 +1,210 @@
+/* Paged attention for decode rows (one query token per request), read straight from the
+ * block-paged KV cache: each request touches only its own blocks, nothing is gathered or
+ * padded. Plain C with AVX2/FMA intrinsics where the CPU has them (a scalar loop otherwise),
+ * called through ctypes with the GIL released; the caller splits rows between threads.
+ *
+ * Layout: q [*, H, D] fp32 (row stride q_stride elements), caches [blocks, bs, KVH, D]
+ * (fp32 or bf16), out [*, H, D] fp32 (row stride out_stride). Row r of the work is token
+ * rows[r] of q/out, with seq_lens[r] keys reached through block_tables[r * bt_stride ...].
+ * Query head h reads kv head h / (H / KVH) (grouped-query attention).
+ *
+ * Per row, two passes over its blocks (one block of one kv head is a few contiguous rows):
+ * scores[h][t] = scale * <q_h, k_t>, a softmax per head, then out_h = sum_t p[h][t] v_t. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVFLOW_AVX2 1
+#endif
+
+static inline float bf16_to_float(uint16_t v) {
+    union { uint32_t u; float f; } x = { (uint32_t)v << 16 };
+    return x.f;
+}
+static inline float load1_f32(const float *p) { return *p; }
+static inline float load1_bf16(const uint16_t *p) { return bf16_to_float(*p); }
+
+#ifdef KVFLOW_AVX2
+static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8_bf16(const uint16_t *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+/* exp for the softmax (arguments <= 0): Cephes' polynomial, about 1 ulp in float. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+/* exp(s - max) in place over n scores; returns 1 / their sum (the caller scales the output). */
+static float softmax_unnormalised(float *s, int64_t n) {
+    float m = -INFINITY, sum = 0.f;
+    int64_t t = 0;
+#ifdef KVFLOW_AVX2
+    __m256 vm = _mm256_set1_ps(-INFINITY);
+    for (; t + 8 <= n; t += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + t));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    m = _mm_cvtss_f32(m4);
+#endif
+    for (; t < n; t++) m = s[t] > m ? s[t] : m;
+    t = 0;
+#ifdef KVFLOW_AVX2
+    vm = _mm256_set1_ps(m);
+    __m256 vs = _mm256_setzero_ps();
+    for (; t + 8 <= n; t += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
+        _mm256_storeu_ps(s + t, e);
+        vs = _mm256_add_ps(vs, e);
+    }
+    sum = hsum8(vs);
+#endif
+    for (; t < n; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
+    return 1.f / sum;
+}
+
+/* Ask for a block of the cache (`bytes` from p) ahead of its use. */
+static inline void prefetch_block(const void *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 3);
+}
+
+#ifdef KVFLOW_AVX2
+/* ND = D / 8 is a literal at each call site, so the accumulators stay in registers. */
+#define DEFINE_VEC(SUFFIX, KV_T)                                                               \
+/* dst[j] = scale * <q, k[j * stride ..]> for j < 8 */                                         \
+static inline __attribute__((always_inline)) void dot8_##SUFFIX(                               \
+        const float *q, const KV_T *k, int64_t stride, const int ND, float scale, float *dst) { \
+    __m256 a[8];                                                                               \
+    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();                                    \
+    for (int i = 0; i < ND; i++) {                                                             \
+        const __m256 qv = _mm256_loadu_ps(q + 8 * i);                                          \
+        for (int j = 0; j < 8; j++)                                                            \
+            a[j] = _mm256_fmadd_ps(qv, load8_##SUFFIX(k + j * stride + 8 * i), a[j]);          \
+    }                                                                                          \
+    __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));        \
+    __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));        \
+    __m256 s = _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20),                             \
+                             _mm256_permute2f128_ps(h0, h1, 0x31));                            \
+    _mm256_storeu_ps(dst, _mm256_mul_ps(s, _mm256_set1_ps(scale)));                            \
+}                                                                                              \
+/* acc[0..D) += sum_t p[t] * v[t * stride ..] */                                               \
+static inline __attribute__((always_inline)) void axpy_rows_##SUFFIX(                          \
+        float *acc, const float *p, const KV_T *v, int64_t n, int64_t stride, const int ND) {  \
+    __m256 s[32];                                                                              \
+    for (int i = 0; i < ND; i++) s[i] = _mm256_loadu_ps(acc + 8 * i);                          \
+    for (int64_t t = 0; t < n; t++) {                                                          \
+        const __m256 pt = _mm256_set1_ps(p[t]);                                                \
+        for (int i = 0; i < ND; i++)                                                           \
+            s[i] = _mm256_fmadd_ps(pt, load8_##SUFFIX(v + t * stride + 8 * i), s[i]);          \
+    }                                                                                          \
+    for (int i = 0; i < ND; i++) _mm256_storeu_ps(acc + 8 * i, s[i]);                          \
+}
+DEFINE_VEC(f32, float)
+DEFINE_VEC(bf16, uint16_t)
+#endif
+
+/* One row's attention; ND is D / 8 for the vector path, 0 for the scalar one. */
+#define DEFINE_ROW(SUFFIX, KV_T, ND, VEC)                                                      \
+static void row_##SUFFIX##_##ND(const float *q, const KV_T *k_cache, const KV_T *v_cache,      \
+                                const int64_t *table, int64_t L, int64_t H, int64_t KVH,       \
+                                int64_t D, int64_t bs, float scale, float *scores, float *out) { \
+    const int64_t G = H / KVH, tok = KVH * D, blk = bs * KVH * D;                              \
+    for (int64_t b0 = 0; b0 < L; b0 += bs) {                                                   \
+        const KV_T *kb = k_cache + table[b0 / bs] * blk;                                       \
+        const int64_t n = L - b0 < bs ? L - b0 : bs;                                           \
+        if (b0 + bs < L) prefetch_block(k_cache + table[b0 / bs + 1] * blk, blk * sizeof(KV_T)); \
+        for (int64_t kh = 0; kh < KVH; kh++)                                                   \
+            for (int64_t g = 0; g < G; g++) {                                                  \
+                const int64_t h = kh * G + g;                                                  \
+                const float *qh = q + h * D;                                                   \
+                const KV_T *k = kb + kh * D;                                                   \
+                float *sh = scores + h * L + b0;                                               \
+                int64_t t = 0;                                                                 \
+                VEC(for (; t + 8 <= n; t += 8) dot8_##SUFFIX(qh, k + t * tok, tok, ND, scale, sh + t);) \
+                for (; t < n; t++) {                                                           \
+                    float s = 0.f;                                                             \
+                    for (int64_t d = 0; d < D; d++) s += qh[d] * load1_##SUFFIX(k + t * tok + d); \
+                    sh[t] = s * scale;                                                         \
+                }                                                                              \
+            }                                                                                  \
+    }                                                                                          \
+    float inv_sum[H];                                                                          \
+    for (int64_t h = 0; h < H; h++) inv_sum[h] = softmax_unnormalised(scores + h * L, L);      \
+    memset(out, 0, sizeof(float) * (size_t)(H * D));                                          \
+    for (int64_t b0 = 0; b0 < L; b0 += bs) {                                                   \
+        const KV_T *vb = v_cache + table[b0 / bs] * blk;                                       \
+        const int64_t n = L - b0 < bs ? L - b0 : bs;                                           \
+        if (b0 + bs < L) prefetch_block(v_cache + table[b0 / bs + 1] * blk, blk * sizeof(KV_T)); \
+        for (int64_t kh = 0; kh < KVH; kh++)                                                   \
+            for (int64_t g = 0; g < G; g++) {                                                  \
+                const int64_t h = kh * G + g;                                                  \
+                const float *p = scores + h * L + b0;                                          \
+                const KV_T *v = vb + kh * D;                                                   \
+                float *a = out + h * D;                                                        \
+                VEC(axpy_rows_##SUFFIX(a, p, v, n, tok, ND); continue;)                        \
+                for (int64_t t = 0; t < n; t++)                                                \
+                    for (int64_t d = 0; d < D; d++) a[d] += p[t] * load1_##SUFFIX(v + t * tok + d); \
+            }                                                                                  \
+    }                                                                                          \
+    for (int64_t h = 0; h < H; h++)                                                            \
+        for (int64_t d = 0; d < D; d++) out[h * D + d] *= inv_sum[h];                          \
+}
+
+#define SCALAR(x)
+#define VECTOR(x) x
+DEFINE_ROW(f32, float, 0, SCALAR)
+DEFINE_ROW(bf16, uint16_t, 0, SCALAR)
+#ifdef KVFLOW_AVX2
+DEFINE_ROW(f32, float, 8, VECTOR)
+DEFINE_ROW(f32, float, 16, VECTOR)
+DEFINE_ROW(bf16, uint16_t, 8, VECTOR)
+DEFINE_ROW(bf16, uint16_t, 16, VECTOR)
+#endif
+
+#ifdef KVFLOW_AVX2
+#define PICK_ROW(SUFFIX, D) ((D) == 64 ? row_##SUFFIX##_8 : (D) == 128 ? row_##SUFFIX##_16 : row_##SUFFIX##_0)
+#else
+#define PICK_ROW(SUFFIX, D) row_##SUFFIX##_0
+#endif
+
+#define DEFINE_DECODE(SUFFIX, KV_T)                                                            \
+void paged_decode_##SUFFIX(const float *q, int64_t q_stride, const KV_T *k_cache,             \
+                           const KV_T *v_cache, const int64_t *block_tables, int64_t bt_stride, \
+                           const int64_t *seq_lens, const int64_t *rows, int64_t row_begin,    \
+                           int64_t row_end, int64_t H, int64_t KVH, int64_t D,                 \
+                           int64_t block_size, float scale, float *out, int64_t out_stride) {  \
+    int64_t max_len = 1;                                                                       \
+    for (int64_t r = row_begin; r < row_end; r++)                                              \
+        if (seq_lens[r] > max_len) max_len = seq_lens[r];                                      \
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(H * max_len));                    \
+    void (*row)(const float *, const KV_T *, const KV_T *, const int64_t *, int64_t, int64_t,  \
+                int64_t, int64_t, int64_t, float, float *, float *) = PICK_ROW(SUFFIX, D);     \
+    for (int64_t r = row_begin; r < row_end; r++)                                              \
+        row(q + rows[r] * q_stride, k_cache, v_cache, block_tables + r * bt_stride,            \
+            seq_lens[r], H, KVH, D, block_size, scale, scores, out + rows[r] * out_stride);    \
+    free(scores);                                                                              \
+}
+DEFINE_DECODE(f32, float)
+DEFINE_DECODE(bf16, uint16_t)
