@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 import websockets
+import websockets.exceptions
 
 from server_helpers import ServerProcess
 
@@ -422,6 +423,12 @@ def test_requests_beyond_max_waiting_get_503_with_a_retry_hint(guarded):
 def test_killing_the_engine_fails_requests_and_health_within_2s(guarded):
     headers = {"Authorization": "Bearer s3cret"}
     body = {"model": "guarded", "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    # Earlier tests' abandoned streams leave only once the server notices their clients are gone.
+    deadline = time.monotonic() + 30
+    while (metric(guarded.url, "kvflow:num_requests_running")
+           or metric(guarded.url, "kvflow:num_requests_waiting")):
+        assert time.monotonic() < deadline, "the guarded server never became idle"
+        time.sleep(0.1)
     with httpx.Client(base_url=guarded.url, headers=headers, timeout=30) as http:
         with http.stream("POST", "/v1/completions", json=body) as resp:
             lines = resp.iter_lines()
