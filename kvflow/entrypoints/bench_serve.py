@@ -158,15 +158,23 @@ def _model_name(args) -> str:
     return resp.json()["data"][0]["id"]
 
 
-def _prompts(args) -> list:
+def _prompt_sets(args) -> tuple[list, list[list]]:
+    """Warm-up prompts and one fresh set per rate, all different: a server's prefix cache must
+    not serve one run (or its warm-up) from an earlier one. The same --seed gives the same sets."""
+    n_warm, n_rates = args.warmup, len(args.request_rate)
     if args.prompt_format == "ids" and args.endpoint == "completions":
-        return make_prompts(args.num_prompts, args.input_len, args.vocab_size, args.seed)
-    from kvflow.model_path import resolve_model_path
-    from kvflow.tokenizer import get_tokenizer
+        vocab, decode = args.vocab_size, None
+    else:
+        from kvflow.model_path import resolve_model_path
+        from kvflow.tokenizer import get_tokenizer
 
-    tok = get_tokenizer(resolve_model_path(args.tokenizer))
-    ids = make_prompts(args.num_prompts, args.input_len, len(tok), args.seed)
-    return [tok.decode(p) for p in ids]
+        tok = get_tokenizer(resolve_model_path(args.tokenizer))
+        vocab, decode = len(tok), tok.decode
+    ids = make_prompts(n_warm * n_rates + args.num_prompts * n_rates, args.input_len, vocab, args.seed)
+    prompts = [decode(p) for p in ids] if decode else ids
+    warm, runs = prompts[:n_warm * n_rates], prompts[n_warm * n_rates:]
+    return ([warm[i * n_warm:(i + 1) * n_warm] for i in range(n_rates)],
+            [runs[i * args.num_prompts:(i + 1) * args.num_prompts] for i in range(n_rates)])
 
 
 def print_table(rows: list[dict]) -> None:
@@ -189,11 +197,11 @@ def print_table(rows: list[dict]) -> None:
 def cmd_bench_serve(args) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     model = _model_name(args)
-    prompts = _prompts(args)
+    warmups, prompt_sets = _prompt_sets(args)
     rows = []
-    for rate in args.request_rate:
-        if args.warmup:
-            asyncio.run(run_rate(args, model, prompts[:args.warmup], math.inf))
+    for rate, warm, prompts in zip(args.request_rate, warmups, prompt_sets):
+        if warm:
+            asyncio.run(run_rate(args, model, warm, math.inf))
         row = asyncio.run(run_rate(args, model, prompts, rate))
         row.update(model=model, base_url=args.base_url, num_prompts=args.num_prompts,
                    input_len=args.input_len, output_len=args.output_len, seed=args.seed,
@@ -216,7 +224,8 @@ def register(bench_sub) -> None:
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
-                   help="requests per second, Poisson arrivals (inf: all at once); several run in turn")
+                   help="requests per second, Poisson arrivals (inf: all at once); several run in "
+                        "turn, each with its own fresh prompts")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
