@@ -84,13 +84,42 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 
 
+def parse_init_method(init_method: str) -> tuple[str, int]:
+    """'tcp://HOST:PORT' -> (HOST, PORT); the form torch.distributed documents."""
+    host, sep, port = init_method.removeprefix("tcp://").rpartition(":")
+    if not init_method.startswith("tcp://") or not sep or not host.strip("[]") or not port.isdigit():
+        raise ValueError(f"distributed init method must look like tcp://HOST:PORT, got {init_method!r}")
+    return host.strip("[]"), int(port)
+
+
 @dataclass
 class ParallelConfig:
+    """Tensor parallelism: `tensor_parallel_size` ranks spread evenly over `nnodes` machines,
+    this one being `node_rank` (0 runs the engine). The ranks meet at `distributed_init_method`
+    (tcp://HOST:PORT of node 0; None: a free loopback port, for a single machine)."""
+
     tensor_parallel_size: int = 1
+    distributed_init_method: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise ValueError("tensor_parallel_size must be >= 1")
+        tp, nnodes = self.tensor_parallel_size, self.nnodes
+        if tp < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+        if nnodes < 1:
+            raise ValueError(f"nnodes must be >= 1, got {nnodes}")
+        if not 0 <= self.node_rank < nnodes:
+            raise ValueError(f"node_rank must be in 0..{nnodes - 1} (nnodes is {nnodes}), "
+                             f"got {self.node_rank}")
+        if tp % nnodes:
+            raise ValueError(f"tensor_parallel_size {tp} must be a multiple of nnodes {nnodes} "
+                             "(every node runs the same number of ranks)")
+        if self.distributed_init_method is not None:
+            parse_init_method(self.distributed_init_method)
+        elif nnodes > 1:
+            raise ValueError("several nodes need --distributed-init-method tcp://HOST:PORT, an "
+                             "address of node 0 that every node can reach")
 
 
 def default_num_threads() -> int:
@@ -108,3 +137,4 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     num_threads: int = field(default_factory=default_num_threads)
     trace: str | None = None  # path of a JSONL step trace
+    warmup: bool = True  # run a few throw-away steps at start-up (kvflow/engine/warmup.py)

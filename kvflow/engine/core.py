@@ -11,9 +11,12 @@ from kvflow.core.scheduler import Scheduler
 from kvflow.engine.kv_sizing import max_concurrency, num_kv_blocks
 from kvflow.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kvflow.engine.step_trace import StepTrace
+from kvflow.engine.warmup import warmup_outputs
 from kvflow.logger import init_logger
+from kvflow.model.arch import load_arch_config
 from kvflow.model.loader import load_model, resolve_dtype
 from kvflow.model.runner import ModelRunner
+from kvflow.model.sharding import kv_bytes_per_token_per_rank
 from kvflow.model_path import resolve_model_path
 from kvflow.request import Request
 
@@ -31,20 +34,41 @@ class EngineCore:
         mc = config.model_config
         self.model_path = resolve_model_path(mc.model)
         self.dtype = resolve_dtype(mc.dtype)
-        self.model, self.arch = load_model(self.model_path, self.dtype)
+        self.tp_size = config.parallel_config.tensor_parallel_size
+        if self.tp_size > 1:  # the executor's ranks load their shards; never the whole model here
+            self.model, self.arch = None, load_arch_config(self.model_path)
+        else:
+            self.model, self.arch = load_model(self.model_path, self.dtype)
         self.max_model_len = mc.max_model_len or self.arch.max_position_embeddings
         sc = replace(config.scheduler_config, max_model_len=self.max_model_len)
-        self.kv_bytes_per_token = self.arch.kv_bytes_per_token(self.dtype.itemsize)
+        # under tensor parallelism each rank holds its KV heads' share of every block
+        self.kv_bytes_per_token = kv_bytes_per_token_per_rank(self.arch, self.tp_size,
+                                                              self.dtype.itemsize)
         cc = replace(config.cache_config,
                      num_blocks=num_kv_blocks(config.cache_config, self.kv_bytes_per_token))
         self.scheduler_config, self.cache_config = sc, cc
         self.scheduler = Scheduler(sc, cc)
-        self.runner = ModelRunner(self.model, self.arch, cc.num_blocks, cc.block_size, self.dtype,
-                                  self.arch.eos_token_id)
-        self.trace = StepTrace(config.trace, sc.max_num_batched_tokens, cc.block_size,
-                               cc.num_blocks) if config.trace else None
+        self.executor = None  # a TPExecutor: the same execute(), over tensor_parallel_size ranks
+        self.trace = None
+        if self.tp_size > 1:
+            from kvflow.distributed.executor import TPExecutor
+            self.executor = TPExecutor(config, self.model_path, self.arch, self.dtype, cc.num_blocks,
+                                       cc.block_size, self.arch.eos_token_id)
+        self.runner = (self.executor if self.executor is not None else
+                       ModelRunner(self.model, self.arch, cc.num_blocks, cc.block_size, self.dtype,
+                                   self.arch.eos_token_id))
         self._last_preemptions = 0
         self._first_scheduled: dict[str, float] = {}
+        try:
+            self.trace = StepTrace(config.trace, sc.max_num_batched_tokens, cc.block_size,
+                                   cc.num_blocks) if config.trace else None
+            if config.warmup:
+                for sched_out in warmup_outputs(self.arch.vocab_size, cc.block_size, cc.num_blocks,
+                                                sc.max_num_batched_tokens):
+                    self.runner.execute(sched_out)
+        except BaseException:
+            self.shutdown()  # no worker outlives a failed start
+            raise
         self.startup_time = time.perf_counter() - t0
         logger.info(self.startup_report())
 
@@ -55,7 +79,9 @@ class EngineCore:
                 f"KV {self.kv_bytes_per_token} B/token; {cc.num_blocks} blocks x {cc.block_size} = "
                 f"{cc.num_blocks * cc.block_size} tokens; max concurrency at max_model_len "
                 f"{self.max_model_len}: {max_concurrency(cc.num_blocks, cc.block_size, self.max_model_len):.2f}; "
-                f"threads {torch.get_num_threads()}; ready in {self.startup_time:.1f}s")
+                f"threads {torch.get_num_threads()}; "
+                + (f"tensor-parallel size {self.tp_size} (KV per rank); " if self.executor else "")
+                + f"ready in {self.startup_time:.1f}s")
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> None:
@@ -77,6 +103,7 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.scheduler.abort_request(rid)
+            self._first_scheduled.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -136,7 +163,15 @@ class EngineCore:
             step_time=step_time, prefix_cache_queries=kv.prefix_queries,
             prefix_cache_hits=kv.prefix_hits)
 
+    def check_health(self) -> None:
+        """WorkerFailedError if a tensor-parallel worker has died (checked while idle, so that
+        a server with no requests notices too); nothing to check in a single process."""
+        if self.executor is not None:
+            self.executor.check_health()
+
     def shutdown(self) -> None:
         if self.trace:
             self.trace.close()
             self.trace = None
+        if self.executor is not None:
+            self.executor.shutdown()

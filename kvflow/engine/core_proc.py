@@ -94,8 +94,12 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
     out_sock.send_multipart([CoreMessage.READY, encoder.encode(ready)])
     try:
         EngineCoreLoop(core, in_sock, out_sock, parent_pid).run()
-    except Exception:  # noqa: BLE001
-        out_sock.send_multipart([CoreMessage.FAILED, encoder.encode(traceback.format_exc())])
+    except Exception as e:  # noqa: BLE001
+        from kvflow.distributed.executor import WorkerFailedError
+
+        # a tensor-parallel worker's death is reported in one line; anything else in full
+        msg = f"{type(e).__name__}: {e}" if isinstance(e, WorkerFailedError) else traceback.format_exc()
+        out_sock.send_multipart([CoreMessage.FAILED, encoder.encode(msg)])
         sys.exit(1)
     finally:
         core.shutdown()
@@ -125,6 +129,7 @@ class EngineCoreLoop:
                 return  # orphaned: the frontend is gone
             busy = self.core.has_unfinished_requests()
             if not busy and not self.poller.poll(self.snapshots.wait_ms(_IDLE_POLL_MS)):
+                self.core.check_health()  # a dead tensor-parallel worker ends an idle engine too
                 self.send_snapshot(self.snapshots.poll())  # the state after the last step
                 continue
             handled = self.drain_input()

@@ -25,19 +25,31 @@ def run_throughput(engine_kwargs: dict, num_prompts: int = 128, min_len: int = 3
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
                  use_tqdm=False)  # warm-up
+    core = llm.engine.core
+    if core.executor is not None:
+        core.executor.reset_comm_stats()  # time the measured run's collectives only
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
     n_in = sum(len(p) for p in prompts)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"engine": "kvflow", "num_prompts": num_prompts, "input_tokens": n_in,
-            "output_tokens": n_out, "wall_s": wall, "output_tok_s": n_out / wall,
-            "total_tok_s": (n_in + n_out) / wall, "startup_s": startup,
-            "dtype": str(llm.engine.core.dtype).removeprefix("torch."),
-            "threads": llm.engine.core.config.num_threads}
+    result = {"engine": "kvflow", "num_prompts": num_prompts, "input_tokens": n_in,
+              "output_tokens": n_out, "wall_s": wall, "output_tok_s": n_out / wall,
+              "total_tok_s": (n_in + n_out) / wall, "startup_s": startup,
+              "dtype": str(core.dtype).removeprefix("torch."), "threads": core.config.num_threads,
+              "tensor_parallel_size": core.tp_size}
+    if core.executor is not None:
+        result.update(core.executor.comm_summary())
+    llm.engine.shutdown()
+    return result
 
 
 def cmd_throughput(args, engine_kwargs) -> int:
+    from kvflow.entrypoints.cli import worker_node_status
+
+    status = worker_node_status(args)  # --node-rank K > 0: this node runs workers only
+    if status is not None:
+        return status
     result = run_throughput(engine_kwargs(args), args.num_prompts, args.min_input_len,
                             args.max_input_len, args.output_len, args.dataset_seed)
     print(json.dumps(result, indent=2))

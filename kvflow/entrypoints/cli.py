@@ -25,6 +25,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="cap on one request's prefill tokens per step (0: no cap)")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+    tp = p.add_argument_group("tensor parallelism (docs/tensor_parallel.md)")
+    tp.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                    help="split the model over this many processes (ranks)")
+    tp.add_argument("--distributed-init-method", default=None, metavar="tcp://HOST:PORT",
+                    help="where the ranks meet: an address of node 0 every node reaches "
+                         "(default: a free loopback port)")
+    tp.add_argument("--nnodes", type=int, default=1, help="machines the ranks are spread over")
+    tp.add_argument("--node-rank", type=int, default=0,
+                    help="this machine's index; a node other than 0 only runs its workers")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -34,16 +43,40 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_cache_memory=args.kv_cache_memory, seed=args.seed, num_threads=args.num_threads,
                 enable_prefix_caching=args.enable_prefix_caching,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
-                scheduling_policy=args.scheduling_policy)
+                scheduling_policy=args.scheduling_policy,
+                tensor_parallel_size=args.tensor_parallel_size,
+                distributed_init_method=args.distributed_init_method, nnodes=args.nnodes,
+                node_rank=args.node_rank)
+
+
+def worker_node_status(args: argparse.Namespace) -> int | None:
+    """On a node other than 0 of a tensor-parallel engine (--node-rank K), run this node's
+    workers instead of an engine and return the exit status; None on node 0."""
+    if args.node_rank == 0:
+        return None
+    from kvflow.config import ParallelConfig
+    from kvflow.distributed.node import run_worker_node
+
+    try:
+        pc = ParallelConfig(args.tensor_parallel_size, args.distributed_init_method, args.nnodes,
+                            args.node_rank)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return run_worker_node(pc)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     if args.explain:
         from kvflow.entrypoints.trace_cli import cmd_explain
         return cmd_explain(args, engine_kwargs(args))
+    status = worker_node_status(args)
+    if status is not None:
+        return status
     if args.prompt is None:
         print("error: a prompt is required (or --explain)", file=sys.stderr)
         return 2
+    from kvflow.distributed.executor import WorkerFailedError
     from kvflow.engine.output_processor import OutputKind
     from kvflow.entrypoints.llm import LLM
     from kvflow.sampling_params import SamplingParams
@@ -64,13 +97,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except WorkerFailedError as e:  # a tensor-parallel worker could not start
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     finish = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            c = out.outputs[0]
-            sys.stdout.write(c.text)
-            sys.stdout.flush()
-            finish = c.finish_reason or finish
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                c = out.outputs[0]
+                sys.stdout.write(c.text)
+                sys.stdout.flush()
+                finish = c.finish_reason or finish
+    except WorkerFailedError as e:
+        print(f"\nerror: {e}", file=sys.stderr)  # a tensor-parallel worker died
+        engine.shutdown()
+        return 1
     sys.stdout.write("\n")
     print(f"[finish_reason: {finish}]", file=sys.stderr)
     engine.shutdown()

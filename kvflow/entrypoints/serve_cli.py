@@ -26,7 +26,9 @@ def engine_config(kwargs: dict) -> EngineConfig:
             max_num_batched_tokens=kw.pop("max_num_batched_tokens"), max_num_seqs=kw.pop("max_num_seqs"),
             long_prefill_token_threshold=kw.pop("long_prefill_token_threshold", 0),
             policy=kw.pop("scheduling_policy", "fcfs")),
-        parallel_config=ParallelConfig(tensor_parallel_size=kw.pop("tensor_parallel_size", 1)),
+        parallel_config=ParallelConfig(tensor_parallel_size=kw.pop("tensor_parallel_size", 1),
+                                       distributed_init_method=kw.pop("distributed_init_method", None),
+                                       nnodes=kw.pop("nnodes", 1), node_rank=kw.pop("node_rank", 0)),
         num_threads=kw.pop("num_threads") or default_num_threads())
     if kw:
         raise ValueError(f"kvflow serve does not know the engine options {sorted(kw)}")
@@ -41,6 +43,11 @@ def served_name(args: argparse.Namespace) -> str:
 
 
 def cmd_serve(args: argparse.Namespace, engine_kwargs) -> int:
+    from kvflow.entrypoints.cli import worker_node_status
+
+    status = worker_node_status(args)  # --node-rank K > 0: this node runs workers, no server
+    if status is not None:
+        return status
     from kvflow.entrypoints.openai.api_server import run_server
     from kvflow.entrypoints.openai.serving_engine import ServerSettings
 

@@ -1,12 +1,15 @@
 """The Llama family (Llama 2/3, SmolLM, Mistral, Qwen2): one flat batch of tokens, paged KV.
 
 Weights are fused at load time (q|k|v rows into `qkv_proj`, gate|up into `gate_up_proj`) so
-each layer runs four matmuls; on the CPU in fp32 they run through oneDNN on prepacked copies. Numerics follow Hugging Face's LlamaModel (RMSNorm in fp32,
-rotate_half RoPE with cos/sin computed in fp32)."""
+each layer runs four matmuls; on the CPU in fp32 they run through oneDNN on prepacked copies (kvflow/model/onednn.py). Numerics follow Hugging Face's LlamaModel (RMSNorm in fp32,
+rotate_half RoPE with cos/sin computed in fp32).
+
+With `tp` (a tensor-parallel group, kvflow/distributed/parallel.py) the model is one rank's
+shard: its own heads and MLP slice, all-reduced after the row-parallel O and down projections,
+and a vocab-parallel embedding and LM head (kvflow/model/sharding.py has the layout)."""
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import torch
@@ -16,6 +19,9 @@ from torch import nn
 from kvflow.csrc.ops import add_rms_norm, rope_, silu_mul
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.attention import AttentionMetadata, paged_attention, write_kv
+from kvflow.model.onednn import linear, onednn_usable, pack_weight
+from kvflow.model.sharding import local_arch
+from kvflow.model.tp_layers import gather_vocab_logits, vocab_parallel_embedding
 
 ROPE_CACHE_MAX = 32768  # positions precomputed by default; pass max_position for longer contexts
 
@@ -42,33 +48,17 @@ def rope_inv_freq(arch: LlamaArchConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def onednn_usable(dtype: torch.dtype) -> bool:
-    """oneDNN's prepacked fp32 GEMM beats MKL's F.linear here: ~1.5x for decode-sized batches
-    and the LM head, the same for long prefills (benchmarks/README.md). KVFLOW_NO_ONEDNN=1 opts out."""
-    return (dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            and os.environ.get("KVFLOW_NO_ONEDNN") != "1")
-
-
-def pack_weight(w: torch.Tensor) -> torch.Tensor:
-    """An (out, in) fp32 weight in oneDNN's blocked layout, for `linear`."""
-    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64)  # 64: a decode-sized batch hint
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
-    if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return F.linear(x, w, bias)
-
-
 def _weight(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: LlamaArchConfig, dtype: torch.dtype, device=None):
+    """One decoder layer; under tensor parallelism `arch` holds this rank's shapes (local heads,
+    MLP slice) and `tp` all-reduces the row-parallel outputs."""
+
+    def __init__(self, arch: LlamaArchConfig, dtype: torch.dtype, device=None, tp=None):
         super().__init__()
+        self.tp = tp
         h, d = arch.hidden_size, arch.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_attention_heads, arch.num_key_value_heads, d
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
@@ -102,26 +92,36 @@ class LlamaDecoderLayer(nn.Module):
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         attn = paged_attention(q, k_cache, v_cache, meta, self.scale, self.num_kv_heads, k=k, v=v)
-        h = add_rms_norm(x, linear(attn, self.o_proj, pk.get("o_proj")), self.post_attention_layernorm,
-                         self.eps)
+        o = linear(attn, self.o_proj, pk.get("o_proj"))
+        if self.tp is not None:
+            self.tp.all_reduce(o)  # row-parallel: each rank holds a partial sum
+        h = add_rms_norm(x, o, self.post_attention_layernorm, self.eps)
         gate_up = linear(h, self.gate_up_proj, pk.get("gate_up_proj"))
-        return x, linear(silu_mul(gate_up), self.down_proj, pk.get("down_proj"))
+        down = linear(silu_mul(gate_up), self.down_proj, pk.get("down_proj"))
+        if self.tp is not None:
+            self.tp.all_reduce(down)
+        return x, down
 
 
 class LlamaForCausalLM(nn.Module):
-    """A Llama-family decoder over a flat, unpadded batch of tokens from many requests."""
+    """A Llama-family decoder over a flat, unpadded batch of tokens from many requests.
+
+    `arch` is always the whole model's; with `tp` (a tensor-parallel group) this module holds
+    rank `tp.rank`'s shard of it (shapes from sharding.local_arch)."""
 
     def __init__(self, arch: LlamaArchConfig, dtype: torch.dtype, device=None,
-                 max_position: int | None = None):
+                 max_position: int | None = None, tp=None):
         super().__init__()
-        self.arch, self.dtype = arch, dtype
+        self.arch, self.dtype, self.tp = arch, dtype, tp
+        shard = arch if tp is None else local_arch(arch, tp.world_size)
         h = arch.hidden_size
-        self.embed_tokens = _weight(arch.vocab_size, h, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, dtype, device) for _ in range(arch.num_hidden_layers))
+        self.embed_tokens = _weight(shard.vocab_size, h, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(shard, dtype, device, tp)
+                                    for _ in range(arch.num_hidden_layers))
         self.norm = _weight(h, dtype=dtype, device=device)
         # tied models read the embedding matrix directly (no second parameter to keep in sync)
         self.lm_head = (None if arch.tie_word_embeddings
-                        else _weight(arch.vocab_size, h, dtype=dtype, device=device))
+                        else _weight(shard.vocab_size, h, dtype=dtype, device=device))
         # cos/sin in fp32 like HF; on the CPU even when the weights start on the meta device
         rope_device = None if device is None or torch.device(device).type == "meta" else device
         n_pos = max_position or min(arch.max_position_embeddings, ROPE_CACHE_MAX)
@@ -146,7 +146,10 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] for the flat batch; K/V land in `kv_caches`."""
-        x = F.embedding(input_ids, self.embed_tokens)
+        if self.tp is None:
+            x = F.embedding(input_ids, self.embed_tokens)
+        else:
+            x = vocab_parallel_embedding(input_ids, self.embed_tokens, self.tp)
         pos = positions if isinstance(positions, np.ndarray) else positions.numpy()
         rope = (np.ascontiguousarray(pos, dtype=np.int64), self.rope_cos, self.rope_sin)
         delta = None
@@ -154,7 +157,12 @@ class LlamaForCausalLM(nn.Module):
             x, delta = layer(x, delta, rope, kv_cache, attn_metadata)
         return add_rms_norm(x, delta, self.norm, self.arch.rms_norm_eps)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [S, vocab] in fp32 for the rows that sample."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits [S, vocab] in fp32 for the rows that sample. Under tensor parallelism every
+        rank computes its vocab slice and only the driver gets the whole (None elsewhere)."""
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return linear(hidden, weight, self.packed_lm_head).float()
+        logits = linear(hidden, weight, self.packed_lm_head)
+        if self.tp is None:
+            return logits.float()
+        logits = gather_vocab_logits(logits, self.arch.vocab_size, self.tp)
+        return None if logits is None else logits.float().contiguous()

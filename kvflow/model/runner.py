@@ -68,6 +68,15 @@ class ModelRunner:
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, p, gen,
                 plain_greedy=p.greedy and not history and p.logprobs is None, needs_history=history)
 
+    def append_sampled(self, sampled: dict[str, list[int]]) -> None:
+        """Tokens the driver sampled last step, on a tensor-parallel rank that does not sample
+        (the driver's runner appends its own in `execute`); unknown ids are gone already."""
+        reqs = self.requests
+        for rid, tokens in sampled.items():
+            state = reqs.get(rid)
+            if state is not None:
+                state.token_ids.extend(tokens)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(out)
@@ -99,6 +108,8 @@ class ModelRunner:
             return result
         # logits only at each sampling request's last position
         logits = self.model.compute_logits(hidden[torch.from_numpy(meta.query_start_loc[rows + 1] - 1)])
+        if logits is None:  # a tensor-parallel rank other than the driver: it never samples
+            return result
         sampled_states = [states[i] for i in rows.tolist()]
         if all(s.plain_greedy for s in sampled_states):
             tokens, logprobs = logits.argmax(dim=-1).tolist(), None

@@ -1,0 +1,207 @@
+"""Driver side of tensor parallelism: rank 0 runs in the engine's own process and samples;
+ranks 1..N-1 run in worker processes that this executor starts (those of node 0) and watches.
+
+Each step the driver broadcasts (SchedulerOutput, tokens sampled last step), then every rank
+runs the same forward over its shard; the scheduler stays single, on the driver. The executor
+has ModelRunner's `execute()`, so EngineCore uses either without knowing which."""
+from __future__ import annotations
+
+import os
+import pickle
+import time
+import weakref
+
+import torch
+
+from kvflow.config import EngineConfig
+from kvflow.distributed.parallel import (RENDEZVOUS_TIMEOUT, CollectiveError, CommStats, Rendezvous,
+                                         TPGroup, parse_init_method)
+from kvflow.distributed.shm_allreduce import (MAX_SLOT_BYTES, ShmAllReduce, create_segment,
+                                              shm_supported)
+from kvflow.distributed.supervisor import WorkerSupervisor, spawn_worker
+from kvflow.distributed.worker import WorkerInit
+from kvflow.logger import init_logger
+from kvflow.model.arch import LlamaArchConfig
+from kvflow.model.runner import ModelRunner, ModelRunnerOutput
+from kvflow.model.sharding import check_tp_size, load_sharded_model, local_arch
+
+logger = init_logger("kvflow.distributed")
+# After a collective fails, how long to wait for the supervisor to name the rank that died.
+BLAME_WAIT_S = 2.0
+
+
+def use_shm() -> bool:
+    """Shared-memory all-reduce on one machine, unless KVFLOW_TP_SHM=0 (gloo for everything)."""
+    return shm_supported() and os.environ.get("KVFLOW_TP_SHM", "1") != "0"
+
+
+class WorkerFailedError(RuntimeError):
+    """A tensor-parallel rank died or left the group; the engine cannot run another step."""
+
+
+class TPExecutor:
+    """Runs the model over `tensor_parallel_size` ranks (see the module docstring)."""
+
+    def __init__(self, config: EngineConfig, model_path: str, arch: LlamaArchConfig,
+                 dtype: torch.dtype, num_blocks: int, block_size: int,
+                 eos_token_id: int | list[int] | None) -> None:
+        pc = config.parallel_config
+        n, nnodes = pc.tensor_parallel_size, pc.nnodes
+        check_tp_size(arch, n)
+        if pc.node_rank != 0:
+            raise ValueError("the engine runs on node 0; start the other nodes as workers "
+                             "(the same command with --node-rank K)")
+        host, port = (parse_init_method(pc.distributed_init_method) if pc.distributed_init_method
+                      else ("127.0.0.1", 0))
+        self.world_size, self.failed, self.closed = n, None, False
+        self.group: TPGroup | None = None
+        self.supervisor: WorkerSupervisor | None = None
+        self._sampled: dict[str, list[int]] = {}
+        self.num_steps = 0
+        self.rdv = Rendezvous(host, port, n, is_master=True)
+        # All ranks on this machine: all-reduce through shared memory, sized for the largest
+        # step ([max_num_batched_tokens, hidden] in fp32) up to a cap.
+        slot_bytes = min(config.scheduler_config.max_num_batched_tokens * arch.hidden_size * 4,
+                         MAX_SLOT_BYTES)
+        self._shm_path = create_segment(n, slot_bytes) if nnodes == 1 and use_shm() else None
+        try:
+            self.rdv.store.set("init", pickle.dumps(WorkerInit(
+                model_path, str(dtype).removeprefix("torch."), num_blocks, block_size,
+                config.num_threads, eos_token_id, shm_path=self._shm_path,
+                shm_slot_bytes=slot_bytes)))
+            self.supervisor = WorkerSupervisor(
+                {r: spawn_worker(self.rdv.address, r, n) for r in range(1, n // nnodes)})
+            # Workers that never started are killed even if shutdown() is never called.
+            self._finalizer = weakref.finalize(self, WorkerSupervisor.kill, self.supervisor)
+            self._wait_for("joined")
+            sup = self.supervisor  # not `self`: no reference cycle keeps the executor alive
+            shm = (ShmAllReduce(self._shm_path, 0, n, slot_bytes, lambda: sup.failure)
+                   if self._shm_path else None)
+            self._unlink_shm()  # every rank has it mapped: nothing is left in /dev/shm
+            self.group = TPGroup(self.rdv, 0, n, shm=shm)
+            self.model, _ = load_sharded_model(model_path, dtype, self.group)
+            self.runner = ModelRunner(self.model, local_arch(arch, n), num_blocks, block_size,
+                                      dtype, eos_token_id)
+            self._wait_for("loaded")
+        except BaseException:
+            self._abort()
+            raise
+        self.group.stats = CommStats()  # count the serving steps only
+
+    def _wait_for(self, key: str) -> None:
+        """Until every worker has set `key/RANK` in the store; a worker error or death ends it."""
+        store, pending = self.rdv.store, set(range(1, self.world_size))
+        deadline = time.monotonic() + RENDEZVOUS_TIMEOUT.total_seconds()
+        while pending:
+            for r in sorted(pending):
+                if store.check([f"error/{r}"]):
+                    raise WorkerFailedError(f"tensor-parallel worker rank {r}: "
+                                            + store.get(f"error/{r}").decode())
+                if store.check([f"{key}/{r}"]):
+                    pending.discard(r)
+            if self.supervisor.failure and pending:
+                time.sleep(0.2)  # its error message may still be on its way to the store
+                if not any(store.check([f"error/{r}"]) for r in pending):
+                    raise WorkerFailedError(self.supervisor.failure)
+            elif pending and time.monotonic() > deadline:
+                raise WorkerFailedError(
+                    f"tensor-parallel ranks {sorted(pending)} did not reach the rendezvous at "
+                    f"{self.rdv.address} within {RENDEZVOUS_TIMEOUT.total_seconds():.0f}s; start "
+                    "every node with the same --distributed-init-method, --nnodes and "
+                    "--tensor-parallel-size")
+            elif pending:
+                time.sleep(0.05)
+
+    # -- steps ---------------------------------------------------------------------------
+    def execute(self, sched_out) -> ModelRunnerOutput:
+        """One step on every rank; the driver's sampled tokens come back."""
+        self.check_health()
+        try:
+            self.group.broadcast_object((sched_out, self._sampled))
+            out = self.runner.execute(sched_out)
+        except CollectiveError as e:
+            blame = self.supervisor.wait_failure(BLAME_WAIT_S)
+            self._fail(blame or f"a tensor-parallel rank left the group ({e})")
+        except BaseException as e:
+            # the ranks are out of step now: no further step could be trusted
+            self.failed = f"a step failed on the driver ({type(e).__name__}: {e}); the engine has stopped"
+            self._abort()
+            raise
+        self._sampled = out.sampled
+        self.num_steps += 1
+        return out
+
+    def check_health(self) -> None:
+        """WorkerFailedError if a rank has died (or the engine stopped after a failure)."""
+        if self.failed:
+            raise WorkerFailedError(self.failed)
+        if self.supervisor.failure:
+            self._fail(self.supervisor.failure)
+
+    def _fail(self, why: str) -> None:
+        self.failed = f"{why}; the engine has stopped"
+        self._abort()
+        raise WorkerFailedError(self.failed) from None
+
+    def reset_comm_stats(self) -> None:
+        """Count collectives from here on (e.g. after warm-up)."""
+        if self.group is not None:
+            self.group.stats = CommStats()
+        self.num_steps = 0
+
+    def comm_summary(self) -> dict:
+        """The driver's time in collectives per step, as numbers (see comm_report)."""
+        s, n = self.group.stats if self.group is not None else None, self.num_steps
+        if s is None or not n:
+            return {"tp_steps": n}
+        return {"tp_steps": n, "comm_ms_per_step": s.seconds / n * 1e3,
+                "collectives_per_step": s.calls / n,
+                "comm_ms_per_step_by_op": {op: t / n * 1e3 for op, t in sorted(s.seconds_by_op.items())},
+                "comm_report": self.comm_report()}
+
+    def comm_report(self) -> str:
+        """Steps so far and the driver's time in collectives per step (waits included)."""
+        s, n = self.group.stats if self.group is not None else None, self.num_steps
+        if s is None or not n:
+            return "no steps"
+        parts = ", ".join(f"{op} {t / n * 1e3:.2f}" for op, t in sorted(s.seconds_by_op.items()))
+        return (f"{n} steps, {s.calls / n:.0f} collectives and {s.seconds / n * 1e3:.2f} ms per "
+                f"step in collectives on the driver ({parts} ms)")
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def _abort(self) -> None:
+        """Kill the local workers (remote ones see the group close and exit)."""
+        if self.supervisor is not None:
+            self.supervisor.stopping = True
+            self.supervisor.kill()
+        self._close_group()
+
+    def _close_group(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        self._unlink_shm()
+        self.rdv.close()
+
+    def _unlink_shm(self) -> None:
+        if self._shm_path is not None:
+            try:
+                os.unlink(self._shm_path)
+            except FileNotFoundError:
+                pass
+            self._shm_path = None
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Tell every rank to exit, wait for the local ones, then kill stragglers."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.failed is None and self.group is not None:
+            logger.debug("kvflow tensor parallel: %s", self.comm_report())
+            try:
+                self.group.broadcast_object(None)
+            except CollectiveError:
+                pass
+        if self.supervisor is not None:
+            self.supervisor.stop(timeout)
+        self._close_group()

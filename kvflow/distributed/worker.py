@@ -1,0 +1,110 @@
+"""A tensor-parallel worker process: one rank other than the driver.
+
+It joins the rendezvous, reads what to load from the store (so that every rank uses the
+driver's block count), loads its shard and its share of the KV cache, then follows the driver
+step by step: each broadcast carries the step's SchedulerOutput and the tokens the driver
+sampled in the previous step; the worker runs the same forward (taking part in the
+all-reduces and the logits gather) and never samples. `None` ends the loop.
+
+Run as `python -m kvflow.distributed.worker --rendezvous HOST:PORT --rank R --world-size N`."""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import pickle
+import signal
+import sys
+from dataclasses import dataclass
+
+# Exit codes the supervisor tells apart.
+EXIT_LOAD_FAILED = 2
+EXIT_PEER_LOST = 3  # a collective failed: another rank (or the driver) went away first
+
+logger = logging.getLogger("kvflow.distributed")
+
+
+@dataclass
+class WorkerInit:
+    """What every rank must agree on, published by the driver in the store."""
+
+    model_path: str
+    dtype: str  # float32 | bfloat16
+    num_blocks: int
+    block_size: int
+    num_threads: int
+    eos_token_id: int | list[int] | None
+    shm_path: str | None = None  # the shared-memory all-reduce segment (single machine)
+    shm_slot_bytes: int = 0
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (Linux), so no worker outlives the engine."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def run_worker(rendezvous: str, rank: int, world_size: int, parent_pid: int | None = None) -> int:
+    import torch
+
+    from kvflow.distributed.parallel import CollectiveError, Rendezvous, TPGroup
+    from kvflow.distributed.shm_allreduce import ShmAllReduce
+    from kvflow.model.runner import ModelRunner
+    from kvflow.model.sharding import load_sharded_model, local_arch
+
+    host, _, port = rendezvous.rpartition(":")
+    rdv = Rendezvous(host, int(port), world_size, is_master=False)
+    store = rdv.store
+    init: WorkerInit = pickle.loads(store.get("init"))
+    torch.set_num_threads(init.num_threads)
+    shm = None
+    if init.shm_path:
+        def driver_gone() -> str | None:
+            return "the driver is gone" if os.getppid() != parent_pid else None
+        shm = ShmAllReduce(init.shm_path, rank, world_size, init.shm_slot_bytes, driver_gone)
+    store.set(f"joined/{rank}", str(os.getpid()))  # the driver unlinks the segment after this
+    group = TPGroup(rdv, rank, world_size, shm)
+    try:
+        dtype = getattr(torch, init.dtype)
+        model, arch = load_sharded_model(init.model_path, dtype, group)
+        runner = ModelRunner(model, local_arch(arch, world_size), init.num_blocks, init.block_size,
+                             dtype, init.eos_token_id)
+    except Exception as e:  # noqa: BLE001 - the driver reports it
+        store.set(f"error/{rank}", f"{type(e).__name__}: {e}")
+        return EXIT_LOAD_FAILED
+    store.set(f"loaded/{rank}", "1")
+    try:
+        while True:
+            msg = group.broadcast_object()
+            if msg is None:
+                return 0
+            sched_out, sampled = msg
+            runner.append_sampled(sampled)
+            runner.execute(sched_out)
+    except CollectiveError as e:  # a peer closed its connection: it died or the driver left
+        logger.error("kvflow tensor-parallel worker rank %d: lost the group (%s)", rank, e)
+        return EXIT_PEER_LOST
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvflow.distributed.worker")
+    p.add_argument("--rendezvous", required=True, help="HOST:PORT of the driver's store")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--parent-pid", type=int, default=None, help="exit when this process dies")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # Ctrl+C reaches the whole process group; the driver decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if args.parent_pid is not None:
+        die_with_parent()
+        if os.getppid() != args.parent_pid:
+            return EXIT_PEER_LOST  # the parent died before the death signal was armed
+    return run_worker(args.rendezvous, args.rank, args.world_size, args.parent_pid)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

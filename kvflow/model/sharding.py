@@ -1,0 +1,231 @@
+"""Tensor-parallel sharding of the Llama family: which rows and columns of each fused weight a
+rank owns, and reading just those from the checkpoint.
+
+Megatron's layout, as in vLLM: Q/K/V and gate/up are column-parallel (each rank computes its
+own heads and its slice of the MLP), O and down are row-parallel (partial sums, all-reduced),
+the embedding and LM head are split by vocabulary rows. KV heads are split across ranks; with
+fewer KV heads than ranks each KV head is replicated on the ranks whose query heads read it.
+Norms and RoPE are replicated. Slices are read with safetensors' `get_slice`, so a rank never
+holds more than its share of the model (plus one tensor's slice in flight)."""
+from __future__ import annotations
+
+import fcntl
+import glob
+import json
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+from kvflow.model.arch import LlamaArchConfig, load_arch_config
+from kvflow.model_path import cache_dir_for, is_gguf
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """What rank `rank` of `size` holds, in global indices (heads, MLP columns, vocab rows)."""
+
+    rank: int
+    size: int
+    q_head_start: int
+    num_heads: int
+    kv_head_start: int
+    num_kv_heads: int
+    inter_start: int
+    intermediate_size: int
+    vocab_start: int
+    vocab_end: int  # real rows end here; the shard is padded to vocab_per_rank
+    vocab_per_rank: int
+
+
+def check_tp_size(arch: LlamaArchConfig, size: int) -> None:
+    """ValueError naming the numbers when `arch` cannot be split `size` ways."""
+    h, kvh, inter = arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size
+    if h % size:
+        raise ValueError(f"tensor_parallel_size {size} must divide the number of attention "
+                         f"heads ({h})")
+    if (kvh % size) if kvh >= size else (size % kvh):
+        raise ValueError(f"tensor_parallel_size {size} must divide the number of KV heads ({kvh}) "
+                         f"or be a multiple of it")
+    if inter % size:
+        raise ValueError(f"tensor_parallel_size {size} must divide intermediate_size ({inter})")
+
+
+def shard_layout(arch: LlamaArchConfig, rank: int, size: int) -> ShardLayout:
+    check_tp_size(arch, size)
+    heads, kvh = arch.num_attention_heads // size, arch.num_key_value_heads
+    if kvh >= size:
+        local_kv, kv_start = kvh // size, rank * (kvh // size)
+    else:  # replicated: ranks rank*kvh//size share KV head r // (size // kvh)
+        local_kv, kv_start = 1, rank // (size // kvh)
+    inter = arch.intermediate_size // size
+    per_rank = -(-arch.vocab_size // size)
+    v0 = min(rank * per_rank, arch.vocab_size)
+    return ShardLayout(rank, size, rank * heads, heads, kv_start, local_kv, rank * inter, inter,
+                       v0, min(v0 + per_rank, arch.vocab_size), per_rank)
+
+
+def local_arch(arch: LlamaArchConfig, size: int) -> LlamaArchConfig:
+    """The shapes of one rank's shard (the same on every rank), as an arch config: the model
+    and the KV cache are built from it unchanged."""
+    lay = shard_layout(arch, 0, size)
+    return replace(arch, num_attention_heads=lay.num_heads, num_key_value_heads=lay.num_kv_heads,
+                   intermediate_size=lay.intermediate_size, vocab_size=lay.vocab_per_rank)
+
+
+def kv_bytes_per_token_per_rank(arch: LlamaArchConfig, size: int, dtype_bytes: int) -> int:
+    """KV bytes one token occupies in one rank's share of the cache."""
+    return local_arch(arch, size).kv_bytes_per_token(dtype_bytes) if size > 1 \
+        else arch.kv_bytes_per_token(dtype_bytes)
+
+
+# -- reading slices ----------------------------------------------------------------------------
+class _Checkpoint:
+    """Tensors by name across a checkpoint's files; `read` returns only the requested slice."""
+
+    def __init__(self, files: list[str], names: dict[str, str] | None = None) -> None:
+        from safetensors import safe_open
+
+        self._handles = {f: safe_open(f, framework="pt") for f in files}
+        self._file_of = {}
+        for f, h in self._handles.items():
+            for name in h.keys():
+                self._file_of[name] = f
+        self._mapped: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def from_torch_bin(cls, path: str) -> "_Checkpoint":
+        ckpt = cls([])
+        # mmap: slicing touches only the pages of the slice
+        ckpt._mapped = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return ckpt
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of or name in self._mapped
+
+    def read(self, name: str, rows: tuple[int, int] | None = None,
+             cols: tuple[int, int] | None = None) -> torch.Tensor:
+        if name not in self:
+            raise ValueError(f"weight {name!r} is missing from the checkpoint")
+        src = self._mapped[name] if name in self._mapped else \
+            self._handles[self._file_of[name]].get_slice(name)
+        if rows is not None:
+            return src[rows[0]:rows[1]]
+        if cols is not None:
+            return src[:, cols[0]:cols[1]]
+        return src[:]
+
+
+def _hf_names(i: int) -> dict[str, tuple[str, int]]:
+    a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+    return {"q": (a + "q_proj.weight", 0), "k": (a + "k_proj.weight", 0), "v": (a + "v_proj.weight", 0),
+            "q_bias": (a + "q_proj.bias", 0), "k_bias": (a + "k_proj.bias", 0),
+            "v_bias": (a + "v_proj.bias", 0), "o": (a + "o_proj.weight", 0),
+            "gate": (m + "gate_proj.weight", 0), "up": (m + "up_proj.weight", 0),
+            "down": (m + "down_proj.weight", 0),
+            "input_layernorm": (f"model.layers.{i}.input_layernorm.weight", 0),
+            "post_attention_layernorm": (f"model.layers.{i}.post_attention_layernorm.weight", 0)}
+
+
+def _fused_names(i: int, arch: LlamaArchConfig) -> dict[str, tuple[str, int]]:
+    """kvflow's own fused names (the GGUF conversion cache): pieces sit at row offsets."""
+    p = f"layers.{i}."
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
+    inter = arch.intermediate_size
+    return {"q": (p + "qkv_proj", 0), "k": (p + "qkv_proj", q), "v": (p + "qkv_proj", q + kv),
+            "q_bias": (p + "qkv_bias", 0), "k_bias": (p + "qkv_bias", q),
+            "v_bias": (p + "qkv_bias", q + kv), "o": (p + "o_proj", 0),
+            "gate": (p + "gate_up_proj", 0), "up": (p + "gate_up_proj", inter),
+            "down": (p + "down_proj", 0), "input_layernorm": (p + "input_layernorm", 0),
+            "post_attention_layernorm": (p + "post_attention_layernorm", 0)}
+
+
+def load_shard(path: str, arch: LlamaArchConfig, dtype: torch.dtype, rank: int,
+               size: int) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s weights under kvflow's fused names, read slice by slice."""
+    lay = shard_layout(arch, rank, size)
+    if is_gguf(path):
+        ckpt, fused = _Checkpoint([ensure_gguf_cache(path, dtype)]), True
+        glob_names = {"embed": "embed_tokens", "lm_head": "lm_head", "norm": "norm"}
+    else:
+        ckpt, fused = _open_hf_folder(path), False
+        glob_names = {"embed": "model.embed_tokens.weight", "lm_head": "lm_head.weight",
+                      "norm": "model.norm.weight"}
+    d = arch.head_dim
+
+    def rows(names: dict, piece: str, start: int, count: int) -> torch.Tensor:
+        name, offset = names[piece]
+        return ckpt.read(name, rows=(offset + start, offset + start + count)).to(dtype)
+
+    def vocab_rows(name: str) -> torch.Tensor:
+        out = torch.zeros(lay.vocab_per_rank, arch.hidden_size, dtype=dtype)
+        out[:lay.vocab_end - lay.vocab_start] = ckpt.read(name, rows=(lay.vocab_start, lay.vocab_end))
+        return out
+
+    out = {"embed_tokens": vocab_rows(glob_names["embed"]),
+           "norm": ckpt.read(glob_names["norm"]).to(dtype)}
+    if not arch.tie_word_embeddings:
+        out["lm_head"] = vocab_rows(glob_names["lm_head"])
+    q0, nq = lay.q_head_start * d, lay.num_heads * d
+    k0, nk = lay.kv_head_start * d, lay.num_kv_heads * d
+    i0, ni = lay.inter_start, lay.intermediate_size
+    for i in range(arch.num_hidden_layers):
+        names = _fused_names(i, arch) if fused else _hf_names(i)
+        p = f"layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[p + norm] = ckpt.read(names[norm][0]).to(dtype)
+        out[p + "qkv_proj"] = torch.cat([rows(names, "q", q0, nq), rows(names, "k", k0, nk),
+                                         rows(names, "v", k0, nk)])
+        if arch.attention_bias:
+            out[p + "qkv_bias"] = torch.cat([rows(names, "q_bias", q0, nq),
+                                             rows(names, "k_bias", k0, nk),
+                                             rows(names, "v_bias", k0, nk)])
+        out[p + "o_proj"] = ckpt.read(names["o"][0], cols=(q0, q0 + nq)).to(dtype)
+        out[p + "gate_up_proj"] = torch.cat([rows(names, "gate", i0, ni), rows(names, "up", i0, ni)])
+        out[p + "down_proj"] = ckpt.read(names["down"][0], cols=(i0, i0 + ni)).to(dtype)
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _open_hf_folder(path: str) -> _Checkpoint:
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
+    if files:
+        return _Checkpoint(files)
+    bin_path = os.path.join(path, "pytorch_model.bin")
+    if os.path.isfile(bin_path):
+        return _Checkpoint.from_torch_bin(bin_path)
+    raise ValueError(f"no safetensors weights in {path!r}")
+
+
+def ensure_gguf_cache(path: str, dtype: torch.dtype) -> str:
+    """The fused safetensors conversion of a GGUF file, made once per machine (the only step
+    that dequantises the whole model); ranks starting together wait for one conversion."""
+    from kvflow.model.loader import _dtype_name, _load_gguf
+
+    cache = cache_dir_for(path)
+    cached = os.path.join(cache, f"weights.{_dtype_name(dtype)}.safetensors")
+    if os.path.isfile(cached):
+        return cached
+    os.makedirs(cache, exist_ok=True)
+    with open(os.path.join(cache, "convert.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.isfile(cached):
+            _load_gguf(path, dtype)  # writes `cached`; the returned full weights are dropped
+    return cached
+
+
+def load_sharded_model(path: str, dtype: torch.dtype, tp):
+    """Rank `tp.rank`'s LlamaForCausalLM shard (built on the meta device, then given its slices)
+    and the full model's arch."""
+    from kvflow.model.llama import LlamaForCausalLM
+
+    arch = load_arch_config(path)
+    weights = load_shard(path, arch, dtype, tp.rank, tp.world_size)
+    model = LlamaForCausalLM(arch, dtype, device="meta", tp=tp)
+    model.load_state_dict(weights, strict=True, assign=True)
+    model.eval()
+    model.pack_weights()  # oneDNN copies of this rank's projections, as load_model does
+    return model, arch
