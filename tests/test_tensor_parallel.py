@@ -289,11 +289,24 @@ def test_kvflow_serve_exits_nonzero_when_a_worker_dies(tiny_model):
         srv.close()
 
 
-def test_idle_kvflow_serve_notices_a_dead_worker(tiny_model):
+def test_kvflow_serve_tp2_equals_tp1_then_notices_a_dead_worker_when_idle(tiny_model):
+    reference = LLM(tiny_model, **ENGINE)
+    try:
+        want = [reference.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].text
+                for p in TINY_PROMPTS]  # one at a time, as the server gets them
+    finally:
+        reference.engine.shutdown()
     srv = ServerProcess(tiny_model, "-tp", "2", "--dtype", "float32", "--max-model-len", "512",
                         "--num-blocks", "64")
     try:
         (worker,) = [p for p in srv.children if "kvflow.distributed.worker" in " ".join(p.cmdline())]
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            for prompt, text in zip(TINY_PROMPTS, want):
+                resp = http.post("/v1/completions", json={
+                    "prompt": prompt, "max_tokens": GREEDY.max_tokens, "temperature": 0,
+                    "ignore_eos": True})
+                assert resp.status_code == 200, resp.text
+                assert resp.json()["choices"][0]["text"] == text
         worker.kill()  # no request in flight: the idle engine core checks its workers
         killed = time.monotonic()
         deadline = killed + 5.0
