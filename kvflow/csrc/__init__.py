@@ -23,6 +23,7 @@ logger = logging.getLogger("kvflow")
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [os.path.join(_DIR, f) for f in ("paged_attention.c", "fused_ops.c")]
+_HEADERS = [os.path.join(_DIR, "simd.h")]  # part of the build key, not of the command line
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -70,7 +71,7 @@ def load_library() -> ctypes.CDLL | None:
         logger.warning("kvflow: no C compiler found; using the PyTorch paths")
         return None
     digest = hashlib.sha256(" ".join(_FLAGS).encode() + _cpu_id().encode())
-    for src in _SOURCES:
+    for src in _SOURCES + _HEADERS:
         with open(src, "rb") as f:
             digest.update(f.read())
     out_dir = _build_dir()

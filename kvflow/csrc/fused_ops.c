@@ -4,10 +4,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define KVFLOW_AVX2 1
-#endif
+#include "simd.h"
 
 /* residual[t] += delta[t] (when delta is given), then
  * out[t] = weight * residual[t] * rsqrt(mean(residual[t]^2) + eps) */
@@ -45,26 +42,6 @@ void rope_f32(float *qkv, int64_t stride, const int64_t *positions, const float 
         }
     }
 }
-
-#ifdef KVFLOW_AVX2
-/* exp(x), Cephes' polynomial, about 1 ulp in float over the range used here. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-#endif
 
 /* out[t] = silu(gate_up[t, :n]) * gate_up[t, n:2n] */
 void silu_mul_f32(const float *gate_up, float *out, int64_t begin, int64_t end, int64_t n) {
