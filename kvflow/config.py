@@ -138,3 +138,29 @@ class EngineConfig:
     num_threads: int = field(default_factory=default_num_threads)
     trace: str | None = None  # path of a JSONL step trace
     warmup: bool = True  # run a few throw-away steps at start-up (kvflow/engine/warmup.py)
+
+
+def engine_config(model: str | None = None, dtype: str = "auto", max_model_len: int | None = None,
+                  max_num_seqs: int = 128, max_num_batched_tokens: int = 2048, block_size: int = 16,
+                  num_blocks: int | None = None, kv_cache_memory: int | str = "4GiB", seed: int = 0,
+                  trace: str | None = None, num_threads: int | None = None,
+                  enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
+                  scheduling_policy: str = "fcfs", tensor_parallel_size: int = 1,
+                  distributed_init_method: str | None = None, nnodes: int = 1,
+                  node_rank: int = 0) -> EngineConfig:
+    """The EngineConfig of the flat engine options that `LLM(...)` and the CLI share (the CLI's
+    flags carry the same names); an unknown option is a TypeError, never silently dropped."""
+    return EngineConfig(
+        model_config=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
+        cache_config=CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                                 kv_cache_memory=kv_cache_memory,
+                                 enable_prefix_caching=enable_prefix_caching),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                         max_num_seqs=max_num_seqs,
+                                         long_prefill_token_threshold=long_prefill_token_threshold,
+                                         policy=scheduling_policy),
+        parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                       distributed_init_method=distributed_init_method,
+                                       nnodes=nnodes, node_rank=node_rank),
+        num_threads=num_threads or default_num_threads(),
+        trace=trace)

@@ -25,7 +25,7 @@ def warmup_outputs(vocab_size: int, block_size: int, num_blocks: int,
               f"{WARMUP_PREFIX}1": SamplingParams(temperature=1.0, top_p=0.9, max_tokens=2, seed=0)}
     blocks, next_block = {}, 0
     for rid, n in lens.items():
-        count = (n + 1) // block_size + 1
+        count = -(-(n + 1) // block_size)  # blocks for the prompt and one decoded token
         blocks[rid] = list(range(next_block, next_block + count))
         next_block += count
     if next_block > num_blocks:

@@ -23,9 +23,7 @@ def run_throughput(engine_kwargs: dict, num_prompts: int = 128, min_len: int = 3
     startup = time.perf_counter() - t0
     prompts = make_w1(num_prompts, min_len, max_len, llm.engine.core.arch.vocab_size, seed)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-                 use_tqdm=False)  # warm-up
-    core = llm.engine.core
+    core = llm.engine.core  # warmed up at start-up (kvflow/engine/warmup.py)
     if core.executor is not None:
         core.executor.reset_comm_stats()  # time the measured run's collectives only
     t0 = time.perf_counter()

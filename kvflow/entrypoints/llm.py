@@ -6,8 +6,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from kvflow.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                           default_num_threads)
+from kvflow.config import engine_config
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
@@ -23,30 +22,13 @@ class LLM:
     `tensor_parallel_size=N` splits the model over N processes, this one being rank 0
     (docs/tensor_parallel.md; `llm.engine.shutdown()` stops the others)."""
 
-    def __init__(self, model: str | None = None, dtype: str = "auto",
-                 max_model_len: int | None = None, max_num_seqs: int = 128,
-                 max_num_batched_tokens: int = 2048, block_size: int = 16,
-                 num_blocks: int | None = None, kv_cache_memory: int | str = "4GiB",
-                 seed: int = 0, trace: str | None = None, num_threads: int | None = None,
-                 enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
-                 scheduling_policy: str = "fcfs", tensor_parallel_size: int = 1,
-                 distributed_init_method: str | None = None, nnodes: int = 1,
-                 node_rank: int = 0) -> None:
-        config = EngineConfig(
-            model_config=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
-            cache_config=CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                                     kv_cache_memory=kv_cache_memory,
-                                     enable_prefix_caching=enable_prefix_caching),
-            scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
-                                             max_num_seqs=max_num_seqs,
-                                             long_prefill_token_threshold=long_prefill_token_threshold,
-                                             policy=scheduling_policy),
-            parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
-                                           distributed_init_method=distributed_init_method,
-                                           nnodes=nnodes, node_rank=node_rank),
-            num_threads=num_threads or default_num_threads(),
-            trace=trace,
-        )
+    def __init__(self, model: str | None = None, **options) -> None:
+        """`options` are the engine options of kvflow.config.engine_config (dtype,
+        max_model_len, max_num_seqs, max_num_batched_tokens, block_size, num_blocks,
+        kv_cache_memory, seed, trace, num_threads, enable_prefix_caching,
+        long_prefill_token_threshold, scheduling_policy, tensor_parallel_size,
+        distributed_init_method, nnodes, node_rank), with its defaults."""
+        config = engine_config(model, **options)
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

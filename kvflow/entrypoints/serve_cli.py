@@ -6,33 +6,9 @@ import asyncio
 import os
 import sys
 
-from kvflow.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                           default_num_threads, parse_memory)
+from kvflow.config import engine_config, parse_memory
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
-
-
-def engine_config(kwargs: dict) -> EngineConfig:
-    """The EngineConfig that `LLM(**kwargs)` would build, from the shared engine options.
-    An option this function does not know is an error, never silently dropped."""
-    kw = dict(kwargs)
-    config = EngineConfig(
-        model_config=ModelConfig(model=kw.pop("model"), dtype=kw.pop("dtype"),
-                                 max_model_len=kw.pop("max_model_len"), seed=kw.pop("seed")),
-        cache_config=CacheConfig(block_size=kw.pop("block_size"), num_blocks=kw.pop("num_blocks"),
-                                 kv_cache_memory=kw.pop("kv_cache_memory"),
-                                 enable_prefix_caching=kw.pop("enable_prefix_caching", True)),
-        scheduler_config=SchedulerConfig(
-            max_num_batched_tokens=kw.pop("max_num_batched_tokens"), max_num_seqs=kw.pop("max_num_seqs"),
-            long_prefill_token_threshold=kw.pop("long_prefill_token_threshold", 0),
-            policy=kw.pop("scheduling_policy", "fcfs")),
-        parallel_config=ParallelConfig(tensor_parallel_size=kw.pop("tensor_parallel_size", 1),
-                                       distributed_init_method=kw.pop("distributed_init_method", None),
-                                       nnodes=kw.pop("nnodes", 1), node_rank=kw.pop("node_rank", 0)),
-        num_threads=kw.pop("num_threads") or default_num_threads())
-    if kw:
-        raise ValueError(f"kvflow serve does not know the engine options {sorted(kw)}")
-    return config
 
 
 def served_name(args: argparse.Namespace) -> str:
@@ -57,7 +33,7 @@ def cmd_serve(args: argparse.Namespace, engine_kwargs) -> int:
             return 2
         args.model = args.model_pos
     try:
-        config = engine_config(engine_kwargs(args))
+        config = engine_config(**engine_kwargs(args))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -71,27 +71,20 @@ class AttentionMetadata:
 
 
 def build_attention_metadata(query_lens: np.ndarray, seq_lens: np.ndarray,
-                             block_tables: list[list[int]] | np.ndarray, block_size: int,
+                             block_tables: list[list[int]], block_size: int,
                              device: torch.device | str | None = None) -> AttentionMetadata:
-    """Slot mapping, padded block tables and per-path index arrays for one step.
-
-    `block_tables` is a list of per-request block lists, or an already padded [N, max_blocks]
-    int64 array (what the runner keeps between steps)."""
+    """Slot mapping, padded block tables and per-path index arrays for one step."""
     query_lens = np.asarray(query_lens, dtype=np.int64)
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     n = len(query_lens)
     assert len(seq_lens) == n == len(block_tables), "one query_len, seq_len and block table per request"
     assert (query_lens >= 1).all() and (seq_lens >= query_lens).all()
-    if isinstance(block_tables, np.ndarray):
-        table = block_tables
-        lens = None
-    else:
-        lens = np.fromiter((len(b) for b in block_tables), dtype=np.int64, count=n)
-        table = np.zeros((n, max(int(lens.max(initial=0)), 1)), dtype=np.int64)
-        for i, blocks in enumerate(block_tables):  # per request, not per token
-            table[i, :len(blocks)] = blocks
-        assert ((seq_lens + block_size - 1) // block_size <= lens).all(), \
-            "a block table is too short for its sequence"
+    lens = np.fromiter((len(b) for b in block_tables), dtype=np.int64, count=n)
+    table = np.zeros((n, max(int(lens.max(initial=0)), 1)), dtype=np.int64)
+    for i, blocks in enumerate(block_tables):  # per request, not per token
+        table[i, :len(blocks)] = blocks
+    assert ((seq_lens + block_size - 1) // block_size <= lens).all(), \
+        "a block table is too short for its sequence"
 
     query_start_loc = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(query_lens, out=query_start_loc[1:])

@@ -10,8 +10,6 @@ holds more than its share of the model (plus one tensor's slice in flight)."""
 from __future__ import annotations
 
 import fcntl
-import glob
-import json
 import os
 from dataclasses import dataclass, replace
 
@@ -187,17 +185,10 @@ def load_shard(path: str, arch: LlamaArchConfig, dtype: torch.dtype, rank: int,
 
 
 def _open_hf_folder(path: str) -> _Checkpoint:
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
-    if files:
-        return _Checkpoint(files)
-    bin_path = os.path.join(path, "pytorch_model.bin")
-    if os.path.isfile(bin_path):
-        return _Checkpoint.from_torch_bin(bin_path)
-    raise ValueError(f"no safetensors weights in {path!r}")
+    from kvflow.model.loader import hf_weight_files
+
+    files, bin_path = hf_weight_files(path)
+    return _Checkpoint(files) if bin_path is None else _Checkpoint.from_torch_bin(bin_path)
 
 
 def ensure_gguf_cache(path: str, dtype: torch.dtype) -> str:
