@@ -54,6 +54,30 @@ def test_paged_decode_kernel_matches_gathered_sdpa(cache_dtype, threads, head_di
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_kernel_matches_index_copy(cache_dtype):
+    """The C writer stores each new token's K/V at its slot; into a bf16 cache each value is
+    rounded to nearest even exactly as torch rounds (ties and infinities included; NaN stays NaN)."""
+    t, kv_heads, head_dim, block_size, num_blocks = 11, 2, 8, 4, 8
+    qkv = torch.randn(t, 3 * kv_heads * head_dim) * 100
+    # values that sit exactly between two bf16 numbers, in both tie directions, and specials
+    qkv[0, :4] = torch.tensor([1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, float("inf"), float("nan")])
+    k = qkv[:, :kv_heads * head_dim].view(t, kv_heads, head_dim)  # strided views, as in the model
+    v = qkv[:, kv_heads * head_dim:2 * kv_heads * head_dim].view(t, kv_heads, head_dim)
+    slots = torch.from_numpy(np.random.default_rng(1).permutation(num_blocks * block_size)[:t].copy())
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    got_k, got_v = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
+    A.write_kv(got_k, got_v, k, v, slots)
+    want_k, want_v = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
+    want_k.view(-1, kv_heads, head_dim)[slots] = k.to(cache_dtype)
+    want_v.view(-1, kv_heads, head_dim)[slots] = v.to(cache_dtype)
+    nan = want_k.isnan()
+    assert nan.sum() == 1 and torch.equal(got_k.isnan(), nan)  # NaN payloads may differ
+    bits = torch.int16 if cache_dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(got_k.view(bits)[~nan], want_k.view(bits)[~nan])
+    assert torch.equal(got_v, want_v)
+
+
 def test_fused_add_rms_norm_matches_reference():
     x, d, w = torch.randn(70, 96), torch.randn(70, 96), torch.randn(96)
     want_x = x + d

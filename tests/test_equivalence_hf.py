@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from conftest import NEW_TOKENS, assert_matches_reference
 from kvflow import LLM, SamplingParams
@@ -52,3 +53,20 @@ def test_preemption_keeps_outputs_equal_to_hf(kvflow_llm_factory, prompt_ids, hf
     for i, out in enumerate(outs):
         assert_matches_reference(out.outputs[0].token_ids, hf_reference[i], f"prompt {i}")
     assert steps[-1]["free_blocks"] == steps[-1]["num_blocks"]
+
+
+def test_bf16_kv_cache_stays_within_hf_top3(kvflow_llm_factory, prompt_ids, hf_reference):
+    """kv_cache_dtype="bfloat16" on the fp32 model: K/V are rounded to bf16 as they are
+    stored, so tokens may leave HF's greedy path, but only to one of its top-3 choices, and
+    the cache really is bf16 at half the bytes per token."""
+    llm = kvflow_llm_factory(num_blocks=256, max_num_batched_tokens=64, kv_cache_dtype="bfloat16")
+    core = llm.engine.core
+    assert core.runner.kv_caches[0][0].dtype == torch.bfloat16 and core.dtype == torch.float32
+    fp32_bytes = core.arch.kv_bytes_per_token(4)
+    assert core.kv_bytes_per_token * 2 == fp32_bytes
+    outs = llm.generate(prompt_ids, GREEDY, use_tqdm=False)
+    identical = 0
+    for i, out in enumerate(outs):
+        assert_matches_reference(out.outputs[0].token_ids, hf_reference[i], f"prompt {i}")
+        identical += out.outputs[0].token_ids == hf_reference[i][0]
+    assert identical >= len(prompt_ids) // 2, f"only {identical} prompts kept HF's exact tokens"

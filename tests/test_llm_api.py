@@ -123,3 +123,21 @@ def test_empty_prompt_is_refused(llm):
 def test_unknown_model_path_is_refused():
     with pytest.raises(ValueError, match="does-not-exist"):
         LLM("/nonexistent/does-not-exist")
+
+
+def test_kv_cache_dtype_option_reaches_the_engine_config():
+    """--kv-cache-dtype / LLM(kv_cache_dtype=...) share one option; aliases normalise, and a
+    value the engine cannot store is refused by name rather than silently ignored."""
+    import argparse
+
+    from kvflow.config import engine_config
+    from kvflow.entrypoints.cli import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config(**engine_kwargs(p.parse_args([]))).cache_config.cache_dtype == "auto"
+    args = p.parse_args(["--kv-cache-dtype", "bfloat16"])
+    assert engine_config(**engine_kwargs(args)).cache_config.cache_dtype == "bfloat16"
+    assert engine_config(kv_cache_dtype="bf16").cache_config.cache_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        engine_config(kv_cache_dtype="fp8")

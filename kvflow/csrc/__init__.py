@@ -42,6 +42,7 @@ _SIGNATURES = {
     "silu_mul_f32": [_ptr, _ptr, _i64, _i64, _i64],
     # k, v, src_stride, slots, k_cache, v_cache, begin, end, width
     "write_kv_f32": [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+    "write_kv_bf16": [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
 }
 
 

@@ -70,3 +70,23 @@ void write_kv_f32(const float *k, const float *v, int64_t src_stride, const int6
         memcpy(v_cache + slots[t] * width, v + t * src_stride, sizeof(float) * (size_t)width);
     }
 }
+
+/* fp32 -> bf16, rounding to nearest even (as torch's .to(torch.bfloat16)); NaN stays NaN. */
+static inline uint16_t float_to_bf16(float f) {
+    union { float f; uint32_t u; } x = { f };
+    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40);
+    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
+}
+
+static void store_bf16_row(uint16_t *dst, const float *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = float_to_bf16(src[i]);
+}
+
+/* The same for a bf16 cache (fp32 activations): each value rounded to nearest even. */
+void write_kv_bf16(const float *k, const float *v, int64_t src_stride, const int64_t *slots,
+                   uint16_t *k_cache, uint16_t *v_cache, int64_t begin, int64_t end, int64_t width) {
+    for (int64_t t = begin; t < end; t++) {
+        store_bf16_row(k_cache + slots[t] * width, k + t * src_stride, width);
+        store_bf16_row(v_cache + slots[t] * width, v + t * src_stride, width);
+    }
+}

@@ -43,7 +43,7 @@ class TPExecutor:
     """Runs the model over `tensor_parallel_size` ranks (see the module docstring)."""
 
     def __init__(self, config: EngineConfig, model_path: str, arch: LlamaArchConfig,
-                 dtype: torch.dtype, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, kv_dtype: torch.dtype, num_blocks: int, block_size: int,
                  eos_token_id: int | list[int] | None) -> None:
         pc = config.parallel_config
         n, nnodes = pc.tensor_parallel_size, pc.nnodes
@@ -66,7 +66,8 @@ class TPExecutor:
         self._shm_path = create_segment(n, slot_bytes) if nnodes == 1 and use_shm() else None
         try:
             self.rdv.store.set("init", pickle.dumps(WorkerInit(
-                model_path, str(dtype).removeprefix("torch."), num_blocks, block_size,
+                model_path, str(dtype).removeprefix("torch."), str(kv_dtype).removeprefix("torch."),
+                num_blocks, block_size,
                 config.num_threads, eos_token_id, shm_path=self._shm_path,
                 shm_slot_bytes=slot_bytes)))
             self.supervisor = WorkerSupervisor(
@@ -81,7 +82,7 @@ class TPExecutor:
             self.group = TPGroup(self.rdv, 0, n, shm=shm)
             self.model, _ = load_sharded_model(model_path, dtype, self.group)
             self.runner = ModelRunner(self.model, local_arch(arch, n), num_blocks, block_size,
-                                      dtype, eos_token_id)
+                                      kv_dtype, eos_token_id)
             self._wait_for("loaded")
         except BaseException:
             self._abort()

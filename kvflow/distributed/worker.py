@@ -31,6 +31,7 @@ class WorkerInit:
 
     model_path: str
     dtype: str  # float32 | bfloat16
+    kv_dtype: str  # the KV cache's: float32 | bfloat16
     num_blocks: int
     block_size: int
     num_threads: int
@@ -71,7 +72,7 @@ def run_worker(rendezvous: str, rank: int, world_size: int, parent_pid: int | No
         dtype = getattr(torch, init.dtype)
         model, arch = load_sharded_model(init.model_path, dtype, group)
         runner = ModelRunner(model, local_arch(arch, world_size), init.num_blocks, init.block_size,
-                             dtype, init.eos_token_id)
+                             getattr(torch, init.kv_dtype), init.eos_token_id)
     except Exception as e:  # noqa: BLE001 - the driver reports it
         store.set(f"error/{rank}", f"{type(e).__name__}: {e}")
         return EXIT_LOAD_FAILED

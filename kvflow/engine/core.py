@@ -34,6 +34,8 @@ class EngineCore:
         mc = config.model_config
         self.model_path = resolve_model_path(mc.model)
         self.dtype = resolve_dtype(mc.dtype)
+        cache_dtype = config.cache_config.cache_dtype
+        self.kv_dtype = self.dtype if cache_dtype == "auto" else resolve_dtype(cache_dtype)
         self.tp_size = config.parallel_config.tensor_parallel_size
         if self.tp_size > 1:  # the executor's ranks load their shards; never the whole model here
             self.model, self.arch = None, load_arch_config(self.model_path)
@@ -43,7 +45,7 @@ class EngineCore:
         sc = replace(config.scheduler_config, max_model_len=self.max_model_len)
         # under tensor parallelism each rank holds its KV heads' share of every block
         self.kv_bytes_per_token = kv_bytes_per_token_per_rank(self.arch, self.tp_size,
-                                                              self.dtype.itemsize)
+                                                              self.kv_dtype.itemsize)
         cc = replace(config.cache_config,
                      num_blocks=num_kv_blocks(config.cache_config, self.kv_bytes_per_token))
         self.scheduler_config, self.cache_config = sc, cc
@@ -52,11 +54,11 @@ class EngineCore:
         self.trace = None
         if self.tp_size > 1:
             from kvflow.distributed.executor import TPExecutor
-            self.executor = TPExecutor(config, self.model_path, self.arch, self.dtype, cc.num_blocks,
-                                       cc.block_size, self.arch.eos_token_id)
+            self.executor = TPExecutor(config, self.model_path, self.arch, self.dtype, self.kv_dtype,
+                                       cc.num_blocks, cc.block_size, self.arch.eos_token_id)
         self.runner = (self.executor if self.executor is not None else
-                       ModelRunner(self.model, self.arch, cc.num_blocks, cc.block_size, self.dtype,
-                                   self.arch.eos_token_id))
+                       ModelRunner(self.model, self.arch, cc.num_blocks, cc.block_size,
+                                   self.kv_dtype, self.arch.eos_token_id))
         self._last_preemptions = 0
         self._first_scheduled: dict[str, float] = {}
         try:
@@ -76,7 +78,7 @@ class EngineCore:
         cc, a = self.cache_config, self.arch
         return (f"kvflow: model {self.model_path} ({a.architecture}, "
                 f"{a.num_parameters() / 1e6:.1f}M params, {str(self.dtype).removeprefix('torch.')}); "
-                f"KV {self.kv_bytes_per_token} B/token; {cc.num_blocks} blocks x {cc.block_size} = "
+                f"KV {str(self.kv_dtype).removeprefix('torch.')} {self.kv_bytes_per_token} B/token; {cc.num_blocks} blocks x {cc.block_size} = "
                 f"{cc.num_blocks * cc.block_size} tokens; max concurrency at max_model_len "
                 f"{self.max_model_len}: {max_concurrency(cc.num_blocks, cc.block_size, self.max_model_len):.2f}; "
                 f"threads {torch.get_num_threads()}; "

@@ -17,6 +17,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--kv-cache-memory", default="4GiB", help="KV cache budget, e.g. 4GiB")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="KV cache storage (auto: the model's dtype); bfloat16 halves the cache "
+                        "of an fp32 model and speeds up decode attention")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch compute threads (default 1, or KVFLOW_NUM_THREADS)")
     p.add_argument("--seed", type=int, default=0)
@@ -41,7 +44,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, num_blocks=args.num_blocks,
                 kv_cache_memory=args.kv_cache_memory, seed=args.seed, num_threads=args.num_threads,
-                enable_prefix_caching=args.enable_prefix_caching,
+                enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
                 scheduling_policy=args.scheduling_policy,
                 tensor_parallel_size=args.tensor_parallel_size,

@@ -25,7 +25,7 @@ class LLM:
     def __init__(self, model: str | None = None, **options) -> None:
         """`options` are the engine options of kvflow.config.engine_config (dtype,
         max_model_len, max_num_seqs, max_num_batched_tokens, block_size, num_blocks,
-        kv_cache_memory, seed, trace, num_threads, enable_prefix_caching,
+        kv_cache_memory, kv_cache_dtype, seed, trace, num_threads, enable_prefix_caching,
         long_prefill_token_threshold, scheduling_policy, tensor_parallel_size,
         distributed_init_method, nnodes, node_rank), with its defaults."""
         config = engine_config(model, **options)

@@ -134,15 +134,21 @@ def build_attention_metadata(query_lens: np.ndarray, seq_lens: np.ndarray,
     )
 
 
+_WRITERS = {torch.float32: "write_kv_f32", torch.bfloat16: "write_kv_bf16"}
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store this step's K/V ([T, kv_heads, head_dim]) at their flat cache slots."""
+    """Store this step's K/V ([T, kv_heads, head_dim]) at their flat cache slots (a bf16
+    cache of fp32 activations gets each value rounded to nearest even)."""
     kvh, d = k_cache.shape[-2:]
     lib = load_library()
-    if (lib is not None and k_cache.dtype == k.dtype == torch.float32 and k_cache.device.type == "cpu"
-            and k.stride()[1:] == (d, 1) and v.stride() == k.stride() and k_cache.is_contiguous()):
-        lib.write_kv_f32(k.data_ptr(), v.data_ptr(), k.stride(0), slot_mapping.data_ptr(),
-                         k_cache.data_ptr(), v_cache.data_ptr(), 0, k.shape[0], kvh * d)
+    if (lib is not None and k.dtype == torch.float32 and k_cache.dtype in _WRITERS
+            and k_cache.device.type == "cpu" and k.stride()[1:] == (d, 1) and v.stride() == k.stride()
+            and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        getattr(lib, _WRITERS[k_cache.dtype])(
+            k.data_ptr(), v.data_ptr(), k.stride(0), slot_mapping.data_ptr(),
+            k_cache.data_ptr(), v_cache.data_ptr(), 0, k.shape[0], kvh * d)
         return
     k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

@@ -43,12 +43,12 @@ class ModelRunner:
     runs the model once, and samples only where a request's known tokens are all computed."""
 
     def __init__(self, model: torch.nn.Module, arch: LlamaArchConfig, num_blocks: int,
-                 block_size: int, dtype: torch.dtype, eos_token_id: int | None) -> None:
+                 block_size: int, kv_dtype: torch.dtype, eos_token_id: int | None) -> None:
         self.model = model
         self.arch = arch
         self.block_size = block_size
         self.eos_token_id = eos_token_id
-        self.kv_caches = allocate_kv_caches(arch, num_blocks, block_size, dtype)
+        self.kv_caches = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype)
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
 
