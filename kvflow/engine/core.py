@@ -78,7 +78,8 @@ class EngineCore:
         cc, a = self.cache_config, self.arch
         return (f"kvflow: model {self.model_path} ({a.architecture}, "
                 f"{a.num_parameters() / 1e6:.1f}M params, {str(self.dtype).removeprefix('torch.')}); "
-                f"KV {str(self.kv_dtype).removeprefix('torch.')} {self.kv_bytes_per_token} B/token; {cc.num_blocks} blocks x {cc.block_size} = "
+                f"KV {str(self.kv_dtype).removeprefix('torch.')} {self.kv_bytes_per_token} B/token; "
+                f"{cc.num_blocks} blocks x {cc.block_size} = "
                 f"{cc.num_blocks * cc.block_size} tokens; max concurrency at max_model_len "
                 f"{self.max_model_len}: {max_concurrency(cc.num_blocks, cc.block_size, self.max_model_len):.2f}; "
                 f"threads {torch.get_num_threads()}; "
