@@ -155,6 +155,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 _KERNELS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+# Below ~0.5 ms of decode attention (~25k head-keys at ~20 ns each) handing rows to a second
+# thread (~0.2 ms) costs more than it saves.
+MIN_PARALLEL_HEAD_KEYS = 25_000
 
 
 def _decode_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -178,7 +181,8 @@ def _decode_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
            num_heads * head_dim)
 
     # rows split between threads by key count (the kernel's work is ~ keys)
-    run_split(run, len(rows), torch.get_num_threads(), weights=lens)
+    threads = torch.get_num_threads() if int(lens.sum()) * num_heads >= MIN_PARALLEL_HEAD_KEYS else 1
+    run_split(run, len(rows), threads, weights=lens)
     if of is not out:
         idx = torch.from_numpy(rows)
         out[idx] = of[idx].to(out.dtype)
