@@ -19,6 +19,13 @@ def parse_memory(value: int | float | str) -> int:
     return int(float(text))
 
 
+def dtype_name(value: str, option: str) -> str:
+    """auto | bfloat16 | float32 (bf16 and fp32 accepted); ValueError naming `option` otherwise."""
+    if value not in ("auto", "bfloat16", "bf16", "float32", "fp32"):
+        raise ValueError(f"{option} must be auto, bfloat16 or float32, got {value!r}")
+    return {"bf16": "bfloat16", "fp32": "float32"}.get(value, value)
+
+
 @dataclass
 class ModelConfig:
     """Which weights to load and how. `model=None` means the default SmolLM2-135M-Instruct."""
@@ -31,9 +38,7 @@ class ModelConfig:
     served_model_name: str | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "bfloat16", "bf16", "float32", "fp32"):
-            raise ValueError(f"dtype must be auto, bfloat16 or float32, got {self.dtype!r}")
-        self.dtype = {"bf16": "bfloat16", "fp32": "float32"}.get(self.dtype, self.dtype)
+        self.dtype = dtype_name(self.dtype, "dtype")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 
@@ -52,9 +57,7 @@ class CacheConfig:
     cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.cache_dtype not in ("auto", "bfloat16", "bf16", "float32", "fp32"):
-            raise ValueError(f"kv_cache_dtype must be auto, bfloat16 or float32, got {self.cache_dtype!r}")
-        self.cache_dtype = {"bf16": "bfloat16", "fp32": "float32"}.get(self.cache_dtype, self.cache_dtype)
+        self.cache_dtype = dtype_name(self.cache_dtype, "kv_cache_dtype")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks <= 0:
