@@ -31,9 +31,10 @@ MAX_NUM_SEQS = 3  # four requests: one of them must wait
 # A shared opening (more than one 16-token block) so that prefix caching shares blocks.
 PREFIX = ("You are a storyteller. Every story you tell is set in a small harbour town, has a "
           "lighthouse keeper in it, and ends with the sea. ")
-# (prompt, max_tokens): the short one finishes first and makes room for the one that waits
-REQUESTS = [("Tell the one about the storm.", 16), ("Tell the one about the lost cat.", 48),
-            ("Tell the one about the festival.", 48), ("Tell the one about the old map.", 48)]
+# (prompt, max_tokens): the short one finishes first and makes room for the one that waits;
+# the long ones run ~100 steps more, so the page shows that moment for seconds, not one poll
+REQUESTS = [("Tell the one about the storm.", 16), ("Tell the one about the lost cat.", 112),
+            ("Tell the one about the festival.", 112), ("Tell the one about the old map.", 112)]
 
 
 def ensure_chromium() -> None:
