@@ -31,10 +31,9 @@ MAX_NUM_SEQS = 3  # four requests: one of them must wait
 # A shared opening (more than one 16-token block) so that prefix caching shares blocks.
 PREFIX = ("You are a storyteller. Every story you tell is set in a small harbour town, has a "
           "lighthouse keeper in it, and ends with the sea. ")
-# (prompt, max_tokens): the short one finishes first and makes room for the one that waits;
-# the long ones run ~100 steps more, so the page shows that moment for seconds, not one poll
-REQUESTS = [("Tell the one about the storm.", 16), ("Tell the one about the lost cat.", 112),
-            ("Tell the one about the festival.", 112), ("Tell the one about the old map.", 112)]
+# (prompt, max_tokens): the short one finishes first and makes room for the one that waits
+REQUESTS = [("Tell the one about the storm.", 16), ("Tell the one about the lost cat.", 48),
+            ("Tell the one about the festival.", 48), ("Tell the one about the old map.", 48)]
 
 
 def ensure_chromium() -> None:
@@ -125,8 +124,13 @@ def test_dashboard_follows_requests_from_waiting_to_running_to_gone(server, brow
     done: list[str] = []
     threads = [threading.Thread(target=stream_completion, args=(server, p, n, i, done), daemon=True)
                for (p, n), i in zip(REQUESTS, ids)]
-    for t in threads:
+    # the first three (the short one among them) must be running before the last one arrives,
+    # so that the one left waiting is a long one (threads alone do not fix the arrival order)
+    for t in threads[:MAX_NUM_SEQS]:
         t.start()
+    wait_for(browser, lambda s: len(s["running"]) == MAX_NUM_SEQS, 60,
+             f"the first {MAX_NUM_SEQS} requests running")
+    threads[MAX_NUM_SEQS].start()
 
     busy = wait_for(browser, lambda s: len(s["running"]) == MAX_NUM_SEQS and s["waiting"], 60,
                     f"{MAX_NUM_SEQS} running requests and one waiting")
