@@ -49,6 +49,7 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="print the torch.profiler op table")
     args = p.parse_args()
 
+    import kvflow  # noqa: F401  (first: it sets OMP_WAIT_POLICY=PASSIVE before torch loads)
     import numpy as np
     import torch
 

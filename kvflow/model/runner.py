@@ -10,6 +10,7 @@ from kvflow.core.scheduler_output import SchedulerOutput
 from kvflow.engine.protocol import TokenLogprobs
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
+from kvflow.model.malloc_tuning import retain_freed_memory
 from kvflow.model.sampler import Sampler, SamplingRow, build_sampling_metadata
 from kvflow.sampling_params import SamplingParams
 
@@ -49,6 +50,7 @@ class ModelRunner:
         self.block_size = block_size
         self.eos_token_id = eos_token_id
         self.kv_caches = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype)
+        retain_freed_memory()  # after the KV cache: only the per-step activations are affected
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
 
