@@ -21,10 +21,15 @@ def test_kernels_build_on_this_machine():
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("head_dim", [64, 40])  # 40: the scalar path for dims that are not x8
-def test_paged_decode_kernel_matches_gathered_sdpa(cache_dtype, threads, head_dim, monkeypatch):
+# query heads per kv head: 3 (SmolLM2's), 1 (no GQA), 2, 4 and 7 (the bf16 kernel takes a
+# group's heads three at a time, so these cover every remainder)
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (3, 3), (4, 2), (8, 2), (7, 1)])
+@pytest.mark.parametrize("block_size", [4, 16])  # 16: whole blocks plus partial last ones
+def test_paged_decode_kernel_matches_gathered_sdpa(cache_dtype, threads, head_dim, heads, kv_heads,
+                                                   block_size, monkeypatch):
     monkeypatch.setattr(A, "MIN_PARALLEL_HEAD_KEYS", 0)  # split even this small batch
     rng = np.random.default_rng(0)
-    heads, kv_heads, block_size, num_blocks = 6, 2, 4, 64
+    num_blocks = 64
     seq_lens = np.array([1, 5, 13, 4, 9, 30])
     tables = []
     free = list(rng.permutation(num_blocks))
