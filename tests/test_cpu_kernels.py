@@ -20,9 +20,10 @@ def test_kernels_build_on_this_machine():
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("head_dim", [64, 40])  # 40: the scalar path for dims that are not x8
-# query heads per kv head: 3 (SmolLM2's), 1 (no GQA), 2, 4 and 7 (the bf16 kernel takes a
-# group's heads three at a time, so these cover every remainder)
+# 40: the scalar path for dims that are not x8; 128: the AVX-512 bf16 row's two 64-wide passes
+@pytest.mark.parametrize("head_dim", [64, 40, 128])
+# query heads per kv head: 3 (SmolLM2's), 1 (no GQA), 2, 4 (the AVX-512 bf16 row serves a
+# group of up to four heads per pass over the keys) and 7 (more: the per-head row)
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (3, 3), (4, 2), (8, 2), (7, 1)])
 @pytest.mark.parametrize("block_size", [4, 16])  # 16: whole blocks plus partial last ones
 def test_paged_decode_kernel_matches_gathered_sdpa(cache_dtype, threads, head_dim, heads, kv_heads,

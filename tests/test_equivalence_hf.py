@@ -1,5 +1,5 @@
 """Greedy outputs on the default model (fp32) equal Hugging Face transformers', however the
-engine batches, chunks or preempts."""
+engine batches, chunks or preempts; in bf16 they stay within HF bf16's top-3."""
 from __future__ import annotations
 
 import json
@@ -70,3 +70,38 @@ def test_bf16_kv_cache_stays_within_hf_top3(kvflow_llm_factory, prompt_ids, hf_r
         assert_matches_reference(out.outputs[0].token_ids, hf_reference[i], f"prompt {i}")
         identical += out.outputs[0].token_ids == hf_reference[i][0]
     assert identical >= len(prompt_ids) // 2, f"only {identical} prompts kept HF's exact tokens"
+
+
+@pytest.fixture(scope="module")
+def hf_bf16_reference(default_model_path, prompt_ids):
+    """HF transformers with the weights in bf16: greedy tokens and top-3 ids per position."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    folder, fname = os.path.split(default_model_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.bfloat16).eval()
+    refs = []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
+                                 return_dict_in_generate=True, pad_token_id=2, eos_token_id=None)
+            refs.append((out.sequences[0, len(ids):].tolist(), [s[0].topk(3).indices.tolist() for s in out.scores]))
+    return refs
+
+
+def test_bf16_model_stays_within_hf_bf16_top3(default_model_path, prompt_ids, hf_bf16_reference):
+    """dtype="bfloat16" (what "auto" picks on CPUs with native bf16): batched with chunked
+    prefill, the greedy tokens follow HF's bf16 model, or leave it only for one of its top-3."""
+    llm = LLM(default_model_path, dtype="bfloat16", max_model_len=1024, num_blocks=256,
+              max_num_batched_tokens=64)
+    core = llm.engine.core
+    assert core.dtype == torch.bfloat16 and core.runner.kv_caches[0][0].dtype == torch.bfloat16
+    outs = llm.generate(prompt_ids, GREEDY, use_tqdm=False)
+    identical = 0
+    for i, out in enumerate(outs):
+        assert_matches_reference(out.outputs[0].token_ids, hf_bf16_reference[i], f"prompt {i}")
+        identical += out.outputs[0].token_ids == hf_bf16_reference[i][0]
+    # 6 of the 9 prompts were token-identical when this was written
+    assert identical >= len(prompt_ids) // 2, f"only {identical} prompts kept HF's exact bf16 tokens"

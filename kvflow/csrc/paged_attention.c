@@ -163,11 +163,133 @@ DEFINE_ROW(bf16, uint16_t, 8, VECTOR)
 DEFINE_ROW(bf16, uint16_t, 16, VECTOR)
 #endif
 
+#ifdef __AVX512F__
+/* bf16 cache on AVX-512: one pass over each key serves every query head of its group. The
+ * AVX2 row above widens a bf16 key once per query head (three times with SmolLM2's 9/3
+ * heads) and is bound by that widening; here each key is widened once, into 16-float
+ * vectors, for the G <= 4 heads that read it. D is a multiple of 64. */
+static inline __m512 load16_bf16(const uint16_t *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline __m256 fold512(__m512 a) {
+    return _mm256_add_ps(_mm512_castps512_ps256(a),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+/* the four sums of a0..a3, in order */
+static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(fold512(a0), fold512(a1)),
+                              _mm256_hadd_ps(fold512(a2), fold512(a3)));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* scores of the G heads at q (rows D apart) for the n keys at k (rows `tok` apart) */
+static inline __attribute__((always_inline)) void scores_group_bf16(
+        const float *q, const uint16_t *k, int64_t n, int64_t tok, int64_t D, const int G,
+        float scale, float *sh, int64_t L) {
+    const __m128 sc = _mm_set1_ps(scale);
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) {
+        __m512 acc[4][4];
+        for (int g = 0; g < G; g++)
+            for (int j = 0; j < 4; j++) acc[g][j] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < D; c += 16) {
+            __m512 kv[4];
+            for (int j = 0; j < 4; j++) kv[j] = load16_bf16(k + (t + j) * tok + c);
+            for (int g = 0; g < G; g++) {
+                const __m512 qv = _mm512_loadu_ps(q + g * D + c);
+                for (int j = 0; j < 4; j++) acc[g][j] = _mm512_fmadd_ps(qv, kv[j], acc[g][j]);
+            }
+        }
+        for (int g = 0; g < G; g++)
+            _mm_storeu_ps(sh + g * L + t,
+                          _mm_mul_ps(reduce4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), sc));
+    }
+    for (; t < n; t++) {
+        __m512 acc[4];
+        for (int g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < D; c += 16) {
+            const __m512 kv = load16_bf16(k + t * tok + c);
+            for (int g = 0; g < G; g++)
+                acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + c), kv, acc[g]);
+        }
+        for (int g = 0; g < G; g++) sh[g * L + t] = _mm512_reduce_add_ps(acc[g]) * scale;
+    }
+}
+
+/* out of the G heads (rows D apart) += sum_t p_g[t] v_t over the n values at v */
+static inline __attribute__((always_inline)) void values_group_bf16(
+        float *out, const float *p, int64_t L, const uint16_t *v, int64_t n, int64_t tok,
+        int64_t D, const int G) {
+    for (int64_t c = 0; c < D; c += 64) {
+        __m512 acc[4][4];
+        for (int g = 0; g < G; g++)
+            for (int i = 0; i < 4; i++) acc[g][i] = _mm512_loadu_ps(out + g * D + c + 16 * i);
+        for (int64_t t = 0; t < n; t++) {
+            __m512 vv[4];
+            for (int i = 0; i < 4; i++) vv[i] = load16_bf16(v + t * tok + c + 16 * i);
+            for (int g = 0; g < G; g++) {
+                const __m512 pg = _mm512_set1_ps(p[g * L + t]);
+                for (int i = 0; i < 4; i++) acc[g][i] = _mm512_fmadd_ps(pg, vv[i], acc[g][i]);
+            }
+        }
+        for (int g = 0; g < G; g++)
+            for (int i = 0; i < 4; i++) _mm512_storeu_ps(out + g * D + c + 16 * i, acc[g][i]);
+    }
+}
+
+static inline __attribute__((always_inline)) void row_bf16_group(
+        const float *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table,
+        int64_t L, int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, float *scores,
+        float *out, const int G) {
+    const int64_t tok = KVH * D, blk = bs * KVH * D;
+    for (int64_t b0 = 0; b0 < L; b0 += bs) {
+        const uint16_t *kb = k_cache + table[b0 / bs] * blk;
+        const int64_t n = L - b0 < bs ? L - b0 : bs;
+        if (b0 + bs < L) prefetch_block(k_cache + table[b0 / bs + 1] * blk, blk * 2);
+        for (int64_t kh = 0; kh < KVH; kh++)
+            scores_group_bf16(q + kh * G * D, kb + kh * D, n, tok, D, G, scale,
+                              scores + kh * G * L + b0, L);
+    }
+    float inv_sum[H];
+    for (int64_t h = 0; h < H; h++) inv_sum[h] = softmax_unnormalised(scores + h * L, L);
+    memset(out, 0, sizeof(float) * (size_t)(H * D));
+    for (int64_t b0 = 0; b0 < L; b0 += bs) {
+        const uint16_t *vb = v_cache + table[b0 / bs] * blk;
+        const int64_t n = L - b0 < bs ? L - b0 : bs;
+        if (b0 + bs < L) prefetch_block(v_cache + table[b0 / bs + 1] * blk, blk * 2);
+        for (int64_t kh = 0; kh < KVH; kh++)
+            values_group_bf16(out + kh * G * D, scores + kh * G * L + b0, L, vb + kh * D, n, tok, D, G);
+    }
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t d = 0; d < D; d++) out[h * D + d] *= inv_sum[h];
+}
+
+/* G is a literal in each branch, so the accumulators of row_bf16_group stay in registers */
+static void row_bf16_512(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                         const int64_t *table, int64_t L, int64_t H, int64_t KVH, int64_t D,
+                         int64_t bs, float scale, float *scores, float *out) {
+    switch (H / KVH) {
+    case 1: row_bf16_group(q, k_cache, v_cache, table, L, H, KVH, D, bs, scale, scores, out, 1); break;
+    case 2: row_bf16_group(q, k_cache, v_cache, table, L, H, KVH, D, bs, scale, scores, out, 2); break;
+    case 3: row_bf16_group(q, k_cache, v_cache, table, L, H, KVH, D, bs, scale, scores, out, 3); break;
+    default: row_bf16_group(q, k_cache, v_cache, table, L, H, KVH, D, bs, scale, scores, out, 4); break;
+    }
+}
+#define PICK_BF16_512(H, KVH, D) ((D) % 64 == 0 && (H) / (KVH) <= 4)
+#else
+#define PICK_BF16_512(H, KVH, D) 0
+#define row_bf16_512 row_bf16_0
+#endif
+
 #ifdef KVFLOW_AVX2
 #define PICK_ROW(SUFFIX, D) ((D) == 64 ? row_##SUFFIX##_8 : (D) == 128 ? row_##SUFFIX##_16 : row_##SUFFIX##_0)
 #else
 #define PICK_ROW(SUFFIX, D) row_##SUFFIX##_0
 #endif
+
+#define PICK_ROW_FOR_f32(H, KVH, D) PICK_ROW(f32, D)
+#define PICK_ROW_FOR_bf16(H, KVH, D) (PICK_BF16_512(H, KVH, D) ? row_bf16_512 : PICK_ROW(bf16, D))
 
 #define DEFINE_DECODE(SUFFIX, KV_T)                                                            \
 void paged_decode_##SUFFIX(const float *q, int64_t q_stride, const KV_T *k_cache,             \
@@ -180,7 +302,7 @@ void paged_decode_##SUFFIX(const float *q, int64_t q_stride, const KV_T *k_cache
         if (seq_lens[r] > max_len) max_len = seq_lens[r];                                      \
     float *scores = (float *)malloc(sizeof(float) * (size_t)(H * max_len));                    \
     void (*row)(const float *, const KV_T *, const KV_T *, const int64_t *, int64_t, int64_t,  \
-                int64_t, int64_t, int64_t, float, float *, float *) = PICK_ROW(SUFFIX, D);     \
+                int64_t, int64_t, int64_t, float, float *, float *) = PICK_ROW_FOR_##SUFFIX(H, KVH, D); \
     for (int64_t r = row_begin; r < row_end; r++)                                              \
         row(q + rows[r] * q_stride, k_cache, v_cache, block_tables + r * bt_stride,            \
             seq_lens[r], H, KVH, D, block_size, scale, scores, out + rows[r] * out_stride);    \

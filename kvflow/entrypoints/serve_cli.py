@@ -33,7 +33,7 @@ def cmd_serve(args: argparse.Namespace, engine_kwargs) -> int:
             return 2
         args.model = args.model_pos
     try:
-        config = engine_config(**engine_kwargs(args))
+        config = engine_config(trace=args.trace, **engine_kwargs(args))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -66,4 +66,6 @@ def register(sub, add_engine_args, engine_kwargs) -> None:
                    help="answer 503 (retry later) when more requests than this would wait")
     p.add_argument("--max-body-size", default="8MiB", help="largest request body (413 above)")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--trace", default=None,
+                   help="write the engine's per-step trace (JSONL) here (`kvflow trace FILE` reads it)")
     p.set_defaults(func=lambda a: cmd_serve(a, engine_kwargs))

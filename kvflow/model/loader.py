@@ -13,6 +13,7 @@ import torch
 
 from kvflow.model.arch import LlamaArchConfig, load_arch_config, save_arch_cache
 from kvflow.model.llama import LlamaForCausalLM
+from kvflow.model.onednn import cpu_has_native_bf16
 from kvflow.model_path import cache_dir_for, is_gguf
 
 
@@ -27,16 +28,7 @@ def resolve_dtype(name: str, device: torch.device | str | None = None) -> torch.
         raise ValueError(f"dtype must be auto, bfloat16 or float32, got {name!r}")
     if device is not None and torch.device(device).type == "cuda":
         return torch.bfloat16
-    return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
-
-
-def _cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return False
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
 def load_model(path: str, dtype: torch.dtype,
