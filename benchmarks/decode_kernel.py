@@ -1,0 +1,77 @@
+"""Time kvflow's decode attention kernel alone: one call per layer over a W1-sized batch whose
+blocks are scattered over each layer's own cache, as in a real decode step.
+
+    .venv/bin/python benchmarks/decode_kernel.py [--cache-dtype bfloat16] [--batch 128]
+        [--context 340] [--hot]
+
+--hot points every request at the same blocks, so they stay in L2: what is left is compute.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import kvflow  # noqa: E402,F401 - first, so OMP_WAIT_POLICY applies before torch loads
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from kvflow.csrc import load_library  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cache-dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--context", type=int, default=340)
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--heads", type=int, default=9)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--hot", action="store_true", help="every request reads the same blocks")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    lib = load_library()
+    if lib is None:
+        print("the C kernels did not build here")
+        return 1
+    dtype = getattr(torch, args.cache_dtype)
+    fn = lib.paged_decode_bf16 if dtype == torch.bfloat16 else lib.paged_decode_f32
+    b, h, kvh, d, bs = args.batch, args.heads, args.kv_heads, args.head_dim, args.block_size
+    per_req = -(-args.context // bs)
+    rng = np.random.default_rng(0)
+    shape = (b * per_req, bs, kvh, d)
+    caches = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(args.layers)]
+    tables = np.stack([rng.permutation(b * per_req)[:per_req] for _ in range(b)]).astype(np.int64)
+    if args.hot:
+        tables[:] = tables[0]
+    seq_lens = np.full(b, args.context, dtype=np.int64)
+    rows = np.arange(b, dtype=np.int64)
+    q, out = torch.randn(b, h, d), torch.empty(b, h, d)
+
+    def one_step() -> float:
+        t0 = time.perf_counter()
+        for k, v in caches:
+            fn(q.data_ptr(), h * d, k.data_ptr(), v.data_ptr(), tables.ctypes.data, per_req,
+               seq_lens.ctypes.data, rows.ctypes.data, 0, b, h, kvh, d, bs, d ** -0.5,
+               out.data_ptr(), h * d)
+        return time.perf_counter() - t0
+
+    one_step()
+    times = [one_step() for _ in range(args.reps)]
+    read = 2 * args.layers * b * args.context * kvh * d * caches[0][0].element_size()
+    med = statistics.median(times)
+    print(f"{args.cache_dtype} cache, {args.layers} layers x {b} requests x {args.context} tokens"
+          f"{' (hot blocks)' if args.hot else ''}: {med * 1000:.1f} ms median of {args.reps} "
+          f"(min {min(times) * 1000:.1f}); K/V read {read / 1e9:.2f} GB -> {read / med / 1e9:.1f} GB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
