@@ -47,15 +47,14 @@ def prompt_ids(default_tokenizer) -> list[list[int]]:
     return [default_tokenizer.encode(p) for p in PROMPTS]
 
 
-@pytest.fixture(scope="session")
-def hf_reference(default_model_path, prompt_ids):
-    """HF transformers, fp32, same GGUF: greedy tokens and the top-3 ids at every position."""
+def hf_greedy_reference(model_path: str, prompt_ids: list[list[int]], dtype) -> list:
+    """HF transformers on the same GGUF in `dtype`: greedy tokens and top-3 ids per position."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
-    folder, fname = os.path.split(default_model_path)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
+    folder, fname = os.path.split(model_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=dtype)
     model.eval()
     refs = []
     with torch.inference_mode():
@@ -70,6 +69,13 @@ def hf_reference(default_model_path, prompt_ids):
     return refs
 
 
+@pytest.fixture(scope="session")
+def hf_reference(default_model_path, prompt_ids):
+    """HF transformers, fp32, same GGUF: greedy tokens and the top-3 ids at every position."""
+    import torch
+    return hf_greedy_reference(default_model_path, prompt_ids, torch.float32)
+
+
 def assert_matches_reference(got: list[int], ref: tuple[list[int], list[list[int]]], label: str) -> None:
     """Token-identical, or at the first divergence our token is in HF's top-3 (then stop)."""
     tokens, top3 = ref
@@ -78,3 +84,13 @@ def assert_matches_reference(got: list[int], ref: tuple[list[int], list[list[int
         if a != b:
             assert a in top3[j], f"{label}: diverged at {j}: {a} not in HF top-3 {top3[j]}"
             return
+
+
+def assert_follow_reference(outs, refs, min_identical: int, what: str) -> None:
+    """Every output matches its reference (or leaves it for one of the top-3), and at least
+    `min_identical` of them are token-identical to it."""
+    identical = 0
+    for i, out in enumerate(outs):
+        assert_matches_reference(out.outputs[0].token_ids, refs[i], f"prompt {i}")
+        identical += out.outputs[0].token_ids == refs[i][0]
+    assert identical >= min_identical, f"only {identical} prompts kept {what}'s exact tokens"

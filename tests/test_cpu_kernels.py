@@ -114,3 +114,85 @@ def test_fused_silu_mul_matches_reference():
     gate_up = torch.randn(33, 2 * 52) * 4
     gate, up = gate_up.chunk(2, -1)
     torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, atol=1e-6, rtol=1e-5)
+
+
+def _bf16_ulps(got: torch.Tensor, want: torch.Tensor) -> int:
+    """Largest distance in bf16 steps (same-sign values; enough for these comparisons)."""
+    g = got.view(torch.int16).to(torch.int32)
+    w = want.view(torch.int16).to(torch.int32)
+    return int((g - w).abs().max())
+
+
+def test_fused_bf16_add_rms_norm_rounds_like_torch():
+    """bf16 activations: the residual add, the normalised value and the weighted output are
+    each rounded to bf16 where PyTorch's bf16 ops round (HF's LlamaRMSNorm)."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(70, 576, generator=g) * 3).bfloat16()
+    d = torch.randn(70, 576, generator=g).bfloat16()
+    w = (1 + torch.randn(576, generator=g) * 0.1).bfloat16()
+    want_x = x + d
+    xf = want_x.float()
+    want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    got = ops.add_rms_norm(x, d, w, 1e-5)
+    assert got.dtype == torch.bfloat16 and torch.equal(x, want_x)  # residual in place, exact
+    assert _bf16_ulps(got, want) <= 1  # the sum of squares is added in another order
+    assert (got != want).float().mean() < 0.01
+
+
+def test_fused_bf16_rope_is_exact():
+    t, heads, dim = 9, 5, 64
+    qkv = torch.randn(t, heads * dim + 7).bfloat16()
+    pos = np.array([0, 3, 1, 8, 2, 2, 7, 5, 4], dtype=np.int64)
+    freqs = torch.outer(torch.arange(16, dtype=torch.float32), 1.0 / 10000 ** (torch.arange(0, dim, 2) / dim))
+    emb = torch.cat((freqs, freqs), -1)
+    cos, sin = emb.cos(), emb.sin()
+    x = qkv[:, :heads * dim].reshape(t, heads, dim)
+    c, s = cos[pos].unsqueeze(1).bfloat16(), sin[pos].unsqueeze(1).bfloat16()
+    want = x * c + torch.cat((-x[..., dim // 2:], x[..., :dim // 2]), -1) * s
+    tail = qkv[:, heads * dim:].clone()
+    ops.rope_(qkv, heads, dim, pos, cos, sin)
+    assert torch.equal(qkv[:, :heads * dim].reshape(t, heads, dim), want)
+    assert torch.equal(qkv[:, heads * dim:], tail)
+
+
+def test_fused_bf16_silu_mul_rounds_like_torch():
+    gate_up = (torch.randn(33, 2 * 1536) * 4).bfloat16()
+    gate, up = gate_up.chunk(2, -1)
+    got = ops.silu_mul(gate_up)
+    want = F.silu(gate) * up
+    assert got.dtype == torch.bfloat16
+    assert _bf16_ulps(got, want) <= 1  # exp may differ from PyTorch's in the last fp32 bit
+    assert (got != want).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prompt_tokens_through_the_kernel_match_sdpa(dtype, threads, monkeypatch):
+    """A step mixing a fresh prompt, a prompt chunk after cached context and decodes: with the
+    kernel every token is a row over its causal prefix; without it (SDPA per prompt, the
+    batched decode fallback) the same numbers come out."""
+    monkeypatch.setattr(A, "MIN_PARALLEL_HEAD_KEYS", 0)
+    heads, kv_heads, head_dim, block_size = 6, 2, 64, 4
+    query_lens = np.array([11, 1, 7, 1])  # fresh prompt, decode, chunk after 9 cached, decode
+    seq_lens = np.array([11, 6, 16, 3])
+    free = list(np.random.default_rng(2).permutation(40))
+    tables = [[int(free.pop()) for _ in range(-(-n // block_size))] for n in seq_lens]
+    k_cache = torch.randn(40, block_size, kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(40, block_size, kv_heads, head_dim).to(dtype)
+    q = torch.randn(int(query_lens.sum()), heads, head_dim).to(dtype)
+    scale = head_dim ** -0.5
+
+    def attend() -> torch.Tensor:
+        meta = A.build_attention_metadata(query_lens, seq_lens, tables, block_size)
+        return A.paged_attention(q, k_cache, v_cache, meta, scale, kv_heads)
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = attend()
+    finally:
+        torch.set_num_threads(old)
+    monkeypatch.setattr(A, "load_library", lambda: None)
+    want = attend()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16 outputs: one rounding apart
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import NEW_TOKENS, assert_matches_reference
+from conftest import NEW_TOKENS, assert_follow_reference, assert_matches_reference, hf_greedy_reference
 from kvflow import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -65,30 +65,12 @@ def test_bf16_kv_cache_stays_within_hf_top3(kvflow_llm_factory, prompt_ids, hf_r
     fp32_bytes = core.arch.kv_bytes_per_token(4)
     assert core.kv_bytes_per_token * 2 == fp32_bytes
     outs = llm.generate(prompt_ids, GREEDY, use_tqdm=False)
-    identical = 0
-    for i, out in enumerate(outs):
-        assert_matches_reference(out.outputs[0].token_ids, hf_reference[i], f"prompt {i}")
-        identical += out.outputs[0].token_ids == hf_reference[i][0]
-    assert identical >= len(prompt_ids) // 2, f"only {identical} prompts kept HF's exact tokens"
+    assert_follow_reference(outs, hf_reference, len(prompt_ids) // 2, "HF")
 
 
 @pytest.fixture(scope="module")
 def hf_bf16_reference(default_model_path, prompt_ids):
-    """HF transformers with the weights in bf16: greedy tokens and top-3 ids per position."""
-    import os
-
-    from transformers import AutoModelForCausalLM
-
-    folder, fname = os.path.split(default_model_path)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.bfloat16).eval()
-    refs = []
-    with torch.inference_mode():
-        for ids in prompt_ids:
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
-                                 return_dict_in_generate=True, pad_token_id=2, eos_token_id=None)
-            refs.append((out.sequences[0, len(ids):].tolist(), [s[0].topk(3).indices.tolist() for s in out.scores]))
-    return refs
+    return hf_greedy_reference(default_model_path, prompt_ids, torch.bfloat16)
 
 
 def test_bf16_model_stays_within_hf_bf16_top3(default_model_path, prompt_ids, hf_bf16_reference):
@@ -99,9 +81,5 @@ def test_bf16_model_stays_within_hf_bf16_top3(default_model_path, prompt_ids, hf
     core = llm.engine.core
     assert core.dtype == torch.bfloat16 and core.runner.kv_caches[0][0].dtype == torch.bfloat16
     outs = llm.generate(prompt_ids, GREEDY, use_tqdm=False)
-    identical = 0
-    for i, out in enumerate(outs):
-        assert_matches_reference(out.outputs[0].token_ids, hf_bf16_reference[i], f"prompt {i}")
-        identical += out.outputs[0].token_ids == hf_bf16_reference[i][0]
     # 6 of the 9 prompts were token-identical when this was written
-    assert identical >= len(prompt_ids) // 2, f"only {identical} prompts kept HF's exact bf16 tokens"
+    assert_follow_reference(outs, hf_bf16_reference, len(prompt_ids) // 2, "HF bf16")

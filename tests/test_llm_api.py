@@ -10,7 +10,10 @@ from kvflow import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(default_model_path):
-    return LLM(default_model_path, max_model_len=512, num_blocks=256)
+    # fp32 on every machine ("auto" is bf16 where the CPU has native bf16): in bf16 a request's
+    # tokens can change with the batch around it (README, "Options that matter"), which the
+    # batch-composition checks below would then see
+    return LLM(default_model_path, dtype="float32", max_model_len=512, num_blocks=256)
 
 
 def texts(outs):

@@ -8,12 +8,14 @@ import subprocess
 import sys
 
 # One step prefilling four 512-token prompts (the default 2,048-token budget) allocates ~1.7 GiB
-# of activations over its 30 layers, in buffers of many sizes. The KV pool is just large enough for the four, so
-# every step reuses the same cache pages and what a later step faults in is activation memory.
+# of fp32 activations over its 30 layers, in buffers of many sizes (the script pins fp32: "auto"
+# is bf16 on CPUs with native bf16, with half the bytes). The KV pool is just large enough for
+# the four, so every step reuses the same cache pages and what a later step faults in is
+# activation memory.
 SCRIPT = r"""
 import json, resource, sys
 from kvflow import LLM, SamplingParams
-llm = LLM(sys.argv[1], max_model_len=1024, num_blocks=136, enable_prefix_caching=False)
+llm = LLM(sys.argv[1], dtype="float32", max_model_len=1024, num_blocks=136, enable_prefix_caching=False)
 prompts = [list(range(1000 + 600 * i, 1512 + 600 * i)) for i in range(4)]
 params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 faults = []

@@ -36,10 +36,13 @@ _SIGNATURES = {
                           _i64, _i64, _f32, _ptr, _i64],
     # residual, delta, weight, out, begin, end, n, eps
     "add_rms_norm_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _f32],
+    "add_rms_norm_bf16": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _f32],
     # qkv, stride, positions, cos, sin, begin, end, n_heads, dim
     "rope_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
+    "rope_bf16": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
     # gate_up, out, begin, end, n
     "silu_mul_f32": [_ptr, _ptr, _i64, _i64, _i64],
+    "silu_mul_bf16": [_ptr, _ptr, _i64, _i64, _i64],
     # k, v, src_stride, slots, k_cache, v_cache, begin, end, width
     "write_kv_f32": [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
     "write_kv_bf16": [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],

@@ -1,10 +1,25 @@
-/* Fused fp32 elementwise steps of a Llama layer, one pass over memory each instead of the
- * 4-6 PyTorch ops (and allocations) that each would take. Row ranges [begin, end) let the
- * caller split the work between threads. Numerics follow Hugging Face's LlamaModel in fp32. */
+/* Fused elementwise steps of a Llama layer, one pass over memory each instead of the 4-6
+ * PyTorch ops (and allocations) that each would take. Row ranges [begin, end) let the caller
+ * split the work between threads. Numerics follow Hugging Face's LlamaModel: in fp32, and in
+ * bf16 with a bf16 rounding wherever PyTorch's bf16 ops round (each op's result). */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include "simd.h"
+
+/* fp32 -> bf16, rounding to nearest even (as torch's .to(torch.bfloat16)); NaN stays NaN. */
+static inline uint16_t float_to_bf16(float f) {
+    union { float f; uint32_t u; } x = { f };
+    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40);
+    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
+}
+
+static inline float bf16_to_float(uint16_t v) {
+    union { uint32_t u; float f; } x = { (uint32_t)v << 16 };
+    return x.f;
+}
+/* one bf16 rounding of an fp32 value, kept as fp32 */
+static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 
 /* residual[t] += delta[t] (when delta is given), then
  * out[t] = weight * residual[t] * rsqrt(mean(residual[t]^2) + eps) */
@@ -61,6 +76,91 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t begin, int64_t end, 
     }
 }
 
+/* bf16 activations. residual[t] += delta[t] (rounded), then
+ * out[t] = bf16(weight * bf16(residual[t] * rsqrt(mean(residual[t]^2) + eps))) */
+void add_rms_norm_bf16(uint16_t *residual, const uint16_t *delta, const uint16_t *weight,
+                       uint16_t *out, int64_t begin, int64_t end, int64_t n, float eps) {
+    for (int64_t t = begin; t < end; t++) {
+        uint16_t *x = residual + t * n;
+        uint16_t *o = out + t * n;
+        float ss = 0.f;
+        if (delta) {
+            const uint16_t *d = delta + t * n;
+#pragma omp simd
+            for (int64_t i = 0; i < n; i++) x[i] = float_to_bf16(bf16_to_float(x[i]) + bf16_to_float(d[i]));
+        }
+#pragma omp simd reduction(+:ss)
+        for (int64_t i = 0; i < n; i++) ss += bf16_to_float(x[i]) * bf16_to_float(x[i]);
+        const float r = 1.f / sqrtf(ss / (float)n + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++)
+            o[i] = float_to_bf16(bf16_to_float(weight[i]) * round_bf16(bf16_to_float(x[i]) * r));
+    }
+}
+
+/* bf16 qkv, fp32 cos/sin tables (rounded to bf16 as `.to(bf16)` does): each product and the
+ * sum rounded, as x * cos + rotate_half(x) * sin runs in bf16. */
+void rope_bf16(uint16_t *qkv, int64_t stride, const int64_t *positions, const float *cos_table,
+               const float *sin_table, int64_t begin, int64_t end, int64_t n_heads, int64_t dim) {
+    const int64_t half = dim / 2;
+    float c[dim], s[dim];
+    for (int64_t t = begin; t < end; t++) {
+        const float *ct = cos_table + positions[t] * dim, *st = sin_table + positions[t] * dim;
+        for (int64_t i = 0; i < dim; i++) { c[i] = round_bf16(ct[i]); s[i] = round_bf16(st[i]); }
+        for (int64_t h = 0; h < n_heads; h++) {
+            uint16_t *x = qkv + t * stride + h * dim;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = bf16_to_float(x[i]), x2 = bf16_to_float(x[i + half]);
+                x[i] = float_to_bf16(round_bf16(x1 * c[i]) + round_bf16(-x2 * s[i]));
+                x[i + half] = float_to_bf16(round_bf16(x2 * c[i + half]) + round_bf16(x1 * s[i + half]));
+            }
+        }
+    }
+}
+
+#ifdef KVFLOW_AVX2
+static inline __m256 load8_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+/* float_to_bf16 for 8 values, still in the upper halves of 32-bit lanes */
+static inline __m256i round8_bf16_bits(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+    const __m256i quiet = _mm256_or_si256(u, _mm256_set1_epi32(0x400000));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    return _mm256_and_si256(_mm256_blendv_epi8(r, quiet, nan), _mm256_set1_epi32((int)0xffff0000u));
+}
+static inline __m256 round8_bf16(__m256 v) { return _mm256_castsi256_ps(round8_bf16_bits(v)); }
+static inline void store8_bf16(uint16_t *p, __m256 v) {
+    const __m256i h = _mm256_srli_epi32(round8_bf16_bits(v), 16);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
+}
+#endif
+
+/* out[t] = bf16(bf16(silu(gate)) * up) for bf16 gate_up = [gate | up] */
+void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t begin, int64_t end, int64_t n) {
+    for (int64_t t = begin; t < end; t++) {
+        const uint16_t *g = gate_up + t * 2 * n, *u = g + n;
+        uint16_t *o = out + t * n;
+        int64_t i = 0;
+#ifdef KVFLOW_AVX2
+        const __m256 one = _mm256_set1_ps(1.f);
+        for (; i + 8 <= n; i += 8) {
+            const __m256 gv = load8_bf16(g + i);
+            const __m256 sg = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+            store8_bf16(o + i, _mm256_mul_ps(round8_bf16(sg), load8_bf16(u + i)));
+        }
+#endif
+        for (; i < n; i++) {
+            const float gf = bf16_to_float(g[i]);
+            o[i] = float_to_bf16(round_bf16(gf / (1.f + expf(-gf))) * bf16_to_float(u[i]));
+        }
+    }
+}
+
 /* k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t] for the rows of one step (each row is
  * `width` = kv_heads * head_dim floats; k/v rows `src_stride` apart, as views of qkv). */
 void write_kv_f32(const float *k, const float *v, int64_t src_stride, const int64_t *slots,
@@ -69,13 +169,6 @@ void write_kv_f32(const float *k, const float *v, int64_t src_stride, const int6
         memcpy(k_cache + slots[t] * width, k + t * src_stride, sizeof(float) * (size_t)width);
         memcpy(v_cache + slots[t] * width, v + t * src_stride, sizeof(float) * (size_t)width);
     }
-}
-
-/* fp32 -> bf16, rounding to nearest even (as torch's .to(torch.bfloat16)); NaN stays NaN. */
-static inline uint16_t float_to_bf16(float f) {
-    union { float f; uint32_t u; } x = { f };
-    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40);
-    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
 }
 
 static void store_bf16_row(uint16_t *dst, const float *src, int64_t n) {

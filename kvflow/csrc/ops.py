@@ -1,5 +1,5 @@
-"""Tensor-level entry points of the fused C kernels, each with its PyTorch equivalent as the
-fallback (no compiler, non-fp32 activations, or another device). Numerics as in HF's Llama."""
+"""Tensor-level entry points of the fused C kernels (fp32 and bf16), each with its PyTorch
+equivalent as the fallback (no compiler, another dtype or device). Numerics as in HF's Llama."""
 from __future__ import annotations
 
 import numpy as np
@@ -23,10 +23,21 @@ def _fast(*tensors: torch.Tensor) -> bool:
                for t in tensors) and load_library() is not None
 
 
+def _kernel_suffix(*tensors: torch.Tensor) -> str | None:
+    """"f32" or "bf16" when every tensor is a contiguous CPU tensor of that dtype and the
+    kernels built; None: take the PyTorch path."""
+    dtypes = {t.dtype for t in tensors}
+    if (len(dtypes) != 1 or not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+            or load_library() is None):
+        return None
+    return {torch.float32: "f32", torch.bfloat16: "bf16"}.get(dtypes.pop())
+
+
 def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
     """residual += delta (in place, if given); return RMSNorm(residual) * weight."""
-    if not _fast(residual, weight, *([delta] if delta is not None else [])):
+    suffix = _kernel_suffix(residual, weight, *([delta] if delta is not None else []))
+    if suffix is None:
         if delta is not None:
             residual.add_(delta)
         xf = residual.float()
@@ -34,7 +45,7 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: tor
         return weight * xf.to(residual.dtype)
     out = torch.empty_like(residual)
     n = residual.shape[-1]
-    fn = load_library().add_rms_norm_f32
+    fn = getattr(load_library(), f"add_rms_norm_{suffix}")
     r, d, w, o = (residual.data_ptr(), delta.data_ptr() if delta is not None else None,
                   weight.data_ptr(), out.data_ptr())
     run_split(lambda a, b: fn(r, d, w, o, a, b, n, eps), residual.numel() // n,
@@ -47,7 +58,8 @@ def rope_(qkv: torch.Tensor, n_heads: int, head_dim: int, positions: np.ndarray,
     """Rotate the first `n_heads` heads of each row of qkv [T, width] in place (HF rotate_half
     RoPE); cos/sin are the [max_pos, head_dim] fp32 tables, positions int64 [T]."""
     t = qkv.shape[0]
-    if not (_fast(qkv, cos, sin) and positions.dtype == np.int64 and positions.flags.c_contiguous):
+    suffix = _kernel_suffix(qkv)
+    if not (suffix and _fast(cos, sin) and positions.dtype == np.int64 and positions.flags.c_contiguous):
         x = qkv[:, :n_heads * head_dim].view(t, n_heads, head_dim)
         idx = torch.from_numpy(positions)
         c, s = cos[idx].to(qkv.dtype).unsqueeze(1), sin[idx].to(qkv.dtype).unsqueeze(1)
@@ -55,7 +67,7 @@ def rope_(qkv: torch.Tensor, n_heads: int, head_dim: int, positions: np.ndarray,
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         x.copy_(x * c + rotated * s)
         return
-    fn = load_library().rope_f32
+    fn = getattr(load_library(), f"rope_{suffix}")
     q, p, c, s = qkv.data_ptr(), positions.ctypes.data, cos.data_ptr(), sin.data_ptr()
     stride = qkv.stride(0)
     run_split(lambda a, b: fn(q, stride, p, c, s, a, b, n_heads, head_dim), t,
@@ -64,12 +76,13 @@ def rope_(qkv: torch.Tensor, n_heads: int, head_dim: int, positions: np.ndarray,
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] along the last dim."""
-    if not _fast(gate_up):
+    suffix = _kernel_suffix(gate_up)
+    if suffix is None:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
     t, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty(t, n)
-    fn = load_library().silu_mul_f32
+    fn = getattr(load_library(), f"silu_mul_{suffix}")
     g, o = gate_up.data_ptr(), out.data_ptr()
     run_split(lambda a, b: fn(g, o, a, b, n), t, torch.get_num_threads(), min_rows=_min_rows(2 * n))
     return out
