@@ -114,9 +114,13 @@ static void row_##SUFFIX##_##ND(const float *q, const KV_T *k_cache, const KV_T 
     for (int64_t b0 = 0; b0 < L; b0 += bs) {                                                   \
         const KV_T *kb = k_cache + table[b0 / bs] * blk;                                       \
         const int64_t n = L - b0 < bs ? L - b0 : bs;                                           \
-        if (b0 + bs < L) prefetch_block(k_cache + table[b0 / bs + 1] * blk, blk * sizeof(KV_T)); \
+        const KV_T *nk = b0 + bs < L ? k_cache + table[b0 / bs + 1] * blk : NULL;             \
         for (int64_t kh = 0; kh < KVH; kh++)                                                   \
             for (int64_t g = 0; g < G; g++) {                                                  \
+                if (nk && g == 0) /* this head's keys of the next block: spread prefetch */   \
+                    for (int64_t t = 0; t < n; t++)                                            \
+                        for (int64_t c = 0; c < D; c += 64 / (int64_t)sizeof(KV_T))            \
+                            __builtin_prefetch(nk + t * tok + kh * D + c, 0, 3);               \
                 const int64_t h = kh * G + g;                                                  \
                 const float *qh = q + h * D;                                                   \
                 const KV_T *k = kb + kh * D;                                                   \
@@ -136,9 +140,13 @@ static void row_##SUFFIX##_##ND(const float *q, const KV_T *k_cache, const KV_T 
     for (int64_t b0 = 0; b0 < L; b0 += bs) {                                                   \
         const KV_T *vb = v_cache + table[b0 / bs] * blk;                                       \
         const int64_t n = L - b0 < bs ? L - b0 : bs;                                           \
-        if (b0 + bs < L) prefetch_block(v_cache + table[b0 / bs + 1] * blk, blk * sizeof(KV_T)); \
+        const KV_T *nv = b0 + bs < L ? v_cache + table[b0 / bs + 1] * blk : NULL;             \
         for (int64_t kh = 0; kh < KVH; kh++)                                                   \
             for (int64_t g = 0; g < G; g++) {                                                  \
+                if (nv && g == 0)                                                              \
+                    for (int64_t t = 0; t < n; t++)                                            \
+                        for (int64_t c = 0; c < D; c += 64 / (int64_t)sizeof(KV_T))            \
+                            __builtin_prefetch(nv + t * tok + kh * D + c, 0, 3);               \
                 const int64_t h = kh * G + g;                                                  \
                 const float *p = scores + h * L + b0;                                          \
                 const KV_T *v = vb + kh * D;                                                   \
@@ -183,16 +191,21 @@ static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-/* scores of the G heads at q (rows D apart) for the n keys at k (rows `tok` apart) */
+/* scores of the G heads at q (rows D apart) for the n keys at k (rows `tok` apart); the same
+ * keys of the next block (nk, or NULL) are prefetched as these are read, spread over the loop
+ * (one burst per block ran 1.2x slower: 149 ms against 122 for a W1-sized step) */
 static inline __attribute__((always_inline)) void scores_group_bf16(
         const float *q, const uint16_t *k, int64_t n, int64_t tok, int64_t D, const int G,
-        float scale, float *sh, int64_t L) {
+        float scale, float *sh, int64_t L, const uint16_t *nk) {
     const __m128 sc = _mm_set1_ps(scale);
     int64_t t = 0;
     for (; t + 4 <= n; t += 4) {
         __m512 acc[4][4];
         for (int g = 0; g < G; g++)
             for (int j = 0; j < 4; j++) acc[g][j] = _mm512_setzero_ps();
+        if (nk)
+            for (int j = 0; j < 4; j++)
+                for (int64_t c = 0; c < D; c += 32) __builtin_prefetch(nk + (t + j) * tok + c, 0, 3);
         for (int64_t c = 0; c < D; c += 16) {
             __m512 kv[4];
             for (int j = 0; j < 4; j++) kv[j] = load16_bf16(k + (t + j) * tok + c);
@@ -217,15 +230,17 @@ static inline __attribute__((always_inline)) void scores_group_bf16(
     }
 }
 
-/* out of the G heads (rows D apart) += sum_t p_g[t] v_t over the n values at v */
+/* out of the G heads (rows D apart) += sum_t p_g[t] v_t over the n values at v (and the next
+ * block's values at nv prefetched on the way, as for the keys) */
 static inline __attribute__((always_inline)) void values_group_bf16(
         float *out, const float *p, int64_t L, const uint16_t *v, int64_t n, int64_t tok,
-        int64_t D, const int G) {
+        int64_t D, const int G, const uint16_t *nv) {
     for (int64_t c = 0; c < D; c += 64) {
         __m512 acc[4][4];
         for (int g = 0; g < G; g++)
             for (int i = 0; i < 4; i++) acc[g][i] = _mm512_loadu_ps(out + g * D + c + 16 * i);
         for (int64_t t = 0; t < n; t++) {
+            if (nv) for (int i = 0; i < 4; i += 2) __builtin_prefetch(nv + t * tok + c + 16 * i, 0, 3);
             __m512 vv[4];
             for (int i = 0; i < 4; i++) vv[i] = load16_bf16(v + t * tok + c + 16 * i);
             for (int g = 0; g < G; g++) {
@@ -246,10 +261,10 @@ static inline __attribute__((always_inline)) void row_bf16_group(
     for (int64_t b0 = 0; b0 < L; b0 += bs) {
         const uint16_t *kb = k_cache + table[b0 / bs] * blk;
         const int64_t n = L - b0 < bs ? L - b0 : bs;
-        if (b0 + bs < L) prefetch_block(k_cache + table[b0 / bs + 1] * blk, blk * 2);
+        const uint16_t *nk = b0 + bs < L ? k_cache + table[b0 / bs + 1] * blk : NULL;
         for (int64_t kh = 0; kh < KVH; kh++)
             scores_group_bf16(q + kh * G * D, kb + kh * D, n, tok, D, G, scale,
-                              scores + kh * G * L + b0, L);
+                              scores + kh * G * L + b0, L, nk ? nk + kh * D : NULL);
     }
     float inv_sum[H];
     for (int64_t h = 0; h < H; h++) inv_sum[h] = softmax_unnormalised(scores + h * L, L);
@@ -257,9 +272,10 @@ static inline __attribute__((always_inline)) void row_bf16_group(
     for (int64_t b0 = 0; b0 < L; b0 += bs) {
         const uint16_t *vb = v_cache + table[b0 / bs] * blk;
         const int64_t n = L - b0 < bs ? L - b0 : bs;
-        if (b0 + bs < L) prefetch_block(v_cache + table[b0 / bs + 1] * blk, blk * 2);
+        const uint16_t *nv = b0 + bs < L ? v_cache + table[b0 / bs + 1] * blk : NULL;
         for (int64_t kh = 0; kh < KVH; kh++)
-            values_group_bf16(out + kh * G * D, scores + kh * G * L + b0, L, vb + kh * D, n, tok, D, G);
+            values_group_bf16(out + kh * G * D, scores + kh * G * L + b0, L, vb + kh * D, n, tok, D, G,
+                              nv ? nv + kh * D : NULL);
     }
     for (int64_t h = 0; h < H; h++)
         for (int64_t d = 0; d < D; d++) out[h * D + d] *= inv_sum[h];
