@@ -12,6 +12,8 @@ import argparse
 import json
 import time
 
+import kvflow  # noqa: F401 - before torch, so OMP_WAIT_POLICY=PASSIVE applies to the two-thread rates
+
 H, I, Q, KV, LAYERS, VOCAB = 576, 1536, 576, 192, 30, 49152  # SmolLM2-135M
 SHAPES = [(Q + 2 * KV, H), (H, Q), (2 * I, H), (H, I)]  # (out, in): qkv, o, gate_up, down
 

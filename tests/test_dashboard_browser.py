@@ -31,9 +31,12 @@ MAX_NUM_SEQS = 3  # four requests: one of them must wait
 # A shared opening (more than one 16-token block) so that prefix caching shares blocks.
 PREFIX = ("You are a storyteller. Every story you tell is set in a small harbour town, has a "
           "lighthouse keeper in it, and ends with the sea. ")
-# (prompt, max_tokens): the short one finishes first and makes room for the one that waits
-REQUESTS = [("Tell the one about the storm.", 16), ("Tell the one about the lost cat.", 48),
-            ("Tell the one about the festival.", 48), ("Tell the one about the old map.", 48)]
+# (prompt, max_tokens): the short one finishes first and makes room for the one that waits.
+# It must outlast the page seeing three running and the fourth arriving (seconds, at ~26 ms a
+# token in bf16 on a CPU with native bf16: 16 tokens were too few there), and the long ones
+# run over a hundred steps past it.
+REQUESTS = [("Tell the one about the storm.", 96), ("Tell the one about the lost cat.", 224),
+            ("Tell the one about the festival.", 224), ("Tell the one about the old map.", 224)]
 
 
 def ensure_chromium() -> None:
