@@ -167,6 +167,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 _KERNELS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+VECTOR_HEAD_DIMS = (64, 128)  # head sizes with a vector row in paged_attention.c (AVX2/AVX-512)
 # Below ~0.5 ms of decode attention (~25k head-keys at ~20 ns each) handing rows to a second
 # thread (~0.2 ms) costs more than it saves.
 MIN_PARALLEL_HEAD_KEYS = 25_000
@@ -239,9 +240,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     gqa = num_heads != num_kv_heads
 
     # With the C kernel, prompt tokens are rows like decodes: each reads its causal prefix from
-    # the cache (a prompt's blocks stay in L2 across its rows). In bf16 that ran 1.8x faster
-    # than SDPA per prompt (benchmarks/README.md); one call also splits all rows over threads.
-    if meta.prefills and _decode_with_kernel(q, k_cache, v_cache, meta, scale, out, all_tokens=True):
+    # the cache (a prompt's blocks stay in L2 across its rows). That ran 1.3-1.5x faster than
+    # SDPA per prompt (benchmarks/README.md), and one call splits all rows over threads. Only
+    # for head sizes the kernel vectorises: its scalar row would be far slower than SDPA.
+    if (meta.prefills and head_dim in VECTOR_HEAD_DIMS
+            and _decode_with_kernel(q, k_cache, v_cache, meta, scale, out, all_tokens=True)):
         return out.reshape(num_tokens, num_heads * head_dim)
     if meta.num_decodes and not _decode_with_kernel(q, k_cache, v_cache, meta, scale, out):
         _decode_with_torch(q, k_cache, v_cache, meta, scale, out)
