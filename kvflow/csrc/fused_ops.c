@@ -14,10 +14,6 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
 }
 
-static inline float bf16_to_float(uint16_t v) {
-    union { uint32_t u; float f; } x = { (uint32_t)v << 16 };
-    return x.f;
-}
 /* one bf16 rounding of an fp32 value, kept as fp32 */
 static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 
@@ -120,9 +116,6 @@ void rope_bf16(uint16_t *qkv, int64_t stride, const int64_t *positions, const fl
 }
 
 #ifdef KVFLOW_AVX2
-static inline __m256 load8_bf16(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
 /* float_to_bf16 for 8 values, still in the upper halves of 32-bit lanes */
 static inline __m256i round8_bf16_bits(__m256 v) {
     const __m256i u = _mm256_castps_si256(v);

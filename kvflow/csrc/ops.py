@@ -18,14 +18,9 @@ def _min_rows(width: int) -> int:
     return max(64, _MIN_PARALLEL_VALUES // width)
 
 
-def _fast(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
-               for t in tensors) and load_library() is not None
-
-
 def _kernel_suffix(*tensors: torch.Tensor) -> str | None:
-    """"f32" or "bf16" when every tensor is a contiguous CPU tensor of that dtype and the
-    kernels built; None: take the PyTorch path."""
+    """Which kernel variant serves these tensors: "f32" or "bf16" when all are contiguous CPU
+    tensors of that one dtype and the kernels built; None: take the PyTorch path."""
     dtypes = {t.dtype for t in tensors}
     if (len(dtypes) != 1 or not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
             or load_library() is None):
@@ -59,7 +54,8 @@ def rope_(qkv: torch.Tensor, n_heads: int, head_dim: int, positions: np.ndarray,
     RoPE); cos/sin are the [max_pos, head_dim] fp32 tables, positions int64 [T]."""
     t = qkv.shape[0]
     suffix = _kernel_suffix(qkv)
-    if not (suffix and _fast(cos, sin) and positions.dtype == np.int64 and positions.flags.c_contiguous):
+    if not (suffix and _kernel_suffix(cos, sin) == "f32" and positions.dtype == np.int64
+            and positions.flags.c_contiguous):
         x = qkv[:, :n_heads * head_dim].view(t, n_heads, head_dim)
         idx = torch.from_numpy(positions)
         c, s = cos[idx].to(qkv.dtype).unsqueeze(1), sin[idx].to(qkv.dtype).unsqueeze(1)

@@ -16,19 +16,11 @@
 #include <string.h>
 #include "simd.h"
 
-static inline float bf16_to_float(uint16_t v) {
-    union { uint32_t u; float f; } x = { (uint32_t)v << 16 };
-    return x.f;
-}
 static inline float load1_f32(const float *p) { return *p; }
 static inline float load1_bf16(const uint16_t *p) { return bf16_to_float(*p); }
 
 #ifdef KVFLOW_AVX2
 static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
-static inline __m256 load8_bf16(const uint16_t *p) {
-    __m128i h = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -63,11 +55,6 @@ static float softmax_unnormalised(float *s, int64_t n) {
 #endif
     for (; t < n; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
     return 1.f / sum;
-}
-
-/* Ask for a block of the cache (`bytes` from p) ahead of its use. */
-static inline void prefetch_block(const void *p, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 3);
 }
 
 #ifdef KVFLOW_AVX2

@@ -1,9 +1,22 @@
-/* What both kernel files share: the AVX2 switch and a vectorised exp. */
+/* What both kernel files share: bf16 widening, the AVX2 switch and a vectorised exp. */
 #ifndef KVFLOW_SIMD_H
 #define KVFLOW_SIMD_H
+#include <stdint.h>
+
+/* bf16 -> fp32 is exact: the 16 bits become the top half of the float */
+static inline float bf16_to_float(uint16_t v) {
+    union { uint32_t u; float f; } x = { (uint32_t)v << 16 };
+    return x.f;
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define KVFLOW_AVX2 1
+
+static inline __m256 load8_bf16(const uint16_t *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
 
 /* exp(x) for 8 floats: Cephes' polynomial, about 1 ulp in float over [-87.3, 88.3]
  * (inputs are clamped to it). */

@@ -202,8 +202,11 @@ def _decode_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     threads = torch.get_num_threads() if int(lens.sum()) * num_heads >= MIN_PARALLEL_HEAD_KEYS else 1
     run_split(run, len(rows), threads, weights=lens)
     if of is not out:
-        idx = torch.from_numpy(rows)
-        out[idx] = of[idx].to(out.dtype)
+        if all_tokens:
+            out.copy_(of)
+        else:
+            idx = torch.from_numpy(rows)
+            out[idx] = of[idx].to(out.dtype)
     return True
 
 

@@ -2,8 +2,8 @@
 
 A forward allocates tens of MiB of activations and frees them again. glibc's malloc serves
 such blocks with fresh mmaps (or trims them off its heap once freed), so every step gets
-new pages and pays a page fault per 4 KiB when it first writes them: ~280k faults, ~5-10%
-of a 2,048-token prefill step on this machine. Pinning the mmap threshold and raising the
+new pages and pays a page fault per 4 KiB when it first writes them: ~270-450k faults, ~10%
+of a 2,048-token prefill step in fp32 on this machine. Pinning the mmap threshold and raising the
 trim threshold makes malloc reuse its heap; the engine's memory then stays at its peak
 working set (a few hundred MiB above the weights), which a server reaches anyway.
 

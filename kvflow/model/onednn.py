@@ -10,6 +10,7 @@ above. Coarser buckets (multiples of 128 above 256) padded a serving step of 256
 plus 50 decodes from 306 to 384 rows: 25% more GEMM time on the steps that dominate serving."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -29,6 +30,7 @@ def onednn_usable(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
+@functools.cache
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX: without them oneDNN emulates bf16 (several times slower than fp32)."""
     try:
