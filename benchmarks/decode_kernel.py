@@ -21,6 +21,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from kvflow.csrc import load_library  # noqa: E402
+from kvflow.model import hugepages  # noqa: E402
 
 
 def main() -> int:
@@ -47,7 +48,9 @@ def main() -> int:
     per_req = -(-args.context // bs)
     rng = np.random.default_rng(0)
     shape = (b * per_req, bs, kvh, d)
-    caches = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(args.layers)]
+    # on huge pages where granted, as the engine's cache (KVFLOW_HUGEPAGES=0: 4 KiB pages)
+    caches = [tuple(hugepages.copy_of(torch.randn(shape).to(dtype)) for _ in "kv")
+              for _ in range(args.layers)]
     tables = np.stack([rng.permutation(b * per_req)[:per_req] for _ in range(b)]).astype(np.int64)
     if args.hot:
         tables[:] = tables[0]

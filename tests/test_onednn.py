@@ -43,3 +43,34 @@ def test_packed_bf16_linear_matches_f_linear(m):
     assert out.dtype == torch.bfloat16 and out.shape == (m, 96)
     # both accumulate in fp32 and round once to bf16: at most one bf16 ulp apart
     torch.testing.assert_close(out.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2)
+
+
+def test_bf16_weights_take_the_panel_gemm_exactly_where_the_cpu_has_avx512_bf16():
+    from kvflow.model.onednn import pack_weight
+    with open("/proc/cpuinfo") as f:
+        has_it = "avx512_bf16" in f.read().split()
+    packed = pack_weight(torch.randn(96, 64).bfloat16())
+    assert (packed is not None and packed.panels is not None) == has_it
+    assert pack_weight(torch.randn(96, 64)).panels is None  # fp32 stays with oneDNN
+
+
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 13, 24, 40, 300])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_packed_bf16_linear_with_bias_and_ragged_outputs(m, threads):
+    """200 outputs (not a multiple of the 64-wide panels), a bias, rows over several tiles,
+    input rows with a stride: within one bf16 rounding of the fp32 product on every path."""
+    g = torch.Generator().manual_seed(1000 * threads + m)
+    w = torch.randn(200, 96, generator=g).bfloat16()
+    bias = torch.randn(200, generator=g).bfloat16()
+    x = torch.randn(m, 128, generator=g).bfloat16()[:, :96]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = linear(x, w, pack_weight(w), bias)
+    finally:
+        torch.set_num_threads(before)
+    exact = x.float() @ w.float().T + bias.float()
+    assert out.dtype == torch.bfloat16 and out.shape == (m, 200)
+    torch.testing.assert_close(out.float(), exact, rtol=8e-3, atol=1e-2)
+    if threads == 2:  # the row split computes each row as one thread would
+        assert torch.equal(out, linear(x, w, pack_weight(w), bias))

@@ -22,7 +22,7 @@ import numpy as np
 logger = logging.getLogger("kvflow")
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
-_SOURCES = [os.path.join(_DIR, f) for f in ("paged_attention.c", "fused_ops.c")]
+_SOURCES = [os.path.join(_DIR, f) for f in ("paged_attention.c", "fused_ops.c", "gemm_bf16.c")]
 _HEADERS = [os.path.join(_DIR, "simd.h")]  # part of the build key, not of the command line
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 
@@ -46,6 +46,8 @@ _SIGNATURES = {
     # k, v, src_stride, slots, k_cache, v_cache, begin, end, width
     "write_kv_f32": [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
     "write_kv_bf16": [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+    # x, x_stride, M, K, packed, bias, out, out_stride, N, panel_begin, panel_end
+    "gemm_bf16_small": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
 }
 
 
@@ -98,6 +100,7 @@ def load_library() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = None, argtypes
+    lib.gemm_bf16_available.restype, lib.gemm_bf16_available.argtypes = ctypes.c_int, []
     return lib
 
 

@@ -107,7 +107,7 @@ static void row_##SUFFIX##_##ND(const float *q, const KV_T *k_cache, const KV_T 
                 if (nk && g == 0) /* this head's keys of the next block: spread prefetch */   \
                     for (int64_t t = 0; t < n; t++)                                            \
                         for (int64_t c = 0; c < D; c += 64 / (int64_t)sizeof(KV_T))            \
-                            __builtin_prefetch(nk + t * tok + kh * D + c, 0, 3);               \
+                            __builtin_prefetch(nk + t * tok + kh * D + c, 0, 2);               \
                 const int64_t h = kh * G + g;                                                  \
                 const float *qh = q + h * D;                                                   \
                 const KV_T *k = kb + kh * D;                                                   \
@@ -133,7 +133,7 @@ static void row_##SUFFIX##_##ND(const float *q, const KV_T *k_cache, const KV_T 
                 if (nv && g == 0)                                                              \
                     for (int64_t t = 0; t < n; t++)                                            \
                         for (int64_t c = 0; c < D; c += 64 / (int64_t)sizeof(KV_T))            \
-                            __builtin_prefetch(nv + t * tok + kh * D + c, 0, 3);               \
+                            __builtin_prefetch(nv + t * tok + kh * D + c, 0, 2);               \
                 const int64_t h = kh * G + g;                                                  \
                 const float *p = scores + h * L + b0;                                          \
                 const KV_T *v = vb + kh * D;                                                   \
@@ -192,7 +192,7 @@ static inline __attribute__((always_inline)) void scores_group_bf16(
             for (int j = 0; j < 4; j++) acc[g][j] = _mm512_setzero_ps();
         if (nk)
             for (int j = 0; j < 4; j++)
-                for (int64_t c = 0; c < D; c += 32) __builtin_prefetch(nk + (t + j) * tok + c, 0, 3);
+                for (int64_t c = 0; c < D; c += 32) __builtin_prefetch(nk + (t + j) * tok + c, 0, 2);
         for (int64_t c = 0; c < D; c += 16) {
             __m512 kv[4];
             for (int j = 0; j < 4; j++) kv[j] = load16_bf16(k + (t + j) * tok + c);
@@ -227,7 +227,7 @@ static inline __attribute__((always_inline)) void values_group_bf16(
         for (int g = 0; g < G; g++)
             for (int i = 0; i < 4; i++) acc[g][i] = _mm512_loadu_ps(out + g * D + c + 16 * i);
         for (int64_t t = 0; t < n; t++) {
-            if (nv) for (int i = 0; i < 4; i += 2) __builtin_prefetch(nv + t * tok + c + 16 * i, 0, 3);
+            if (nv) for (int i = 0; i < 4; i += 2) __builtin_prefetch(nv + t * tok + c + 16 * i, 0, 2);
             __m512 vv[4];
             for (int i = 0; i < 4; i++) vv[i] = load16_bf16(v + t * tok + c + 16 * i);
             for (int g = 0; g < G; g++) {
@@ -240,15 +240,22 @@ static inline __attribute__((always_inline)) void values_group_bf16(
     }
 }
 
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 1
+#endif
 static inline __attribute__((always_inline)) void row_bf16_group(
         const float *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table,
         int64_t L, int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, float *scores,
         float *out, const int G) {
-    const int64_t tok = KVH * D, blk = bs * KVH * D;
+    const int64_t tok = KVH * D, blk = bs * KVH * D, nblocks = (L + bs - 1) / bs;
     for (int64_t b0 = 0; b0 < L; b0 += bs) {
         const uint16_t *kb = k_cache + table[b0 / bs] * blk;
         const int64_t n = L - b0 < bs ? L - b0 : bs;
-        const uint16_t *nk = b0 + bs < L ? k_cache + table[b0 / bs + 1] * blk : NULL;
+        /* prefetch PREFETCH_BLOCKS ahead in the stream of this row's key blocks, then its value
+         * blocks (one block ahead left ~100 ns of lead, about one memory latency) */
+        const int64_t ahead = b0 / bs + PREFETCH_BLOCKS;
+        const uint16_t *nk = ahead < nblocks ? k_cache + table[ahead] * blk
+                           : ahead - nblocks < nblocks ? v_cache + table[ahead - nblocks] * blk : NULL;
         for (int64_t kh = 0; kh < KVH; kh++)
             scores_group_bf16(q + kh * G * D, kb + kh * D, n, tok, D, G, scale,
                               scores + kh * G * L + b0, L, nk ? nk + kh * D : NULL);
@@ -259,7 +266,8 @@ static inline __attribute__((always_inline)) void row_bf16_group(
     for (int64_t b0 = 0; b0 < L; b0 += bs) {
         const uint16_t *vb = v_cache + table[b0 / bs] * blk;
         const int64_t n = L - b0 < bs ? L - b0 : bs;
-        const uint16_t *nv = b0 + bs < L ? v_cache + table[b0 / bs + 1] * blk : NULL;
+        const int64_t ahead = b0 / bs + PREFETCH_BLOCKS;
+        const uint16_t *nv = ahead < nblocks ? v_cache + table[ahead] * blk : NULL;
         for (int64_t kh = 0; kh < KVH; kh++)
             values_group_bf16(out + kh * G * D, scores + kh * G * L + b0, L, vb + kh * D, n, tok, D, G,
                               nv ? nv + kh * D : NULL);

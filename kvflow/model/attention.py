@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.csrc import load_library, run_split
+from kvflow.model import hugepages
 from kvflow.model.arch import LlamaArchConfig
 
 
@@ -24,15 +25,11 @@ def allocate_kv_caches(arch: LlamaArchConfig, num_blocks: int, block_size: int,
         return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                 for _ in range(arch.num_hidden_layers)]
     # Zeroed (unwritten slots may be read under a mask, and 0 * NaN would poison the sum), but
-    # through numpy's calloc: the OS hands out zero pages on first touch instead of a multi-GiB
-    # memset at start-up.
+    # as anonymous memory: the OS hands out zero pages on first touch instead of a multi-GiB
+    # memset at start-up; on huge pages where granted (kvflow/model/hugepages.py).
     n = int(np.prod(shape))
-    return [(_zeros_cpu(n, dtype).view(shape), _zeros_cpu(n, dtype).view(shape))
+    return [(hugepages.zeros(n, dtype).view(shape), hugepages.zeros(n, dtype).view(shape))
             for _ in range(arch.num_hidden_layers)]
-
-
-def _zeros_cpu(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.from_numpy(np.zeros(numel * dtype.itemsize, dtype=np.uint8)).view(dtype)
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """The Llama family (Llama 2/3, SmolLM, Mistral, Qwen2): one flat batch of tokens, paged KV.
 
 Weights are fused at load time (q|k|v rows into `qkv_proj`, gate|up into `gate_up_proj`) so
-each layer runs four matmuls; on the CPU in fp32 they run through oneDNN on prepacked copies (kvflow/model/onednn.py). Numerics follow Hugging Face's LlamaModel (RMSNorm in fp32,
-rotate_half RoPE with cos/sin computed in fp32).
+each layer runs four matmuls, on the CPU through prepacked copies (kvflow/model/onednn.py:
+kvflow's bf16 panel GEMM on CPUs with AVX512-BF16, oneDNN for fp32). Numerics follow Hugging
+Face's LlamaModel (RMSNorm in fp32, rotate_half RoPE with cos/sin computed in fp32).
 
 With `tp` (a tensor-parallel group, kvflow/distributed/parallel.py) the model is one rank's
 shard: its own heads and MLP slice, all-reduced after the row-parallel O and down projections,
@@ -19,7 +20,7 @@ from torch import nn
 from kvflow.csrc.ops import add_rms_norm, rope_, silu_mul
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.attention import AttentionMetadata, paged_attention, write_kv
-from kvflow.model.onednn import linear, onednn_usable, pack_weight
+from kvflow.model.onednn import PackedWeight, linear, pack_weight, packing_usable
 from kvflow.model.sharding import local_arch
 from kvflow.model.tp_layers import gather_vocab_logits, vocab_parallel_embedding
 
@@ -72,7 +73,7 @@ class LlamaDecoderLayer(nn.Module):
         self.o_proj = _weight(h, self.q_size, dtype=dtype, device=device)
         self.gate_up_proj = _weight(2 * arch.intermediate_size, h, dtype=dtype, device=device)
         self.down_proj = _weight(h, arch.intermediate_size, dtype=dtype, device=device)
-        self.packed: dict[str, torch.Tensor] = {}  # oneDNN copies of the projections (pack_weights)
+        self.packed: dict[str, PackedWeight | None] = {}  # prepacked projections (pack_weights)
 
     def forward(self, x: torch.Tensor, residual_delta: torch.Tensor | None, rope: tuple,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
@@ -129,12 +130,12 @@ class LlamaForCausalLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("rope_cos", emb.cos().to(rope_device), persistent=False)
         self.register_buffer("rope_sin", emb.sin().to(rope_device), persistent=False)
-        self.packed_lm_head: torch.Tensor | None = None
+        self.packed_lm_head: PackedWeight | None = None
 
     def pack_weights(self) -> bool:
-        """Keep oneDNN-packed copies of the projections and the LM head beside the weights
+        """Keep prepacked copies of the projections and the LM head beside the weights
         (which stay as they are for state_dict and the embedding). False: not usable here."""
-        if self.embed_tokens.device.type != "cpu" or not onednn_usable(self.dtype):
+        if self.embed_tokens.device.type != "cpu" or not packing_usable(self.dtype):
             return False
         for layer in self.layers:
             layer.packed = {name: pack_weight(getattr(layer, name))
