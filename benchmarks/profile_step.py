@@ -55,6 +55,7 @@ def main() -> None:
 
     from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
     from kvflow.model.loader import load_model, resolve_dtype
+    from kvflow.model.malloc_tuning import retain_freed_memory
     from kvflow.model_path import default_model_path
 
     torch.set_num_threads(args.threads)
@@ -64,6 +65,7 @@ def main() -> None:
     blocks_per_seq = -(-(args.context + 8) // bs)
     n_blocks = max(args.batch * blocks_per_seq, -(-args.prefill_tokens // bs) + 64) + 1
     kv = allocate_kv_caches(arch, n_blocks, bs, dtype)
+    retain_freed_memory()  # as the engine's runner does: activations reuse the heap
     rng = np.random.default_rng(0)
     perm = rng.permutation(np.arange(1, n_blocks))
 

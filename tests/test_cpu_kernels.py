@@ -196,3 +196,50 @@ def test_prompt_tokens_through_the_kernel_match_sdpa(dtype, threads, monkeypatch
     want = attend()
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16 outputs: one rounding apart
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_bf16_argmax_matches_torch_with_ties_and_nan():
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(9, 1000, generator=g).bfloat16()
+    logits[1, 10] = logits[1, 700] = 50.0  # a tie: the first index wins
+    logits[2, :] = -3.0  # all equal
+    logits[3, 500] = float("nan")  # a NaN wins, as in torch.argmax
+    logits[4, 5] = float("-inf")
+    logits[5, 999] = 60.0  # the last column
+    got = ops.argmax_rows(logits)
+    assert got == logits.float().argmax(dim=-1).tolist()
+    assert got[1] == 10 and got[2] == 0 and got[3] == 500 and got[5] == 999
+    assert ops.argmax_rows(logits.float()) == got  # the fp32 path agrees
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+# query heads per kv head: 3 (SmolLM2's), 1, 4 and 12 (a tile of one row); 128-wide heads
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 64), (4, 4, 64), (8, 2, 64),
+                                                     (12, 1, 64), (6, 2, 128)])
+def test_prompt_kernel_matches_sdpa_over_whole_blocks(threads, heads, kv_heads, head_dim, monkeypatch):
+    """The flash-style prompt kernel (bf16 cache, 16-token blocks): prompts of several tiles
+    and blocks, one that ends on a block boundary, a chunk after cached context, beside
+    decodes; against SDPA per prompt from the same cache."""
+    monkeypatch.setattr(A, "MIN_PARALLEL_HEAD_KEYS", 0)
+    block_size = 16
+    query_lens = np.array([45, 1, 23, 32, 1])  # fresh, decode, chunk after 40 cached, fresh, decode
+    seq_lens = np.array([45, 70, 63, 32, 17])
+    free = list(np.random.default_rng(3).permutation(60))
+    tables = [[int(free.pop()) for _ in range(-(-n // block_size))] for n in seq_lens]
+    k_cache = torch.randn(60, block_size, kv_heads, head_dim).bfloat16()
+    v_cache = torch.randn(60, block_size, kv_heads, head_dim).bfloat16()
+    q = torch.randn(int(query_lens.sum()), heads, head_dim).bfloat16()
+    scale = head_dim ** -0.5
+    meta = A.build_attention_metadata(query_lens, seq_lens, tables, block_size)
+    lib = load_library()
+    assert lib.paged_prefill_bf16_supported(heads, kv_heads, head_dim, block_size) == (
+        "avx512f" in open("/proc/cpuinfo").read().split())
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = A.paged_attention(q, k_cache, v_cache, meta, scale, kv_heads)
+    finally:
+        torch.set_num_threads(old)
+    want = A._attention_with_sdpa(q.float(), k_cache, v_cache, meta, scale, kv_heads, None, None)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)  # got is rounded to bf16

@@ -22,7 +22,7 @@ import numpy as np
 logger = logging.getLogger("kvflow")
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
-_SOURCES = [os.path.join(_DIR, f) for f in ("paged_attention.c", "fused_ops.c", "gemm_bf16.c")]
+_SOURCES = [os.path.join(_DIR, f) for f in ("paged_attention.c", "prefill_attention.c", "fused_ops.c", "gemm_bf16.c")]
 _HEADERS = [os.path.join(_DIR, "simd.h")]  # part of the build key, not of the command line
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 
@@ -34,6 +34,10 @@ _SIGNATURES = {
                          _i64, _i64, _f32, _ptr, _i64],
     "paged_decode_bf16": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
                           _i64, _i64, _f32, _ptr, _i64],
+    # q, q_stride, k_cache, v_cache, tables, bt_stride, token_start, query_len, seq_len,
+    # work_begin, work_end, H, KVH, D, block_size, scale, out, out_stride
+    "paged_prefill_bf16": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64,
+                           _i64, _i64, _i64, _i64, _f32, _ptr, _i64],
     # residual, delta, weight, out, begin, end, n, eps
     "add_rms_norm_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _f32],
     "add_rms_norm_bf16": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _f32],
@@ -46,6 +50,8 @@ _SIGNATURES = {
     # k, v, src_stride, slots, k_cache, v_cache, begin, end, width
     "write_kv_f32": [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
     "write_kv_bf16": [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+    # logits, row stride, out (int64), begin, end, n
+    "argmax_rows_bf16": [_ptr, _i64, _ptr, _i64, _i64, _i64],
     # x, x_stride, M, K, packed, bias, out, out_stride, N, panel_begin, panel_end
     "gemm_bf16_small": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
 }
@@ -101,6 +107,8 @@ def load_library() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = None, argtypes
     lib.gemm_bf16_available.restype, lib.gemm_bf16_available.argtypes = ctypes.c_int, []
+    lib.paged_prefill_bf16_supported.restype = ctypes.c_int
+    lib.paged_prefill_bf16_supported.argtypes = [_i64, _i64, _i64, _i64]
     return lib
 
 

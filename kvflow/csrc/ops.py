@@ -82,3 +82,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     g, o = gate_up.data_ptr(), out.data_ptr()
     run_split(lambda a, b: fn(g, o, a, b, n), t, torch.get_num_threads(), min_rows=_min_rows(2 * n))
     return out
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """The index of each row's largest logit (first on ties, as torch.argmax), for greedy
+    sampling: bf16 logits are read in place instead of through an fp32 copy."""
+    if logits.dtype != torch.bfloat16 or _kernel_suffix(logits) != "bf16":
+        return logits.float().argmax(dim=-1).tolist()
+    rows, n = logits.shape
+    out = np.empty(rows, dtype=np.int64)
+    load_library().argmax_rows_bf16(logits.data_ptr(), n, out.ctypes.data, 0, rows, n)
+    return out.tolist()

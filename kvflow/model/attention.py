@@ -62,10 +62,21 @@ class AttentionMetadata:
     prefills: list[PrefillSeq]
     _torch_decode: tuple | None = None  # tensors of the PyTorch fallback, built on first use
     _token_rows: tuple | None = None  # (rows, seq_lens, tables) of every token, built on first use
+    _prefill_arrays: tuple | None = None  # prefill_arrays(), built on first use
 
     @property
     def num_decodes(self) -> int:
         return len(self.decode_rows)
+
+    def prefill_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(token_start, query_len, seq_len, block_tables) of the prompt rows' requests."""
+        if self._prefill_arrays is None:
+            seqs = np.flatnonzero(self.query_lens > 1)
+            self._prefill_arrays = (np.ascontiguousarray(self.query_start_loc[seqs]),
+                                    np.ascontiguousarray(self.query_lens[seqs]),
+                                    np.ascontiguousarray(self.seq_lens[seqs]),
+                                    np.ascontiguousarray(self.block_tables[seqs]))
+        return self._prefill_arrays
 
     def token_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every token as a row of the decode kernel: its index, the keys it sees (its position
@@ -175,10 +186,9 @@ def _decode_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         all_tokens: bool = False) -> bool:
     """Decode rows (or, with `all_tokens`, every token, each one query over its own causal
     prefix) through the C kernel, straight from the paged cache. False: not available."""
-    lib = load_library()
-    if lib is None or k_cache.dtype not in _KERNELS or k_cache.device.type != "cpu":
+    fn = _kernel_for(k_cache)
+    if fn is None:
         return False
-    fn = getattr(lib, _KERNELS[k_cache.dtype])
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     # q may be a strided view of the fused qkv output: only its heads must be dense
@@ -204,6 +214,40 @@ def _decode_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         else:
             idx = torch.from_numpy(rows)
             out[idx] = of[idx].to(out.dtype)
+    return True
+
+
+def _kernel_for(k_cache: torch.Tensor):
+    """The decode kernel for this cache (None: no library, another dtype or device)."""
+    lib = load_library()
+    if lib is None or k_cache.dtype not in _KERNELS or k_cache.device.type != "cpu":
+        return None
+    return getattr(lib, _KERNELS[k_cache.dtype])
+
+
+def _prefill_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttentionMetadata, scale: float, out: torch.Tensor) -> bool:
+    """Prompt rows (fp32 q and out, heads dense) through the flash-style prompt kernel
+    (prefill_attention.c: bf16 cache, AVX-512, 16-token blocks); decode rows untouched.
+    False: the kernel does not serve this shape here."""
+    lib = load_library()
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    if (lib is None or k_cache.dtype != torch.bfloat16 or k_cache.device.type != "cpu"
+            or not lib.paged_prefill_bf16_supported(num_heads, num_kv_heads, head_dim, block_size)):
+        return False
+    starts, qlens, slens, tables = meta.prefill_arrays()
+
+    def run(begin: int, end: int) -> None:
+        lib.paged_prefill_bf16(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                               tables.ctypes.data, tables.shape[1], starts.ctypes.data,
+                               qlens.ctypes.data, slens.ctypes.data, begin, end, num_heads,
+                               num_kv_heads, head_dim, block_size, scale, out.data_ptr(),
+                               out.stride(0))
+
+    # work items are (prompt, kv head) pairs, weighted by the query x key count they take
+    run_split(run, len(qlens) * num_kv_heads, torch.get_num_threads(),
+              weights=np.repeat(qlens * slens, num_kv_heads))
     return True
 
 
@@ -236,16 +280,35 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     The step's K/V must already be in the cache (write_kv). `k`/`v`, this step's fresh
     [T, kv_heads, D], optionally spare a gather for prompts that have no prior context."""
     num_tokens, num_heads, head_dim = q.shape
+    if _kernel_for(k_cache) is not None:
+        out = torch.empty_like(q)
+        # the kernels read fp32 q and write fp32 out: convert (at most) once for both calls
+        qf = q if q.dtype == torch.float32 and q.stride()[1:] == (head_dim, 1) else q.float().contiguous()
+        of = out if out.dtype == torch.float32 else torch.empty(q.shape)
+        if meta.prefills and not _prefill_with_kernel(qf, k_cache, v_cache, meta, scale, of):
+            # Without the prompt kernel, prompt tokens are rows like decodes: each reads its
+            # causal prefix from the cache. That ran 1.3-1.5x faster than SDPA per prompt
+            # (benchmarks/README.md). Only for head sizes the decode kernel vectorises: its
+            # scalar row would be far slower than SDPA.
+            if head_dim not in VECTOR_HEAD_DIMS:
+                return _attention_with_sdpa(q, k_cache, v_cache, meta, scale, num_kv_heads, k, v)
+            _decode_with_kernel(qf, k_cache, v_cache, meta, scale, of, all_tokens=True)
+        elif meta.num_decodes:
+            _decode_with_kernel(qf, k_cache, v_cache, meta, scale, of)
+        if of is not out:
+            out.copy_(of)
+        return out.reshape(num_tokens, num_heads * head_dim)
+    return _attention_with_sdpa(q, k_cache, v_cache, meta, scale, num_kv_heads, k, v)
+
+
+def _attention_with_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttentionMetadata, scale: float, num_kv_heads: int,
+                         k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
+    """paged_attention without the prompt kernels: decodes through the decode kernel (or its
+    PyTorch fallback), each prompt through one SDPA call."""
+    num_tokens, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
     gqa = num_heads != num_kv_heads
-
-    # With the C kernel, prompt tokens are rows like decodes: each reads its causal prefix from
-    # the cache (a prompt's blocks stay in L2 across its rows). That ran 1.3-1.5x faster than
-    # SDPA per prompt (benchmarks/README.md), and one call splits all rows over threads. Only
-    # for head sizes the kernel vectorises: its scalar row would be far slower than SDPA.
-    if (meta.prefills and head_dim in VECTOR_HEAD_DIMS
-            and _decode_with_kernel(q, k_cache, v_cache, meta, scale, out, all_tokens=True)):
-        return out.reshape(num_tokens, num_heads * head_dim)
     if meta.num_decodes and not _decode_with_kernel(q, k_cache, v_cache, meta, scale, out):
         _decode_with_torch(q, k_cache, v_cache, meta, scale, out)
 

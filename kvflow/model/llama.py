@@ -158,12 +158,14 @@ class LlamaForCausalLM(nn.Module):
             x, delta = layer(x, delta, rope, kv_cache, attn_metadata)
         return add_rms_norm(x, delta, self.norm, self.arch.rms_norm_eps)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Logits [S, vocab] in fp32 for the rows that sample. Under tensor parallelism every
-        rank computes its vocab slice and only the driver gets the whole (None elsewhere)."""
+    def compute_logits(self, hidden: torch.Tensor, as_float: bool = True) -> torch.Tensor | None:
+        """Logits [S, vocab] for the rows that sample, in fp32 (as_float=False: in the model's
+        dtype, for an argmax). Under tensor parallelism every rank computes its vocab slice
+        and only the driver gets the whole (None elsewhere)."""
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
         logits = linear(hidden, weight, self.packed_lm_head)
-        if self.tp is None:
-            return logits.float()
-        logits = gather_vocab_logits(logits, self.arch.vocab_size, self.tp)
-        return None if logits is None else logits.float().contiguous()
+        if self.tp is not None:
+            logits = gather_vocab_logits(logits, self.arch.vocab_size, self.tp)
+            if logits is None:
+                return None
+        return logits.float().contiguous() if as_float else logits.contiguous()

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from kvflow.core.scheduler_output import SchedulerOutput
+from kvflow.csrc.ops import argmax_rows
 from kvflow.engine.protocol import TokenLogprobs
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
@@ -109,12 +110,14 @@ class ModelRunner:
         if len(rows) == 0:
             return result
         # logits only at each sampling request's last position
-        logits = self.model.compute_logits(hidden[torch.from_numpy(meta.query_start_loc[rows + 1] - 1)])
+        sampled_states = [states[i] for i in rows.tolist()]
+        greedy = all(s.plain_greedy for s in sampled_states)
+        logits = self.model.compute_logits(
+            hidden[torch.from_numpy(meta.query_start_loc[rows + 1] - 1)], as_float=not greedy)
         if logits is None:  # a tensor-parallel rank other than the driver: it never samples
             return result
-        sampled_states = [states[i] for i in rows.tolist()]
-        if all(s.plain_greedy for s in sampled_states):
-            tokens, logprobs = logits.argmax(dim=-1).tolist(), None
+        if greedy:
+            tokens, logprobs = argmax_rows(logits), None
         else:
             sampled = self.sampler(logits, build_sampling_metadata(
                 [self._sampling_row(s) for s in sampled_states], logits.shape[-1]))

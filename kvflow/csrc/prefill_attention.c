@@ -1,0 +1,184 @@
+/* Causal attention for prompt tokens (a prefill or a chunk of one) over a bf16 paged cache,
+ * on CPUs with AVX512-BF16: flash-attention style, one (sequence, kv head) at a time.
+ *
+ * Every query row of a prompt reads the same keys. Run as decode rows, each row widened and
+ * reduced every key on its own (a horizontal sum per key and head). Here the sequence's keys
+ * and values of one kv head are rearranged once into scratch, keys as [block][D/2][16][2]
+ * and values as [block][8][D][2] (bf16 pairs), so a tile of query rows x heads (TILE = 12
+ * accumulators) takes 16 scores, or 16 output dims, per `vdpbf16ps` with no horizontal
+ * sums; an online softmax (running max and sum per row and head, in fp32) folds each block
+ * into the tile's outputs. As in PyTorch's bf16 flash attention, q and the probabilities
+ * enter the dot products rounded to bf16 (q is bf16 already in a bf16 model); sums are fp32.
+ *
+ * Layout as paged_attention.c: q [*, H, D] fp32, caches [blocks, bs, KVH, D] bf16, out
+ * [*, H, D] fp32. Sequence s has query_len[s] rows from token token_start[s], the last at
+ * position seq_len[s] - 1; its keys are positions 0..seq_len[s]-1 through its block table
+ * (those of this step must already be written). Work item w is sequence w / KVH, kv head
+ * w % KVH; query head h reads kv head h / (H / KVH). Needs D % 32 == 0, bs == 16 and
+ * TILE % (H / KVH) == 0; paged_prefill_bf16_supported() says whether a shape qualifies. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "simd.h"
+
+#define TILE 12 /* rows x heads per tile: 12 score and 12 output accumulators */
+#define KB 16   /* keys per block: the transposed scratch's lane count */
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+/* exp(x) for 16 floats: exp8's polynomial; -inf (masked scores) gives 0 */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+    __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+/* keys and values 0..n-1 of kv head kh as bf16 pairs (zero past n), 32-bit words:
+ * kt[b][d/2][j] = k(16b + j)[d, d+1]   vt[b][j/2][d] = (v(16b + j)[d], v(16b + j + 1)[d]) */
+static void gather_pairs(const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table,
+                         int64_t n, int64_t KVH, int64_t D, int64_t kh, uint32_t *kt, uint32_t *vt) {
+    const int64_t tok = KVH * D, blk = KB * KVH * D, half = D / 2;
+    for (int64_t b = 0; b * KB < n; b++) {
+        const uint16_t *kb = k_cache + table[b] * blk + kh * D;
+        const uint16_t *vb = v_cache + table[b] * blk + kh * D;
+        uint32_t *kd = kt + b * half * KB, *vd = vt + b * KB / 2 * D;
+        const int64_t m = n - b * KB < KB ? n - b * KB : KB;
+        for (int64_t j = 0; j < KB; j++) {
+            const uint32_t *row = (const uint32_t *)(kb + j * tok);
+            for (int64_t c = 0; c < half; c++) kd[c * KB + j] = j < m ? row[c] : 0;
+        }
+        for (int64_t j = 0; j < KB; j += 2)
+            for (int64_t d = 0; d < D; d++) {
+                const uint32_t lo = j < m ? vb[j * tok + d] : 0, hi = j + 1 < m ? vb[(j + 1) * tok + d] : 0;
+                vd[j / 2 * D + d] = lo | hi << 16;
+            }
+    }
+}
+
+static inline __m512bh bcast_pair(uint32_t pair) { return (__m512bh)_mm512_set1_epi32((int)pair); }
+
+/* One tile: TILE (row, head) pairs, pair i = row i / G, head kh * G + i % G; rows past the
+ * sequence repeat its last row (computed, not stored). */
+static void tile_bf16(const float *q, int64_t q_stride, const uint32_t *kt, const uint32_t *vt,
+                      int64_t row0, int64_t rows, int64_t pos0, int64_t D, int64_t kh, int G,
+                      float scale, float *out, int64_t out_stride, uint32_t *qp, float *o) {
+    const int64_t half = D / 2;
+    int64_t pos[TILE];
+    for (int i = 0; i < TILE; i++) {
+        const int64_t r = i / G < rows ? i / G : rows - 1;
+        pos[i] = pos0 + r;
+        const float *src = q + (row0 + r) * q_stride + (kh * G + i % G) * D;
+        for (int64_t c = 0; c < half; c += 8) {  /* 16 floats -> 8 bf16 pairs */
+            const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + 2 * c));
+            _mm256_storeu_si256((__m256i *)(qp + i * half + c), (__m256i)h);
+        }
+    }
+    memset(o, 0, sizeof(float) * TILE * (size_t)D);
+    float mx[TILE], sum[TILE];
+    uint32_t pp[TILE][KB / 2]; /* this block's probabilities, bf16 pairs */
+    for (int i = 0; i < TILE; i++) { mx[i] = -INFINITY; sum[i] = 0.f; }
+    const int64_t last = pos0 + rows - 1; /* the tile's last position */
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int64_t b = 0; b * KB <= last; b++) {
+        const uint32_t *ktb = kt + b * half * KB;
+        __m512 s[TILE];
+        for (int i = 0; i < TILE; i++) s[i] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < half; c++) {
+            const __m512bh kv = (__m512bh)_mm512_loadu_si512(ktb + c * KB);
+            for (int i = 0; i < TILE; i++) s[i] = _mm512_dpbf16_ps(s[i], kv, bcast_pair(qp[i * half + c]));
+        }
+        for (int i = 0; i < TILE; i++) {
+            /* causal: key 16b + j is visible to this row when 16b + j <= pos */
+            const int64_t vis = pos[i] - b * KB + 1;
+            const __mmask16 keep = vis >= KB ? (__mmask16)0xFFFF
+                                 : vis <= 0 ? (__mmask16)0 : (__mmask16)((1u << vis) - 1);
+            const __m512 si = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-INFINITY), _mm512_mul_ps(s[i], sc));
+            const float bm = _mm512_reduce_max_ps(si);
+            const float m_new = bm > mx[i] ? bm : mx[i];
+            const float corr = expf(mx[i] - m_new); /* exp(-inf) = 0 on the first block */
+            const __m512 e = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(si, _mm512_set1_ps(m_new))));
+            sum[i] = sum[i] * corr + _mm512_reduce_add_ps(e);
+            mx[i] = m_new;
+            _mm256_storeu_si256((__m256i *)pp[i], (__m256i)_mm512_cvtneps_pbh(e));
+            if (corr != 1.f)
+                for (int64_t d = 0; d < D; d += 16)
+                    _mm512_storeu_ps(o + i * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + i * D + d),
+                                                                  _mm512_set1_ps(corr)));
+        }
+        const uint32_t *vtb = vt + b * KB / 2 * D;
+        const int64_t pairs = (last + 1 - b * KB + 1) / 2 < KB / 2 ? (last + 1 - b * KB + 1) / 2 : KB / 2;
+        for (int64_t d = 0; d < D; d += 16) {
+            __m512 acc[TILE];
+            for (int i = 0; i < TILE; i++) acc[i] = _mm512_loadu_ps(o + i * D + d);
+            for (int64_t jp = 0; jp < pairs; jp++) {
+                const __m512bh vv = (__m512bh)_mm512_loadu_si512(vtb + jp * D + d);
+                for (int i = 0; i < TILE; i++) acc[i] = _mm512_dpbf16_ps(acc[i], vv, bcast_pair(pp[i][jp]));
+            }
+            for (int i = 0; i < TILE; i++) _mm512_storeu_ps(o + i * D + d, acc[i]);
+        }
+    }
+    for (int i = 0; i < TILE && i / G < rows; i++) {
+        float *dst = out + (row0 + i / G) * out_stride + (kh * G + i % G) * D;
+        const float inv = 1.f / sum[i];
+        for (int64_t d = 0; d < D; d++) dst[d] = o[i * D + d] * inv;
+    }
+}
+
+int paged_prefill_bf16_supported(int64_t H, int64_t KVH, int64_t D, int64_t block_size) {
+    return D % 32 == 0 && block_size == KB && H % KVH == 0 && TILE % (H / KVH) == 0;
+}
+
+void paged_prefill_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache,
+                        const uint16_t *v_cache, const int64_t *block_tables, int64_t bt_stride,
+                        const int64_t *token_start, const int64_t *query_len, const int64_t *seq_len,
+                        int64_t work_begin, int64_t work_end, int64_t H, int64_t KVH, int64_t D,
+                        int64_t block_size, float scale, float *out, int64_t out_stride) {
+    (void)block_size;
+    const int G = (int)(H / KVH), R = TILE / G;
+    int64_t max_len = 1;
+    for (int64_t w = work_begin; w < work_end; w++)
+        if (seq_len[w / KVH] > max_len) max_len = seq_len[w / KVH];
+    const size_t words = (size_t)(((max_len + KB - 1) / KB) * KB * D / 2);
+    uint32_t *kt = (uint32_t *)malloc(sizeof(uint32_t) * words);
+    uint32_t *vt = (uint32_t *)malloc(sizeof(uint32_t) * words);
+    uint32_t *qp = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(TILE * D / 2));
+    float *o = (float *)malloc(sizeof(float) * (size_t)(TILE * D));
+    for (int64_t w = work_begin; w < work_end; w++) {
+        const int64_t s = w / KVH, kh = w % KVH;
+        const int64_t ql = query_len[s], first = seq_len[s] - ql;
+        gather_pairs(k_cache, v_cache, block_tables + s * bt_stride, seq_len[s], KVH, D, kh, kt, vt);
+        for (int64_t r = 0; r < ql; r += R)
+            tile_bf16(q, q_stride, kt, vt, token_start[s] + r, ql - r < R ? ql - r : R, first + r,
+                      D, kh, G, scale, out, out_stride, qp, o);
+    }
+    free(kt); free(vt); free(qp); free(o);
+}
+#else
+int paged_prefill_bf16_supported(int64_t H, int64_t KVH, int64_t D, int64_t block_size) {
+    (void)H; (void)KVH; (void)D; (void)block_size;
+    return 0;
+}
+
+void paged_prefill_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache,
+                        const uint16_t *v_cache, const int64_t *block_tables, int64_t bt_stride,
+                        const int64_t *token_start, const int64_t *query_len, const int64_t *seq_len,
+                        int64_t work_begin, int64_t work_end, int64_t H, int64_t KVH, int64_t D,
+                        int64_t block_size, float scale, float *out, int64_t out_stride) {
+    (void)q; (void)q_stride; (void)k_cache; (void)v_cache; (void)block_tables; (void)bt_stride;
+    (void)token_start; (void)query_len; (void)seq_len; (void)work_begin; (void)work_end; (void)H;
+    (void)KVH; (void)D; (void)block_size; (void)scale; (void)out; (void)out_stride;
+}
+#endif
