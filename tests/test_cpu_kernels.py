@@ -85,6 +85,20 @@ def test_write_kv_kernel_matches_index_copy(cache_dtype):
     assert torch.equal(got_v, want_v)
 
 
+def test_bf16_kv_rows_are_copied_into_a_bf16_cache():
+    t, kv_heads, head_dim = 9, 3, 64
+    qkv = torch.randn(t, 3 * kv_heads * head_dim).bfloat16()
+    k = qkv[:, :kv_heads * head_dim].view(t, kv_heads, head_dim)
+    v = qkv[:, kv_heads * head_dim:2 * kv_heads * head_dim].view(t, kv_heads, head_dim)
+    slots = torch.from_numpy(np.random.default_rng(2).permutation(64)[:t].copy())
+    got_k, got_v = torch.zeros(4, 16, kv_heads, head_dim).bfloat16(), torch.zeros(4, 16, kv_heads, head_dim).bfloat16()
+    A.write_kv(got_k, got_v, k, v, slots)
+    want_k, want_v = torch.zeros_like(got_k), torch.zeros_like(got_v)
+    want_k.view(-1, kv_heads, head_dim)[slots] = k
+    want_v.view(-1, kv_heads, head_dim)[slots] = v
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
 def test_fused_add_rms_norm_matches_reference():
     x, d, w = torch.randn(70, 96), torch.randn(70, 96), torch.randn(96)
     want_x = x + d

@@ -50,6 +50,7 @@ _SIGNATURES = {
     # k, v, src_stride, slots, k_cache, v_cache, begin, end, width
     "write_kv_f32": [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
     "write_kv_bf16": [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+    "copy_kv_bf16": [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
     # logits, row stride, out (int64), begin, end, n
     "argmax_rows_bf16": [_ptr, _i64, _ptr, _i64, _i64, _i64],
     # x, x_stride, M, K, packed, bias, out, out_stride, N, panel_begin, panel_end

@@ -177,6 +177,16 @@ void write_kv_bf16(const float *k, const float *v, int64_t src_stride, const int
     }
 }
 
+/* The same for bf16 activations into a bf16 cache: plain copies (index_copy_ took ~13 ms
+ * of a 2,048-token bf16 prefill step). */
+void copy_kv_bf16(const uint16_t *k, const uint16_t *v, int64_t src_stride, const int64_t *slots,
+                  uint16_t *k_cache, uint16_t *v_cache, int64_t begin, int64_t end, int64_t width) {
+    for (int64_t t = begin; t < end; t++) {
+        memcpy(k_cache + slots[t] * width, k + t * src_stride, sizeof(uint16_t) * (size_t)width);
+        memcpy(v_cache + slots[t] * width, v + t * src_stride, sizeof(uint16_t) * (size_t)width);
+    }
+}
+
 /* out[t] = index of the largest of the n values of row t (rows `stride` apart), the first one
  * on ties, and the first NaN if the row has one: torch.argmax's answer, read from the bf16
  * logits in place (the fp32 copy plus argmax took ~10 ms for 128 x 49,152 logits). */

@@ -7,10 +7,10 @@
  * and values as [block][8][D][2] (bf16 pairs), so a tile of query rows x heads (TILE = 12
  * accumulators) takes 16 scores, or 16 output dims, per `vdpbf16ps` with no horizontal
  * sums; an online softmax (running max and sum per row and head, in fp32) folds each block
- * into the tile's outputs. As in PyTorch's bf16 flash attention, q and the probabilities
- * enter the dot products rounded to bf16 (q is bf16 already in a bf16 model); sums are fp32.
+ * into the tile's outputs. As in PyTorch's bf16 flash attention, the probabilities enter the
+ * dot products rounded to bf16; scores and sums are fp32.
  *
- * Layout as paged_attention.c: q [*, H, D] fp32, caches [blocks, bs, KVH, D] bf16, out
+ * Layout as paged_attention.c but q in bf16: q [*, H, D] bf16, caches [blocks, bs, KVH, D] bf16, out
  * [*, H, D] fp32. Sequence s has query_len[s] rows from token token_start[s], the last at
  * position seq_len[s] - 1; its keys are positions 0..seq_len[s]-1 through its block table
  * (those of this step must already be written). Work item w is sequence w / KVH, kv head
@@ -72,7 +72,7 @@ static inline __m512bh bcast_pair(uint32_t pair) { return (__m512bh)_mm512_set1_
 
 /* One tile: TILE (row, head) pairs, pair i = row i / G, head kh * G + i % G; rows past the
  * sequence repeat its last row (computed, not stored). */
-static void tile_bf16(const float *q, int64_t q_stride, const uint32_t *kt, const uint32_t *vt,
+static void tile_bf16(const uint16_t *q, int64_t q_stride, const uint32_t *kt, const uint32_t *vt,
                       int64_t row0, int64_t rows, int64_t pos0, int64_t D, int64_t kh, int G,
                       float scale, float *out, int64_t out_stride, uint32_t *qp, float *o) {
     const int64_t half = D / 2;
@@ -80,11 +80,7 @@ static void tile_bf16(const float *q, int64_t q_stride, const uint32_t *kt, cons
     for (int i = 0; i < TILE; i++) {
         const int64_t r = i / G < rows ? i / G : rows - 1;
         pos[i] = pos0 + r;
-        const float *src = q + (row0 + r) * q_stride + (kh * G + i % G) * D;
-        for (int64_t c = 0; c < half; c += 8) {  /* 16 floats -> 8 bf16 pairs */
-            const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + 2 * c));
-            _mm256_storeu_si256((__m256i *)(qp + i * half + c), (__m256i)h);
-        }
+        memcpy(qp + i * half, q + (row0 + r) * q_stride + (kh * G + i % G) * D, sizeof(uint16_t) * (size_t)D);
     }
     memset(o, 0, sizeof(float) * TILE * (size_t)D);
     float mx[TILE], sum[TILE];
@@ -141,7 +137,7 @@ int paged_prefill_bf16_supported(int64_t H, int64_t KVH, int64_t D, int64_t bloc
     return D % 32 == 0 && block_size == KB && H % KVH == 0 && TILE % (H / KVH) == 0;
 }
 
-void paged_prefill_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache,
+void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
                         const uint16_t *v_cache, const int64_t *block_tables, int64_t bt_stride,
                         const int64_t *token_start, const int64_t *query_len, const int64_t *seq_len,
                         int64_t work_begin, int64_t work_end, int64_t H, int64_t KVH, int64_t D,
@@ -172,7 +168,7 @@ int paged_prefill_bf16_supported(int64_t H, int64_t KVH, int64_t D, int64_t bloc
     return 0;
 }
 
-void paged_prefill_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache,
+void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
                         const uint16_t *v_cache, const int64_t *block_tables, int64_t bt_stride,
                         const int64_t *token_start, const int64_t *query_len, const int64_t *seq_len,
                         int64_t work_begin, int64_t work_end, int64_t H, int64_t KVH, int64_t D,

@@ -163,10 +163,12 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     cache of fp32 activations gets each value rounded to nearest even)."""
     kvh, d = k_cache.shape[-2:]
     lib = load_library()
-    if (lib is not None and k.dtype == torch.float32 and k_cache.dtype in _WRITERS
-            and k_cache.device.type == "cpu" and k.stride()[1:] == (d, 1) and v.stride() == k.stride()
+    writer = _WRITERS.get(k_cache.dtype) if k.dtype == torch.float32 else (
+        "copy_kv_bf16" if k.dtype == torch.bfloat16 == k_cache.dtype else None)
+    if (lib is not None and writer is not None and k_cache.device.type == "cpu"
+            and k.stride()[1:] == (d, 1) and v.stride() == k.stride()
             and k_cache.is_contiguous() and v_cache.is_contiguous()):
-        getattr(lib, _WRITERS[k_cache.dtype])(
+        getattr(lib, writer)(
             k.data_ptr(), v.data_ptr(), k.stride(0), slot_mapping.data_ptr(),
             k_cache.data_ptr(), v_cache.data_ptr(), 0, k.shape[0], kvh * d)
         return
@@ -227,15 +229,17 @@ def _kernel_for(k_cache: torch.Tensor):
 
 def _prefill_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          meta: AttentionMetadata, scale: float, out: torch.Tensor) -> bool:
-    """Prompt rows (fp32 q and out, heads dense) through the flash-style prompt kernel
-    (prefill_attention.c: bf16 cache, AVX-512, 16-token blocks); decode rows untouched.
-    False: the kernel does not serve this shape here."""
+    """Prompt rows through the flash-style prompt kernel (prefill_attention.c: bf16 cache,
+    AVX512-BF16, 16-token blocks) into `out` (fp32, contiguous); decode rows untouched. q is
+    read in bf16 (an fp32 q is rounded first). False: the kernel does not serve this here."""
     lib = load_library()
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     if (lib is None or k_cache.dtype != torch.bfloat16 or k_cache.device.type != "cpu"
             or not lib.paged_prefill_bf16_supported(num_heads, num_kv_heads, head_dim, block_size)):
         return False
+    if q.dtype != torch.bfloat16 or q.stride()[1:] != (head_dim, 1):
+        q = q.to(torch.bfloat16).contiguous()
     starts, qlens, slens, tables = meta.prefill_arrays()
 
     def run(begin: int, end: int) -> None:
@@ -282,19 +286,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_tokens, num_heads, head_dim = q.shape
     if _kernel_for(k_cache) is not None:
         out = torch.empty_like(q)
-        # the kernels read fp32 q and write fp32 out: convert (at most) once for both calls
-        qf = q if q.dtype == torch.float32 and q.stride()[1:] == (head_dim, 1) else q.float().contiguous()
+        # the kernels write fp32: one buffer for both calls, converted once at the end
         of = out if out.dtype == torch.float32 else torch.empty(q.shape)
-        if meta.prefills and not _prefill_with_kernel(qf, k_cache, v_cache, meta, scale, of):
+        if meta.prefills and not _prefill_with_kernel(q, k_cache, v_cache, meta, scale, of):
             # Without the prompt kernel, prompt tokens are rows like decodes: each reads its
             # causal prefix from the cache. That ran 1.3-1.5x faster than SDPA per prompt
             # (benchmarks/README.md). Only for head sizes the decode kernel vectorises: its
             # scalar row would be far slower than SDPA.
             if head_dim not in VECTOR_HEAD_DIMS:
                 return _attention_with_sdpa(q, k_cache, v_cache, meta, scale, num_kv_heads, k, v)
-            _decode_with_kernel(qf, k_cache, v_cache, meta, scale, of, all_tokens=True)
+            _decode_with_kernel(q, k_cache, v_cache, meta, scale, of, all_tokens=True)
         elif meta.num_decodes:
-            _decode_with_kernel(qf, k_cache, v_cache, meta, scale, of)
+            _decode_with_kernel(q, k_cache, v_cache, meta, scale, of)
         if of is not out:
             out.copy_(of)
         return out.reshape(num_tokens, num_heads * head_dim)
