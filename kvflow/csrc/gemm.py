@@ -1,5 +1,5 @@
-"""Tensor-level entry of the small-row bf16 GEMM (gemm_bf16.c): the weight packing it reads
-and the call, split by panels over threads when the work is big enough to pay for it."""
+"""Tensor-level entry of the bf16 panel GEMM (gemm_bf16.c): the weight packing it reads and
+the call, split over threads by rows when there are enough rows to pay for it."""
 from __future__ import annotations
 
 import torch
@@ -9,7 +9,7 @@ from kvflow.csrc import load_library, run_split
 PANEL = 64  # outputs per packed panel (gemm_bf16.c)
 
 
-def small_gemm_usable(w: torch.Tensor) -> bool:
+def panel_gemm_usable(w: torch.Tensor) -> bool:
     """The kernel built with AVX512-BF16 and serves this weight: bf16 (N, K), K even."""
     lib = load_library()
     return (lib is not None and bool(lib.gemm_bf16_available()) and w.dtype == torch.bfloat16
@@ -25,14 +25,14 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-def small_gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+def panel_gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None,
                threads: int = 1) -> torch.Tensor:
     """x [M, K] bf16 @ w.T (+ bias) -> [M, n] bf16, w given as pack_panels(w)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
     out = x.new_empty(m, n)
-    fn = load_library().gemm_bf16_small
+    fn = load_library().gemm_bf16_panels
     xp, pp, op = x.data_ptr(), panels.data_ptr(), out.data_ptr()
     bp = bias.data_ptr() if bias is not None else None
     xs, panel_count = x.stride(0), panels.shape[0]

@@ -1,4 +1,5 @@
-/* out = x @ w.T (+ bias) for a few rows of bf16 x, on CPUs with AVX512-BF16.
+/* out = x @ w.T (+ bias) for bf16 x and w, on CPUs with AVX512-BF16; built for the few rows
+ * of a decode step, and level with oneDNN on prefills.
  *
  * Decode steps multiply a handful of rows by every weight of the model: the time is the
  * weight stream from memory, and oneDNN's small-row kernels read it at well under the
@@ -50,7 +51,7 @@ panel_tile(const uint16_t *x, int64_t x_stride, int rows, int64_t kpairs,
             acc[m][3] = _mm512_dpbf16_ps(acc[m][3], w3, xb);
         }
     }
-    /* the packed panel interleaves outputs by pairs: lane l of accumulator j is output 16j+l */
+    /* lane l of accumulator j is output 16j + l of the panel */
     for (int j = 0; j < 4; j++) {
         int64_t left = n_valid - 16 * j;
         if (left <= 0)
@@ -83,7 +84,7 @@ int gemm_bf16_available(void) { return 1; }
 
 /* Panels [p_begin, p_end) of out[M, N] = x[M, K] @ w.T (+ bias); `packed` from the layout
  * above with K/2 pairs per panel row. Rows are split into near-equal tiles of <= 6. */
-void gemm_bf16_small(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K,
+void gemm_bf16_panels(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K,
                      const uint16_t *packed, const uint16_t *bias, uint16_t *out,
                      int64_t out_stride, int64_t N, int64_t p_begin, int64_t p_end)
 {
@@ -107,7 +108,7 @@ void gemm_bf16_small(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K,
 #else
 int gemm_bf16_available(void) { return 0; }
 
-void gemm_bf16_small(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K,
+void gemm_bf16_panels(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K,
                      const uint16_t *packed, const uint16_t *bias, uint16_t *out,
                      int64_t out_stride, int64_t N, int64_t p_begin, int64_t p_end)
 {

@@ -1,8 +1,8 @@
 """Projections through prepacked weights: kvflow's bf16 panel GEMM (kvflow/csrc/gemm.py) on
 CPUs with AVX512-BF16, else oneDNN's prepacked GEMM with the row count rounded up to a bucket.
 
-The panel GEMM streams a decode step's weights ~1.6x faster than oneDNN (13.9 vs 21.6 ms for
-the default model's projections and LM head at one row, 12.9 vs 21.3 at eight, 41 vs 49 at
+The panel GEMM streams a decode step's weights faster than oneDNN (13.4 vs 19.8 ms for the
+default model's projections and LM head at one row, 12.6 vs 21.6 at eight, 43.1 vs 49.7 at
 32; benchmarks/README.md) and is level with it on long prefills, with no row padding.
 
 oneDNN builds (and caches) a GEMM primitive for every input shape it sees. A serving engine
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvflow.csrc.gemm import pack_panels, small_gemm, small_gemm_usable
+from kvflow.csrc.gemm import pack_panels, panel_gemm, panel_gemm_usable
 
 
 @dataclass
@@ -58,7 +58,7 @@ def cpu_has_native_bf16() -> bool:
 
 def panels_usable(w: torch.Tensor) -> bool:
     """kvflow's panel GEMM serves this weight (KVFLOW_NO_PANEL_GEMM=1 opts out)."""
-    return os.environ.get("KVFLOW_NO_PANEL_GEMM") != "1" and small_gemm_usable(w)
+    return os.environ.get("KVFLOW_NO_PANEL_GEMM") != "1" and panel_gemm_usable(w)
 
 
 def packing_usable(dtype: torch.dtype) -> bool:
@@ -91,7 +91,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, packed: PackedWeight | None,
     if packed is None:
         return F.linear(x, w, bias)
     if packed.panels is not None:
-        return small_gemm(x, packed.panels, w.shape[0], bias, torch.get_num_threads())
+        return panel_gemm(x, packed.panels, w.shape[0], bias, torch.get_num_threads())
     m = x.shape[0]
     rows = row_bucket(m)
     if rows != m:
