@@ -1,0 +1,62 @@
+"""Time prompt attention alone: `paged_attention` over 30 layers of prompts read from a bf16
+paged cache, through the flash-style prompt kernel and (`--rows`) through the decode kernel
+with every prompt token as a row, the path the prompt kernel replaced.
+
+    .venv/bin/python benchmarks/prompt_attention.py [--lens 293,293,293,293,293,293,293]
+        [--threads 1] [--rows]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import kvflow  # noqa: E402,F401 - first, so OMP_WAIT_POLICY applies before torch loads
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from kvflow.model import attention as A  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lens", default="293,293,293,293,293,293,293", help="prompt lengths")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--rows", action="store_true", help="also time prompt tokens as decode rows")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    heads, kv_heads, head_dim, bs = 9, 3, 64, 16  # SmolLM2-135M
+    lens = [int(n) for n in args.lens.split(",")]
+    num_blocks = sum(-(-n // bs) for n in lens) + 1
+    free = list(np.random.default_rng(0).permutation(num_blocks))
+    tables = [[int(free.pop()) for _ in range(-(-n // bs))] for n in lens]
+    shape = (num_blocks, bs, kv_heads, head_dim)
+    caches = [(torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()) for _ in range(args.layers)]
+    q = torch.randn(sum(lens), heads, head_dim).bfloat16()
+    meta = A.build_attention_metadata(np.array(lens), np.array(lens), tables, bs)
+
+    def one_step() -> float:
+        t0 = time.perf_counter()
+        for k, v in caches:
+            A.paged_attention(q, k, v, meta, head_dim ** -0.5, kv_heads)
+        return time.perf_counter() - t0
+
+    kernel = A._prefill_with_kernel
+    for name in ["prompt kernel", "decode rows"] * 2 if args.rows else ["prompt kernel"]:
+        A._prefill_with_kernel = kernel if name == "prompt kernel" else (lambda *a, **k: False)
+        one_step()
+        times = [one_step() for _ in range(args.reps)]
+        print(f"{name}: {args.layers} layers x prompts {args.lens}: "
+              f"{statistics.median(times) * 1000:.1f} ms median of {args.reps}")
+    A._prefill_with_kernel = kernel
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
