@@ -9,11 +9,16 @@ from kvflow.csrc import load_library, run_split
 PANEL = 64  # outputs per packed panel (gemm_bf16.c)
 
 
-def panel_gemm_usable(w: torch.Tensor) -> bool:
-    """The kernel built with AVX512-BF16 and serves this weight: bf16 (N, K), K even."""
+def panel_gemm_built() -> bool:
+    """The kernel library built with AVX512-BF16 (the panel GEMM's instructions)."""
     lib = load_library()
-    return (lib is not None and bool(lib.gemm_bf16_available()) and w.dtype == torch.bfloat16
-            and w.device.type == "cpu" and w.dim() == 2 and w.shape[1] % 2 == 0)
+    return lib is not None and bool(lib.gemm_bf16_available())
+
+
+def panel_gemm_usable(w: torch.Tensor) -> bool:
+    """The panel GEMM serves this weight: bf16 (N, K) on the CPU, K even."""
+    return (w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2
+            and w.shape[1] % 2 == 0 and panel_gemm_built())
 
 
 def pack_panels(w: torch.Tensor) -> torch.Tensor:

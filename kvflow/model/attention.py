@@ -210,12 +210,9 @@ def _decode_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     # rows split between threads by key count (the kernel's work is ~ keys)
     threads = torch.get_num_threads() if int(lens.sum()) * num_heads >= MIN_PARALLEL_HEAD_KEYS else 1
     run_split(run, len(rows), threads, weights=lens)
-    if of is not out:
-        if all_tokens:
-            out.copy_(of)
-        else:
-            idx = torch.from_numpy(rows)
-            out[idx] = of[idx].to(out.dtype)
+    if of is not out:  # a caller's non-fp32 out (paged_attention passes an fp32 buffer)
+        idx = torch.from_numpy(rows)
+        out[idx] = of[idx].to(out.dtype)
     return True
 
 

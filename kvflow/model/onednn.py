@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvflow.csrc.gemm import pack_panels, panel_gemm, panel_gemm_usable
+from kvflow.csrc.gemm import pack_panels, panel_gemm, panel_gemm_built, panel_gemm_usable
 
 
 @dataclass
@@ -56,20 +56,20 @@ def cpu_has_native_bf16() -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
-def panels_usable(w: torch.Tensor) -> bool:
-    """kvflow's panel GEMM serves this weight (KVFLOW_NO_PANEL_GEMM=1 opts out)."""
-    return os.environ.get("KVFLOW_NO_PANEL_GEMM") != "1" and panel_gemm_usable(w)
+def _panels_enabled() -> bool:
+    return os.environ.get("KVFLOW_NO_PANEL_GEMM") != "1"  # opt-out, for A/B against oneDNN
 
 
 def packing_usable(dtype: torch.dtype) -> bool:
     """Some prepacked GEMM serves weights of this dtype here."""
-    return onednn_usable(dtype) or panels_usable(torch.empty(0, 2, dtype=dtype))
+    return onednn_usable(dtype) or (dtype == torch.bfloat16 and _panels_enabled()
+                                    and panel_gemm_built())
 
 
 def pack_weight(w: torch.Tensor) -> PackedWeight | None:
     """An (out, in) weight packed for `linear`: bf16 panels where the kernel serves it, else
     oneDNN's layout where oneDNN pays (fp32; bf16 on native-bf16 CPUs); None: plain F.linear."""
-    if panels_usable(w):
+    if _panels_enabled() and panel_gemm_usable(w):
         return PackedWeight(panels=pack_panels(w.detach()))
     if onednn_usable(w.dtype):  # 64: a decode-sized batch hint
         return PackedWeight(onednn=torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64))
