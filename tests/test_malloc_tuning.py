@@ -7,8 +7,8 @@ import os
 import subprocess
 import sys
 
-# One step prefilling four 512-token prompts (the default 2,048-token budget) allocates ~1.7 GiB
-# of fp32 activations over its 30 layers, in buffers of many sizes (the script pins fp32: "auto"
+# Each of four steps prefills four 512-token prompts (the default 2,048-token budget) and
+# allocates ~1.7 GiB of fp32 activations over its 30 layers, in buffers of many sizes (the script pins fp32: "auto"
 # is bf16 on CPUs with native bf16, with half the bytes). The KV pool is just large enough for
 # the four, so every step reuses the same cache pages and what a later step faults in is
 # activation memory.
@@ -19,7 +19,7 @@ llm = LLM(sys.argv[1], dtype="float32", max_model_len=1024, num_blocks=136, enab
 prompts = [list(range(1000 + 600 * i, 1512 + 600 * i)) for i in range(4)]
 params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 faults = []
-for _ in range(3):
+for _ in range(4):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     llm.generate(prompts, params, use_tqdm=False)
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
@@ -39,6 +39,9 @@ def test_repeated_prefill_reuses_freed_memory(default_model_path):
     tuned = _prefill_page_faults(default_model_path, "1")
     untuned = _prefill_page_faults(default_model_path, "0")
     # glibc alone maps most of those buffers afresh every step (measured: ~440k faults a
-    # step); tuned, the third step runs in memory the earlier ones left behind.
+    # step); tuned, the later steps run in memory the earlier ones left behind. The heap can
+    # still grow once by one buffer where its free space is fragmented (seen at step 2 or 3 in
+    # about one run of five, before and after 2026-12-01: 1,177-3,073 faults, one 12 MiB
+    # activation), so of steps 3 and 4 one must take no fresh pages and neither a step's worth.
     assert min(untuned[1:]) > 50_000, untuned
-    assert tuned[2] < 500, tuned
+    assert min(tuned[2:]) < 500 and max(tuned[2:]) < 5_000, tuned
