@@ -1,6 +1,6 @@
 """kvflow's small CPU kernels: plain C compiled once per machine with the system compiler and
-called through ctypes (no torch headers, so the build takes about a second; ctypes releases
-the GIL, so a call can be split over threads by row ranges).
+called through ctypes (no torch headers, so the build takes about a second). `run_kernel`
+splits a kernel's rows over kvflow's own C thread pool (pool.c).
 
 `load_library()` returns None when no compiler is available or the build fails (or when
 KVFLOW_NO_KERNELS=1); callers then take their pure-PyTorch paths."""
@@ -14,7 +14,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
 import numpy as np
@@ -22,9 +21,11 @@ import numpy as np
 logger = logging.getLogger("kvflow")
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
-_SOURCES = [os.path.join(_DIR, f) for f in ("paged_attention.c", "prefill_attention.c", "fused_ops.c", "gemm_bf16.c")]
-_HEADERS = [os.path.join(_DIR, "simd.h")]  # part of the build key, not of the command line
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
+_SOURCES = [os.path.join(_DIR, f) for f in ("paged_attention.c", "prefill_attention.c", "fused_ops.c", "gemm_bf16.c",
+                                              "pool.c")]
+_HEADERS = [os.path.join(_DIR, f) for f in ("simd.h", "kernels.h")]  # part of the build key, not of the command line
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC", "-std=c11",
+          "-pthread"]
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
@@ -110,30 +111,27 @@ def load_library() -> ctypes.CDLL | None:
     lib.gemm_bf16_available.restype, lib.gemm_bf16_available.argtypes = ctypes.c_int, []
     lib.paged_prefill_bf16_supported.restype = ctypes.c_int
     lib.paged_prefill_bf16_supported.argtypes = [_i64, _i64, _i64, _i64]
+    lib.kernel_pool_run.restype = None
+    lib.kernel_pool_run.argtypes = [_i64, _ptr, ctypes.c_double, _i64, _ptr, _i64]
+    lib.kernel_pool_num_kernels.restype, lib.kernel_pool_num_kernels.argtypes = _i64, []
+    assert lib.kernel_pool_num_kernels() == len(POOL_KERNELS), "pool.c's KERNELS and POOL_KERNELS differ"
     return lib
 
 
-_pool: ThreadPoolExecutor | None = None
+# pool.c's KERNELS, in its order: what `run_kernel` can split, each with its argument words
+POOL_KERNELS = {name: i for i, name in enumerate((
+    "paged_decode_f32", "paged_decode_bf16", "paged_prefill_bf16", "add_rms_norm_f32",
+    "add_rms_norm_bf16", "rope_f32", "rope_bf16", "silu_mul_f32", "silu_mul_bf16",
+    "gemm_rows", "gemm_panels"))}
 
 
-def run_split(fn, num_rows: int, threads: int, weights: np.ndarray | None = None,
-              min_rows: int = 2) -> None:
-    """Call fn(begin, end) over [0, num_rows), split in up to `threads` contiguous ranges of
-    about equal weight (row count, or `weights`), the first range in the calling thread."""
-    global _pool
-    if threads <= 1 or num_rows < min_rows:
-        fn(0, num_rows)
-        return
-    if weights is None:
-        bounds = np.linspace(0, num_rows, threads + 1).astype(np.int64)
-    else:
-        cum = np.cumsum(weights)
-        bounds = np.concatenate(([0], np.searchsorted(cum, cum[-1] * np.arange(1, threads) / threads),
-                                 [num_rows]))
-    ranges = [(int(a), int(b)) for a, b in zip(bounds, bounds[1:]) if b > a]
-    if _pool is None or _pool._max_workers < threads - 1:
-        _pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="kvflow-kernel")
-    futures = [_pool.submit(fn, a, b) for a, b in ranges[1:]]
-    fn(*ranges[0])
-    for f in futures:
-        f.result()
+def run_kernel(name: str, words: list, num_rows: int, threads: int, farg: float = 0.0,
+               weights: np.ndarray | None = None) -> None:
+    """Run a pool kernel over rows [0, num_rows) on `threads` threads (the caller's and pool
+    workers'), in contiguous ranges of about equal weight (row count, or int64 `weights`).
+    `words` are its arguments as pool.c lists them (pointers as ints, None for NULL)."""
+    args = (ctypes.c_int64 * len(words))(*(w or 0 for w in words))
+    if weights is not None:
+        weights = np.ascontiguousarray(weights, dtype=np.int64)
+    load_library().kernel_pool_run(POOL_KERNELS[name], args, farg, num_rows,
+                                   None if weights is None else weights.ctypes.data, threads)

@@ -5,6 +5,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include "kernels.h"
 #include "simd.h"
 
 /* fp32 -> bf16, rounding to nearest even (as torch's .to(torch.bfloat16)); NaN stays NaN. */

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvflow.csrc import load_library, run_split
+from kvflow.csrc import load_library, run_kernel
 
 PANEL = 64  # outputs per packed panel (gemm_bf16.c)
 
@@ -37,20 +37,17 @@ def panel_gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor
         x = x.contiguous()
     m, k = x.shape
     out = x.new_empty(m, n)
-    fn = load_library().gemm_bf16_panels
-    xp, pp, op = x.data_ptr(), panels.data_ptr(), out.data_ptr()
-    bp = bias.data_ptr() if bias is not None else None
-    xs, panel_count = x.stride(0), panels.shape[0]
-    # Few rows: the weight stream is the time, and one core streams it (13.9 ms per decode
-    # step of the default model) faster than two cores split by panels (19.2 ms: each call
-    # is ~0.1 ms, and waking the second thread costs a good part of that). More rows are
-    # compute-bound: each thread takes its rows over all panels (the weight stays in cache).
-    if threads > 1 and m >= ROW_SPLIT_ROWS:
-        run_split(lambda a, b: fn(xp + 2 * a * xs, xs, b - a, k, pp, bp, op + 2 * a * n, n, n,
-                                  0, panel_count), m, threads)
+    words = [x.data_ptr(), x.stride(0), k, panels.data_ptr(),
+             bias.data_ptr() if bias is not None else None, out.data_ptr(), n, n, m]
+    # Many rows are compute-bound: each thread takes its rows over all panels (a panel is
+    # reread from L2 per tile of rows). Few rows are the weight stream: each thread streams
+    # its own panels.
+    if m >= ROW_SPLIT_ROWS:
+        run_kernel("gemm_rows", words, m, threads)
     else:
-        fn(xp, xs, m, k, pp, bp, op, n, n, 0, panel_count)
+        run_kernel("gemm_panels", words, panels.shape[0], threads if m >= PANEL_SPLIT_ROWS else 1)
     return out
 
 
-ROW_SPLIT_ROWS = 24
+ROW_SPLIT_ROWS = 128
+PANEL_SPLIT_ROWS = 1

@@ -14,6 +14,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 

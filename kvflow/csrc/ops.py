@@ -6,16 +6,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvflow.csrc import load_library, run_split
+from kvflow.csrc import load_library, run_kernel
 
-# Handing rows to the second thread costs ~0.2 ms (measured on 2 cores); these elementwise
-# kernels run ~1-2 GB/s of input on one core, so a split pays from about half a million input
-# values (a [1024, 576] norm breaks even, a [64, 576] one took 0.2 ms split vs 0.03 ms not).
-_MIN_PARALLEL_VALUES = 1 << 19
+# Below this many values an elementwise kernel takes a few microseconds, about what handing
+# rows to a pool thread costs.
+MIN_PARALLEL_VALUES = 1 << 13
 
 
-def _min_rows(width: int) -> int:
-    return max(64, _MIN_PARALLEL_VALUES // width)
+def _threads(values: int) -> int:
+    return torch.get_num_threads() if values >= MIN_PARALLEL_VALUES else 1
 
 
 def _kernel_suffix(*tensors: torch.Tensor) -> str | None:
@@ -40,11 +39,10 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: tor
         return weight * xf.to(residual.dtype)
     out = torch.empty_like(residual)
     n = residual.shape[-1]
-    fn = getattr(load_library(), f"add_rms_norm_{suffix}")
-    r, d, w, o = (residual.data_ptr(), delta.data_ptr() if delta is not None else None,
-                  weight.data_ptr(), out.data_ptr())
-    run_split(lambda a, b: fn(r, d, w, o, a, b, n, eps), residual.numel() // n,
-              torch.get_num_threads(), min_rows=_min_rows(n))
+    rows = residual.numel() // n
+    run_kernel(f"add_rms_norm_{suffix}", [residual.data_ptr(), delta.data_ptr() if delta is not None
+                                          else None, weight.data_ptr(), out.data_ptr(), n],
+               rows, _threads(rows * n), farg=eps)
     return out
 
 
@@ -63,11 +61,9 @@ def rope_(qkv: torch.Tensor, n_heads: int, head_dim: int, positions: np.ndarray,
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         x.copy_(x * c + rotated * s)
         return
-    fn = getattr(load_library(), f"rope_{suffix}")
-    q, p, c, s = qkv.data_ptr(), positions.ctypes.data, cos.data_ptr(), sin.data_ptr()
-    stride = qkv.stride(0)
-    run_split(lambda a, b: fn(q, stride, p, c, s, a, b, n_heads, head_dim), t,
-              torch.get_num_threads(), min_rows=_min_rows(qkv.shape[1]))
+    run_kernel(f"rope_{suffix}", [qkv.data_ptr(), qkv.stride(0), positions.ctypes.data,
+                                  cos.data_ptr(), sin.data_ptr(), n_heads, head_dim],
+               t, _threads(t * n_heads * head_dim))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -78,9 +74,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return F.silu(gate) * up
     t, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty(t, n)
-    fn = getattr(load_library(), f"silu_mul_{suffix}")
-    g, o = gate_up.data_ptr(), out.data_ptr()
-    run_split(lambda a, b: fn(g, o, a, b, n), t, torch.get_num_threads(), min_rows=_min_rows(2 * n))
+    run_kernel(f"silu_mul_{suffix}", [gate_up.data_ptr(), out.data_ptr(), n], t, _threads(t * n))
     return out
 
 

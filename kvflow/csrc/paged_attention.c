@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "kernels.h"
 #include "simd.h"
 
 static inline float load1_f32(const float *p) { return *p; }

@@ -20,6 +20,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "kernels.h"
 #include "simd.h"
 
 #define TILE 12 /* rows x heads per tile: 12 score and 12 output accumulators */

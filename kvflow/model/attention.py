@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvflow.csrc import load_library, run_split
+from kvflow.csrc import load_library, run_kernel
 from kvflow.model import hugepages
 from kvflow.model.arch import LlamaArchConfig
 
@@ -178,9 +178,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 _KERNELS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 VECTOR_HEAD_DIMS = (64, 128)  # head sizes with a vector row in paged_attention.c (AVX2/AVX-512)
-# Below ~0.5 ms of decode attention (~25k head-keys at ~20 ns each) handing rows to a second
-# thread (~0.2 ms) costs more than it saves.
-MIN_PARALLEL_HEAD_KEYS = 25_000
+# Below a few microseconds of decode attention (~20 ns per head-key) a split costs more than
+# it saves.
+MIN_PARALLEL_HEAD_KEYS = 256
 
 
 def _decode_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -201,15 +201,13 @@ def _decode_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     else:
         tables, lens, rows = meta.decode_block_tables, meta.decode_seq_lens, meta.decode_rows
 
-    def run(begin: int, end: int) -> None:
-        fn(qf.data_ptr(), qf.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-           tables.ctypes.data, tables.shape[1], lens.ctypes.data, rows.ctypes.data, begin, end,
-           num_heads, num_kv_heads, head_dim, k_cache.shape[1], scale, of.data_ptr(),
-           num_heads * head_dim)
-
     # rows split between threads by key count (the kernel's work is ~ keys)
     threads = torch.get_num_threads() if int(lens.sum()) * num_heads >= MIN_PARALLEL_HEAD_KEYS else 1
-    run_split(run, len(rows), threads, weights=lens)
+    run_kernel(_KERNELS[k_cache.dtype],
+               [qf.data_ptr(), qf.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.ctypes.data,
+                tables.shape[1], lens.ctypes.data, rows.ctypes.data, num_heads, num_kv_heads,
+                head_dim, k_cache.shape[1], of.data_ptr(), num_heads * head_dim],
+               len(rows), threads, farg=scale, weights=lens)
     if of is not out:  # a caller's non-fp32 out (paged_attention passes an fp32 buffer)
         idx = torch.from_numpy(rows)
         out[idx] = of[idx].to(out.dtype)
@@ -239,16 +237,13 @@ def _prefill_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         q = q.to(torch.bfloat16).contiguous()
     starts, qlens, slens, tables = meta.prefill_arrays()
 
-    def run(begin: int, end: int) -> None:
-        lib.paged_prefill_bf16(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                               tables.ctypes.data, tables.shape[1], starts.ctypes.data,
-                               qlens.ctypes.data, slens.ctypes.data, begin, end, num_heads,
-                               num_kv_heads, head_dim, block_size, scale, out.data_ptr(),
-                               out.stride(0))
-
     # work items are (prompt, kv head) pairs, weighted by the query x key count they take
-    run_split(run, len(qlens) * num_kv_heads, torch.get_num_threads(),
-              weights=np.repeat(qlens * slens, num_kv_heads))
+    run_kernel("paged_prefill_bf16",
+               [q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.ctypes.data,
+                tables.shape[1], starts.ctypes.data, qlens.ctypes.data, slens.ctypes.data, num_heads,
+                num_kv_heads, head_dim, block_size, out.data_ptr(), out.stride(0)],
+               len(qlens) * num_kv_heads, torch.get_num_threads(), farg=scale,
+               weights=np.repeat(qlens * slens, num_kv_heads))
     return True
 
 

@@ -1,0 +1,214 @@
+/* A persistent pool of kernel threads: one call splits a kernel's rows between the caller
+ * and up to MAX_WORKERS workers that wait for work by spinning, then sleep on a futex.
+ *
+ * Why not Python threads: a kernel split over a pooled Python thread cost ~0.2 ms per call
+ * on the 2-vCPU VMs here (the worker wakes from an idle vCPU, takes the GIL, converts its
+ * ctypes arguments), against 0.1-1 ms kernels, ~300 of them per engine step. A worker that
+ * spins between kernels picks a job up in well under a microsecond. It spins for SPIN_NS
+ * after its last job (a step's Python between kernels and between steps is shorter than
+ * that), then sleeps, so an idle engine leaves its cores alone.
+ *
+ * Jobs name a kernel by index (KERNELS below) and pass its arguments as int64 words (data
+ * pointers and sizes, in the kernel's order without its begin/end) plus one float; the rows
+ * [0, n) are cut into contiguous ranges of near-equal weight (row count, or a weight per
+ * row), the first range run by the caller. One job at a time: a second caller that finds
+ * the pool busy runs its job alone. */
+#define _GNU_SOURCE
+#include <linux/futex.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define CPU_RELAX() _mm_pause()
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+#include "kernels.h"
+
+#define MAX_WORKERS 63
+#define SPIN_NS 2000000  /* 2 ms */
+
+typedef void (*range_fn)(const int64_t *a, double f, int64_t begin, int64_t end);
+
+#define P(i) ((void *)a[i])
+static void k_decode_f32(const int64_t *a, double f, int64_t b, int64_t e) {
+    paged_decode_f32(P(0), a[1], P(2), P(3), P(4), a[5], P(6), P(7), b, e, a[8], a[9], a[10],
+                     a[11], (float)f, P(12), a[13]);
+}
+static void k_decode_bf16(const int64_t *a, double f, int64_t b, int64_t e) {
+    paged_decode_bf16(P(0), a[1], P(2), P(3), P(4), a[5], P(6), P(7), b, e, a[8], a[9], a[10],
+                      a[11], (float)f, P(12), a[13]);
+}
+static void k_prefill_bf16(const int64_t *a, double f, int64_t b, int64_t e) {
+    paged_prefill_bf16(P(0), a[1], P(2), P(3), P(4), a[5], P(6), P(7), P(8), b, e, a[9], a[10],
+                       a[11], a[12], (float)f, P(13), a[14]);
+}
+static void k_norm_f32(const int64_t *a, double f, int64_t b, int64_t e) {
+    add_rms_norm_f32(P(0), P(1), P(2), P(3), b, e, a[4], (float)f);
+}
+static void k_norm_bf16(const int64_t *a, double f, int64_t b, int64_t e) {
+    add_rms_norm_bf16(P(0), P(1), P(2), P(3), b, e, a[4], (float)f);
+}
+static void k_rope_f32(const int64_t *a, double f, int64_t b, int64_t e) {
+    (void)f;
+    rope_f32(P(0), a[1], P(2), P(3), P(4), b, e, a[5], a[6]);
+}
+static void k_rope_bf16(const int64_t *a, double f, int64_t b, int64_t e) {
+    (void)f;
+    rope_bf16(P(0), a[1], P(2), P(3), P(4), b, e, a[5], a[6]);
+}
+static void k_silu_f32(const int64_t *a, double f, int64_t b, int64_t e) {
+    (void)f;
+    silu_mul_f32(P(0), P(1), b, e, a[2]);
+}
+static void k_silu_bf16(const int64_t *a, double f, int64_t b, int64_t e) {
+    (void)f;
+    silu_mul_bf16(P(0), P(1), b, e, a[2]);
+}
+/* x, x_stride, K, packed, bias, out, out_stride, N, M (rows: x and out advance by rows) */
+static void k_gemm_rows(const int64_t *a, double f, int64_t b, int64_t e) {
+    (void)f;
+    const uint16_t *x = (const uint16_t *)a[0] + b * a[1];
+    uint16_t *out = (uint16_t *)a[5] + b * a[6];
+    gemm_bf16_panels(x, a[1], e - b, a[2], P(3), P(4), out, a[6], a[7], 0, (a[7] + 63) / 64);
+}
+/* the same words; the ranges are panels of 64 outputs, every thread takes all M rows */
+static void k_gemm_panels(const int64_t *a, double f, int64_t b, int64_t e) {
+    (void)f;
+    gemm_bf16_panels(P(0), a[1], a[8], a[2], P(3), P(4), P(5), a[6], a[7], b, e);
+}
+#undef P
+
+static const range_fn KERNELS[] = {
+    k_decode_f32, k_decode_bf16, k_prefill_bf16, k_norm_f32, k_norm_bf16, k_rope_f32,
+    k_rope_bf16, k_silu_f32, k_silu_bf16, k_gemm_rows, k_gemm_panels,
+};
+#define NUM_KERNELS ((int64_t)(sizeof KERNELS / sizeof KERNELS[0]))
+
+static struct {
+    pthread_mutex_t lock;          /* held by the caller of a job for its whole length */
+    int workers;                   /* threads started (besides callers) */
+    _Atomic uint32_t generation;   /* bumped once per job: the futex word workers wait on */
+    _Atomic int sleepers;          /* workers in (or entering) futex_wait */
+    _Atomic int pending;           /* workers still running the current job */
+    range_fn fn;
+    const int64_t *args;
+    double farg;
+    int64_t bounds[MAX_WORKERS + 2];
+    int ranges;                    /* ranges of the current job; worker w takes range w + 1 */
+} pool = { .lock = PTHREAD_MUTEX_INITIALIZER };
+
+static long futex(_Atomic uint32_t *word, int op, uint32_t val) {
+    return syscall(SYS_futex, (uint32_t *)word, op, val, NULL, NULL, 0);
+}
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* arg: the worker's index in the high bits, the generation it starts from in the low 32 */
+static void *worker_main(void *arg) {
+    const int id = (int)((uintptr_t)arg >> 32);
+    uint32_t seen = (uint32_t)(uintptr_t)arg;
+    for (;;) {
+        /* spin for the next job, then sleep until one is posted */
+        int64_t start = now_ns();
+        uint32_t g;
+        for (int i = 0; (g = atomic_load_explicit(&pool.generation, memory_order_acquire)) == seen; i++) {
+            CPU_RELAX();
+            if ((i & 1023) == 1023 && now_ns() - start > SPIN_NS) {
+                atomic_fetch_add(&pool.sleepers, 1);
+                if (atomic_load(&pool.generation) == seen)
+                    futex(&pool.generation, FUTEX_WAIT_PRIVATE, seen);
+                atomic_fetch_sub(&pool.sleepers, 1);
+                start = now_ns();
+            }
+        }
+        seen = g;
+        if (id + 1 < pool.ranges)
+            pool.fn(pool.args, pool.farg, pool.bounds[id + 1], pool.bounds[id + 2]);
+        atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_release);
+    }
+    return NULL;
+}
+
+/* a forked child has the pool's memory but none of its threads */
+static void forget_workers(void) {
+    pool.workers = 0;
+    pthread_mutex_init(&pool.lock, NULL);
+}
+
+static void ensure_workers(int wanted) {
+    static int registered;
+    if (!registered) {
+        pthread_atfork(NULL, NULL, forget_workers);
+        registered = 1;
+    }
+    while (pool.workers < wanted) {
+        pthread_t t;
+        const uintptr_t arg = ((uintptr_t)pool.workers << 32) | atomic_load(&pool.generation);
+        if (pthread_create(&t, NULL, worker_main, (void *)arg) != 0)
+            break;
+        pthread_detach(t);
+        pool.workers++;
+    }
+}
+
+/* bounds[0..parts] of `parts` contiguous ranges of [0, n) of near-equal weight */
+static void split(int64_t n, const int64_t *weights, int parts, int64_t *bounds) {
+    bounds[0] = 0;
+    if (weights == NULL) {
+        for (int p = 1; p <= parts; p++)
+            bounds[p] = n * p / parts;
+        return;
+    }
+    int64_t total = 0;
+    for (int64_t i = 0; i < n; i++)
+        total += weights[i];
+    int64_t acc = 0, i = 0;
+    for (int p = 1; p < parts; p++) {
+        /* the first row whose cumulative weight reaches p/parts of the total */
+        const int64_t target = total * p / parts;
+        while (i < n && acc + weights[i] <= target)
+            acc += weights[i++];
+        bounds[p] = i;
+    }
+    bounds[parts] = n;
+}
+
+int64_t kernel_pool_num_kernels(void) { return NUM_KERNELS; }
+
+/* Run kernel `kernel` over rows [0, n) on `threads` threads (the caller and threads - 1
+ * pool workers); `weights` (n values, or NULL) balances the ranges. */
+void kernel_pool_run(int64_t kernel, const int64_t *args, double farg, int64_t n,
+                     const int64_t *weights, int64_t threads) {
+    const range_fn fn = KERNELS[kernel];
+    if (threads > MAX_WORKERS + 1)
+        threads = MAX_WORKERS + 1;
+    if (threads <= 1 || n < 2 || pthread_mutex_trylock(&pool.lock) != 0) {
+        fn(args, farg, 0, n);
+        return;
+    }
+    ensure_workers((int)threads - 1);
+    const int parts = (int)(threads - 1 <= pool.workers ? threads : pool.workers + 1);
+    pool.fn = fn;
+    pool.args = args;
+    pool.farg = farg;
+    pool.ranges = parts;
+    split(n, weights, parts, pool.bounds);
+    atomic_store(&pool.pending, pool.workers);
+    atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
+    if (atomic_load(&pool.sleepers) > 0)
+        futex(&pool.generation, FUTEX_WAKE_PRIVATE, INT32_MAX);
+    fn(args, farg, pool.bounds[0], pool.bounds[1]);
+    while (atomic_load_explicit(&pool.pending, memory_order_acquire) > 0)
+        CPU_RELAX();
+    pthread_mutex_unlock(&pool.lock);
+}
