@@ -2,7 +2,7 @@
 blocks are scattered over each layer's own cache, as in a real decode step.
 
     .venv/bin/python benchmarks/decode_kernel.py [--cache-dtype bfloat16] [--batch 128]
-        [--context 340] [--hot]
+        [--context 340] [--threads 1] [--hot]
 
 --hot points every request at the same blocks, so they stay in L2: what is left is compute.
 """
@@ -20,7 +20,7 @@ import kvflow  # noqa: E402,F401 - first, so OMP_WAIT_POLICY applies before torc
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from kvflow.csrc import load_library  # noqa: E402
+from kvflow.csrc import load_library, run_kernel  # noqa: E402
 from kvflow.model import hugepages  # noqa: E402
 
 
@@ -35,6 +35,7 @@ def main() -> int:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--threads", type=int, default=1, help="split over kvflow's kernel pool")
     p.add_argument("--hot", action="store_true", help="every request reads the same blocks")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -43,7 +44,7 @@ def main() -> int:
         print("the C kernels did not build here")
         return 1
     dtype = getattr(torch, args.cache_dtype)
-    fn = lib.paged_decode_bf16 if dtype == torch.bfloat16 else lib.paged_decode_f32
+    kernel = "paged_decode_bf16" if dtype == torch.bfloat16 else "paged_decode_f32"
     b, h, kvh, d, bs = args.batch, args.heads, args.kv_heads, args.head_dim, args.block_size
     per_req = -(-args.context // bs)
     rng = np.random.default_rng(0)
@@ -61,16 +62,16 @@ def main() -> int:
     def one_step() -> float:
         t0 = time.perf_counter()
         for k, v in caches:
-            fn(q.data_ptr(), h * d, k.data_ptr(), v.data_ptr(), tables.ctypes.data, per_req,
-               seq_lens.ctypes.data, rows.ctypes.data, 0, b, h, kvh, d, bs, d ** -0.5,
-               out.data_ptr(), h * d)
+            run_kernel(kernel, [q.data_ptr(), h * d, k.data_ptr(), v.data_ptr(), tables.ctypes.data,
+                                per_req, seq_lens.ctypes.data, rows.ctypes.data, h, kvh, d, bs,
+                                out.data_ptr(), h * d], b, args.threads, farg=d ** -0.5)
         return time.perf_counter() - t0
 
     one_step()
     times = [one_step() for _ in range(args.reps)]
     read = 2 * args.layers * b * args.context * kvh * d * caches[0][0].element_size()
     med = statistics.median(times)
-    print(f"{args.cache_dtype} cache, {args.layers} layers x {b} requests x {args.context} tokens"
+    print(f"{args.cache_dtype} cache, {args.threads} thread(s), {args.layers} layers x {b} requests x {args.context} tokens"
           f"{' (hot blocks)' if args.hot else ''}: {med * 1000:.1f} ms median of {args.reps} "
           f"(min {min(times) * 1000:.1f}); K/V read {read / 1e9:.2f} GB -> {read / med / 1e9:.1f} GB/s")
     return 0

@@ -169,8 +169,9 @@ def test_fused_bf16_rope_is_exact():
     assert torch.equal(qkv[:, heads * dim:], tail)
 
 
-def test_fused_bf16_silu_mul_rounds_like_torch():
-    gate_up = (torch.randn(33, 2 * 1536) * 4).bfloat16()
+@pytest.mark.parametrize("width", [1536, 1547])  # 1547: 16-wide, 8-wide and scalar tails
+def test_fused_bf16_silu_mul_rounds_like_torch(width):
+    gate_up = (torch.randn(33, 2 * width) * 4).bfloat16()
     gate, up = gate_up.chunk(2, -1)
     got = ops.silu_mul(gate_up)
     want = F.silu(gate) * up
