@@ -6,7 +6,8 @@
  * ctypes arguments), against 0.1-1 ms kernels, ~300 of them per engine step. A worker that
  * spins between kernels picks a job up in well under a microsecond. It spins for SPIN_NS
  * after its last job (a step's Python between kernels and between steps is shorter than
- * that), then sleeps, so an idle engine leaves its cores alone.
+ * that), yielding the core now and then to any other thread that wants it, then sleeps, so
+ * an idle engine leaves its cores alone.
  *
  * Jobs name a kernel by index (KERNELS below) and pass its arguments as int64 words (data
  * pointers and sizes, in the kernel's order without its begin/end) plus one float; the rows
@@ -16,6 +17,7 @@
 #define _GNU_SOURCE
 #include <linux/futex.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <sys/syscall.h>
@@ -123,7 +125,11 @@ static void *worker_main(void *arg) {
         uint32_t g;
         for (int i = 0; (g = atomic_load_explicit(&pool.generation, memory_order_acquire)) == seen; i++) {
             CPU_RELAX();
-            if ((i & 1023) == 1023 && now_ns() - start > SPIN_NS) {
+            if ((i & 1023) != 1023)
+                continue;
+            sched_yield(); /* a runnable thread waiting for this core (the server's frontend,
+                            * an OpenMP worker) goes first */
+            if (now_ns() - start > SPIN_NS) {
                 atomic_fetch_add(&pool.sleepers, 1);
                 if (atomic_load(&pool.generation) == seen)
                     futex(&pool.generation, FUTEX_WAIT_PRIVATE, seen);
