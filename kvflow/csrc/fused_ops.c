@@ -135,10 +135,6 @@ static inline void store8_bf16(uint16_t *p, __m256 v) {
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-static inline __m512 widen16_bf16(const uint16_t *p) {
-    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 /* one bf16 rounding (nearest even), kept as fp32 */
 static inline __m512 round16_bf16(__m512 v) {
     const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
@@ -158,11 +154,11 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t begin, int64_
          * boundaries (2 ulps off PyTorch in 0.07% of outputs). */
         const __m512 one16 = _mm512_set1_ps(1.f);
         for (; i + 16 <= n; i += 16) {
-            const __m512 gv = widen16_bf16(g + i);
+            const __m512 gv = load16_bf16(g + i);
             const __m512 d = _mm512_add_ps(one16, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
             const __m512 sg = round16_bf16(_mm512_div_ps(gv, d));
             _mm256_storeu_si256((__m256i *)(o + i),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sg, widen16_bf16(u + i))));
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sg, load16_bf16(u + i))));
         }
 #endif
 #ifdef KVFLOW_AVX2

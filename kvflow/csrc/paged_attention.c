@@ -164,10 +164,6 @@ DEFINE_ROW(bf16, uint16_t, 16, VECTOR)
  * AVX2 row above widens a bf16 key once per query head (three times with SmolLM2's 9/3
  * heads) and is bound by that widening; here each key is widened once, into 16-float
  * vectors, for the G <= 4 heads that read it. D is a multiple of 64. */
-static inline __m512 load16_bf16(const uint16_t *p) {
-    __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 static inline __m256 fold512(__m512 a) {
     return _mm256_add_ps(_mm512_castps512_ps256(a),
                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));

@@ -40,6 +40,12 @@ static inline __m256 exp8(__m256 x) {
 
 #ifdef __AVX512F__
 #include <immintrin.h>
+/* 16 bf16 values widened to fp32 (exact) */
+static inline __m512 load16_bf16(const uint16_t *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 /* exp8 for 16 floats (AVX-512); -inf gives 0 */
 static inline __m512 exp16(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));

@@ -188,8 +188,8 @@ def _decode_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         all_tokens: bool = False) -> bool:
     """Decode rows (or, with `all_tokens`, every token, each one query over its own causal
     prefix) through the C kernel, straight from the paged cache. False: not available."""
-    fn = _kernel_for(k_cache)
-    if fn is None:
+    kernel = _decode_kernel(k_cache)
+    if kernel is None:
         return False
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -203,7 +203,7 @@ def _decode_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
     # rows split between threads by key count (the kernel's work is ~ keys)
     threads = torch.get_num_threads() if int(lens.sum()) * num_heads >= MIN_PARALLEL_HEAD_KEYS else 1
-    run_kernel(_KERNELS[k_cache.dtype],
+    run_kernel(kernel,
                [qf.data_ptr(), qf.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.ctypes.data,
                 tables.shape[1], lens.ctypes.data, rows.ctypes.data, num_heads, num_kv_heads,
                 head_dim, k_cache.shape[1], of.data_ptr(), num_heads * head_dim],
@@ -214,12 +214,11 @@ def _decode_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return True
 
 
-def _kernel_for(k_cache: torch.Tensor):
-    """The decode kernel for this cache (None: no library, another dtype or device)."""
-    lib = load_library()
-    if lib is None or k_cache.dtype not in _KERNELS or k_cache.device.type != "cpu":
+def _decode_kernel(k_cache: torch.Tensor) -> str | None:
+    """The decode kernel's name for this cache (None: no library, another dtype or device)."""
+    if load_library() is None or k_cache.dtype not in _KERNELS or k_cache.device.type != "cpu":
         return None
-    return getattr(lib, _KERNELS[k_cache.dtype])
+    return _KERNELS[k_cache.dtype]
 
 
 def _prefill_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -276,7 +275,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     The step's K/V must already be in the cache (write_kv). `k`/`v`, this step's fresh
     [T, kv_heads, D], optionally spare a gather for prompts that have no prior context."""
     num_tokens, num_heads, head_dim = q.shape
-    if _kernel_for(k_cache) is not None:
+    if _decode_kernel(k_cache) is not None:
         out = torch.empty_like(q)
         # the kernels write fp32: one buffer for both calls, converted once at the end
         of = out if out.dtype == torch.float32 else torch.empty(q.shape)
