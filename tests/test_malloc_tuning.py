@@ -15,6 +15,7 @@ import sys
 SCRIPT = r"""
 import json, resource, sys
 from kvflow import LLM, SamplingParams
+from kvflow.model import malloc_tuning
 llm = LLM(sys.argv[1], dtype="float32", max_model_len=1024, num_blocks=136, enable_prefix_caching=False)
 prompts = [list(range(1000 + 600 * i, 1512 + 600 * i)) for i in range(4)]
 params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
@@ -23,11 +24,11 @@ for _ in range(4):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     llm.generate(prompts, params, use_tqdm=False)
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(json.dumps(faults))
+print(json.dumps({"faults": faults, "tuned": malloc_tuning._done}))
 """
 
 
-def _prefill_page_faults(model_path: str, tuning: str) -> list[int]:
+def _prefill_page_faults(model_path: str, tuning: str) -> dict:
     env = dict(os.environ, KVFLOW_MALLOC_TUNING=tuning, KVFLOW_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-c", SCRIPT, model_path], env=env, capture_output=True,
                          text=True, timeout=300)
@@ -38,10 +39,13 @@ def _prefill_page_faults(model_path: str, tuning: str) -> list[int]:
 def test_repeated_prefill_reuses_freed_memory(default_model_path):
     tuned = _prefill_page_faults(default_model_path, "1")
     untuned = _prefill_page_faults(default_model_path, "0")
-    # glibc alone maps most of those buffers afresh every step (measured: ~440k faults a
-    # step); tuned, the later steps run in memory the earlier ones left behind. The heap can
-    # still grow once by one buffer where its free space is fragmented (seen at step 2 or 3 in
-    # about one run of five, before and after 2026-12-01: 1,177-3,073 faults, one 12 MiB
-    # activation), so of steps 3 and 4 one must take no fresh pages and neither a step's worth.
-    assert min(untuned[1:]) > 50_000, untuned
-    assert min(tuned[2:]) < 500 and max(tuned[2:]) < 5_000, tuned
+    # Tuned, the later steps run in memory the earlier ones left behind. The heap can still
+    # grow once by one buffer where its free space is fragmented (seen at step 2 or 3 in
+    # about one run of five: 1,177-3,073 faults, one 12 MiB activation), so of steps 3 and 4
+    # one must take no fresh pages and neither a step's worth.
+    assert tuned["tuned"], tuned
+    assert min(tuned["faults"][2:]) < 500 and max(tuned["faults"][2:]) < 5_000, tuned
+    # The opt-out leaves glibc alone. Its own dynamic mmap threshold makes the untuned counts
+    # a lottery (one commit, one hash seed: steps 2-4 at ~435k faults each in some runs, 0-19k
+    # in others), so they are not asserted.
+    assert not untuned["tuned"], untuned
