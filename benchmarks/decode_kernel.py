@@ -37,6 +37,8 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--threads", type=int, default=1, help="split over kvflow's kernel pool")
     p.add_argument("--hot", action="store_true", help="every request reads the same blocks")
+    p.add_argument("--contiguous", action="store_true",
+                   help="each request's blocks in a row, as a prompt's blocks after prefill")
     args = p.parse_args()
     torch.set_num_threads(1)
     lib = load_library()
@@ -55,6 +57,8 @@ def main() -> int:
     tables = np.stack([rng.permutation(b * per_req)[:per_req] for _ in range(b)]).astype(np.int64)
     if args.hot:
         tables[:] = tables[0]
+    elif args.contiguous:
+        tables = np.arange(b * per_req, dtype=np.int64).reshape(b, per_req)
     seq_lens = np.full(b, args.context, dtype=np.int64)
     rows = np.arange(b, dtype=np.int64)
     q, out = torch.randn(b, h, d), torch.empty(b, h, d)
@@ -72,7 +76,7 @@ def main() -> int:
     read = 2 * args.layers * b * args.context * kvh * d * caches[0][0].element_size()
     med = statistics.median(times)
     print(f"{args.cache_dtype} cache, {args.threads} thread(s), {args.layers} layers x {b} requests x {args.context} tokens"
-          f"{' (hot blocks)' if args.hot else ''}: {med * 1000:.1f} ms median of {args.reps} "
+          f"{' (hot blocks)' if args.hot else ' (contiguous blocks)' if args.contiguous else ''}: {med * 1000:.1f} ms median of {args.reps} "
           f"(min {min(times) * 1000:.1f}); K/V read {read / 1e9:.2f} GB -> {read / med / 1e9:.1f} GB/s")
     return 0
 

@@ -29,7 +29,8 @@ print(json.dumps({"faults": faults, "tuned": malloc_tuning._done}))
 
 
 def _prefill_page_faults(model_path: str, tuning: str) -> dict:
-    env = dict(os.environ, KVFLOW_MALLOC_TUNING=tuning, KVFLOW_NUM_THREADS="1")
+    # KV pages faulted in by the populator thread would count too: it is off here
+    env = dict(os.environ, KVFLOW_MALLOC_TUNING=tuning, KVFLOW_NUM_THREADS="1", KVFLOW_KV_POPULATE="0")
     out = subprocess.run([sys.executable, "-c", SCRIPT, model_path], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

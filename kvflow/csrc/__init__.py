@@ -22,7 +22,7 @@ logger = logging.getLogger("kvflow")
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [os.path.join(_DIR, f) for f in ("paged_attention.c", "prefill_attention.c", "fused_ops.c", "gemm_bf16.c",
-                                              "pool.c")]
+                                              "pool.c", "populate.c")]
 _HEADERS = [os.path.join(_DIR, f) for f in ("simd.h", "kernels.h")]  # part of the build key, not of the command line
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC", "-std=c11",
           "-pthread"]
@@ -56,6 +56,8 @@ _SIGNATURES = {
     "argmax_rows_bf16": [_ptr, _i64, _ptr, _i64, _i64, _i64],
     # x, x_stride, M, K, packed, bias, out, out_stride, N, panel_begin, panel_end
     "gemm_bf16_panels": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
+    # buffer, bytes, page size
+    "populate_pages": [_ptr, _i64, _i64],
 }
 
 

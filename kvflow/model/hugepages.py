@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
+import weakref
 
 import numpy as np
 import torch
+
+from kvflow.csrc import load_library
 
 HUGE_PAGE = 2 << 20
 
@@ -39,3 +43,60 @@ def copy_of(t: torch.Tensor) -> torch.Tensor:
     out = zeros(t.numel(), t.dtype).view(t.shape)
     out.copy_(t)
     return out
+
+
+class Populator:
+    """Faults in the pages of equally laid out buffers (the per-layer K and V caches) a little
+    ahead of where they are written, from a daemon thread at idle priority, without changing
+    what they hold.
+
+    On the VMs kvflow is measured on, the first write to fresh memory costs ~1-5 ms per 2 MiB
+    page (the host backs it on demand): W1 spent ~2.5 s of its KV writes in page faults, in
+    the step's serial part. Here that work moves to whatever core time the steps leave idle.
+    Only `lead` bytes past the furthest write are populated, so the resident size still
+    follows use."""
+
+    def __init__(self, buffers: list[torch.Tensor], lead: int = 8 * HUGE_PAGE) -> None:
+        self._refs = [weakref.ref(b) for b in buffers]  # the engine owns them, not this thread
+        self._size = max((b.numel() * b.element_size() for b in buffers), default=0)
+        self._lead = lead
+        self._target = lead
+        self._cond = threading.Condition()
+        lib = load_library()
+        self.thread = threading.Thread(target=self._run, args=(lib,), name="kvflow-populate",
+                                       daemon=True)
+        if lib is not None and buffers:
+            self.thread.start()
+
+    def need(self, nbytes: int) -> None:
+        """Each buffer's first `nbytes` are about to be written."""
+        if nbytes + self._lead > self._target:
+            with self._cond:
+                self._target = nbytes + self._lead
+                self._cond.notify()
+
+    def _run(self, lib) -> None:
+        try:  # this thread only: the OS runs it when a core has nothing else to do
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except (AttributeError, OSError):
+            pass
+        offset = 0
+        while offset < self._size:
+            with self._cond:
+                while self._target <= offset:
+                    if not self._cond.wait(timeout=1.0) and any(r() is None for r in self._refs):
+                        return
+            if not self._populate(lib, offset):
+                return
+            offset += HUGE_PAGE
+
+    def _populate(self, lib, offset: int) -> bool:
+        """Fault in [offset, offset + 2 MiB) of every buffer; False if one was freed."""
+        buffers = [r() for r in self._refs]  # held (so still mapped) while their pages are touched
+        if any(b is None for b in buffers):
+            return False
+        for b in buffers:
+            nbytes = b.numel() * b.element_size()
+            if offset < nbytes:  # a ctypes call: the GIL is released while it faults
+                lib.populate_pages(b.data_ptr() + offset, min(HUGE_PAGE, nbytes - offset), mmap.PAGESIZE)
+        return True

@@ -1,6 +1,7 @@
 """ModelRunner: SchedulerOutput -> flat batch tensors -> one forward -> sampled token ids."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -9,6 +10,7 @@ import torch
 from kvflow.core.scheduler_output import SchedulerOutput
 from kvflow.csrc.ops import argmax_rows
 from kvflow.engine.protocol import TokenLogprobs
+from kvflow.model import hugepages
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
 from kvflow.model.malloc_tuning import retain_freed_memory
@@ -51,6 +53,11 @@ class ModelRunner:
         self.block_size = block_size
         self.eos_token_id = eos_token_id
         self.kv_caches = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype)
+        k0 = self.kv_caches[0][0]
+        self._slot_bytes = k0[0, 0].numel() * k0.element_size()
+        # the cache's pages are faulted in ahead of the writes (KVFLOW_KV_POPULATE=0: on first write)
+        self.populator = (hugepages.Populator([t for pair in self.kv_caches for t in pair])
+                          if os.environ.get("KVFLOW_KV_POPULATE") != "0" else None)
         retain_freed_memory()  # after the KV cache: only the per-step activations are affected
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
@@ -103,6 +110,8 @@ class ModelRunner:
                 input_ids.extend(s.token_ids[start:end])
         meta = build_attention_metadata(query_lens, seq_lens,
                                         [out.block_ids[r] for r in req_ids], self.block_size)
+        if self.populator is not None:  # every cache's bytes up to the furthest slot written
+            self.populator.need((int(meta.slot_mapping.max()) + 1) * self._slot_bytes)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long), meta.positions,
                             self.kv_caches, meta)
 
