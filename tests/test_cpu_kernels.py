@@ -258,3 +258,36 @@ def test_prompt_kernel_matches_sdpa_over_whole_blocks(threads, heads, kv_heads, 
         torch.set_num_threads(old)
     want = A._attention_with_sdpa(q.float(), k_cache, v_cache, meta, scale, kv_heads, None, None)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)  # got is rounded to bf16
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_q_and_out_are_the_fp32_path_rounded_once(threads, monkeypatch):
+    """The kernels read a bf16 q (a strided view of the fused qkv, as the model passes it) and
+    write a bf16 out themselves: bit for bit the fp32 path's output rounded to bf16, for prompt
+    tokens (the prompt kernel, or rows where it does not run) and decodes in one step."""
+    monkeypatch.setattr(A, "MIN_PARALLEL_HEAD_KEYS", 0)
+    heads, kv_heads, head_dim, block_size = 6, 2, 64, 16
+    query_lens = np.array([45, 1, 23, 1])  # fresh prompt, decode, chunk after 40 cached, decode
+    seq_lens = np.array([45, 70, 63, 17])
+    free = list(np.random.default_rng(4).permutation(40))
+    tables = [[int(free.pop()) for _ in range(-(-n // block_size))] for n in seq_lens]
+    k_cache = torch.randn(40, block_size, kv_heads, head_dim).bfloat16()
+    v_cache = torch.randn(40, block_size, kv_heads, head_dim).bfloat16()
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(int(query_lens.sum()), width).bfloat16()
+    q = qkv[:, :heads * head_dim].view(-1, heads, head_dim)  # rows `width` apart
+    assert not q.is_contiguous()
+    meta = A.build_attention_metadata(query_lens, seq_lens, tables, block_size)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = A.paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5, kv_heads)
+        want = A.paged_attention(q.float(), k_cache, v_cache, meta, head_dim ** -0.5, kv_heads)
+        dec_got = torch.full((len(q), heads, head_dim), float("nan")).bfloat16()
+        assert A._decode_with_kernel(q, k_cache, v_cache, meta, head_dim ** -0.5, dec_got)
+    finally:
+        torch.set_num_threads(old)
+    assert got.dtype == torch.bfloat16 and want.dtype == torch.float32
+    assert torch.equal(got, want.bfloat16())
+    rows = torch.from_numpy(meta.decode_rows)
+    assert torch.equal(dec_got[rows].view(len(rows), -1), want[rows].bfloat16())

@@ -8,13 +8,6 @@
 #include "kernels.h"
 #include "simd.h"
 
-/* fp32 -> bf16, rounding to nearest even (as torch's .to(torch.bfloat16)); NaN stays NaN. */
-static inline uint16_t float_to_bf16(float f) {
-    union { float f; uint32_t u; } x = { f };
-    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40);
-    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
-}
-
 /* one bf16 rounding of an fp32 value, kept as fp32 */
 static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 

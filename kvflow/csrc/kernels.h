@@ -3,20 +3,22 @@
 #define KVFLOW_KERNELS_H
 #include <stdint.h>
 
-void paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+void paged_decode_f32(const void *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                       const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
                       const int64_t *rows, int64_t row_begin, int64_t row_end, int64_t H, int64_t KVH,
-                      int64_t D, int64_t block_size, float scale, float *out, int64_t out_stride);
-void paged_decode_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache,
+                      int64_t D, int64_t block_size, float scale, void *out, int64_t out_stride,
+                      int64_t io_bf16);
+void paged_decode_bf16(const void *q, int64_t q_stride, const uint16_t *k_cache,
                        const uint16_t *v_cache, const int64_t *block_tables, int64_t bt_stride,
                        const int64_t *seq_lens, const int64_t *rows, int64_t row_begin,
                        int64_t row_end, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
-                       float scale, float *out, int64_t out_stride);
+                       float scale, void *out, int64_t out_stride, int64_t io_bf16);
 void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
                         const uint16_t *v_cache, const int64_t *block_tables, int64_t bt_stride,
                         const int64_t *token_start, const int64_t *query_len, const int64_t *seq_len,
                         int64_t work_begin, int64_t work_end, int64_t H, int64_t KVH, int64_t D,
-                        int64_t block_size, float scale, float *out, int64_t out_stride);
+                        int64_t block_size, float scale, void *out, int64_t out_stride,
+                        int64_t out_bf16);
 void add_rms_norm_f32(float *residual, const float *delta, const float *weight, float *out,
                       int64_t begin, int64_t end, int64_t n, float eps);
 void add_rms_norm_bf16(uint16_t *residual, const uint16_t *delta, const uint16_t *weight,

@@ -3,8 +3,8 @@
  * padded. Plain C with AVX2/FMA intrinsics where the CPU has them (a scalar loop otherwise),
  * called through ctypes with the GIL released; the caller splits rows between threads.
  *
- * Layout: q [*, H, D] fp32 (row stride q_stride elements), caches [blocks, bs, KVH, D]
- * (fp32 or bf16), out [*, H, D] fp32 (row stride out_stride). Row r of the work is token
+ * Layout: q [*, H, D] fp32 or bf16 (row stride q_stride elements), caches [blocks, bs, KVH, D]
+ * (fp32 or bf16), out [*, H, D] fp32 or bf16 (row stride out_stride). Row r of the work is token
  * rows[r] of q/out, with seq_lens[r] keys reached through block_tables[r * bt_stride ...].
  * Query head h reads kv head h / (H / KVH) (grouped-query attention).
  *
@@ -299,21 +299,37 @@ static void row_bf16_512(const float *q, const uint16_t *k_cache, const uint16_t
 #define PICK_ROW_FOR_f32(H, KVH, D) PICK_ROW(f32, D)
 #define PICK_ROW_FOR_bf16(H, KVH, D) (PICK_BF16_512(H, KVH, D) ? row_bf16_512 : PICK_ROW(bf16, D))
 
+/* q and out are fp32, or bf16 where io_bf16 has bit 0 (q) / bit 1 (out) set: a bf16 row is
+ * widened (exactly) before and rounded (to nearest even, as torch's .to) after, per row. */
 #define DEFINE_DECODE(SUFFIX, KV_T)                                                            \
-void paged_decode_##SUFFIX(const float *q, int64_t q_stride, const KV_T *k_cache,             \
+void paged_decode_##SUFFIX(const void *q, int64_t q_stride, const KV_T *k_cache,              \
                            const KV_T *v_cache, const int64_t *block_tables, int64_t bt_stride, \
                            const int64_t *seq_lens, const int64_t *rows, int64_t row_begin,    \
                            int64_t row_end, int64_t H, int64_t KVH, int64_t D,                 \
-                           int64_t block_size, float scale, float *out, int64_t out_stride) {  \
+                           int64_t block_size, float scale, void *out, int64_t out_stride,     \
+                           int64_t io_bf16) {                                                  \
     int64_t max_len = 1;                                                                       \
     for (int64_t r = row_begin; r < row_end; r++)                                              \
         if (seq_lens[r] > max_len) max_len = seq_lens[r];                                      \
-    float *scores = (float *)malloc(sizeof(float) * (size_t)(H * max_len));                    \
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(H * max_len + 2 * H * D));        \
+    float *q32 = scores + H * max_len, *o32 = q32 + H * D;                                     \
     void (*row)(const float *, const KV_T *, const KV_T *, const int64_t *, int64_t, int64_t,  \
                 int64_t, int64_t, int64_t, float, float *, float *) = PICK_ROW_FOR_##SUFFIX(H, KVH, D); \
-    for (int64_t r = row_begin; r < row_end; r++)                                              \
-        row(q + rows[r] * q_stride, k_cache, v_cache, block_tables + r * bt_stride,            \
-            seq_lens[r], H, KVH, D, block_size, scale, scores, out + rows[r] * out_stride);    \
+    for (int64_t r = row_begin; r < row_end; r++) {                                            \
+        const float *qr = (const float *)q + rows[r] * q_stride;                               \
+        float *orow = (io_bf16 & 2) ? o32 : (float *)out + rows[r] * out_stride;               \
+        if (io_bf16 & 1) {                                                                     \
+            const uint16_t *qb = (const uint16_t *)q + rows[r] * q_stride;                     \
+            for (int64_t i = 0; i < H * D; i++) q32[i] = bf16_to_float(qb[i]);                 \
+            qr = q32;                                                                          \
+        }                                                                                      \
+        row(qr, k_cache, v_cache, block_tables + r * bt_stride, seq_lens[r], H, KVH, D,        \
+            block_size, scale, scores, orow);                                                  \
+        if (io_bf16 & 2) {                                                                     \
+            uint16_t *ob = (uint16_t *)out + rows[r] * out_stride;                             \
+            for (int64_t i = 0; i < H * D; i++) ob[i] = float_to_bf16(o32[i]);                 \
+        }                                                                                      \
+    }                                                                                          \
     free(scores);                                                                              \
 }
 DEFINE_DECODE(f32, float)

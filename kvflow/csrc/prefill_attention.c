@@ -128,7 +128,8 @@ static inline __attribute__((always_inline)) void fold_blocks(
  * sequence repeat its last row (computed, not stored). */
 static void tile_bf16(const uint16_t *q, int64_t q_stride, const uint32_t *kt, const uint32_t *vt,
                       int64_t row0, int64_t rows, int64_t pos0, int64_t D, int64_t kh, int G,
-                      float scale, float *out, int64_t out_stride, uint32_t *qp, float *o) {
+                      float scale, void *out, int64_t out_stride, int out_bf16, uint32_t *qp,
+                      float *o) {
     const int64_t half = D / 2;
     int64_t pos[TILE];
     for (int i = 0; i < TILE; i++) {
@@ -146,9 +147,12 @@ static void tile_bf16(const uint16_t *q, int64_t q_stride, const uint32_t *kt, c
     if (b * KB <= last)
         fold_blocks(1, b, kt, vt, qp, pos, last, D, scale, mx, sum, o);
     for (int i = 0; i < TILE && i / G < rows; i++) {
-        float *dst = out + (row0 + i / G) * out_stride + (kh * G + i % G) * D;
+        const int64_t at = (row0 + i / G) * out_stride + (kh * G + i % G) * D;
         const float inv = 1.f / sum[i];
-        for (int64_t d = 0; d < D; d++) dst[d] = o[i * D + d] * inv;
+        if (out_bf16)
+            for (int64_t d = 0; d < D; d++) ((uint16_t *)out)[at + d] = float_to_bf16(o[i * D + d] * inv);
+        else
+            for (int64_t d = 0; d < D; d++) ((float *)out)[at + d] = o[i * D + d] * inv;
     }
 }
 
@@ -160,7 +164,8 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
                         const uint16_t *v_cache, const int64_t *block_tables, int64_t bt_stride,
                         const int64_t *token_start, const int64_t *query_len, const int64_t *seq_len,
                         int64_t work_begin, int64_t work_end, int64_t H, int64_t KVH, int64_t D,
-                        int64_t block_size, float scale, float *out, int64_t out_stride) {
+                        int64_t block_size, float scale, void *out, int64_t out_stride,
+                        int64_t out_bf16) {
     (void)block_size;
     const int G = (int)(H / KVH), R = TILE / G;
     int64_t max_len = 1;
@@ -177,7 +182,7 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
         gather_pairs(k_cache, v_cache, block_tables + s * bt_stride, seq_len[s], KVH, D, kh, kt, vt);
         for (int64_t r = 0; r < ql; r += R)
             tile_bf16(q, q_stride, kt, vt, token_start[s] + r, ql - r < R ? ql - r : R, first + r,
-                      D, kh, G, scale, out, out_stride, qp, o);
+                      D, kh, G, scale, out, out_stride, (int)out_bf16, qp, o);
     }
     free(kt); free(vt); free(qp); free(o);
 }
@@ -191,9 +196,11 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
                         const uint16_t *v_cache, const int64_t *block_tables, int64_t bt_stride,
                         const int64_t *token_start, const int64_t *query_len, const int64_t *seq_len,
                         int64_t work_begin, int64_t work_end, int64_t H, int64_t KVH, int64_t D,
-                        int64_t block_size, float scale, float *out, int64_t out_stride) {
+                        int64_t block_size, float scale, void *out, int64_t out_stride,
+                        int64_t out_bf16) {
     (void)q; (void)q_stride; (void)k_cache; (void)v_cache; (void)block_tables; (void)bt_stride;
     (void)token_start; (void)query_len; (void)seq_len; (void)work_begin; (void)work_end; (void)H;
     (void)KVH; (void)D; (void)block_size; (void)scale; (void)out; (void)out_stride;
+    (void)out_bf16;
 }
 #endif

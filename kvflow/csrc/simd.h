@@ -1,4 +1,4 @@
-/* What the kernel files share: bf16 widening, the AVX2 switch and vectorised exps. */
+/* What the kernel files share: bf16 widening and rounding, the AVX2 switch and vectorised exps. */
 #ifndef KVFLOW_SIMD_H
 #define KVFLOW_SIMD_H
 #include <stdint.h>
@@ -7,6 +7,13 @@
 static inline float bf16_to_float(uint16_t v) {
     union { uint32_t u; float f; } x = { (uint32_t)v << 16 };
     return x.f;
+}
+
+/* fp32 -> bf16, rounding to nearest even (as torch's .to(torch.bfloat16)); NaN stays NaN. */
+static inline uint16_t float_to_bf16(float f) {
+    union { float f; uint32_t u; } x = { f };
+    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40);
+    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)

@@ -177,6 +177,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 _KERNELS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+_IO_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read q as and write out as
 VECTOR_HEAD_DIMS = (64, 128)  # head sizes with a vector row in paged_attention.c (AVX2/AVX-512)
 # Below a few microseconds of decode attention (~20 ns per head-key) a split costs more than
 # it saves.
@@ -194,8 +195,9 @@ def _decode_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     # q may be a strided view of the fused qkv output: only its heads must be dense
-    qf = q if q.dtype == torch.float32 and q.stride()[1:] == (head_dim, 1) else q.float().contiguous()
-    of = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(q.shape)
+    qf = q if q.dtype in _IO_DTYPES and q.stride()[1:] == (head_dim, 1) else q.float().contiguous()
+    of = out if out.dtype in _IO_DTYPES and out.is_contiguous() else torch.empty(q.shape)
+    io_bf16 = int(qf.dtype == torch.bfloat16) | int(of.dtype == torch.bfloat16) << 1
     if all_tokens:
         rows, lens, tables = meta.token_rows()
     else:
@@ -206,9 +208,9 @@ def _decode_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     run_kernel(kernel,
                [qf.data_ptr(), qf.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.ctypes.data,
                 tables.shape[1], lens.ctypes.data, rows.ctypes.data, num_heads, num_kv_heads,
-                head_dim, k_cache.shape[1], of.data_ptr(), num_heads * head_dim],
+                head_dim, k_cache.shape[1], of.data_ptr(), num_heads * head_dim, io_bf16],
                len(rows), threads, farg=scale, weights=lens)
-    if of is not out:  # a caller's non-fp32 out (paged_attention passes an fp32 buffer)
+    if of is not out:  # a caller's out in another dtype
         idx = torch.from_numpy(rows)
         out[idx] = of[idx].to(out.dtype)
     return True
@@ -224,7 +226,7 @@ def _decode_kernel(k_cache: torch.Tensor) -> str | None:
 def _prefill_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          meta: AttentionMetadata, scale: float, out: torch.Tensor) -> bool:
     """Prompt rows through the flash-style prompt kernel (prefill_attention.c: bf16 cache,
-    AVX512-BF16, 16-token blocks) into `out` (fp32, contiguous); decode rows untouched. q is
+    AVX512-BF16, 16-token blocks) into `out` (fp32 or bf16, contiguous); decode rows untouched. q is
     read in bf16 (an fp32 q is rounded first). False: the kernel does not serve this here."""
     lib = load_library()
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -240,7 +242,8 @@ def _prefill_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     run_kernel("paged_prefill_bf16",
                [q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.ctypes.data,
                 tables.shape[1], starts.ctypes.data, qlens.ctypes.data, slens.ctypes.data, num_heads,
-                num_kv_heads, head_dim, block_size, out.data_ptr(), out.stride(0)],
+                num_kv_heads, head_dim, block_size, out.data_ptr(), out.stride(0),
+                int(out.dtype == torch.bfloat16)],
                len(qlens) * num_kv_heads, torch.get_num_threads(), farg=scale,
                weights=np.repeat(qlens * slens, num_kv_heads))
     return True
@@ -276,9 +279,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     [T, kv_heads, D], optionally spare a gather for prompts that have no prior context."""
     num_tokens, num_heads, head_dim = q.shape
     if _decode_kernel(k_cache) is not None:
-        out = torch.empty_like(q)
-        # the kernels write fp32: one buffer for both calls, converted once at the end
-        of = out if out.dtype == torch.float32 else torch.empty(q.shape)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        # the kernels write fp32 or bf16; another dtype gets one fp32 buffer, converted at the end
+        of = out if out.dtype in _IO_DTYPES else torch.empty(q.shape)
         if meta.prefills and not _prefill_with_kernel(q, k_cache, v_cache, meta, scale, of):
             # Without the prompt kernel, prompt tokens are rows like decodes: each reads its
             # causal prefix from the cache. That ran 1.3-1.5x faster than SDPA per prompt
