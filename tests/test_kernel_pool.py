@@ -86,7 +86,7 @@ def test_gemm_split_by_rows_or_panels_matches_one_thread(kernel, m):
 
     def run(t: int) -> torch.Tensor:
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
-        words = [x.data_ptr(), k, k, panels.data_ptr(), None, out.data_ptr(), n, n, m]
+        words = [x.data_ptr(), k, k, panels.data_ptr(), None, out.data_ptr(), n, n, m, 0]
         run_kernel(kernel, words, m if kernel == "gemm_rows" else panels.shape[0], t)
         return out
 

@@ -74,3 +74,38 @@ def test_packed_bf16_linear_with_bias_and_ragged_outputs(m, threads):
     torch.testing.assert_close(out.float(), exact, rtol=8e-3, atol=1e-2)
     if threads == 2:  # the row split computes each row as one thread would
         assert torch.equal(out, linear(x, w, pack_weight(w), bias))
+
+
+@pytest.mark.parametrize("m", [1, 7, 40, 200])  # 200: split by rows on two threads
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gate_up_with_silu_fused_is_the_unfused_result_bit_for_bit(m, threads):
+    """An MLP's [gate; up] packed for the fused kernel: silu(gate) * up comes out of the GEMM
+    with the same bf16 roundings as the projection stored, then silu_mul (input rows with a
+    stride, as the model's views have)."""
+    from kvflow.csrc.ops import silu_mul
+    from kvflow.model.onednn import linear_silu_mul
+    g = torch.Generator().manual_seed(m)
+    inter, k = 96, 80
+    w = torch.randn(2 * inter, k, generator=g).bfloat16()
+    x = torch.randn(m, 2 * k, generator=g).bfloat16()[:, :k]
+    fused = pack_weight(w, gate_up=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = linear_silu_mul(x, w, fused)
+        want = silu_mul(linear(x, w, pack_weight(w)))
+    finally:
+        torch.set_num_threads(before)
+    assert got.shape == (m, inter) and got.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+    if fused is not None:
+        assert fused.gate_up == (fused.panels is not None)
+    # and against first principles: silu(gate) * up, each rounded to bf16 as torch's ops do
+    gate, up = (x.float() @ w.float().T).bfloat16().chunk(2, dim=-1)
+    torch.testing.assert_close(got.float(), (F.silu(gate) * up).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_gate_up_rows_that_do_not_fill_whole_panels_stay_unfused():
+    w = torch.randn(2 * 40, 64).bfloat16()  # I = 40: not a multiple of 32
+    packed = pack_weight(w, gate_up=True)
+    assert packed is None or not packed.gate_up

@@ -54,8 +54,8 @@ _SIGNATURES = {
     "copy_kv_bf16": [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
     # logits, row stride, out (int64), begin, end, n
     "argmax_rows_bf16": [_ptr, _i64, _ptr, _i64, _i64, _i64],
-    # x, x_stride, M, K, packed, bias, out, out_stride, N, panel_begin, panel_end
-    "gemm_bf16_panels": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
+    # x, x_stride, M, K, packed, bias, out, out_stride, N, panel_begin, panel_end, silu_mul
+    "gemm_bf16_panels": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64],
     # buffer, bytes, page size
     "populate_pages": [_ptr, _i64, _i64],
 }

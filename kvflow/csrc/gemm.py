@@ -7,6 +7,7 @@ import torch
 from kvflow.csrc import load_library, run_kernel
 
 PANEL = 64  # outputs per packed panel (gemm_bf16.c)
+GATE_UP_ALIGN = 64  # [gate; up] rows fused with SiLU: a whole panel of 32 gate + 32 up each
 
 
 def panel_gemm_built() -> bool:
@@ -21,24 +22,32 @@ def panel_gemm_usable(w: torch.Tensor) -> bool:
             and w.shape[1] % 2 == 0 and panel_gemm_built())
 
 
-def pack_panels(w: torch.Tensor) -> torch.Tensor:
+def pack_panels(w: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
     """(N, K) bf16 -> [ceil(N/64), K/2, 64, 2]: per panel of 64 outputs, K in pairs, so a
-    panel is one contiguous stream (outputs past N are zero weights)."""
+    panel is one contiguous stream (outputs past N are zero weights). `gate_up`: w is an
+    MLP's [gate; up] (N = 2I, I a multiple of 32), packed for panel_gemm(silu_mul=True):
+    panel p holds gate rows 32p..32p+31, then the same up rows."""
     n, k = w.shape
+    if gate_up:
+        assert n % GATE_UP_ALIGN == 0, f"gate/up rows {n} are not whole pairs of 32"
+        w = w.view(2, n // 64, 32, k).transpose(0, 1).reshape(n, k)
     padded = w.new_zeros(-(-n // PANEL) * PANEL, k)
     padded[:n] = w
     return padded.view(-1, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 def panel_gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None,
-               threads: int = 1) -> torch.Tensor:
-    """x [M, K] bf16 @ w.T (+ bias) -> [M, n] bf16, w given as pack_panels(w)."""
+               threads: int = 1, silu_mul: bool = False) -> torch.Tensor:
+    """x [M, K] bf16 @ w.T (+ bias) -> [M, n] bf16, w given as pack_panels(w). With
+    `silu_mul`, w = [gate; up] packed with gate_up=True and n = 2I: -> silu(gate) * up [M, I],
+    rounded as silu_mul(x @ w.T) is."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    out = x.new_empty(m, n)
+    out = x.new_empty(m, n // 2 if silu_mul else n)
     words = [x.data_ptr(), x.stride(0), k, panels.data_ptr(),
-             bias.data_ptr() if bias is not None else None, out.data_ptr(), n, n, m]
+             bias.data_ptr() if bias is not None else None, out.data_ptr(), out.shape[1], n, m,
+             int(silu_mul)]
     # Many rows are compute-bound: each thread takes its rows over all panels (a panel is
     # reread from L2 per tile of rows). Fewer rows split by panels, each thread streaming its
     # own share of the weight: the model's projections on two threads took 9.3 ms at one row

@@ -31,5 +31,6 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t begin, int64_t end, 
 void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t begin, int64_t end, int64_t n);
 void gemm_bf16_panels(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K,
                       const uint16_t *packed, const uint16_t *bias, uint16_t *out,
-                      int64_t out_stride, int64_t N, int64_t p_begin, int64_t p_end);
+                      int64_t out_stride, int64_t N, int64_t p_begin, int64_t p_end,
+                      int64_t silu_mul);
 #endif

@@ -77,12 +77,12 @@ static void k_gemm_rows(const int64_t *a, double f, int64_t b, int64_t e) {
     (void)f;
     const uint16_t *x = (const uint16_t *)a[0] + b * a[1];
     uint16_t *out = (uint16_t *)a[5] + b * a[6];
-    gemm_bf16_panels(x, a[1], e - b, a[2], P(3), P(4), out, a[6], a[7], 0, (a[7] + 63) / 64);
+    gemm_bf16_panels(x, a[1], e - b, a[2], P(3), P(4), out, a[6], a[7], 0, (a[7] + 63) / 64, a[9]);
 }
 /* the same words; the ranges are panels of 64 outputs, every thread takes all M rows */
 static void k_gemm_panels(const int64_t *a, double f, int64_t b, int64_t e) {
     (void)f;
-    gemm_bf16_panels(P(0), a[1], a[8], a[2], P(3), P(4), P(5), a[6], a[7], b, e);
+    gemm_bf16_panels(P(0), a[1], a[8], a[2], P(3), P(4), P(5), a[6], a[7], b, e, a[9]);
 }
 #undef P
 

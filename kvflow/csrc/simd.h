@@ -70,5 +70,21 @@ static inline __m512 exp16(__m512 x) {
     __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
+
+#ifdef __AVX512BF16__
+/* one bf16 rounding (nearest even), kept as fp32 */
+static inline __m512 round16_bf16(__m512 v) {
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* bf16(bf16(silu(g)) * u) for 16 bf16-exact g and u, as PyTorch's bf16 ops round. An exact
+ * division: a reciprocal estimate moved results across bf16 rounding boundaries (2 ulps off
+ * PyTorch in 0.07% of outputs). */
+static inline __m256i silu_mul16_bf16(__m512 g, __m512 u) {
+    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+    return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(round16_bf16(_mm512_div_ps(g, d)), u));
+}
+#endif
 #endif
 #endif

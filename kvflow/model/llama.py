@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.csrc.ops import add_rms_norm, rope_, silu_mul
+from kvflow.csrc.ops import add_rms_norm, rope_
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.attention import AttentionMetadata, paged_attention, write_kv
-from kvflow.model.onednn import PackedWeight, linear, pack_weight, packing_usable
+from kvflow.model.onednn import PackedWeight, linear, linear_silu_mul, pack_weight, packing_usable
 from kvflow.model.sharding import local_arch
 from kvflow.model.tp_layers import gather_vocab_logits, vocab_parallel_embedding
 
@@ -97,8 +97,8 @@ class LlamaDecoderLayer(nn.Module):
         if self.tp is not None:
             self.tp.all_reduce(o)  # row-parallel: each rank holds a partial sum
         h = add_rms_norm(x, o, self.post_attention_layernorm, self.eps)
-        gate_up = linear(h, self.gate_up_proj, pk.get("gate_up_proj"))
-        down = linear(silu_mul(gate_up), self.down_proj, pk.get("down_proj"))
+        act = linear_silu_mul(h, self.gate_up_proj, pk.get("gate_up_proj"))
+        down = linear(act, self.down_proj, pk.get("down_proj"))
         if self.tp is not None:
             self.tp.all_reduce(down)
         return x, down
@@ -138,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
         if self.embed_tokens.device.type != "cpu" or not packing_usable(self.dtype):
             return False
         for layer in self.layers:
-            layer.packed = {name: pack_weight(getattr(layer, name))
+            layer.packed = {name: pack_weight(getattr(layer, name), gate_up=name == "gate_up_proj")
                             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
         self.packed_lm_head = pack_weight(self.embed_tokens if self.lm_head is None else self.lm_head)
         return True

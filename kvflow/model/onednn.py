@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvflow.csrc.gemm import pack_panels, panel_gemm, panel_gemm_built, panel_gemm_usable
+from kvflow.csrc.gemm import GATE_UP_ALIGN, pack_panels, panel_gemm, panel_gemm_built, panel_gemm_usable
+from kvflow.csrc.ops import silu_mul
 
 
 @dataclass
@@ -30,6 +31,7 @@ class PackedWeight:
     """One projection's weight in the layout its GEMM reads (exactly one is set)."""
     panels: torch.Tensor | None = None  # kvflow's bf16 panels (kvflow/csrc/gemm.py)
     onednn: torch.Tensor | None = None  # oneDNN's blocked copy
+    gate_up: bool = False  # panels of an MLP's [gate; up], for the GEMM with SiLU fused
 
 
 def onednn_usable(dtype: torch.dtype) -> bool:
@@ -66,10 +68,13 @@ def packing_usable(dtype: torch.dtype) -> bool:
                                     and panel_gemm_built())
 
 
-def pack_weight(w: torch.Tensor) -> PackedWeight | None:
+def pack_weight(w: torch.Tensor, gate_up: bool = False) -> PackedWeight | None:
     """An (out, in) weight packed for `linear`: bf16 panels where the kernel serves it, else
-    oneDNN's layout where oneDNN pays (fp32; bf16 on native-bf16 CPUs); None: plain F.linear."""
+    oneDNN's layout where oneDNN pays (fp32; bf16 on native-bf16 CPUs); None: plain F.linear.
+    `gate_up`: w is an MLP's [gate; up], for `linear_silu_mul`."""
     if _panels_enabled() and panel_gemm_usable(w):
+        if gate_up and w.shape[0] % GATE_UP_ALIGN == 0:
+            return PackedWeight(panels=pack_panels(w.detach(), gate_up=True), gate_up=True)
         return PackedWeight(panels=pack_panels(w.detach()))
     if onednn_usable(w.dtype):  # 64: a decode-sized batch hint
         return PackedWeight(onednn=torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64))
@@ -85,10 +90,19 @@ def row_bucket(m: int) -> int:
     return -(-m // step) * step
 
 
+def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, packed: PackedWeight | None) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) for w = [gate; up]: one kernel when w was packed with
+    gate_up=True (the [M, 2I] projection is never stored; W1 two threads 1-2% faster), else
+    `linear` then silu_mul. The same numbers either way."""
+    if packed is not None and packed.gate_up:
+        return panel_gemm(x, packed.panels, w.shape[0], None, torch.get_num_threads(), silu_mul=True)
+    return silu_mul(linear(x, w, packed))
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, packed: PackedWeight | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T (+ bias) for 2-D x: through `packed` when given, else F.linear."""
-    if packed is None:
+    if packed is None or packed.gate_up:
         return F.linear(x, w, bias)
     if packed.panels is not None:
         return panel_gemm(x, packed.panels, w.shape[0], bias, torch.get_num_threads())
