@@ -137,17 +137,19 @@ def _bf16_ulps(got: torch.Tensor, want: torch.Tensor) -> int:
     return int((g - w).abs().max())
 
 
-def test_fused_bf16_add_rms_norm_rounds_like_torch():
+@pytest.mark.parametrize("width", [576, 584])  # 584: not whole 16-wide vectors (the scalar loop)
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_fused_bf16_add_rms_norm_rounds_like_torch(width, with_delta):
     """bf16 activations: the residual add, the normalised value and the weighted output are
     each rounded to bf16 where PyTorch's bf16 ops round (HF's LlamaRMSNorm)."""
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(70, 576, generator=g) * 3).bfloat16()
-    d = torch.randn(70, 576, generator=g).bfloat16()
-    w = (1 + torch.randn(576, generator=g) * 0.1).bfloat16()
-    want_x = x + d
+    x = (torch.randn(70, width, generator=g) * 3).bfloat16()
+    d = torch.randn(70, width, generator=g).bfloat16()
+    w = (1 + torch.randn(width, generator=g) * 0.1).bfloat16()
+    want_x = x + d if with_delta else x.clone()
     xf = want_x.float()
     want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
-    got = ops.add_rms_norm(x, d, w, 1e-5)
+    got = ops.add_rms_norm(x, d if with_delta else None, w, 1e-5)
     assert got.dtype == torch.bfloat16 and torch.equal(x, want_x)  # residual in place, exact
     assert _bf16_ulps(got, want) <= 1  # the sum of squares is added in another order
     assert (got != want).float().mean() < 0.01

@@ -73,6 +73,27 @@ void add_rms_norm_bf16(uint16_t *residual, const uint16_t *delta, const uint16_t
     for (int64_t t = begin; t < end; t++) {
         uint16_t *x = residual + t * n;
         uint16_t *o = out + t * n;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        if (n % 16 == 0) { /* the add and the sum of squares in one pass, 16 at a time */
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t i = 0; i < n; i += 16) {
+                __m512 xv = load16_bf16(x + i);
+                if (delta) {
+                    const __m256i sum = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(xv, load16_bf16(delta + t * n + i)));
+                    _mm256_storeu_si256((__m256i *)(x + i), sum);
+                    xv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(sum), 16));
+                }
+                acc = _mm512_fmadd_ps(xv, xv, acc);
+            }
+            const __m512 r = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(acc) / (float)n + eps));
+            for (int64_t i = 0; i < n; i += 16) {
+                const __m512 y = round16_bf16(_mm512_mul_ps(load16_bf16(x + i), r));
+                _mm256_storeu_si256((__m256i *)(o + i),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(load16_bf16(weight + i), y)));
+            }
+            continue;
+        }
+#endif
         float ss = 0.f;
         if (delta) {
             const uint16_t *d = delta + t * n;
