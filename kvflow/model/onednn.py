@@ -92,8 +92,8 @@ def row_bucket(m: int) -> int:
 
 def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, packed: PackedWeight | None) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) for w = [gate; up]: one kernel when w was packed with
-    gate_up=True (the [M, 2I] projection is never stored; W1 two threads 1-2% faster), else
-    `linear` then silu_mul. The same numbers either way."""
+    gate_up=True (the [M, 2I] projection is never stored and the SiLU pass is gone: ~1% of
+    W1), else `linear` then silu_mul. The same numbers either way."""
     if packed is not None and packed.gate_up:
         return panel_gemm(x, packed.panels, w.shape[0], None, torch.get_num_threads(), silu_mul=True)
     return silu_mul(linear(x, w, packed))
@@ -101,7 +101,8 @@ def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, packed: PackedWeight | Non
 
 def linear(x: torch.Tensor, w: torch.Tensor, packed: PackedWeight | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T (+ bias) for 2-D x: through `packed` when given, else F.linear."""
+    """x @ w.T (+ bias) for 2-D x: through `packed` when given, else F.linear (also for a
+    gate_up pack, whose panels only linear_silu_mul reads)."""
     if packed is None or packed.gate_up:
         return F.linear(x, w, bias)
     if packed.panels is not None:
