@@ -182,6 +182,16 @@ def test_fused_bf16_silu_mul_rounds_like_torch(width):
     assert (got != want).float().mean() < 0.01
 
 
+def _scattered_cache(seed: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                     seq_lens: np.ndarray, dtype: torch.dtype):
+    """Random K/V caches and one block table per sequence, its blocks scattered over the pool."""
+    free = list(np.random.default_rng(seed).permutation(num_blocks))
+    tables = [[int(free.pop()) for _ in range(-(-n // block_size))] for n in seq_lens]
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    return tables, k_cache, v_cache
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_prompt_tokens_through_the_kernel_match_sdpa(dtype, threads, monkeypatch):
@@ -192,10 +202,7 @@ def test_prompt_tokens_through_the_kernel_match_sdpa(dtype, threads, monkeypatch
     heads, kv_heads, head_dim, block_size = 6, 2, 64, 4
     query_lens = np.array([11, 1, 7, 1])  # fresh prompt, decode, chunk after 9 cached, decode
     seq_lens = np.array([11, 6, 16, 3])
-    free = list(np.random.default_rng(2).permutation(40))
-    tables = [[int(free.pop()) for _ in range(-(-n // block_size))] for n in seq_lens]
-    k_cache = torch.randn(40, block_size, kv_heads, head_dim).to(dtype)
-    v_cache = torch.randn(40, block_size, kv_heads, head_dim).to(dtype)
+    tables, k_cache, v_cache = _scattered_cache(2, 40, block_size, kv_heads, head_dim, seq_lens, dtype)
     q = torch.randn(int(query_lens.sum()), heads, head_dim).to(dtype)
     scale = head_dim ** -0.5
 
@@ -241,10 +248,8 @@ def test_prompt_kernel_matches_sdpa_over_whole_blocks(threads, heads, kv_heads, 
     block_size = 16
     query_lens = np.array([45, 1, 23, 32, 1])  # fresh, decode, chunk after 40 cached, fresh, decode
     seq_lens = np.array([45, 70, 63, 32, 17])
-    free = list(np.random.default_rng(3).permutation(60))
-    tables = [[int(free.pop()) for _ in range(-(-n // block_size))] for n in seq_lens]
-    k_cache = torch.randn(60, block_size, kv_heads, head_dim).bfloat16()
-    v_cache = torch.randn(60, block_size, kv_heads, head_dim).bfloat16()
+    tables, k_cache, v_cache = _scattered_cache(3, 60, block_size, kv_heads, head_dim, seq_lens,
+                                                torch.bfloat16)
     q = torch.randn(int(query_lens.sum()), heads, head_dim).bfloat16()
     scale = head_dim ** -0.5
     meta = A.build_attention_metadata(query_lens, seq_lens, tables, block_size)
@@ -271,10 +276,8 @@ def test_bf16_q_and_out_are_the_fp32_path_rounded_once(threads, monkeypatch):
     heads, kv_heads, head_dim, block_size = 6, 2, 64, 16
     query_lens = np.array([45, 1, 23, 1])  # fresh prompt, decode, chunk after 40 cached, decode
     seq_lens = np.array([45, 70, 63, 17])
-    free = list(np.random.default_rng(4).permutation(40))
-    tables = [[int(free.pop()) for _ in range(-(-n // block_size))] for n in seq_lens]
-    k_cache = torch.randn(40, block_size, kv_heads, head_dim).bfloat16()
-    v_cache = torch.randn(40, block_size, kv_heads, head_dim).bfloat16()
+    tables, k_cache, v_cache = _scattered_cache(4, 40, block_size, kv_heads, head_dim, seq_lens,
+                                                torch.bfloat16)
     width = (heads + 2 * kv_heads) * head_dim
     qkv = torch.randn(int(query_lens.sum()), width).bfloat16()
     q = qkv[:, :heads * head_dim].view(-1, heads, head_dim)  # rows `width` apart
