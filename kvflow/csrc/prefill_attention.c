@@ -13,7 +13,7 @@
  * bf16; scores and sums are fp32.
  *
  * Layout as paged_attention.c but q in bf16: q [*, H, D] bf16, caches [blocks, bs, KVH, D] bf16, out
- * [*, H, D] fp32. Sequence s has query_len[s] rows from token token_start[s], the last at
+ * [*, H, D] fp32, or bf16 (rounded to nearest even) with out_bf16. Sequence s has query_len[s] rows from token token_start[s], the last at
  * position seq_len[s] - 1; its keys are positions 0..seq_len[s]-1 through its block table
  * (those of this step must already be written). Work item w is sequence w / KVH, kv head
  * w % KVH; query head h reads kv head h / (H / KVH). Needs D % 32 == 0, bs == 16 and
@@ -148,11 +148,14 @@ static void tile_bf16(const uint16_t *q, int64_t q_stride, const uint32_t *kt, c
         fold_blocks(1, b, kt, vt, qp, pos, last, D, scale, mx, sum, o);
     for (int i = 0; i < TILE && i / G < rows; i++) {
         const int64_t at = (row0 + i / G) * out_stride + (kh * G + i % G) * D;
-        const float inv = 1.f / sum[i];
-        if (out_bf16)
-            for (int64_t d = 0; d < D; d++) ((uint16_t *)out)[at + d] = float_to_bf16(o[i * D + d] * inv);
-        else
-            for (int64_t d = 0; d < D; d++) ((float *)out)[at + d] = o[i * D + d] * inv;
+        const __m512 inv = _mm512_set1_ps(1.f / sum[i]);
+        for (int64_t d = 0; d < D; d += 16) { /* D % 32 == 0 */
+            const __m512 r = _mm512_mul_ps(_mm512_loadu_ps(o + i * D + d), inv);
+            if (out_bf16)
+                _mm256_storeu_si256((__m256i *)((uint16_t *)out + at + d), (__m256i)_mm512_cvtneps_pbh(r));
+            else
+                _mm512_storeu_ps((float *)out + at + d, r);
+        }
     }
 }
 
