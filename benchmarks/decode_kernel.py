@@ -2,7 +2,7 @@
 blocks are scattered over each layer's own cache, as in a real decode step.
 
     .venv/bin/python benchmarks/decode_kernel.py [--cache-dtype bfloat16] [--batch 128]
-        [--context 340] [--threads 1] [--hot]
+        [--context 340] [--threads 1] [--hot] [--io-bf16]
 
 --hot points every request at the same blocks, so they stay in L2: what is left is compute.
 """
@@ -39,6 +39,8 @@ def main() -> int:
     p.add_argument("--hot", action="store_true", help="every request reads the same blocks")
     p.add_argument("--contiguous", action="store_true",
                    help="each request's blocks in a row, as a prompt's blocks after prefill")
+    p.add_argument("--io-bf16", action="store_true",
+                   help="bf16 q and out, as the engine passes them with bf16 weights")
     args = p.parse_args()
     torch.set_num_threads(1)
     lib = load_library()
@@ -61,14 +63,15 @@ def main() -> int:
         tables = np.arange(b * per_req, dtype=np.int64).reshape(b, per_req)
     seq_lens = np.full(b, args.context, dtype=np.int64)
     rows = np.arange(b, dtype=np.int64)
-    q, out = torch.randn(b, h, d), torch.empty(b, h, d)
+    io_dtype = torch.bfloat16 if args.io_bf16 else torch.float32
+    q, out = torch.randn(b, h, d).to(io_dtype), torch.empty(b, h, d, dtype=io_dtype)
 
     def one_step() -> float:
         t0 = time.perf_counter()
         for k, v in caches:
             run_kernel(kernel, [q.data_ptr(), h * d, k.data_ptr(), v.data_ptr(), tables.ctypes.data,
                                 per_req, seq_lens.ctypes.data, rows.ctypes.data, h, kvh, d, bs,
-                                out.data_ptr(), h * d, 0], b, args.threads, farg=d ** -0.5)
+                                out.data_ptr(), h * d, 3 if args.io_bf16 else 0], b, args.threads, farg=d ** -0.5)
         return time.perf_counter() - t0
 
     one_step()
@@ -76,7 +79,7 @@ def main() -> int:
     read = 2 * args.layers * b * args.context * kvh * d * caches[0][0].element_size()
     med = statistics.median(times)
     print(f"{args.cache_dtype} cache, {args.threads} thread(s), {args.layers} layers x {b} requests x {args.context} tokens"
-          f"{' (hot blocks)' if args.hot else ' (contiguous blocks)' if args.contiguous else ''}: {med * 1000:.1f} ms median of {args.reps} "
+          f"{', bf16 q/out' if args.io_bf16 else ''}{' (hot blocks)' if args.hot else ' (contiguous blocks)' if args.contiguous else ''}: {med * 1000:.1f} ms median of {args.reps} "
           f"(min {min(times) * 1000:.1f}); K/V read {read / 1e9:.2f} GB -> {read / med / 1e9:.1f} GB/s")
     return 0
 

@@ -58,8 +58,9 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         self.cache_dtype = dtype_name(self.cache_dtype, "kv_cache_dtype")
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.block_size <= 0 or self.block_size % 2:
+            # the cache tiles pair keys (kvflow/model/kv_layout.py)
+            raise ValueError(f"block_size must be positive and even, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         self.kv_cache_memory = parse_memory(self.kv_cache_memory)

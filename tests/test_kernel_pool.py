@@ -56,8 +56,8 @@ def test_weighted_split_of_decode_rows_matches_one_thread(threads):
     blocks = [list(range(sum(-(-int(s) // bs) for s in seq_lens[:i]),
                          sum(-(-int(s) // bs) for s in seq_lens[:i + 1]))) for i in range(len(seq_lens))]
     n_blocks = blocks[-1][-1] + 1
-    k_cache = torch.randn(n_blocks, bs, kvh, d).to(torch.bfloat16)
-    v_cache = torch.randn(n_blocks, bs, kvh, d).to(torch.bfloat16)
+    k_cache = torch.randn(n_blocks, kvh, bs, d).to(torch.bfloat16)  # the tiles' shape (kv_layout.py)
+    v_cache = torch.randn(n_blocks, kvh, bs, d).to(torch.bfloat16)
     meta = A.build_attention_metadata(np.ones(len(seq_lens), dtype=np.int64), seq_lens, blocks, bs)
     q = torch.randn(len(seq_lens), h, d)
 

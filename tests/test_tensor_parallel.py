@@ -98,7 +98,8 @@ def test_tp2_greedy_equals_tp1_with_8_heads_and_4_kv_heads(tiny_model, tiny_refe
         assert tuple(layer.qkv_proj.shape) == ((4 + 2 + 2) * d, 128)
         assert tuple(layer.down_proj.shape) == (128, 128)
         assert tuple(executor.model.embed_tokens.shape) == (501, 128)
-        assert tuple(executor.runner.kv_caches[0][0].shape[2:]) == (2, d)
+        k0 = executor.runner.kv_caches[0][0]
+        assert (k0.shape[1], k0.shape[3]) == (2, d)  # [blocks, kv heads, block size, head dim]
         workers = executor.supervisor.pids
         assert len(workers) == 1 and psutil.Process(workers[0]).is_running()
         got = [list(o.outputs[0].token_ids)

@@ -23,7 +23,7 @@ logger = logging.getLogger("kvflow")
 _DIR = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [os.path.join(_DIR, f) for f in ("paged_attention.c", "prefill_attention.c", "fused_ops.c", "gemm_bf16.c",
                                               "pool.c", "populate.c")]
-_HEADERS = [os.path.join(_DIR, f) for f in ("simd.h", "kernels.h")]  # part of the build key, not of the command line
+_HEADERS = [os.path.join(_DIR, f) for f in ("simd.h", "kernels.h", "tiles.h")]  # part of the build key, not of the command line
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC", "-std=c11",
           "-pthread"]
 
@@ -48,10 +48,10 @@ _SIGNATURES = {
     # gate_up, out, begin, end, n
     "silu_mul_f32": [_ptr, _ptr, _i64, _i64, _i64],
     "silu_mul_bf16": [_ptr, _ptr, _i64, _i64, _i64],
-    # k, v, src_stride, slots, k_cache, v_cache, begin, end, width
-    "write_kv_f32": [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
-    "write_kv_bf16": [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
-    "copy_kv_bf16": [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+    # k, v, src_stride, slots, k_cache, v_cache, begin, end, KVH, D, block_size
+    "write_kv_f32": [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64],
+    "write_kv_bf16": [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64],
+    "copy_kv_bf16": [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64],
     # logits, row stride, out (int64), begin, end, n
     "argmax_rows_bf16": [_ptr, _i64, _ptr, _i64, _i64, _i64],
     # x, x_stride, M, K, packed, bias, out, out_stride, N, panel_begin, panel_end, silu_mul

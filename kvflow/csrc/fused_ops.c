@@ -7,6 +7,7 @@
 #include <string.h>
 #include "kernels.h"
 #include "simd.h"
+#include "tiles.h"
 
 /* one bf16 rounding of an fp32 value, kept as fp32 */
 static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
@@ -188,36 +189,31 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t begin, int64_
 
 /* k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t] for the rows of one step (each row is
  * `width` = kv_heads * head_dim floats; k/v rows `src_stride` apart, as views of qkv). */
-void write_kv_f32(const float *k, const float *v, int64_t src_stride, const int64_t *slots,
-                  float *k_cache, float *v_cache, int64_t begin, int64_t end, int64_t width) {
-    for (int64_t t = begin; t < end; t++) {
-        memcpy(k_cache + slots[t] * width, k + t * src_stride, sizeof(float) * (size_t)width);
-        memcpy(v_cache + slots[t] * width, v + t * src_stride, sizeof(float) * (size_t)width);
-    }
+/* K/V rows of tokens begin..end-1 (KVH x D each, token rows src_stride apart) into their
+ * slots' places in the cache tiles (tiles.h); CONVERT rounds fp32 into a bf16 cache. */
+#define DEFINE_WRITE_KV(NAME, SRC_T, DST_T, CONVERT)                                           \
+void NAME(const SRC_T *k, const SRC_T *v, int64_t src_stride, const int64_t *slots,            \
+          DST_T *k_cache, DST_T *v_cache, int64_t begin, int64_t end, int64_t KVH, int64_t D,  \
+          int64_t bs) {                                                                        \
+    for (int64_t t = begin; t < end; t++) {                                                    \
+        const int64_t blk = slots[t] / bs, j = slots[t] % bs;                                  \
+        for (int64_t kh = 0; kh < KVH; kh++) {                                                 \
+            DST_T *kt = k_cache + (blk * KVH + kh) * bs * D, *vt = v_cache + (blk * KVH + kh) * bs * D; \
+            const SRC_T *kr = k + t * src_stride + kh * D, *vr = v + t * src_stride + kh * D;  \
+            for (int64_t d = 0; d < D; d++) {                                                  \
+                kt[k_tile_at(j, d, bs)] = CONVERT(kr[d]);                                      \
+                vt[v_tile_at(j, d, D)] = CONVERT(vr[d]);                                       \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
 }
-
-static void store_bf16_row(uint16_t *dst, const float *src, int64_t n) {
-    for (int64_t i = 0; i < n; i++) dst[i] = float_to_bf16(src[i]);
-}
-
-/* The same for a bf16 cache (fp32 activations): each value rounded to nearest even. */
-void write_kv_bf16(const float *k, const float *v, int64_t src_stride, const int64_t *slots,
-                   uint16_t *k_cache, uint16_t *v_cache, int64_t begin, int64_t end, int64_t width) {
-    for (int64_t t = begin; t < end; t++) {
-        store_bf16_row(k_cache + slots[t] * width, k + t * src_stride, width);
-        store_bf16_row(v_cache + slots[t] * width, v + t * src_stride, width);
-    }
-}
-
-/* The same for bf16 activations into a bf16 cache: plain copies (index_copy_ took ~13 ms
- * of a 2,048-token bf16 prefill step). */
-void copy_kv_bf16(const uint16_t *k, const uint16_t *v, int64_t src_stride, const int64_t *slots,
-                  uint16_t *k_cache, uint16_t *v_cache, int64_t begin, int64_t end, int64_t width) {
-    for (int64_t t = begin; t < end; t++) {
-        memcpy(k_cache + slots[t] * width, k + t * src_stride, sizeof(uint16_t) * (size_t)width);
-        memcpy(v_cache + slots[t] * width, v + t * src_stride, sizeof(uint16_t) * (size_t)width);
-    }
-}
+#define SAME(x) (x)
+DEFINE_WRITE_KV(write_kv_f32, float, float, SAME)
+/* into a bf16 cache from fp32 activations: each value rounded to nearest even */
+DEFINE_WRITE_KV(write_kv_bf16, float, uint16_t, float_to_bf16)
+/* bf16 activations into a bf16 cache: copies (index_copy_ took ~13 ms of a 2,048-token bf16
+ * prefill step) */
+DEFINE_WRITE_KV(copy_kv_bf16, uint16_t, uint16_t, SAME)
 
 /* out[t] = index of the largest of the n values of row t (rows `stride` apart), the first one
  * on ties, and the first NaN if the row has one: torch.argmax's answer, read from the bf16

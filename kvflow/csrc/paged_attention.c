@@ -1,21 +1,30 @@
 /* Paged attention for decode rows (one query token per request), read straight from the
  * block-paged KV cache: each request touches only its own blocks, nothing is gathered or
- * padded. Plain C with AVX2/FMA intrinsics where the CPU has them (a scalar loop otherwise),
- * called through ctypes with the GIL released; the caller splits rows between threads.
+ * padded. Plain C with AVX-512 / AVX2 intrinsics where the CPU has them (a scalar loop
+ * otherwise), called through ctypes with the GIL released; the caller splits rows between
+ * threads.
  *
- * Layout: q [*, H, D] fp32 or bf16 (row stride q_stride elements), caches [blocks, bs, KVH, D]
- * (fp32 or bf16), out [*, H, D] fp32 or bf16 (row stride out_stride). Row r of the work is token
- * rows[r] of q/out, with seq_lens[r] keys reached through block_tables[r * bt_stride ...].
- * Query head h reads kv head h / (H / KVH) (grouped-query attention).
+ * Layout: q [*, H, D] fp32 or bf16 (row stride q_stride elements), caches in tiles (tiles.h:
+ * [blocks, KVH, bs, D], keys with dims paired, values with keys paired; fp32 or bf16), out
+ * [*, H, D] fp32 or bf16 (row stride out_stride). Row r of the work is token rows[r] of q/out,
+ * with seq_lens[r] keys reached through block_tables[r * bt_stride ...]. Query head h reads kv
+ * head h / (H / KVH) (grouped-query attention).
  *
- * Per row, two passes over its blocks (one block of one kv head is a few contiguous rows):
- * scores[h][t] = scale * <q_h, k_t>, a softmax per head, then out_h = sum_t p[h][t] v_t. */
+ * Per row, two passes over its tiles: scores[h][t] = scale * <q_h, k_t> for 16 (AVX-512) or
+ * 8 (AVX2) keys per pass over a key tile, a softmax per head, then out_h = sum_t p[h][t] v_t
+ * with two keys per multiply-add. A block's tile per kv head is a contiguous 2 KiB (bf16,
+ * 16 x 64), read front to back: over a run of consecutive blocks (a prompt's, mostly) the
+ * hardware prefetcher streams it; where the next block lies elsewhere its tile is prefetched
+ * in software while this one is read. W1-sized step, one thread, bf16 (benchmarks/
+ * decode_kernel.py --io-bf16): 51-52 ms scattered, 42-43 contiguous, 25.5 with the blocks in
+ * cache; the row layout before it ([blocks, bs, KVH, D], fp32 FMAs) took 63-70 ms. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include "kernels.h"
 #include "simd.h"
+#include "tiles.h"
 
 static inline float load1_f32(const float *p) { return *p; }
 static inline float load1_bf16(const uint16_t *p) { return bf16_to_float(*p); }
@@ -58,250 +67,306 @@ static float softmax_unnormalised(float *s, int64_t n) {
     return 1.f / sum;
 }
 
-#ifdef KVFLOW_AVX2
-/* ND = D / 8 is a literal at each call site, so the accumulators stay in registers. */
-#define DEFINE_VEC(SUFFIX, KV_T)                                                               \
-/* dst[j] = scale * <q, k[j * stride ..]> for j < 8 */                                         \
-static inline __attribute__((always_inline)) void dot8_##SUFFIX(                               \
-        const float *q, const KV_T *k, int64_t stride, const int ND, float scale, float *dst) { \
-    __m256 a[8];                                                                               \
-    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();                                    \
-    for (int i = 0; i < ND; i++) {                                                             \
-        const __m256 qv = _mm256_loadu_ps(q + 8 * i);                                          \
-        for (int j = 0; j < 8; j++)                                                            \
-            a[j] = _mm256_fmadd_ps(qv, load8_##SUFFIX(k + j * stride + 8 * i), a[j]);          \
-    }                                                                                          \
-    __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));        \
-    __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));        \
-    __m256 s = _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20),                             \
-                             _mm256_permute2f128_ps(h0, h1, 0x31));                            \
-    _mm256_storeu_ps(dst, _mm256_mul_ps(s, _mm256_set1_ps(scale)));                            \
-}                                                                                              \
-/* acc[0..D) += sum_t p[t] * v[t * stride ..] */                                               \
-static inline __attribute__((always_inline)) void axpy_rows_##SUFFIX(                          \
-        float *acc, const float *p, const KV_T *v, int64_t n, int64_t stride, const int ND) {  \
-    __m256 s[32];                                                                              \
-    for (int i = 0; i < ND; i++) s[i] = _mm256_loadu_ps(acc + 8 * i);                          \
-    for (int64_t t = 0; t < n; t++) {                                                          \
-        const __m256 pt = _mm256_set1_ps(p[t]);                                                \
-        for (int i = 0; i < ND; i++)                                                           \
-            s[i] = _mm256_fmadd_ps(pt, load8_##SUFFIX(v + t * stride + 8 * i), s[i]);          \
-    }                                                                                          \
-    for (int i = 0; i < ND; i++) _mm256_storeu_ps(acc + 8 * i, s[i]);                          \
-}
-DEFINE_VEC(f32, float)
-DEFINE_VEC(bf16, uint16_t)
-#endif
+/* Every row function: q fp32 (and qb, the same row in bf16, or NULL), scores [H][Ls] scratch
+ * (Ls >= L + 2), out [H][D] fp32. */
+typedef void row_fn(const float *q, const uint16_t *qb, const void *k_cache, const void *v_cache,
+                    const int64_t *table, int64_t L, int64_t H, int64_t KVH, int64_t D, int64_t bs,
+                    float scale, float *scores, int64_t Ls, float *out);
 
-/* One row's attention; ND is D / 8 for the vector path, 0 for the scalar one. */
-#define DEFINE_ROW(SUFFIX, KV_T, ND, VEC)                                                      \
-static void row_##SUFFIX##_##ND(const float *q, const KV_T *k_cache, const KV_T *v_cache,      \
+/* Any shape: one key and one value element at a time. */
+#define DEFINE_SCALAR(SUFFIX, KV_T)                                                            \
+static void row_scalar_##SUFFIX(const float *q, const uint16_t *qb, const void *kc, const void *vc, \
                                 const int64_t *table, int64_t L, int64_t H, int64_t KVH,       \
-                                int64_t D, int64_t bs, float scale, float *scores, float *out) { \
-    const int64_t G = H / KVH, tok = KVH * D, blk = bs * KVH * D;                              \
-    for (int64_t b0 = 0; b0 < L; b0 += bs) {                                                   \
-        const KV_T *kb = k_cache + table[b0 / bs] * blk;                                       \
-        const int64_t n = L - b0 < bs ? L - b0 : bs;                                           \
-        const KV_T *nk = b0 + bs < L ? k_cache + table[b0 / bs + 1] * blk : NULL;             \
-        for (int64_t kh = 0; kh < KVH; kh++)                                                   \
+                                int64_t D, int64_t bs, float scale, float *scores, int64_t Ls,  \
+                                float *out) {                                                  \
+    (void)qb;                                                                                  \
+    const KV_T *k_cache = (const KV_T *)kc, *v_cache = (const KV_T *)vc;                       \
+    const int64_t G = H / KVH, tile = bs * D;                                                  \
+    for (int64_t h = 0; h < H; h++) {                                                          \
+        const float *qh = q + h * D;                                                           \
+        for (int64_t t = 0; t < L; t++) {                                                      \
+            const KV_T *k = k_cache + (table[t / bs] * KVH + h / G) * tile;                    \
+            float s = 0.f;                                                                     \
+            for (int64_t d = 0; d < D; d++) s += qh[d] * load1_##SUFFIX(k + k_tile_at(t % bs, d, bs)); \
+            scores[h * Ls + t] = s * scale;                                                    \
+        }                                                                                      \
+        const float inv = softmax_unnormalised(scores + h * Ls, L);                            \
+        float *a = out + h * D;                                                                \
+        memset(a, 0, sizeof(float) * (size_t)D);                                               \
+        for (int64_t t = 0; t < L; t++) {                                                      \
+            const KV_T *v = v_cache + (table[t / bs] * KVH + h / G) * tile;                    \
+            const float p = scores[h * Ls + t];                                                \
+            for (int64_t d = 0; d < D; d++) a[d] += p * load1_##SUFFIX(v + v_tile_at(t % bs, d, D)); \
+        }                                                                                      \
+        for (int64_t d = 0; d < D; d++) a[d] *= inv;                                           \
+    }                                                                                          \
+}
+DEFINE_SCALAR(f32, float)
+DEFINE_SCALAR(bf16, uint16_t)
+
+#ifdef KVFLOW_AVX2
+/* 8 lanes (a: 4 items x (even, odd) halves, then b: the next 4) -> the 8 items' sums, in order */
+static inline __m256 pair_sums8(__m256 a, __m256 b) {
+    const __m256 h = _mm256_hadd_ps(a, b); /* items 0 1 4 5 2 3 6 7 */
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(h), 0xD8));
+}
+
+/* AVX2 (fp32 q; fp32 or bf16 cache), bs % 8 == 0 and D % 32 == 0. Scores: one 8-lane load holds
+ * 4 keys x 2 dims, multiplied by the broadcast q pair of those dims; values: 4 dims x 2 keys
+ * by the broadcast probability pair. Lanes past a tile's last key are computed and dropped. */
+/* a[0..3] (keys t..t+3) and a[4..7] (t+4..t+7), one chain per dim pair c % 4: sums of q's
+ * dim pairs times the tile's; PF (a literal): prefetch the next tile's row of each pair */
+#define DEFINE_SCORES8(SUFFIX, KV_T)                                                           \
+static inline __attribute__((always_inline)) void scores8_##SUFFIX(                            \
+        __m256 a[8], const float *qh, const KV_T *k, const KV_T *nk, int64_t bs, int64_t D,    \
+        int64_t t, const int PF) {                                                             \
+    for (int64_t c = 0; c < D / 2; c += 4)                                                     \
+        for (int u = 0; u < 4; u++) {                                                          \
+            if (PF)                                                                            \
+                for (int64_t i = 0; i < 2 * bs; i += 64 / (int64_t)sizeof(KV_T))               \
+                    __builtin_prefetch(nk + (c + u) * bs * 2 + i, 0, 2);                       \
+            const __m256 qq = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(qh + 2 * (c + u)))); \
+            const KV_T *kk = k + ((c + u) * bs + t) * 2;                                       \
+            a[u] = _mm256_fmadd_ps(qq, load8_##SUFFIX(kk), a[u]);                              \
+            a[4 + u] = _mm256_fmadd_ps(qq, load8_##SUFFIX(kk + 8), a[4 + u]);                  \
+        }                                                                                      \
+}
+DEFINE_SCORES8(f32, float)
+DEFINE_SCORES8(bf16, uint16_t)
+
+#define DEFINE_AVX2(SUFFIX, KV_T)                                                              \
+static void row_avx2_##SUFFIX(const float *q, const uint16_t *qb, const void *kc, const void *vc, \
+                              const int64_t *table, int64_t L, int64_t H, int64_t KVH,         \
+                              int64_t D, int64_t bs, float scale, float *scores, int64_t Ls,    \
+                              float *out) {                                                    \
+    (void)qb;                                                                                  \
+    const KV_T *k_cache = (const KV_T *)kc, *v_cache = (const KV_T *)vc;                       \
+    const int64_t G = H / KVH, tile = bs * D, nb = (L + bs - 1) / bs, line = 64 / (int64_t)sizeof(KV_T); \
+    const __m256 sc = _mm256_set1_ps(scale);                                                   \
+    for (int64_t b = 0; b < nb; b++) {                                                         \
+        const int64_t b0 = b * bs, n = L - b0 < bs ? L - b0 : bs;                              \
+        for (int64_t kh = 0; kh < KVH; kh++) {                                                 \
+            const KV_T *k = k_cache + (table[b] * KVH + kh) * tile;                            \
+            /* the next block's tile, unless it follows this one in memory (see row_dp_group) */ \
+            /* the next block's tile, unless it follows this one in memory (see row_dp_group), \
+             * spread over the first pass (a burst at the tile's start ran 1.3x slower) */      \
+            const KV_T *nk = b + 1 < nb && table[b + 1] != table[b] + 1                        \
+                           ? k_cache + (table[b + 1] * KVH + kh) * tile : NULL;                \
             for (int64_t g = 0; g < G; g++) {                                                  \
-                if (nk && g == 0) /* this head's keys of the next block: spread prefetch */   \
-                    for (int64_t t = 0; t < n; t++)                                            \
-                        for (int64_t c = 0; c < D; c += 64 / (int64_t)sizeof(KV_T))            \
-                            __builtin_prefetch(nk + t * tok + kh * D + c, 0, 2);               \
-                const int64_t h = kh * G + g;                                                  \
-                const float *qh = q + h * D;                                                   \
-                const KV_T *k = kb + kh * D;                                                   \
-                float *sh = scores + h * L + b0;                                               \
-                int64_t t = 0;                                                                 \
-                VEC(for (; t + 8 <= n; t += 8) dot8_##SUFFIX(qh, k + t * tok, tok, ND, scale, sh + t);) \
-                for (; t < n; t++) {                                                           \
-                    float s = 0.f;                                                             \
-                    for (int64_t d = 0; d < D; d++) s += qh[d] * load1_##SUFFIX(k + t * tok + d); \
-                    sh[t] = s * scale;                                                         \
+                const float *qh = q + (kh * G + g) * D;                                        \
+                float *sh = scores + (kh * G + g) * Ls + b0;                                   \
+                for (int64_t t = 0; t < n; t += 8) {                                           \
+                    /* 8 chains: keys t..t+3 and t+4..t+7, dim pairs c % 4 */                  \
+                    __m256 a[8];                                                               \
+                    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();                    \
+                    if (nk && g == 0 && t == 0) scores8_##SUFFIX(a, qh, k, nk, bs, D, t, 1);   \
+                    else scores8_##SUFFIX(a, qh, k, NULL, bs, D, t, 0);                        \
+                    const __m256 lo = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])); \
+                    const __m256 hi = _mm256_add_ps(_mm256_add_ps(a[4], a[5]), _mm256_add_ps(a[6], a[7])); \
+                    const __m256 s = _mm256_mul_ps(pair_sums8(lo, hi), sc);                    \
+                    if (t + 8 <= n) _mm256_storeu_ps(sh + t, s);                               \
+                    else {                                                                     \
+                        float tmp[8];                                                          \
+                        _mm256_storeu_ps(tmp, s);                                              \
+                        memcpy(sh + t, tmp, sizeof(float) * (size_t)(n - t));                  \
+                    }                                                                          \
                 }                                                                              \
             }                                                                                  \
+        }                                                                                      \
     }                                                                                          \
     float inv_sum[H];                                                                          \
-    for (int64_t h = 0; h < H; h++) inv_sum[h] = softmax_unnormalised(scores + h * L, L);      \
+    for (int64_t h = 0; h < H; h++) {                                                          \
+        inv_sum[h] = softmax_unnormalised(scores + h * Ls, L);                                 \
+        scores[h * Ls + L] = 0.f; /* an odd last key's partner */                              \
+    }                                                                                          \
     memset(out, 0, sizeof(float) * (size_t)(H * D));                                          \
-    for (int64_t b0 = 0; b0 < L; b0 += bs) {                                                   \
-        const KV_T *vb = v_cache + table[b0 / bs] * blk;                                       \
-        const int64_t n = L - b0 < bs ? L - b0 : bs;                                           \
-        const KV_T *nv = b0 + bs < L ? v_cache + table[b0 / bs + 1] * blk : NULL;             \
-        for (int64_t kh = 0; kh < KVH; kh++)                                                   \
+    for (int64_t b = 0; b < nb; b++) {                                                         \
+        const int64_t b0 = b * bs, n = L - b0 < bs ? L - b0 : bs;                              \
+        for (int64_t kh = 0; kh < KVH; kh++) {                                                 \
+            const KV_T *v = v_cache + (table[b] * KVH + kh) * tile;                            \
+            const KV_T *nv = b + 1 < nb && table[b + 1] != table[b] + 1                        \
+                           ? v_cache + (table[b + 1] * KVH + kh) * tile : NULL;                \
             for (int64_t g = 0; g < G; g++) {                                                  \
-                if (nv && g == 0)                                                              \
-                    for (int64_t t = 0; t < n; t++)                                            \
-                        for (int64_t c = 0; c < D; c += 64 / (int64_t)sizeof(KV_T))            \
-                            __builtin_prefetch(nv + t * tok + kh * D + c, 0, 2);               \
-                const int64_t h = kh * G + g;                                                  \
-                const float *p = scores + h * L + b0;                                          \
-                const KV_T *v = vb + kh * D;                                                   \
-                float *a = out + h * D;                                                        \
-                VEC(axpy_rows_##SUFFIX(a, p, v, n, tok, ND); continue;)                        \
-                for (int64_t t = 0; t < n; t++)                                                \
-                    for (int64_t d = 0; d < D; d++) a[d] += p[t] * load1_##SUFFIX(v + t * tok + d); \
+                const float *p = scores + (kh * G + g) * Ls + b0;                              \
+                float *o = out + (kh * G + g) * D;                                             \
+                for (int64_t d0 = 0; d0 < D; d0 += 32) {                                       \
+                    __m256 acc[8];                                                             \
+                    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();                  \
+                    for (int64_t j = 0; 2 * j < n; j++) {                                      \
+                        if (nv && g == 0 && d0 == 0) /* pair row j of the next tile */         \
+                            for (int64_t i = 0; i < 2 * D; i += line)                          \
+                                __builtin_prefetch(nv + j * D * 2 + i, 0, 2);                  \
+                        const __m256 pp = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(p + 2 * j))); \
+                        const KV_T *vj = v + (j * D + d0) * 2;                                 \
+                        for (int i = 0; i < 8; i++) {                                          \
+                            __m256 x = load8_##SUFFIX(vj + 8 * i);                             \
+                            if (2 * j + 1 == n) /* no key past n: never-written slots stay out */ \
+                                x = _mm256_blend_ps(x, _mm256_setzero_ps(), 0xAA);             \
+                            acc[i] = _mm256_fmadd_ps(pp, x, acc[i]);                           \
+                        }                                                                      \
+                    }                                                                          \
+                    for (int i = 0; i < 8; i += 2)                                             \
+                        _mm256_storeu_ps(o + d0 + 4 * i, _mm256_add_ps(_mm256_loadu_ps(o + d0 + 4 * i), \
+                                                                       pair_sums8(acc[i], acc[i + 1]))); \
+                }                                                                              \
             }                                                                                  \
+        }                                                                                      \
     }                                                                                          \
     for (int64_t h = 0; h < H; h++)                                                            \
         for (int64_t d = 0; d < D; d++) out[h * D + d] *= inv_sum[h];                          \
 }
-
-#define SCALAR(x)
-#define VECTOR(x) x
-DEFINE_ROW(f32, float, 0, SCALAR)
-DEFINE_ROW(bf16, uint16_t, 0, SCALAR)
-#ifdef KVFLOW_AVX2
-DEFINE_ROW(f32, float, 8, VECTOR)
-DEFINE_ROW(f32, float, 16, VECTOR)
-DEFINE_ROW(bf16, uint16_t, 8, VECTOR)
-DEFINE_ROW(bf16, uint16_t, 16, VECTOR)
+DEFINE_AVX2(f32, float)
+DEFINE_AVX2(bf16, uint16_t)
+#define AVX2_SHAPE(D, bs) ((D) % 32 == 0 && (bs) % 8 == 0)
+#else
+#define AVX2_SHAPE(D, bs) 0
+#define row_avx2_f32 row_scalar_f32
+#define row_avx2_bf16 row_scalar_bf16
 #endif
-
-#ifdef __AVX512F__
-/* bf16 cache on AVX-512: one pass over each key serves every query head of its group. The
- * AVX2 row above widens a bf16 key once per query head (three times with SmolLM2's 9/3
- * heads) and is bound by that widening; here each key is widened once, into 16-float
- * vectors, for the G <= 4 heads that read it. D is a multiple of 64. */
-static inline __m256 fold512(__m512 a) {
-    return _mm256_add_ps(_mm512_castps512_ps256(a),
-                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-}
-/* the four sums of a0..a3, in order */
-static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(fold512(a0), fold512(a1)),
-                              _mm256_hadd_ps(fold512(a2), fold512(a3)));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
-/* scores of the G heads at q (rows D apart) for the n keys at k (rows `tok` apart); the same
- * keys of the next block (nk, or NULL) are prefetched as these are read, spread over the loop
- * (one burst per block ran 1.2x slower: 149 ms against 122 for a W1-sized step) */
-static inline __attribute__((always_inline)) void scores_group_bf16(
-        const float *q, const uint16_t *k, int64_t n, int64_t tok, int64_t D, const int G,
-        float scale, float *sh, int64_t L, const uint16_t *nk) {
-    const __m128 sc = _mm_set1_ps(scale);
-    int64_t t = 0;
-    for (; t + 4 <= n; t += 4) {
-        __m512 acc[4][4];
-        for (int g = 0; g < G; g++)
-            for (int j = 0; j < 4; j++) acc[g][j] = _mm512_setzero_ps();
-        if (nk)
-            for (int j = 0; j < 4; j++)
-                for (int64_t c = 0; c < D; c += 32) __builtin_prefetch(nk + (t + j) * tok + c, 0, 2);
-        for (int64_t c = 0; c < D; c += 16) {
-            __m512 kv[4];
-            for (int j = 0; j < 4; j++) kv[j] = load16_bf16(k + (t + j) * tok + c);
-            for (int g = 0; g < G; g++) {
-                const __m512 qv = _mm512_loadu_ps(q + g * D + c);
-                for (int j = 0; j < 4; j++) acc[g][j] = _mm512_fmadd_ps(qv, kv[j], acc[g][j]);
-            }
-        }
-        for (int g = 0; g < G; g++)
-            _mm_storeu_ps(sh + g * L + t,
-                          _mm_mul_ps(reduce4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), sc));
-    }
-    for (; t < n; t++) {
-        __m512 acc[4];
-        for (int g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < D; c += 16) {
-            const __m512 kv = load16_bf16(k + t * tok + c);
-            for (int g = 0; g < G; g++)
-                acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + c), kv, acc[g]);
-        }
-        for (int g = 0; g < G; g++) sh[g * L + t] = _mm512_reduce_add_ps(acc[g]) * scale;
-    }
-}
-
-/* out of the G heads (rows D apart) += sum_t p_g[t] v_t over the n values at v (and the next
- * block's values at nv prefetched on the way, as for the keys) */
-static inline __attribute__((always_inline)) void values_group_bf16(
-        float *out, const float *p, int64_t L, const uint16_t *v, int64_t n, int64_t tok,
-        int64_t D, const int G, const uint16_t *nv) {
-    for (int64_t c = 0; c < D; c += 64) {
-        __m512 acc[4][4];
-        for (int g = 0; g < G; g++)
-            for (int i = 0; i < 4; i++) acc[g][i] = _mm512_loadu_ps(out + g * D + c + 16 * i);
-        for (int64_t t = 0; t < n; t++) {
-            if (nv) for (int i = 0; i < 4; i += 2) __builtin_prefetch(nv + t * tok + c + 16 * i, 0, 2);
-            __m512 vv[4];
-            for (int i = 0; i < 4; i++) vv[i] = load16_bf16(v + t * tok + c + 16 * i);
-            for (int g = 0; g < G; g++) {
-                const __m512 pg = _mm512_set1_ps(p[g * L + t]);
-                for (int i = 0; i < 4; i++) acc[g][i] = _mm512_fmadd_ps(pg, vv[i], acc[g][i]);
-            }
-        }
-        for (int g = 0; g < G; g++)
-            for (int i = 0; i < 4; i++) _mm512_storeu_ps(out + g * D + c + 16 * i, acc[g][i]);
-    }
-}
 
 #ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 1
 #endif
-static inline __attribute__((always_inline)) void row_bf16_group(
-        const float *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table,
-        int64_t L, int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, float *scores,
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* exps of n scores rounded to bf16 and written over the start of their row as bf16 weights
+ * (a zero after them when n is odd, so weights pair up); returns 1 / the sum of the rounded
+ * weights, which the output is scaled by: the weights it applies then sum to one. As in
+ * PyTorch's bf16 flash attention, probabilities enter the value products in bf16. */
+static float softmax_bf16(float *s, int64_t n) {
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    __m512 vm = ninf, vs = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 live = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
+        vm = _mm512_max_ps(vm, _mm512_mask_loadu_ps(ninf, live, s + t));
+    }
+    vm = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
+    uint16_t *w = (uint16_t *)s;
+    for (int64_t t = 0; t < n; t += 16) { /* each store lands on floats already read */
+        const __mmask16 live = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(live, round16_bf16(exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), vm))));
+        vs = _mm512_add_ps(vs, e);
+        _mm256_mask_storeu_epi16(w + t, live, (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    if (n & 1) w[n] = 0;
+    return 1.f / _mm512_reduce_add_ps(vs);
+}
+
+static inline __m512bh bcast_word(const void *p) {
+    int32_t w;
+    memcpy(&w, p, sizeof w);
+    return (__m512bh)_mm512_set1_epi32(w);
+}
+
+/* bf16 q and cache on AVX512-BF16, bs % 16 == 0, D % 64 == 0, G (a literal) <= 4 heads per kv
+ * head. Scores: one 16-word load of a key tile is 16 keys x one dim pair, one `vdpbf16ps`
+ * per head with that pair of q broadcast (products exact in fp32, sums in fp32). Values:
+ * 16 dims x one key pair per load, times the broadcast pair of bf16 weights. */
+static inline __attribute__((always_inline)) void row_dp_group(
+        const uint16_t *qb, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table,
+        int64_t L, int64_t KVH, int64_t D, int64_t bs, float scale, float *scores, int64_t Ls,
         float *out, const int G) {
-    const int64_t tok = KVH * D, blk = bs * KVH * D, nblocks = (L + bs - 1) / bs;
-    for (int64_t b0 = 0; b0 < L; b0 += bs) {
-        const uint16_t *kb = k_cache + table[b0 / bs] * blk;
-        const int64_t n = L - b0 < bs ? L - b0 : bs;
-        /* prefetch PREFETCH_BLOCKS ahead in the stream of this row's key blocks, then its value
-         * blocks (one block ahead left ~100 ns of lead, about one memory latency) */
-        const int64_t ahead = b0 / bs + PREFETCH_BLOCKS;
-        const uint16_t *nk = ahead < nblocks ? k_cache + table[ahead] * blk
-                           : ahead - nblocks < nblocks ? v_cache + table[ahead - nblocks] * blk : NULL;
-        for (int64_t kh = 0; kh < KVH; kh++)
-            scores_group_bf16(q + kh * G * D, kb + kh * D, n, tok, D, G, scale,
-                              scores + kh * G * L + b0, L, nk ? nk + kh * D : NULL);
+    const int64_t H = KVH * G, tile = bs * D, half = D / 2, nb = (L + bs - 1) / bs;
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t b0 = b * bs, n = L - b0 < bs ? L - b0 : bs;
+        for (int64_t kh = 0; kh < KVH; kh++) {
+            const uint32_t *kt = (const uint32_t *)(k_cache + (table[b] * KVH + kh) * tile);
+            /* one block ahead in this kv head's stream of key tiles, then of value tiles, unless
+             * it follows this one in memory: the hardware prefetcher streams those (software
+             * prefetches beside it ran 1.3x slower over contiguous blocks) */
+            const int64_t ahead = b + PREFETCH_BLOCKS;
+            const uint16_t *next = ahead < nb ? (table[ahead] == table[ahead - 1] + 1 ? NULL
+                                                 : k_cache + (table[ahead] * KVH + kh) * tile)
+                                 : ahead - nb < nb ? v_cache + (table[ahead - nb] * KVH + kh) * tile : NULL;
+            const uint16_t *qh = qb + kh * G * D;
+            for (int64_t t = 0; t < n; t += 16) {
+                __m512 acc[4][2];
+                for (int g = 0; g < G; g++) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+                for (int64_t c = 0; c < half; c += 2) {
+                    if (t == 0 && next)
+                        for (int64_t i = 0; i < 2 * bs; i += 16) __builtin_prefetch(next + (c * bs + i) * 2, 0, 2);
+                    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + c * bs + t);
+                    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + (c + 1) * bs + t);
+                    for (int g = 0; g < G; g++) {
+                        acc[g][0] = _mm512_dpbf16_ps(acc[g][0], k0, bcast_word(qh + g * D + 2 * c));
+                        acc[g][1] = _mm512_dpbf16_ps(acc[g][1], k1, bcast_word(qh + g * D + 2 * c + 2));
+                    }
+                }
+                const __mmask16 live = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
+                for (int g = 0; g < G; g++)
+                    _mm512_mask_storeu_ps(scores + (kh * G + g) * Ls + b0 + t, live,
+                                          _mm512_mul_ps(_mm512_add_ps(acc[g][0], acc[g][1]), sc));
+            }
+        }
     }
     float inv_sum[H];
-    for (int64_t h = 0; h < H; h++) inv_sum[h] = softmax_unnormalised(scores + h * L, L);
+    for (int64_t h = 0; h < H; h++) inv_sum[h] = softmax_bf16(scores + h * Ls, L);
     memset(out, 0, sizeof(float) * (size_t)(H * D));
-    for (int64_t b0 = 0; b0 < L; b0 += bs) {
-        const uint16_t *vb = v_cache + table[b0 / bs] * blk;
-        const int64_t n = L - b0 < bs ? L - b0 : bs;
-        const int64_t ahead = b0 / bs + PREFETCH_BLOCKS;
-        const uint16_t *nv = ahead < nblocks ? v_cache + table[ahead] * blk : NULL;
-        for (int64_t kh = 0; kh < KVH; kh++)
-            values_group_bf16(out + kh * G * D, scores + kh * G * L + b0, L, vb + kh * D, n, tok, D, G,
-                              nv ? nv + kh * D : NULL);
+    const __m512i first_key = _mm512_set1_epi32(0xFFFF); /* a value word's even key */
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t b0 = b * bs, n = L - b0 < bs ? L - b0 : bs;
+        for (int64_t kh = 0; kh < KVH; kh++) {
+            const uint32_t *vt = (const uint32_t *)(v_cache + (table[b] * KVH + kh) * tile);
+            const int64_t ahead = b + PREFETCH_BLOCKS;
+            const uint16_t *next = ahead < nb && table[ahead] != table[ahead - 1] + 1
+                                 ? v_cache + (table[ahead] * KVH + kh) * tile : NULL;
+            for (int64_t d0 = 0; d0 < D; d0 += 64) {
+                __m512 acc[4][4];
+                for (int g = 0; g < G; g++)
+                    for (int i = 0; i < 4; i++) acc[g][i] = _mm512_loadu_ps(out + (kh * G + g) * D + d0 + 16 * i);
+                for (int64_t j = 0; 2 * j < n; j++) {
+                    __m512i x[4];
+                    for (int i = 0; i < 4; i++) {
+                        if (next) __builtin_prefetch(next + (j * D + d0 + 16 * i) * 2, 0, 2);
+                        x[i] = _mm512_loadu_si512(vt + j * D + d0 + 16 * i);
+                        if (2 * j + 1 == n) /* no key past n: never-written slots stay out */
+                            x[i] = _mm512_and_si512(x[i], first_key);
+                    }
+                    for (int g = 0; g < G; g++) {
+                        const __m512bh w = bcast_word((const uint16_t *)(scores + (kh * G + g) * Ls) + b0 + 2 * j);
+                        for (int i = 0; i < 4; i++) acc[g][i] = _mm512_dpbf16_ps(acc[g][i], (__m512bh)x[i], w);
+                    }
+                }
+                for (int g = 0; g < G; g++)
+                    for (int i = 0; i < 4; i++) _mm512_storeu_ps(out + (kh * G + g) * D + d0 + 16 * i, acc[g][i]);
+            }
+        }
     }
-    for (int64_t h = 0; h < H; h++)
-        for (int64_t d = 0; d < D; d++) out[h * D + d] *= inv_sum[h];
+    for (int64_t h = 0; h < H; h++) {
+        const __m512 inv = _mm512_set1_ps(inv_sum[h]);
+        for (int64_t d = 0; d < D; d += 16)
+            _mm512_storeu_ps(out + h * D + d, _mm512_mul_ps(_mm512_loadu_ps(out + h * D + d), inv));
+    }
 }
 
-/* G is a literal in each branch, so the accumulators of row_bf16_group stay in registers */
-static void row_bf16_512(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                         const int64_t *table, int64_t L, int64_t H, int64_t KVH, int64_t D,
-                         int64_t bs, float scale, float *scores, float *out) {
+/* G is a literal in each branch, so row_dp_group's accumulators stay in registers */
+static void row_dp(const float *q, const uint16_t *qb, const void *kc, const void *vc,
+                   const int64_t *table, int64_t L, int64_t H, int64_t KVH, int64_t D, int64_t bs,
+                   float scale, float *scores, int64_t Ls, float *out) {
+    (void)q;
+    const uint16_t *k = (const uint16_t *)kc, *v = (const uint16_t *)vc;
     switch (H / KVH) {
-    case 1: row_bf16_group(q, k_cache, v_cache, table, L, H, KVH, D, bs, scale, scores, out, 1); break;
-    case 2: row_bf16_group(q, k_cache, v_cache, table, L, H, KVH, D, bs, scale, scores, out, 2); break;
-    case 3: row_bf16_group(q, k_cache, v_cache, table, L, H, KVH, D, bs, scale, scores, out, 3); break;
-    default: row_bf16_group(q, k_cache, v_cache, table, L, H, KVH, D, bs, scale, scores, out, 4); break;
+    case 1: row_dp_group(qb, k, v, table, L, KVH, D, bs, scale, scores, Ls, out, 1); break;
+    case 2: row_dp_group(qb, k, v, table, L, KVH, D, bs, scale, scores, Ls, out, 2); break;
+    case 3: row_dp_group(qb, k, v, table, L, KVH, D, bs, scale, scores, Ls, out, 3); break;
+    default: row_dp_group(qb, k, v, table, L, KVH, D, bs, scale, scores, Ls, out, 4); break;
     }
 }
-#define PICK_BF16_512(H, KVH, D) ((D) % 64 == 0 && (H) / (KVH) <= 4)
+#define DP_SHAPE(H, KVH, D, bs) ((D) % 64 == 0 && (bs) % 16 == 0 && (H) / (KVH) <= 4)
 #else
-#define PICK_BF16_512(H, KVH, D) 0
-#define row_bf16_512 row_bf16_0
+#define DP_SHAPE(H, KVH, D, bs) 0
+#define row_dp row_scalar_bf16
 #endif
 
-#ifdef KVFLOW_AVX2
-#define PICK_ROW(SUFFIX, D) ((D) == 64 ? row_##SUFFIX##_8 : (D) == 128 ? row_##SUFFIX##_16 : row_##SUFFIX##_0)
-#else
-#define PICK_ROW(SUFFIX, D) row_##SUFFIX##_0
-#endif
-
-#define PICK_ROW_FOR_f32(H, KVH, D) PICK_ROW(f32, D)
-#define PICK_ROW_FOR_bf16(H, KVH, D) (PICK_BF16_512(H, KVH, D) ? row_bf16_512 : PICK_ROW(bf16, D))
+static row_fn *pick_row(int bf16_cache, int q_bf16, int64_t H, int64_t KVH, int64_t D, int64_t bs) {
+    if (bf16_cache && q_bf16 && DP_SHAPE(H, KVH, D, bs)) return row_dp;
+    if (AVX2_SHAPE(D, bs)) return bf16_cache ? row_avx2_bf16 : row_avx2_f32;
+    return bf16_cache ? row_scalar_bf16 : row_scalar_f32;
+}
 
 /* q and out are fp32, or bf16 where io_bf16 has bit 0 (q) / bit 1 (out) set: a bf16 row is
  * widened (exactly) before and rounded (to nearest even, as torch's .to) after, per row. */
-#define DEFINE_DECODE(SUFFIX, KV_T)                                                            \
+#define DEFINE_DECODE(SUFFIX, KV_T, BF16_CACHE)                                                \
 void paged_decode_##SUFFIX(const void *q, int64_t q_stride, const KV_T *k_cache,              \
                            const KV_T *v_cache, const int64_t *block_tables, int64_t bt_stride, \
                            const int64_t *seq_lens, const int64_t *rows, int64_t row_begin,    \
@@ -311,20 +376,22 @@ void paged_decode_##SUFFIX(const void *q, int64_t q_stride, const KV_T *k_cache,
     int64_t max_len = 1;                                                                       \
     for (int64_t r = row_begin; r < row_end; r++)                                              \
         if (seq_lens[r] > max_len) max_len = seq_lens[r];                                      \
-    float *scores = (float *)malloc(sizeof(float) * (size_t)(H * max_len + 2 * H * D));        \
-    float *q32 = scores + H * max_len, *o32 = q32 + H * D;                                     \
-    void (*row)(const float *, const KV_T *, const KV_T *, const int64_t *, int64_t, int64_t,  \
-                int64_t, int64_t, int64_t, float, float *, float *) = PICK_ROW_FOR_##SUFFIX(H, KVH, D); \
+    const int64_t Ls = max_len + 2;                                                            \
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(H * Ls + 2 * H * D));             \
+    float *q32 = scores + H * Ls, *o32 = q32 + H * D;                                          \
+    row_fn *row = pick_row(BF16_CACHE, (int)(io_bf16 & 1), H, KVH, D, block_size);             \
     for (int64_t r = row_begin; r < row_end; r++) {                                            \
         const float *qr = (const float *)q + rows[r] * q_stride;                               \
+        const uint16_t *qb = NULL;                                                             \
         float *orow = (io_bf16 & 2) ? o32 : (float *)out + rows[r] * out_stride;               \
         if (io_bf16 & 1) {                                                                     \
-            const uint16_t *qb = (const uint16_t *)q + rows[r] * q_stride;                     \
-            for (int64_t i = 0; i < H * D; i++) q32[i] = bf16_to_float(qb[i]);                 \
+            qb = (const uint16_t *)q + rows[r] * q_stride;                                     \
+            if (row != row_dp) /* the dp row reads qb as it is */                              \
+                for (int64_t i = 0; i < H * D; i++) q32[i] = bf16_to_float(qb[i]);             \
             qr = q32;                                                                          \
         }                                                                                      \
-        row(qr, k_cache, v_cache, block_tables + r * bt_stride, seq_lens[r], H, KVH, D,        \
-            block_size, scale, scores, orow);                                                  \
+        row(qr, qb, k_cache, v_cache, block_tables + r * bt_stride, seq_lens[r], H, KVH, D,    \
+            block_size, scale, scores, Ls, orow);                                              \
         if (io_bf16 & 2) {                                                                     \
             uint16_t *ob = (uint16_t *)out + rows[r] * out_stride;                             \
             for (int64_t i = 0; i < H * D; i++) ob[i] = float_to_bf16(o32[i]);                 \
@@ -332,5 +399,5 @@ void paged_decode_##SUFFIX(const void *q, int64_t q_stride, const KV_T *k_cache,
     }                                                                                          \
     free(scores);                                                                              \
 }
-DEFINE_DECODE(f32, float)
-DEFINE_DECODE(bf16, uint16_t)
+DEFINE_DECODE(f32, float, 0)
+DEFINE_DECODE(bf16, uint16_t, 1)

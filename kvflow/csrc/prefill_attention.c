@@ -1,18 +1,17 @@
 /* Causal attention for prompt tokens (a prefill or a chunk of one) over a bf16 paged cache,
  * on CPUs with AVX512-BF16: flash-attention style, one (sequence, kv head) at a time.
  *
- * Every query row of a prompt reads the same keys. Run as decode rows, each row widened and
- * reduced every key on its own (a horizontal sum per key and head). Here the sequence's keys
- * and values of one kv head are rearranged once into scratch, keys as [block][D/2][16][2]
- * and values as [block][8][D][2] (bf16 pairs), so a tile of query rows x heads (TILE = 12
- * accumulators) takes 16 scores, or 16 output dims, per `vdpbf16ps` with no horizontal
+ * Every query row of a prompt reads the same keys. The sequence's keys and values of one kv
+ * head are copied once into scratch, block after block, as the cache holds them (tiles.h:
+ * keys [D/2][16][2], values [8][D][2], bf16 pairs), so a tile of query rows x heads (TILE =
+ * 12 accumulators) takes 16 scores, or 16 output dims, per `vdpbf16ps` with no horizontal
  * sums; an online softmax (running max and sum per row and head, in fp32) folds the keys two
  * blocks at a time into the tile's outputs (one max, sum and rescale per 32 keys, and each
  * broadcast q or probability pair feeds two dot products: 1.2-1.3x one block at a time).
  * As in PyTorch's bf16 flash attention, the probabilities enter the dot products rounded to
  * bf16; scores and sums are fp32.
  *
- * Layout as paged_attention.c but q in bf16: q [*, H, D] bf16, caches [blocks, bs, KVH, D] bf16, out
+ * Layout as paged_attention.c but q in bf16: q [*, H, D] bf16, caches in tiles (tiles.h) bf16, out
  * [*, H, D] fp32, or bf16 (rounded to nearest even) with out_bf16. Sequence s has query_len[s] rows from token token_start[s], the last at
  * position seq_len[s] - 1; its keys are positions 0..seq_len[s]-1 through its block table
  * (those of this step must already be written). Work item w is sequence w / KVH, kv head
@@ -24,6 +23,7 @@
 #include <string.h>
 #include "kernels.h"
 #include "simd.h"
+#include "tiles.h"
 
 #define TILE 12 /* rows x heads per tile: 12 score and 12 output accumulators */
 #define KB 16   /* keys per block: the transposed scratch's lane count */
@@ -31,25 +31,22 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
-/* keys and values 0..n-1 of kv head kh as bf16 pairs (zero past n), 32-bit words:
- * kt[b][d/2][j] = k(16b + j)[d, d+1]   vt[b][j/2][d] = (v(16b + j)[d], v(16b + j + 1)[d]) */
+/* keys and values 0..n-1 of kv head kh, block after block: the cache's own tiles (tiles.h),
+ * as 32-bit words kt[b][d/2][j] = k(16b + j)[d, d+1], vt[b][j/2][d] = (v(16b + j)[d],
+ * v(16b + j + 1)[d]), with zeros past n (a slot not yet written may hold anything) */
 static void gather_pairs(const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table,
                          int64_t n, int64_t KVH, int64_t D, int64_t kh, uint32_t *kt, uint32_t *vt) {
-    const int64_t tok = KVH * D, blk = KB * KVH * D, half = D / 2;
+    const int64_t tile = KB * D, half = D / 2;
     for (int64_t b = 0; b * KB < n; b++) {
-        const uint16_t *kb = k_cache + table[b] * blk + kh * D;
-        const uint16_t *vb = v_cache + table[b] * blk + kh * D;
         uint32_t *kd = kt + b * half * KB, *vd = vt + b * KB / 2 * D;
-        const int64_t m = n - b * KB < KB ? n - b * KB : KB;
-        for (int64_t j = 0; j < KB; j++) {
-            const uint32_t *row = (const uint32_t *)(kb + j * tok);
-            for (int64_t c = 0; c < half; c++) kd[c * KB + j] = j < m ? row[c] : 0;
-        }
-        for (int64_t j = 0; j < KB; j += 2)
-            for (int64_t d = 0; d < D; d++) {
-                const uint32_t lo = j < m ? vb[j * tok + d] : 0, hi = j + 1 < m ? vb[(j + 1) * tok + d] : 0;
-                vd[j / 2 * D + d] = lo | hi << 16;
-            }
+        memcpy(kd, k_cache + (table[b] * KVH + kh) * tile, sizeof(uint16_t) * (size_t)tile);
+        memcpy(vd, v_cache + (table[b] * KVH + kh) * tile, sizeof(uint16_t) * (size_t)tile);
+        const int64_t m = n - b * KB;
+        if (m >= KB) continue;
+        for (int64_t c = 0; c < half; c++)
+            for (int64_t j = m; j < KB; j++) kd[c * KB + j] = 0;
+        for (int64_t j = m; j < KB; j++) /* key j is the low (even j) or high half of its word */
+            for (int64_t d = 0; d < D; d++) vd[j / 2 * D + d] &= j % 2 ? 0xFFFFu : 0u;
     }
 }
 

@@ -14,13 +14,15 @@ import torch.nn.functional as F
 from kvflow.csrc import load_library, run_kernel
 from kvflow.model import hugepages
 from kvflow.model.arch import LlamaArchConfig
+from kvflow.model.kv_layout import cache_geometry, cache_shape, read_blocks, read_rows, write_rows
 
 
 def allocate_kv_caches(arch: LlamaArchConfig, num_blocks: int, block_size: int,
                        dtype: torch.dtype, device: torch.device | str | None = None,
                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (k_cache, v_cache) pair per layer, each [num_blocks, block_size, kv_heads, head_dim]."""
-    shape = (num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
+    """One (k_cache, v_cache) pair per layer, each [num_blocks, kv_heads, block_size, head_dim]
+    in tiles (kv_layout.py)."""
+    shape = cache_shape(num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
     if device is not None and torch.device(device).type != "cpu":
         return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                 for _ in range(arch.num_hidden_layers)]
@@ -161,7 +163,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
              slot_mapping: torch.Tensor) -> None:
     """Store this step's K/V ([T, kv_heads, head_dim]) at their flat cache slots (a bf16
     cache of fp32 activations gets each value rounded to nearest even)."""
-    kvh, d = k_cache.shape[-2:]
+    bs, kvh, d = cache_geometry(k_cache)
     lib = load_library()
     writer = _WRITERS.get(k_cache.dtype) if k.dtype == torch.float32 else (
         "copy_kv_bf16" if k.dtype == torch.bfloat16 == k_cache.dtype else None)
@@ -170,10 +172,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
             and k_cache.is_contiguous() and v_cache.is_contiguous()):
         getattr(lib, writer)(
             k.data_ptr(), v.data_ptr(), k.stride(0), slot_mapping.data_ptr(),
-            k_cache.data_ptr(), v_cache.data_ptr(), 0, k.shape[0], kvh * d)
+            k_cache.data_ptr(), v_cache.data_ptr(), 0, k.shape[0], kvh, d, bs)
         return
-    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    write_rows(k_cache, v_cache, k, v, slot_mapping)
 
 
 _KERNELS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
@@ -193,7 +194,7 @@ def _decode_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if kernel is None:
         return False
     num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[2]
+    block_size, num_kv_heads, _ = cache_geometry(k_cache)
     # q may be a strided view of the fused qkv output: only its heads must be dense
     qf = q if q.dtype in _IO_DTYPES and q.stride()[1:] == (head_dim, 1) else q.float().contiguous()
     of = out if out.dtype in _IO_DTYPES and out.is_contiguous() else torch.empty(q.shape)
@@ -208,7 +209,7 @@ def _decode_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     run_kernel(kernel,
                [qf.data_ptr(), qf.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.ctypes.data,
                 tables.shape[1], lens.ctypes.data, rows.ctypes.data, num_heads, num_kv_heads,
-                head_dim, k_cache.shape[1], of.data_ptr(), num_heads * head_dim, io_bf16],
+                head_dim, block_size, of.data_ptr(), num_heads * head_dim, io_bf16],
                len(rows), threads, farg=scale, weights=lens)
     if of is not out:  # a caller's out in another dtype
         idx = torch.from_numpy(rows)
@@ -230,7 +231,7 @@ def _prefill_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     read in bf16 (an fp32 q is rounded first). False: the kernel does not serve this here."""
     lib = load_library()
     num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    block_size, num_kv_heads, _ = cache_geometry(k_cache)
     if (lib is None or k_cache.dtype != torch.bfloat16 or k_cache.device.type != "cpu"
             or not lib.paged_prefill_bf16_supported(num_heads, num_kv_heads, head_dim, block_size)):
         return False
@@ -259,11 +260,10 @@ def _decode_with_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                               torch.from_numpy(meta.decode_block_tables).to(q.device),
                               torch.from_numpy(mask[:, None, None, :]).to(q.device))
     rows, tables, mask = meta._torch_decode
-    b, num_heads, head_dim = len(rows), q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[2]
-    # [B, blocks, block_size, kvh, D] -> [B, kvh, L, D]
-    kd = k_cache[tables].view(b, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-    vd = v_cache[tables].view(b, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+    num_heads = q.shape[1]
+    num_kv_heads = cache_geometry(k_cache)[1]
+    kd, vd = read_blocks(k_cache, v_cache, tables)  # [B, L, kvh, D] -> [B, kvh, L, D]
+    kd, vd = kd.transpose(1, 2).to(q.dtype), vd.transpose(1, 2).to(q.dtype)
     qd = q[rows].unsqueeze(2)  # [B, H, 1, D]
     od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale,
                                         enable_gqa=num_heads != num_kv_heads)
@@ -309,7 +309,6 @@ def _attention_with_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if meta.num_decodes and not _decode_with_kernel(q, k_cache, v_cache, meta, scale, out):
         _decode_with_torch(q, k_cache, v_cache, meta, scale, out)
 
-    kvh_d = (num_kv_heads, head_dim)
     for p in meta.prefills:
         rows = slice(p.token_start, p.token_start + p.query_len)
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
@@ -318,8 +317,7 @@ def _attention_with_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         else:
             slots = (p.context_slots if p.context_slots is not None
                      else meta.slot_mapping[rows])
-            kp = k_cache.view(-1, *kvh_d)[slots]
-            vp = v_cache.view(-1, *kvh_d)[slots]
+            kp, vp = read_rows(k_cache, v_cache, slots)
         kp = kp.transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, kvh, S, D]
         vp = vp.transpose(0, 1).unsqueeze(0).to(q.dtype)
         op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None,

@@ -54,7 +54,7 @@ class ModelRunner:
         self.eos_token_id = eos_token_id
         self.kv_caches = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype)
         k0 = self.kv_caches[0][0]
-        self._slot_bytes = k0[0, 0].numel() * k0.element_size()
+        self._block_bytes = k0[0].numel() * k0.element_size()
         # the cache's pages are faulted in ahead of the writes (KVFLOW_KV_POPULATE=0: on first write)
         self.populator = (hugepages.Populator([t for pair in self.kv_caches for t in pair])
                           if os.environ.get("KVFLOW_KV_POPULATE") != "0" else None)
@@ -110,8 +110,8 @@ class ModelRunner:
                 input_ids.extend(s.token_ids[start:end])
         meta = build_attention_metadata(query_lens, seq_lens,
                                         [out.block_ids[r] for r in req_ids], self.block_size)
-        if self.populator is not None:  # every cache's bytes up to the furthest slot written
-            self.populator.need((int(meta.slot_mapping.max()) + 1) * self._slot_bytes)
+        if self.populator is not None:  # every cache's bytes up to the furthest block written
+            self.populator.need((int(meta.slot_mapping.max()) // self.block_size + 1) * self._block_bytes)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long), meta.positions,
                             self.kv_caches, meta)
 
