@@ -22,6 +22,7 @@ import torch  # noqa: E402
 
 from kvflow.csrc import load_library, run_kernel  # noqa: E402
 from kvflow.model import hugepages  # noqa: E402
+from kvflow.model.kv_layout import cache_shape  # noqa: E402
 
 
 def main() -> int:
@@ -52,7 +53,7 @@ def main() -> int:
     b, h, kvh, d, bs = args.batch, args.heads, args.kv_heads, args.head_dim, args.block_size
     per_req = -(-args.context // bs)
     rng = np.random.default_rng(0)
-    shape = (b * per_req, bs, kvh, d)
+    shape = cache_shape(b * per_req, bs, kvh, d)
     # on huge pages where granted, as the engine's cache (KVFLOW_HUGEPAGES=0: 4 KiB pages)
     caches = [tuple(hugepages.copy_of(torch.randn(shape).to(dtype)) for _ in "kv")
               for _ in range(args.layers)]

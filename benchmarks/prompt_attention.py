@@ -20,6 +20,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from kvflow.model import attention as A  # noqa: E402
+from kvflow.model.kv_layout import cache_shape  # noqa: E402
 
 
 def main() -> int:
@@ -36,7 +37,7 @@ def main() -> int:
     num_blocks = sum(-(-n // bs) for n in lens) + 1
     free = list(np.random.default_rng(0).permutation(num_blocks))
     tables = [[int(free.pop()) for _ in range(-(-n // bs))] for n in lens]
-    shape = (num_blocks, bs, kv_heads, head_dim)
+    shape = cache_shape(num_blocks, bs, kv_heads, head_dim)
     caches = [(torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()) for _ in range(args.layers)]
     q = torch.randn(sum(lens), heads, head_dim).bfloat16()
     meta = A.build_attention_metadata(np.array(lens), np.array(lens), tables, bs)
