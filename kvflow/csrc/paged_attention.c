@@ -131,8 +131,28 @@ static inline __attribute__((always_inline)) void scores8_##SUFFIX(             
             a[4 + u] = _mm256_fmadd_ps(qq, load8_##SUFFIX(kk + 8), a[4 + u]);                  \
         }                                                                                      \
 }
+/* acc[0..7] (dims d0..d0+31, each lane a dim and a key parity) += the tile's n values
+ * weighed by their probabilities p; PF (a literal): prefetch the next tile's pair rows */
+#define DEFINE_VALUES8(SUFFIX, KV_T)                                                           \
+static inline __attribute__((always_inline)) void values8_##SUFFIX(                            \
+        __m256 acc[8], const float *p, const KV_T *v, const KV_T *nv, int64_t n, int64_t D,    \
+        int64_t d0, const int PF) {                                                            \
+    for (int64_t j = 0; 2 * j < n; j++) {                                                      \
+        if (PF)                                                                                \
+            for (int64_t i = 0; i < 2 * D; i += 64 / (int64_t)sizeof(KV_T))                    \
+                __builtin_prefetch(nv + j * D * 2 + i, 0, 2);                                  \
+        const __m256 pp = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(p + 2 * j)));  \
+        const KV_T *vj = v + (j * D + d0) * 2;                                                 \
+        const __m256 keep = 2 * j + 1 < n ? _mm256_castsi256_ps(_mm256_set1_epi32(-1))         \
+                          : _mm256_castsi256_ps(_mm256_set1_epi64x(0xFFFFFFFF));               \
+        for (int i = 0; i < 8; i++) /* no key past n: never-written slots stay out */          \
+            acc[i] = _mm256_fmadd_ps(pp, _mm256_and_ps(load8_##SUFFIX(vj + 8 * i), keep), acc[i]); \
+    }                                                                                          \
+}
 DEFINE_SCORES8(f32, float)
 DEFINE_SCORES8(bf16, uint16_t)
+DEFINE_VALUES8(f32, float)
+DEFINE_VALUES8(bf16, uint16_t)
 
 #define DEFINE_AVX2(SUFFIX, KV_T)                                                              \
 static void row_avx2_##SUFFIX(const float *q, const uint16_t *qb, const void *kc, const void *vc, \
@@ -141,7 +161,7 @@ static void row_avx2_##SUFFIX(const float *q, const uint16_t *qb, const void *kc
                               float *out) {                                                    \
     (void)qb;                                                                                  \
     const KV_T *k_cache = (const KV_T *)kc, *v_cache = (const KV_T *)vc;                       \
-    const int64_t G = H / KVH, tile = bs * D, nb = (L + bs - 1) / bs, line = 64 / (int64_t)sizeof(KV_T); \
+    const int64_t G = H / KVH, tile = bs * D, nb = (L + bs - 1) / bs;                          \
     const __m256 sc = _mm256_set1_ps(scale);                                                   \
     for (int64_t b = 0; b < nb; b++) {                                                         \
         const int64_t b0 = b * bs, n = L - b0 < bs ? L - b0 : bs;                              \
@@ -192,19 +212,8 @@ static void row_avx2_##SUFFIX(const float *q, const uint16_t *qb, const void *kc
                 for (int64_t d0 = 0; d0 < D; d0 += 32) {                                       \
                     __m256 acc[8];                                                             \
                     for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();                  \
-                    for (int64_t j = 0; 2 * j < n; j++) {                                      \
-                        if (nv && g == 0 && d0 == 0) /* pair row j of the next tile */         \
-                            for (int64_t i = 0; i < 2 * D; i += line)                          \
-                                __builtin_prefetch(nv + j * D * 2 + i, 0, 2);                  \
-                        const __m256 pp = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(p + 2 * j))); \
-                        const KV_T *vj = v + (j * D + d0) * 2;                                 \
-                        for (int i = 0; i < 8; i++) {                                          \
-                            __m256 x = load8_##SUFFIX(vj + 8 * i);                             \
-                            if (2 * j + 1 == n) /* no key past n: never-written slots stay out */ \
-                                x = _mm256_blend_ps(x, _mm256_setzero_ps(), 0xAA);             \
-                            acc[i] = _mm256_fmadd_ps(pp, x, acc[i]);                           \
-                        }                                                                      \
-                    }                                                                          \
+                    if (nv && g == 0 && d0 == 0) values8_##SUFFIX(acc, p, v, nv, n, D, d0, 1);   \
+                    else values8_##SUFFIX(acc, p, v, NULL, n, D, d0, 0);                       \
                     for (int i = 0; i < 8; i += 2)                                             \
                         _mm256_storeu_ps(o + d0 + 4 * i, _mm256_add_ps(_mm256_loadu_ps(o + d0 + 4 * i), \
                                                                        pair_sums8(acc[i], acc[i + 1]))); \
