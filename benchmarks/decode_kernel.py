@@ -5,6 +5,8 @@ blocks are scattered over each layer's own cache, as in a real decode step.
         [--context 340] [--threads 1] [--hot] [--io-bf16]
 
 --hot points every request at the same blocks, so they stay in L2: what is left is compute.
+--io-bf16 passes q and out in bf16, as the engine does with bf16 weights: with a bf16 cache on
+AVX512-BF16 that is the vdpbf16ps row; without it, the fp32-q (AVX2) row.
 """
 from __future__ import annotations
 

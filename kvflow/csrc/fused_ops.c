@@ -187,10 +187,9 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t begin, int64_
     }
 }
 
-/* k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t] for the rows of one step (each row is
- * `width` = kv_heads * head_dim floats; k/v rows `src_stride` apart, as views of qkv). */
-/* K/V rows of tokens begin..end-1 (KVH x D each, token rows src_stride apart) into their
- * slots' places in the cache tiles (tiles.h); CONVERT rounds fp32 into a bf16 cache. */
+/* K/V rows of tokens begin..end-1 of one step (KVH x D each; k/v rows src_stride apart, as
+ * views of qkv) into their slots' places in the cache tiles (tiles.h); CONVERT rounds fp32
+ * into a bf16 cache. */
 #define DEFINE_WRITE_KV(NAME, SRC_T, DST_T, CONVERT)                                           \
 void NAME(const SRC_T *k, const SRC_T *v, int64_t src_stride, const int64_t *slots,            \
           DST_T *k_cache, DST_T *v_cache, int64_t begin, int64_t end, int64_t KVH, int64_t D,  \
