@@ -364,7 +364,7 @@ static void row_dp(const float *q, const uint16_t *qb, const void *kc, const voi
 #define DP_SHAPE(H, KVH, D, bs) ((D) % 64 == 0 && (bs) % 16 == 0 && (H) / (KVH) <= 4)
 #else
 #define DP_SHAPE(H, KVH, D, bs) 0
-#define row_dp row_scalar_bf16
+#define row_dp ((row_fn *)NULL) /* never picked: every row widens q */
 #endif
 
 static row_fn *pick_row(int bf16_cache, int q_bf16, int64_t H, int64_t KVH, int64_t D, int64_t bs) {
