@@ -318,8 +318,10 @@ def test_bf16_q_and_out_are_the_kernels_fp32_out_rounded_once(threads, monkeypat
     try:
         got = A.paged_attention(q, k_cache, v_cache, meta, scale, kv_heads)
         want = torch.full((len(q), heads, head_dim), float("nan"))
-        assert A._prefill_with_kernel(q, k_cache, v_cache, meta, scale, want)
-        assert A._decode_with_kernel(q, k_cache, v_cache, meta, scale, want)
+        if A._prefill_with_kernel(q, k_cache, v_cache, meta, scale, want):
+            assert A._decode_with_kernel(q, k_cache, v_cache, meta, scale, want)
+        else:  # no prompt kernel on this CPU: paged_attention runs prompt tokens as decode rows
+            assert A._decode_with_kernel(q, k_cache, v_cache, meta, scale, want, all_tokens=True)
         dec_got = torch.full((len(q), heads, head_dim), float("nan")).bfloat16()
         assert A._decode_with_kernel(q, k_cache, v_cache, meta, scale, dec_got)
         from_fp32 = A.paged_attention(q.float(), k_cache, v_cache, meta, scale, kv_heads)
