@@ -82,7 +82,7 @@ void add_rms_norm_bf16(uint16_t *residual, const uint16_t *delta, const uint16_t
                 if (delta) {
                     const __m256i sum = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(xv, load16_bf16(delta + t * n + i)));
                     _mm256_storeu_si256((__m256i *)(x + i), sum);
-                    xv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(sum), 16));
+                    xv = widen16_bf16(sum);
                 }
                 acc = _mm512_fmadd_ps(xv, xv, acc);
             }

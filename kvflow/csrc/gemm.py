@@ -7,7 +7,7 @@ import torch
 from kvflow.csrc import load_library, run_kernel
 
 PANEL = 64  # outputs per packed panel (gemm_bf16.c)
-GATE_UP_ALIGN = 64  # [gate; up] rows fused with SiLU: a whole panel of 32 gate + 32 up each
+GATE_UP_ALIGN = PANEL  # [gate; up] rows fused with SiLU: a whole panel of 32 gate + 32 up each
 
 
 def panel_gemm_built() -> bool:
@@ -30,7 +30,7 @@ def pack_panels(w: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
     n, k = w.shape
     if gate_up:
         assert n % GATE_UP_ALIGN == 0, f"gate/up rows {n} are not whole pairs of 32"
-        w = w.view(2, n // 64, 32, k).transpose(0, 1).reshape(n, k)
+        w = w.view(2, n // PANEL, PANEL // 2, k).transpose(0, 1).reshape(n, k)
     padded = w.new_zeros(-(-n // PANEL) * PANEL, k)
     padded[:n] = w
     return padded.view(-1, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()

@@ -50,9 +50,7 @@ panel_tile(const uint16_t *x, int64_t x_stride, int rows, int64_t kpairs,
         __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 64);
         __m512bh w3 = (__m512bh)_mm512_loadu_si512(w + 96);
         for (int m = 0; m < rows; m++) {
-            int32_t pair;
-            memcpy(&pair, x + m * x_stride + 2 * kp, sizeof pair);
-            __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            const __m512bh xb = bcast_pair_at(x + m * x_stride + 2 * kp);
             acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, xb);
             acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xb);
             acc[m][2] = _mm512_dpbf16_ps(acc[m][2], w2, xb);
@@ -74,8 +72,7 @@ panel_tile(const uint16_t *x, int64_t x_stride, int rows, int64_t kpairs,
         __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
         __m512 b = _mm512_setzero_ps();
         if (bias) {
-            __m256i h = _mm256_maskz_loadu_epi16(mask, bias + 16 * j);
-            b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            b = widen16_bf16(_mm256_maskz_loadu_epi16(mask, bias + 16 * j));
         }
         for (int m = 0; m < rows; m++) {
             __m256bh r = _mm512_cvtneps_pbh(_mm512_add_ps(acc[m][j], b));

@@ -111,9 +111,6 @@ static inline __m256 pair_sums8(__m256 a, __m256 b) {
     return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(h), 0xD8));
 }
 
-/* AVX2 (fp32 q; fp32 or bf16 cache), bs % 8 == 0 and D % 32 == 0. Scores: one 8-lane load holds
- * 4 keys x 2 dims, multiplied by the broadcast q pair of those dims; values: 4 dims x 2 keys
- * by the broadcast probability pair. Lanes past a tile's last key are computed and dropped. */
 /* a[0..3] (keys t..t+3) and a[4..7] (t+4..t+7), one chain per dim pair c % 4: sums of q's
  * dim pairs times the tile's; PF (a literal): prefetch the next tile's row of each pair */
 #define DEFINE_SCORES8(SUFFIX, KV_T)                                                           \
@@ -154,6 +151,9 @@ DEFINE_SCORES8(bf16, uint16_t)
 DEFINE_VALUES8(f32, float)
 DEFINE_VALUES8(bf16, uint16_t)
 
+/* AVX2 (fp32 q; fp32 or bf16 cache), bs % 8 == 0 and D % 32 == 0. Scores: one 8-lane load holds
+ * 4 keys x 2 dims, multiplied by the broadcast q pair of those dims; values: 4 dims x 2 keys
+ * by the broadcast probability pair. Lanes past a tile's last key are computed and dropped. */
 #define DEFINE_AVX2(SUFFIX, KV_T)                                                              \
 static void row_avx2_##SUFFIX(const float *q, const uint16_t *qb, const void *kc, const void *vc, \
                               const int64_t *table, int64_t L, int64_t H, int64_t KVH,         \
@@ -252,18 +252,12 @@ static float softmax_bf16(float *s, int64_t n) {
     uint16_t *w = (uint16_t *)s;
     for (int64_t t = 0; t < n; t += 16) { /* each store lands on floats already read */
         const __mmask16 live = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
-        const __m512 e = _mm512_maskz_mov_ps(live, round16_bf16(exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), vm))));
-        vs = _mm512_add_ps(vs, e);
-        _mm256_mask_storeu_epi16(w + t, live, (__m256i)_mm512_cvtneps_pbh(e));
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), vm)));
+        vs = _mm512_add_ps(vs, _mm512_maskz_mov_ps(live, widen16_bf16(h)));
+        _mm256_mask_storeu_epi16(w + t, live, h);
     }
     if (n & 1) w[n] = 0;
     return 1.f / _mm512_reduce_add_ps(vs);
-}
-
-static inline __m512bh bcast_word(const void *p) {
-    int32_t w;
-    memcpy(&w, p, sizeof w);
-    return (__m512bh)_mm512_set1_epi32(w);
 }
 
 /* bf16 q and cache on AVX512-BF16, bs % 16 == 0, D % 64 == 0, G (a literal) <= 4 heads per kv
@@ -297,8 +291,8 @@ static inline __attribute__((always_inline)) void row_dp_group(
                     const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + c * bs + t);
                     const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + (c + 1) * bs + t);
                     for (int g = 0; g < G; g++) {
-                        acc[g][0] = _mm512_dpbf16_ps(acc[g][0], k0, bcast_word(qh + g * D + 2 * c));
-                        acc[g][1] = _mm512_dpbf16_ps(acc[g][1], k1, bcast_word(qh + g * D + 2 * c + 2));
+                        acc[g][0] = _mm512_dpbf16_ps(acc[g][0], k0, bcast_pair_at(qh + g * D + 2 * c));
+                        acc[g][1] = _mm512_dpbf16_ps(acc[g][1], k1, bcast_pair_at(qh + g * D + 2 * c + 2));
                     }
                 }
                 const __mmask16 live = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
@@ -332,7 +326,7 @@ static inline __attribute__((always_inline)) void row_dp_group(
                             x[i] = _mm512_and_si512(x[i], first_key);
                     }
                     for (int g = 0; g < G; g++) {
-                        const __m512bh w = bcast_word((const uint16_t *)(scores + (kh * G + g) * Ls) + b0 + 2 * j);
+                        const __m512bh w = bcast_pair_at((const uint16_t *)(scores + (kh * G + g) * Ls) + b0 + 2 * j);
                         for (int i = 0; i < 4; i++) acc[g][i] = _mm512_dpbf16_ps(acc[g][i], (__m512bh)x[i], w);
                     }
                 }

@@ -50,8 +50,6 @@ static void gather_pairs(const uint16_t *k_cache, const uint16_t *v_cache, const
     }
 }
 
-static inline __m512bh bcast_pair(uint32_t pair) { return (__m512bh)_mm512_set1_epi32((int)pair); }
-
 /* Fold NB consecutive key blocks from block b into one tile's running max, sum and outputs:
  * one online-softmax update (reductions, rescale) per NB * 16 keys, and each broadcast of a
  * q pair or a probability pair feeds NB dot products. */

@@ -2,6 +2,7 @@
 #ifndef KVFLOW_SIMD_H
 #define KVFLOW_SIMD_H
 #include <stdint.h>
+#include <string.h>
 
 /* bf16 -> fp32 is exact: the 16 bits become the top half of the float */
 static inline float bf16_to_float(uint16_t v) {
@@ -48,9 +49,11 @@ static inline __m256 exp8(__m256 x) {
 #ifdef __AVX512F__
 #include <immintrin.h>
 /* 16 bf16 values widened to fp32 (exact) */
-static inline __m512 load16_bf16(const uint16_t *p) {
-    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+static inline __m512 widen16_bf16(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline __m512 load16_bf16(const uint16_t *p) {
+    return widen16_bf16(_mm256_loadu_si256((const __m256i *)p));
 }
 
 /* exp8 for 16 floats (AVX-512); -inf gives 0 */
@@ -73,9 +76,15 @@ static inline __m512 exp16(__m512 x) {
 
 #ifdef __AVX512BF16__
 /* one bf16 rounding (nearest even), kept as fp32 */
-static inline __m512 round16_bf16(__m512 v) {
-    const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+static inline __m512 round16_bf16(__m512 v) { return widen16_bf16((__m256i)_mm512_cvtneps_pbh(v)); }
+
+/* a 32-bit pair of bf16 values in every lane, for `vdpbf16ps`: given, or read from p (any
+ * alignment) */
+static inline __m512bh bcast_pair(uint32_t pair) { return (__m512bh)_mm512_set1_epi32((int)pair); }
+static inline __m512bh bcast_pair_at(const uint16_t *p) {
+    uint32_t pair;
+    memcpy(&pair, p, sizeof pair);
+    return bcast_pair(pair);
 }
 
 /* bf16(bf16(silu(g)) * u) for 16 bf16-exact g and u, as PyTorch's bf16 ops round. An exact
