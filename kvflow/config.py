@@ -1,8 +1,8 @@
 """Engine configuration: plain dataclasses validated once on construction."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
+from kvflow import envs
 
 
 def parse_memory(value: int | float | str) -> int:
@@ -135,8 +135,7 @@ class ParallelConfig:
 def default_num_threads() -> int:
     """Compute threads for torch: KVFLOW_NUM_THREADS, else 1 (measured fastest on 2 cores:
     the second core is left for the engine's own CPU work and OpenMP never spin-waits)."""
-    env = os.environ.get("KVFLOW_NUM_THREADS")
-    return int(env) if env else 1
+    return envs.KVFLOW_NUM_THREADS or 1
 
 
 @dataclass

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-import os
+from kvflow import envs
 
 
 def init_logger(name: str = "kvflow") -> logging.Logger:
@@ -12,6 +12,6 @@ def init_logger(name: str = "kvflow") -> logging.Logger:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s", "%H:%M:%S"))
         root.addHandler(handler)
-        root.setLevel(os.environ.get("KVFLOW_LOG_LEVEL", "INFO"))
+        root.setLevel(envs.KVFLOW_LOG_LEVEL)
         root.propagate = False
     return logger

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+from kvflow import envs
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -54,5 +55,4 @@ def cache_dir_for(path: str) -> str:
     st = os.stat(path)
     key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    root = os.environ.get("KVFLOW_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvflow")
-    return os.path.join(root, digest)
+    return os.path.join(envs.cache_dir(), digest)

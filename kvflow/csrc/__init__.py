@@ -17,6 +17,7 @@ import tempfile
 from functools import lru_cache
 
 import numpy as np
+from kvflow import envs
 
 logger = logging.getLogger("kvflow")
 
@@ -72,15 +73,13 @@ def _cpu_id() -> str:
 
 
 def _build_dir() -> str:
-    root = os.environ.get("KVFLOW_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvflow")
-    return os.path.join(root, "kernels")
+    return os.path.join(envs.cache_dir(), "kernels")
 
 
 @lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
     """Compile (once, cached by sources, flags and CPU) and load the kernel library."""
-    if os.environ.get("KVFLOW_NO_KERNELS") == "1":
+    if envs.KVFLOW_NO_KERNELS:
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:

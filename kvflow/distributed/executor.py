@@ -14,7 +14,7 @@ import weakref
 import torch
 
 from kvflow.config import EngineConfig
-from kvflow.distributed.parallel import (RENDEZVOUS_TIMEOUT, CollectiveError, CommStats, Rendezvous,
+from kvflow.distributed.parallel import (CollectiveError, CommStats, Rendezvous, rendezvous_timeout,
                                          TPGroup, parse_init_method)
 from kvflow.distributed.shm_allreduce import (MAX_SLOT_BYTES, ShmAllReduce, create_segment,
                                               shm_supported)
@@ -24,6 +24,7 @@ from kvflow.logger import init_logger
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.runner import ModelRunner, ModelRunnerOutput
 from kvflow.model.sharding import check_tp_size, load_sharded_model, local_arch
+from kvflow import envs
 
 logger = init_logger("kvflow.distributed")
 # After a collective fails, how long to wait for the supervisor to name the rank that died.
@@ -32,7 +33,7 @@ BLAME_WAIT_S = 2.0
 
 def use_shm() -> bool:
     """Shared-memory all-reduce on one machine, unless KVFLOW_TP_SHM=0 (gloo for everything)."""
-    return shm_supported() and os.environ.get("KVFLOW_TP_SHM", "1") != "0"
+    return shm_supported() and envs.KVFLOW_TP_SHM
 
 
 class WorkerFailedError(RuntimeError):
@@ -92,7 +93,8 @@ class TPExecutor:
     def _wait_for(self, key: str) -> None:
         """Until every worker has set `key/RANK` in the store; a worker error or death ends it."""
         store, pending = self.rdv.store, set(range(1, self.world_size))
-        deadline = time.monotonic() + RENDEZVOUS_TIMEOUT.total_seconds()
+        timeout_s = rendezvous_timeout().total_seconds()
+        deadline = time.monotonic() + timeout_s
         while pending:
             for r in sorted(pending):
                 if store.check([f"error/{r}"]):
@@ -107,7 +109,7 @@ class TPExecutor:
             elif pending and time.monotonic() > deadline:
                 raise WorkerFailedError(
                     f"tensor-parallel ranks {sorted(pending)} did not reach the rendezvous at "
-                    f"{self.rdv.address} within {RENDEZVOUS_TIMEOUT.total_seconds():.0f}s; start "
+                    f"{self.rdv.address} within {timeout_s:.0f}s; start "
                     "every node with the same --distributed-init-method, --nnodes and "
                     "--tensor-parallel-size")
             elif pending:

@@ -17,14 +17,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from kvflow import envs
 from kvflow.config import parse_init_method  # noqa: F401 - re-exported for the executor and nodes
 
 # Collectives wait as long as they must: idle workers sit in the step broadcast for as long as
 # the server is idle. A dead peer is noticed at once anyway (its sockets close), and the
 # executor's watchdog kills the survivors so that nothing waits on a rank that is gone.
 COLLECTIVE_TIMEOUT = timedelta(days=3650)
-# How long a rank may take to reach the store (other nodes may start after the first one).
-RENDEZVOUS_TIMEOUT = timedelta(seconds=float(os.environ.get("KVFLOW_DIST_TIMEOUT", "600")))
+
+
+def rendezvous_timeout() -> timedelta:
+    """How long a rank may take to reach the store (other nodes may start after the first one)."""
+    return timedelta(seconds=envs.KVFLOW_DIST_TIMEOUT)
+
 # The step broadcast sends one fixed-size frame; longer messages follow in a second one.
 _FRAME_BYTES = 1 << 16
 _LEN = 8
@@ -58,7 +63,7 @@ class Rendezvous:
                               f"rendezvous: {e.strerror}") from None
             port = self._sock.getsockname()[1]
         self.port = port
-        self.store = dist.TCPStore(host, port, world_size, is_master, timeout=RENDEZVOUS_TIMEOUT,
+        self.store = dist.TCPStore(host, port, world_size, is_master, timeout=rendezvous_timeout(),
                                    wait_for_workers=False,
                                    master_listen_fd=self._sock.fileno() if self._sock else None)
         if self._sock is not None:

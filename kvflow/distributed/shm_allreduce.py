@@ -22,11 +22,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from kvflow import envs
+
 _LINE = 64  # one sequence counter per cache line (no false sharing)
 MAX_SLOT_BYTES = 8 << 20  # larger tensors (long prefill chunks) go through gloo
-_SPINS = int(os.environ.get("KVFLOW_SHM_SPINS", 64))
-_YIELDS = int(os.environ.get("KVFLOW_SHM_YIELDS", 256))
-_SLEEP_S = float(os.environ.get("KVFLOW_SHM_SLEEP", 50e-6))
 _CHECK_S = 0.01
 
 
@@ -90,16 +89,17 @@ class ShmAllReduce:
 
     def _wait(self, n: int) -> None:
         seq = self._seq
+        max_spins, max_yields, sleep_s = envs.KVFLOW_SHM_SPINS, envs.KVFLOW_SHM_YIELDS, envs.KVFLOW_SHM_SLEEP
         spins = 0
         next_check = 0.0
         while seq.min() < n:
             spins += 1
-            if spins < _SPINS:
+            if spins < max_spins:
                 continue
-            if spins < _YIELDS:
+            if spins < max_yields:
                 os.sched_yield()
             else:  # the peer is not running: give the core away for real
-                time.sleep(_SLEEP_S)
+                time.sleep(sleep_s)
             now = time.monotonic()
             if now >= next_check:
                 if next_check:

@@ -7,6 +7,7 @@ import os
 import sys
 
 from kvflow.config import engine_config, parse_memory
+from kvflow import envs
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 
@@ -39,7 +40,7 @@ def cmd_serve(args: argparse.Namespace, engine_kwargs) -> int:
         return 2
     settings = ServerSettings(
         served_model_names=args.served_model_name or [served_name(args)],
-        api_key=args.api_key or os.environ.get("KVFLOW_API_KEY") or None,
+        api_key=args.api_key or envs.KVFLOW_API_KEY or None,
         max_waiting_requests=args.max_waiting_requests,
         max_body_bytes=parse_memory(args.max_body_size))
     try:

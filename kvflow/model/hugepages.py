@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from kvflow.csrc import load_library
+from kvflow import envs
 
 HUGE_PAGE = 2 << 20
 
@@ -24,7 +25,7 @@ HUGE_PAGE = 2 << 20
 def zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A zeroed 1-D CPU tensor, 2 MiB-aligned and advised onto huge pages."""
     nbytes = numel * dtype.itemsize
-    if os.environ.get("KVFLOW_HUGEPAGES") == "0" or not hasattr(mmap, "MADV_HUGEPAGE") or nbytes == 0:
+    if not envs.KVFLOW_HUGEPAGES or not hasattr(mmap, "MADV_HUGEPAGE") or nbytes == 0:
         return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype)
     # private anonymous memory: zero pages until written (mmap's default, a shared mapping,
     # is shmem, which THP's "madvise" mode does not cover)

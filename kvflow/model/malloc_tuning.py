@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
+from kvflow import envs
 
 logger = logging.getLogger("kvflow")
 
@@ -32,7 +32,7 @@ def retain_freed_memory() -> bool:
     global _done
     if _done:
         return True
-    if os.environ.get("KVFLOW_MALLOC_TUNING", "1") == "0":
+    if not envs.KVFLOW_MALLOC_TUNING:
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -16,7 +16,6 @@ plus 50 decodes from 306 to 384 rows: 25% more GEMM time on the steps that domin
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 
 from kvflow.csrc.gemm import GATE_UP_ALIGN, pack_panels, panel_gemm, panel_gemm_built, panel_gemm_usable
 from kvflow.csrc.ops import silu_mul
+from kvflow import envs
 
 
 @dataclass
@@ -40,7 +40,7 @@ def onednn_usable(dtype: torch.dtype) -> bool:
     bf16 (AVX512-BF16/AMX): F.linear reorders the weight on every call, the packed copy does
     not (~1.25x at 40 rows, ~1.1x at 128, ~1.04x at 2,048). KVFLOW_NO_ONEDNN=1 opts out."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            and os.environ.get("KVFLOW_NO_ONEDNN") != "1"):
+            and not envs.KVFLOW_NO_ONEDNN):
         return False
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and cpu_has_native_bf16()
@@ -59,7 +59,7 @@ def cpu_has_native_bf16() -> bool:
 
 
 def _panels_enabled() -> bool:
-    return os.environ.get("KVFLOW_NO_PANEL_GEMM") != "1"  # opt-out, for A/B against oneDNN
+    return not envs.KVFLOW_NO_PANEL_GEMM  # opt-out, for A/B against oneDNN
 
 
 def packing_usable(dtype: torch.dtype) -> bool:

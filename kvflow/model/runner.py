@@ -1,7 +1,6 @@
 """ModelRunner: SchedulerOutput -> flat batch tensors -> one forward -> sampled token ids."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,6 +15,7 @@ from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
 from kvflow.model.malloc_tuning import retain_freed_memory
 from kvflow.model.sampler import Sampler, SamplingRow, build_sampling_metadata
 from kvflow.sampling_params import SamplingParams
+from kvflow import envs
 
 
 @dataclass(slots=True)
@@ -57,7 +57,7 @@ class ModelRunner:
         self._block_bytes = k0[0].numel() * k0.element_size()
         # the cache's pages are faulted in ahead of the writes (KVFLOW_KV_POPULATE=0: on first write)
         self.populator = (hugepages.Populator([t for pair in self.kv_caches for t in pair])
-                          if os.environ.get("KVFLOW_KV_POPULATE") != "0" else None)
+                          if envs.KVFLOW_KV_POPULATE else None)
         retain_freed_memory()  # after the KV cache: only the per-step activations are affected
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}

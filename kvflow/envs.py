@@ -1,0 +1,93 @@
+"""Every environment variable kvflow reads, declared once: name, type, default and meaning.
+
+Code reads them as attributes of this module (`envs.KVFLOW_HUGEPAGES`), parsed on each read, so
+a test or a launcher that sets one before use is seen. Nothing else in kvflow touches
+`os.environ` for a KVFLOW_ variable; `docs/environment.md` is generated from this table."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+_FALSE = ("0", "false", "no", "off")
+_TRUE = ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    type: type  # bool | int | float | str
+    default: Any  # None: unset means "not given"
+    help: str
+
+    def read(self) -> Any:
+        raw = os.environ.get(self.name)
+        if raw is None or raw == "":
+            return self.default
+        if self.type is bool:
+            if raw.strip().lower() in _TRUE:
+                return True
+            if raw.strip().lower() in _FALSE:
+                return False
+            raise ValueError(f"{self.name} must be 0 or 1, got {raw!r}")
+        try:
+            return self.type(raw)
+        except ValueError:
+            raise ValueError(f"{self.name} must be a {self.type.__name__}, got {raw!r}") from None
+
+
+def _cache_dir_default() -> str:
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvflow")
+
+
+_VARS = [
+    EnvVar("KVFLOW_CACHE_DIR", str, None,
+           "where converted GGUF weights and the compiled C kernels are cached "
+           "(default: $XDG_CACHE_HOME/kvflow, else ~/.cache/kvflow)"),
+    EnvVar("KVFLOW_NUM_THREADS", int, None,
+           "compute threads when --num-threads is not given (default 1)"),
+    EnvVar("KVFLOW_LOG_LEVEL", str, "INFO", "log level of the kvflow loggers"),
+    EnvVar("KVFLOW_API_KEY", str, None, "the server's API key when --api-key is not given"),
+    EnvVar("KVFLOW_NO_KERNELS", bool, False,
+           "1: never build or load the C kernels (PyTorch paths everywhere)"),
+    EnvVar("KVFLOW_NO_ONEDNN", bool, False, "1: projections through plain F.linear, not oneDNN"),
+    EnvVar("KVFLOW_NO_PANEL_GEMM", bool, False,
+           "1: bf16 projections through oneDNN instead of kvflow's panel GEMM"),
+    EnvVar("KVFLOW_HUGEPAGES", bool, True, "0: the KV cache on ordinary pages, not 2 MiB pages"),
+    EnvVar("KVFLOW_KV_POPULATE", bool, True,
+           "0: no idle thread faulting the KV cache's pages in ahead of the writes"),
+    EnvVar("KVFLOW_MALLOC_TUNING", bool, True,
+           "0: leave glibc's mmap and trim thresholds alone"),
+    EnvVar("KVFLOW_TP_SHM", bool, True,
+           "0: tensor-parallel all-reduce through gloo instead of shared memory"),
+    EnvVar("KVFLOW_SHM_SPINS", int, 64, "shared-memory all-reduce: busy polls before yielding"),
+    EnvVar("KVFLOW_SHM_YIELDS", int, 256, "shared-memory all-reduce: yields before sleeping"),
+    EnvVar("KVFLOW_SHM_SLEEP", float, 50e-6, "shared-memory all-reduce: sleep per poll (seconds)"),
+    EnvVar("KVFLOW_DIST_TIMEOUT", float, 600.0,
+           "seconds tensor-parallel ranks wait for each other to meet"),
+]
+ENV_VARS: dict[str, EnvVar] = {v.name: v for v in _VARS}
+
+
+def cache_dir() -> str:
+    """KVFLOW_CACHE_DIR, else the XDG cache folder's kvflow/ (one answer for every cache)."""
+    return ENV_VARS["KVFLOW_CACHE_DIR"].read() or _cache_dir_default()
+
+
+def __getattr__(name: str) -> Any:
+    var = ENV_VARS.get(name)
+    if var is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return var.read()
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(ENV_VARS))
+
+
+def markdown_table() -> str:
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    for v in _VARS:
+        default = "unset" if v.default is None else (int(v.default) if v.type is bool else v.default)
+        rows.append(f"| `{v.name}` | {default} | {v.help} |")
+    return "\n".join(rows)
