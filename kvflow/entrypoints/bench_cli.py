@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 
-def register(sub, add_engine_args, engine_kwargs) -> None:
+def register(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from kvflow.entrypoints import bench_serve, bench_throughput
-    bench_throughput.register(bench_sub, add_engine_args, engine_kwargs)
+    bench_throughput.register(bench_sub)
     bench_serve.register(bench_sub)

@@ -5,6 +5,9 @@ import json
 import random
 import time
 
+from kvflow.entrypoints.worker_node import worker_node_status
+from kvflow.options import add_engine_args, engine_kwargs
+
 
 def make_w1(num_prompts: int, min_len: int, max_len: int, vocab_size: int, seed: int) -> list[list[int]]:
     """Seeded prompts of random token ids with lengths uniform in [min_len, max_len]."""
@@ -42,9 +45,7 @@ def run_throughput(engine_kwargs: dict, num_prompts: int = 128, min_len: int = 3
     return result
 
 
-def cmd_throughput(args, engine_kwargs) -> int:
-    from kvflow.entrypoints.cli import worker_node_status
-
+def cmd_throughput(args) -> int:
     status = worker_node_status(args)  # --node-rank K > 0: this node runs workers only
     if status is not None:
         return status
@@ -57,7 +58,7 @@ def cmd_throughput(args, engine_kwargs) -> int:
     return 0
 
 
-def register(bench_sub, add_engine_args, engine_kwargs) -> None:
+def register(bench_sub) -> None:
     p = bench_sub.add_parser("throughput", help="offline throughput on random-token prompts (W1)")
     add_engine_args(p)
     p.add_argument("--num-prompts", type=int, default=128)
@@ -66,4 +67,4 @@ def register(bench_sub, add_engine_args, engine_kwargs) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--dataset-seed", type=int, default=0)
     p.add_argument("--output-json", default=None)
-    p.set_defaults(func=lambda a: cmd_throughput(a, engine_kwargs))
+    p.set_defaults(func=cmd_throughput)

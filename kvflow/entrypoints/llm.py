@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from kvflow.config import engine_config
 from kvflow.engine.llm_engine import LLMEngine
+from kvflow.options import engine_config
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.tokenizer import render_chat
@@ -18,17 +18,14 @@ Message = dict[str, str]
 
 class LLM:
     """Generate offline with continuous batching. `model=None` loads the default
-    SmolLM2-135M-Instruct; `trace=PATH` writes one JSON line per engine step.
-    `tensor_parallel_size=N` splits the model over N processes, this one being rank 0
-    (docs/tensor_parallel.md; `llm.engine.shutdown()` stops the others)."""
+    SmolLM2-135M-Instruct; every other keyword is an engine option (the README's table, or
+    `kvflow.options.OPTIONS`), e.g. `dtype`, `max_num_seqs`, `kv_cache_memory`, `seed`,
+    `trace=PATH` (one JSON line per engine step), `tensor_parallel_size=N` (this process is
+    rank 0; `llm.engine.shutdown()` stops the others). An unknown keyword is a TypeError naming
+    the closest valid one."""
 
     def __init__(self, model: str | None = None, **options) -> None:
-        """`options` are the engine options of kvflow.config.engine_config (dtype,
-        max_model_len, max_num_seqs, max_num_batched_tokens, block_size, num_blocks,
-        kv_cache_memory, kv_cache_dtype, seed, trace, num_threads, enable_prefix_caching,
-        long_prefill_token_threshold, scheduling_policy, tensor_parallel_size,
-        distributed_init_method, nnodes, node_rank), with its defaults."""
-        config = engine_config(model, **options)
+        config = engine_config(model=model, **options)
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

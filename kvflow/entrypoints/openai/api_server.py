@@ -23,7 +23,8 @@ from kvflow.entrypoints.openai.protocol import (ChatCompletionRequest, Completio
                                                 DetokenizeRequest, TokenizeRequest)
 from kvflow.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from kvflow.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from kvflow.entrypoints.openai.serving_engine import ServerSettings, ShuttingDownError
+from kvflow.entrypoints.openai.server_settings import ServerSettings
+from kvflow.entrypoints.openai.serving_engine import ShuttingDownError
 from kvflow.entrypoints.openai.serving_ws import WebSocketSession
 
 # no API key needed
@@ -56,7 +57,7 @@ class Gate:
                                             code="invalid_api_key")(scope, receive, send)
         if kind == "http":
             length = dict(scope["headers"]).get(b"content-length")
-            limit = self.settings.max_body_bytes
+            limit = self.settings.max_body_size
             if length is not None and length.isdigit() and int(length) > limit:
                 return await error_response(413, f"request body of {int(length)} bytes is over the "
                                                  f"limit of {limit} bytes",
@@ -227,10 +228,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def run_server(config: EngineConfig, settings: ServerSettings, host: str, port: int,
-                     access_log: bool = False) -> int:
+async def run_server(config: EngineConfig, settings: ServerSettings) -> int:
     """Start the engine process, serve until a signal (or the engine dies), stop both."""
-    sock = bind_socket(host, port)
+    sock = bind_socket(settings.host, settings.port)
     metrics = ServerMetrics(settings.model_name)
     try:
         engine = AsyncLLM(config, metrics)
@@ -242,7 +242,7 @@ async def run_server(config: EngineConfig, settings: ServerSettings, host: str, 
     metrics.set_total_blocks(info.num_blocks)
     loop = asyncio.get_running_loop()
     app = build_app(engine, settings, metrics)
-    uv_config = uvicorn.Config(app, lifespan="off", access_log=access_log, log_level="info",
+    uv_config = uvicorn.Config(app, lifespan="off", access_log=settings.access_log, log_level="info",
                                timeout_graceful_shutdown=5)
     stopping = False
 
@@ -261,8 +261,9 @@ async def run_server(config: EngineConfig, settings: ServerSettings, host: str, 
 
     engine.on_dead = on_engine_dead
     tokens = info.num_blocks * info.block_size
+    host = settings.host
     shown_host = f"[{host}]" if ":" in host else host
-    print(f"kvflow serve: http://{shown_host}:{port}/v1  model {settings.model_name!r} "
+    print(f"kvflow serve: http://{shown_host}:{settings.port}/v1  model {settings.model_name!r} "
           f"({engine.model_path})\n"
           f"  KV cache: {info.num_blocks} blocks x {info.block_size} = {tokens} tokens; "
           f"max_model_len {info.max_model_len}; max concurrency at max_model_len "

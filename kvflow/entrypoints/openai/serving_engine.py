@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import msgspec
 from fastapi import Request
@@ -12,21 +11,9 @@ from fastapi.responses import Response
 from kvflow.engine.async_engine import AsyncLLM
 from kvflow.engine.core_client import EngineDeadError
 from kvflow.entrypoints.openai.errors import APIError, bad_request, error_body
+from kvflow.entrypoints.openai.server_settings import ServerSettings
 
 MAX_N = 128
-
-
-@dataclass
-class ServerSettings:
-    served_model_names: list[str]
-    api_key: str | None = None
-    max_waiting_requests: int | None = None
-    max_body_bytes: int = 8 * 2**20
-    shutting_down: bool = field(default=False)
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_names[0]
 
 
 class ShuttingDownError(RuntimeError):

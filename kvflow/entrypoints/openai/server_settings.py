@@ -1,0 +1,37 @@
+"""The server's own options (a light module: the CLI reads it without loading the server)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvflow import envs
+from kvflow.config import option, parse_memory
+
+
+@dataclass
+class ServerSettings:
+    """The server's own options: each `option` field is a `kvflow serve` flag (kvflow/options.py);
+    `served_model_names` is resolved from the model options, `shutting_down` is state."""
+
+    host: str = option("127.0.0.1", "bind address (0.0.0.0 to listen on all)")
+    port: int = option(8000, "HTTP port")
+    api_key: str | None = option(
+        None, "require 'Authorization: Bearer KEY' (default: KVFLOW_API_KEY, else none)")
+    max_waiting_requests: int | None = option(
+        None, "answer 503 (retry later) when more requests than this would wait")
+    max_body_size: int | str = option("8MiB", "largest request body (413 above)")
+    access_log: bool = option(False, "log every HTTP request")
+    served_model_names: list[str] = field(default_factory=lambda: ["kvflow"])
+    shutting_down: bool = field(default=False)
+
+    def __post_init__(self) -> None:
+        self.max_body_size = parse_memory(self.max_body_size)
+        if self.max_body_size <= 0:
+            raise ValueError(f"max_body_size must be positive, got {self.max_body_size}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+        if self.api_key is None:
+            self.api_key = envs.KVFLOW_API_KEY or None
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
