@@ -76,21 +76,36 @@ def hf_reference(default_model_path, prompt_ids):
     return hf_greedy_reference(default_model_path, prompt_ids, torch.float32)
 
 
-def assert_matches_reference(got: list[int], ref: tuple[list[int], list[list[int]]], label: str) -> None:
-    """Token-identical, or at the first divergence our token is in HF's top-3 (then stop)."""
+# How many leading tokens must equal HF's before a divergence is excused as an fp tie: a model
+# that diverges at once would otherwise pass on "first token in the top-3" alone.
+MIN_AGREE_FP32 = NEW_TOKENS // 2
+MIN_AGREE_BF16 = 4
+
+
+def agreeing_prefix(got: list[int], tokens: list[int]) -> int:
+    """How many leading tokens are equal."""
+    return next((j for j, (a, b) in enumerate(zip(got, tokens)) if a != b), min(len(got), len(tokens)))
+
+
+def assert_matches_reference(got: list[int], ref: tuple[list[int], list[list[int]]], label: str,
+                             min_agree: int = MIN_AGREE_FP32) -> None:
+    """Token-identical; or the first `min_agree` tokens identical and, at the first divergence,
+    our token in HF's top-3 (past it the contexts differ, so the comparison stops)."""
     tokens, top3 = ref
     assert len(got) == len(tokens), f"{label}: {len(got)} tokens, HF made {len(tokens)}"
-    for j, (a, b) in enumerate(zip(got, tokens)):
-        if a != b:
-            assert a in top3[j], f"{label}: diverged at {j}: {a} not in HF top-3 {top3[j]}"
-            return
+    j = agreeing_prefix(got, tokens)
+    if j == len(tokens):
+        return
+    assert j >= min_agree, f"{label}: diverged at {j}, before the floor of {min_agree} equal tokens"
+    assert got[j] in top3[j], f"{label}: diverged at {j}: {got[j]} not in HF top-3 {top3[j]}"
 
 
-def assert_follow_reference(outs, refs, min_identical: int, what: str) -> None:
-    """Every output matches its reference (or leaves it for one of the top-3), and at least
-    `min_identical` of them are token-identical to it."""
+def assert_follow_reference(outs, refs, min_identical: int, what: str,
+                            min_agree: int = MIN_AGREE_BF16) -> None:
+    """Every output matches its reference (or leaves it for one of the top-3 after `min_agree`
+    equal tokens), and at least `min_identical` of them are token-identical to it."""
     identical = 0
     for i, out in enumerate(outs):
-        assert_matches_reference(out.outputs[0].token_ids, refs[i], f"prompt {i}")
+        assert_matches_reference(out.outputs[0].token_ids, refs[i], f"prompt {i}", min_agree)
         identical += out.outputs[0].token_ids == refs[i][0]
     assert identical >= min_identical, f"only {identical} prompts kept {what}'s exact tokens"

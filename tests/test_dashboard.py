@@ -139,9 +139,9 @@ def test_snapshots_only_while_watched_and_at_most_every_interval():
     assert source.wait_ms(1000) == 1000
 
 
-def test_snapshot_is_cheap_at_the_default_pool_size():
-    """128 running requests over 5,825 blocks (the default 4 GiB pool of the default model):
-    a snapshot takes well under 2.5 ms, i.e. < 1% of the loop at 4 snapshots a second."""
+def test_snapshot_covers_every_block_of_the_default_pool():
+    """128 running requests over 5,825 blocks (the default 4 GiB pool of the default model): the
+    snapshot names an owner for every block and encodes (its cost: benchmarks/snapshot_cost.py)."""
     sched = make_scheduler(num_blocks=5825, block_size=16, budget=2048, max_num_seqs=128,
                            max_model_len=8192)
     for i in range(160):
@@ -150,15 +150,11 @@ def test_snapshot_is_cheap_at_the_default_pool_size():
     for _ in range(30):
         step(sched, runner)
     assert len(sched.running) == 128
-    steps = [StepTokens(i, 1900, 128) for i in range(120)]
-    costs = []
-    for _ in range(15):
-        t0 = time.perf_counter()
-        snap = build_snapshot(sched, steps)
-        msgspec.msgpack.encode(snap)
-        costs.append(time.perf_counter() - t0)
-    assert sorted(costs)[len(costs) // 2] < 0.0025
-    assert len(snap.block_owners) == 5825
+    snap = build_snapshot(sched, [StepTokens(i, 1900, 128) for i in range(120)])
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(snap), type=EngineSnapshot)
+    assert len(decoded.block_owners) == 5825
+    held = {b for r in sched.running for b in sched.kv_cache_manager.get_block_ids(r.request_id)}
+    assert {i for i, o in enumerate(decoded.block_owners) if o >= OWNER_BASE or o == SHARED} == held
 
 
 def delta(rid: str, n_tokens: int, finished: bool = False) -> RequestOutput:
