@@ -7,9 +7,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvflow.config import CacheConfig, SchedulerConfig
-from kvflow.core.kv_cache_manager import KVCacheManager, cdiv
+from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.scheduler_output import NewRequestData, SchedulerOutput
-from kvflow.request import FinishReason, Request, RequestStatus
+from kvflow.request import FinishReason, Request, RequestStatus, check_request_fits
 
 __all__ = ["Scheduler", "SchedulerOutput", "RequestUpdate"]
 
@@ -46,16 +46,8 @@ class Scheduler:
 
     # -- requests in and out -------------------------------------------------------------
     def add_request(self, req: Request) -> None:
-        max_len = self.config.max_model_len
-        total = req.num_prompt_tokens + req.max_tokens
-        if total > max_len:
-            raise ValueError(
-                f"prompt has {req.num_prompt_tokens} tokens and max_tokens is {req.max_tokens}: "
-                f"{total} is over max_model_len {max_len}")
-        if cdiv(total, self.block_size) > self.kv_cache_manager.num_total_blocks:
-            raise ValueError(
-                f"request needs {cdiv(total, self.block_size)} KV blocks but the cache has only "
-                f"{self.kv_cache_manager.num_total_blocks}")
+        check_request_fits(req.num_prompt_tokens, req.max_tokens, self.config.max_model_len,
+                           self.block_size, self.kv_cache_manager.num_total_blocks)
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req

@@ -18,7 +18,7 @@ from kvflow.model.loader import load_model, resolve_dtype
 from kvflow.model.runner import ModelRunner
 from kvflow.model.sharding import kv_bytes_per_token_per_rank
 from kvflow.model_path import resolve_model_path
-from kvflow.request import Request
+from kvflow.request import Request, check_request_fits
 
 logger = init_logger("kvflow.engine")
 
@@ -90,13 +90,11 @@ class EngineCore:
     def add_request(self, r: EngineCoreRequest) -> None:
         """Queue a request; ValueError (naming the numbers) if it can never fit."""
         params = r.sampling_params
-        n_prompt = len(r.prompt_token_ids)
-        if n_prompt == 0:
-            raise ValueError("prompt must not be empty")
+        cc = self.cache_config
+        max_tokens = check_request_fits(len(r.prompt_token_ids), params.max_tokens,
+                                        self.max_model_len, cc.block_size, cc.num_blocks)
         if params.max_tokens is None:
-            if n_prompt >= self.max_model_len:
-                raise ValueError(f"prompt has {n_prompt} tokens; max_model_len is {self.max_model_len}")
-            params = replace(params, max_tokens=self.max_model_len - n_prompt)
+            params = replace(params, max_tokens=max_tokens)
         req = Request(r.request_id, r.prompt_token_ids, params,
                       eos_token_id=r.eos_token_id if r.eos_token_id is not None else self.arch.eos_token_id,
                       arrival_time=r.arrival_time or time.time(), priority=r.priority,
