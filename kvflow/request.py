@@ -60,6 +60,7 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission
     num_skips: int = 0  # times admission passed over it for lack of blocks
+    first_scheduled_time: float | None = None  # when it first left the waiting queue (time.time())
     stop_reason: int | str | None = None
     all_token_ids: list[int] = field(init=False)
 

@@ -31,32 +31,31 @@ SMALL = dict(budget=16, block_size=4, num_blocks=8,
              requests=[("A", 20, 6, 0), ("B", 7, 4, 2), ("C", 12, 5, 5)])
 
 
-def record_run(path, requests, budget, block_size, num_blocks, max_num_seqs=16, on_step=None):
+def record_run(path, requests, budget, block_size, num_blocks, max_num_seqs=16, on_step=None,
+               **config):
     """Drive the scheduler and the fake model through `requests` ((id, prompt length,
-    max_tokens, arrival step), ...), writing the trace the way EngineCore does."""
+    max_tokens, arrival step[, priority]), ...), writing the trace the way EngineCore does;
+    `config`: more SchedulerConfig fields (policy, max_admission_skips)."""
     sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, budget=budget,
-                           max_num_seqs=max_num_seqs, max_model_len=1024)
+                           max_num_seqs=max_num_seqs, max_model_len=1024, **config)
     runner, trace = FakeRunner(), StepTrace(path, budget, block_size, num_blocks)
     todo = sorted(requests, key=lambda r: r[3])
     tick = 0
     while todo or sched.has_unfinished_requests():
         arrived = []
         while todo and todo[0][3] <= tick:
-            rid, prompt_len, max_tokens, _ = todo.pop(0)
-            sched.add_request(make_request(rid, prompt_len, max_tokens))
+            rid, prompt_len, max_tokens, _, *priority = todo.pop(0)
+            sched.add_request(make_request(rid, prompt_len, max_tokens, *priority))
             arrived.append(rid)
         tick += 1
         before = snapshot(sched, arrived) if on_step else None
-        reqs = sched.requests
         out = sched.schedule()
         if out.is_empty:
             continue
-        num_tokens = {rid: reqs[rid].num_tokens for rid in out.num_scheduled_tokens}
-        prompts = {rid: reqs[rid].num_prompt_tokens for rid in out.num_scheduled_tokens}
         updates = sched.update_from_output(out, runner.execute(out))
         kv = sched.kv_cache_manager
-        trace.record(out, num_tokens, prompts, updates, 0.0, 0.0, kv.num_free_blocks,
-                     out.num_cached_tokens, kv.block_pool.num_cached_free_blocks)
+        trace.record(out, updates, 0.0, 0.0, kv.num_free_blocks,
+                     kv.block_pool.num_cached_free_blocks)
         if on_step:
             for u in updates:
                 if u.finish_reason is not None:
