@@ -12,10 +12,12 @@ import os
 import random
 import re
 
+import pytest
+
 from core_helpers import FakeRunner, make_request, make_scheduler
 from kvflow.engine.step_trace import StepTrace
 from kvflow.entrypoints.cli import main
-from kvflow.trace.narrate import narrate, snapshot
+from kvflow.trace.narrate import Before, Queued, narrate, snapshot
 from kvflow.trace.plot import TITLES, save_plot
 from kvflow.trace.reader import load_trace
 from kvflow.trace.table import HEADER, render
@@ -243,6 +245,89 @@ def test_sentences_account_for_every_queued_request(tmp_path):
     joined = " ".join(texts)
     assert "the most recently admitted request" in joined  # someone preempted for another
     assert "is resumed after its preemption" in joined
+
+
+# A (priority 5) runs first; B (priority 0) joins and is the first to need a block when none is
+# left: FCFS preempts B itself (the most recently admitted), the priority policy preempts A.
+TWO = dict(requests=[("A", 6, 10, 0, 5), ("B", 8, 10, 1, 0)], budget=16, block_size=4,
+           num_blocks=6)
+
+
+def _preemption_sentence(tmp_path, policy):
+    said = []
+    path = str(tmp_path / f"{policy}.jsonl")
+    record_run(path, **TWO, policy=policy, on_step=lambda out, before: said.append(before))
+    steps = load_trace(path).steps
+    hits = [(s, narrate(s, b)) for s, b in zip(steps, said) if s.preempted]
+    assert len(hits) == 1, [t for _, t in hits]
+    return hits[0]
+
+
+def test_narration_names_whom_the_priority_policy_preempts(tmp_path):
+    step, text = _preemption_sentence(tmp_path, "priority")
+    assert step.preempted == ["A"] and step.preempted_for == {"A": "B"}
+    assert ("B needs a new block and none is left for it, so the lowest-priority running "
+            "request (priority 5), A, is preempted") in text
+    assert "most recently admitted" not in text
+    assert "B decodes 1 token" in text
+
+
+def test_narration_names_whom_fcfs_preempts(tmp_path):
+    step, text = _preemption_sentence(tmp_path, "fcfs")
+    assert step.preempted == ["B"] and step.preempted_for == {"B": "B"}
+    assert "so B itself, the most recently admitted request, is preempted" in text
+    assert "A decodes 1 token" in text
+
+
+@pytest.mark.parametrize("skips", [16, 1])
+def test_narration_gives_the_schedulers_reasons_for_waiting(tmp_path, skips):
+    """Skipped for blocks (with admission's own numbers), stopped by the budget or by
+    max_num_seqs, held behind a request passed over long enough: each as the trace recorded it."""
+    said = []
+    path = str(tmp_path / "waits.jsonl")
+    reqs = [("A", 30, 4, 0), ("B", 20, 2, 0), ("C", 3, 2, 0), ("D", 3, 2, 0), ("E", 3, 2, 0)]
+    record_run(path, reqs, budget=16, block_size=4, num_blocks=10, max_num_seqs=2 if skips > 1 else 4,
+               max_admission_skips=skips, on_step=lambda out, before: said.append(before))
+    steps = load_trace(path).steps
+    seen = set()
+    for s, before in zip(steps, said):
+        text = narrate(s, before)
+        for rid in s.skipped:
+            c = s.block_checks[rid]
+            free = "none is free" if c.free == 0 else ("only 1 is free" if c.free == 1
+                                                        else f"only {c.free} are free")
+            assert not c.fits
+            assert f"{rid} waits: its 20-token prompt needs {c.need} blocks but {free}" in text
+        for rid, c in s.block_checks.items():
+            if rid not in s.skipped:
+                assert c.fits and re.search(rf"{rid}( arrives and)? is admitted", text)
+        waiting = [q.id for q in before.waiting if q.id not in s.block_checks]
+        reason = {"budget": "waits: no budget left",
+                  "max_num_seqs": "waits: 2 requests already run (max_num_seqs)",
+                  "held": f"waits behind {s.skipped[-1] if s.skipped else ''}, which has been "
+                          "passed over long enough"}.get(s.admission_stop)
+        for rid in waiting:
+            assert re.search(rf"{rid}( arrives and)? {re.escape(reason or 'waits')}", text), text
+        seen |= {s.admission_stop} | ({"skipped"} if s.skipped else set())
+    assert seen >= ({"skipped", "budget", "max_num_seqs"} if skips > 1 else {"skipped", "held"})
+
+
+def test_old_traces_without_decisions_still_load_and_read(tmp_path):
+    """Traces written before the scheduler recorded its reasons load with them empty."""
+    path = tmp_path / "old.jsonl"
+    path.write_text(json.dumps({
+        "step": 0, "time": 0.0, "step_time": 0.0, "num_scheduled_tokens": 8,
+        "requests": [{"id": "A", "phase": "prefill", "tokens": 8, "num_computed_tokens": 0,
+                      "blocks": [0, 1], "sampled": 5, "cached_tokens": 0}],
+        "preempted": ["Z"], "finished": [], "free_blocks": 6, "budget": 16, "block_size": 4,
+        "num_blocks": 8}) + "\n")
+    step = load_trace(str(path)).steps[0]
+    assert step.preempted_for == {} and step.block_checks == {} and step.skipped == []
+    assert step.requests[0].admitted is None
+    before = Before([], [], [Queued("A", 8, 8, 0), Queued("W", 4, 4, 0)])
+    text = narrate(step, before)
+    assert "A is admitted; it prefills all 8" in text and "Z is preempted" in text
+    assert "W waits" in text
 
 
 def test_explain_runs_the_real_engine_and_says_why(tmp_path, capsys):
