@@ -60,6 +60,7 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission
     num_skips: int = 0  # times admission passed over it for lack of blocks
+    first_scheduled_time: float | None = None  # when it first left the waiting queue (time.time())
     stop_reason: int | str | None = None
     all_token_ids: list[int] = field(init=False)
 
@@ -96,3 +97,39 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+
+class InvalidRequestError(ValueError):
+    """A request that can never run; `param` names the field to change (OpenAI's `param`)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_request_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
+                       block_size: int | None = None, num_blocks: int | None = None) -> int:
+    """The one check that a request can ever run: a non-empty prompt that, with `max_tokens`
+    (None: as many as fit), stays within `max_model_len` and, when the pool is given, within
+    `num_blocks` blocks of `block_size`. Returns max_tokens (resolved when None); raises
+    InvalidRequestError naming the numbers and the field to change."""
+    n = num_prompt_tokens
+    if n == 0:
+        raise InvalidRequestError("prompt must not be empty", "prompt")
+    if max_tokens is None:
+        if n >= max_model_len:
+            raise InvalidRequestError(f"prompt has {n} tokens; max_model_len is {max_model_len}",
+                                      "prompt")
+        max_tokens = max_model_len - n
+    elif n + max_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"prompt has {n} tokens and max_tokens is {max_tokens}: {n + max_tokens} is over "
+            f"max_model_len {max_model_len}", "max_tokens")
+    if block_size is not None and num_blocks is not None:
+        total = n + max_tokens
+        blocks = -(-total // block_size)
+        if blocks > num_blocks:
+            raise InvalidRequestError(
+                f"prompt and max_tokens need {total} tokens ({blocks} KV blocks) but the KV cache "
+                f"holds only {num_blocks} blocks; lower max_tokens", "max_tokens")
+    return max_tokens

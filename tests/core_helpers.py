@@ -36,16 +36,19 @@ class FakeRunner:
         return sampled
 
 
-def make_scheduler(num_blocks=64, block_size=4, budget=32, max_num_seqs=16, max_model_len=256):
+def make_scheduler(num_blocks=64, block_size=4, budget=32, max_num_seqs=16, max_model_len=256,
+                   **config):
+    """`config`: more SchedulerConfig fields (policy, max_admission_skips, ...)."""
     return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                                     max_model_len=max_model_len),
+                                     max_model_len=max_model_len, **config),
                      CacheConfig(block_size=block_size, num_blocks=num_blocks))
 
 
-def make_request(rid: str, prompt_len: int, max_tokens: int = 8, **kw) -> Request:
+def make_request(rid: str, prompt_len: int, max_tokens: int = 8, priority: int = 0, **kw) -> Request:
     salt = sum(ord(c) * 131 ** k for k, c in enumerate(rid))
     prompt = [(7 * i + salt) % 500 + 3 for i in range(prompt_len)]
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0, **kw))
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0, **kw),
+                   priority=priority)
 
 
 def run_to_completion(sched, runner=None, max_steps=10_000, on_step=None):

@@ -143,3 +143,39 @@ def test_kv_cache_dtype_option_reaches_the_engine_config():
     assert engine_config(kv_cache_dtype="bf16").cache_config.cache_dtype == "bfloat16"
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         engine_config(kv_cache_dtype="fp8")
+
+
+def test_stats_are_each_steps_decisions_and_reading_them_changes_nothing(default_model_path):
+    """A pool too small for three requests at once forces preemptions; every step's stats
+    repeat what the scheduler recorded for that step, and reading them twice gives the same."""
+    small = LLM(default_model_path, dtype="float32", max_model_len=64, block_size=4,
+                num_blocks=12, max_num_batched_tokens=32, num_threads=1)
+    core = small.engine.core
+    plans, steps = [], []
+    schedule, step = core.scheduler.schedule, core.step
+
+    def recording_schedule():
+        plans.append(schedule())
+        return plans[-1]
+
+    def checking_step():
+        result = step()
+        out, stats = plans[-1], result.scheduler_stats
+        assert core.stats(out, stats.step_time) == core.stats(out, stats.step_time) == stats
+        steps.append((out, stats))
+        return result
+
+    core.scheduler.schedule, core.step = recording_schedule, checking_step
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    outs = small.generate(["The capital of France is", "def fib(n):", "1, 2, 3, 4,"], params,
+                          use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [20, 20, 20]
+    for out, stats in steps:
+        assert stats.num_preemptions == len(out.preempted_req_ids)
+        assert stats.num_prompt_tokens == out.num_prefill_tokens
+        assert stats.num_generation_tokens == out.num_decode_tokens
+        assert stats.num_prompt_tokens + stats.num_generation_tokens == out.total_num_scheduled_tokens
+    assert sum(stats.num_preemptions for _, stats in steps) > 0
+    for o in outs:
+        assert o.metrics["first_scheduled_time"] >= o.metrics["arrival_time"]
+    small.engine.shutdown()

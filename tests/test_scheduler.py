@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from core_helpers import FakeRunner, make_request, make_scheduler, run_to_completion
-from kvflow.request import FinishReason, RequestStatus
+from kvflow.request import FinishReason, InvalidRequestError, Request, RequestStatus, check_request_fits
+from kvflow.sampling_params import SamplingParams
 
 
 def test_decode_goes_before_prefill():
@@ -179,3 +180,27 @@ def test_stop_token_and_eos_respect_min_tokens():
     sched.add_request(req)
     outputs, _ = run_to_completion(sched)
     assert len(outputs["B"]) >= 3
+
+
+# -- the one check of a request's size ----------------------------------------------------
+
+def test_check_request_fits_names_the_numbers_and_the_field():
+    assert check_request_fits(10, 6, 16) == 6
+    assert check_request_fits(10, None, 16) == 6  # as many as fit
+    cases = [((0, 4, 16), "prompt", "prompt must not be empty"),
+             ((16, None, 16), "prompt", "prompt has 16 tokens; max_model_len is 16"),
+             ((10, 7, 16), "max_tokens", "prompt has 10 tokens and max_tokens is 7: 17 is over "
+                                         "max_model_len 16"),
+             ((10, 6, 16, 4, 3), "max_tokens", "prompt and max_tokens need 16 tokens (4 KV blocks) "
+                                               "but the KV cache holds only 3 blocks")]
+    for args, param, message in cases:
+        with pytest.raises(InvalidRequestError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
+            check_request_fits(*args)
+        assert e.value.param == param and isinstance(e.value, ValueError)
+
+
+def test_the_scheduler_refuses_what_can_never_fit_with_the_same_check():
+    sched = make_scheduler(num_blocks=3, block_size=4, max_model_len=64)
+    with pytest.raises(InvalidRequestError, match="holds only 3 blocks"):
+        sched.add_request(Request("A", [5] * 10, SamplingParams(max_tokens=6)))
+    assert not sched.has_unfinished_requests()

@@ -12,10 +12,12 @@ import os
 import random
 import re
 
+import pytest
+
 from core_helpers import FakeRunner, make_request, make_scheduler
 from kvflow.engine.step_trace import StepTrace
 from kvflow.entrypoints.cli import main
-from kvflow.trace.narrate import narrate, snapshot
+from kvflow.trace.narrate import Before, Queued, narrate, snapshot
 from kvflow.trace.plot import TITLES, save_plot
 from kvflow.trace.reader import load_trace
 from kvflow.trace.table import HEADER, render
@@ -31,32 +33,31 @@ SMALL = dict(budget=16, block_size=4, num_blocks=8,
              requests=[("A", 20, 6, 0), ("B", 7, 4, 2), ("C", 12, 5, 5)])
 
 
-def record_run(path, requests, budget, block_size, num_blocks, max_num_seqs=16, on_step=None):
+def record_run(path, requests, budget, block_size, num_blocks, max_num_seqs=16, on_step=None,
+               **config):
     """Drive the scheduler and the fake model through `requests` ((id, prompt length,
-    max_tokens, arrival step), ...), writing the trace the way EngineCore does."""
+    max_tokens, arrival step[, priority]), ...), writing the trace the way EngineCore does;
+    `config`: more SchedulerConfig fields (policy, max_admission_skips)."""
     sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, budget=budget,
-                           max_num_seqs=max_num_seqs, max_model_len=1024)
+                           max_num_seqs=max_num_seqs, max_model_len=1024, **config)
     runner, trace = FakeRunner(), StepTrace(path, budget, block_size, num_blocks)
     todo = sorted(requests, key=lambda r: r[3])
     tick = 0
     while todo or sched.has_unfinished_requests():
         arrived = []
         while todo and todo[0][3] <= tick:
-            rid, prompt_len, max_tokens, _ = todo.pop(0)
-            sched.add_request(make_request(rid, prompt_len, max_tokens))
+            rid, prompt_len, max_tokens, _, *priority = todo.pop(0)
+            sched.add_request(make_request(rid, prompt_len, max_tokens, *priority))
             arrived.append(rid)
         tick += 1
         before = snapshot(sched, arrived) if on_step else None
-        reqs = sched.requests
         out = sched.schedule()
         if out.is_empty:
             continue
-        num_tokens = {rid: reqs[rid].num_tokens for rid in out.num_scheduled_tokens}
-        prompts = {rid: reqs[rid].num_prompt_tokens for rid in out.num_scheduled_tokens}
         updates = sched.update_from_output(out, runner.execute(out))
         kv = sched.kv_cache_manager
-        trace.record(out, num_tokens, prompts, updates, 0.0, 0.0, kv.num_free_blocks,
-                     out.num_cached_tokens, kv.block_pool.num_cached_free_blocks)
+        trace.record(out, updates, 0.0, 0.0, kv.num_free_blocks,
+                     kv.block_pool.num_cached_free_blocks)
         if on_step:
             for u in updates:
                 if u.finish_reason is not None:
@@ -244,6 +245,89 @@ def test_sentences_account_for_every_queued_request(tmp_path):
     joined = " ".join(texts)
     assert "the most recently admitted request" in joined  # someone preempted for another
     assert "is resumed after its preemption" in joined
+
+
+# A (priority 5) runs first; B (priority 0) joins and is the first to need a block when none is
+# left: FCFS preempts B itself (the most recently admitted), the priority policy preempts A.
+TWO = dict(requests=[("A", 6, 10, 0, 5), ("B", 8, 10, 1, 0)], budget=16, block_size=4,
+           num_blocks=6)
+
+
+def _preemption_sentence(tmp_path, policy):
+    said = []
+    path = str(tmp_path / f"{policy}.jsonl")
+    record_run(path, **TWO, policy=policy, on_step=lambda out, before: said.append(before))
+    steps = load_trace(path).steps
+    hits = [(s, narrate(s, b)) for s, b in zip(steps, said) if s.preempted]
+    assert len(hits) == 1, [t for _, t in hits]
+    return hits[0]
+
+
+def test_narration_names_whom_the_priority_policy_preempts(tmp_path):
+    step, text = _preemption_sentence(tmp_path, "priority")
+    assert step.preempted == ["A"] and step.preempted_for == {"A": "B"}
+    assert ("B needs a new block and none is left for it, so the lowest-priority running "
+            "request (priority 5), A, is preempted") in text
+    assert "most recently admitted" not in text
+    assert "B decodes 1 token" in text
+
+
+def test_narration_names_whom_fcfs_preempts(tmp_path):
+    step, text = _preemption_sentence(tmp_path, "fcfs")
+    assert step.preempted == ["B"] and step.preempted_for == {"B": "B"}
+    assert "so B itself, the most recently admitted request, is preempted" in text
+    assert "A decodes 1 token" in text
+
+
+@pytest.mark.parametrize("skips", [16, 1])
+def test_narration_gives_the_schedulers_reasons_for_waiting(tmp_path, skips):
+    """Skipped for blocks (with admission's own numbers), stopped by the budget or by
+    max_num_seqs, held behind a request passed over long enough: each as the trace recorded it."""
+    said = []
+    path = str(tmp_path / "waits.jsonl")
+    reqs = [("A", 30, 4, 0), ("B", 20, 2, 0), ("C", 3, 2, 0), ("D", 3, 2, 0), ("E", 3, 2, 0)]
+    record_run(path, reqs, budget=16, block_size=4, num_blocks=10, max_num_seqs=2 if skips > 1 else 4,
+               max_admission_skips=skips, on_step=lambda out, before: said.append(before))
+    steps = load_trace(path).steps
+    seen = set()
+    for s, before in zip(steps, said):
+        text = narrate(s, before)
+        for rid in s.skipped:
+            c = s.block_checks[rid]
+            free = "none is free" if c.free == 0 else ("only 1 is free" if c.free == 1
+                                                        else f"only {c.free} are free")
+            assert not c.fits
+            assert f"{rid} waits: its 20-token prompt needs {c.need} blocks but {free}" in text
+        for rid, c in s.block_checks.items():
+            if rid not in s.skipped:
+                assert c.fits and re.search(rf"{rid}( arrives and)? is admitted", text)
+        waiting = [q.id for q in before.waiting if q.id not in s.block_checks]
+        reason = {"budget": "waits: no budget left",
+                  "max_num_seqs": "waits: 2 requests already run (max_num_seqs)",
+                  "held": f"waits behind {s.skipped[-1] if s.skipped else ''}, which has been "
+                          "passed over long enough"}.get(s.admission_stop)
+        for rid in waiting:
+            assert re.search(rf"{rid}( arrives and)? {re.escape(reason or 'waits')}", text), text
+        seen |= {s.admission_stop} | ({"skipped"} if s.skipped else set())
+    assert seen >= ({"skipped", "budget", "max_num_seqs"} if skips > 1 else {"skipped", "held"})
+
+
+def test_old_traces_without_decisions_still_load_and_read(tmp_path):
+    """Traces written before the scheduler recorded its reasons load with them empty."""
+    path = tmp_path / "old.jsonl"
+    path.write_text(json.dumps({
+        "step": 0, "time": 0.0, "step_time": 0.0, "num_scheduled_tokens": 8,
+        "requests": [{"id": "A", "phase": "prefill", "tokens": 8, "num_computed_tokens": 0,
+                      "blocks": [0, 1], "sampled": 5, "cached_tokens": 0}],
+        "preempted": ["Z"], "finished": [], "free_blocks": 6, "budget": 16, "block_size": 4,
+        "num_blocks": 8}) + "\n")
+    step = load_trace(str(path)).steps[0]
+    assert step.preempted_for == {} and step.block_checks == {} and step.skipped == []
+    assert step.requests[0].admitted is None
+    before = Before([], [], [Queued("A", 8, 8, 0), Queued("W", 4, 4, 0)])
+    text = narrate(step, before)
+    assert "A is admitted; it prefills all 8" in text and "Z is preempted" in text
+    assert "W waits" in text
 
 
 def test_explain_runs_the_real_engine_and_says_why(tmp_path, capsys):

@@ -7,9 +7,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvflow.config import CacheConfig, SchedulerConfig
-from kvflow.core.kv_cache_manager import KVCacheManager, cdiv
-from kvflow.core.scheduler_output import NewRequestData, SchedulerOutput
-from kvflow.request import FinishReason, Request, RequestStatus
+from kvflow.core.kv_cache_manager import KVCacheManager
+from kvflow.core.scheduler_output import AdmissionStop, BlockCheck, NewRequestData, SchedulerOutput
+from kvflow.request import FinishReason, Request, RequestStatus, check_request_fits
 
 __all__ = ["Scheduler", "SchedulerOutput", "RequestUpdate"]
 
@@ -27,7 +27,9 @@ class Scheduler:
     """Running requests first, in admission order (decode = 1 token, an ongoing prefill takes
     what budget is left), then waiting requests first-come-first-served while the token budget,
     `max_num_seqs` and free blocks allow. When a running request cannot get a block, the most
-    recently admitted running request is preempted and recomputed later."""
+    recently admitted running request is preempted and recomputed later (under the priority
+    policy: the lowest priority, latest arrival). Each SchedulerOutput also records why: who
+    was admitted or skipped, who was preempted for whom, which tokens are prefill."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
         if cache_config.num_blocks is None:
@@ -40,22 +42,12 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.step_index = 0
-        self.num_preemptions = 0
-        self.first_scheduled_time: dict[str, float] = {}
         self._finished_ids: set[str] = set()
 
     # -- requests in and out -------------------------------------------------------------
     def add_request(self, req: Request) -> None:
-        max_len = self.config.max_model_len
-        total = req.num_prompt_tokens + req.max_tokens
-        if total > max_len:
-            raise ValueError(
-                f"prompt has {req.num_prompt_tokens} tokens and max_tokens is {req.max_tokens}: "
-                f"{total} is over max_model_len {max_len}")
-        if cdiv(total, self.block_size) > self.kv_cache_manager.num_total_blocks:
-            raise ValueError(
-                f"request needs {cdiv(total, self.block_size)} KV blocks but the cache has only "
-                f"{self.kv_cache_manager.num_total_blocks}")
+        check_request_fits(req.num_prompt_tokens, req.max_tokens, self.config.max_model_len,
+                           self.block_size, self.kv_cache_manager.num_total_blocks)
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
@@ -120,6 +112,7 @@ class Scheduler:
                 if victim.request_id in out.num_scheduled_tokens:  # priority policy only
                     budget += self._unschedule(victim, out)
                 self._preempt(victim, out)
+                out.preempted_for[victim.request_id] = req.request_id
                 if vi < i:
                     i -= 1
                 if victim is req:
@@ -133,7 +126,9 @@ class Scheduler:
                 continue  # `req` itself was preempted; the one now at index i is next
             i += 1
 
-        if not out.preempted_req_ids:
+        if out.preempted_req_ids:
+            out.admission_stop = AdmissionStop.PREEMPTION
+        else:
             budget = self._admit(budget, out)
 
         self.step_index += 1
@@ -150,14 +145,22 @@ class Scheduler:
                       if r.num_computed_tokens + out.num_scheduled_tokens.get(r.request_id, 0)
                       < r.num_tokens)
         admitted = []
+        now = time.time()
         for req in self.waiting:
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget <= 0:
+                out.admission_stop = AdmissionStop.BUDGET
+                break
+            if len(self.running) >= self.config.max_num_seqs:
+                out.admission_stop = AdmissionStop.MAX_NUM_SEQS
                 break
             computed, num_cached = kv.get_computed_blocks(req)
             need = (kv.num_blocks_needed(req, req.num_tokens) - len(computed)
                     + kv.num_evictable(computed))
-            if need > kv.num_free_blocks - pending:
+            check = out.block_checks[req.request_id] = BlockCheck(need, kv.num_free_blocks, pending)
+            if not check.fits:
+                out.skipped_req_ids.append(req.request_id)
                 if req.num_skips >= self.config.max_admission_skips:
+                    out.admission_stop = AdmissionStop.HELD
                     break  # it has waited long enough: it goes first once it fits
                 req.num_skips += 1
                 continue
@@ -180,7 +183,8 @@ class Scheduler:
             if resumed:
                 out.resumed_req_ids.append(req.request_id)
             out.num_cached_tokens[req.request_id] = num_cached
-            self.first_scheduled_time.setdefault(req.request_id, time.time())
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
             self._schedule(req, n, out)
             budget -= n
             pending += kv.num_blocks_needed(req, req.num_tokens)
@@ -195,17 +199,32 @@ class Scheduler:
         return self.running[-1]
 
     def _schedule(self, req: Request, n: int, out: SchedulerOutput) -> None:
-        assert req.num_computed_tokens + n <= self.config.max_model_len
-        out.num_scheduled_tokens[req.request_id] = n
-        out.num_computed_tokens[req.request_id] = req.num_computed_tokens
-        out.block_ids[req.request_id] = self.kv_cache_manager.get_block_ids(req.request_id)
+        computed = req.num_computed_tokens
+        assert computed + n <= self.config.max_model_len
+        rid = req.request_id
+        out.num_scheduled_tokens[rid] = n
+        out.num_computed_tokens[rid] = computed
+        out.block_ids[rid] = self.kv_cache_manager.get_block_ids(rid)
         out.total_num_scheduled_tokens += n
+        # a decode feeds back the one newest token, sampled in an earlier step; anything else
+        # (a prompt chunk, or recomputing prompt and outputs after a preemption) is a prefill
+        prefill = not (n == 1 and computed == req.num_tokens - 1 and req.num_output_tokens > 0)
+        out.is_prefill[rid] = prefill
+        if prefill:
+            out.num_prefill_tokens += n
+        else:
+            out.num_decode_tokens += n
 
     def _unschedule(self, req: Request, out: SchedulerOutput) -> int:
-        n = out.num_scheduled_tokens.pop(req.request_id)
-        del out.num_computed_tokens[req.request_id]
-        del out.block_ids[req.request_id]
+        rid = req.request_id
+        n = out.num_scheduled_tokens.pop(rid)
+        del out.num_computed_tokens[rid]
+        del out.block_ids[rid]
         out.total_num_scheduled_tokens -= n
+        if out.is_prefill.pop(rid):
+            out.num_prefill_tokens -= n
+        else:
+            out.num_decode_tokens -= n
         return n
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
@@ -213,7 +232,6 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
-        self.num_preemptions += 1
         self._enqueue(req, front=True)
         out.preempted_req_ids.append(req.request_id)
 
@@ -262,4 +280,3 @@ class Scheduler:
         self.kv_cache_manager.forget(req)
         self._finished_ids.add(req.request_id)
         del self.requests[req.request_id]
-        self.first_scheduled_time.pop(req.request_id, None)

@@ -1,6 +1,8 @@
-"""SchedulerOutput: the plain description of one step that the runner executes."""
+"""SchedulerOutput: the plain description of one step that the runner executes, and what the
+scheduler decided in it and why, for the trace, stats, dashboard and narration."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from kvflow.sampling_params import SamplingParams
@@ -17,6 +19,33 @@ class NewRequestData:
     sampling_params: SamplingParams
 
 
+@dataclass(slots=True)
+class BlockCheck:
+    """Admission's test of one waiting request: the blocks its whole remaining prompt would take
+    from the free pool must fit in the free blocks not promised to admitted, unfinished prompts."""
+
+    need: int  # blocks it would take (prefix-cache hits that sit in the free queue count)
+    free: int  # free blocks in the pool at the check
+    promised: int  # of those, still owed to admitted prompts that are not complete
+
+    @property
+    def fits(self) -> bool:
+        return self.need <= self.free - self.promised
+
+
+class AdmissionStop(str, enum.Enum):
+    """Why admission stopped before the end of the waiting queue (the rest wait for this)."""
+
+    PREEMPTION = "preemption"  # nothing is admitted in a step that preempts
+    BUDGET = "budget"  # the token budget is used up
+    MAX_NUM_SEQS = "max_num_seqs"  # max_num_seqs requests already run
+    HELD = "held"  # the last skipped request was passed over max_admission_skips times:
+    #                nobody overtakes it any more
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass
 class SchedulerOutput:
     step: int = 0
@@ -27,14 +56,33 @@ class SchedulerOutput:
     num_computed_tokens: dict[str, int] = field(default_factory=dict)
     # request id -> whole block table after this step's allocation
     block_ids: dict[str, list[int]] = field(default_factory=dict)
-    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)  # admitted this step
     resumed_req_ids: list[str] = field(default_factory=list)  # subset of the new ones
     preempted_req_ids: list[str] = field(default_factory=list)
     # finished (or aborted) since the previous schedule(): the runner drops their state
     finished_req_ids: set[str] = field(default_factory=set)
-    # request id -> prompt tokens found in the prefix cache at admission
+    # request id -> prompt tokens found in the prefix cache at admission (admitted this step)
     num_cached_tokens: dict[str, int] = field(default_factory=dict)
+
+    # -- what was decided and why: the runner does not need these ---------------------------
+    # request id -> True when its tokens this step are prompt tokens (a prefill chunk, or a
+    # resumed request recomputing), False for one decode token. The one definition of "prefill".
+    is_prefill: dict[str, bool] = field(default_factory=dict)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    # preempted id -> id of the running request whose need for a block preempted it (maybe itself)
+    preempted_for: dict[str, str] = field(default_factory=dict)
+    # waiting id -> admission's block check, for each waiting request it weighed, in queue order
+    block_checks: dict[str, BlockCheck] = field(default_factory=dict)
+    # waiting requests passed over for lack of blocks (they keep their place), in queue order
+    skipped_req_ids: list[str] = field(default_factory=list)
+    # why admission stopped before the end of the queue (None: it saw the whole queue)
+    admission_stop: AdmissionStop | None = None
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+    @property
+    def num_preemptions(self) -> int:
+        return len(self.preempted_req_ids)

@@ -7,7 +7,7 @@ from dataclasses import replace
 import torch
 
 from kvflow.config import EngineConfig
-from kvflow.core.scheduler import Scheduler
+from kvflow.core.scheduler import Scheduler, SchedulerOutput
 from kvflow.engine.kv_sizing import max_concurrency, num_kv_blocks
 from kvflow.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kvflow.engine.step_trace import StepTrace
@@ -18,7 +18,7 @@ from kvflow.model.loader import load_model, resolve_dtype
 from kvflow.model.runner import ModelRunner
 from kvflow.model.sharding import kv_bytes_per_token_per_rank
 from kvflow.model_path import resolve_model_path
-from kvflow.request import Request
+from kvflow.request import Request, check_request_fits
 
 logger = init_logger("kvflow.engine")
 
@@ -59,8 +59,6 @@ class EngineCore:
         self.runner = (self.executor if self.executor is not None else
                        ModelRunner(self.model, self.arch, cc.num_blocks, cc.block_size,
                                    self.kv_dtype, self.arch.eos_token_id))
-        self._last_preemptions = 0
-        self._first_scheduled: dict[str, float] = {}
         try:
             self.trace = StepTrace(config.trace, sc.max_num_batched_tokens, cc.block_size,
                                    cc.num_blocks) if config.trace else None
@@ -92,13 +90,11 @@ class EngineCore:
     def add_request(self, r: EngineCoreRequest) -> None:
         """Queue a request; ValueError (naming the numbers) if it can never fit."""
         params = r.sampling_params
-        n_prompt = len(r.prompt_token_ids)
-        if n_prompt == 0:
-            raise ValueError("prompt must not be empty")
+        cc = self.cache_config
+        max_tokens = check_request_fits(len(r.prompt_token_ids), params.max_tokens,
+                                        self.max_model_len, cc.block_size, cc.num_blocks)
         if params.max_tokens is None:
-            if n_prompt >= self.max_model_len:
-                raise ValueError(f"prompt has {n_prompt} tokens; max_model_len is {self.max_model_len}")
-            params = replace(params, max_tokens=self.max_model_len - n_prompt)
+            params = replace(params, max_tokens=max_tokens)
         req = Request(r.request_id, r.prompt_token_ids, params,
                       eos_token_id=r.eos_token_id if r.eos_token_id is not None else self.arch.eos_token_id,
                       arrival_time=r.arrival_time or time.time(), priority=r.priority,
@@ -108,7 +104,6 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.scheduler.abort_request(rid)
-            self._first_scheduled.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -124,12 +119,6 @@ class EngineCore:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return EngineCoreOutputs(scheduler_stats=self.stats(sched_out, 0.0))
-        if self.trace:
-            reqs = self.scheduler.requests
-            before = {rid: reqs[rid].num_tokens for rid in sched_out.num_scheduled_tokens}
-            prompts = {rid: reqs[rid].num_prompt_tokens for rid in sched_out.num_scheduled_tokens}
-        for new in sched_out.scheduled_new_reqs:
-            self._first_scheduled.setdefault(new.req_id, start)
         runner_out = self.runner.execute(sched_out)
         updates = self.scheduler.update_from_output(sched_out, runner_out.sampled)
         outputs = []
@@ -141,32 +130,25 @@ class EngineCore:
                 rid, u.new_token_ids, [lp] if lp is not None else None, finish,
                 u.request.stop_reason if finish else None,
                 num_cached_tokens=max(u.request.num_cached_tokens, 0),
-                first_scheduled_time=self._first_scheduled.get(rid)))
-            if finish:
-                self._first_scheduled.pop(rid, None)
+                first_scheduled_time=u.request.first_scheduled_time))
         step_time = time.perf_counter() - t0
         if self.trace:
             kv = self.scheduler.kv_cache_manager
-            self.trace.record(sched_out, before, prompts, updates, start, step_time,
-                              kv.num_free_blocks, sched_out.num_cached_tokens,
+            self.trace.record(sched_out, updates, start, step_time, kv.num_free_blocks,
                               kv.block_pool.num_cached_free_blocks)
         return EngineCoreOutputs(outputs, self.stats(sched_out, step_time))
 
-    def stats(self, sched_out, step_time: float) -> SchedulerStats:
+    def stats(self, sched_out: SchedulerOutput, step_time: float) -> SchedulerStats:
+        """The queues and the pool now, and what `sched_out`'s step did (a pure read)."""
         s = self.scheduler
         kv = s.kv_cache_manager
-        preempted = s.num_preemptions - self._last_preemptions
-        self._last_preemptions = s.num_preemptions
-        prompt_tokens = sum(n for rid, n in sched_out.num_scheduled_tokens.items()
-                            if rid in s.requests and sched_out.num_computed_tokens[rid]
-                            < s.requests[rid].num_prompt_tokens)
         return SchedulerStats(
             num_running=len(s.running), num_waiting=len(s.waiting), kv_cache_usage=kv.usage,
             num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_total_blocks,
-            num_preemptions=preempted, num_prompt_tokens=prompt_tokens,
-            num_generation_tokens=sched_out.total_num_scheduled_tokens - prompt_tokens,
-            step_time=step_time, prefix_cache_queries=kv.prefix_queries,
-            prefix_cache_hits=kv.prefix_hits)
+            num_preemptions=sched_out.num_preemptions,
+            num_prompt_tokens=sched_out.num_prefill_tokens,
+            num_generation_tokens=sched_out.num_decode_tokens, step_time=step_time,
+            prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits)
 
     def check_health(self) -> None:
         """WorkerFailedError if a tensor-parallel worker has died (checked while idle, so that

@@ -1,4 +1,5 @@
-"""The per-step trace: one JSON object per step (who ran, how many tokens, which blocks)."""
+"""The per-step trace: one JSON object per step (who ran, how many tokens, which blocks) and what
+the scheduler decided in it and why (admitted, skipped for blocks, preempted for whom)."""
 from __future__ import annotations
 
 import json
@@ -14,31 +15,28 @@ class StepTrace:
         self._header = {"budget": budget, "block_size": block_size, "num_blocks": num_blocks}
         self._finished_last_step: set[str] = set()
 
-    def record(self, out: SchedulerOutput, num_tokens_before: dict[str, int],
-               num_prompt_tokens: dict[str, int], updates: list[RequestUpdate],
-               start: float, step_time: float, num_free_blocks: int,
-               num_cached_tokens: dict[str, int] | None = None,
-               num_cached_free_blocks: int = 0) -> None:
+    def record(self, out: SchedulerOutput, updates: list[RequestUpdate], start: float,
+               step_time: float, num_free_blocks: int, num_cached_free_blocks: int = 0) -> None:
         sampled = {u.request.request_id: u.new_token_ids[0] for u in updates if u.new_token_ids}
         # finished_req_ids also repeats last step's finishes; only aborts since then are new here
         finished = sorted(out.finished_req_ids - self._finished_last_step)
         ended = [u.request.request_id for u in updates if u.finish_reason is not None]
         self._finished_last_step = set(ended)
         finished += ended
+        resumed = set(out.resumed_req_ids)
         reqs = []
         for rid, n in out.num_scheduled_tokens.items():
-            computed = out.num_computed_tokens[rid]
-            decode = n == 1 and computed == num_tokens_before[rid] - 1 and computed >= num_prompt_tokens[rid]
             entry = {
                 "id": rid,
-                "phase": "decode" if decode else "prefill",
+                "phase": "prefill" if out.is_prefill[rid] else "decode",
                 "tokens": n,
-                "num_computed_tokens": computed,
+                "num_computed_tokens": out.num_computed_tokens[rid],
                 "blocks": out.block_ids[rid],
                 "sampled": sampled.get(rid),
             }
-            if num_cached_tokens and rid in num_cached_tokens:
-                entry["cached_tokens"] = num_cached_tokens[rid]
+            if rid in out.num_cached_tokens:  # admitted this step
+                entry["cached_tokens"] = out.num_cached_tokens[rid]
+                entry["admitted"] = "resumed" if rid in resumed else "new"
             reqs.append(entry)
         record = {
             "step": out.step,
@@ -52,6 +50,16 @@ class StepTrace:
             "cached_free_blocks": num_cached_free_blocks,
             **self._header,
         }
+        # the decisions' reasons, where there are any
+        if out.preempted_for:
+            record["preempted_for"] = out.preempted_for
+        if out.block_checks:
+            record["block_checks"] = {rid: {"need": c.need, "free": c.free, "promised": c.promised}
+                                      for rid, c in out.block_checks.items()}
+        if out.skipped_req_ids:
+            record["skipped"] = out.skipped_req_ids
+        if out.admission_stop is not None:
+            record["admission_stop"] = out.admission_stop.value
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.options import engine_config
 from kvflow.outputs import RequestOutput
+from kvflow.request import check_request_fits
 from kvflow.sampling_params import SamplingParams
 from kvflow.tokenizer import render_chat
 
@@ -82,12 +83,10 @@ class LLM:
         return self.engine.core.reset_prefix_cache()
 
     def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
-        max_len = self.engine.max_model_len
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        if params.max_tokens is not None and len(ids) + params.max_tokens > max_len:
-            raise ValueError(f"prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: "
-                             f"{len(ids) + params.max_tokens} is over max_model_len {max_len}")
+        """Every prompt is checked before any is queued, so a bad one leaves none behind."""
+        cc = self.engine.core.cache_config
+        check_request_fits(len(ids), params.max_tokens, self.engine.max_model_len,
+                           cc.block_size, cc.num_blocks)
 
     def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(order)

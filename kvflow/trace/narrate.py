@@ -1,19 +1,17 @@
 """One plain sentence per step: what the scheduler decided and why (budget left, blocks given,
-who waits and for what, who finished and what was freed).
+who waits and for what, who was preempted for whom, who finished and what was freed).
 
-The sentence is built from the step's trace record plus a snapshot of the queues taken just
-before the step; the arithmetic follows the scheduler's rules (DESIGN.md, "The core's
-contract") so every number in it can be checked against the table above it."""
+The decisions and their reasons are the scheduler's own, read from the step's trace record
+(`admitted`, `block_checks`, `skipped`, `admission_stop`, `preempted_for`); a snapshot of the
+queues taken just before the step says only who was there and how long each was, so that a
+request the scheduler did not reach is named too."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvflow.core.scheduler_output import BlockCheck
 from kvflow.trace.reader import RequestStep, Step
 from kvflow.trace.table import block_ranges
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(slots=True)
@@ -24,44 +22,32 @@ class Queued:
     num_tokens: int  # prompt + output so far
     num_prompt_tokens: int
     num_computed_tokens: int
-    num_blocks: int  # blocks it holds
     resumed: bool = False  # waiting after a preemption
-    need_blocks: int = 0  # waiting only: free blocks admission would take for the whole prompt
-    evictable: int = 0  # waiting only: of those, cache hits sitting in the free queue
-    cached_tokens: int = 0  # waiting only: prompt tokens the prefix cache would give it
-    num_skips: int = 0
+    priority: int = 0
 
 
 @dataclass
 class Before:
-    """The queues and the pool just before a step."""
+    """The queues just before a step, and the rules' settings that the sentences name."""
 
     arrived: list[str]
     running: list[Queued]
     waiting: list[Queued]
-    free_blocks: int
     max_num_seqs: int = 128
-    max_admission_skips: int = 16
+    policy: str = "fcfs"  # who is preempted: fcfs, the most recently admitted; priority, the lowest
     finish_reasons: dict[str, str] = field(default_factory=dict)  # filled after the step
 
 
 def snapshot(sched, arrived: list[str] | None = None) -> Before:
-    """The queues and the pool of a `Scheduler` now, before its next step."""
-    kv = sched.kv_cache_manager
+    """The queues of a `Scheduler` now, before its next step."""
+    def queued(req) -> Queued:
+        return Queued(req.request_id, req.num_tokens, req.num_prompt_tokens,
+                      req.num_computed_tokens, resumed=req.num_preemptions > 0,
+                      priority=req.priority)
 
-    def queued(req, waiting: bool) -> Queued:
-        q = Queued(req.request_id, req.num_tokens, req.num_prompt_tokens, req.num_computed_tokens,
-                   len(kv.get_block_ids(req.request_id)), resumed=req.num_preemptions > 0,
-                   num_skips=req.num_skips)
-        if waiting:  # the admission arithmetic of Scheduler._admit, through public methods
-            computed, q.cached_tokens = kv.get_computed_blocks(req)
-            q.evictable = kv.num_evictable(computed)
-            q.need_blocks = kv.num_blocks_needed(req, req.num_tokens) - len(computed) + q.evictable
-        return q
-
-    return Before(list(arrived or []), [queued(r, False) for r in sched.running],
-                  [queued(r, True) for r in sched.waiting], kv.num_free_blocks,
-                  sched.config.max_num_seqs, sched.config.max_admission_skips)
+    return Before(list(arrived or []), [queued(r) for r in sched.running],
+                  [queued(r) for r in sched.waiting], sched.config.max_num_seqs,
+                  sched.config.policy)
 
 
 def _s(n: int, word: str) -> str:
@@ -99,11 +85,27 @@ def _running_clause(r: RequestStep, q: Queued, left: int, block_size: int) -> st
     return f"{r.id} prefills {r.tokens} more of its {remaining} remaining prompt tokens ({why}){where}"
 
 
-def _admit_clause(r: RequestStep, q: Queued, came: str, free: int, left: int, block_size: int) -> str:
+def _what_needs(q: Queued) -> str:
+    return f"its {q.num_tokens} tokens need" if q.resumed else f"its {q.num_tokens}-token prompt needs"
+
+
+def _against_free(check: BlockCheck, conj: str) -> str:
+    """'3 blocks and 4 are free', from admission's own block check."""
+    free = _are_free(check.free)
+    if conj == "but" and check.free > 0:
+        free = "only " + free
+    promised = (f", {check.promised} of them promised to unfinished prompts"
+                if check.promised > 0 else "")
+    return f"{_s(check.need, 'block')} {conj} {free}{promised}"
+
+
+def _admit_clause(r: RequestStep, q: Queued, came: str, check: BlockCheck | None, left: int,
+                  block_size: int) -> str:
     fresh = _fresh(r, block_size)
     cached = r.cached_tokens or 0
     todo = q.num_tokens - cached
-    if q.resumed:
+    resumed = r.admitted == "resumed" if r.admitted else q.resumed
+    if resumed:
         head = f"{r.id} is resumed after its preemption"
         if cached:
             hits = r.new_blocks[:cached // block_size]
@@ -114,16 +116,18 @@ def _admit_clause(r: RequestStep, q: Queued, came: str, free: int, left: int, bl
     elif cached:
         hits = r.new_blocks[:cached // block_size]
         head = (f"{r.id}{came} is admitted: {cached} of its {q.num_tokens} prompt tokens are in the "
-                f"prefix cache ({_blocks_phrase(hits, new=False)}), the rest needs "
-                f"{_s(q.need_blocks, 'block')} and {_are_free(free)}")
+                f"prefix cache ({_blocks_phrase(hits, new=False)})")
+        if check is not None:
+            head += f", the rest needs {_against_free(check, 'and')}"
     else:
-        head = (f"{r.id}{came} is admitted: its {q.num_tokens}-token prompt needs "
-                f"{_s(q.need_blocks, 'block')} and {_are_free(free)}")
+        head = f"{r.id}{came} is admitted"
+        if check is not None:
+            head += f": {_what_needs(q)} {_against_free(check, 'and')}"
     parts = []
     if r.tokens < todo:
         why = "all the budget left" if r.tokens == left else "its per-step cap"
         parts.append(f"it prefills {r.tokens} of {todo} ({why}: chunked prefill)")
-    elif not q.resumed:
+    elif not resumed:
         parts.append(f"it prefills the other {todo}" if cached else f"it prefills all {todo}")
     if fresh:
         parts.append(f"into {_blocks_phrase(fresh)}")
@@ -148,91 +152,91 @@ def _finish_clause(rid: str, reason: str | None, step: Step) -> str:
     return f"{rid} finishes{why}{back}"
 
 
-def _preempt_clause(requester: str, victim: str, freed: list[int]) -> str:
+def _preempt_clause(requester: str, victim: str, freed: list[int], before: Before) -> str:
     goes = "goes" if len(freed) == 1 else "go"
     back = f": {_blocks_phrase(freed, new=False)} {goes} back to the pool and" if freed else " and"
+    if before.policy == "priority":
+        prio = next((q.priority for q in before.running if q.id == victim), None)
+        rule = "the lowest-priority running request" + (f" (priority {prio})" if prio is not None
+                                                         else "")
+    else:
+        rule = "the most recently admitted request"
     if victim == requester:
-        return (f"{victim} needs a new block for its next token and none is free, so {victim}, "
-                f"the most recently admitted, is preempted{back} {victim} will be recomputed later")
-    return (f"{requester} needs a new block and none is free, so the most recently admitted "
-            f"request, {victim}, is preempted{back} {victim} will be recomputed later")
+        return (f"{victim} needs a new block and none is left for it, so {victim} itself, "
+                f"{rule}, is preempted{back} {victim} will be recomputed later")
+    return (f"{requester} needs a new block and none is left for it, so {rule}, {victim}, "
+            f"is preempted{back} {victim} will be recomputed later")
 
 
-def _running_phase(step: Step, before: Before, clauses: list[str]) -> tuple[int, int]:
-    """Running requests go first, in admission order; when one lacks a block, the most recently
-    admitted is preempted. Returns the budget and free blocks left for admission."""
+def _running_phase(step: Step, before: Before, clauses: list[str]) -> int:
+    """Running requests go first, in admission order; each preemption is told where the
+    scheduler made it, for the request whose need caused it. Returns the budget left."""
     bs = step.block_size
     entries = {r.id: r for r in step.requests}
-    left, free = step.budget, before.free_blocks
-    victims = list(step.preempted)
-    gone: set[str] = set()
+    left = step.budget
+    caused: dict[str, list[str]] = {}
+    for v in step.preempted:
+        caused.setdefault(step.preempted_for.get(v, ""), []).append(v)
+    told: set[str] = set()
     for q in before.running:
+        if q.id in told:
+            continue  # preempted for someone before it
+        for v in caused.get(q.id, ()):
+            told.add(v)
+            clauses.append(_preempt_clause(q.id, v, step.freed.get(v, []), before))
         r = entries.get(q.id)
-        if q.id in gone:
-            continue  # preempted for someone else
-        if r is None and q.id not in victims:
-            clauses.append(f"{q.id} gets no tokens this step: the budget is used up")
-            continue
-        need = len(_fresh(r, bs)) if r is not None else 1
-        while victims and (r is None or need > free):
-            v = victims.pop(0)
-            gone.add(v)
-            free += len(step.freed.get(v, []))
-            clauses.append(_preempt_clause(q.id, v, step.freed.get(v, [])))
-            if v == q.id:
-                break
         if r is not None:
             clauses.append(_running_clause(r, q, left, bs))
-            free -= need
             left -= r.tokens
-    return left, free
+        elif q.id not in step.preempted:
+            clauses.append(f"{q.id} gets no tokens this step: the budget is used up")
+    for v in step.preempted:  # a trace written before preempted_for was recorded
+        if v not in told:
+            clauses.append(f"{v} is preempted and will be recomputed later")
+    return left
 
 
-def _admission_phase(step: Step, before: Before, left: int, free: int, clauses: list[str]) -> None:
-    """Then waiting requests in queue order while budget, max_num_seqs and blocks allow; a request
-    is admitted only if its whole remaining prompt fits in the blocks nobody was promised."""
+_STOPS = {
+    "preemption": "nothing is admitted in a step that preempts",
+    "budget": "no budget left",
+}
+
+
+def _admission_phase(step: Step, before: Before, left: int, clauses: list[str]) -> None:
+    """Then waiting requests in queue order, each as admission decided: admitted when its whole
+    remaining prompt fit in the blocks nobody was promised, skipped when not, or not reached
+    (the step's `admission_stop` says why)."""
     bs = step.block_size
     entries = {r.id: r for r in step.requests}
-    sizes = {q.id: q.num_tokens for q in before.running}
-    pending = sum(cdiv(sizes[r.id], bs) - len(r.blocks) for r in step.requests
-                  if r.id in sizes and r.phase == "prefill"
-                  and r.num_computed_tokens + r.tokens < sizes[r.id])
-    num_running = len(before.running) - len(step.preempted)
-    blocked_by = None
+    skipped = set(step.skipped)
+    held = step.skipped[-1] if step.admission_stop == "held" and step.skipped else None
     for q in before.waiting:
         r = entries.get(q.id)
         came = " arrives and" if q.id in before.arrived else ""
+        check = step.block_checks.get(q.id)
         if r is not None:
-            clauses.append(_admit_clause(r, q, came, free, left, bs))
-            free -= len(_fresh(r, bs)) + q.evictable
-            pending += cdiv(q.num_tokens, bs) - len(r.blocks)
+            clauses.append(_admit_clause(r, q, came, check, left, bs))
             left -= r.tokens
-            num_running += 1
             continue
         waits = f"{q.id}{came} waits"
-        if step.preempted:
-            clauses.append(f"{waits}: nothing is admitted in a step that preempts")
-        elif blocked_by is not None:
-            clauses.append(f"{waits} behind {blocked_by}, which has been passed over long enough")
-        elif left <= 0:
-            clauses.append(f"{waits}: no budget left")
-        elif num_running >= before.max_num_seqs:
+        if q.id in skipped:
+            clauses.append(f"{waits}: {_what_needs(q)} " + (_against_free(check, "but") if check
+                                                          else "more blocks than are free"))
+        elif held is not None:
+            clauses.append(f"{waits} behind {held}, which has been passed over long enough")
+        elif step.admission_stop == "max_num_seqs":
             clauses.append(f"{waits}: {before.max_num_seqs} requests already run (max_num_seqs)")
+        elif step.admission_stop in _STOPS:
+            clauses.append(f"{waits}: {_STOPS[step.admission_stop]}")
         else:
-            what = (f"its {q.num_tokens} tokens need" if q.resumed
-                    else f"its {q.num_tokens}-token prompt needs")
-            free_now = _are_free(free) if free <= 0 else "only " + _are_free(free)
-            promised = f", {pending} of them promised to unfinished prompts" if pending > 0 else ""
-            clauses.append(f"{waits}: {what} {_s(q.need_blocks, 'block')} but {free_now}{promised}")
-            if q.num_skips >= before.max_admission_skips:
-                blocked_by = q.id
+            clauses.append(waits)
 
 
 def narrate(step: Step, before: Before) -> str:
     """The sentence for `step`, given the queues just before it."""
     clauses: list[str] = []
-    left, free = _running_phase(step, before, clauses)
-    _admission_phase(step, before, left, free, clauses)
+    left = _running_phase(step, before, clauses)
+    _admission_phase(step, before, left, clauses)
     for rid in step.finished:
         clauses.append(_finish_clause(rid, before.finish_reasons.get(rid), step))
     used, budget = step.num_scheduled_tokens, step.budget

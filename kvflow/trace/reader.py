@@ -1,5 +1,7 @@
 """Load a step trace (JSONL, one object per engine step) into plain dataclasses.
 
+Each line holds the step's plan and the scheduler's reasons for it (admitted, skipped for
+blocks, preempted for whom; traces written before those were recorded load with them empty).
 Besides what each line records, loading derives what a reader of the trace asks next: which
 blocks each request was given in a step, and which blocks a finish or a preemption returned
 to the pool."""
@@ -7,6 +9,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+
+from kvflow.core.scheduler_output import BlockCheck
 
 
 @dataclass(slots=True)
@@ -19,7 +23,8 @@ class RequestStep:
     num_computed_tokens: int  # before this step
     blocks: list[int]  # the whole block table after this step's allocation
     sampled: int | None  # token sampled at the end of this step, if any
-    cached_tokens: int | None = None  # prompt tokens found in the prefix cache
+    cached_tokens: int | None = None  # prompt tokens found in the prefix cache (admitted only)
+    admitted: str | None = None  # "new" | "resumed" when admitted in this step
     new_blocks: list[int] = field(default_factory=list)  # derived: allocated in this step
 
 
@@ -39,6 +44,13 @@ class Step:
     finished: list[str]
     requests: list[RequestStep]
     cached_free_blocks: int | None = None  # free blocks still holding a cached prefix
+    # the scheduler's reasons: preempted id -> whose need for a block preempted it; the block
+    # check of each waiting request admission weighed; who was skipped for lack of blocks; why
+    # admission stopped short of the end of the queue (an AdmissionStop value)
+    preempted_for: dict[str, str] = field(default_factory=dict)
+    block_checks: dict[str, BlockCheck] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+    admission_stop: str | None = None
     # derived: id -> blocks its finish or preemption returned to the pool (shared ones stay)
     freed: dict[str, list[int]] = field(default_factory=dict)
 
@@ -86,12 +98,16 @@ def parse_step(obj: dict) -> Step:
     if missing:
         raise ValueError(f"missing field(s) {', '.join(missing)}")
     reqs = [RequestStep(str(r["id"]), r["phase"], int(r["tokens"]), int(r["num_computed_tokens"]),
-                        list(r["blocks"]), r.get("sampled"), r.get("cached_tokens"))
+                        list(r["blocks"]), r.get("sampled"), r.get("cached_tokens"), r.get("admitted"))
             for r in obj["requests"]]
+    checks = {str(rid): BlockCheck(int(c["need"]), int(c["free"]), int(c["promised"]))
+              for rid, c in obj.get("block_checks", {}).items()}
     return Step(int(obj["step"]), float(obj.get("time", 0.0)), float(obj.get("step_time", 0.0)),
                 int(obj["num_scheduled_tokens"]), int(obj["budget"]), int(obj["block_size"]),
                 int(obj["num_blocks"]), int(obj["free_blocks"]), [str(i) for i in obj.get("preempted", [])],
-                [str(i) for i in obj.get("finished", [])], reqs, obj.get("cached_free_blocks"))
+                [str(i) for i in obj.get("finished", [])], reqs, obj.get("cached_free_blocks"),
+                {str(v): str(r) for v, r in obj.get("preempted_for", {}).items()}, checks,
+                [str(i) for i in obj.get("skipped", [])], obj.get("admission_stop"))
 
 
 def _release(tables: dict[str, list[int]], rid: str) -> list[int]:
@@ -179,5 +195,9 @@ def select(trace: Trace, requests: list[str] | None = None,
         if reqs or pre or fin:
             out.append(Step(s.step, s.time, s.step_time, s.num_scheduled_tokens, s.budget,
                             s.block_size, s.num_blocks, s.free_blocks, pre, fin, reqs,
-                            s.cached_free_blocks, {k: v for k, v in s.freed.items() if k in wanted}))
+                            s.cached_free_blocks,
+                            {k: v for k, v in s.preempted_for.items() if k in wanted},
+                            {k: v for k, v in s.block_checks.items() if k in wanted},
+                            [i for i in s.skipped if i in wanted], s.admission_stop,
+                            freed={k: v for k, v in s.freed.items() if k in wanted}))
     return out

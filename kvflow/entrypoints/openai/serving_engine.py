@@ -12,6 +12,7 @@ from kvflow.engine.async_engine import AsyncLLM
 from kvflow.engine.core_client import EngineDeadError
 from kvflow.entrypoints.openai.errors import APIError, bad_request, error_body
 from kvflow.entrypoints.openai.server_settings import ServerSettings
+from kvflow.request import InvalidRequestError, check_request_fits
 
 MAX_N = 128
 
@@ -51,27 +52,16 @@ class OpenAIServing:
 
     def check_prompt(self, ids: list[int], max_tokens: int | None) -> None:
         """The same limits the core enforces, checked here so that they become a 400."""
-        max_len = self.engine.max_model_len
-        vocab = self.engine.info.vocab_size
-        if not ids:
-            raise bad_request("prompt must not be empty")
+        info = self.engine.info
+        vocab = info.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise bad_request(f"prompt contains token id {bad}, outside the vocabulary [0, {vocab})")
-        if max_tokens is None:
-            if len(ids) >= max_len:
-                raise bad_request(f"prompt has {len(ids)} tokens; max_model_len is {max_len}")
-        elif len(ids) + max_tokens > max_len:
-            raise APIError(400, f"prompt has {len(ids)} tokens and max_tokens is {max_tokens}: "
-                                f"{len(ids) + max_tokens} is over max_model_len {max_len}",
-                           param="max_tokens", code="invalid_value")
-        info = self.engine.info
-        total = max_len if max_tokens is None else len(ids) + max_tokens
-        blocks = -(-total // info.block_size)
-        if blocks > info.num_blocks:
-            raise APIError(400, f"prompt and max_tokens need {total} tokens ({blocks} KV blocks) but "
-                                f"the KV cache holds only {info.num_blocks} blocks; lower max_tokens",
-                           param="max_tokens", code="invalid_value")
+        try:
+            check_request_fits(len(ids), max_tokens, self.engine.max_model_len,
+                               info.block_size, info.num_blocks)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
 
     @staticmethod
     def check_n(n: int) -> None:
