@@ -16,12 +16,6 @@ def panel_gemm_built() -> bool:
     return lib is not None and bool(lib.gemm_bf16_available())
 
 
-def panel_gemm_usable(w: torch.Tensor) -> bool:
-    """The panel GEMM serves this weight: bf16 (N, K) on the CPU, K even."""
-    return (w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2
-            and w.shape[1] % 2 == 0 and panel_gemm_built())
-
-
 def pack_panels(w: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
     """(N, K) bf16 -> [ceil(N/64), K/2, 64, 2]: per panel of 64 outputs, K in pairs, so a
     panel is one contiguous stream (outputs past N are zero weights). `gate_up`: w is an
