@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvflow.csrc import load_library, run_kernel
+from kvflow.csrc import library, run_kernel
 
 PANEL = 64  # outputs per packed panel (gemm_bf16.c)
 GATE_UP_ALIGN = PANEL  # [gate; up] rows fused with SiLU: a whole panel of 32 gate + 32 up each
@@ -12,7 +12,7 @@ GATE_UP_ALIGN = PANEL  # [gate; up] rows fused with SiLU: a whole panel of 32 ga
 
 def panel_gemm_built() -> bool:
     """The kernel library built with AVX512-BF16 (the panel GEMM's instructions)."""
-    lib = load_library()
+    lib = library()
     return lib is not None and bool(lib.gemm_bf16_available())
 
 

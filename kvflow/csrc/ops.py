@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvflow.csrc import load_library, run_kernel
+from kvflow.csrc import library, run_kernel
 
 # Below this many values an elementwise kernel takes a few microseconds, about what handing
 # rows to a pool thread costs.
@@ -109,5 +109,5 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
         return argmax_rows_torch(logits)
     rows, n = logits.shape
     out = np.empty(rows, dtype=np.int64)
-    load_library().argmax_rows_bf16(logits.data_ptr(), n, out.ctypes.data, 0, rows, n)
+    library().argmax_rows_bf16(logits.data_ptr(), n, out.ctypes.data, 0, rows, n)
     return out.tolist()

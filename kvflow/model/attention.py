@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvflow.csrc import load_library, run_kernel
+from kvflow.csrc import library, run_kernel
 from kvflow.model import hugepages
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.kv_layout import cache_geometry, cache_shape, read_blocks, read_rows, write_rows
@@ -170,7 +170,7 @@ def write_kv_with_kernel(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.
     if (writer is not None and k_cache.device.type == "cpu"
             and k.stride()[1:] == (d, 1) and v.stride() == k.stride()
             and k_cache.is_contiguous() and v_cache.is_contiguous()):
-        getattr(load_library(), writer)(
+        getattr(library(), writer)(
             k.data_ptr(), v.data_ptr(), k.stride(0), slot_mapping.data_ptr(),
             k_cache.data_ptr(), v_cache.data_ptr(), 0, k.shape[0], kvh, d, bs)
         return
@@ -230,7 +230,7 @@ def _prefill_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """Prompt rows through the flash-style prompt kernel (prefill_attention.c: bf16 cache,
     AVX512-BF16, 16-token blocks) into `out` (fp32 or bf16, contiguous); decode rows untouched. q is
     read in bf16 (an fp32 q is rounded first). False: the kernel does not serve this here."""
-    lib = load_library()
+    lib = library()
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads, _ = cache_geometry(k_cache)
     if (k_cache.dtype != torch.bfloat16 or k_cache.device.type != "cpu"

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from kvflow import envs
-from kvflow.csrc import load_library, ops
+from kvflow.csrc import library, ops
 from kvflow.model import attention, packed_linear
 from kvflow.model.cpu_features import CpuFeatures, cpu_features
 from kvflow.model.kv_layout import write_rows
@@ -89,7 +89,7 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
     features = cpu_features() if features is None else features
     options = KernelOptions.from_env() if options is None else options
     on_cpu = device_type == "cpu"
-    lib = load_library() if on_cpu and options.c_kernels else None
+    lib = library() if on_cpu and options.c_kernels else None
     c = lib is not None
     bf16 = torch.bfloat16
 
