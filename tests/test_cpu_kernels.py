@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from kvflow.csrc import load_library
 from kvflow.csrc import ops
 from kvflow.model import attention as A
+from kvflow.model.cpu_features import cpu_features
 from kvflow.model.kv_layout import cache_shape, read_rows, write_rows
 
 torch.set_num_threads(1)
@@ -282,9 +283,9 @@ def test_prompt_kernel_matches_sdpa_over_whole_blocks(threads, heads, kv_heads, 
     scale = head_dim ** -0.5
     meta = A.build_attention_metadata(query_lens, seq_lens, tables, block_size)
     lib = load_library()
-    flags = open("/proc/cpuinfo").read().split()
+    cpu = cpu_features()
     assert lib.paged_prefill_bf16_supported(heads, kv_heads, head_dim, block_size) == (
-        "avx512f" in flags and "avx512_bf16" in flags)  # an AVX-512 CPU without BF16 has none
+        cpu.avx512 and cpu.avx512_bf16)  # an AVX-512 CPU without BF16 has none
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
