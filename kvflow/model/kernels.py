@@ -113,10 +113,10 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
              "gate_up": "panel-bf16-silu" if panels else f"{linear_name}+{c_name}-silu",
              "attention": attention_name, "norm": c_name, "rope": c_name, "kv_write": c_name,
              "argmax": "c" if c and dtype == bf16 else "torch"}
+    pack = partial(packed_linear.pack_weight, panels=panels, onednn=onednn) if panels or onednn else None
     return Kernels(
         dtype=dtype, kv_dtype=kv_dtype, device_type=device_type, features=features,
-        options=options, names=names,
-        pack=partial(packed_linear.pack_weight, panels=panels, onednn=onednn) if panels or onednn else None,
+        options=options, names=names, pack=pack,
         linear=packed_linear.linear,
         linear_silu_mul=partial(packed_linear.linear_silu_mul, silu_mul=silu_mul),
         silu_mul=silu_mul,
