@@ -1,4 +1,4 @@
-"""Time prompt attention alone: `paged_attention` over 30 layers of prompts read from a bf16
+"""Time prompt attention alone: `attention_with_kernels` over 30 layers of prompts read from a bf16
 paged cache, through the flash-style prompt kernel and (`--rows`) through the decode kernel
 with every prompt token as a row, the path the prompt kernel replaced.
 
@@ -42,20 +42,18 @@ def main() -> int:
     q = torch.randn(sum(lens), heads, head_dim).bfloat16()
     meta = A.build_attention_metadata(np.array(lens), np.array(lens), tables, bs)
 
-    def one_step() -> float:
+    def one_step(prompt_kernel: bool) -> float:
         t0 = time.perf_counter()
         for k, v in caches:
-            A.paged_attention(q, k, v, meta, head_dim ** -0.5, kv_heads)
+            A.attention_with_kernels(q, k, v, meta, head_dim ** -0.5, kv_heads,
+                                     prompt_kernel=prompt_kernel)
         return time.perf_counter() - t0
 
-    kernel = A._prefill_with_kernel
     for name in ["prompt kernel", "decode rows"] * 2 if args.rows else ["prompt kernel"]:
-        A._prefill_with_kernel = kernel if name == "prompt kernel" else (lambda *a, **k: False)
-        one_step()
-        times = [one_step() for _ in range(args.reps)]
+        one_step(name == "prompt kernel")
+        times = [one_step(name == "prompt kernel") for _ in range(args.reps)]
         print(f"{name}: {args.layers} layers x prompts {args.lens}: "
               f"{statistics.median(times) * 1000:.1f} ms median of {args.reps}")
-    A._prefill_with_kernel = kernel
     return 0
 
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from kvflow.csrc import load_library
 from kvflow.csrc import ops
 from kvflow.model import attention as A
+from kvflow.model.cpu_features import cpu_features
 from kvflow.model.kv_layout import cache_shape, read_rows, write_rows
 
 torch.set_num_threads(1)
@@ -105,7 +106,7 @@ def test_write_kv_kernel_matches_index_copy(cache_dtype):
     slots = torch.from_numpy(np.random.default_rng(1).permutation(num_blocks * block_size)[:t].copy())
     shape = cache_shape(num_blocks, block_size, kv_heads, head_dim)
     got_k, got_v = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
-    A.write_kv(got_k, got_v, k, v, slots)
+    A.write_kv_with_kernel(got_k, got_v, k, v, slots)
     want_k, want_v = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
     write_rows(want_k, want_v, k, v, slots)
     nan = want_k.isnan()
@@ -123,7 +124,7 @@ def test_bf16_kv_rows_are_copied_into_a_bf16_cache():
     slots = torch.from_numpy(np.random.default_rng(2).permutation(64)[:t].copy())
     shape = cache_shape(4, 16, kv_heads, head_dim)
     got_k, got_v = torch.zeros(shape).bfloat16(), torch.zeros(shape).bfloat16()
-    A.write_kv(got_k, got_v, k, v, slots)
+    A.write_kv_with_kernel(got_k, got_v, k, v, slots)
     want_k, want_v = torch.zeros_like(got_k), torch.zeros_like(got_v)
     write_rows(want_k, want_v, k, v, slots)
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
@@ -235,18 +236,17 @@ def test_prompt_tokens_through_the_kernel_match_sdpa(dtype, threads, monkeypatch
     q = torch.randn(int(query_lens.sum()), heads, head_dim).to(dtype)
     scale = head_dim ** -0.5
 
-    def attend() -> torch.Tensor:
+    def attend(attend_with) -> torch.Tensor:
         meta = A.build_attention_metadata(query_lens, seq_lens, tables, block_size)
-        return A.paged_attention(q, k_cache, v_cache, meta, scale, kv_heads)
+        return attend_with(q, k_cache, v_cache, meta, scale, kv_heads)
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = attend()
+        got = attend(A.attention_with_kernels)
     finally:
         torch.set_num_threads(old)
-    monkeypatch.setattr(A, "load_library", lambda: None)
-    want = attend()
+    want = attend(A.attention_with_sdpa)
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16 outputs: one rounding apart
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
@@ -283,17 +283,17 @@ def test_prompt_kernel_matches_sdpa_over_whole_blocks(threads, heads, kv_heads, 
     scale = head_dim ** -0.5
     meta = A.build_attention_metadata(query_lens, seq_lens, tables, block_size)
     lib = load_library()
-    flags = open("/proc/cpuinfo").read().split()
+    cpu = cpu_features()
     assert lib.paged_prefill_bf16_supported(heads, kv_heads, head_dim, block_size) == (
-        "avx512f" in flags and "avx512_bf16" in flags)  # an AVX-512 CPU without BF16 has none
+        cpu.avx512 and cpu.avx512_bf16)  # an AVX-512 CPU without BF16 has none
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = A.paged_attention(q, k_cache, v_cache, meta, scale, kv_heads)
+        got = A.attention_with_kernels(q, k_cache, v_cache, meta, scale, kv_heads)
     finally:
         torch.set_num_threads(old)
-    want = A._attention_with_sdpa(q.float(), k_cache, v_cache, meta, scale, kv_heads, None, None)
+    want = A.attention_with_sdpa(q.float(), k_cache, v_cache, meta, scale, kv_heads, decode_kernel=True)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)  # got is rounded to bf16
 
 
@@ -317,15 +317,15 @@ def test_bf16_q_and_out_are_the_kernels_fp32_out_rounded_once(threads, monkeypat
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = A.paged_attention(q, k_cache, v_cache, meta, scale, kv_heads)
+        got = A.attention_with_kernels(q, k_cache, v_cache, meta, scale, kv_heads)
         want = torch.full((len(q), heads, head_dim), float("nan"))
         if A._prefill_with_kernel(q, k_cache, v_cache, meta, scale, want):
             assert A._decode_with_kernel(q, k_cache, v_cache, meta, scale, want)
-        else:  # no prompt kernel on this CPU: paged_attention runs prompt tokens as decode rows
+        else:  # no prompt kernel on this CPU: attention_with_kernels runs prompt tokens as decode rows
             assert A._decode_with_kernel(q, k_cache, v_cache, meta, scale, want, all_tokens=True)
         dec_got = torch.full((len(q), heads, head_dim), float("nan")).bfloat16()
         assert A._decode_with_kernel(q, k_cache, v_cache, meta, scale, dec_got)
-        from_fp32 = A.paged_attention(q.float(), k_cache, v_cache, meta, scale, kv_heads)
+        from_fp32 = A.attention_with_kernels(q.float(), k_cache, v_cache, meta, scale, kv_heads)
     finally:
         torch.set_num_threads(old)
     assert got.dtype == torch.bfloat16 and not want.isnan().any()

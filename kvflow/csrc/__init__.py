@@ -2,8 +2,8 @@
 called through ctypes (no torch headers, so the build takes about a second). `run_kernel`
 splits a kernel's rows over kvflow's own C thread pool (pool.c).
 
-`load_library()` returns None when no compiler is available or the build fails (or when
-KVFLOW_NO_KERNELS=1); callers then take their pure-PyTorch paths."""
+`library()` returns None when no compiler is available or the build fails; `load_library()`
+also when KVFLOW_NO_KERNELS=1. kvflow/model/kernels.py then chooses the pure-PyTorch paths."""
 from __future__ import annotations
 
 import ctypes
@@ -76,11 +76,16 @@ def _build_dir() -> str:
     return os.path.join(envs.cache_dir(), "kernels")
 
 
-@lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
-    """Compile (once, cached by sources, flags and CPU) and load the kernel library."""
-    if envs.KVFLOW_NO_KERNELS:
-        return None
+    """The kernel library, unless KVFLOW_NO_KERNELS=1 opts out (read on each call: call it at
+    load, not per kernel)."""
+    return None if envs.KVFLOW_NO_KERNELS else library()
+
+
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """Compile (once, cached by sources, flags and CPU) and load the kernel library; None where
+    that fails."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         logger.warning("kvflow: no C compiler found; using the PyTorch paths")
@@ -134,5 +139,5 @@ def run_kernel(name: str, words: list, num_rows: int, threads: int, farg: float 
     args = (ctypes.c_int64 * len(words))(*(w or 0 for w in words))
     if weights is not None:
         weights = np.ascontiguousarray(weights, dtype=np.int64)
-    load_library().kernel_pool_run(POOL_KERNELS[name], args, farg, num_rows,
+    library().kernel_pool_run(POOL_KERNELS[name], args, farg, num_rows,
                                    None if weights is None else weights.ctypes.data, threads)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvflow.csrc import load_library, run_kernel
+from kvflow.csrc import library, run_kernel
 
 PANEL = 64  # outputs per packed panel (gemm_bf16.c)
 GATE_UP_ALIGN = PANEL  # [gate; up] rows fused with SiLU: a whole panel of 32 gate + 32 up each
@@ -12,14 +12,8 @@ GATE_UP_ALIGN = PANEL  # [gate; up] rows fused with SiLU: a whole panel of 32 ga
 
 def panel_gemm_built() -> bool:
     """The kernel library built with AVX512-BF16 (the panel GEMM's instructions)."""
-    lib = load_library()
+    lib = library()
     return lib is not None and bool(lib.gemm_bf16_available())
-
-
-def panel_gemm_usable(w: torch.Tensor) -> bool:
-    """The panel GEMM serves this weight: bf16 (N, K) on the CPU, K even."""
-    return (w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2
-            and w.shape[1] % 2 == 0 and panel_gemm_built())
 
 
 def pack_panels(w: torch.Tensor, gate_up: bool = False) -> torch.Tensor:

@@ -1,12 +1,14 @@
-"""Tensor-level entry points of the fused C kernels (fp32 and bf16), each with its PyTorch
-equivalent as the fallback (no compiler, another dtype or device). Numerics as in HF's Llama."""
+"""Tensor-level entry points of the fused C kernels (fp32 and bf16), each beside its PyTorch
+equivalent. Numerics as in HF's Llama. kvflow/model/kernels.py chooses one set at load; a C
+entry point still hands a tensor the kernels do not take (another dtype, a strided view, mixed
+dtypes) to its PyTorch twin, so either set serves any input."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvflow.csrc import load_library, run_kernel
+from kvflow.csrc import library, run_kernel
 
 # Below this many values an elementwise kernel takes a few microseconds, about what handing
 # rows to a pool thread costs.
@@ -18,25 +20,55 @@ def _threads(values: int) -> int:
 
 
 def _kernel_suffix(*tensors: torch.Tensor) -> str | None:
-    """Which kernel variant serves these tensors: "f32" or "bf16" when all are contiguous CPU
-    tensors of that one dtype and the kernels built; None: take the PyTorch path."""
+    """Which kernel variant takes these tensors: "f32" or "bf16" when all are contiguous CPU
+    tensors of that one dtype; None: the PyTorch path."""
     dtypes = {t.dtype for t in tensors}
-    if (len(dtypes) != 1 or not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
-            or load_library() is None):
+    if len(dtypes) != 1 or not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
         return None
     return {torch.float32: "f32", torch.bfloat16: "bf16"}.get(dtypes.pop())
 
 
+# -- PyTorch ---------------------------------------------------------------------------------
+def add_rms_norm_torch(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+    """residual += delta (in place, if given); return RMSNorm(residual) * weight."""
+    if delta is not None:
+        residual.add_(delta)
+    xf = residual.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(residual.dtype)
+
+
+def rope_torch_(qkv: torch.Tensor, n_heads: int, head_dim: int, positions: np.ndarray,
+                cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate the first `n_heads` heads of each row of qkv [T, width] in place (HF rotate_half
+    RoPE); cos/sin are the [max_pos, head_dim] fp32 tables, positions int64 [T]."""
+    x = qkv[:, :n_heads * head_dim].view(qkv.shape[0], n_heads, head_dim)
+    idx = torch.from_numpy(positions)
+    c, s = cos[idx].to(qkv.dtype).unsqueeze(1), sin[idx].to(qkv.dtype).unsqueeze(1)
+    half = head_dim // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    x.copy_(x * c + rotated * s)
+
+
+def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] along the last dim."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def argmax_rows_torch(logits: torch.Tensor) -> list[int]:
+    """The index of each row's largest logit (first on ties), for greedy sampling."""
+    return logits.float().argmax(dim=-1).tolist()
+
+
+# -- C kernels -------------------------------------------------------------------------------
 def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
-    """residual += delta (in place, if given); return RMSNorm(residual) * weight."""
+    """add_rms_norm_torch through the C kernel."""
     suffix = _kernel_suffix(residual, weight, *([delta] if delta is not None else []))
     if suffix is None:
-        if delta is not None:
-            residual.add_(delta)
-        xf = residual.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * xf.to(residual.dtype)
+        return add_rms_norm_torch(residual, delta, weight, eps)
     out = torch.empty_like(residual)
     n = residual.shape[-1]
     rows = residual.numel() // n
@@ -48,18 +80,12 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: tor
 
 def rope_(qkv: torch.Tensor, n_heads: int, head_dim: int, positions: np.ndarray,
           cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate the first `n_heads` heads of each row of qkv [T, width] in place (HF rotate_half
-    RoPE); cos/sin are the [max_pos, head_dim] fp32 tables, positions int64 [T]."""
+    """rope_torch_ through the C kernel."""
     t = qkv.shape[0]
     suffix = _kernel_suffix(qkv)
     if not (suffix and _kernel_suffix(cos, sin) == "f32" and positions.dtype == np.int64
             and positions.flags.c_contiguous):
-        x = qkv[:, :n_heads * head_dim].view(t, n_heads, head_dim)
-        idx = torch.from_numpy(positions)
-        c, s = cos[idx].to(qkv.dtype).unsqueeze(1), sin[idx].to(qkv.dtype).unsqueeze(1)
-        half = head_dim // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        x.copy_(x * c + rotated * s)
+        rope_torch_(qkv, n_heads, head_dim, positions, cos, sin)
         return
     run_kernel(f"rope_{suffix}", [qkv.data_ptr(), qkv.stride(0), positions.ctypes.data,
                                   cos.data_ptr(), sin.data_ptr(), n_heads, head_dim],
@@ -67,11 +93,10 @@ def rope_(qkv: torch.Tensor, n_heads: int, head_dim: int, positions: np.ndarray,
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for gate_up = [gate | up] along the last dim."""
+    """silu_mul_torch through the C kernel."""
     suffix = _kernel_suffix(gate_up)
     if suffix is None:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_mul_torch(gate_up)
     t, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty(t, n)
     run_kernel(f"silu_mul_{suffix}", [gate_up.data_ptr(), out.data_ptr(), n], t, _threads(t * n))
@@ -79,11 +104,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
-    """The index of each row's largest logit (first on ties, as torch.argmax), for greedy
-    sampling: bf16 logits are read in place instead of through an fp32 copy."""
+    """argmax_rows_torch, with bf16 logits read in place instead of through an fp32 copy."""
     if logits.dtype != torch.bfloat16 or _kernel_suffix(logits) != "bf16":
-        return logits.float().argmax(dim=-1).tolist()
+        return argmax_rows_torch(logits)
     rows, n = logits.shape
     out = np.empty(rows, dtype=np.int64)
-    load_library().argmax_rows_bf16(logits.data_ptr(), n, out.ctypes.data, 0, rows, n)
+    library().argmax_rows_bf16(logits.data_ptr(), n, out.ctypes.data, 0, rows, n)
     return out.tolist()

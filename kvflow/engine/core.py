@@ -84,6 +84,7 @@ class EngineCore:
                 f"{self.max_model_len}: {max_concurrency(cc.num_blocks, cc.block_size, self.max_model_len):.2f}; "
                 f"threads {torch.get_num_threads()}; "
                 + (f"tensor-parallel size {self.tp_size} (KV per rank); " if self.executor else "")
+                + f"{self.runner.model.kernels.describe()}; "
                 + f"ready in {self.startup_time:.1f}s")
 
     # -- requests ------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvflow.csrc import load_library, run_kernel
+from kvflow.csrc import library, run_kernel
 from kvflow.model import hugepages
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.kv_layout import cache_geometry, cache_shape, read_blocks, read_rows, write_rows
@@ -159,18 +159,18 @@ def build_attention_metadata(query_lens: np.ndarray, seq_lens: np.ndarray,
 _WRITERS = {torch.float32: "write_kv_f32", torch.bfloat16: "write_kv_bf16"}
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store this step's K/V ([T, kv_heads, head_dim]) at their flat cache slots (a bf16
-    cache of fp32 activations gets each value rounded to nearest even)."""
+def write_kv_with_kernel(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store this step's K/V ([T, kv_heads, head_dim]) at their flat cache slots through the C
+    writer (a bf16 cache of fp32 activations gets each value rounded to nearest even), or
+    kv_layout.write_rows for tensors it does not take."""
     bs, kvh, d = cache_geometry(k_cache)
-    lib = load_library()
     writer = _WRITERS.get(k_cache.dtype) if k.dtype == torch.float32 else (
         "copy_kv_bf16" if k.dtype == torch.bfloat16 == k_cache.dtype else None)
-    if (lib is not None and writer is not None and k_cache.device.type == "cpu"
+    if (writer is not None and k_cache.device.type == "cpu"
             and k.stride()[1:] == (d, 1) and v.stride() == k.stride()
             and k_cache.is_contiguous() and v_cache.is_contiguous()):
-        getattr(lib, writer)(
+        getattr(library(), writer)(
             k.data_ptr(), v.data_ptr(), k.stride(0), slot_mapping.data_ptr(),
             k_cache.data_ptr(), v_cache.data_ptr(), 0, k.shape[0], kvh, d, bs)
         return
@@ -189,7 +189,8 @@ def _decode_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         meta: AttentionMetadata, scale: float, out: torch.Tensor,
                         all_tokens: bool = False) -> bool:
     """Decode rows (or, with `all_tokens`, every token, each one query over its own causal
-    prefix) through the C kernel, straight from the paged cache. False: not available."""
+    prefix) through the C kernel, straight from the paged cache. False: the kernel does not
+    take this cache (another dtype or device)."""
     kernel = _decode_kernel(k_cache)
     if kernel is None:
         return False
@@ -218,10 +219,10 @@ def _decode_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def _decode_kernel(k_cache: torch.Tensor) -> str | None:
-    """The decode kernel's name for this cache (None: no library, another dtype or device)."""
-    if load_library() is None or k_cache.dtype not in _KERNELS or k_cache.device.type != "cpu":
+    """The decode kernel's name for this cache (None: another dtype or device)."""
+    if k_cache.device.type != "cpu":
         return None
-    return _KERNELS[k_cache.dtype]
+    return _KERNELS.get(k_cache.dtype)
 
 
 def _prefill_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -229,10 +230,10 @@ def _prefill_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """Prompt rows through the flash-style prompt kernel (prefill_attention.c: bf16 cache,
     AVX512-BF16, 16-token blocks) into `out` (fp32 or bf16, contiguous); decode rows untouched. q is
     read in bf16 (an fp32 q is rounded first). False: the kernel does not serve this here."""
-    lib = load_library()
+    lib = library()
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads, _ = cache_geometry(k_cache)
-    if (lib is None or k_cache.dtype != torch.bfloat16 or k_cache.device.type != "cpu"
+    if (k_cache.dtype != torch.bfloat16 or k_cache.device.type != "cpu"
             or not lib.paged_prefill_bf16_supported(num_heads, num_kv_heads, head_dim, block_size)):
         return False
     if q.dtype != torch.bfloat16 or q.stride()[1:] != (head_dim, 1):
@@ -270,43 +271,48 @@ def _decode_with_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     out[rows] = od.squeeze(2)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, num_kv_heads: int,
-                    k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of q [T, H, D] over each request's own cached K/V -> [T, H * D].
+def attention_with_kernels(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float, num_kv_heads: int,
+                           k: torch.Tensor | None = None, v: torch.Tensor | None = None, *,
+                           prompt_kernel: bool = True) -> torch.Tensor:
+    """Attention of q [T, H, D] over each request's own cached K/V -> [T, H * D], through the
+    C kernels: decodes through the decode kernel, prompts through the prompt kernel where
+    `prompt_kernel` (it was built: AVX512-BF16) and it takes this cache, else as decode rows.
 
     The step's K/V must already be in the cache (write_kv). `k`/`v`, this step's fresh
     [T, kv_heads, D], optionally spare a gather for prompts that have no prior context."""
     num_tokens, num_heads, head_dim = q.shape
-    if _decode_kernel(k_cache) is not None:
-        out = torch.empty(q.shape, dtype=q.dtype)
-        # the kernels write fp32 or bf16; another dtype gets one fp32 buffer, converted at the end
-        of = out if out.dtype in _IO_DTYPES else torch.empty(q.shape)
-        if meta.prefills and not _prefill_with_kernel(q, k_cache, v_cache, meta, scale, of):
-            # Without the prompt kernel, prompt tokens are rows like decodes: each reads its
-            # causal prefix from the cache. That ran 1.3-1.5x faster than SDPA per prompt
-            # (benchmarks/README.md). Only for head sizes the decode kernel vectorises: its
-            # scalar row would be far slower than SDPA.
-            if head_dim not in VECTOR_HEAD_DIMS:
-                return _attention_with_sdpa(q, k_cache, v_cache, meta, scale, num_kv_heads, k, v)
-            _decode_with_kernel(q, k_cache, v_cache, meta, scale, of, all_tokens=True)
-        elif meta.num_decodes:
-            _decode_with_kernel(q, k_cache, v_cache, meta, scale, of)
-        if of is not out:
-            out.copy_(of)
-        return out.reshape(num_tokens, num_heads * head_dim)
-    return _attention_with_sdpa(q, k_cache, v_cache, meta, scale, num_kv_heads, k, v)
+    if _decode_kernel(k_cache) is None:  # a cache the kernels do not read
+        return attention_with_sdpa(q, k_cache, v_cache, meta, scale, num_kv_heads, k, v)
+    out = torch.empty(q.shape, dtype=q.dtype)
+    # the kernels write fp32 or bf16; another dtype gets one fp32 buffer, converted at the end
+    of = out if out.dtype in _IO_DTYPES else torch.empty(q.shape)
+    if meta.prefills and not (prompt_kernel and _prefill_with_kernel(q, k_cache, v_cache, meta, scale, of)):
+        # Without the prompt kernel, prompt tokens are rows like decodes: each reads its
+        # causal prefix from the cache. That ran 1.3-1.5x faster than SDPA per prompt
+        # (benchmarks/README.md). Only for head sizes the decode kernel vectorises: its
+        # scalar row would be far slower than SDPA.
+        if head_dim not in VECTOR_HEAD_DIMS:
+            return attention_with_sdpa(q, k_cache, v_cache, meta, scale, num_kv_heads, k, v,
+                                       decode_kernel=True)
+        _decode_with_kernel(q, k_cache, v_cache, meta, scale, of, all_tokens=True)
+    elif meta.num_decodes:
+        _decode_with_kernel(q, k_cache, v_cache, meta, scale, of)
+    if of is not out:
+        out.copy_(of)
+    return out.reshape(num_tokens, num_heads * head_dim)
 
 
-def _attention_with_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         meta: AttentionMetadata, scale: float, num_kv_heads: int,
-                         k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
-    """paged_attention without the prompt kernels: decodes through the decode kernel (or its
-    PyTorch fallback), each prompt through one SDPA call."""
+def attention_with_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float, num_kv_heads: int,
+                        k: torch.Tensor | None = None, v: torch.Tensor | None = None, *,
+                        decode_kernel: bool = False) -> torch.Tensor:
+    """attention_with_kernels in PyTorch: each prompt through one SDPA call, decodes through
+    one batched, masked SDPA (or, with `decode_kernel`, the C decode kernel)."""
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
     gqa = num_heads != num_kv_heads
-    if meta.num_decodes and not _decode_with_kernel(q, k_cache, v_cache, meta, scale, out):
+    if meta.num_decodes and not (decode_kernel and _decode_with_kernel(q, k_cache, v_cache, meta, scale, out)):
         _decode_with_torch(q, k_cache, v_cache, meta, scale, out)
 
     for p in meta.prefills:

@@ -1,9 +1,11 @@
 """The Llama family (Llama 2/3, SmolLM, Mistral, Qwen2): one flat batch of tokens, paged KV.
 
 Weights are fused at load time (q|k|v rows into `qkv_proj`, gate|up into `gate_up_proj`) so
-each layer runs four matmuls, on the CPU through prepacked copies (kvflow/model/onednn.py:
-kvflow's bf16 panel GEMM on CPUs with AVX512-BF16, oneDNN for fp32). Numerics follow Hugging
-Face's LlamaModel (RMSNorm in fp32, rotate_half RoPE with cos/sin computed in fp32).
+each layer runs four matmuls, on the CPU through prepacked copies (kvflow/model/packed_linear.py:
+kvflow's bf16 panel GEMM on CPUs with AVX512-BF16, oneDNN for fp32). Every operation goes
+through the model's `kernels` (kvflow/model/kernels.py), chosen once when the model is built.
+Numerics follow Hugging Face's LlamaModel (RMSNorm in fp32, rotate_half RoPE with cos/sin
+computed in fp32).
 
 With `tp` (a tensor-parallel group, kvflow/distributed/parallel.py) the model is one rank's
 shard: its own heads and MLP slice, all-reduced after the row-parallel O and down projections,
@@ -17,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.csrc.ops import add_rms_norm, rope_
 from kvflow.model.arch import LlamaArchConfig
-from kvflow.model.attention import AttentionMetadata, paged_attention, write_kv
-from kvflow.model.onednn import PackedWeight, linear, linear_silu_mul, pack_weight, packing_usable
+from kvflow.model.attention import AttentionMetadata
+from kvflow.model.kernels import Kernels, select_kernels
+from kvflow.model.packed_linear import PackedWeight
 from kvflow.model.sharding import local_arch
 from kvflow.model.tp_layers import gather_vocab_logits, vocab_parallel_embedding
 
@@ -77,28 +79,28 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual_delta: torch.Tensor | None, rope: tuple,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
         """x is the residual stream, `residual_delta` the previous layer's MLP output, not yet
         added (the add is fused into this layer's first norm). Returns (x, this MLP's output)."""
         t = x.shape[0]
-        h = add_rms_norm(x, residual_delta, self.input_layernorm, self.eps)
+        h = kernels.add_rms_norm(x, residual_delta, self.input_layernorm, self.eps)
         pk = self.packed
-        qkv = linear(h, self.qkv_proj, pk.get("qkv_proj"), self.qkv_bias)
+        qkv = kernels.linear(h, self.qkv_proj, pk.get("qkv_proj"), self.qkv_bias)
         # RoPE on the q and k heads together, in place in the fused projection's output
-        rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rope)
+        kernels.rope(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rope)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        attn = paged_attention(q, k_cache, v_cache, meta, self.scale, self.num_kv_heads, k=k, v=v)
-        o = linear(attn, self.o_proj, pk.get("o_proj"))
+        kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        attn = kernels.attention(q, k_cache, v_cache, meta, self.scale, self.num_kv_heads, k=k, v=v)
+        o = kernels.linear(attn, self.o_proj, pk.get("o_proj"))
         if self.tp is not None:
             self.tp.all_reduce(o)  # row-parallel: each rank holds a partial sum
-        h = add_rms_norm(x, o, self.post_attention_layernorm, self.eps)
-        act = linear_silu_mul(h, self.gate_up_proj, pk.get("gate_up_proj"))
-        down = linear(act, self.down_proj, pk.get("down_proj"))
+        h = kernels.add_rms_norm(x, o, self.post_attention_layernorm, self.eps)
+        act = kernels.linear_silu_mul(h, self.gate_up_proj, pk.get("gate_up_proj"))
+        down = kernels.linear(act, self.down_proj, pk.get("down_proj"))
         if self.tp is not None:
             self.tp.all_reduce(down)
         return x, down
@@ -108,10 +110,11 @@ class LlamaForCausalLM(nn.Module):
     """A Llama-family decoder over a flat, unpadded batch of tokens from many requests.
 
     `arch` is always the whole model's; with `tp` (a tensor-parallel group) this module holds
-    rank `tp.rank`'s shard of it (shapes from sharding.local_arch)."""
+    rank `tp.rank`'s shard of it (shapes from sharding.local_arch). `kernels`: what serves each
+    operation (default: chosen here for `dtype` on the CPU, or on `device`)."""
 
     def __init__(self, arch: LlamaArchConfig, dtype: torch.dtype, device=None,
-                 max_position: int | None = None, tp=None):
+                 max_position: int | None = None, tp=None, kernels: Kernels | None = None):
         super().__init__()
         self.arch, self.dtype, self.tp = arch, dtype, tp
         shard = arch if tp is None else local_arch(arch, tp.world_size)
@@ -130,17 +133,19 @@ class LlamaForCausalLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("rope_cos", emb.cos().to(rope_device), persistent=False)
         self.register_buffer("rope_sin", emb.sin().to(rope_device), persistent=False)
+        self.kernels = kernels if kernels is not None else select_kernels(dtype, device=rope_device)
         self.packed_lm_head: PackedWeight | None = None
 
     def pack_weights(self) -> bool:
         """Keep prepacked copies of the projections and the LM head beside the weights
         (which stay as they are for state_dict and the embedding). False: not usable here."""
-        if self.embed_tokens.device.type != "cpu" or not packing_usable(self.dtype):
+        pack = self.kernels.pack
+        if self.embed_tokens.device.type != "cpu" or pack is None:
             return False
         for layer in self.layers:
-            layer.packed = {name: pack_weight(getattr(layer, name), gate_up=name == "gate_up_proj")
+            layer.packed = {name: pack(getattr(layer, name), gate_up=name == "gate_up_proj")
                             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
-        self.packed_lm_head = pack_weight(self.embed_tokens if self.lm_head is None else self.lm_head)
+        self.packed_lm_head = pack(self.embed_tokens if self.lm_head is None else self.lm_head)
         return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | np.ndarray,
@@ -153,17 +158,17 @@ class LlamaForCausalLM(nn.Module):
             x = vocab_parallel_embedding(input_ids, self.embed_tokens, self.tp)
         pos = positions if isinstance(positions, np.ndarray) else positions.numpy()
         rope = (np.ascontiguousarray(pos, dtype=np.int64), self.rope_cos, self.rope_sin)
-        delta = None
+        delta, kernels = None, self.kernels
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, delta = layer(x, delta, rope, kv_cache, attn_metadata)
-        return add_rms_norm(x, delta, self.norm, self.arch.rms_norm_eps)
+            x, delta = layer(x, delta, rope, kv_cache, attn_metadata, kernels)
+        return kernels.add_rms_norm(x, delta, self.norm, self.arch.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor, as_float: bool = True) -> torch.Tensor | None:
         """Logits [S, vocab] for the rows that sample, in fp32 (as_float=False: in the model's
         dtype, for an argmax). Under tensor parallelism every rank computes its vocab slice
         and only the driver gets the whole (None elsewhere)."""
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = linear(hidden, weight, self.packed_lm_head)
+        logits = self.kernels.linear(hidden, weight, self.packed_lm_head)
         if self.tp is not None:
             logits = gather_vocab_logits(logits, self.arch.vocab_size, self.tp)
             if logits is None:

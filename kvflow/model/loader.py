@@ -12,8 +12,9 @@ import tempfile
 import torch
 
 from kvflow.model.arch import LlamaArchConfig, load_arch_config, save_arch_cache
+from kvflow.model.cpu_features import cpu_features
+from kvflow.model.kernels import Kernels, select_kernels
 from kvflow.model.llama import LlamaForCausalLM
-from kvflow.model.onednn import cpu_has_native_bf16
 from kvflow.model_path import cache_dir_for, is_gguf
 
 
@@ -28,19 +29,22 @@ def resolve_dtype(name: str, device: torch.device | str | None = None) -> torch.
         raise ValueError(f"dtype must be auto, bfloat16 or float32, got {name!r}")
     if device is not None and torch.device(device).type == "cuda":
         return torch.bfloat16
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    return torch.bfloat16 if cpu_features().native_bf16 else torch.float32
 
 
-def load_model(path: str, dtype: torch.dtype,
-               device: torch.device | str | None = None) -> tuple[LlamaForCausalLM, LlamaArchConfig]:
-    """Load the model at `path` (HF folder or .gguf) in `dtype`, weights fused for inference."""
+def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None = None,
+               kernels: Kernels | None = None) -> tuple[LlamaForCausalLM, LlamaArchConfig]:
+    """Load the model at `path` (HF folder or .gguf) in `dtype`, weights fused for inference;
+    `kernels` (default: chosen for `dtype` and `device`) serve its operations."""
     if is_gguf(path):
         arch, weights = _load_gguf(path, dtype)
     else:
         arch = load_arch_config(path)
         weights = fuse_weights(_read_hf_folder(path, arch, dtype), arch, dtype)
     # build on the meta device, then adopt the loaded tensors without a second copy
-    model = LlamaForCausalLM(arch, dtype, device="meta")
+    if kernels is None:
+        kernels = select_kernels(dtype, device=device)
+    model = LlamaForCausalLM(arch, dtype, device="meta", kernels=kernels)
     model.load_state_dict(weights, strict=True, assign=True)
     model.eval()
     if device is not None:

@@ -7,7 +7,6 @@ import numpy as np
 import torch
 
 from kvflow.core.scheduler_output import SchedulerOutput
-from kvflow.csrc.ops import argmax_rows
 from kvflow.engine.protocol import TokenLogprobs
 from kvflow.model import hugepages
 from kvflow.model.arch import LlamaArchConfig
@@ -53,6 +52,7 @@ class ModelRunner:
         self.block_size = block_size
         self.eos_token_id = eos_token_id
         self.kv_caches = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype)
+        model.kernels = model.kernels.with_kv_dtype(kv_dtype)  # attention chosen for this cache
         k0 = self.kv_caches[0][0]
         self._block_bytes = k0[0].numel() * k0.element_size()
         # the cache's pages are faulted in ahead of the writes (KVFLOW_KV_POPULATE=0: on first write)
@@ -126,7 +126,7 @@ class ModelRunner:
         if logits is None:  # a tensor-parallel rank other than the driver: it never samples
             return result
         if greedy:
-            tokens, logprobs = argmax_rows(logits), None
+            tokens, logprobs = self.model.kernels.argmax(logits), None
         else:
             sampled = self.sampler(logits, build_sampling_metadata(
                 [self._sampling_row(s) for s in sampled_states], logits.shape[-1]))

@@ -215,8 +215,8 @@ def load_sharded_model(path: str, dtype: torch.dtype, tp):
 
     arch = load_arch_config(path)
     weights = load_shard(path, arch, dtype, tp.rank, tp.world_size)
-    model = LlamaForCausalLM(arch, dtype, device="meta", tp=tp)
+    model = LlamaForCausalLM(arch, dtype, device="meta", tp=tp)  # kernels chosen for the CPU
     model.load_state_dict(weights, strict=True, assign=True)
     model.eval()
-    model.pack_weights()  # oneDNN copies of this rank's projections, as load_model does
+    model.pack_weights()  # packed copies of this rank's projections, as load_model does
     return model, arch

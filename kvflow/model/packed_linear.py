@@ -1,5 +1,6 @@
 """Projections through prepacked weights: kvflow's bf16 panel GEMM (kvflow/csrc/gemm.py) on
 CPUs with AVX512-BF16, else oneDNN's prepacked GEMM with the row count rounded up to a bucket.
+Which one packs a model's weights is chosen once, in kvflow/model/kernels.py.
 
 The panel GEMM streams a decode step's weights faster than oneDNN (13.4 vs 19.8 ms for the
 default model's projections and LM head at one row, 12.6 vs 21.6 at eight, 43.1 vs 49.7 at
@@ -15,15 +16,12 @@ above. Coarser buckets (multiples of 128 above 256) padded a serving step of 256
 plus 50 decodes from 306 to 384 rows: 25% more GEMM time on the steps that dominate serving."""
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from kvflow.csrc.gemm import GATE_UP_ALIGN, pack_panels, panel_gemm, panel_gemm_built, panel_gemm_usable
-from kvflow.csrc.ops import silu_mul
-from kvflow import envs
+from kvflow.csrc.gemm import GATE_UP_ALIGN, pack_panels, panel_gemm
 
 
 @dataclass
@@ -34,49 +32,32 @@ class PackedWeight:
     gate_up: bool = False  # panels of an MLP's [gate; up], for the GEMM with SiLU fused
 
 
-def onednn_usable(dtype: torch.dtype) -> bool:
-    """oneDNN's prepacked GEMM beats F.linear here. fp32: ~1.5x for decode-sized batches and
-    the LM head, the same for long prefills (benchmarks/README.md). bf16, on CPUs with native
-    bf16 (AVX512-BF16/AMX): F.linear reorders the weight on every call, the packed copy does
-    not (~1.25x at 40 rows, ~1.1x at 128, ~1.04x at 2,048). KVFLOW_NO_ONEDNN=1 opts out."""
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            and not envs.KVFLOW_NO_ONEDNN):
-        return False
-    if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and cpu_has_native_bf16()
-    return dtype == torch.float32
+def onednn_available() -> bool:
+    """This torch build has oneDNN's prepacked linear."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-@functools.cache
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: without them oneDNN emulates bf16 (several times slower than fp32)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return False
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
+def onednn_bf16_available() -> bool:
+    """oneDNN runs bf16 here (it may still emulate it: see CpuFeatures.native_bf16)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def _panels_enabled() -> bool:
-    return not envs.KVFLOW_NO_PANEL_GEMM  # opt-out, for A/B against oneDNN
+def panels_take(w: torch.Tensor) -> bool:
+    """The panel GEMM serves this weight: bf16 (N, K) on the CPU, K even."""
+    return (w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2
+            and w.shape[1] % 2 == 0)
 
 
-def packing_usable(dtype: torch.dtype) -> bool:
-    """Some prepacked GEMM serves weights of this dtype here."""
-    return onednn_usable(dtype) or (dtype == torch.bfloat16 and _panels_enabled()
-                                    and panel_gemm_built())
-
-
-def pack_weight(w: torch.Tensor, gate_up: bool = False) -> PackedWeight | None:
-    """An (out, in) weight packed for `linear`: bf16 panels where the kernel serves it, else
-    oneDNN's layout where oneDNN pays (fp32; bf16 on native-bf16 CPUs); None: plain F.linear.
-    `gate_up`: w is an MLP's [gate; up], for `linear_silu_mul`."""
-    if _panels_enabled() and panel_gemm_usable(w):
+def pack_weight(w: torch.Tensor, gate_up: bool = False, *, panels: bool,
+                onednn: bool) -> PackedWeight | None:
+    """An (out, in) weight packed for `linear`: bf16 panels where `panels` and the kernel takes
+    it, else oneDNN's layout where `onednn`; None: plain F.linear. `gate_up`: w is an MLP's
+    [gate; up], for `linear_silu_mul`. (kernels.py decides `panels` and `onednn` once.)"""
+    if panels and panels_take(w):
         if gate_up and w.shape[0] % GATE_UP_ALIGN == 0:
             return PackedWeight(panels=pack_panels(w.detach(), gate_up=True), gate_up=True)
         return PackedWeight(panels=pack_panels(w.detach()))
-    if onednn_usable(w.dtype):  # 64: a decode-sized batch hint
+    if onednn:  # 64: a decode-sized batch hint
         return PackedWeight(onednn=torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64))
     return None
 
@@ -90,10 +71,11 @@ def row_bucket(m: int) -> int:
     return -(-m // step) * step
 
 
-def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, packed: PackedWeight | None) -> torch.Tensor:
+def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, packed: PackedWeight | None,
+                    silu_mul) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) for w = [gate; up]: one kernel when w was packed with
     gate_up=True (the [M, 2I] projection is never stored and the SiLU pass is gone: ~1% of
-    W1), else `linear` then silu_mul. The same numbers either way."""
+    W1), else `linear` then `silu_mul` (the chosen one). The same numbers either way."""
     if packed is not None and packed.gate_up:
         return panel_gemm(x, packed.panels, w.shape[0], None, torch.get_num_threads(), silu_mul=True)
     return silu_mul(linear(x, w, packed))

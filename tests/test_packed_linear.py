@@ -1,9 +1,20 @@
-"""Bucketed oneDNN projections: same result as F.linear for every row count, bounded shapes."""
+"""Projections through prepacked weights (the bf16 panel GEMM, bucketed oneDNN): the same
+result as F.linear for every row count, bounded shapes."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kvflow.model.onednn import linear, onednn_usable, pack_weight, row_bucket
+from kvflow.model.cpu_features import cpu_features
+from kvflow.model.kernels import KernelOptions, select_kernels
+from kvflow.model.packed_linear import linear, onednn_available, row_bucket
+
+DEFAULTS = KernelOptions()  # nothing opted out, whatever the environment says
+
+
+def pack_weight(w: torch.Tensor, gate_up: bool = False, options: KernelOptions = DEFAULTS):
+    """How a model in w's dtype packs w here (None: F.linear serves it)."""
+    pack = select_kernels(w.dtype, options=options).pack
+    return None if pack is None else pack(w, gate_up=gate_up)
 
 
 def test_row_buckets_cover_every_count_with_few_shapes():
@@ -19,7 +30,8 @@ def test_row_buckets_cover_every_count_with_few_shapes():
 
 @pytest.mark.parametrize("m", [1, 3, 16, 17, 100, 256, 300, 1000])
 def test_padded_linear_matches_f_linear(m):
-    assert onednn_usable(torch.float32)  # the pinned CPU torch ships oneDNN
+    assert onednn_available()  # the pinned CPU torch ships oneDNN
+    assert select_kernels(torch.float32, options=DEFAULTS).names["linear"] == "onednn"
     g = torch.Generator().manual_seed(m)
     w = torch.randn(96, 64, generator=g)
     bias = torch.randn(96, generator=g)
@@ -30,25 +42,24 @@ def test_padded_linear_matches_f_linear(m):
 
 
 def test_bf16_packing_only_where_the_cpu_has_bf16():
-    from kvflow.model.onednn import cpu_has_native_bf16
-    assert onednn_usable(torch.bfloat16) == cpu_has_native_bf16()
+    no_panels = select_kernels(torch.bfloat16, options=KernelOptions(panel_gemm=False))
+    assert no_panels.names["linear"] == ("onednn" if cpu_features().native_bf16 else "torch")
 
 
 @pytest.mark.parametrize("m", [1, 40, 300])
-def test_packed_bf16_linear_matches_f_linear(m):
+@pytest.mark.parametrize("panel_gemm", [True, False])  # False: oneDNN where the CPU has bf16
+def test_packed_bf16_linear_matches_f_linear(m, panel_gemm):
     g = torch.Generator().manual_seed(m)
     w = torch.randn(96, 64, generator=g).bfloat16()
     x = torch.randn(m, 64, generator=g).bfloat16()
-    out = linear(x, w, pack_weight(w))
+    out = linear(x, w, pack_weight(w, options=KernelOptions(panel_gemm=panel_gemm)))
     assert out.dtype == torch.bfloat16 and out.shape == (m, 96)
     # both accumulate in fp32 and round once to bf16: at most one bf16 ulp apart
     torch.testing.assert_close(out.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2)
 
 
 def test_bf16_weights_take_the_panel_gemm_exactly_where_the_cpu_has_avx512_bf16():
-    from kvflow.model.onednn import pack_weight
-    with open("/proc/cpuinfo") as f:
-        has_it = "avx512_bf16" in f.read().split()
+    has_it = cpu_features().avx512_bf16
     packed = pack_weight(torch.randn(96, 64).bfloat16())
     assert (packed is not None and packed.panels is not None) == has_it
     assert pack_weight(torch.randn(96, 64)).panels is None  # fp32 stays with oneDNN
@@ -83,7 +94,6 @@ def test_gate_up_with_silu_fused_is_the_unfused_result_bit_for_bit(m, threads):
     with the same bf16 roundings as the projection stored, then silu_mul (input rows with a
     stride, as the model's views have)."""
     from kvflow.csrc.ops import silu_mul
-    from kvflow.model.onednn import linear_silu_mul
     g = torch.Generator().manual_seed(m)
     inter, k = 96, 80
     w = torch.randn(2 * inter, k, generator=g).bfloat16()
@@ -92,7 +102,7 @@ def test_gate_up_with_silu_fused_is_the_unfused_result_bit_for_bit(m, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = linear_silu_mul(x, w, fused)
+        got = select_kernels(w.dtype, options=DEFAULTS).linear_silu_mul(x, w, fused)
         want = silu_mul(linear(x, w, pack_weight(w)))
     finally:
         torch.set_num_threads(before)

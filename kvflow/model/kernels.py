@@ -1,0 +1,129 @@
+"""The kernel backend: which implementation serves each operation of the model (projections,
+the MLP's gate/up with SiLU, attention, RMSNorm, RoPE, the KV write, the greedy argmax), chosen
+once at load from the CPU's features, the dtypes and the KVFLOW_NO_* opt-outs. The model and
+the runner call through the chosen `Kernels`; nothing below them decides again.
+
+What serves here, and why:
+
+- projections: kvflow's bf16 panel GEMM where the CPU has AVX512-BF16 (faster than oneDNN on
+  decode-sized batches, level on long prefills: packed_linear.py), else oneDNN's prepacked
+  GEMM (fp32; bf16 only on CPUs with native bf16, elsewhere oneDNN emulates it), else F.linear;
+- attention, norm, RoPE, SiLU, KV write, argmax: the C kernels (kvflow/csrc) where they built,
+  else PyTorch; attention's prompt kernel exists only where the CPU has AVX512-BF16, elsewhere
+  prompt tokens run as rows of the decode kernel.
+
+A new variant (a quantized GEMM, sliding-window or soft-capped attention) is one more
+implementation and one more branch in `select_kernels`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import torch
+
+from kvflow import envs
+from kvflow.csrc import library, ops
+from kvflow.model import attention, packed_linear
+from kvflow.model.cpu_features import CpuFeatures, cpu_features
+from kvflow.model.kv_layout import write_rows
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """The user's opt-outs (KVFLOW_NO_KERNELS, KVFLOW_NO_ONEDNN, KVFLOW_NO_PANEL_GEMM)."""
+
+    c_kernels: bool = True
+    onednn: bool = True
+    panel_gemm: bool = True
+
+    @classmethod
+    def from_env(cls) -> "KernelOptions":
+        return cls(c_kernels=not envs.KVFLOW_NO_KERNELS, onednn=not envs.KVFLOW_NO_ONEDNN,
+                   panel_gemm=not envs.KVFLOW_NO_PANEL_GEMM)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The implementations one model calls, and what they were chosen from.
+
+    `pack(w, gate_up=False)` prepacks a projection's weight for `linear(x, w, packed, bias=None)`
+    and `linear_silu_mul(x, w, packed)` (None: no packing here, F.linear serves). The others
+    have the signatures of their PyTorch versions in kvflow/csrc/ops.py and model/attention.py."""
+
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    device_type: str
+    features: CpuFeatures
+    options: KernelOptions
+    names: dict[str, str]  # operation -> what serves it, for the start-up line
+    pack: Callable[..., packed_linear.PackedWeight | None] | None
+    linear: Callable[..., torch.Tensor]
+    linear_silu_mul: Callable[..., torch.Tensor]
+    silu_mul: Callable[[torch.Tensor], torch.Tensor]
+    add_rms_norm: Callable[..., torch.Tensor]
+    rope: Callable[..., None]
+    write_kv: Callable[..., None]
+    attention: Callable[..., torch.Tensor]
+    argmax: Callable[[torch.Tensor], list[int]]
+
+    def describe(self) -> str:
+        """One line for the start-up report: `kernels [avx512-bf16]: linear=panel-bf16, ...`."""
+        where = self.features.isa if self.device_type == "cpu" else self.device_type
+        return f"kernels [{where}]: " + ", ".join(f"{op}={name}" for op, name in self.names.items())
+
+    def with_kv_dtype(self, kv_dtype: torch.dtype) -> "Kernels":
+        """The same choice for a KV cache of `kv_dtype` (the runner's, when it differs)."""
+        if kv_dtype == self.kv_dtype:
+            return self
+        return select_kernels(self.dtype, kv_dtype, self.device_type, self.features, self.options)
+
+
+def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
+                   device: torch.device | str | None = None, features: CpuFeatures | None = None,
+                   options: KernelOptions | None = None) -> Kernels:
+    """Choose the implementations for a model in `dtype` with a `kv_dtype` KV cache on
+    `device` (None: the CPU); `features` default to this CPU's, `options` to the environment's."""
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    device_type = "cpu" if device is None else torch.device(device).type
+    features = cpu_features() if features is None else features
+    options = KernelOptions.from_env() if options is None else options
+    on_cpu = device_type == "cpu"
+    lib = library() if on_cpu and options.c_kernels else None
+    c = lib is not None
+    bf16 = torch.bfloat16
+
+    # projections
+    panels = (c and options.panel_gemm and dtype == bf16 and features.avx512_bf16
+              and bool(lib.gemm_bf16_available()))
+    onednn = (on_cpu and options.onednn and packed_linear.onednn_available()
+              and (dtype == torch.float32 or (dtype == bf16 and features.native_bf16
+                                              and packed_linear.onednn_bf16_available())))
+    silu_mul = ops.silu_mul if c else ops.silu_mul_torch
+    linear_name = "panel-bf16" if panels else "onednn" if onednn else "torch"
+    # attention: the prompt kernel's shape check answers 0 for every shape where it was not built
+    prompt_kernel = c and features.avx512_bf16 and bool(lib.paged_prefill_bf16_supported(1, 1, 32, 16))
+    if c:
+        attend = partial(attention.attention_with_kernels, prompt_kernel=prompt_kernel)
+        attention_name = "c-decode+c-prompt" if prompt_kernel and kv_dtype == bf16 else "c-decode"
+    else:
+        attend, attention_name = attention.attention_with_sdpa, "sdpa"
+    c_name = "c" if c else "torch"
+    names = {"linear": linear_name,
+             "gate_up": "panel-bf16-silu" if panels else f"{linear_name}+{c_name}-silu",
+             "attention": attention_name, "norm": c_name, "rope": c_name, "kv_write": c_name,
+             "argmax": "c" if c and dtype == bf16 else "torch"}
+    pack = partial(packed_linear.pack_weight, panels=panels, onednn=onednn) if panels or onednn else None
+    return Kernels(
+        dtype=dtype, kv_dtype=kv_dtype, device_type=device_type, features=features,
+        options=options, names=names, pack=pack,
+        linear=packed_linear.linear,
+        linear_silu_mul=partial(packed_linear.linear_silu_mul, silu_mul=silu_mul),
+        silu_mul=silu_mul,
+        add_rms_norm=ops.add_rms_norm if c else ops.add_rms_norm_torch,
+        rope=ops.rope_ if c else ops.rope_torch_,
+        write_kv=attention.write_kv_with_kernel if c else write_rows,
+        attention=attend,
+        argmax=ops.argmax_rows if c else ops.argmax_rows_torch,
+    )
+

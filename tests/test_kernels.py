@@ -1,0 +1,153 @@
+"""The kernel backend is chosen once, from the CPU's features, the dtypes and the opt-outs, and
+the model runs through the choice: the PyTorch paths give the same tokens as the C kernels."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest_model_helpers import PagedDriver, save_tiny_llama3
+from kvflow.csrc import library, ops
+from kvflow.model import attention as A
+from kvflow.model.cpu_features import CpuFeatures, cpu_features
+from kvflow.model.kernels import KernelOptions, select_kernels
+from kvflow.model.kv_layout import write_rows
+from kvflow.model.loader import load_model
+
+ZEN4 = CpuFeatures.from_names("avx2", "avx512f", "avx512_bf16")
+AVX2 = CpuFeatures.from_names("avx2", "fma")
+ALL_ON = KernelOptions()
+BUILT = library() is not None  # the C kernels compile here (gcc is part of the setup)
+PANELS_BUILT = BUILT and bool(library().gemm_bf16_available())
+
+
+def test_kvflow_no_kernels_gives_the_pytorch_paths(monkeypatch):
+    monkeypatch.setenv("KVFLOW_NO_KERNELS", "1")
+    k = select_kernels(torch.float32)
+    assert not k.options.c_kernels
+    assert k.attention is A.attention_with_sdpa and k.write_kv is write_rows
+    assert k.add_rms_norm is ops.add_rms_norm_torch and k.rope is ops.rope_torch_
+    assert k.silu_mul is ops.silu_mul_torch and k.argmax is ops.argmax_rows_torch
+    assert k.names["attention"] == "sdpa" and k.names["norm"] == "torch"
+
+
+def test_the_environment_is_read_when_the_kernels_are_chosen_not_per_call(monkeypatch):
+    monkeypatch.delenv("KVFLOW_NO_KERNELS", raising=False)
+    chosen = select_kernels(torch.float32)
+    monkeypatch.setenv("KVFLOW_NO_KERNELS", "1")
+    monkeypatch.setenv("KVFLOW_NO_ONEDNN", "1")
+    assert chosen.options == ALL_ON  # what was chosen stays chosen
+    assert select_kernels(torch.float32).options == KernelOptions(c_kernels=False, onednn=False)
+
+
+@pytest.mark.skipif(not PANELS_BUILT, reason="the panel GEMM needs AVX512-BF16")
+def test_bf16_on_an_avx512_bf16_cpu_takes_the_panel_gemm_and_the_prompt_kernel():
+    k = select_kernels(torch.bfloat16, features=ZEN4, options=ALL_ON)
+    assert k.names["linear"] == "panel-bf16" and k.names["gate_up"] == "panel-bf16-silu"
+    assert k.names["attention"] == "c-decode+c-prompt" and k.names["argmax"] == "c"
+    assert k.attention.keywords == {"prompt_kernel": True}
+    packed = k.pack(torch.randn(128, 64).bfloat16(), gate_up=True)
+    assert packed.panels is not None and packed.gate_up
+    # a bf16 model over an fp32 cache: the prompt kernel reads bf16 caches only
+    assert k.with_kv_dtype(torch.float32).names["attention"] == "c-decode"
+
+
+@pytest.mark.skipif(not BUILT, reason="no C compiler")
+def test_an_avx2_cpu_gets_no_panel_gemm_no_prompt_kernel_and_no_bf16_onednn():
+    k = select_kernels(torch.bfloat16, features=AVX2, options=ALL_ON)
+    assert k.names["linear"] == "torch" and k.pack is None  # oneDNN would emulate bf16
+    assert k.names["attention"] == "c-decode" and k.attention.keywords == {"prompt_kernel": False}
+    f32 = select_kernels(torch.float32, features=AVX2, options=ALL_ON)
+    assert f32.names["linear"] == "onednn" and f32.pack(torch.randn(96, 64)).onednn is not None
+    assert f32.names["norm"] == "c" and f32.names["argmax"] == "torch"  # fp32 logits: torch's
+    assert f32.describe().startswith("kernels [avx2]: linear=onednn, ")
+
+
+@pytest.mark.parametrize("options,linear", [
+    (KernelOptions(panel_gemm=False), "onednn"),
+    (KernelOptions(onednn=False), "panel-bf16"),
+    (KernelOptions(onednn=False, panel_gemm=False), "torch"),
+    (KernelOptions(c_kernels=False), "onednn"),  # the panel GEMM is one of the C kernels
+])
+@pytest.mark.skipif(not PANELS_BUILT, reason="the panel GEMM needs AVX512-BF16")
+def test_each_opt_out_moves_bf16_projections_to_the_next_choice(options, linear):
+    k = select_kernels(torch.bfloat16, features=ZEN4, options=options)
+    assert k.names["linear"] == linear
+    assert (k.pack is None) == (linear == "torch")
+
+
+def test_off_the_cpu_everything_is_pytorch():
+    k = select_kernels(torch.bfloat16, device="meta", options=ALL_ON)
+    assert k.pack is None and k.attention is A.attention_with_sdpa
+    assert k.describe() == ("kernels [meta]: linear=torch, gate_up=torch+torch-silu, "
+                            "attention=sdpa, norm=torch, rope=torch, kv_write=torch, argmax=torch")
+
+
+def test_describe_names_every_operation():
+    text = select_kernels(torch.float32).describe()
+    assert text.startswith(f"kernels [{cpu_features().isa}]: ")
+    for op in ("linear", "gate_up", "attention", "norm", "rope", "kv_write", "argmax"):
+        assert f"{op}=" in text
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return save_tiny_llama3(str(tmp_path_factory.mktemp("llama3")))
+
+
+def _greedy(model, arch, prompts: dict[str, list[int]], steps: int):
+    """Each prompt, then `steps` greedy tokens fed back: (tokens, every step's logits)."""
+    driver = PagedDriver(model, arch, seed=5)
+    out = driver.step(list(prompts.items()))
+    tokens = {sid: [] for sid in prompts}
+    logits = [out]
+    for _ in range(steps):
+        for sid, lg in out.items():
+            tokens[sid] += model.kernels.argmax(lg[-1:])
+        out = driver.step([(sid, t[-1:]) for sid, t in tokens.items()])
+        logits.append(out)
+    return tokens, logits
+
+
+@pytest.mark.skipif(not BUILT, reason="no C compiler")
+def test_no_kernels_gives_the_same_tokens(tiny_path, monkeypatch):
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    prompts = {"a": rng.integers(0, 320, 13).tolist(), "b": rng.integers(0, 320, 5).tolist()}
+    fast, arch = load_model(tiny_path, torch.float32)
+    assert fast.kernels.names["attention"].startswith("c-")
+    monkeypatch.setenv("KVFLOW_NO_KERNELS", "1")
+    monkeypatch.setenv("KVFLOW_NO_ONEDNN", "1")
+    plain, _ = load_model(tiny_path, torch.float32)
+    assert plain.kernels.names == {"linear": "torch", "gate_up": "torch+torch-silu", "attention": "sdpa",
+                                   "norm": "torch", "rope": "torch", "kv_write": "torch",
+                                   "argmax": "torch"}
+    assert plain.layers[0].packed == {} and plain.packed_lm_head is None
+    want_tokens, want_logits = _greedy(plain, arch, prompts, steps=8)
+    got_tokens, got_logits = _greedy(fast, arch, prompts, steps=8)
+    assert got_tokens == want_tokens
+    for got, want in zip(got_logits, want_logits):
+        for sid in prompts:
+            torch.testing.assert_close(got[sid], want[sid], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not BUILT, reason="no C compiler")
+def test_the_start_up_line_names_the_kernels_and_both_choices_give_the_same_tokens(
+        default_model_path, monkeypatch):
+    from kvflow import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=12, temperature=0)
+    prompts = ["The capital of France is", "def fib(n):"]
+
+    def run() -> tuple[str, list[list[int]]]:
+        llm = LLM(default_model_path, dtype="float32", max_model_len=256, num_blocks=64)
+        core = llm.engine.core
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return core.startup_report(), [o.outputs[0].token_ids for o in outs]
+
+    fast_report, fast_tokens = run()
+    monkeypatch.setenv("KVFLOW_NO_KERNELS", "1")
+    plain_report, plain_tokens = run()
+    assert "attention=c-decode" in fast_report and "norm=c," in fast_report
+    assert "attention=sdpa" in plain_report and "norm=torch," in plain_report
+    assert plain_tokens == fast_tokens
