@@ -24,8 +24,9 @@ from kvflow.distributed.worker import WorkerInit
 from kvflow.logger import init_logger
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.executor import Executor
+from kvflow.model.loader import load_sharded_model
 from kvflow.model.runner import ModelRunner, ModelRunnerOutput
-from kvflow.model.sharding import check_tp_size, load_sharded_model, local_arch
+from kvflow.model.sharding import check_tp_size, local_arch
 from kvflow import envs
 
 logger = init_logger("kvflow.distributed")
