@@ -60,7 +60,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
     try:
         EngineCoreLoop(core, in_sock, out_sock, parent_pid).run()
     except Exception as e:  # noqa: BLE001
-        from kvflow.distributed.executor import WorkerFailedError  # loaded with EngineCore
+        from kvflow.distributed.executor import WorkerFailedError  # deferred like EngineCore
 
         # a tensor-parallel worker's death is reported in one line; anything else in full
         msg = f"{type(e).__name__}: {e}" if isinstance(e, WorkerFailedError) else traceback.format_exc()
