@@ -3,12 +3,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 
 @dataclass
 class Logprob:
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs at one generated position, as the sampler makes them and the core sends them:
+    the sampled token first, then the top-N (turned into Logprob dicts by the frontend)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int  # 1-based rank of the sampled token under the model's distribution
 
 
 # One dict per generated token: token id -> Logprob (the sampled token plus the top-N).

@@ -2,7 +2,7 @@
 that no process is left behind."""
 from __future__ import annotations
 
-import ctypes
+import functools
 import os
 import signal
 import socket
@@ -14,13 +14,10 @@ import time
 import httpx
 import psutil
 
+from kvflow.utils.process import die_with_parent
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTUP_TIMEOUT_S = 240
-
-
-def _die_with_test_process() -> None:
-    # A killed test run must not leave a server behind: SIGTERM it when its parent dies.
-    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def free_port() -> int:
@@ -41,7 +38,8 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvflow.entrypoints.cli", "serve", "--port", str(self.port), *args],
             cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=_die_with_test_process)
+            # a killed test run leaves no server behind: SIGTERM it when the test process dies
+            preexec_fn=functools.partial(die_with_parent, signal.SIGTERM))
         self.ps = psutil.Process(self.proc.pid)
         self._wait_ready()
         self.children = self.ps.children(recursive=True)

@@ -8,9 +8,9 @@ import time
 import msgspec
 
 from core_helpers import FakeRunner, make_request, make_scheduler
-from kvflow.engine.protocol import SchedulerStats
-from kvflow.engine.snapshot import (CACHED_FREE, FREE, MAX_WAITING_SHOWN, OWNER_BASE, SHARED,
-                                    EngineSnapshot, SnapshotSource, StepTokens, build_snapshot)
+from kvflow.engine.protocol import (CACHED_FREE, FREE, OWNER_BASE, SHARED, EngineSnapshot,
+                                    SchedulerStats, StepTokens)
+from kvflow.engine.snapshot import MAX_WAITING_SHOWN, SnapshotSource, build_snapshot
 from kvflow.entrypoints.openai.dashboard import RecentLatencies
 from kvflow.outputs import CompletionOutput, RequestOutput
 

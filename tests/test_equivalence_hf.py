@@ -61,7 +61,7 @@ def test_bf16_kv_cache_stays_within_hf_top3(kvflow_llm_factory, prompt_ids, hf_r
     the cache really is bf16 at half the bytes per token."""
     llm = kvflow_llm_factory(num_blocks=256, max_num_batched_tokens=64, kv_cache_dtype="bfloat16")
     core = llm.engine.core
-    assert core.runner.kv_caches[0][0].dtype == torch.bfloat16 and core.dtype == torch.float32
+    assert core.executor.runner.kv_caches[0][0].dtype == torch.bfloat16 and core.dtype == torch.float32
     fp32_bytes = core.arch.kv_bytes_per_token(4)
     assert core.kv_bytes_per_token * 2 == fp32_bytes
     outs = llm.generate(prompt_ids, GREEDY, use_tqdm=False)
@@ -79,7 +79,7 @@ def test_bf16_model_stays_within_hf_bf16_top3(default_model_path, prompt_ids, hf
     llm = LLM(default_model_path, dtype="bfloat16", max_model_len=1024, num_blocks=256,
               max_num_batched_tokens=64)
     core = llm.engine.core
-    assert core.dtype == torch.bfloat16 and core.runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert core.dtype == torch.bfloat16 and core.executor.runner.kv_caches[0][0].dtype == torch.bfloat16
     outs = llm.generate(prompt_ids, GREEDY, use_tqdm=False)
     # 6 of the 9 prompts were token-identical when this was written
     assert_follow_reference(outs, hf_bf16_reference, len(prompt_ids) // 2, "HF bf16")

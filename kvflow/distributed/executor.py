@@ -2,8 +2,9 @@
 ranks 1..N-1 run in worker processes that this executor starts (those of node 0) and watches.
 
 Each step the driver broadcasts (SchedulerOutput, tokens sampled last step), then every rank
-runs the same forward over its shard; the scheduler stays single, on the driver. The executor
-has ModelRunner's `execute()`, so EngineCore uses either without knowing which."""
+runs the same forward over its shard; the scheduler stays single, on the driver. TPExecutor is
+the tensor-parallel Executor (kvflow.model.executor), so EngineCore uses it or the
+single-process one without knowing which."""
 from __future__ import annotations
 
 import os
@@ -22,8 +23,10 @@ from kvflow.distributed.supervisor import WorkerSupervisor, spawn_worker
 from kvflow.distributed.worker import WorkerInit
 from kvflow.logger import init_logger
 from kvflow.model.arch import LlamaArchConfig
+from kvflow.model.executor import Executor
+from kvflow.model.loader import load_sharded_model
 from kvflow.model.runner import ModelRunner, ModelRunnerOutput
-from kvflow.model.sharding import check_tp_size, load_sharded_model, local_arch
+from kvflow.model.sharding import check_tp_size, local_arch
 from kvflow import envs
 
 logger = init_logger("kvflow.distributed")
@@ -40,7 +43,7 @@ class WorkerFailedError(RuntimeError):
     """A tensor-parallel rank died or left the group; the engine cannot run another step."""
 
 
-class TPExecutor:
+class TPExecutor(Executor):
     """Runs the model over `tensor_parallel_size` ranks (see the module docstring)."""
 
     def __init__(self, config: EngineConfig, model_path: str, arch: LlamaArchConfig,

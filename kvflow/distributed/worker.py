@@ -10,13 +10,13 @@ Run as `python -m kvflow.distributed.worker --rendezvous HOST:PORT --rank R --wo
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import pickle
-import signal
 import sys
 from dataclasses import dataclass
+
+from kvflow.utils.process import parent_alive, start_child_process
 
 # Exit codes the supervisor tells apart.
 EXIT_LOAD_FAILED = 2
@@ -40,21 +40,16 @@ class WorkerInit:
     shm_slot_bytes: int = 0
 
 
-def die_with_parent() -> None:
-    """SIGKILL this process when its parent dies (Linux), so no worker outlives the engine."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def run_worker(rendezvous: str, rank: int, world_size: int, parent_pid: int | None = None) -> int:
+    # Imported here, not at the top: the supervisor (and a worker node's process, which only
+    # supervises) imports this module for WorkerInit and the exit codes, without torch.
     import torch
 
     from kvflow.distributed.parallel import CollectiveError, Rendezvous, TPGroup
     from kvflow.distributed.shm_allreduce import ShmAllReduce
+    from kvflow.model.loader import load_sharded_model
     from kvflow.model.runner import ModelRunner
-    from kvflow.model.sharding import load_sharded_model, local_arch
+    from kvflow.model.sharding import local_arch
 
     host, _, port = rendezvous.rpartition(":")
     rdv = Rendezvous(host, int(port), world_size, is_master=False)
@@ -64,7 +59,7 @@ def run_worker(rendezvous: str, rank: int, world_size: int, parent_pid: int | No
     shm = None
     if init.shm_path:
         def driver_gone() -> str | None:
-            return "the driver is gone" if os.getppid() != parent_pid else None
+            return None if parent_alive(parent_pid) else "the driver is gone"
         shm = ShmAllReduce(init.shm_path, rank, world_size, init.shm_slot_bytes, driver_gone)
     store.set(f"joined/{rank}", str(os.getpid()))  # the driver unlinks the segment after this
     group = TPGroup(rdv, rank, world_size, shm)
@@ -98,12 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process dies")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    # Ctrl+C reaches the whole process group; the driver decides when workers stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if args.parent_pid is not None:
-        die_with_parent()
-        if os.getppid() != args.parent_pid:
-            return EXIT_PEER_LOST  # the parent died before the death signal was armed
+    # the driver (or the worker node) decides when workers stop, and no worker outlives it
+    if not start_child_process(args.parent_pid):
+        return EXIT_PEER_LOST  # the parent died before the death signal was armed
     return run_worker(args.rendezvous, args.rank, args.world_size, args.parent_pid)
 
 

@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator, Callable
 
 from kvflow.config import EngineConfig
 from kvflow.engine.core_client import EngineCoreClient, EngineDeadError
-from kvflow.engine.core_proc import RESET_PREFIX_CACHE, CoreMessage, EngineCoreReady
 from kvflow.engine.output_processor import OutputKind, OutputProcessor
-from kvflow.engine.protocol import EngineCoreOutputs, SchedulerStats
+from kvflow.engine.protocol import (CoreMessage, EngineCoreOutputs, EngineCoreReady, SchedulerStats,
+                                    UtilityCall)
 from kvflow.model_path import resolve_model_path
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
@@ -121,7 +121,7 @@ class AsyncLLM:
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error))
         fut = asyncio.get_running_loop().create_future()
-        self._utility_waiters.setdefault(RESET_PREFIX_CACHE, []).append(fut)
+        self._utility_waiters.setdefault(UtilityCall.RESET_PREFIX_CACHE, []).append(fut)
         self.client.request_reset_prefix_cache()
         return await fut
 

@@ -1,4 +1,4 @@
-"""EngineCore: owns the scheduler and the model runner; step() is schedule -> execute -> update."""
+"""EngineCore: owns the scheduler and the executor; step() is schedule -> execute -> update."""
 from __future__ import annotations
 
 import time
@@ -8,14 +8,15 @@ import torch
 
 from kvflow.config import EngineConfig
 from kvflow.core.scheduler import Scheduler, SchedulerOutput
+from kvflow.distributed.executor import TPExecutor
 from kvflow.engine.kv_sizing import max_concurrency, num_kv_blocks
 from kvflow.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kvflow.engine.step_trace import StepTrace
 from kvflow.engine.warmup import warmup_outputs
 from kvflow.logger import init_logger
 from kvflow.model.arch import load_arch_config
+from kvflow.model.executor import Executor, UniProcExecutor
 from kvflow.model.loader import load_model, resolve_dtype
-from kvflow.model.runner import ModelRunner
 from kvflow.model.sharding import kv_bytes_per_token_per_rank
 from kvflow.model_path import resolve_model_path
 from kvflow.request import Request, check_request_fits
@@ -38,9 +39,9 @@ class EngineCore:
         self.kv_dtype = self.dtype if cache_dtype == "auto" else resolve_dtype(cache_dtype)
         self.tp_size = config.parallel_config.tensor_parallel_size
         if self.tp_size > 1:  # the executor's ranks load their shards; never the whole model here
-            self.model, self.arch = None, load_arch_config(self.model_path)
+            model, self.arch = None, load_arch_config(self.model_path)
         else:
-            self.model, self.arch = load_model(self.model_path, self.dtype)
+            model, self.arch = load_model(self.model_path, self.dtype)
         self.max_model_len = mc.max_model_len or self.arch.max_position_embeddings
         sc = replace(config.scheduler_config, max_model_len=self.max_model_len)
         # under tensor parallelism each rank holds its KV heads' share of every block
@@ -50,22 +51,20 @@ class EngineCore:
                      num_blocks=num_kv_blocks(config.cache_config, self.kv_bytes_per_token))
         self.scheduler_config, self.cache_config = sc, cc
         self.scheduler = Scheduler(sc, cc)
-        self.executor = None  # a TPExecutor: the same execute(), over tensor_parallel_size ranks
         self.trace = None
-        if self.tp_size > 1:
-            from kvflow.distributed.executor import TPExecutor
-            self.executor = TPExecutor(config, self.model_path, self.arch, self.dtype, self.kv_dtype,
-                                       cc.num_blocks, cc.block_size, self.arch.eos_token_id)
-        self.runner = (self.executor if self.executor is not None else
-                       ModelRunner(self.model, self.arch, cc.num_blocks, cc.block_size,
-                                   self.kv_dtype, self.arch.eos_token_id))
+        # runs each step: in this process, or over tensor_parallel_size ranks
+        self.executor: Executor = (
+            TPExecutor(config, self.model_path, self.arch, self.dtype, self.kv_dtype,
+                       cc.num_blocks, cc.block_size, self.arch.eos_token_id) if self.tp_size > 1
+            else UniProcExecutor(model, self.arch, cc.num_blocks, cc.block_size, self.kv_dtype,
+                                 self.arch.eos_token_id))
         try:
             self.trace = StepTrace(config.trace, sc.max_num_batched_tokens, cc.block_size,
                                    cc.num_blocks) if config.trace else None
             if config.warmup:
                 for sched_out in warmup_outputs(self.arch.vocab_size, cc.block_size, cc.num_blocks,
                                                 sc.max_num_batched_tokens):
-                    self.runner.execute(sched_out)
+                    self.executor.execute(sched_out)
         except BaseException:
             self.shutdown()  # no worker outlives a failed start
             raise
@@ -83,8 +82,8 @@ class EngineCore:
                 f"{cc.num_blocks * cc.block_size} tokens; max concurrency at max_model_len "
                 f"{self.max_model_len}: {max_concurrency(cc.num_blocks, cc.block_size, self.max_model_len):.2f}; "
                 f"threads {torch.get_num_threads()}; "
-                + (f"tensor-parallel size {self.tp_size} (KV per rank); " if self.executor else "")
-                + f"{self.runner.model.kernels.describe()}; "
+                + (f"tensor-parallel size {self.tp_size} (KV per rank); " if self.tp_size > 1 else "")
+                + f"{self.executor.runner.model.kernels.describe()}; "
                 + f"ready in {self.startup_time:.1f}s")
 
     # -- requests ------------------------------------------------------------------------
@@ -120,7 +119,7 @@ class EngineCore:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return EngineCoreOutputs(scheduler_stats=self.stats(sched_out, 0.0))
-        runner_out = self.runner.execute(sched_out)
+        runner_out = self.executor.execute(sched_out)
         updates = self.scheduler.update_from_output(sched_out, runner_out.sampled)
         outputs = []
         for u in updates:
@@ -154,12 +153,10 @@ class EngineCore:
     def check_health(self) -> None:
         """WorkerFailedError if a tensor-parallel worker has died (checked while idle, so that
         a server with no requests notices too); nothing to check in a single process."""
-        if self.executor is not None:
-            self.executor.check_health()
+        self.executor.check_health()
 
     def shutdown(self) -> None:
         if self.trace:
             self.trace.close()
             self.trace = None
-        if self.executor is not None:
-            self.executor.shutdown()
+        self.executor.shutdown()

@@ -11,10 +11,10 @@ import zmq
 import zmq.asyncio
 
 from kvflow.config import EngineConfig
-from kvflow.engine.core_proc import (RESET_PREFIX_CACHE, SHUTDOWN, SNAPSHOTS_OFF, SNAPSHOTS_ON,
-                                    CoreMessage, EngineCoreReady, run_engine_core)
-from kvflow.engine.protocol import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
-from kvflow.engine.snapshot import EngineSnapshot
+from kvflow.engine.core_proc import run_engine_core
+from kvflow.engine.protocol import (CoreMessage, EngineCoreOutputs, EngineCoreReady,
+                                    EngineCoreRequest, EngineCoreRequestType, EngineSnapshot,
+                                    UtilityCall)
 
 # How often the output reader checks that the core process still lives while no message comes.
 DEATH_POLL_S = 0.25
@@ -83,7 +83,7 @@ class EngineCoreClient:
         self.closed = True
         if self.proc is not None and self.proc.is_alive():
             try:
-                self._send(EngineCoreRequestType.UTILITY, [SHUTDOWN])
+                self._send(EngineCoreRequestType.UTILITY, [UtilityCall.SHUTDOWN])
             except zmq.ZMQError:
                 pass
             self.proc.join(timeout)
@@ -111,12 +111,13 @@ class EngineCoreClient:
 
     def request_reset_prefix_cache(self) -> None:
         """Ask the core to clear its prefix cache; it answers with a UTILITY message."""
-        self._send(EngineCoreRequestType.UTILITY, [RESET_PREFIX_CACHE])
+        self._send(EngineCoreRequestType.UTILITY, [UtilityCall.RESET_PREFIX_CACHE])
 
     def enable_snapshots(self, on: bool) -> None:
         """Ask the core for dashboard snapshots (a few a second), or to stop making them."""
         if not self.closed:
-            self._send(EngineCoreRequestType.UTILITY, [SNAPSHOTS_ON if on else SNAPSHOTS_OFF])
+            call = UtilityCall.SNAPSHOTS_ON if on else UtilityCall.SNAPSHOTS_OFF
+            self._send(EngineCoreRequestType.UTILITY, [call])
 
     async def get_message(self) -> tuple[bytes, object]:
         """The next message from the core, decoded. Raises EngineDeadError once the process

@@ -7,13 +7,12 @@ The frontend binds two ZeroMQ sockets and spawns this process, which connects to
 
 When no request is unfinished the loop blocks on its input socket (never spins); otherwise it
 drains whatever arrived and runs one step. The child dies with its parent: PR_SET_PDEATHSIG
-where Linux offers it, and a parent-pid check every loop as the fallback.
+where Linux offers it, and a parent-pid check every loop as the fallback. The messages and
+their frames are in kvflow.engine.protocol.
 """
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import sys
 import traceback
 
@@ -21,53 +20,19 @@ import msgspec
 import zmq
 
 from kvflow.config import EngineConfig
-from kvflow.engine.protocol import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
-from kvflow.engine.snapshot import EngineSnapshot, SnapshotSource
+from kvflow.engine.protocol import (CoreMessage, EngineCoreOutputs, EngineCoreReady,
+                                    EngineCoreRequest, EngineCoreRequestType, EngineSnapshot,
+                                    UtilityCall)
+from kvflow.engine.snapshot import SnapshotSource
+from kvflow.utils.process import parent_alive, start_child_process
 
-
-class EngineCoreReady(msgspec.Struct, array_like=True):
-    """What the frontend needs to know once the model is loaded."""
-
-    pid: int
-    model_path: str
-    max_model_len: int
-    num_blocks: int
-    block_size: int
-    max_num_seqs: int
-    vocab_size: int
-    startup_report: str
-
-
-class CoreMessage:
-    """First frame of a core -> frontend message."""
-
-    READY = b"R"      # EngineCoreReady
-    OUTPUTS = b"O"    # EngineCoreOutputs
-    REQ_ERROR = b"E"  # [core request id, message]: add_request refused it
-    FAILED = b"F"     # str: startup failed or the loop crashed; the process then exits
-    SNAPSHOT = b"S"   # EngineSnapshot, at most every 250 ms while a dashboard watches
-    UTILITY = b"U"    # [call name, result]: the answer to a utility call
-
-
-SHUTDOWN = "shutdown"  # the utility call that stops the loop
-SNAPSHOTS_ON, SNAPSHOTS_OFF = "snapshots_on", "snapshots_off"  # a dashboard watches, or no more
-RESET_PREFIX_CACHE = "reset_prefix_cache"  # answered with True, or False while requests run
 _IDLE_POLL_MS = 1000   # how often an idle core checks that its parent still lives
-
-
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: the parent-pid check in the loop still applies
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int) -> None:
     """Process entry point: load the model, report ready (or why not), then serve steps."""
-    # Ctrl+C reaches the whole process group; the frontend decides when the core stops.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
+    if not start_child_process(parent_pid):
+        return  # the frontend is already gone
     ctx = zmq.Context(1)
     out_sock = ctx.socket(zmq.PUSH)
     out_sock.setsockopt(zmq.LINGER, 2000)
@@ -76,9 +41,9 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
     in_sock.setsockopt(zmq.LINGER, 0)
     in_sock.connect(input_addr)
     encoder = msgspec.msgpack.Encoder()
-    if os.getppid() != parent_pid:
-        return
     try:
+        # Imported here, in the core process: the frontend imports this module (to spawn the
+        # process) and stays free of torch and the model.
         from kvflow.engine.core import EngineCore
         core = EngineCore(config)
     except Exception as e:  # noqa: BLE001 - any load failure is reported, not raised
@@ -95,7 +60,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
     try:
         EngineCoreLoop(core, in_sock, out_sock, parent_pid).run()
     except Exception as e:  # noqa: BLE001
-        from kvflow.distributed.executor import WorkerFailedError
+        from kvflow.distributed.executor import WorkerFailedError  # deferred like EngineCore
 
         # a tensor-parallel worker's death is reported in one line; anything else in full
         msg = f"{type(e).__name__}: {e}" if isinstance(e, WorkerFailedError) else traceback.format_exc()
@@ -125,7 +90,7 @@ class EngineCoreLoop:
 
     def run(self) -> None:
         while self.running:
-            if os.getppid() != self.parent_pid:
+            if not parent_alive(self.parent_pid):
                 return  # orphaned: the frontend is gone
             busy = self.core.has_unfinished_requests()
             if not busy and not self.poller.poll(self.snapshots.wait_ms(_IDLE_POLL_MS)):
@@ -166,14 +131,14 @@ class EngineCoreLoop:
             self.core.abort_requests(self.ids_decoder.decode(payload))
         elif kind == EngineCoreRequestType.UTILITY.value:
             call = self.ids_decoder.decode(payload)[:1]
-            if call == [SHUTDOWN]:
+            if call == [UtilityCall.SHUTDOWN]:
                 self.running = False
-            elif call in ([SNAPSHOTS_ON], [SNAPSHOTS_OFF]):
-                self.snapshots.set_enabled(call == [SNAPSHOTS_ON])
-            elif call == [RESET_PREFIX_CACHE]:
+            elif call in ([UtilityCall.SNAPSHOTS_ON], [UtilityCall.SNAPSHOTS_OFF]):
+                self.snapshots.set_enabled(call == [UtilityCall.SNAPSHOTS_ON])
+            elif call == [UtilityCall.RESET_PREFIX_CACHE]:
                 done = self.core.reset_prefix_cache()
-                self.out_sock.send_multipart(
-                    [CoreMessage.UTILITY, self.encoder.encode([RESET_PREFIX_CACHE, done])])
+                self.out_sock.send_multipart([CoreMessage.UTILITY, self.encoder.encode(
+                    [UtilityCall.RESET_PREFIX_CACHE, done])])
 
     def send_snapshot(self, snap: EngineSnapshot | None) -> None:
         if snap is not None:

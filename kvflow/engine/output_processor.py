@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field, replace
 
 from kvflow.engine.detokenizer import IncrementalDetokenizer, decode_token
-from kvflow.engine.protocol import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
-from kvflow.outputs import CompletionOutput, Logprob, RequestOutput
+from kvflow.engine.protocol import EngineCoreOutput, EngineCoreRequest
+from kvflow.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 from kvflow.sampling_params import SamplingParams
 
 

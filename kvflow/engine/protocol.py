@@ -1,4 +1,19 @@
-"""Messages between the frontend and the EngineCore (msgspec structs, msgpack on the wire)."""
+"""Every message between the frontend and the engine-core process (msgspec structs, msgpack on
+the wire), and the frame that says which one follows.
+
+    frontend -> core:  [EngineCoreRequestType, payload]
+        ADD      EngineCoreRequest
+        ABORT    list[str]             core request ids
+        UTILITY  [UtilityCall name]    answered (where it has an answer) by a UTILITY message
+    core -> frontend:  [CoreMessage, payload]
+        READY      EngineCoreReady      once, after the model is loaded
+        OUTPUTS    EngineCoreOutputs    after every step
+        REQ_ERROR  [request id, text]   add_request refused it
+        FAILED     str                  start-up failed or the loop crashed; the process exits
+        SNAPSHOT   EngineSnapshot       at most every 250 ms while a dashboard watches
+        UTILITY    [call name, result]  the answer to a utility call
+
+KV-transfer messages belong here too."""
 from __future__ import annotations
 
 import enum
@@ -6,9 +21,40 @@ import time
 
 import msgspec
 
+from kvflow.outputs import TokenLogprobs
 from kvflow.sampling_params import SamplingParams
 
 
+# -- frames --------------------------------------------------------------------------------
+class EngineCoreRequestType(bytes, enum.Enum):
+    """First frame of a frontend -> core message."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x02"
+
+
+class CoreMessage:
+    """First frame of a core -> frontend message (plain bytes: compared on every message)."""
+
+    READY = b"R"      # EngineCoreReady
+    OUTPUTS = b"O"    # EngineCoreOutputs
+    REQ_ERROR = b"E"  # [core request id, message]: add_request refused it
+    FAILED = b"F"     # str: startup failed or the loop crashed; the process then exits
+    SNAPSHOT = b"S"   # EngineSnapshot, at most every 250 ms while a dashboard watches
+    UTILITY = b"U"    # [call name, result]: the answer to a utility call
+
+
+class UtilityCall:
+    """Names of the utility calls (the payload of an UTILITY request is `[name]`)."""
+
+    SHUTDOWN = "shutdown"  # stop the loop
+    SNAPSHOTS_ON = "snapshots_on"  # a dashboard watches
+    SNAPSHOTS_OFF = "snapshots_off"  # no more
+    RESET_PREFIX_CACHE = "reset_prefix_cache"  # answered with True, or False while requests run
+
+
+# -- frontend -> core ------------------------------------------------------------------------
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -19,12 +65,18 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     cache_salt: str | None = None
 
 
-class TokenLogprobs(msgspec.Struct, array_like=True):
-    """Logprobs at one generated position: the sampled token first, then the top-N."""
+# -- core -> frontend ------------------------------------------------------------------------
+class EngineCoreReady(msgspec.Struct, array_like=True):
+    """What the frontend needs to know once the model is loaded."""
 
-    token_ids: list[int]
-    logprobs: list[float]
-    sampled_rank: int  # 1-based rank of the sampled token under the model's distribution
+    pid: int
+    model_path: str
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    vocab_size: int
+    startup_report: str
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -57,9 +109,49 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     timestamp: float = msgspec.field(default_factory=time.time)
 
 
-class EngineCoreRequestType(bytes, enum.Enum):
-    """First frame of a frontend -> core message."""
+# -- dashboard snapshots (core -> frontend; built by kvflow.engine.snapshot) ------------------
+# block_owners codes; a code >= OWNER_BASE is `OWNER_BASE + i` for the block's holder running[i]
+FREE, CACHED_FREE, SHARED = 0, 1, 2
+OWNER_BASE = 3
+BLOCK_LEGEND = {"free": FREE, "cached_free": CACHED_FREE, "shared": SHARED,
+                "owner_base": OWNER_BASE}
 
-    ADD = b"\x00"
-    ABORT = b"\x01"
-    UTILITY = b"\x02"
+
+class RequestView(msgspec.Struct):
+    """One request's progress: prompt computed of prompt length, output of max_tokens."""
+
+    id: str
+    prompt: int  # prompt tokens
+    computed: int  # prompt tokens whose K/V are in the cache (capped at `prompt`)
+    output: int  # tokens generated so far
+    max_tokens: int
+    blocks: int  # KV blocks held
+    preempted: int = 0  # times it was preempted
+
+
+class StepTokens(msgspec.Struct, array_like=True):
+    """Tokens one step scheduled, split by phase."""
+
+    step: int
+    prefill: int
+    decode: int
+
+
+class EngineSnapshot(msgspec.Struct):
+    """What the dashboard draws. `block_owners[b]` says who holds block b (see BLOCK_LEGEND):
+    free, cached-free (free but still findable by prefix), shared (ref_cnt > 1), or the index of
+    its holder in `running`."""
+
+    time: float
+    step: int
+    budget: int  # max_num_batched_tokens
+    max_num_seqs: int
+    block_size: int
+    num_free_blocks: int
+    num_cached_free_blocks: int
+    num_waiting: int
+    running: list[RequestView]
+    waiting: list[RequestView]  # the first MAX_WAITING_SHOWN
+    steps: list[StepTokens]
+    block_owners: list[int]
+    legend: dict[str, int] = msgspec.field(default_factory=lambda: dict(BLOCK_LEGEND))

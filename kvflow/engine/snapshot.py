@@ -6,60 +6,13 @@ from __future__ import annotations
 import time
 from collections import deque
 
-import msgspec
-
 from kvflow.core.scheduler import Scheduler
-from kvflow.engine.protocol import SchedulerStats
-
-# block_owners codes; a code >= OWNER_BASE is `OWNER_BASE + i` for the block's holder running[i]
-FREE, CACHED_FREE, SHARED = 0, 1, 2
-OWNER_BASE = 3
-BLOCK_LEGEND = {"free": FREE, "cached_free": CACHED_FREE, "shared": SHARED,
-                "owner_base": OWNER_BASE}
+from kvflow.engine.protocol import (CACHED_FREE, FREE, OWNER_BASE, SHARED, EngineSnapshot,
+                                    RequestView, SchedulerStats, StepTokens)
 
 SNAPSHOT_INTERVAL_S = 0.25  # at most 4 snapshots a second
 HISTORY_STEPS = 120  # recent steps kept for the token-budget chart
 MAX_WAITING_SHOWN = 64  # the queue can be long; its length is always reported
-
-
-class RequestView(msgspec.Struct):
-    """One request's progress: prompt computed of prompt length, output of max_tokens."""
-
-    id: str
-    prompt: int  # prompt tokens
-    computed: int  # prompt tokens whose K/V are in the cache (capped at `prompt`)
-    output: int  # tokens generated so far
-    max_tokens: int
-    blocks: int  # KV blocks held
-    preempted: int = 0  # times it was preempted
-
-
-class StepTokens(msgspec.Struct, array_like=True):
-    """Tokens one step scheduled, split by phase."""
-
-    step: int
-    prefill: int
-    decode: int
-
-
-class EngineSnapshot(msgspec.Struct):
-    """What the dashboard draws. `block_owners[b]` says who holds block b (see BLOCK_LEGEND):
-    free, cached-free (free but still findable by prefix), shared (ref_cnt > 1), or the index of
-    its holder in `running`."""
-
-    time: float
-    step: int
-    budget: int  # max_num_batched_tokens
-    max_num_seqs: int
-    block_size: int
-    num_free_blocks: int
-    num_cached_free_blocks: int
-    num_waiting: int
-    running: list[RequestView]
-    waiting: list[RequestView]  # the first MAX_WAITING_SHOWN
-    steps: list[StepTokens]
-    block_owners: list[int]
-    legend: dict[str, int] = msgspec.field(default_factory=lambda: dict(BLOCK_LEGEND))
 
 
 def _view(req, num_blocks: int) -> RequestView:

@@ -84,14 +84,18 @@ def add_explain_args(g: argparse.ArgumentParser) -> None:
 
 
 def cmd_explain(args: argparse.Namespace, engine_kwargs: dict) -> int:
+    from kvflow.entrypoints.llm import LLM
     from kvflow.trace.explain import Scenario, explain, parse_ints
+
+    def make_engine(**scenario_options):  # the scenario's options win over the command line's
+        return LLM(**dict(engine_kwargs, **scenario_options)).engine
 
     try:
         sc = Scenario(args.explain_budget, args.explain_block_size, args.explain_num_blocks,
                       parse_ints(args.explain_prompts, "--explain-prompts"),
                       parse_ints(args.explain_arrivals, "--explain-arrivals"),
                       parse_ints(args.explain_max_tokens, "--explain-max-tokens"))
-        text = explain(sc, engine_kwargs, args.trace)
+        text = explain(sc, make_engine, args.trace)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -7,12 +7,12 @@ import numpy as np
 import torch
 
 from kvflow.core.scheduler_output import SchedulerOutput
-from kvflow.engine.protocol import TokenLogprobs
 from kvflow.model import hugepages
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
 from kvflow.model.malloc_tuning import retain_freed_memory
 from kvflow.model.sampler import Sampler, SamplingRow, build_sampling_metadata
+from kvflow.outputs import TokenLogprobs
 from kvflow.sampling_params import SamplingParams
 from kvflow import envs
 

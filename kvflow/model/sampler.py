@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvflow.engine.protocol import TokenLogprobs
+from kvflow.outputs import TokenLogprobs
 from kvflow.sampling_params import SamplingParams
 
 

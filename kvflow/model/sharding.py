@@ -6,17 +6,17 @@ own heads and its slice of the MLP), O and down are row-parallel (partial sums, 
 the embedding and LM head are split by vocabulary rows. KV heads are split across ranks; with
 fewer KV heads than ranks each KV head is replicated on the ranks whose query heads read it.
 Norms and RoPE are replicated. Slices are read with safetensors' `get_slice`, so a rank never
-holds more than its share of the model (plus one tensor's slice in flight)."""
+holds more than its share of the model (plus one tensor's slice in flight); the loader builds
+the rank's model from them (kvflow.model.loader.load_sharded_model)."""
 from __future__ import annotations
 
-import fcntl
-import os
 from dataclasses import dataclass, replace
 
 import torch
 
-from kvflow.model.arch import LlamaArchConfig, load_arch_config
-from kvflow.model_path import cache_dir_for, is_gguf
+from kvflow.model.arch import LlamaArchConfig
+from kvflow.model.weights import ensure_gguf_cache, hf_weight_files
+from kvflow.model_path import is_gguf
 
 
 @dataclass(frozen=True)
@@ -185,38 +185,5 @@ def load_shard(path: str, arch: LlamaArchConfig, dtype: torch.dtype, rank: int,
 
 
 def _open_hf_folder(path: str) -> _Checkpoint:
-    from kvflow.model.loader import hf_weight_files
-
     files, bin_path = hf_weight_files(path)
     return _Checkpoint(files) if bin_path is None else _Checkpoint.from_torch_bin(bin_path)
-
-
-def ensure_gguf_cache(path: str, dtype: torch.dtype) -> str:
-    """The fused safetensors conversion of a GGUF file, made once per machine (the only step
-    that dequantises the whole model); ranks starting together wait for one conversion."""
-    from kvflow.model.loader import _dtype_name, _load_gguf
-
-    cache = cache_dir_for(path)
-    cached = os.path.join(cache, f"weights.{_dtype_name(dtype)}.safetensors")
-    if os.path.isfile(cached):
-        return cached
-    os.makedirs(cache, exist_ok=True)
-    with open(os.path.join(cache, "convert.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.isfile(cached):
-            _load_gguf(path, dtype)  # writes `cached`; the returned full weights are dropped
-    return cached
-
-
-def load_sharded_model(path: str, dtype: torch.dtype, tp):
-    """Rank `tp.rank`'s LlamaForCausalLM shard (built on the meta device, then given its slices)
-    and the full model's arch."""
-    from kvflow.model.llama import LlamaForCausalLM
-
-    arch = load_arch_config(path)
-    weights = load_shard(path, arch, dtype, tp.rank, tp.world_size)
-    model = LlamaForCausalLM(arch, dtype, device="meta", tp=tp)  # kernels chosen for the CPU
-    model.load_state_dict(weights, strict=True, assign=True)
-    model.eval()
-    model.pack_weights()  # packed copies of this rank's projections, as load_model does
-    return model, arch

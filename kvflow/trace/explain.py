@@ -7,8 +7,10 @@ import os
 import string
 import tempfile
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvflow.sampling_params import SamplingParams
 from kvflow.trace.narrate import Before, narrate, snapshot
 from kvflow.trace.reader import load_trace
 from kvflow.trace.table import HEADER, align, column_widths, text_lines
@@ -84,15 +86,13 @@ class ExplainRun:
     token_text: object  # int -> str
 
 
-def run_scenario(sc: Scenario, engine_kwargs: dict, trace_path: str) -> ExplainRun:
-    """Drive the real engine through the scenario, one step at a time, writing the trace."""
-    from kvflow.entrypoints.llm import LLM
-    from kvflow.sampling_params import SamplingParams
-
-    kwargs = dict(engine_kwargs, max_num_batched_tokens=sc.budget, block_size=sc.block_size,
-                  num_blocks=sc.num_blocks, trace=trace_path)
-    llm = LLM(**kwargs)
-    engine, tok = llm.engine, llm.tokenizer
+def run_scenario(sc: Scenario, make_engine: Callable, trace_path: str) -> ExplainRun:
+    """Drive the real engine through the scenario, one step at a time, writing the trace.
+    `make_engine(**options)` returns an LLMEngine built with the caller's engine options and
+    these scenario ones."""
+    engine = make_engine(max_num_batched_tokens=sc.budget, block_size=sc.block_size,
+                         num_blocks=sc.num_blocks, trace=trace_path)
+    tok = engine.tokenizer
     sched = engine.core.scheduler
     arrivals = sorted(zip(sc.arrivals, range(len(sc.names))))
     befores: dict[int, Before] = {}
@@ -147,9 +147,10 @@ def render(run: ExplainRun) -> str:
     return "\n".join(out) + "\n"
 
 
-def explain(sc: Scenario, engine_kwargs: dict, trace_path: str | None = None) -> str:
-    """Run the scenario and return the explained table; keeps the trace at `trace_path` if given."""
+def explain(sc: Scenario, make_engine: Callable, trace_path: str | None = None) -> str:
+    """Run the scenario on `make_engine(**scenario_options)` (see run_scenario) and return the
+    explained table; keeps the trace at `trace_path` if given."""
     if trace_path:
-        return render(run_scenario(sc, engine_kwargs, trace_path))
+        return render(run_scenario(sc, make_engine, trace_path))
     with tempfile.TemporaryDirectory(prefix="kvflow-explain-") as tmp:
-        return render(run_scenario(sc, engine_kwargs, os.path.join(tmp, "trace.jsonl")))
+        return render(run_scenario(sc, make_engine, os.path.join(tmp, "trace.jsonl")))

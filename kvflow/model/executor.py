@@ -1,0 +1,57 @@
+"""The executor: what EngineCore hands each step to, so that the engine never knows how many
+processes run the model. One interface, two implementations: UniProcExecutor (here) runs the
+ModelRunner in the engine's own process; TPExecutor (kvflow.distributed.executor) runs it over
+tensor_parallel_size ranks. EngineCore picks one at start-up."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from kvflow.core.scheduler_output import SchedulerOutput
+from kvflow.model.arch import LlamaArchConfig
+from kvflow.model.runner import ModelRunner, ModelRunnerOutput
+
+
+class Executor(ABC):
+    """Runs each step's forward and sampling. `runner` is this process's ModelRunner (the
+    driver rank's under tensor parallelism)."""
+
+    runner: ModelRunner
+
+    @abstractmethod
+    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        """One step: the forward over the scheduled tokens, then the sampled token ids."""
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """Raise if no further step can run (e.g. a worker process died)."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop what the executor started; safe to call twice."""
+
+    # Time in collectives, for benchmarks; a single process has none.
+    def reset_comm_stats(self) -> None:
+        """Count collectives from here on (e.g. after warm-up)."""
+
+    def comm_summary(self) -> dict:
+        """Collectives per step as numbers; empty where there are none."""
+        return {}
+
+
+class UniProcExecutor(Executor):
+    """The whole model in this process."""
+
+    def __init__(self, model: torch.nn.Module, arch: LlamaArchConfig, num_blocks: int,
+                 block_size: int, kv_dtype: torch.dtype, eos_token_id: int | list[int] | None) -> None:
+        self.runner = ModelRunner(model, arch, num_blocks, block_size, kv_dtype, eos_token_id)
+
+    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute(sched_out)
+
+    def check_health(self) -> None:
+        pass  # nothing outside this process to fail
+
+    def shutdown(self) -> None:
+        pass  # the KV cache and the model go with the executor

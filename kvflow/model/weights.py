@@ -1,0 +1,123 @@
+"""Checkpoint files -> tensors under kvflow's fused names, shared by the whole-model loader and
+the tensor-parallel shard loader: an HF folder's weight files, the fusing of HF names
+(qkv_proj = [q; k; v], gate_up_proj = [gate; up]), and a GGUF file's conversion cache.
+
+A GGUF file is dequantised once; the fused weights are then cached as safetensors (in the
+requested dtype) so that later starts skip the slow conversion."""
+from __future__ import annotations
+
+import fcntl
+import glob
+import json
+import os
+import tempfile
+
+import torch
+
+from kvflow.model.arch import LlamaArchConfig, load_arch_config, save_arch_cache
+from kvflow.model.gguf_reader import read_gguf
+from kvflow.model_path import cache_dir_for
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def fuse_weights(hf: dict[str, torch.Tensor], arch: LlamaArchConfig,
+                 dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """HF parameter names -> kvflow's fused ones (qkv_proj = [q; k; v], gate_up_proj = [gate; up])."""
+    def get(name: str) -> torch.Tensor:
+        if name not in hf:
+            raise ValueError(f"weight {name!r} is missing from the checkpoint")
+        return hf[name].to(dtype)
+
+    out = {"embed_tokens": get("model.embed_tokens.weight"), "norm": get("model.norm.weight")}
+    if not arch.tie_word_embeddings:
+        out["lm_head"] = get("lm_head.weight")
+    for i in range(arch.num_hidden_layers):
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        out[f"layers.{i}.input_layernorm"] = get(p + "input_layernorm.weight")
+        out[f"layers.{i}.post_attention_layernorm"] = get(p + "post_attention_layernorm.weight")
+        out[f"layers.{i}.qkv_proj"] = torch.cat([get(a + f"{x}_proj.weight") for x in "qkv"])
+        if arch.attention_bias:
+            out[f"layers.{i}.qkv_bias"] = torch.cat([get(a + f"{x}_proj.bias") for x in "qkv"])
+        out[f"layers.{i}.o_proj"] = get(a + "o_proj.weight")
+        out[f"layers.{i}.gate_up_proj"] = torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")])
+        out[f"layers.{i}.down_proj"] = get(m + "down_proj.weight")
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+# -- HF folders ------------------------------------------------------------------------------
+def hf_weight_files(path: str) -> tuple[list[str], str | None]:
+    """An HF folder's safetensors files (through its index when there is one), or else its
+    pytorch_model.bin; ValueError when it has neither."""
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
+    if files:
+        return files, None
+    bin_path = os.path.join(path, "pytorch_model.bin")
+    if os.path.isfile(bin_path):
+        return [], bin_path
+    raise ValueError(f"no safetensors weights in {path!r}")
+
+
+def read_hf_folder(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF folder under its HF name."""
+    from safetensors import safe_open
+
+    files, bin_path = hf_weight_files(path)
+    if bin_path is not None:
+        return torch.load(bin_path, map_location="cpu", weights_only=True)
+    weights = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                weights[name] = f.get_tensor(name).to(dtype)
+    return weights
+
+
+# -- GGUF files --------------------------------------------------------------------------------
+def gguf_cache_file(path: str, dtype: torch.dtype) -> str:
+    """Where the fused safetensors conversion of the GGUF file `path` in `dtype` is cached."""
+    return os.path.join(cache_dir_for(path), f"weights.{dtype_name(dtype)}.safetensors")
+
+
+def load_gguf(path: str, dtype: torch.dtype) -> tuple[LlamaArchConfig, dict[str, torch.Tensor]]:
+    """The arch and fused weights of a GGUF file, from the conversion cache (made on a miss)."""
+    from safetensors.torch import load_file, save_file
+
+    cached = gguf_cache_file(path, dtype)
+    if os.path.isfile(cached):
+        return load_arch_config(path), load_file(cached)
+
+    arch, arrays = read_gguf(path)
+    hf = {name: torch.from_numpy(a if a.flags.writeable else a.copy()) for name, a in arrays.items()}
+    weights = fuse_weights(hf, arch, dtype)
+    cache = os.path.dirname(cached)
+    os.makedirs(cache, exist_ok=True)
+    save_arch_cache(arch, path)
+    # write privately then rename: concurrent starts never read a half-written file
+    fd, tmp = tempfile.mkstemp(prefix="weights.", suffix=".tmp", dir=cache)
+    os.close(fd)
+    save_file(weights, tmp)
+    os.replace(tmp, cached)
+    return arch, weights
+
+
+def ensure_gguf_cache(path: str, dtype: torch.dtype) -> str:
+    """The fused safetensors conversion of a GGUF file, made once per machine (the only step
+    that dequantises the whole model); ranks starting together wait for one conversion."""
+    cached = gguf_cache_file(path, dtype)
+    if os.path.isfile(cached):
+        return cached
+    cache = os.path.dirname(cached)
+    os.makedirs(cache, exist_ok=True)
+    with open(os.path.join(cache, "convert.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.isfile(cached):
+            load_gguf(path, dtype)  # writes `cached`; the returned full weights are dropped
+    return cached
