@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test serve bench clean browser
+.PHONY: install test test-fast serve bench clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,6 +25,11 @@ browser:
 
 test: $(STAMP) browser
 	$(BIN)/python -m pytest -q
+
+# The developers' inner loop (under 2 minutes): the core, the kernels, options, protocol and
+# layering; every test that loads a model or starts a server is marked `slow` and left out.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
 
 serve: $(STAMP)
 	$(BIN)/kvflow serve

@@ -22,6 +22,8 @@ import pytest
 from server_helpers import REPO as ROOT
 from server_helpers import ServerProcess
 
+pytestmark = pytest.mark.slow  # loads a model (make test-fast leaves it out)
+
 ARTIFACTS = os.path.join(ROOT, "test-artifacts")
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -10,6 +10,8 @@ import torch
 from conftest import NEW_TOKENS, assert_follow_reference, assert_matches_reference, hf_greedy_reference
 from kvflow import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # loads a model (make test-fast leaves it out)
+
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 

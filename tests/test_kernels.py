@@ -132,6 +132,7 @@ def test_no_kernels_gives_the_same_tokens(tiny_path, monkeypatch):
 
 
 @pytest.mark.skipif(not BUILT, reason="no C compiler")
+@pytest.mark.slow
 def test_the_start_up_line_names_the_kernels_and_both_choices_give_the_same_tokens(
         default_model_path, monkeypatch):
     from kvflow import LLM, SamplingParams

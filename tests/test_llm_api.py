@@ -7,6 +7,8 @@ import pytest
 
 from kvflow import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # loads a model (make test-fast leaves it out)
+
 
 @pytest.fixture(scope="module")
 def llm(default_model_path):

@@ -15,6 +15,8 @@ from kvflow.model.loader import load_model
 from kvflow.model_path import cache_dir_for, default_model_path, resolve_model_path
 from kvflow.tokenizer import get_tokenizer
 
+pytestmark = pytest.mark.slow  # loads a model (make test-fast leaves it out)
+
 torch.set_num_threads(1)
 
 

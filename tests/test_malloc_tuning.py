@@ -7,6 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # loads a model (make test-fast leaves it out)
+
 # Each of four steps prefills four 512-token prompts (the default 2,048-token budget) and
 # allocates ~1.7 GiB of fp32 activations over its 30 layers, in buffers of many sizes (the script pins fp32: "auto"
 # is bf16 on CPUs with native bf16, with half the bytes). The KV pool is just large enough for

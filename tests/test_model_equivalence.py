@@ -11,6 +11,8 @@ from conftest_model_helpers import PagedDriver, hf_logits, save_tiny_llama3, sav
 from kvflow.model.loader import load_model
 from kvflow.model_path import default_model_path
 
+pytestmark = pytest.mark.slow  # loads a model (make test-fast leaves it out)
+
 torch.set_num_threads(1)
 ATOL = 1e-4
 SEQ_LENS = {"a": 11, "b": 23, "c": 1, "d": 6}

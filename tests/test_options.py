@@ -164,6 +164,7 @@ def test_environment_values_are_parsed_and_checked(monkeypatch):
         envs.KVFLOW_NOT_DECLARED
 
 
+@pytest.mark.slow
 def test_seed_fixes_unseeded_sampling():
     """`seed` (--seed) seeds the engine's random state: two engines with one seed sample the
     same tokens for requests that carry no seed of their own; another seed samples others."""
@@ -180,6 +181,7 @@ def test_seed_fixes_unseeded_sampling():
     assert runs[0] != runs[2]
 
 
+@pytest.mark.slow
 def test_tokenizer_option_loads_the_tokenizer_from_there(default_model_path):
     from kvflow.entrypoints.llm import LLM
 

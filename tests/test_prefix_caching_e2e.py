@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kvflow import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow  # loads a model (make test-fast leaves it out)
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 

@@ -330,6 +330,7 @@ def test_old_traces_without_decisions_still_load_and_read(tmp_path):
     assert "W waits" in text
 
 
+@pytest.mark.slow
 def test_explain_runs_the_real_engine_and_says_why(tmp_path, capsys):
     trace = str(tmp_path / "explain.jsonl")
     rc, out, _ = run_cli(capsys, "generate", "--explain", "--trace", trace, "--num-threads", "1")

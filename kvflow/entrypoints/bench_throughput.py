@@ -27,8 +27,7 @@ def run_throughput(engine_kwargs: dict, num_prompts: int = 128, min_len: int = 3
     prompts = make_w1(num_prompts, min_len, max_len, llm.engine.core.arch.vocab_size, seed)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     core = llm.engine.core  # warmed up at start-up (kvflow/engine/warmup.py)
-    if core.executor is not None:
-        core.executor.reset_comm_stats()  # time the measured run's collectives only
+    core.executor.reset_comm_stats()  # time the measured run's collectives only (TP)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
@@ -39,8 +38,7 @@ def run_throughput(engine_kwargs: dict, num_prompts: int = 128, min_len: int = 3
               "total_tok_s": (n_in + n_out) / wall, "startup_s": startup,
               "dtype": str(core.dtype).removeprefix("torch."), "threads": core.config.num_threads,
               "tensor_parallel_size": core.tp_size}
-    if core.executor is not None:
-        result.update(core.executor.comm_summary())
+    result.update(core.executor.comm_summary())
     llm.engine.shutdown()
     return result
 
