@@ -100,3 +100,35 @@ class ServerProcess:
         self.kill()
         self.log.close()
         os.unlink(self.log.name)
+
+
+def metric_value(url: str, name: str) -> float:
+    """One gauge or counter of the server's /metrics (the first series of that name)."""
+    import re
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    m = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
+    assert m, f"{name} missing from /metrics"
+    return float(m.group(1))
+
+
+def assert_server_clean(srv: ServerProcess, timeout: float = 60.0, headers: dict | None = None) -> None:
+    """After a hostile or faulty request: the server is healthy, nothing is left waiting or
+    running, every KV block is free again, and an ordinary completion still works."""
+    deadline = time.monotonic() + timeout  # a hang guard: the core reports after its next step
+    while True:
+        health = httpx.get(f"{srv.url}/health", timeout=30).status_code
+        waiting = metric_value(srv.url, "kvflow:num_requests_waiting")
+        running = metric_value(srv.url, "kvflow:num_requests_running")
+        free = metric_value(srv.url, "kvflow:num_free_blocks")
+        total = metric_value(srv.url, "kvflow:num_total_blocks")
+        if health == 200 and waiting == running == 0 and free == total:
+            break
+        assert time.monotonic() < deadline, (
+            f"server not clean: health {health}, waiting {waiting}, running {running}, "
+            f"free blocks {free} of {total}")
+        time.sleep(0.1)
+    resp = httpx.post(f"{srv.url}/v1/completions", headers=headers or {}, timeout=120,
+                      json={"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"]
