@@ -14,19 +14,12 @@ import time
 import msgspec
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from core_helpers import FakeRunner, make_request, make_scheduler  # noqa: E402
+from core_helpers import default_pool_scheduler  # noqa: E402
 from kvflow.engine.snapshot import StepTokens, build_snapshot  # noqa: E402
 
 
 def main() -> None:
-    sched = make_scheduler(num_blocks=5825, block_size=16, budget=2048, max_num_seqs=128,
-                           max_model_len=8192)
-    for i in range(160):
-        sched.add_request(make_request(f"r{i}", 300 + i, max_tokens=400))
-    runner = FakeRunner()
-    for _ in range(30):
-        out = sched.schedule()
-        sched.update_from_output(out, runner.execute(out))
+    sched = default_pool_scheduler()
     steps = [StepTokens(i, 1900, 128) for i in range(120)]
     costs = []
     for _ in range(50):

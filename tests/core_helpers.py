@@ -68,3 +68,17 @@ def run_to_completion(sched, runner=None, max_steps=10_000, on_step=None):
         if on_step:
             on_step(out, updates)
     return outputs, steps
+
+
+def default_pool_scheduler(num_requests: int = 160, steps: int = 30):
+    """The default 4 GiB pool of the default model (5,825 blocks of 16) with 128 requests
+    running after `steps` steps of FakeRunner: the dashboard's worst ordinary case."""
+    sched = make_scheduler(num_blocks=5825, block_size=16, budget=2048, max_num_seqs=128,
+                           max_model_len=8192)
+    for i in range(num_requests):
+        sched.add_request(make_request(f"r{i}", 300 + i, max_tokens=400))
+    runner = FakeRunner()
+    for _ in range(steps):
+        out = sched.schedule()
+        sched.update_from_output(out, runner.execute(out))
+    return sched

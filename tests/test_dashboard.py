@@ -7,7 +7,7 @@ import time
 
 import msgspec
 
-from core_helpers import FakeRunner, make_request, make_scheduler
+from core_helpers import FakeRunner, default_pool_scheduler, make_request, make_scheduler
 from kvflow.engine.protocol import (CACHED_FREE, FREE, OWNER_BASE, SHARED, EngineSnapshot,
                                     SchedulerStats, StepTokens)
 from kvflow.engine.snapshot import MAX_WAITING_SHOWN, SnapshotSource, build_snapshot
@@ -142,13 +142,7 @@ def test_snapshots_only_while_watched_and_at_most_every_interval():
 def test_snapshot_covers_every_block_of_the_default_pool():
     """128 running requests over 5,825 blocks (the default 4 GiB pool of the default model): the
     snapshot names an owner for every block and encodes (its cost: benchmarks/snapshot_cost.py)."""
-    sched = make_scheduler(num_blocks=5825, block_size=16, budget=2048, max_num_seqs=128,
-                           max_model_len=8192)
-    for i in range(160):
-        sched.add_request(make_request(f"r{i}", 300 + i, max_tokens=400))
-    runner = FakeRunner()
-    for _ in range(30):
-        step(sched, runner)
+    sched = default_pool_scheduler()
     assert len(sched.running) == 128
     snap = build_snapshot(sched, [StepTokens(i, 1900, 128) for i in range(120)])
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(snap), type=EngineSnapshot)
