@@ -21,10 +21,10 @@ from kvflow.entrypoints.openai.errors import error_response, install_error_handl
 from kvflow.entrypoints.openai.metrics import ServerMetrics
 from kvflow.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                 DetokenizeRequest, TokenizeRequest)
-from kvflow.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
+from kvflow.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvflow.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvflow.entrypoints.openai.server_settings import ServerSettings
-from kvflow.entrypoints.openai.serving_engine import ShuttingDownError
+from kvflow.entrypoints.openai.serving_engine import ShuttingDownError, off_loop
 from kvflow.entrypoints.openai.serving_ws import WebSocketSession
 
 # no API key needed
@@ -167,12 +167,12 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         completions.check_model(req.model)
-        tok = engine.tokenizer
         if req.messages is not None:
-            text = render_chat(tok, req.messages, req.add_generation_prompt)
-            ids = tok.encode(text, add_special_tokens=False)
+            _, ids = await chat.render(req.messages, req.add_generation_prompt)
         elif req.prompt is not None:
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            completions.check_text_size(len(req.prompt), "prompt")
+            ids = await off_loop(engine.tokenizer.encode, req.prompt,
+                                 add_special_tokens=req.add_special_tokens, size=len(req.prompt))
         else:
             return error_response(400, "give either prompt or messages", "prompt", "invalid_value")
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
