@@ -3,6 +3,7 @@ protocol models (lone surrogates, known-but-unimplemented fields) and the error 
 passes here must also cross the frontend -> core channel (64-bit msgpack)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 
@@ -178,3 +179,54 @@ def test_error_bodies_escape_what_utf8_cannot_carry():
     body = error_body(400, f"model {LONE} is unknown", param=LONE)
     text = json.dumps(body, ensure_ascii=False).encode("utf-8").decode("utf-8")
     assert "\\ud800" in text
+
+
+# -- the WebSocket session -------------------------------------------------------------------
+
+class _FakeSocket:
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+
+    async def send_text(self, text: str) -> None:
+        self.sent.append(json.loads(text))
+
+
+class _ForeverServing:
+    """Accepts every request and streams nothing until cancelled."""
+
+    async def prepare(self, req):
+        return req
+
+    async def chunks(self, job):
+        await asyncio.Event().wait()
+        yield {}
+
+
+def test_a_websocket_caps_its_requests_in_flight_and_survives_bad_frames():
+    from kvflow.entrypoints.openai.serving_ws import MAX_REQUESTS_PER_SOCKET, WebSocketSession
+
+    async def run() -> list[dict]:
+        ws = _FakeSocket()
+        session = WebSocketSession(ws, _ForeverServing(), _ForeverServing())
+        for i in range(MAX_REQUESTS_PER_SOCKET + 1):
+            await session.handle(json.dumps({"id": f"r{i}", "prompt": "hi"}))
+        await session.handle("[" * 100_000 + "]" * 100_000)
+        await session.handle('{"id": "' + r"\ud800" + '", "prompt": "hi"}')
+        await session.handle(json.dumps({"id": "x" * 1000, "prompt": "hi"}))
+        await asyncio.sleep(0)
+        assert len(session.tasks) == MAX_REQUESTS_PER_SOCKET
+        await session.handle(json.dumps({"type": "cancel", "id": "r0"}))
+        await session.handle(json.dumps({"id": "again", "prompt": "hi"}))  # room again
+        assert len(session.tasks) == MAX_REQUESTS_PER_SOCKET
+        for t in session.tasks.values():
+            t.cancel()
+        await asyncio.gather(*session.tasks.values(), return_exceptions=True)
+        return ws.sent
+
+    sent = asyncio.run(run())
+    over, deep, lone, long_id, cancelled = sent
+    assert over["id"] == f"r{MAX_REQUESTS_PER_SOCKET}" and over["error"]["code"] == "too_many_requests"
+    assert deep["id"] is None and "nested too deeply" in deep["error"]["message"]
+    assert lone["id"] is None and lone["error"]["param"] == "id"
+    assert long_id["id"] is None and long_id["error"]["param"] == "id"
+    assert cancelled == {"type": "cancelled", "id": "r0"}
