@@ -118,7 +118,7 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_COUNT:
-            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k!r}")
+            raise ValueError(f"top_k must be -1 (disable) or in [1, {MAX_COUNT}], got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not -2 <= self.presence_penalty <= 2:
@@ -129,9 +129,9 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens)
                                             or not 1 <= self.max_tokens <= MAX_COUNT):
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens!r}")
+            raise ValueError(f"max_tokens must be in [1, {MAX_COUNT}], got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= MAX_COUNT:
-            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens!r}")
+            raise ValueError(f"min_tokens must be in [0, {MAX_COUNT}], got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not _is_int(self.logprobs)
