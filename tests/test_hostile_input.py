@@ -331,3 +331,24 @@ def test_websocket_survives_deep_nesting_bad_frames_and_binary_frames(server):
     assert deep_field["type"] == "error" and "nested too deeply" in deep_field["error"]["message"]
     assert binary["type"] == "error" and "UTF-8" in binary["error"]["message"]
     assert last == {"type": "done", "id": "ok"}
+
+
+def test_integers_of_thousands_of_digits_are_a_400(server):
+    digits = b"7" * 5000
+    for path, head in (("/v1/completions", b'{"prompt": "hi", "seed": '),
+                       ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "n": ')):
+        error(post(server, path, head + digits + b"}"))
+    error(post(server, "/detokenize", b'{"tokens": [' + digits + b"]}"))
+
+
+def test_big_text_prompts_are_tokenized_off_the_loop_and_still_checked(server):
+    text = "word " * 4000  # over the inline size: the tokenizer thread does it
+    err = error(post(server, "/v1/completions", completion(prompt=[text, "hi"])))
+    assert err["param"] == "max_tokens" and "max_model_len" in err["message"]
+    err = error(post(server, "/v1/chat/completions", chat(messages=[{"role": "user", "content": text}])))
+    assert "max_model_len" in err["message"]
+    # 9,000 spaces are ~142 tokens: long enough for the thread, short enough to run
+    ok = post(server, "/v1/completions", completion(prompt="Hello" + " " * 9000, max_tokens=1))
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+    ok = post(server, "/v1/chat/completions", chat(messages=[{"role": "user", "content": " " * 9000 + "Hi"}]))
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"]

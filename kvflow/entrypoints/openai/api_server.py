@@ -24,8 +24,9 @@ from kvflow.entrypoints.openai.protocol import (ChatCompletionRequest, Completio
 from kvflow.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvflow.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvflow.entrypoints.openai.server_settings import ServerSettings
-from kvflow.entrypoints.openai.serving_engine import ShuttingDownError, off_loop
+from kvflow.entrypoints.openai.serving_engine import MAX_REQUEST_TOKENS, ShuttingDownError, off_loop
 from kvflow.entrypoints.openai.serving_ws import WebSocketSession
+from kvflow.sampling_params import check_token_ids
 
 # no API key needed
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", *DASHBOARD_PATHS})
@@ -180,12 +181,16 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         completions.check_model(req.model)
-        vocab = engine.info.vocab_size
-        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            return error_response(400, f"tokens: token id {bad} is outside the vocabulary [0, {vocab})",
-                                  "tokens", "invalid_value")
-        return {"prompt": engine.tokenizer.decode(req.tokens)}
+        if len(req.tokens) > MAX_REQUEST_TOKENS:
+            return error_response(400, f"tokens: {len(req.tokens)} tokens; at most "
+                                       f"{MAX_REQUEST_TOKENS}", "tokens", "invalid_value")
+        try:
+            check_token_ids("tokens", req.tokens, engine.info.vocab_size)
+        except ValueError as e:
+            return error_response(400, str(e), "tokens", "invalid_value")
+        # a token is a few characters: decode big lists on the tokenizer thread
+        text = await off_loop(engine.tokenizer.decode, req.tokens, size=4 * len(req.tokens))
+        return {"prompt": text}
 
     @app.websocket("/v1/ws")
     async def websocket(ws: WebSocket):

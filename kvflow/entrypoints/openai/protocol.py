@@ -24,12 +24,19 @@ def _check_strings(value: Any, where: str) -> None:
             raise ValueError(f"{where} is not valid Unicode: a lone surrogate "
                              f"(\\u{ord(value[at]):04x}) at position {at}")
     elif isinstance(value, (list, tuple)):
-        for v in value:
-            _check_strings(v, where)
+        # lists are homogeneous once parsed: a list of ids (or of models) is skipped in O(1)
+        if value and isinstance(value[0], _NESTED):
+            for v in value:
+                _check_strings(v, where)
     elif isinstance(value, dict):
         for k, v in value.items():
+            if not isinstance(k, str) and not isinstance(v, _NESTED):
+                return  # logit_bias: int -> float
             _check_strings(k, where)
             _check_strings(v, where)
+
+
+_NESTED = (str, list, tuple, dict)
 
 
 def _absent(value) -> bool:
@@ -60,7 +67,6 @@ _UNIMPLEMENTED_COMPLETION = {
     **_UNIMPLEMENTED_COMMON,
     "suffix": lambda v, body: v is None or v == "",
     "prompt_embeds": lambda v, body: v is None,
-    "add_special_tokens": lambda v, body: v is None or v is True,
 }
 _UNIMPLEMENTED_CHAT = {
     **_UNIMPLEMENTED_COMMON,
@@ -169,6 +175,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM's: BOS (and the like) before a text prompt
 
     @model_validator(mode="before")
     @classmethod

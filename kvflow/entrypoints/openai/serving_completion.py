@@ -63,7 +63,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if isinstance(p, str):
                 self.check_text_size(len(p), "prompt")
                 chars += len(p)
-        encoded = await off_loop(self._encode, prompts, size=chars)
+        encoded = await off_loop(self._encode, prompts, req.add_special_tokens, size=chars)
         for _, ids in encoded:
             self.check_prompt(ids, params)
         self.check_request_tokens(sum(len(ids) for _, ids in encoded), params.n)
@@ -82,9 +82,10 @@ class OpenAIServingCompletion(OpenAIServing):
             raise bad_request("prompt must not be empty")
         return prompt
 
-    def _encode(self, prompts: list[str | list[int]]) -> list[tuple[str | None, list[int]]]:
-        return [(p, self.tokenizer.encode(p, add_special_tokens=True)) if isinstance(p, str)
-                else (None, list(p)) for p in prompts]
+    def _encode(self, prompts: list[str | list[int]],
+                add_special_tokens: bool) -> list[tuple[str | None, list[int]]]:
+        return [(p, self.tokenizer.encode(p, add_special_tokens=add_special_tokens))
+                if isinstance(p, str) else (None, list(p)) for p in prompts]
 
     async def chunks(self, job: CompletionJob) -> AsyncIterator[dict]:
         n = job.params.n
