@@ -112,7 +112,8 @@ class WebSocketSession:
             kind = "chat" if "messages" in msg else "completion"
         if kind not in ("chat", "completion"):
             await self.send({"type": "error", "id": rid, **error_body(
-                400, f"type must be completion, chat or cancel, got {kind!r}", "type")})
+                400, "type must be completion, chat or cancel, got "
+                     + (repr(kind[:64]) if isinstance(kind, str) else type(kind).__name__), "type")})
             return
         self.tasks[rid] = asyncio.create_task(self.serve(rid, kind, msg))
 
