@@ -2,14 +2,66 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+# Caps on what one request may ask for. OpenAI caps logprobs at 20, chat stop strings at 4 and
+# logit_bias at 300 entries; vLLM caps none of the lists. These bound the per-token work (stop
+# strings are scanned on every token, banned and biased ids are scattered every step) and keep
+# every integer inside what the frontend -> core messages (64-bit msgpack) can carry.
 MAX_LOGPROBS = 20
+MAX_N = 128
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_RANGE = 100.0  # OpenAI: each bias in [-100, 100]
+MAX_COUNT = 2**31 - 1  # max_tokens, min_tokens, top_k and token ids: far past any model
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed and msgpack take
+
+
+def find_lone_surrogate(text: str) -> int | None:
+    """Index of the first lone UTF-16 surrogate (from a JSON escape like "\\ud800"), else None.
+    Such a string cannot be encoded as UTF-8: not by the tokenizer, not on the wire."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+def check_text(name: str, text: str) -> None:
+    """ValueError naming `name` when `text` holds a lone surrogate."""
+    at = find_lone_surrogate(text)
+    if at is not None:
+        raise ValueError(f"{name} is not valid Unicode: a lone surrogate "
+                         f"(\\u{ord(text[at]):04x}) at position {at}")
+
+
+def check_token_ids(name: str, ids, vocab_size: int) -> None:
+    """ValueError naming `name` when an id is not an integer in [0, vocab_size)."""
+    if not ids:
+        return
+    try:
+        lo, hi = min(ids), max(ids)
+    except TypeError:
+        lo = hi = None
+    if lo is None or not all(type(t) is int for t in (lo, hi)) or lo < 0 or hi >= vocab_size:
+        bad = next((t for t in ids if type(t) is not int or not 0 <= t < vocab_size), lo)
+        raise ValueError(f"{name} contains token id {bad!r}, outside the vocabulary "
+                         f"[0, {vocab_size})")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
 class SamplingParams:
-    """How to sample one request. `temperature=0` is greedy. `top_k=0` (or -1) disables top-k."""
+    """How to sample one request. `temperature=0` is greedy. `top_k=0` (or -1) disables top-k.
+    `logit_bias` maps token id -> bias in [-100, 100], added to the logits before sampling
+    (OpenAI's semantics: -100 bans a token, +100 all but forces it)."""
 
     n: int = 1
     temperature: float = 1.0
@@ -28,12 +80,23 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        # counted before any per-item work, so that a huge list costs nothing more
+        if self.stop is not None and len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got "
+                             f"{len(self.stop_token_ids)}")
+        if self.logit_bias is not None and len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got "
+                             f"{len(self.logit_bias)}")
         self.stop = [s for s in (self.stop or []) if s] or None
         self.stop_token_ids = list(self.stop_token_ids) if self.stop_token_ids else None
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         if self.top_k == -1:
             self.top_k = 0
         self._check()
@@ -46,14 +109,16 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             finite(name, getattr(self, name))
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n!r}")
+        if self.n > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N}, got {self.n}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_COUNT:
+            raise ValueError(f"top_k must be -1 (disable) or in [1, {MAX_COUNT}], got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not -2 <= self.presence_penalty <= 2:
@@ -62,16 +127,46 @@ class SamplingParams:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens)
+                                            or not 1 <= self.max_tokens <= MAX_COUNT):
+            raise ValueError(f"max_tokens must be in [1, {MAX_COUNT}], got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= MAX_COUNT:
+            raise ValueError(f"min_tokens must be in [0, {MAX_COUNT}], got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.seed is not None:
+            if not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX:
+                raise ValueError(f"seed must be a 64-bit integer, got {self.seed!r}")
+            if self.seed + self.n - 1 > SEED_MAX:  # sample i of n draws with seed + i
+                raise ValueError(f"seed must be at most 2**64 - n ({SEED_MAX - self.n + 1} with "
+                                 f"n={self.n}): sample i is seeded with seed + i")
+        for s in self.stop or ():
+            if not isinstance(s, str):
+                raise ValueError(f"stop must be strings, got {type(s).__name__}")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop: each stop string may have at most "
+                                 f"{MAX_STOP_STRING_CHARS} characters, got {len(s)}")
+            check_text("stop", s)
+        for t in self.stop_token_ids or ():
+            if not _is_int(t) or not 0 <= t <= MAX_COUNT:
+                raise ValueError(f"stop_token_ids contains {t!r}, not a token id")
+        for t, bias in (self.logit_bias or {}).items():
+            if not _is_int(t) or not 0 <= t <= MAX_COUNT:
+                raise ValueError(f"logit_bias has key {t!r}, not a token id")
+            if not isinstance(bias, (int, float)) or not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
+                raise ValueError(f"logit_bias of token {t} must be in [-100, 100], got {bias!r}")
+
+    def verify_token_ids(self, vocab_size: int) -> None:
+        """ValueError naming the field when an id or top_k lies outside the model's vocabulary;
+        run at the boundary (server, `LLM`) before the request reaches the engine."""
+        check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size)
+        check_token_ids("logit_bias", list(self.logit_bias or ()), vocab_size)
+        if self.top_k > vocab_size:
+            raise ValueError(f"top_k must be -1 (disable) or at most the vocabulary size "
+                             f"{vocab_size}, got {self.top_k}")
 
     @property
     def greedy(self) -> bool:

@@ -115,6 +115,34 @@ def test_bad_sampling_params_raise_clear_errors(kwargs, message):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize("prompt, kwargs, field", [
+    ([1, 2, 10**6], {}, "prompt"),
+    ([1, -1], {}, "prompt"),
+    ("hi", {"stop_token_ids": [1_000_000], "min_tokens": 1, "max_tokens": 2}, "stop_token_ids"),
+    ("hi", {"logit_bias": {10**6: 5}}, "logit_bias"),
+    ("hi", {"top_k": 10**6}, "top_k"),
+])
+def test_ids_outside_the_vocabulary_raise_before_the_engine_steps(llm, prompt, kwargs, field):
+    with pytest.raises(ValueError, match=rf"^{field}"):
+        llm.generate([prompt], SamplingParams(**kwargs), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate(["Hi"], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    assert out[0].outputs[0].token_ids
+
+
+def test_logit_bias_forces_and_bans_tokens_offline(llm):
+    banana = llm.tokenizer.encode(" banana", add_special_tokens=False)
+    assert len(banana) == 1
+    out = llm.generate(["The capital of France is"], SamplingParams(
+        max_tokens=3, temperature=0.8, seed=1, logit_bias={banana[0]: 100}), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == banana * 3
+    plain = llm.generate(["The capital of France is"], SamplingParams(max_tokens=1, temperature=0),
+                         use_tqdm=False)[0].outputs[0].token_ids[0]
+    banned = llm.generate(["The capital of France is"], SamplingParams(
+        max_tokens=1, temperature=0, logit_bias={plain: -100}), use_tqdm=False)[0].outputs[0].token_ids[0]
+    assert banned != plain
+
+
 def test_prompt_over_max_model_len_names_both_numbers(llm):
     with pytest.raises(ValueError, match=r"500 tokens.*max_tokens is 100.*max_model_len 512"):
         llm.generate([[5] * 500], SamplingParams(max_tokens=100), use_tqdm=False)

@@ -190,3 +190,36 @@ def test_sampler_does_not_modify_the_callers_logits():
     sample(logits, [row(repetition_penalty=1.4, top_p=0.5, output=[1]),
                     row(min_tokens=2, temperature=0.3, top_k=2, min_p=0.1)])
     assert torch.equal(logits, before)
+
+
+def test_logit_bias_plus_100_forces_a_token_and_minus_100_bans_one():
+    logits = random_logits(4, seed=9)
+    top = logits.argmax(-1).tolist()
+    weakest = logits.argmin(-1).tolist()
+    rows = [row(temperature=0.0, logit_bias={weakest[0]: 100}),  # greedy, forced
+            row(temperature=0.0, logit_bias={top[1]: -100}),  # greedy, banned
+            row(temperature=1.0, logit_bias={weakest[2]: 100.0}),  # random, forced
+            row(temperature=0.0)]  # no bias: untouched in the same batch
+    for _ in range(20):
+        out = sample(logits, rows).sampled_token_ids
+        assert out[0] == weakest[0]
+        assert out[1] != top[1] and out[1] == logits[1].topk(2).indices[1].item()
+        assert out[2] == weakest[2]
+        assert out[3] == top[3]
+    # banned for a random row: never drawn, even from a uniform distribution
+    flat = torch.zeros(200, V)
+    banned = row(logit_bias={t: -100 for t in range(V // 2)})
+    drawn = sample(flat, [banned] * 200).sampled_token_ids
+    assert min(drawn) >= V // 2
+
+
+def test_logit_bias_adds_each_rows_own_bias_once():
+    logits = torch.zeros(2, V)
+    meta = build_sampling_metadata([row(logit_bias={1: 2.5, 4: -1.0}), row(logit_bias={1: 7.0})], V)
+    assert meta.bias_rows.tolist() == [0, 0, 1]
+    assert meta.bias_tokens.tolist() == [1, 4, 1]
+    assert meta.bias_values.tolist() == [2.5, -1.0, 7.0]
+    out = sample(logits, [row(temperature=0.0, logit_bias={1: 2.5, 4: -1.0}),
+                          row(temperature=0.0, logit_bias={5: 0.5, 1: 0.25})])
+    assert out.sampled_token_ids == [1, 5]
+    assert torch.equal(logits, torch.zeros(2, V))  # the caller's logits are not modified

@@ -345,11 +345,18 @@ def test_body_over_the_size_limit_is_413(server):
     assert_openai_error(resp, 413)
 
 
-def test_unknown_fields_are_accepted_and_ignored(server):
+def test_unknown_fields_are_ignored_but_unimplemented_ones_are_refused(server):
+    """As OpenAI does, a field nobody defines is ignored; a field OpenAI or vLLM defines and
+    kvflow does not implement is a 400 naming it (its default value is fine)."""
     body = {"prompt": PROMPT, "max_tokens": 2, "best_of": 1, "logit_bias": {}, "user": "u",
-            "some_future_field": {"x": 1}}
+            "response_format": {"type": "text"}, "some_future_field": {"x": 1}}
     resp = httpx.post(f"{server.url}/v1/completions", json=body)
     assert resp.status_code == 200 and resp.json()["choices"][0]["text"]
+    for field, value in [("best_of", 3), ("response_format", {"type": "json_object"}),
+                         ("suffix", "!")]:
+        err = assert_openai_error(httpx.post(f"{server.url}/v1/completions",
+                                             json={**body, field: value}), 400)
+        assert err["param"] == field and "does not implement" in err["message"]
 
 
 def test_sigterm_ends_streams_with_503_and_stops_server_and_engine():

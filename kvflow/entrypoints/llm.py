@@ -10,7 +10,7 @@ from kvflow.engine.llm_engine import LLMEngine
 from kvflow.options import engine_config
 from kvflow.outputs import RequestOutput
 from kvflow.request import check_request_fits
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import SamplingParams, check_token_ids
 from kvflow.tokenizer import render_chat
 
 Prompt = str | list[int]
@@ -83,7 +83,11 @@ class LLM:
         return self.engine.core.reset_prefix_cache()
 
     def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
-        """Every prompt is checked before any is queued, so a bad one leaves none behind."""
+        """Every prompt is checked before any is queued, so a bad one leaves none behind: its
+        ids (and the params' ids) within the vocabulary, its length within the limits."""
+        vocab_size = self.engine.core.arch.vocab_size
+        check_token_ids("prompt", ids, vocab_size)
+        params.verify_token_ids(vocab_size)
         cc = self.engine.core.cache_config
         check_request_fits(len(ids), params.max_tokens, self.engine.max_model_len,
                            cc.block_size, cc.num_blocks)

@@ -11,7 +11,7 @@ from kvflow.model import hugepages
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
 from kvflow.model.malloc_tuning import retain_freed_memory
-from kvflow.model.sampler import Sampler, SamplingRow, build_sampling_metadata
+from kvflow.model.sampler import Sampler, SamplingRow, build_sampling_metadata, logit_bias_tensors
 from kvflow.outputs import TokenLogprobs
 from kvflow.sampling_params import SamplingParams
 from kvflow import envs
@@ -28,6 +28,7 @@ class CachedRequestState:
     generator: torch.Generator | None
     plain_greedy: bool = False  # argmax is all its sampling needs (no penalties, bans, logprobs)
     needs_history: bool = False  # penalties / min_tokens read its prompt and output tokens
+    logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None  # made once, used every step
 
 
 def _needs_history(p: SamplingParams) -> bool:
@@ -76,7 +77,8 @@ class ModelRunner:
             history = _needs_history(p)
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, p, gen,
-                plain_greedy=p.greedy and not history and p.logprobs is None, needs_history=history)
+                plain_greedy=p.greedy and not history and p.logprobs is None and not p.logit_bias,
+                needs_history=history, logit_bias=logit_bias_tensors(p))
 
     def append_sampled(self, sampled: dict[str, list[int]]) -> None:
         """Tokens the driver sampled last step, on a tensor-parallel rank that does not sample
@@ -142,5 +144,6 @@ class ModelRunner:
         # token histories are copied only for requests whose sampling reads them
         if s.needs_history:
             return SamplingRow(s.params, s.token_ids[:s.num_prompt_tokens],
-                               s.token_ids[s.num_prompt_tokens:], s.generator, self.eos_token_id)
-        return SamplingRow(s.params, [], [], s.generator, self.eos_token_id)
+                               s.token_ids[s.num_prompt_tokens:], s.generator, self.eos_token_id,
+                               s.logit_bias)
+        return SamplingRow(s.params, [], [], s.generator, self.eos_token_id, s.logit_bias)

@@ -1,4 +1,5 @@
-"""Batched sampling: penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
+"""Batched sampling: logit bias, penalties, temperature, top-k / top-p / min-p, seeded draws,
+logprobs.
 
 One call handles every row that samples this step. Each stage is skipped when no row uses it,
 so an all-greedy batch is a single argmax.
@@ -23,6 +24,16 @@ class SamplingRow:
     output_token_ids: list[int]  # generated so far, before this step
     generator: torch.Generator | None = None  # CPU generator of a seeded request, made once per request
     eos_token_id: int | None = None
+    # (token ids, biases) of params.logit_bias as tensors; the runner makes them once per request
+    logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def logit_bias_tensors(params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A request's logit_bias as (ids, biases) tensors, or None without one."""
+    if not params.logit_bias:
+        return None
+    return (torch.tensor(list(params.logit_bias), dtype=torch.long),
+            torch.tensor(list(params.logit_bias.values()), dtype=torch.float32))
 
 
 @dataclass(slots=True)
@@ -46,6 +57,10 @@ class SamplingMetadata:
     frequency_penalty: torch.Tensor | None = None  # [S]
     prompt_token_ids: torch.Tensor | None = None  # [S, P] long, only with repetition penalty
     output_token_ids: torch.Tensor | None = None  # [S, O] long, only with any penalty
+    # logit_bias: (row, token) pairs and the bias added to each, one scatter-add per step.
+    bias_rows: torch.Tensor | None = None
+    bias_tokens: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
     # min_tokens: (row, token) pairs forced to -inf this step.
     banned_rows: torch.Tensor | None = None
     banned_tokens: torch.Tensor | None = None
@@ -112,6 +127,15 @@ def build_sampling_metadata(rows: list[SamplingRow], vocab_size: int,
         meta.frequency_penalty = tensor([p.frequency_penalty for p in params])
     if rep or pres or freq:
         meta.output_token_ids = _pad([r.output_token_ids for r in rows], vocab_size).to(device)
+
+    biases = [(i, b) for i, b in enumerate(r.logit_bias or logit_bias_tensors(r.params)
+                                           for r in rows) if b is not None]
+    if biases:
+        meta.bias_rows = torch.repeat_interleave(
+            torch.tensor([i for i, _ in biases]), torch.tensor([len(b[0]) for _, b in biases])
+        ).to(device)
+        meta.bias_tokens = torch.cat([b[0] for _, b in biases]).to(device)
+        meta.bias_values = torch.cat([b[1] for _, b in biases]).to(device)
 
     ban_rows: list[int] = []
     ban_tokens: list[int] = []
@@ -222,10 +246,13 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         raw = logits.float()
         if meta.all_greedy and meta.no_penalties and meta.banned_tokens is None \
-                and not meta.logprob_rows:
+                and meta.bias_tokens is None and not meta.logprob_rows:
             return SamplerOutput(raw.argmax(dim=-1).tolist(), [None] * meta.num_rows)
 
         logits = raw
+        if meta.bias_tokens is not None:  # out of place: the caller's logits stay as they were
+            logits = logits.index_put((meta.bias_rows, meta.bias_tokens), meta.bias_values,
+                                      accumulate=True)
         if not meta.no_penalties:
             logits = apply_penalties(logits, meta)
         if meta.banned_tokens is not None:

@@ -21,11 +21,12 @@ from kvflow.entrypoints.openai.errors import error_response, install_error_handl
 from kvflow.entrypoints.openai.metrics import ServerMetrics
 from kvflow.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                 DetokenizeRequest, TokenizeRequest)
-from kvflow.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
+from kvflow.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvflow.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvflow.entrypoints.openai.server_settings import ServerSettings
-from kvflow.entrypoints.openai.serving_engine import ShuttingDownError
+from kvflow.entrypoints.openai.serving_engine import MAX_REQUEST_TOKENS, ShuttingDownError, off_loop
 from kvflow.entrypoints.openai.serving_ws import WebSocketSession
+from kvflow.sampling_params import check_token_ids
 
 # no API key needed
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", *DASHBOARD_PATHS})
@@ -167,12 +168,12 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         completions.check_model(req.model)
-        tok = engine.tokenizer
         if req.messages is not None:
-            text = render_chat(tok, req.messages, req.add_generation_prompt)
-            ids = tok.encode(text, add_special_tokens=False)
+            _, ids = await chat.render(req.messages, req.add_generation_prompt)
         elif req.prompt is not None:
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            completions.check_text_size(len(req.prompt), "prompt")
+            ids = await off_loop(engine.tokenizer.encode, req.prompt,
+                                 add_special_tokens=req.add_special_tokens, size=len(req.prompt))
         else:
             return error_response(400, "give either prompt or messages", "prompt", "invalid_value")
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
@@ -180,12 +181,16 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         completions.check_model(req.model)
-        vocab = engine.info.vocab_size
-        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            return error_response(400, f"tokens: token id {bad} is outside the vocabulary [0, {vocab})",
-                                  "tokens", "invalid_value")
-        return {"prompt": engine.tokenizer.decode(req.tokens)}
+        if len(req.tokens) > MAX_REQUEST_TOKENS:
+            return error_response(400, f"tokens: {len(req.tokens)} tokens; at most "
+                                       f"{MAX_REQUEST_TOKENS}", "tokens", "invalid_value")
+        try:
+            check_token_ids("tokens", req.tokens, engine.info.vocab_size)
+        except ValueError as e:
+            return error_response(400, str(e), "tokens", "invalid_value")
+        # a token is a few characters: decode big lists on the tokenizer thread
+        text = await off_loop(engine.tokenizer.decode, req.tokens, size=4 * len(req.tokens))
+        return {"prompt": text}
 
     @app.websocket("/v1/ws")
     async def websocket(ws: WebSocket):

@@ -28,9 +28,17 @@ class APIError(Exception):
         self.headers = headers
 
 
+def _printable(text: str | None) -> str | None:
+    """A message may quote the client's input: escape what UTF-8 cannot carry (lone surrogates),
+    so that the error itself can always be sent."""
+    if text is None or text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(status: int, message: str, param: str | None = None, code=None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"),
-                      "param": param, "code": code if code is not None else status}}
+    return {"error": {"message": _printable(message), "type": _TYPES.get(status, "server_error"),
+                      "param": _printable(param), "code": code if code is not None else status}}
 
 
 def error_response(status: int, message: str, param: str | None = None, code=None,
@@ -41,7 +49,7 @@ def error_response(status: int, message: str, param: str | None = None, code=Non
 # Field names that SamplingParams / the engine put at the front of their messages.
 _PARAM_RE = re.compile(r"^(n|temperature|top_p|top_k|min_p|presence_penalty|frequency_penalty|"
                        r"repetition_penalty|max_tokens|min_tokens|logprobs|top_logprobs|seed|"
-                       r"prompt|messages|stop|stop_token_ids|max_completion_tokens)\b")
+                       r"prompt|messages|stop|stop_token_ids|logit_bias|max_completion_tokens)\b")
 
 
 def bad_request(error: ValueError | str) -> APIError:
@@ -51,15 +59,17 @@ def bad_request(error: ValueError | str) -> APIError:
     return APIError(400, message, param=m.group(1) if m else None, code="invalid_value")
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """pydantic's errors as one message and the field named first (OpenAI's `param`)."""
     parts, param = [], None
-    for err in exc.errors():
+    for err in errors:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if err.get("type") == "json_invalid":
             parts.append(f"request body is not valid JSON: {err.get('msg')}")
             continue
         field = ".".join(loc)
-        param = param or (loc[0] if loc else None)
+        # a check over the whole body names its field in the error's context
+        param = param or (loc[0] if loc else (err.get("ctx") or {}).get("param"))
         parts.append(f"{field}: {err.get('msg')}" if field else str(err.get("msg")))
     return "; ".join(parts[:5]) or "invalid request", param
 
@@ -83,7 +93,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc.errors())
         return error_response(400, message, param, "invalid_value")
 
     @app.exception_handler(ValueError)

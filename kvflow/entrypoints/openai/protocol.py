@@ -1,17 +1,119 @@
-"""OpenAI API request models (pydantic). They accept and ignore unknown fields, so that
-clients written for OpenAI or vLLM work unchanged. Responses are built as plain dicts in the
-serving modules (one shape per chunk, cheap to encode)."""
+"""OpenAI API request models (pydantic). Unknown fields are ignored, as OpenAI does, so that
+clients written for OpenAI or vLLM work unchanged; but a field that OpenAI or vLLM defines and
+kvflow does not implement (`best_of`, `response_format`, `tools`, ...) is refused with a 400
+naming it, never silently ignored. Every string is checked for lone surrogates (a JSON
+"\\ud800" escape), which nothing downstream could encode. Responses are built as plain dicts in
+the serving modules (one shape per chunk, cheap to encode)."""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
 
-from kvflow.sampling_params import SamplingParams
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-SEED_RANGE = dict(ge=-(2**63), le=2**64 - 1)
+from kvflow.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, find_lone_surrogate
+
+SEED_RANGE = dict(ge=SEED_MIN, le=SEED_MAX)
+
+
+def _check_strings(value: Any, where: str) -> None:
+    """Walk a parsed value (nested models check their own fields) for lone surrogates."""
+    if isinstance(value, str):
+        at = find_lone_surrogate(value)
+        if at is not None:
+            raise ValueError(f"{where} is not valid Unicode: a lone surrogate "
+                             f"(\\u{ord(value[at]):04x}) at position {at}")
+    elif isinstance(value, (list, tuple)):
+        # lists are homogeneous once parsed: a list of ids (or of models) is skipped in O(1)
+        if value and isinstance(value[0], _NESTED):
+            for v in value:
+                _check_strings(v, where)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str) and not isinstance(v, _NESTED):
+                return  # logit_bias: int -> float
+            _check_strings(k, where)
+            _check_strings(v, where)
+
+
+_NESTED = (str, list, tuple, dict)
+
+
+def _absent(value) -> bool:
+    return value is None or value is False or value == "" or value == [] or value == {}
+
+
+# Fields that OpenAI or vLLM define and kvflow does not implement: name -> "is this value the
+# harmless default?". Any other value is a 400 naming the field.
+_UNIMPLEMENTED_COMMON: dict[str, Any] = {
+    "best_of": lambda v, body: v is None or v == body.get("n", 1),
+    "response_format": lambda v, body: v is None or v == {"type": "text"},
+    "use_beam_search": lambda v, body: _absent(v),
+    "length_penalty": lambda v, body: v is None or v == 1 or v == 1.0,
+    "guided_json": lambda v, body: v is None,
+    "guided_regex": lambda v, body: v is None,
+    "guided_choice": lambda v, body: v is None,
+    "guided_grammar": lambda v, body: v is None,
+    "structured_outputs": lambda v, body: v is None,
+    "allowed_token_ids": lambda v, body: v is None,
+    "bad_words": lambda v, body: _absent(v),
+    "prompt_logprobs": lambda v, body: v is None,
+    "truncate_prompt_tokens": lambda v, body: v is None,
+    "logits_processors": lambda v, body: _absent(v),
+    "return_tokens_as_token_ids": lambda v, body: _absent(v),
+    "spaces_between_special_tokens": lambda v, body: v is None or v is True,
+}
+_UNIMPLEMENTED_COMPLETION = {
+    **_UNIMPLEMENTED_COMMON,
+    "suffix": lambda v, body: v is None or v == "",
+    "prompt_embeds": lambda v, body: v is None,
+}
+_UNIMPLEMENTED_CHAT = {
+    **_UNIMPLEMENTED_COMMON,
+    "tools": lambda v, body: _absent(v),
+    "tool_choice": lambda v, body: v is None or v in ("none", "auto"),
+    "functions": lambda v, body: _absent(v),
+    "function_call": lambda v, body: v is None or v in ("none", "auto"),
+    "audio": lambda v, body: v is None,
+    "modalities": lambda v, body: v is None or v == ["text"],
+    "prediction": lambda v, body: v is None,
+    "web_search_options": lambda v, body: v is None,
+    "reasoning_effort": lambda v, body: v is None,
+    "echo": lambda v, body: _absent(v),
+    "continue_final_message": lambda v, body: _absent(v),
+    "chat_template": lambda v, body: v is None,
+    "chat_template_kwargs": lambda v, body: _absent(v),
+    "documents": lambda v, body: v is None,
+    "add_special_tokens": lambda v, body: _absent(v),
+}
+
+
+def _refuse_unimplemented(body: Any, table: dict[str, Any]) -> None:
+    if not isinstance(body, dict):
+        return
+    for name, harmless in table.items():
+        if name in body:
+            try:
+                ok = harmless(body[name], body)
+            except Exception:  # noqa: BLE001 - an odd value (unhashable, ...) is not the default
+                ok = False
+            if not ok:
+                raise PydanticCustomError(
+                    "unsupported_field",
+                    "{param}: kvflow does not implement this field; leave it out"
+                    + (" (or set it equal to n)" if name == "best_of" else
+                       ' (or send {{"type": "text"}})' if name == "response_format" else ""),
+                    {"param": name})
 
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
+        _check_strings(value, info.field_name)
+        return value
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -19,7 +121,8 @@ class StreamOptions(OpenAIBaseModel):
 
 
 class SamplingFields(OpenAIBaseModel):
-    """Fields shared by completions and chat; the engine's extensions follow vLLM's names."""
+    """Fields shared by completions and chat; the engine's extensions follow vLLM's names.
+    Values are checked by SamplingParams (one place for the limits)."""
 
     model: str | None = None
     n: int = 1
@@ -30,6 +133,7 @@ class SamplingFields(OpenAIBaseModel):
     seed: int | None = Field(None, **SEED_RANGE)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    logit_bias: dict[int, float] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     presence_penalty: float | None = None
@@ -62,7 +166,8 @@ class SamplingFields(OpenAIBaseModel):
             repetition_penalty=pick(self.repetition_penalty, 1.0), max_tokens=max_tokens,
             min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
-            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.logit_bias)
 
 
 class CompletionRequest(SamplingFields):
@@ -70,6 +175,13 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM's: BOS (and the like) before a text prompt
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented(cls, body: Any) -> Any:
+        _refuse_unimplemented(body, _UNIMPLEMENTED_COMPLETION)
+        return body
 
 
 class TextPart(OpenAIBaseModel):
@@ -99,6 +211,12 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented(cls, body: Any) -> Any:
+        _refuse_unimplemented(body, _UNIMPLEMENTED_CHAT)
+        return body
 
 
 # -- other endpoints -----------------------------------------------------------------

@@ -11,7 +11,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvflow.entrypoints.openai.errors import APIError, bad_request
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from kvflow.entrypoints.openai.serving_engine import OpenAIServing, sse, until_disconnected
+from kvflow.entrypoints.openai.serving_engine import (MAX_MESSAGES, OpenAIServing, off_loop, sse,
+                                                      until_disconnected)
 from kvflow.outputs import Logprob
 from kvflow.sampling_params import SamplingParams
 
@@ -44,10 +45,22 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], top_
     return {"content": content}
 
 
-def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+def conversation(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as the chat template takes them; a 400 for what it cannot hold."""
+    if not messages:
+        raise bad_request("messages must not be empty")
+    if len(messages) > MAX_MESSAGES:
+        raise APIError(400, f"messages: {len(messages)} messages; at most {MAX_MESSAGES} per "
+                            "request", param="messages", code="invalid_value")
+    try:
+        return [{"role": m.role, "content": m.text()} for m in messages]
+    except ValueError as e:
+        raise bad_request(e) from None
+
+
+def render_chat(tokenizer, convo: list[dict], add_generation_prompt: bool = True) -> str:
     """The prompt text of a conversation; template errors become a 400."""
     try:
-        convo = [{"role": m.role, "content": m.text()} for m in messages]
         return tokenizer.apply_chat_template(convo, add_generation_prompt=add_generation_prompt,
                                              tokenize=False)
     except ValueError as e:
@@ -57,24 +70,32 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
                        code="invalid_value") from None
 
 
+def render_and_encode(tokenizer, convo: list[dict], add_generation_prompt: bool) -> tuple[str, list[int]]:
+    prompt = render_chat(tokenizer, convo, add_generation_prompt)
+    # The template already holds the special tokens it wants.
+    return prompt, tokenizer.encode(prompt, add_special_tokens=False)
+
+
 class OpenAIServingChat(OpenAIServing):
-    def prepare(self, req: ChatCompletionRequest) -> ChatJob:
+    async def render(self, messages: list[ChatMessage],
+                     add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+        """Template and tokenize, with the input bounded first and big work off the loop."""
+        convo = conversation(messages)
+        chars = sum(len(m["content"]) + len(m["role"]) for m in convo)
+        self.check_text_size(chars, "messages")
+        return await off_loop(render_and_encode, self.tokenizer, convo, add_generation_prompt,
+                              size=chars + 16 * len(convo))
+
+    async def prepare(self, req: ChatCompletionRequest) -> ChatJob:
         self.check_model(req.model)
-        self.check_n(req.n)
-        if not req.messages:
-            raise bad_request("messages must not be empty")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs",
                            code="invalid_value")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        try:
-            params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        except ValueError as e:
-            raise bad_request(e) from None
-        prompt = render_chat(self.tokenizer, req.messages, req.add_generation_prompt)
-        # The template already holds the special tokens it wants.
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        self.check_prompt(ids, params.max_tokens)
+        params = self.make_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        prompt, ids = await self.render(req.messages, req.add_generation_prompt)
+        self.check_prompt(ids, params)
+        self.check_request_tokens(len(ids), params.n)
         self.check_available(params.n)
         return ChatJob(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.settings.model_name,
                        prompt, ids, params, req.top_logprobs or 0, req.include_usage,
@@ -135,7 +156,7 @@ class OpenAIServingChat(OpenAIServing):
                 "model": job.model, "choices": [choices[i] for i in sorted(choices)], "usage": usage}
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
-        job = self.prepare(req)
+        job = await self.prepare(req)
         if req.stream:
             return StreamingResponse(sse(self.chunks(job)), media_type="text/event-stream")
         result = await until_disconnected(raw, self.collect(job))

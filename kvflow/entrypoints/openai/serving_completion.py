@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvflow.entrypoints.openai.errors import bad_request
 from kvflow.entrypoints.openai.protocol import CompletionRequest
-from kvflow.entrypoints.openai.serving_engine import (OpenAIServing, merge_streams, sse,
+from kvflow.entrypoints.openai.serving_engine import (OpenAIServing, merge_streams, off_loop, sse,
                                                       until_disconnected)
 from kvflow.outputs import Logprob
 from kvflow.sampling_params import SamplingParams
@@ -51,31 +51,41 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]]
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    def prepare(self, req: CompletionRequest) -> CompletionJob:
-        """Check and tokenize; raises APIError (400/404/503) before anything is streamed."""
+    async def prepare(self, req: CompletionRequest) -> CompletionJob:
+        """Check and tokenize; raises APIError (400/404/503) before anything is streamed. Every
+        cap is checked before the work it bounds, and big texts are tokenized off the loop."""
         self.check_model(req.model)
-        self.check_n(req.n)
-        try:
-            params = req.sampling_params(req.max_tokens, req.logprobs)
-        except ValueError as e:
-            raise bad_request(e) from None
+        params = self.make_params(req, req.max_tokens, req.logprobs)
         prompts = self._prompts(req.prompt)
-        for _, ids in prompts:
-            self.check_prompt(ids, params.max_tokens)
+        self.check_choices(len(prompts), params.n)
+        chars = 0
+        for p in prompts:
+            if isinstance(p, str):
+                self.check_text_size(len(p), "prompt")
+                chars += len(p)
+        encoded = await off_loop(self._encode, prompts, req.add_special_tokens, size=chars)
+        for _, ids in encoded:
+            self.check_prompt(ids, params)
+        self.check_request_tokens(sum(len(ids) for _, ids in encoded), params.n)
         self.check_available(len(prompts) * params.n)
         return CompletionJob(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.settings.model_name,
-                             prompts, params, req.echo, req.include_usage, req.priority,
+                             encoded, params, req.echo, req.include_usage, req.priority,
                              req.cache_salt)
 
-    def _prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+    @staticmethod
+    def _prompts(prompt) -> list[str | list[int]]:
         if isinstance(prompt, str):
             prompt = [prompt]
         elif prompt and isinstance(prompt[0], int):
             prompt = [prompt]
         if not prompt:
             raise bad_request("prompt must not be empty")
-        return [(p, self.tokenizer.encode(p, add_special_tokens=True)) if isinstance(p, str)
-                else (None, list(p)) for p in prompt]
+        return prompt
+
+    def _encode(self, prompts: list[str | list[int]],
+                add_special_tokens: bool) -> list[tuple[str | None, list[int]]]:
+        return [(p, self.tokenizer.encode(p, add_special_tokens=add_special_tokens))
+                if isinstance(p, str) else (None, list(p)) for p in prompts]
 
     async def chunks(self, job: CompletionJob) -> AsyncIterator[dict]:
         n = job.params.n
@@ -142,7 +152,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 "model": job.model, "choices": [choices[i] for i in sorted(choices)], "usage": usage}
 
     async def create(self, req: CompletionRequest, raw: Request):
-        job = self.prepare(req)
+        job = await self.prepare(req)
         if req.stream:
             return StreamingResponse(sse(self.chunks(job)), media_type="text/event-stream")
         result = await until_disconnected(raw, self.collect(job))

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import functools
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 from fastapi import Request
@@ -13,8 +15,33 @@ from kvflow.engine.core_client import EngineDeadError
 from kvflow.entrypoints.openai.errors import APIError, bad_request, error_body
 from kvflow.entrypoints.openai.server_settings import ServerSettings
 from kvflow.request import InvalidRequestError, check_request_fits
+from kvflow.sampling_params import SamplingParams, check_token_ids
 
-MAX_N = 128
+# What one request may ask for, checked before any work is done for it (vLLM caps none of
+# these; OpenAI documents none for completions). The body itself is capped by --max-body-size.
+MAX_CHOICES = 4096  # prompts x n: each choice is a sequence in the engine
+MAX_REQUEST_TOKENS = 2**20  # prompt tokens x n, summed over the request's prompts
+MAX_MESSAGES = 4096  # messages of one chat
+# A text longer than this many characters per token of max_model_len cannot fit in any
+# tokenizer we know of, and is refused before it is tokenized.
+MAX_CHARS_PER_TOKEN = 64
+# Texts up to this size are tokenized on the event loop (microseconds); larger ones on the
+# tokenizer thread, so that one big prompt never stalls every other stream and /health.
+INLINE_TOKENIZE_CHARS = 8192
+
+_tokenizer_thread: ThreadPoolExecutor | None = None
+
+
+async def off_loop(work: Callable, *args, size: int, **kwargs):
+    """`work(*args, **kwargs)` inline when `size` (characters) is small, else on the one
+    tokenizer thread (one thread: the tokenizer is never used by two threads at once)."""
+    global _tokenizer_thread
+    if size <= INLINE_TOKENIZE_CHARS:
+        return work(*args, **kwargs)
+    if _tokenizer_thread is None:
+        _tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="kvflow-tokenize")
+    return await asyncio.get_running_loop().run_in_executor(
+        _tokenizer_thread, functools.partial(work, *args, **kwargs))
 
 
 class ShuttingDownError(RuntimeError):
@@ -50,23 +77,54 @@ class OpenAIServing:
                                     f"(max_waiting_requests is {limit}); retry in a moment",
                                code="server_busy", headers={"Retry-After": "1"})
 
-    def check_prompt(self, ids: list[int], max_tokens: int | None) -> None:
-        """The same limits the core enforces, checked here so that they become a 400."""
-        info = self.engine.info
-        vocab = info.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise bad_request(f"prompt contains token id {bad}, outside the vocabulary [0, {vocab})")
+    def make_params(self, req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The request's SamplingParams, every id and top_k checked against the vocabulary."""
         try:
-            check_request_fits(len(ids), max_tokens, self.engine.max_model_len,
-                               info.block_size, info.num_blocks)
-        except InvalidRequestError as e:
-            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+            params = req.sampling_params(max_tokens, logprobs)
+            params.verify_token_ids(self.engine.info.vocab_size)
+        except ValueError as e:
+            raise bad_request(e) from None
+        return params
 
     @staticmethod
-    def check_n(n: int) -> None:
-        if isinstance(n, int) and n > MAX_N:
-            raise bad_request(f"n must be at most {MAX_N}, got {n}")
+    def check_choices(num_prompts: int, n: int) -> None:
+        """Each prompt x n is one sequence in the engine: cap them before any tokenizing."""
+        if num_prompts * n > MAX_CHOICES:
+            raise APIError(400, f"{'n' if n > 1 else 'prompt'}: {num_prompts} prompts x n={n} is "
+                                f"{num_prompts * n} choices; at most {MAX_CHOICES} per request",
+                           param="n" if n > 1 else "prompt", code="too_many_choices")
+
+    def check_text_size(self, chars: int, param: str) -> None:
+        """Refuse a text that cannot fit in max_model_len before spending time tokenizing it."""
+        limit = self.engine.max_model_len * MAX_CHARS_PER_TOKEN
+        if chars > limit:
+            raise APIError(400, f"{param}: {chars} characters cannot fit in max_model_len "
+                                f"{self.engine.max_model_len} (at most {limit} characters)",
+                           param=param, code="invalid_value")
+
+    @staticmethod
+    def check_request_tokens(num_prompt_tokens: int, n: int) -> None:
+        total = num_prompt_tokens * n
+        if total > MAX_REQUEST_TOKENS:
+            raise APIError(400, f"prompt: {num_prompt_tokens} prompt tokens x n={n} is {total} "
+                                f"tokens; at most {MAX_REQUEST_TOKENS} per request",
+                           param="prompt", code="too_many_tokens")
+
+    def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        """The same limits the core enforces, checked here so that they become a 400."""
+        info = self.engine.info
+        try:
+            check_token_ids("prompt", ids, info.vocab_size)
+        except ValueError as e:
+            raise bad_request(e) from None
+        try:
+            max_tokens = check_request_fits(len(ids), params.max_tokens, self.engine.max_model_len,
+                                            info.block_size, info.num_blocks)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+        if params.min_tokens > max_tokens:
+            raise bad_request(f"min_tokens ({params.min_tokens}) must not exceed max_tokens "
+                              f"({max_tokens}: what max_model_len leaves after the prompt)")
 
 
 async def merge_streams(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:

@@ -11,21 +11,31 @@ Server -> client (JSON text), per request id:
     {"type": "done", "id": "a"}                     after the last chunk
     {"type": "cancelled", "id": "a"}                after a cancel
     {"type": "error", "id": "a", "error": {...}}    OpenAI-shaped error; the request is over
+
+A bad message (not JSON, nested too deeply, an invalid id, too many requests in flight on the
+socket) is answered with an error frame; it never ends the connection or other requests.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import msgspec
 from fastapi import WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
-from kvflow.entrypoints.openai.errors import APIError, error_body
+from kvflow.entrypoints.openai.errors import APIError, error_body, validation_message
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvflow.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvflow.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvflow.entrypoints.openai.serving_engine import STREAM_ERRORS, stream_error
+from kvflow.sampling_params import find_lone_surrogate
+
+logger = logging.getLogger("kvflow")
+
+MAX_REQUESTS_PER_SOCKET = 256  # request ids in flight at once on one connection
+MAX_ID_CHARS = 256
 
 
 class WebSocketSession:
@@ -46,7 +56,17 @@ class WebSocketSession:
         await self.ws.accept()
         try:
             while True:
-                text = await self.ws.receive_text()
+                msg = await self.ws.receive()
+                if msg["type"] == "websocket.disconnect":
+                    break
+                text = msg.get("text")
+                if text is None:  # a binary frame: JSON in UTF-8 is accepted too
+                    try:
+                        text = (msg.get("bytes") or b"").decode("utf-8")
+                    except UnicodeDecodeError:
+                        await self.send({"type": "error", "id": None,
+                                         **error_body(400, "message is not valid UTF-8")})
+                        continue
                 await self.handle(text)
         except WebSocketDisconnect:
             pass
@@ -58,34 +78,42 @@ class WebSocketSession:
     async def handle(self, text: str) -> None:
         try:
             msg = json.loads(text)
-        except json.JSONDecodeError as e:
-            await self.send({"type": "error", "id": None,
-                             **error_body(400, f"message is not valid JSON: {e}")})
+        except (ValueError, RecursionError) as e:
+            why = "nested too deeply" if isinstance(e, RecursionError) else f"not valid JSON: {e}"
+            await self.send({"type": "error", "id": None, **error_body(400, f"message is {why}")})
             return
         if not isinstance(msg, dict):
             await self.send({"type": "error", "id": None, **error_body(400, "message must be a JSON object")})
             return
         rid, kind = msg.get("id"), msg.get("type")
+        if not isinstance(rid, str) or not rid or len(rid) > MAX_ID_CHARS \
+                or find_lone_surrogate(rid) is not None:
+            await self.send({"type": "error", "id": rid if isinstance(rid, (int, float)) else None,
+                             **error_body(400, f"id: each request needs a string id of 1 to "
+                                               f"{MAX_ID_CHARS} characters of valid Unicode", "id")})
+            return
         if kind == "cancel":
-            task = self.tasks.pop(rid, None) if isinstance(rid, str) else None
+            task = self.tasks.pop(rid, None)
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
                 await self.send({"type": "cancelled", "id": rid})
             return
-        if not isinstance(rid, str) or not rid:
-            await self.send({"type": "error", "id": rid,
-                             **error_body(400, "id: each request needs a string id", "id")})
-            return
         if rid in self.tasks:
             await self.send({"type": "error", "id": rid,
                              **error_body(400, f"id: request {rid!r} is still running", "id")})
+            return
+        if len(self.tasks) >= MAX_REQUESTS_PER_SOCKET:
+            await self.send({"type": "error", "id": rid, **error_body(
+                429, f"id: {len(self.tasks)} requests are in flight on this connection; at most "
+                     f"{MAX_REQUESTS_PER_SOCKET}", "id", "too_many_requests")})
             return
         if kind is None:
             kind = "chat" if "messages" in msg else "completion"
         if kind not in ("chat", "completion"):
             await self.send({"type": "error", "id": rid, **error_body(
-                400, f"type must be completion, chat or cancel, got {kind!r}", "type")})
+                400, "type must be completion, chat or cancel, got "
+                     + (repr(kind[:64]) if isinstance(kind, str) else type(kind).__name__), "type")})
             return
         self.tasks[rid] = asyncio.create_task(self.serve(rid, kind, msg))
 
@@ -96,18 +124,25 @@ class WebSocketSession:
             try:
                 req = model.model_validate(body)
             except ValidationError as e:
-                err = e.errors()[0]
-                field = ".".join(str(x) for x in err.get("loc", ()))
-                raise APIError(400, f"{field}: {err.get('msg')}", param=field or None,
-                               code="invalid_value") from None
-            job = serving.prepare(req)
+                message, param = validation_message(e.errors())
+                raise APIError(400, message, param=param, code="invalid_value") from None
+            job = await serving.prepare(req)
             async for chunk in serving.chunks(job):
                 await self.send({"type": "chunk", "id": rid, "data": chunk})
             await self.send({"type": "done", "id": rid})
         except STREAM_ERRORS as e:
-            await self.send({"type": "error", "id": rid, **stream_error(e)})
+            await self._send_quietly({"type": "error", "id": rid, **stream_error(e)})
         except (WebSocketDisconnect, RuntimeError, OSError):
             pass  # the socket is gone; run() cleans up
+        except Exception as e:  # noqa: BLE001 - a bug must end this request, not the socket
+            logger.exception("websocket request %r failed", rid)
+            await self._send_quietly({"type": "error", "id": rid, **stream_error(e)})
         finally:
             if self.tasks.get(rid) is asyncio.current_task():
                 del self.tasks[rid]
+
+    async def _send_quietly(self, obj: dict) -> None:
+        try:
+            await self.send(obj)
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            pass
