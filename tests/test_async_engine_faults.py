@@ -182,3 +182,25 @@ def test_a_core_failure_report_stays_in_the_log(caplog):
         message = asyncio.run(run())
     assert message == "engine core failed: ZeroDivisionError: division by zero"
     assert "Traceback" in caplog.text and "/srv/secret/path" in caplog.text
+
+
+def test_a_request_that_fails_halfway_through_registering_leaves_nothing(monkeypatch):
+    from kvflow.engine import output_processor
+
+    real, made = output_processor.IncrementalDetokenizer, []
+
+    def flaky(*args):
+        made.append(1)
+        if len(made) == 3:
+            raise MemoryError("the third sample's detokenizer")
+        return real(*args)
+
+    monkeypatch.setattr(output_processor, "IncrementalDetokenizer", flaky)
+
+    async def run():
+        engine = make_engine()
+        with pytest.raises(MemoryError):
+            await drain(engine.generate([1, 2], SamplingParams(n=4), "a"))
+        assert_nothing_counted(engine)
+        await engine.shutdown()
+    asyncio.run(run())
