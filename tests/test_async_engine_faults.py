@@ -204,3 +204,18 @@ def test_a_request_that_fails_halfway_through_registering_leaves_nothing(monkeyp
         assert_nothing_counted(engine)
         await engine.shutdown()
     asyncio.run(run())
+
+
+def test_a_utility_call_that_cannot_be_sent_leaves_no_pending_work():
+    async def run():
+        engine = make_engine()
+
+        def fail():
+            raise zmq.ZMQError(zmq.ETERM)
+
+        engine.client.request_reset_prefix_cache = fail
+        with pytest.raises(zmq.ZMQError):
+            await engine.reset_prefix_cache()
+        assert not engine.has_pending_work()  # else the heartbeat would count a stall
+        await engine.shutdown()
+    asyncio.run(run())

@@ -140,8 +140,13 @@ class AsyncLLM:
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error))
         fut = asyncio.get_running_loop().create_future()
-        self._utility_waiters.setdefault(UtilityCall.RESET_PREFIX_CACHE, []).append(fut)
-        self.client.request_reset_prefix_cache()
+        waiters = self._utility_waiters.setdefault(UtilityCall.RESET_PREFIX_CACHE, [])
+        waiters.append(fut)
+        try:
+            self.client.request_reset_prefix_cache()
+        except BaseException:
+            waiters.remove(fut)  # never sent: no answer will come for it
+            raise
         return await fut
 
     def abort(self, request_id: str) -> None:
@@ -170,7 +175,8 @@ class AsyncLLM:
 
     def has_pending_work(self) -> bool:
         """Requests (or a utility call) this frontend awaits an answer for from the core."""
-        return bool(self.queues) or any(self._utility_waiters.values())
+        return bool(self.queues) or any(not f.done() for waiters in self._utility_waiters.values()
+                                        for f in waiters)
 
     def _forget(self, request_id: str) -> None:
         self.queues.pop(request_id, None)
