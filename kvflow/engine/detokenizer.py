@@ -96,13 +96,16 @@ class IncrementalDetokenizer:
     text that is safe to show now. Joined deltas always equal the final `output_text`.
     """
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams,
+                 stops: StopStrings | None = None):
+        """`stops`: the StopStrings of `params.stop`, when built already (shared by the `n`
+        samples of one request, so that many stop strings are indexed once)."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
-        self.stop = list(params.stop or [])
+        self._stops = stops if stops is not None else StopStrings(list(params.stop or []))
+        self.stop = self._stops.stops
         self.include_stop = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
-        self._stops = StopStrings(self.stop)
 
         self.token_ids: list[int] = list(prompt_token_ids[-_INITIAL_CONTEXT:])
         self.prefix_offset = 0
