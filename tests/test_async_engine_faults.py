@@ -156,6 +156,8 @@ def test_a_silent_core_with_work_pending_is_declared_stalled():
         assert engine.is_dead and engine.client.killed
         await gen.aclose()
         assert_nothing_counted(engine)
+        with pytest.raises(EngineStalledError):  # later requests say why, with the same code
+            await drain(engine.generate([1, 2], SamplingParams(), "b"))
         await engine.shutdown()
     asyncio.run(run())
 

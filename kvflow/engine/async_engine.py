@@ -104,7 +104,7 @@ class AsyncLLM:
                        ) -> AsyncIterator[RequestOutput]:
         """Stream DELTA RequestOutputs for one request (all its `n` samples) until finished."""
         if self.dead_error is not None:
-            raise EngineDeadError(str(self.dead_error))
+            raise type(self.dead_error)(str(self.dead_error))  # keeps its code
         core_reqs = self.processor.add_request(
             request_id, prompt, prompt_token_ids, params, OutputKind.DELTA,
             arrival_time=arrival_time or time.time(), priority=priority, cache_salt=cache_salt)
@@ -138,7 +138,7 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         """Clear the core's prefix cache; False (nothing done) while requests are running."""
         if self.dead_error is not None:
-            raise EngineDeadError(str(self.dead_error))
+            raise type(self.dead_error)(str(self.dead_error))  # keeps its code
         fut = asyncio.get_running_loop().create_future()
         waiters = self._utility_waiters.setdefault(UtilityCall.RESET_PREFIX_CACHE, [])
         waiters.append(fut)
@@ -158,7 +158,9 @@ class AsyncLLM:
         if ids and not self.is_dead:
             try:
                 self.client.abort_requests(ids)
-            except zmq.ZMQError as e:  # the socket is closing: the core goes with it
+            except (zmq.ZMQError, ValueError, OverflowError) as e:
+                # the socket is closing (the core goes with it), or ids that cannot be encoded
+                # (then they never reached the core either)
                 logger.warning("could not abort %s in the engine: %s", request_id, e)
 
     def enable_snapshots(self, on: bool) -> None:
