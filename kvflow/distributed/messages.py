@@ -64,4 +64,4 @@ def decode_init(data: bytes) -> WorkerInit:
     try:
         return _init_decoder.decode(data)
     except (msgspec.DecodeError, ValueError, TypeError) as e:
-        raise BadMessageError(f"the rendezvous 'init' entry is not a kvflow WorkerInit: {e}") from None
+        raise BadMessageError(f"the store's init entry is not a WorkerInit: {e}") from None
