@@ -1,14 +1,20 @@
 """The tokenizer of an HF folder or a GGUF file (transformers' fast tokenizer).
 
 Converting a GGUF vocabulary takes seconds, so the converted tokenizer is saved once in the
-model's cache folder and loaded from there on every later start."""
+model's cache folder and loaded from there on every later start: converted under a lock (two
+starts convert once), fsynced and renamed into place; a cached copy that fails to load (torn by
+a crash) is converted again."""
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
 
 from kvflow.model_path import cache_dir_for, is_gguf
+from kvflow.utils.files import file_lock, publish
+
+logger = logging.getLogger("kvflow")
 
 
 def tokenizer_source(tokenizer: str | None, model_path: str) -> str:
@@ -29,23 +35,48 @@ def get_tokenizer(path: str):
     if not is_gguf(path):
         return AutoTokenizer.from_pretrained(path)
     cached = os.path.join(cache_dir_for(path), "tokenizer")
-    if os.path.isfile(os.path.join(cached, "tokenizer.json")):
-        return AutoTokenizer.from_pretrained(cached)
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    _save_atomically(tokenizer, cached)
+    tokenizer = _load_cached(cached, remove_if_broken=False)
+    if tokenizer is not None:
+        return tokenizer
+    with file_lock(cached + ".lock"):
+        # another start may have converted it meanwhile; a broken copy is removed here only
+        tokenizer = _load_cached(cached, remove_if_broken=True)
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                                      gguf_file=os.path.basename(path))
+            _save_atomically(tokenizer, cached)
     return tokenizer
 
 
+def _load_cached(cached: str, remove_if_broken: bool):
+    """The cached tokenizer, or None when there is none or it does not load."""
+    from transformers import AutoTokenizer
+
+    if not os.path.isdir(cached):
+        return None
+    try:
+        if not os.path.isfile(os.path.join(cached, "tokenizer.json")):
+            raise ValueError("tokenizer.json is missing")
+        return AutoTokenizer.from_pretrained(cached)
+    except Exception as e:  # noqa: BLE001 - any broken cache is rebuilt, never trusted
+        if remove_if_broken:
+            logger.warning("kvflow: the cached tokenizer %s does not load (%s); converting "
+                           "again", cached, e)
+            shutil.rmtree(cached, ignore_errors=True)
+        return None
+
+
 def _save_atomically(tokenizer, target: str) -> None:
-    # Several processes may start at once: write to a private folder, then rename into place.
+    """Write to a private folder, fsync it, then rename it into place (under the lock)."""
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="tokenizer.", dir=parent)
     try:
         tokenizer.save_pretrained(tmp)
-        os.rename(tmp, target)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)  # another process won the race; theirs is identical
+        publish(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> tuple[str, list[int]]:

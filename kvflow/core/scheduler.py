@@ -3,11 +3,11 @@ chunked prefill), reserves their KV slots, and applies the sampled tokens afterw
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from kvflow.config import CacheConfig, SchedulerConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
+from kvflow.core.request_queue import RequestQueue
 from kvflow.core.scheduler_output import AdmissionStop, BlockCheck, NewRequestData, SchedulerOutput
 from kvflow.request import FinishReason, Request, RequestStatus, check_request_fits
 
@@ -39,7 +39,7 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
                                                cache_config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = RequestQueue()  # O(1) removal: aborting many requests stays linear
         self.running: list[Request] = []
         self.step_index = 0
         self._finished_ids: set[str] = set()
@@ -56,11 +56,7 @@ class Scheduler:
     def _enqueue(self, req: Request, front: bool = False) -> None:
         if self.config.policy == "priority":
             # lower priority value first, then arrival; a preempted request keeps its rank
-            key = (req.priority, req.arrival_time)
-            i = len(self.waiting)
-            while i > 0 and (self.waiting[i - 1].priority, self.waiting[i - 1].arrival_time) > key:
-                i -= 1
-            self.waiting.insert(i, req)
+            self.waiting.insert_sorted(req, lambda r: (r.priority, r.arrival_time))
         elif front:
             self.waiting.appendleft(req)
         else:
@@ -68,15 +64,28 @@ class Scheduler:
 
     def abort_request(self, request_id: str) -> bool:
         """End a request wherever it is; its blocks return to the pool now."""
-        req = self.requests.get(request_id)
-        if req is None or req.is_finished:
-            return False
-        if req.status == RequestStatus.RUNNING:
-            self.running.remove(req)
-        else:
-            self.waiting.remove(req)
-        self._finish(req, RequestStatus.FINISHED_ABORTED)
-        return True
+        return self.abort_requests([request_id]) == 1
+
+    def abort_requests(self, request_ids) -> int:
+        """End each of these requests wherever it is; returns how many were unfinished. O(1)
+        per waiting request, and one pass over the running batch for all of them."""
+        n = 0
+        stopped: dict[str, Request] = {}  # running ones, in the order given
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished or rid in stopped:
+                continue
+            n += 1
+            if req.status == RequestStatus.RUNNING:
+                stopped[rid] = req
+            else:
+                self.waiting.remove(req)
+                self._finish(req, RequestStatus.FINISHED_ABORTED)
+        if stopped:
+            self.running = [r for r in self.running if r.request_id not in stopped]
+            for req in stopped.values():
+                self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return n
 
     def reset_prefix_cache(self) -> bool:
         """Clear the prefix cache; refused (False) while any request holds blocks."""

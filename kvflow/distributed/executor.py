@@ -8,7 +8,6 @@ single-process one without knowing which."""
 from __future__ import annotations
 
 import os
-import pickle
 import time
 import weakref
 
@@ -17,10 +16,10 @@ import torch
 from kvflow.config import EngineConfig
 from kvflow.distributed.parallel import (CollectiveError, CommStats, Rendezvous, rendezvous_timeout,
                                          TPGroup, parse_init_method)
+from kvflow.distributed.messages import WorkerInit, encode_init, encode_step
 from kvflow.distributed.shm_allreduce import (MAX_SLOT_BYTES, ShmAllReduce, create_segment,
                                               shm_supported)
 from kvflow.distributed.supervisor import WorkerSupervisor, spawn_worker
-from kvflow.distributed.worker import WorkerInit
 from kvflow.logger import init_logger
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.executor import Executor
@@ -69,7 +68,7 @@ class TPExecutor(Executor):
                          MAX_SLOT_BYTES)
         self._shm_path = create_segment(n, slot_bytes) if nnodes == 1 and use_shm() else None
         try:
-            self.rdv.store.set("init", pickle.dumps(WorkerInit(
+            self.rdv.store.set("init", encode_init(WorkerInit(
                 model_path, str(dtype).removeprefix("torch."), str(kv_dtype).removeprefix("torch."),
                 num_blocks, block_size,
                 config.num_threads, eos_token_id, shm_path=self._shm_path,
@@ -123,7 +122,7 @@ class TPExecutor(Executor):
         """One step on every rank; the driver's sampled tokens come back."""
         self.check_health()
         try:
-            self.group.broadcast_object((sched_out, self._sampled))
+            self.group.broadcast_bytes(encode_step(sched_out, self._sampled))
             out = self.runner.execute(sched_out)
         except CollectiveError as e:
             blame = self.supervisor.wait_failure(BLAME_WAIT_S)
@@ -205,7 +204,7 @@ class TPExecutor(Executor):
         if self.failed is None and self.group is not None:
             logger.debug("kvflow tensor parallel: %s", self.comm_report())
             try:
-                self.group.broadcast_object(None)
+                self.group.broadcast_bytes(encode_step(None, {}))
             except CollectiveError:
                 pass
         if self.supervisor is not None:

@@ -7,7 +7,6 @@ engines in turn. Rank 0 (the driver) hosts the store."""
 from __future__ import annotations
 
 import os
-import pickle
 import socket
 import time
 from dataclasses import dataclass, field
@@ -148,13 +147,13 @@ class TPGroup:
         self._timed("gather", lambda: self.pg.gather([], [t], opts).wait(), nbytes)
         return None
 
-    def broadcast_object(self, obj=None):
-        """The driver's `obj` on every rank (pickled; one frame when it fits in 64 KiB)."""
+    def broadcast_bytes(self, data: bytes | None = None) -> bytes:
+        """The driver's `data` on every rank (one frame when it fits in 64 KiB). Bytes only:
+        what they mean is decoded with a schema (kvflow.distributed.messages), never unpickled."""
         frame, buf = self._frame, self._frame.numpy()  # buf shares frame's memory
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         if self.rank == 0:
-            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
             n = len(data)
             head = min(n, _FRAME_BYTES - _LEN)
             buf[:_LEN] = np.frombuffer(n.to_bytes(_LEN, "little"), dtype=np.uint8)
@@ -163,7 +162,7 @@ class TPGroup:
             if n > head:
                 rest = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, offset=head).copy())
                 self._timed("broadcast", lambda: self.pg.broadcast([rest], opts).wait(), n - head)
-            return obj
+            return data
         self._timed("broadcast", lambda: self.pg.broadcast([frame], opts).wait(), _FRAME_BYTES)
         n = int.from_bytes(buf[:_LEN].tobytes(), "little")
         head = min(n, _FRAME_BYTES - _LEN)
@@ -172,7 +171,7 @@ class TPGroup:
             rest = torch.empty(n - head, dtype=torch.uint8)
             self._timed("broadcast", lambda: self.pg.broadcast([rest], opts).wait(), n - head)
             data += rest.numpy().tobytes()
-        return pickle.loads(data)
+        return data
 
     def close(self) -> None:
         # Dropping the process group closes its sockets; peers still waiting see them close.

@@ -12,10 +12,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import pickle
 import sys
-from dataclasses import dataclass
 
+from kvflow.distributed.messages import BadMessageError, decode_init, decode_step
 from kvflow.utils.process import parent_alive, start_child_process
 
 # Exit codes the supervisor tells apart.
@@ -25,24 +24,9 @@ EXIT_PEER_LOST = 3  # a collective failed: another rank (or the driver) went awa
 logger = logging.getLogger("kvflow.distributed")
 
 
-@dataclass
-class WorkerInit:
-    """What every rank must agree on, published by the driver in the store."""
-
-    model_path: str
-    dtype: str  # float32 | bfloat16
-    kv_dtype: str  # the KV cache's: float32 | bfloat16
-    num_blocks: int
-    block_size: int
-    num_threads: int
-    eos_token_id: int | list[int] | None
-    shm_path: str | None = None  # the shared-memory all-reduce segment (single machine)
-    shm_slot_bytes: int = 0
-
-
 def run_worker(rendezvous: str, rank: int, world_size: int, parent_pid: int | None = None) -> int:
     # Imported here, not at the top: the supervisor (and a worker node's process, which only
-    # supervises) imports this module for WorkerInit and the exit codes, without torch.
+    # supervises) imports this module for the exit codes, without torch.
     import torch
 
     from kvflow.distributed.parallel import CollectiveError, Rendezvous, TPGroup
@@ -54,7 +38,11 @@ def run_worker(rendezvous: str, rank: int, world_size: int, parent_pid: int | No
     host, _, port = rendezvous.rpartition(":")
     rdv = Rendezvous(host, int(port), world_size, is_master=False)
     store = rdv.store
-    init: WorkerInit = pickle.loads(store.get("init"))
+    try:
+        init = decode_init(store.get("init"))  # typed msgpack: nothing from the store is unpickled
+    except BadMessageError as e:
+        store.set(f"error/{rank}", str(e))
+        return EXIT_LOAD_FAILED
     torch.set_num_threads(init.num_threads)
     shm = None
     if init.shm_path:
@@ -74,12 +62,14 @@ def run_worker(rendezvous: str, rank: int, world_size: int, parent_pid: int | No
     store.set(f"loaded/{rank}", "1")
     try:
         while True:
-            msg = group.broadcast_object()
+            msg = decode_step(group.broadcast_bytes())
             if msg is None:
                 return 0
-            sched_out, sampled = msg
-            runner.append_sampled(sampled)
-            runner.execute(sched_out)
+            runner.append_sampled(msg.sampled)
+            runner.execute(msg.sched_out)
+    except BadMessageError as e:  # the ranks cannot stay in step after a frame it cannot read
+        logger.error("kvflow tensor-parallel worker rank %d: %s", rank, e)
+        return EXIT_PEER_LOST
     except CollectiveError as e:  # a peer closed its connection: it died or the driver left
         logger.error("kvflow tensor-parallel worker rank %d: lost the group (%s)", rank, e)
         return EXIT_PEER_LOST

@@ -4,6 +4,11 @@ The EngineCore runs in its own process (EngineCoreClient). Here, in the frontend
 pulls the core's token deltas, detokenizes them (OutputProcessor) and hands each request's
 RequestOutputs to that request's asyncio queue; `generate()` reads the queue. A generator
 that is closed early (client gone, task cancelled) aborts its request in the core.
+
+A heartbeat watches the core: while requests are pending, every step sends a message; if none
+comes for `stall_timeout` seconds the core is treated as dead (EngineStalledError): it is
+killed, in-flight requests end with that error and the server exits as on engine death. An
+engine that resumes later is not trusted again (a step may have been cut anywhere).
 """
 from __future__ import annotations
 
@@ -13,7 +18,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from kvflow.config import EngineConfig
-from kvflow.engine.core_client import EngineCoreClient, EngineDeadError
+import zmq
+
+from kvflow.engine.core_client import EngineCoreClient, EngineDeadError, EngineStalledError
 from kvflow.engine.output_processor import OutputKind, OutputProcessor
 from kvflow.engine.protocol import (CoreMessage, EngineCoreOutputs, EngineCoreReady, SchedulerStats,
                                     UtilityCall)
@@ -36,8 +43,10 @@ class StatLogger:
 class AsyncLLM:
     """Owns the core process, the output processor and the per-request queues."""
 
-    def __init__(self, config: EngineConfig, stat_logger: StatLogger | None = None) -> None:
+    def __init__(self, config: EngineConfig, stat_logger: StatLogger | None = None,
+                 stall_timeout: float = 0.0) -> None:
         self.config = config
+        self.stall_timeout = stall_timeout  # seconds; 0 = no heartbeat
         self.model_path = resolve_model_path(config.model_config.model)  # fail fast on a bad path
         self.tokenizer_path = tokenizer_source(config.model_config.tokenizer, self.model_path)
         self.client = EngineCoreClient(config)
@@ -52,6 +61,8 @@ class AsyncLLM:
         self.dead_error: EngineDeadError | None = None
         self.on_dead: Callable[[EngineDeadError], None] | None = None
         self._output_task: asyncio.Task | None = None
+        self._heartbeat_task: asyncio.Task | None = None
+        self._last_progress = time.monotonic()  # a message from the core, or work arriving
         self._core_ids: dict[str, int] = {}  # request id -> number of unfinished core requests
         self._utility_waiters: dict[str, list[asyncio.Future]] = {}  # call name -> awaiting callers
 
@@ -67,6 +78,8 @@ class AsyncLLM:
         self.tokenizer = await tok_task
         self.processor = OutputProcessor(self.tokenizer)
         self._output_task = asyncio.create_task(self._output_loop(), name="kvflow-outputs")
+        if self.stall_timeout > 0:
+            self._heartbeat_task = asyncio.create_task(self._heartbeat(), name="kvflow-heartbeat")
         return self.info
 
     @property
@@ -91,18 +104,22 @@ class AsyncLLM:
                        ) -> AsyncIterator[RequestOutput]:
         """Stream DELTA RequestOutputs for one request (all its `n` samples) until finished."""
         if self.dead_error is not None:
-            raise EngineDeadError(str(self.dead_error))
+            raise type(self.dead_error)(str(self.dead_error))  # keeps its code
         core_reqs = self.processor.add_request(
             request_id, prompt, prompt_token_ids, params, OutputKind.DELTA,
             arrival_time=arrival_time or time.time(), priority=priority, cache_salt=cache_salt)
-        queue: asyncio.Queue = asyncio.Queue()
-        self.queues[request_id] = queue
-        self._core_ids[request_id] = len(core_reqs)
-        self.num_core_requests += len(core_reqs)
-        for r in core_reqs:
-            self.client.add_request(r)
         finished = False
+        # From here on the request is counted; every way out (an encode or send error, a
+        # cancelled task, an error from the output path) passes the `finally` that uncounts it.
         try:
+            queue: asyncio.Queue = asyncio.Queue()
+            if not self.has_pending_work():
+                self._last_progress = time.monotonic()  # the heartbeat counts from now
+            self.queues[request_id] = queue
+            self._core_ids[request_id] = len(core_reqs)
+            self.num_core_requests += len(core_reqs)
+            for r in core_reqs:
+                self.client.add_request(r)
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -112,17 +129,24 @@ class AsyncLLM:
                 if finished:
                     return
         finally:
-            if not finished:
-                self.abort(request_id)
-            self._forget(request_id)
+            try:
+                if not finished:
+                    self.abort(request_id)
+            finally:
+                self._forget(request_id)
 
     async def reset_prefix_cache(self) -> bool:
         """Clear the core's prefix cache; False (nothing done) while requests are running."""
         if self.dead_error is not None:
-            raise EngineDeadError(str(self.dead_error))
+            raise type(self.dead_error)(str(self.dead_error))  # keeps its code
         fut = asyncio.get_running_loop().create_future()
-        self._utility_waiters.setdefault(UtilityCall.RESET_PREFIX_CACHE, []).append(fut)
-        self.client.request_reset_prefix_cache()
+        waiters = self._utility_waiters.setdefault(UtilityCall.RESET_PREFIX_CACHE, [])
+        waiters.append(fut)
+        try:
+            self.client.request_reset_prefix_cache()
+        except BaseException:
+            waiters.remove(fut)  # never sent: no answer will come for it
+            raise
         return await fut
 
     def abort(self, request_id: str) -> None:
@@ -130,9 +154,14 @@ class AsyncLLM:
         if self.processor is None:
             return
         ids = self.processor.abort_request(request_id)
-        if ids and not self.is_dead:
-            self.client.abort_requests(ids)
         self.stat_logger.forget(request_id)
+        if ids and not self.is_dead:
+            try:
+                self.client.abort_requests(ids)
+            except (zmq.ZMQError, ValueError, OverflowError) as e:
+                # the socket is closing (the core goes with it), or ids that cannot be encoded
+                # (then they never reached the core either)
+                logger.warning("could not abort %s in the engine: %s", request_id, e)
 
     def enable_snapshots(self, on: bool) -> None:
         """Dashboard snapshots from the core: on while someone watches."""
@@ -146,6 +175,11 @@ class AsyncLLM:
             self.abort(rid)
             queue.put_nowait(error)
 
+    def has_pending_work(self) -> bool:
+        """Requests (or a utility call) this frontend awaits an answer for from the core."""
+        return bool(self.queues) or any(not f.done() for waiters in self._utility_waiters.values()
+                                        for f in waiters)
+
     def _forget(self, request_id: str) -> None:
         self.queues.pop(request_id, None)
         self.num_core_requests -= self._core_ids.pop(request_id, 0)
@@ -155,6 +189,7 @@ class AsyncLLM:
         try:
             while True:
                 kind, msg = await self.client.get_message()
+                self._last_progress = time.monotonic()
                 if kind == CoreMessage.OUTPUTS:
                     self._handle_outputs(msg)
                 elif kind == CoreMessage.SNAPSHOT:
@@ -203,7 +238,30 @@ class AsyncLLM:
         if queue is not None:
             queue.put_nowait(ValueError(message))
 
+    async def _heartbeat(self) -> None:
+        """Declare the core stalled after `stall_timeout` s without a message while work is
+        pending. An idle core sends nothing, so idle time never counts."""
+        interval = min(1.0, self.stall_timeout / 4)
+        last_tick = time.monotonic()
+        while self.dead_error is None:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            if now - last_tick > max(2 * interval, self.stall_timeout / 2):
+                # this loop itself was held up (a blocked event loop, a suspended process):
+                # the core's messages may be queued unread, so give it the benefit of the doubt
+                self._last_progress = now
+            last_tick = now
+            if not self.has_pending_work():
+                self._last_progress = now
+            elif now - self._last_progress > self.stall_timeout:
+                self.client.kill()
+                self._die(EngineStalledError(
+                    f"the engine made no progress for {self.stall_timeout:g}s with requests "
+                    "pending; it was stopped"))
+
     def _die(self, error: EngineDeadError) -> None:
+        if self.dead_error is not None:
+            return  # already dead (e.g. a stall, then the killed process noticed as gone)
         logger.error("%s", error)
         self.dead_error = error
         for queue in self.queues.values():
@@ -217,6 +275,9 @@ class AsyncLLM:
             self.on_dead(error)
 
     async def shutdown(self) -> None:
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            self._heartbeat_task = None
         if self._output_task is not None:
             self._output_task.cancel()
             try:

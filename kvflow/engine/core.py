@@ -102,8 +102,7 @@ class EngineCore:
         self.scheduler.add_request(req)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            self.scheduler.abort_request(rid)
+        self.scheduler.abort_requests(request_ids)  # one pass, however many
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

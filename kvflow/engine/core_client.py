@@ -1,6 +1,7 @@
 """EngineCoreClient: the frontend's handle on the engine-core process (spawn, ZeroMQ, death)."""
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import shutil
@@ -19,9 +20,28 @@ from kvflow.engine.protocol import (CoreMessage, EngineCoreOutputs, EngineCoreRe
 # How often the output reader checks that the core process still lives while no message comes.
 DEATH_POLL_S = 0.25
 
+logger = logging.getLogger("kvflow")
+
 
 class EngineDeadError(RuntimeError):
-    """The engine-core process is gone; no request can complete."""
+    """The engine-core process is gone; no request can complete. Its message is short and
+    safe to show a client (tracebacks go to the server log only)."""
+
+    code = "engine_dead"
+
+
+class EngineStalledError(EngineDeadError):
+    """The engine core made no progress for too long while requests were pending (stopped,
+    or stuck in a collective); it is treated as dead."""
+
+    code = "engine_stalled"
+
+
+def failure_summary(text: str) -> str:
+    """The last line of a core's failure report (its exception, not the whole traceback)."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    last = lines[-1].strip() if lines else "unknown error"
+    return last if len(last) <= 200 else last[:197] + "..."
 
 
 class EngineStartupError(RuntimeError):
@@ -103,7 +123,18 @@ class EngineCoreClient:
         self.input_sock.send_multipart([kind.value, self.encoder.encode(obj)], copy=False)
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self._send(EngineCoreRequestType.ADD, request)
+        """Send one request; ValueError (nothing sent) if it cannot be encoded, e.g. an int
+        beyond 64 bits or a lone surrogate that escaped validation."""
+        try:
+            payload = self.encoder.encode(request)
+        except (OverflowError, UnicodeEncodeError, TypeError, msgspec.EncodeError) as e:
+            raise ValueError(f"the request cannot be sent to the engine: {e}") from None
+        self.input_sock.send_multipart([EngineCoreRequestType.ADD.value, payload], copy=False)
+
+    def kill(self) -> None:
+        """SIGKILL the core now (it stalled: a stopped process may not handle SIGTERM)."""
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.kill()
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and not self.closed:
@@ -134,8 +165,11 @@ class EngineCoreClient:
                 if kind == CoreMessage.UTILITY:
                     return kind, msgspec.msgpack.decode(payload, type=tuple[str, bool])
                 if kind == CoreMessage.FAILED:
-                    raise EngineDeadError("engine core failed: "
-                                          + msgspec.msgpack.decode(payload, type=str).strip())
+                    # the full report (maybe a traceback) is for the server log; the error,
+                    # which /health and 503 bodies show, names only the exception
+                    report = msgspec.msgpack.decode(payload, type=str).strip()
+                    logger.error("engine core failed:\n%s", report)
+                    raise EngineDeadError(f"engine core failed: {failure_summary(report)}")
             if not self.is_alive():
                 code = self.proc.exitcode if self.proc is not None else None
                 raise EngineDeadError(f"engine core process died (exit code {code})")

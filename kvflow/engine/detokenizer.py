@@ -7,11 +7,81 @@ spaces, byte pieces of one character spread over several tokens) come out right.
 """
 from __future__ import annotations
 
+from bisect import bisect_right
+
 from kvflow.sampling_params import SamplingParams
 
 # Tokens of context decoded before the first new token (vLLM uses the same 5).
 _INITIAL_CONTEXT = 5
 _REPLACEMENT = "\ufffd"
+
+
+class StopStrings:
+    """A request's stop strings: the earliest match in a window of text, and the longest tail
+    of the text that could still grow into one.
+
+    A handful are scanned one by one (str.find in C beats any index). Beyond that, matching
+    looks up each window position's substrings of the stop lengths in a dict, and the hold-back
+    bisects the sorted stops, so the cost per step depends on the window (max_len + new
+    text) and the number of distinct lengths, never on how many stop strings there are."""
+
+    SCAN_UP_TO = 8
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.max_len = max((len(s) for s in stops), default=0)
+        self.indexed = len(stops) > self.SCAN_UP_TO
+        if self.indexed:
+            self._first: dict[str, int] = {}  # stop -> its first position in the list
+            for i, stop in enumerate(stops):
+                self._first.setdefault(stop, i)
+            self._lengths = sorted({len(stop) for stop in stops})
+            self._heads = frozenset(stop[0] for stop in stops)
+            self._sorted = sorted(self._first)
+
+    def find(self, text: str, start: int) -> tuple[int, str] | None:
+        """The match that begins first at or after `start` (the earlier-listed stop on a tie)."""
+        if not self.indexed:
+            best: tuple[int, str] | None = None
+            for stop in self.stops:
+                i = text.find(stop, start)
+                if i >= 0 and (best is None or i < best[0]):
+                    best = (i, stop)
+            return best
+        n, first, lengths = len(text), self._first, self._lengths
+        for i in range(start, n):
+            if text[i] not in self._heads:
+                continue
+            hit = None
+            for k in lengths:
+                if i + k > n:
+                    break
+                j = first.get(text[i:i + k])
+                if j is not None and (hit is None or j < hit):
+                    hit = j
+            if hit is not None:
+                return i, self.stops[hit]
+        return None
+
+    def held_back(self, text: str, limit: int) -> int:
+        """Length of the longest suffix of `text`, at most `limit` chars, that is a proper
+        prefix of a stop string (0 if none)."""
+        if not self.indexed:
+            held = 0
+            for stop in self.stops:
+                for k in range(min(len(stop) - 1, limit), held, -1):
+                    if text.endswith(stop[:k]):
+                        held = k
+                        break
+            return held
+        stops = self._sorted
+        for k in range(min(self.max_len - 1, limit, len(text)), 0, -1):
+            tail = text[-k:]
+            # the smallest stop above `tail` starts with it if any longer stop does
+            j = bisect_right(stops, tail)
+            if j < len(stops) and stops[j].startswith(tail):
+                return k
+        return 0
 
 
 def decode_token(tokenizer, token_id: int) -> str:
@@ -26,13 +96,16 @@ class IncrementalDetokenizer:
     text that is safe to show now. Joined deltas always equal the final `output_text`.
     """
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams,
+                 stops: StopStrings | None = None):
+        """`stops`: the StopStrings of `params.stop`, when built already (shared by the `n`
+        samples of one request, so that many stop strings are indexed once)."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
-        self.stop = list(params.stop or [])
+        self._stops = stops if stops is not None else StopStrings(list(params.stop or []))
+        self.stop = self._stops.stops
         self.include_stop = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
-        self._max_stop_len = max((len(s) for s in self.stop), default=0)
 
         self.token_ids: list[int] = list(prompt_token_ids[-_INITIAL_CONTEXT:])
         self.prefix_offset = 0
@@ -76,12 +149,8 @@ class IncrementalDetokenizer:
     def _check_stop(self, old_len: int) -> None:
         # A match must end in the new text, so it starts at most max_len - 1 chars before it
         # (and never in text already shown, which min_tokens may have let through).
-        start = max(0, old_len - self._max_stop_len + 1, self._sent)
-        best: tuple[int, str] | None = None
-        for s in self.stop:
-            i = self.output_text.find(s, start)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
+        start = max(0, old_len - self._stops.max_len + 1, self._sent)
+        best = self._stops.find(self.output_text, start)
         if best is None:
             return
         i, s = best
@@ -91,14 +160,9 @@ class IncrementalDetokenizer:
 
     def _held_back(self) -> int:
         """Length of the longest suffix of output_text that could still grow into a stop string."""
-        text = self.output_text
-        held = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(text) - self._sent), held, -1):
-                if text.endswith(s[:k]):
-                    held = k
-                    break
-        return held
+        if not self.stop:
+            return 0
+        return self._stops.held_back(self.output_text, len(self.output_text) - self._sent)
 
     def get_delta(self) -> str:
         """Text not yet returned that can no longer change or turn into a stop string."""

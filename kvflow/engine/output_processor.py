@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field, replace
 
-from kvflow.engine.detokenizer import IncrementalDetokenizer, decode_token
+from kvflow.engine.detokenizer import IncrementalDetokenizer, StopStrings, decode_token
 from kvflow.engine.protocol import EngineCoreOutput, EngineCoreRequest
 from kvflow.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 from kvflow.sampling_params import SamplingParams
@@ -71,19 +71,26 @@ class OutputProcessor:
         arrival = arrival_time or time.time()
         state = RequestState(request_id, prompt, list(prompt_token_ids), [], kind, arrival)
         core_reqs = []
-        for i in range(params.n):
-            core_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            p = params
-            if params.n > 1:
-                seed = None if params.seed is None else params.seed + i
-                p = replace(params, n=1, seed=seed)
-            sample = SampleState(core_id, i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, p), p)
-            if p.logprobs is not None:
-                sample.logprobs, sample.cumulative_logprob = [], 0.0
-            state.samples.append(sample)
-            self.core_to_sample[core_id] = (state, sample)
-            core_reqs.append(EngineCoreRequest(core_id, list(prompt_token_ids), p, eos_token_id,
-                                               arrival, priority, cache_salt))
+        stops = StopStrings(list(params.stop or []))  # indexed once for all n samples
+        try:
+            for i in range(params.n):
+                core_id = request_id if params.n == 1 else f"{request_id}#{i}"
+                p = params
+                if params.n > 1:
+                    seed = None if params.seed is None else params.seed + i
+                    p = replace(params, n=1, seed=seed)
+                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, p, stops)
+                sample = SampleState(core_id, i, detok, p)
+                if p.logprobs is not None:
+                    sample.logprobs, sample.cumulative_logprob = [], 0.0
+                state.samples.append(sample)
+                self.core_to_sample[core_id] = (state, sample)
+                core_reqs.append(EngineCoreRequest(core_id, list(prompt_token_ids), p, eos_token_id,
+                                                   arrival, priority, cache_salt))
+        except BaseException:
+            for sample in state.samples:  # all or nothing: no half-registered request
+                self.core_to_sample.pop(sample.core_id, None)
+            raise
         self.requests[request_id] = state
         return core_reqs
 

@@ -3,12 +3,15 @@ the tensor-parallel shard loader: an HF folder's weight files, the fusing of HF 
 (qkv_proj = [q; k; v], gate_up_proj = [gate; up]), and a GGUF file's conversion cache.
 
 A GGUF file is dequantised once; the fused weights are then cached as safetensors (in the
-requested dtype) so that later starts skip the slow conversion."""
+requested dtype) so that later starts skip the slow conversion. The cache file is written under
+a lock (concurrent starts convert once), fsynced and renamed into place, and checked on every
+load: a torn or truncated file (its size disagrees with its header, or its tensor count with
+the count stamped in it) is converted again."""
 from __future__ import annotations
 
-import fcntl
 import glob
 import json
+import logging
 import os
 import tempfile
 
@@ -17,6 +20,10 @@ import torch
 from kvflow.model.arch import LlamaArchConfig, load_arch_config, save_arch_cache
 from kvflow.model.gguf_reader import read_gguf
 from kvflow.model_path import cache_dir_for
+from kvflow.utils.files import file_lock, publish
+
+logger = logging.getLogger("kvflow")
+_COUNT_KEY = "kvflow_num_tensors"  # stamped in the cache file's metadata
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -86,38 +93,71 @@ def gguf_cache_file(path: str, dtype: torch.dtype) -> str:
     return os.path.join(cache_dir_for(path), f"weights.{dtype_name(dtype)}.safetensors")
 
 
+def cache_file_is_complete(path: str) -> bool:
+    """A safetensors cache file whose size matches its header and whose tensor count matches
+    the count stamped in it when it was written (False for a missing or torn file)."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n <= 0 or 8 + n > size:
+                return False
+            header = json.loads(f.read(n))
+        meta = header.pop("__metadata__", None) or {}
+        end = max((t["data_offsets"][1] for t in header.values()), default=0)
+        # (files from before the stamp have none: their size check suffices)
+        return size == 8 + n + end and meta.get(_COUNT_KEY, str(len(header))) == str(len(header))
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return False
+
+
 def load_gguf(path: str, dtype: torch.dtype) -> tuple[LlamaArchConfig, dict[str, torch.Tensor]]:
     """The arch and fused weights of a GGUF file, from the conversion cache (made on a miss)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     cached = gguf_cache_file(path, dtype)
-    if os.path.isfile(cached):
-        return load_arch_config(path), load_file(cached)
-
-    arch, arrays = read_gguf(path)
-    hf = {name: torch.from_numpy(a if a.flags.writeable else a.copy()) for name, a in arrays.items()}
-    weights = fuse_weights(hf, arch, dtype)
-    cache = os.path.dirname(cached)
-    os.makedirs(cache, exist_ok=True)
-    save_arch_cache(arch, path)
-    # write privately then rename: concurrent starts never read a half-written file
-    fd, tmp = tempfile.mkstemp(prefix="weights.", suffix=".tmp", dir=cache)
-    os.close(fd)
-    save_file(weights, tmp)
-    os.replace(tmp, cached)
-    return arch, weights
+    if not cache_file_is_complete(cached):
+        with _conversion_lock(cached):
+            if not cache_file_is_complete(cached):  # another start may have made it meanwhile
+                return _convert_gguf(path, dtype, cached)
+    return load_arch_config(path), load_file(cached)
 
 
 def ensure_gguf_cache(path: str, dtype: torch.dtype) -> str:
     """The fused safetensors conversion of a GGUF file, made once per machine (the only step
     that dequantises the whole model); ranks starting together wait for one conversion."""
     cached = gguf_cache_file(path, dtype)
-    if os.path.isfile(cached):
-        return cached
+    if not cache_file_is_complete(cached):
+        with _conversion_lock(cached):
+            if not cache_file_is_complete(cached):
+                _convert_gguf(path, dtype, cached)  # the returned full weights are dropped
+    return cached
+
+
+def _conversion_lock(cached: str):
+    return file_lock(os.path.join(os.path.dirname(cached), "convert.lock"))
+
+
+def _convert_gguf(path: str, dtype: torch.dtype, cached: str
+                  ) -> tuple[LlamaArchConfig, dict[str, torch.Tensor]]:
+    """Dequantise and fuse, then publish the cache file (call with the conversion lock held)."""
+    from safetensors.torch import save_file
+
+    if os.path.exists(cached):
+        logger.warning("kvflow: the weight cache %s is incomplete; converting again", cached)
+    arch, arrays = read_gguf(path)
+    hf = {name: torch.from_numpy(a if a.flags.writeable else a.copy()) for name, a in arrays.items()}
+    weights = fuse_weights(hf, arch, dtype)
     cache = os.path.dirname(cached)
     os.makedirs(cache, exist_ok=True)
-    with open(os.path.join(cache, "convert.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.isfile(cached):
-            load_gguf(path, dtype)  # writes `cached`; the returned full weights are dropped
-    return cached
+    save_arch_cache(arch, path)
+    fd, tmp = tempfile.mkstemp(prefix="weights.", suffix=".tmp", dir=cache)
+    os.close(fd)
+    try:
+        save_file(weights, tmp, metadata={_COUNT_KEY: str(len(weights))})
+        publish(tmp, cached)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return arch, weights

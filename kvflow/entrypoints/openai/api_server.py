@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
+import re
 import signal
 import socket
 import time
@@ -31,6 +33,29 @@ from kvflow.sampling_params import check_token_ids
 # no API key needed
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", *DASHBOARD_PATHS})
 ENGINE_DEATH_GRACE_S = 3.0  # time for in-flight clients to read their error before exit
+WS_AUTH_PENDING = "kvflow.ws_auth_pending"  # scope key: the key must come in the first message
+
+
+class RedactSecrets(logging.Filter):
+    """Keeps credentials out of uvicorn's lines: a `?api_key=` (or `key=`, `token=`) in a
+    logged URL is replaced, whatever the client sent. kvflow never accepts a key in the URL."""
+
+    _PATTERN = re.compile(r"(?i)\b((?:api_?key|key|token|access_token)=)[^&\s\"']*")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and record.args:
+            record.args = tuple(self._PATTERN.sub(r"\1REDACTED", a) if isinstance(a, str) else a
+                                for a in record.args)
+        if isinstance(record.msg, str):
+            record.msg = self._PATTERN.sub(r"\1REDACTED", record.msg)
+        return True
+
+
+def install_log_redaction() -> None:
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactSecrets) for f in logger.filters):
+            logger.addFilter(RedactSecrets())
 
 
 class Gate:
@@ -51,8 +76,10 @@ class Gate:
                                             code="shutting_down")(scope, receive, send)
             if self.settings.api_key and not self._authorized(scope):
                 if kind == "websocket":
-                    await receive()  # websocket.connect
-                    return await send({"type": "websocket.close", "code": 1008})
+                    # Browsers cannot set headers on a WebSocket: the key may come as the
+                    # first message instead (never in the URL, which servers log).
+                    scope[WS_AUTH_PENDING] = True
+                    return await self.app(scope, receive, send)
                 return await error_response(401, "invalid or missing API key (expected "
                                                   "'Authorization: Bearer KEY')",
                                             code="invalid_api_key")(scope, receive, send)
@@ -73,10 +100,6 @@ class Gate:
         headers = dict(scope["headers"])
         given = headers.get(b"authorization", b"").decode("latin-1")
         token = given[7:] if given[:7].lower() == "bearer " else None
-        if token is None and scope["type"] == "websocket":
-            # Browsers cannot set headers on a WebSocket: accept ?api_key=KEY as well.
-            from urllib.parse import parse_qs
-            token = (parse_qs(scope.get("query_string", b"").decode()).get("api_key") or [None])[0]
         return token is not None and hmac.compare_digest(token.encode(), self.settings.api_key.encode())
 
     @staticmethod
@@ -114,7 +137,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError):
-        return error_response(503, f"the engine is not running: {exc}", code="engine_dead")
+        return error_response(503, f"the engine is not running: {exc}", code=exc.code)
 
     @app.exception_handler(ShuttingDownError)
     async def _stopping(request: Request, exc: ShuttingDownError):
@@ -124,7 +147,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
     async def health():
         if engine.is_dead:
             return error_response(503, f"the engine is not running: {engine.dead_error}",
-                                  code="engine_dead")
+                                  code=engine.dead_error.code)
         if settings.shutting_down:
             return error_response(503, "the server is shutting down", code="shutting_down")
         return Response(status_code=200)
@@ -141,7 +164,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
     async def reset_prefix_cache():
         if engine.is_dead:
             return error_response(503, f"the engine is not running: {engine.dead_error}",
-                                  code="engine_dead")
+                                  code=engine.dead_error.code)
         if not await engine.reset_prefix_cache():
             return error_response(409, "the prefix cache cannot be reset while requests are "
                                        "running; retry when the server is idle",
@@ -197,7 +220,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
         if settings.shutting_down or engine.is_dead:
             await ws.close(code=1013)  # try again later
             return
-        await WebSocketSession(ws, completions, chat).run()
+        key = settings.api_key if ws.scope.get(WS_AUTH_PENDING) else None
+        await WebSocketSession(ws, completions, chat, api_key=key).run()
 
     app.include_router(dashboard_router(engine, metrics.recent, settings))
     app.add_middleware(Gate, settings=settings)
@@ -237,8 +261,9 @@ async def run_server(config: EngineConfig, settings: ServerSettings) -> int:
     """Start the engine process, serve until a signal (or the engine dies), stop both."""
     sock = bind_socket(settings.host, settings.port)
     metrics = ServerMetrics(settings.model_name)
+    install_log_redaction()
     try:
-        engine = AsyncLLM(config, metrics)
+        engine = AsyncLLM(config, metrics, stall_timeout=settings.engine_stall_timeout)
         info = await engine.start()
     except (EngineStartupError, ValueError, RuntimeError) as e:
         sock.close()

@@ -20,6 +20,9 @@ class ServerSettings:
         None, "answer 503 (retry later) when more requests than this would wait")
     max_body_size: int | str = option("8MiB", "largest request body (413 above)")
     access_log: bool = option(False, "log every HTTP request")
+    engine_stall_timeout: float = option(
+        30.0, "seconds without engine progress while requests are pending before /health "
+              "turns 503, streams end with an error and the server exits (0: never)")
     served_model_names: list[str] = field(default_factory=lambda: ["kvflow"])
     shutting_down: bool = field(default=False)
 
@@ -29,6 +32,8 @@ class ServerSettings:
             raise ValueError(f"max_body_size must be positive, got {self.max_body_size}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+        if self.engine_stall_timeout < 0:
+            raise ValueError(f"engine_stall_timeout must be >= 0, got {self.engine_stall_timeout}")
         if self.api_key is None:
             self.api_key = envs.KVFLOW_API_KEY or None
 

@@ -68,7 +68,8 @@ class OpenAIServing:
         if self.settings.shutting_down:
             raise APIError(503, "the server is shutting down", code="shutting_down")
         if self.engine.is_dead:
-            raise APIError(503, f"the engine is not running: {self.engine.dead_error}", code="engine_dead")
+            raise APIError(503, f"the engine is not running: {self.engine.dead_error}",
+                           code=self.engine.dead_error.code)
         limit = self.settings.max_waiting_requests
         if limit is not None:
             waiting = self.engine.num_waiting_after(num_new)
@@ -173,7 +174,7 @@ def stream_error(e: BaseException) -> dict:
     if isinstance(e, ShuttingDownError):
         return error_body(503, str(e), code="shutting_down")
     if isinstance(e, EngineDeadError):
-        return error_body(503, f"the engine is not running: {e}", code="engine_dead")
+        return error_body(503, f"the engine is not running: {e}", code=e.code)
     return error_body(500, f"internal server error: {type(e).__name__}: {e}", code="internal_error")
 
 

@@ -1,6 +1,10 @@
 """WebSocket /v1/ws: many streamed requests over one socket.
 
 Client -> server (JSON text):
+    {"type": "auth", "api_key": "KEY"}                              first, when the server has
+                                                                    an API key and the
+                                                                    connection carried no
+                                                                    'Authorization: Bearer KEY'
     {"id": "a", "type": "completion", "prompt": "...", ...}        any /v1/completions fields
     {"id": "b", "type": "chat", "messages": [...], ...}            any /v1/chat/completions fields
     {"id": "a", "type": "cancel"}                                   abort request "a"
@@ -18,6 +22,7 @@ socket) is answered with an error frame; it never ends the connection or other r
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 
@@ -37,13 +42,16 @@ logger = logging.getLogger("kvflow")
 MAX_REQUESTS_PER_SOCKET = 256  # request ids in flight at once on one connection
 MAX_ID_CHARS = 256
 
+AUTH_TIMEOUT_S = 10.0  # for the first message of a connection that must authenticate
+
 
 class WebSocketSession:
     """One connection: a reader loop plus one task per request."""
 
     def __init__(self, ws: WebSocket, completions: OpenAIServingCompletion,
-                 chat: OpenAIServingChat) -> None:
+                 chat: OpenAIServingChat, api_key: str | None = None) -> None:
         self.ws = ws
+        self.api_key = api_key  # set: the first message must be {"type": "auth", "api_key": KEY}
         self.completions, self.chat = completions, chat
         self.tasks: dict[str, asyncio.Task] = {}
         self._send_lock = asyncio.Lock()
@@ -54,6 +62,12 @@ class WebSocketSession:
 
     async def run(self) -> None:
         await self.ws.accept()
+        if self.api_key is not None and not await self.authenticate():
+            try:
+                await self.ws.close(code=1008)  # policy violation, as for a bad header
+            except RuntimeError:
+                pass  # already gone
+            return
         try:
             while True:
                 msg = await self.ws.receive()
@@ -74,6 +88,18 @@ class WebSocketSession:
             for task in self.tasks.values():
                 task.cancel()  # aborts each request in the engine
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+
+    async def authenticate(self) -> bool:
+        """The first message carries the key (never logged, never echoed)."""
+        try:
+            text = await asyncio.wait_for(self.ws.receive_text(), AUTH_TIMEOUT_S)
+            msg = json.loads(text)
+        except (asyncio.TimeoutError, WebSocketDisconnect, RuntimeError, KeyError,
+                json.JSONDecodeError, RecursionError):
+            return False
+        key = msg.get("api_key") if isinstance(msg, dict) and msg.get("type") == "auth" else None
+        return isinstance(key, str) and hmac.compare_digest(key.encode("utf-8", "surrogatepass"),
+                                                       self.api_key.encode())
 
     async def handle(self, text: str) -> None:
         try:

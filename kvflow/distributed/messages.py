@@ -1,0 +1,67 @@
+"""What the driver sends the other tensor-parallel ranks, as typed msgpack (msgspec), never
+pickle: the rendezvous store and the step broadcast travel over TCP, and a frame from whoever
+reaches those ports decodes into these types or fails; it cannot run code.
+
+    store "init"       WorkerInit      what to load (once)
+    step broadcast     StepMessage     the step's SchedulerOutput and last step's sampled tokens
+                       nil             stop
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from kvflow.core.scheduler_output import SchedulerOutput
+
+
+@dataclass
+class WorkerInit:
+    """What every rank must agree on, published by the driver in the store."""
+
+    model_path: str
+    dtype: str  # float32 | bfloat16
+    kv_dtype: str  # the KV cache's: float32 | bfloat16
+    num_blocks: int
+    block_size: int
+    num_threads: int
+    eos_token_id: int | list[int] | None
+    shm_path: str | None = None  # the shared-memory all-reduce segment (single machine)
+    shm_slot_bytes: int = 0
+
+
+class StepMessage(msgspec.Struct, array_like=True):
+    sched_out: SchedulerOutput
+    sampled: dict[str, list[int]]  # what the driver sampled in the previous step
+
+
+_encoder = msgspec.msgpack.Encoder()
+_step_decoder = msgspec.msgpack.Decoder(StepMessage | None)
+_init_decoder = msgspec.msgpack.Decoder(WorkerInit)
+
+
+class BadMessageError(RuntimeError):
+    """A frame that is not one of the driver's messages (a bug, or someone else on the port)."""
+
+
+def encode_step(sched_out: SchedulerOutput | None, sampled: dict[str, list[int]]) -> bytes:
+    """One step's broadcast; `sched_out=None` tells the workers to stop."""
+    return _encoder.encode(None if sched_out is None else StepMessage(sched_out, sampled))
+
+
+def decode_step(data: bytes) -> StepMessage | None:
+    try:
+        return _step_decoder.decode(data)
+    except (msgspec.DecodeError, ValueError, TypeError) as e:
+        raise BadMessageError(f"the step broadcast is not a kvflow step: {e}") from None
+
+
+def encode_init(init: WorkerInit) -> bytes:
+    return _encoder.encode(init)
+
+
+def decode_init(data: bytes) -> WorkerInit:
+    try:
+        return _init_decoder.decode(data)
+    except (msgspec.DecodeError, ValueError, TypeError) as e:
+        raise BadMessageError(f"the store's init entry is not a WorkerInit: {e}") from None
