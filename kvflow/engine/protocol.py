@@ -59,7 +59,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: int | None = None
+    eos_token_ids: list[int] | None = None  # None: every EOS id of the model
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
