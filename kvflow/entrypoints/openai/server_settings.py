@@ -20,6 +20,9 @@ class ServerSettings:
         None, "answer 503 (retry later) when more requests than this would wait")
     max_body_size: int | str = option("8MiB", "largest request body (413 above)")
     access_log: bool = option(False, "log every HTTP request")
+    enable_prompt_tokens_details: bool = option(
+        False, "report usage.prompt_tokens_details.cached_tokens and per-request prefix-cache "
+        "hits on the dashboard (off: they tell one tenant whether another's prompt is cached)")
     served_model_names: list[str] = field(default_factory=lambda: ["kvflow"])
     shutting_down: bool = field(default=False)
 
