@@ -61,7 +61,7 @@ def test_a_forced_hash_collision_gives_the_same_text_as_prefix_caching_off(defau
     second = on.generate([b], GREEDY, use_tqdm=False)[0]
     again = on.generate([a], GREEDY, use_tqdm=False)[0]
     assert second.num_cached_tokens == 0
-    assert again.num_cached_tokens == 16  # a's own first block; the rest collided and were not cached
+    assert again.num_cached_tokens == 16  # a's first block; the rest collided, never cached
     off = LLM(default_model_path, dtype="float32", max_model_len=512, num_blocks=64,
               enable_prefix_caching=False)
     reference = off.generate([b, a], GREEDY, use_tqdm=False)

@@ -3,8 +3,8 @@ prefix caching, a new request starts from the longest run of cached full blocks 
 from __future__ import annotations
 
 import hashlib
-
-import numpy as np
+import sys
+from array import array
 
 from kvflow.core.block_pool import BlockKey, BlockPool, KVBlock
 from kvflow.request import Request
@@ -57,13 +57,16 @@ class KVCacheManager:
 
     def _block_hashes(self, req: Request, num_full_blocks: int) -> list[bytes]:
         """Hashes of the first `num_full_blocks` blocks of `req`'s tokens, computed once each:
-        one numpy conversion for the new blocks, one sha256 per block."""
+        one conversion of the new blocks' ids to bytes, one sha256 per block."""
         hashes = self.req_to_hashes.setdefault(req.request_id, [])
         start = len(hashes)
         if num_full_blocks <= start:
             return hashes
         bs, n = self.block_size, 8 * self.block_size
-        data = np.asarray(req.all_token_ids[start * bs:num_full_blocks * bs], dtype="<i8").tobytes()
+        ids = array("q", req.all_token_ids[start * bs:num_full_blocks * bs])
+        if sys.byteorder == "big":
+            ids.byteswap()  # the hash of a prompt is the same on every machine
+        data = ids.tobytes()
         salt = req.cache_salt.encode("utf-8", "surrogatepass") if req.cache_salt else b""
         parent = hashes[-1] if hashes else None
         for i in range(num_full_blocks - start):
@@ -87,7 +90,8 @@ class KVCacheManager:
         max_blocks = (req.num_tokens - 1) // self.block_size
         blocks: list[KVBlock] = []
         for i, h in enumerate(self._block_hashes(req, max_blocks)):
-            block = self.block_pool.lookup(h, self._block_key(req, i, blocks[-1] if blocks else None))
+            parent = blocks[-1] if blocks else None
+            block = self.block_pool.lookup(h, self._block_key(req, i, parent))
             if block is None:
                 break
             blocks.append(block)

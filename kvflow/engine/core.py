@@ -95,8 +95,8 @@ class EngineCore:
                                         self.max_model_len, cc.block_size, cc.num_blocks)
         if params.max_tokens is None:
             params = replace(params, max_tokens=max_tokens)
-        req = Request(r.request_id, r.prompt_token_ids, params,
-                      eos_token_id=r.eos_token_ids if r.eos_token_ids is not None else self.arch.eos_token_ids,
+        eos = r.eos_token_ids if r.eos_token_ids is not None else self.arch.eos_token_ids
+        req = Request(r.request_id, r.prompt_token_ids, params, eos_token_id=eos,
                       arrival_time=r.arrival_time or time.time(), priority=r.priority,
                       cache_salt=r.cache_salt)
         self.scheduler.add_request(req)
