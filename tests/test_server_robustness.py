@@ -301,14 +301,14 @@ async def _soak_client(http: httpx.AsyncClient, rng: random.Random, outcomes: li
 
 def test_soak_with_cancellations_leaves_no_leak(server):
     """RSS of each process (frontend, engine core) is sampled at 10 evenly spaced points of the
-    run; after warm-up (the first sample) it must stay flat. The long soak holds it within 5%.
-    The short one (60 requests) is still warming up for part of its run (allocator arenas
-    growing to the largest batch, tokenizer and detokenizer caches filling), so it holds a
-    looser 15%: still far below what a per-request leak of the last turn (14.8% over 500
-    requests, i.e. ~1.8% per 60) would add on top."""
+    run; after warm-up (the first sample) it must stay flat. The long soak (first sample after
+    50 requests) holds it within 5%. The short one samples first after 6 requests, while the
+    allocator is still growing to the largest batch (from a cold server that growth was 2.3% in
+    all, benchmarks/README.md), so it holds 10%: room for another machine's allocator, and still
+    a failure for a leak of ~0.7 MiB per request in the frontend or ~1.8 MiB in the engine."""
     total = 500 if LONG else 60
     concurrency = 32 if LONG else 12
-    bound = 0.05 if LONG else 0.15
+    bound = 0.05 if LONG else 0.10
     points = 10
     rng = random.Random(1234)
     pids = {"frontend": server.ps.pid, "engine": server.engine_pid}
