@@ -7,6 +7,11 @@ its own suffix) runs first in both modes, then the N requests arrive at once.
 
 Reports per mode: TTFT p50 / p90, total wall time, prompt tokens computed vs found in the cache
 (from /metrics), and the speed-up of caching on over off.
+
+    .venv/bin/python benchmarks/prefix_cache.py --hash-cost [--prefix-len 2048]
+
+only times the block hashes of one prompt (sha256 per full block, as admission computes them)
+against Python's hash() of the same tuples, which they replaced (issue 17).
 """
 from __future__ import annotations
 
@@ -114,6 +119,37 @@ def run_mode(args, caching: bool) -> dict:
             "prefix_cache_queries": int(queries)}
 
 
+def hash_cost(prompt_len: int, block_size: int = 16, repeats: int = 200) -> None:
+    """Median time to hash every full block of one `prompt_len`-token prompt."""
+    import statistics
+
+    from kvflow.core.kv_cache_manager import KVCacheManager
+    from kvflow.request import Request
+
+    rng = random.Random(0)
+    tokens = [rng.randrange(1000, 40000) for _ in range(prompt_len)]
+    num_blocks = prompt_len // block_size
+    kv = KVCacheManager(num_blocks=num_blocks + 1, block_size=block_size)
+
+    def sha() -> None:
+        kv.req_to_hashes.clear()
+        kv._block_hashes(Request("r", tokens, cache_salt="tenant"), num_blocks)
+
+    def builtin() -> None:
+        parent = None
+        for i in range(num_blocks):
+            parent = hash((parent, tuple(tokens[i * block_size:(i + 1) * block_size]), "tenant"))
+
+    for name, fn in (("sha256 (now)", sha), ("hash() (before)", builtin)):
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        print(f"{name:16s} {num_blocks} blocks of a {prompt_len}-token prompt: "
+              f"{statistics.median(times) * 1e6:7.0f} us")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-requests", type=int, default=64)
@@ -124,7 +160,10 @@ def main() -> None:
     p.add_argument("--kv-cache-memory", default="2GiB")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-json", default=None)
+    p.add_argument("--hash-cost", action="store_true", help="only time the block hashes")
     args = p.parse_args()
+    if args.hash_cost:
+        return hash_cost(args.prefix_len)
     off = run_mode(args, caching=False)
     on = run_mode(args, caching=True)
     summary = {"off": off, "on": on,

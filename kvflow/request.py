@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvflow.sampling_params import SamplingParams
@@ -41,6 +42,14 @@ _FINISH_REASONS = {
 }
 
 
+def eos_ids(eos: int | Sequence[int] | None) -> tuple[int, ...]:
+    """Every EOS id as a tuple: a config gives one id, a list (Llama 3.1: end of text, end of
+    turn, end of message) or none."""
+    if eos is None:
+        return ()
+    return (int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos)
+
+
 @dataclass(eq=False)
 class Request:
     """A prompt plus what has been generated so far. `num_computed_tokens` says how many of
@@ -49,7 +58,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
-    eos_token_id: int | None = None
+    eos_token_id: int | Sequence[int] | None = None  # one id or several (Llama 3.1: a list)
     arrival_time: float = field(default_factory=time.time)
     priority: int = 0
     cache_salt: str | None = None
@@ -63,12 +72,14 @@ class Request:
     first_scheduled_time: float | None = None  # when it first left the waiting queue (time.time())
     stop_reason: int | str | None = None
     all_token_ids: list[int] = field(init=False)
+    eos_token_ids: tuple[int, ...] = field(init=False)  # every id that ends it
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("prompt must not be empty")
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.all_token_ids = self.prompt_token_ids + list(self.output_token_ids)
+        self.eos_token_ids = eos_ids(self.eos_token_id)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -87,3 +87,28 @@ class PagedDriver:
             out[sid] = logits[offset: offset + len(tokens)]
             offset += len(tokens)
         return out
+
+
+def save_byte_tokenizer(path: str, vocab_size: int = TINY["vocab_size"],
+                        specials: tuple[str, ...] = ("<unk>", "<s>", "</s>", "<|eot_id|>",
+                                                     "<|eom_id|>")) -> str:
+    """A byte-level tokenizer whose ids all fit a tiny model's vocabulary: the special tokens
+    first (ids 0..), then the 256 bytes, then filler tokens up to `vocab_size`, so that every
+    id a random model can sample decodes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    while len(vocab) < vocab_size:
+        vocab[f"<x{len(vocab)}>"] = len(vocab)
+    assert len(vocab) == vocab_size, f"{len(vocab)} tokens do not fit a vocabulary of {vocab_size}"
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>", additional_special_tokens=list(specials[3:]))
+    fast.save_pretrained(path)
+    return path

@@ -8,10 +8,10 @@ import time
 import msgspec
 
 from core_helpers import FakeRunner, default_pool_scheduler, make_request, make_scheduler
-from kvflow.engine.protocol import (CACHED_FREE, FREE, OWNER_BASE, SHARED, EngineSnapshot,
+from kvflow.engine.protocol import (CACHED_FREE, FREE, HELD, OWNER_BASE, SHARED, EngineSnapshot,
                                     SchedulerStats, StepTokens)
 from kvflow.engine.snapshot import MAX_WAITING_SHOWN, SnapshotSource, build_snapshot
-from kvflow.entrypoints.openai.dashboard import RecentLatencies
+from kvflow.entrypoints.openai.dashboard import RecentLatencies, hide_sharing
 from kvflow.outputs import CompletionOutput, RequestOutput
 
 
@@ -60,6 +60,12 @@ def test_block_map_colours_each_block_by_its_holder():
             assert code == FREE
     assert snap.num_free_blocks == snap.block_owners.count(FREE) == kv.num_free_blocks
     assert {r.id: r.blocks for r in snap.running} == {"a": len(a_blocks), "b": len(b_blocks)}
+    # Served without --enable-prompt-tokens-details, b's cache hit does not show: the shared
+    # blocks are merely held; everything else is unchanged.
+    hidden = hide_sharing(snap)
+    assert SHARED not in hidden.block_owners
+    assert [HELD if o == SHARED else o for o in snap.block_owners] == hidden.block_owners
+    assert hidden.running == snap.running and SHARED in snap.block_owners
 
 
 def test_finished_requests_leave_cached_free_blocks():

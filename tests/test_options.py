@@ -116,6 +116,9 @@ def test_server_options_and_served_names_come_from_their_fields(monkeypatch):
     monkeypatch.setenv("KVFLOW_API_KEY", "k")
     settings = server_settings(args, engine_config(**engine_kwargs(args)))
     assert settings.served_model_names == ["SmolLM2-135M-Instruct"] and settings.api_key == "k"
+    assert settings.enable_prompt_tokens_details is False  # off: cache hits are a side channel
+    args = root.parse_args(["serve", "--enable-prompt-tokens-details"])
+    assert server_settings(args, engine_config(**engine_kwargs(args))).enable_prompt_tokens_details
 
 
 def test_readme_options_table_is_the_generated_one():

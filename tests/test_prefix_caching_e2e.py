@@ -6,6 +6,7 @@ import json
 import pytest
 
 from kvflow import LLM, SamplingParams
+from kvflow.core import kv_cache_manager
 
 pytestmark = pytest.mark.slow  # loads a model (make test-fast leaves it out)
 
@@ -46,3 +47,24 @@ def test_parallel_samples_share_their_prompt_blocks(default_model_path, tmp_path
     shared = held[0] & held[1] & held[2]
     assert len(shared) == 4  # the four full prompt blocks, computed once
     assert [r.get("cached_tokens", 0) for r in first_step["requests"]] == [0, 64, 64]
+
+
+def test_a_forced_hash_collision_gives_the_same_text_as_prefix_caching_off(default_model_path,
+                                                                          monkeypatch):
+    """Every block of every prompt gets one hash: a hit must still compare tokens (and the block
+    before), so that another prompt's K/V is never served."""
+    monkeypatch.setattr(kv_cache_manager, "hash_block", lambda parent, data, salt=b"": bytes(32))
+    a = [(i * 37) % 4000 + 100 for i in range(6 * 16 + 3)]
+    b = [(i * 53) % 4000 + 200 for i in range(6 * 16 + 3)]  # other tokens, the same hashes
+    on = LLM(default_model_path, dtype="float32", max_model_len=512, num_blocks=64)
+    on.generate([a], GREEDY, use_tqdm=False)
+    second = on.generate([b], GREEDY, use_tqdm=False)[0]
+    again = on.generate([a], GREEDY, use_tqdm=False)[0]
+    assert second.num_cached_tokens == 0
+    assert again.num_cached_tokens == 16  # a's first block; the rest collided, never cached
+    off = LLM(default_model_path, dtype="float32", max_model_len=512, num_blocks=64,
+              enable_prefix_caching=False)
+    reference = off.generate([b, a], GREEDY, use_tqdm=False)
+    assert second.outputs[0].text == reference[0].outputs[0].text
+    assert second.outputs[0].token_ids == reference[0].outputs[0].token_ids
+    assert again.outputs[0].token_ids == reference[1].outputs[0].token_ids

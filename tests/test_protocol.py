@@ -25,7 +25,7 @@ VIEW = RequestView("req-1", prompt=12, computed=8, output=3, max_tokens=16, bloc
 EXAMPLES = [
     EngineCoreRequest("req-1", [1, 2, 3], SamplingParams(temperature=0.7, top_p=0.9, max_tokens=8,
                                                          stop=["\n"], logprobs=2, seed=7),
-                      eos_token_id=2, arrival_time=1700000000.5, priority=3, cache_salt="s"),
+                      eos_token_ids=[2, 128009], arrival_time=1700000000.5, priority=3, cache_salt="s"),
     EngineCoreReady(pid=123, model_path="/models/x.gguf", max_model_len=2048, num_blocks=512,
                     block_size=16, max_num_seqs=128, vocab_size=49152, startup_report="ready"),
     LOGPROBS,

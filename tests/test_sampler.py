@@ -13,7 +13,7 @@ EOS = 3
 def row(prompt=(1, 2), output=(), eos=EOS, **kw) -> SamplingRow:
     params = SamplingParams(**kw)
     gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-    return SamplingRow(params, list(prompt), list(output), gen, eos)
+    return SamplingRow(params, list(prompt), list(output), gen, (eos,) if eos is not None else ())
 
 
 def sample(logits, rows):
@@ -130,6 +130,17 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     for _ in range(20):  # random rows too
         tok = sample(logits, [row(output=[], min_tokens=2, stop_token_ids=[9])]).sampled_token_ids[0]
         assert tok not in (EOS, 9)
+
+
+def test_min_tokens_masks_every_eos_id_of_the_model():
+    # Llama 3.1 ends on any of several ids: all of them wait for min_tokens.
+    logits = torch.zeros(1, V)
+    logits[0, EOS], logits[0, 4], logits[0, 10] = 100.0, 90.0, 10.0
+    params = SamplingParams(min_tokens=2, temperature=0.0)
+    r = SamplingRow(params, [1, 2], [5], None, (EOS, 4))
+    assert sample(logits, [r]).sampled_token_ids == [10]
+    r = SamplingRow(params, [1, 2], [5, 6], None, (EOS, 4))
+    assert sample(logits, [r]).sampled_token_ids == [EOS]
 
 
 @pytest.mark.parametrize("kw, allowed", [

@@ -169,7 +169,7 @@ def test_stop_token_and_eos_respect_min_tokens():
     sched = make_scheduler()
     req = make_request("A", 4, max_tokens=10)
     first = fake_next_token(req.all_token_ids)
-    req.eos_token_id = first
+    req.eos_token_ids = (first,)
     sched.add_request(req)
     outputs, _ = run_to_completion(sched)
     assert outputs["A"] == [first]
@@ -180,6 +180,31 @@ def test_stop_token_and_eos_respect_min_tokens():
     sched.add_request(req)
     outputs, _ = run_to_completion(sched)
     assert len(outputs["B"]) >= 3
+
+
+def test_every_eos_id_stops_a_request_and_ignore_eos_ignores_them_all():
+    from core_helpers import fake_next_token
+    for where in (0, 1):  # the id that comes up first in the list, or last
+        sched = make_scheduler()
+        req = make_request("A", 4, max_tokens=10)
+        first = fake_next_token(req.all_token_ids)
+        req.eos_token_ids = (first, 7) if where == 0 else (7, first)
+        sched.add_request(req)
+        outputs, _ = run_to_completion(sched)
+        assert outputs["A"] == [first] and req.finish_reason == FinishReason.STOP
+    sched = make_scheduler()
+    req = make_request("B", 4, max_tokens=10, ignore_eos=True)
+    req.eos_token_ids = (fake_next_token(req.all_token_ids), 7)
+    sched.add_request(req)
+    outputs, _ = run_to_completion(sched)
+    assert len(outputs["B"]) == 10 and req.finish_reason == FinishReason.LENGTH
+
+
+def test_a_request_takes_one_eos_id_or_several():
+    from kvflow.request import Request
+    assert Request("a", [1], eos_token_id=2).eos_token_ids == (2,)
+    assert Request("a", [1], eos_token_id=[2, 3]).eos_token_ids == (2, 3)
+    assert Request("a", [1]).eos_token_ids == ()
 
 
 # -- the one check of a request's size ----------------------------------------------------

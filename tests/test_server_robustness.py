@@ -41,7 +41,7 @@ WORDS = ("apple river stone cloud quiet orange window silver garden little morni
 def server():
     srv = ServerProcess("--max-model-len", str(MAX_MODEL_LEN), "--num-blocks", str(NUM_BLOCKS),
                         "--block-size", str(BLOCK_SIZE), "--max-num-seqs", str(MAX_NUM_SEQS),
-                        "--scheduling-policy", "priority")
+                        "--scheduling-policy", "priority", "--enable-prompt-tokens-details")
     yield srv
     srv.close()
 
@@ -254,8 +254,8 @@ def test_fuzzed_requests_from_the_openapi_schema_never_get_a_5xx(server):
 
 # -- soak --------------------------------------------------------------------------------------
 
-def _rss(ps: psutil.Process, engine_pid: int) -> int:
-    return ps.memory_info().rss + psutil.Process(engine_pid).memory_info().rss
+def _rss_mib(pid: int) -> float:
+    return psutil.Process(pid).memory_info().rss / 2**20
 
 
 async def _soak_client(http: httpx.AsyncClient, rng: random.Random, outcomes: list[str]) -> None:
@@ -300,40 +300,60 @@ async def _soak_client(http: httpx.AsyncClient, rng: random.Random, outcomes: li
 
 
 def test_soak_with_cancellations_leaves_no_leak(server):
+    """RSS of each process (frontend, engine core) is sampled at 10 evenly spaced points of the
+    run; after warm-up (the first sample) it must stay flat. The long soak (first sample after
+    50 requests) holds it within 5%. The short one samples first after 6 requests, while the
+    allocator is still growing to the largest batch (from a cold server that growth was 2.3% in
+    all, benchmarks/README.md), so it holds 10%: room for another machine's allocator, and still
+    a failure for a leak of ~0.7 MiB per request in the frontend or ~1.8 MiB in the engine."""
     total = 500 if LONG else 60
     concurrency = 32 if LONG else 12
-    warmup = 50 if LONG else total // 4  # RSS is compared with its value after this many
+    bound = 0.05 if LONG else 0.10
+    points = 10
     rng = random.Random(1234)
-    engine_pid = server.engine_pid
+    pids = {"frontend": server.ps.pid, "engine": server.engine_pid}
+    samples: dict[str, list[float]] = {name: [] for name in pids}
     outcomes: list[str] = []
-    rss_after_warmup = None
+
+    def sample() -> None:
+        for name, pid in pids.items():
+            samples[name].append(_rss_mib(pid))
+
+    done = 0  # counted here, not from `outcomes`: a client appends before its stream closes
 
     async def run() -> None:
-        nonlocal rss_after_warmup
         sem = asyncio.Semaphore(concurrency)
         limits = httpx.Limits(max_connections=concurrency + 4)
         async with httpx.AsyncClient(base_url=server.url, timeout=300, limits=limits) as http:
             async def one(i: int) -> None:
-                nonlocal rss_after_warmup
+                nonlocal done
                 async with sem:
                     await _soak_client(http, random.Random(rng.random()), outcomes)
-                if len(outcomes) >= warmup and rss_after_warmup is None:
-                    rss_after_warmup = _rss(server.ps, engine_pid)
+                done += 1
+                if done % (total // points) == 0 and done < total:
+                    sample()
             await asyncio.gather(*(one(i) for i in range(total)))
 
     asyncio.run(run())
     assert len(outcomes) == total
     assert outcomes.count("aborted") > 0 and outcomes.count("finished") > total // 2
     wait_for_idle(server.url)
+    sample()  # the 10th point: every request done, every block free
     assert metric(server.url, "kvflow:num_requests_running") == 0
     assert metric(server.url, "kvflow:num_requests_waiting") == 0
     assert httpx.get(f"{server.url}/health").status_code == 200
     log = server.output()
     assert "Traceback" not in log and "Exception" not in log, log[-3000:]
-    rss_end = _rss(server.ps, engine_pid)
-    assert rss_after_warmup is not None
-    growth = (rss_end - rss_after_warmup) / rss_after_warmup
-    assert growth < 0.05, f"RSS grew {growth:.1%}: {rss_after_warmup} -> {rss_end} bytes"
+    report = []
+    for name, rss in samples.items():
+        assert len(rss) == points, rss
+        growth = max(rss[1:]) / rss[0] - 1
+        report.append(f"{name} RSS MiB at each tenth: {' '.join(f'{x:.0f}' for x in rss)}; "
+                      f"max growth after warm-up {growth:+.1%}")
+    print("\n" + "\n".join(report))
+    for name, rss in samples.items():
+        growth = max(rss[1:]) / rss[0] - 1
+        assert growth < bound, f"{name} RSS grew {growth:.1%} (bound {bound:.0%}): {rss}"
 
 
 # -- the engine killed mid-load (runs last: it ends its own server) --------------------------

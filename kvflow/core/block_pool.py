@@ -4,13 +4,26 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class BlockKey(NamedTuple):
+    """What a cached block holds, compared on every hit so that even a hash collision can
+    never serve another prompt's K/V: the cache id of the block before it (0 for a first
+    block), its token ids, and the salt (first blocks only; later ones inherit it)."""
+
+    parent_id: int
+    token_ids: tuple[int, ...]
+    salt: str | None
 
 
 @dataclass(slots=True)
 class KVBlock:
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None  # set once the block is full and cached
+    block_hash: bytes | None = None  # set once the block is full and cached
+    key: BlockKey | None = None  # with the hash
+    cache_id: int = 0  # unique per time the block is cached: a child's key names its parent by it
 
 
 class BlockPool:
@@ -25,7 +38,8 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.cached: dict[int, KVBlock] = {}  # block hash -> block
+        self.cached: dict[bytes, KVBlock] = {}  # block hash -> block
+        self._next_cache_id = 1
 
     @property
     def num_free_blocks(self) -> int:
@@ -48,7 +62,7 @@ class BlockPool:
             if block.block_hash is not None:
                 if self.cached.get(block.block_hash) is block:
                     del self.cached[block.block_hash]
-                block.block_hash = None
+                block.block_hash = block.key = None
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -69,15 +83,18 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = None
 
-    def lookup(self, block_hash: int) -> KVBlock | None:
-        return self.cached.get(block_hash)
+    def lookup(self, block_hash: bytes, key: BlockKey) -> KVBlock | None:
+        """The cached block with this hash, if it also holds exactly `key`."""
+        block = self.cached.get(block_hash)
+        return block if block is not None and block.key == key else None
 
-    def cache_block(self, block: KVBlock, block_hash: int) -> None:
+    def cache_block(self, block: KVBlock, block_hash: bytes, key: BlockKey) -> None:
         """Make a full block findable by its hash (the first block with a given hash wins)."""
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash not in self.cached:
-            block.block_hash = block_hash
+            block.block_hash, block.key = block_hash, key
+            block.cache_id, self._next_cache_id = self._next_cache_id, self._next_cache_id + 1
             self.cached[block_hash] = block
 
     def reset_prefix_cache(self) -> bool:
@@ -85,7 +102,7 @@ class BlockPool:
         if len(self._free) != self.num_blocks:
             return False
         for block in self.blocks:
-            block.block_hash = None
+            block.block_hash = block.key = None
         self.cached.clear()
         return True
 

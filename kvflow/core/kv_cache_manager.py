@@ -2,7 +2,11 @@
 prefix caching, a new request starts from the longest run of cached full blocks of its prompt."""
 from __future__ import annotations
 
-from kvflow.core.block_pool import BlockPool, KVBlock
+import hashlib
+import sys
+from array import array
+
+from kvflow.core.block_pool import BlockKey, BlockPool, KVBlock
 from kvflow.request import Request
 
 
@@ -10,9 +14,16 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], salt: str | None) -> int:
-    """Chained block hash: a block's identity is its tokens and everything before them."""
-    return hash((parent_hash, token_ids, salt))
+ROOT_HASH = bytes(32)  # the parent of a prompt's first block
+
+
+def hash_block(parent_hash: bytes | None, token_bytes: bytes, salt: bytes = b"") -> bytes:
+    """Chained block hash: sha256 of the parent's hash, the block's token ids (int64,
+    little-endian) and the tenant's salt, so that a block's identity is its tokens and
+    everything before them. Cryptographic, unlike Python's `hash()` of ints, so that nobody can
+    craft a prompt whose block collides with another tenant's; the parent and the ids have a
+    fixed length, which keeps the concatenation unambiguous."""
+    return hashlib.sha256((parent_hash or ROOT_HASH) + token_bytes + salt).digest()
 
 
 class KVCacheManager:
@@ -21,7 +32,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
-        self.req_to_hashes: dict[str, list[int]] = {}
+        self.req_to_hashes: dict[str, list[bytes]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request already cached
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found cached
@@ -44,14 +55,32 @@ class KVCacheManager:
         held = len(self.req_to_blocks.get(req.request_id, ()))
         return max(0, cdiv(num_tokens, self.block_size) - held)
 
-    def _block_hashes(self, req: Request, num_full_blocks: int) -> list[int]:
-        """Hashes of the first `num_full_blocks` blocks of `req`'s tokens, computed once each."""
+    def _block_hashes(self, req: Request, num_full_blocks: int) -> list[bytes]:
+        """Hashes of the first `num_full_blocks` blocks of `req`'s tokens, computed once each:
+        one conversion of the new blocks' ids to bytes, one sha256 per block."""
         hashes = self.req_to_hashes.setdefault(req.request_id, [])
-        bs, tokens = self.block_size, req.all_token_ids
-        for i in range(len(hashes), num_full_blocks):
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tuple(tokens[i * bs:(i + 1) * bs]), req.cache_salt))
+        start = len(hashes)
+        if num_full_blocks <= start:
+            return hashes
+        bs, n = self.block_size, 8 * self.block_size
+        ids = array("q", req.all_token_ids[start * bs:num_full_blocks * bs])
+        if sys.byteorder == "big":
+            ids.byteswap()  # the hash of a prompt is the same on every machine
+        data = ids.tobytes()
+        salt = req.cache_salt.encode("utf-8", "surrogatepass") if req.cache_salt else b""
+        parent = hashes[-1] if hashes else None
+        for i in range(num_full_blocks - start):
+            parent = hash_block(parent, data[i * n:(i + 1) * n], salt)
+            hashes.append(parent)
         return hashes
+
+    def _block_key(self, req: Request, i: int, parent: KVBlock | None) -> BlockKey:
+        """What a hit must match besides the hash: the block's own tokens, the exact cached
+        block before it (its cache id) and, for a first block, the salt."""
+        bs = self.block_size
+        return BlockKey(parent.cache_id if parent is not None else 0,
+                        tuple(req.all_token_ids[i * bs:(i + 1) * bs]),
+                        req.cache_salt if parent is None else None)
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """The longest run of cached full blocks at the start of `req`'s tokens, never covering
@@ -59,9 +88,10 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         max_blocks = (req.num_tokens - 1) // self.block_size
-        blocks = []
-        for h in self._block_hashes(req, max_blocks):
-            block = self.block_pool.lookup(h)
+        blocks: list[KVBlock] = []
+        for i, h in enumerate(self._block_hashes(req, max_blocks)):
+            parent = blocks[-1] if blocks else None
+            block = self.block_pool.lookup(h, self._block_key(req, i, parent))
             if block is None:
                 break
             blocks.append(block)
@@ -101,7 +131,10 @@ class KVCacheManager:
             return
         hashes = self._block_hashes(req, num_full)
         for i in range(start, num_full):
-            self.block_pool.cache_block(blocks[i], hashes[i])
+            parent = blocks[i - 1] if i else None
+            if parent is not None and parent.block_hash is None:
+                break  # its parent is not findable (another block won its hash): nor is it
+            self.block_pool.cache_block(blocks[i], hashes[i], self._block_key(req, i, parent))
         self.num_cached_blocks[req.request_id] = num_full
 
     def get_block_ids(self, request_id: str) -> list[int]:

@@ -274,7 +274,7 @@ class Scheduler:
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
         if req.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token == req.eos_token_id:
+            if not params.ignore_eos and token in req.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if params.stop_token_ids and token in params.stop_token_ids:
                 req.stop_reason = token

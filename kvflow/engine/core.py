@@ -55,9 +55,9 @@ class EngineCore:
         # runs each step: in this process, or over tensor_parallel_size ranks
         self.executor: Executor = (
             TPExecutor(config, self.model_path, self.arch, self.dtype, self.kv_dtype,
-                       cc.num_blocks, cc.block_size, self.arch.eos_token_id) if self.tp_size > 1
+                       cc.num_blocks, cc.block_size, self.arch.eos_token_ids) if self.tp_size > 1
             else UniProcExecutor(model, self.arch, cc.num_blocks, cc.block_size, self.kv_dtype,
-                                 self.arch.eos_token_id))
+                                 self.arch.eos_token_ids))
         try:
             self.trace = StepTrace(config.trace, sc.max_num_batched_tokens, cc.block_size,
                                    cc.num_blocks) if config.trace else None
@@ -95,8 +95,8 @@ class EngineCore:
                                         self.max_model_len, cc.block_size, cc.num_blocks)
         if params.max_tokens is None:
             params = replace(params, max_tokens=max_tokens)
-        req = Request(r.request_id, r.prompt_token_ids, params,
-                      eos_token_id=r.eos_token_id if r.eos_token_id is not None else self.arch.eos_token_id,
+        eos = r.eos_token_ids if r.eos_token_ids is not None else self.arch.eos_token_ids
+        req = Request(r.request_id, r.prompt_token_ids, params, eos_token_id=eos,
                       arrival_time=r.arrival_time or time.time(), priority=r.priority,
                       cache_salt=r.cache_salt)
         self.scheduler.add_request(req)

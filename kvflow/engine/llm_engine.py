@@ -15,7 +15,7 @@ class LLMEngine:
         self.tokenizer = get_tokenizer(tokenizer_source(config.model_config.tokenizer,
                                                         self.core.model_path))
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.eos_token_id = self.core.arch.eos_token_id
+        self.eos_token_ids = list(self.core.arch.eos_token_ids)
 
     @property
     def max_model_len(self) -> int:
@@ -25,7 +25,7 @@ class LLMEngine:
                     prompt: str | None = None, kind: OutputKind = OutputKind.FINAL,
                     priority: int = 0, cache_salt: str | None = None) -> None:
         core_reqs = self.output_processor.add_request(
-            request_id, prompt, prompt_token_ids, params, kind, self.eos_token_id,
+            request_id, prompt, prompt_token_ids, params, kind, self.eos_token_ids,
             priority=priority, cache_salt=cache_salt)
         try:
             for r in core_reqs:

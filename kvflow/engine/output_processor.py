@@ -63,7 +63,7 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, kind: OutputKind = OutputKind.FINAL,
-                    eos_token_id: int | None = None, arrival_time: float | None = None,
+                    eos_token_ids: list[int] | None = None, arrival_time: float | None = None,
                     priority: int = 0, cache_salt: str | None = None) -> list[EngineCoreRequest]:
         """Register a request; returns the core requests to send (one per sample)."""
         if request_id in self.requests:
@@ -85,7 +85,7 @@ class OutputProcessor:
                     sample.logprobs, sample.cumulative_logprob = [], 0.0
                 state.samples.append(sample)
                 self.core_to_sample[core_id] = (state, sample)
-                core_reqs.append(EngineCoreRequest(core_id, list(prompt_token_ids), p, eos_token_id,
+                core_reqs.append(EngineCoreRequest(core_id, list(prompt_token_ids), p, eos_token_ids,
                                                    arrival, priority, cache_salt))
         except BaseException:
             for sample in state.samples:  # all or nothing: no half-registered request

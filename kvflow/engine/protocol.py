@@ -59,7 +59,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: int | None = None
+    eos_token_ids: list[int] | None = None  # None: every EOS id of the model
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
@@ -110,10 +110,12 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 # -- dashboard snapshots (core -> frontend; built by kvflow.engine.snapshot) ------------------
-# block_owners codes; a code >= OWNER_BASE is `OWNER_BASE + i` for the block's holder running[i]
-FREE, CACHED_FREE, SHARED = 0, 1, 2
-OWNER_BASE = 3
-BLOCK_LEGEND = {"free": FREE, "cached_free": CACHED_FREE, "shared": SHARED,
+# block_owners codes; a code >= OWNER_BASE is `OWNER_BASE + i` for the block's holder running[i].
+# HELD (held, holder not shown) replaces SHARED on a dashboard served without
+# --enable-prompt-tokens-details: a shared block tells a tenant that its prompt hit the cache.
+FREE, CACHED_FREE, SHARED, HELD = 0, 1, 2, 3
+OWNER_BASE = 4
+BLOCK_LEGEND = {"free": FREE, "cached_free": CACHED_FREE, "shared": SHARED, "held": HELD,
                 "owner_base": OWNER_BASE}
 
 

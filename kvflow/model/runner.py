@@ -1,6 +1,7 @@
 """ModelRunner: SchedulerOutput -> flat batch tensors -> one forward -> sampled token ids."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -13,6 +14,7 @@ from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
 from kvflow.model.malloc_tuning import retain_freed_memory
 from kvflow.model.sampler import Sampler, SamplingRow, build_sampling_metadata, logit_bias_tensors
 from kvflow.outputs import TokenLogprobs
+from kvflow.request import eos_ids
 from kvflow.sampling_params import SamplingParams
 from kvflow import envs
 
@@ -47,11 +49,12 @@ class ModelRunner:
     runs the model once, and samples only where a request's known tokens are all computed."""
 
     def __init__(self, model: torch.nn.Module, arch: LlamaArchConfig, num_blocks: int,
-                 block_size: int, kv_dtype: torch.dtype, eos_token_id: int | None) -> None:
+                 block_size: int, kv_dtype: torch.dtype,
+                 eos_token_id: int | Sequence[int] | None) -> None:
         self.model = model
         self.arch = arch
         self.block_size = block_size
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_ids(eos_token_id)  # the model's, all of them
         self.kv_caches = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype)
         model.kernels = model.kernels.with_kv_dtype(kv_dtype)  # attention chosen for this cache
         k0 = self.kv_caches[0][0]
@@ -144,6 +147,6 @@ class ModelRunner:
         # token histories are copied only for requests whose sampling reads them
         if s.needs_history:
             return SamplingRow(s.params, s.token_ids[:s.num_prompt_tokens],
-                               s.token_ids[s.num_prompt_tokens:], s.generator, self.eos_token_id,
+                               s.token_ids[s.num_prompt_tokens:], s.generator, self.eos_token_ids,
                                s.logit_bias)
-        return SamplingRow(s.params, [], [], s.generator, self.eos_token_id, s.logit_bias)
+        return SamplingRow(s.params, [], [], s.generator, self.eos_token_ids, s.logit_bias)

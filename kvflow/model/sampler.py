@@ -23,7 +23,7 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # generated so far, before this step
     generator: torch.Generator | None = None  # CPU generator of a seeded request, made once per request
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # all of them are banned until min_tokens
     # (token ids, biases) of params.logit_bias as tensors; the runner makes them once per request
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -142,9 +142,7 @@ def build_sampling_metadata(rows: list[SamplingRow], vocab_size: int,
     for i, r in enumerate(rows):
         if len(r.output_token_ids) < r.params.min_tokens:
             # EOS is masked even with ignore_eos: min_tokens is a promise about length.
-            ids = list(r.params.stop_token_ids or [])
-            if r.eos_token_id is not None:
-                ids.append(r.eos_token_id)
+            ids = [*(r.params.stop_token_ids or ()), *r.eos_token_ids]
             ban_rows += [i] * len(ids)
             ban_tokens += ids
     if ban_tokens:

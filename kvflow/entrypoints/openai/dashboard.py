@@ -3,7 +3,9 @@ events with the engine's latest snapshot and the last minute's request latencies
 
 The core makes snapshots only while somebody watches: the first stream to open switches them
 on, the last to close switches them off. Like /metrics, these routes need no API key; they show
-request ids and token counts, never text.
+request ids and token counts, never text. Which blocks are shared (a request's prefix-cache
+hit) is shown only with --enable-prompt-tokens-details: otherwise a tenant could see whether
+another tenant's prompt is cached. The aggregate counts (cached-free blocks) stay.
 """
 from __future__ import annotations
 
@@ -13,10 +15,12 @@ import time
 from collections import deque
 
 import msgspec
+import msgspec.structs
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, Response, StreamingResponse
 
 from kvflow.engine.async_engine import StatLogger
+from kvflow.engine.protocol import HELD, SHARED, EngineSnapshot
 from kvflow.outputs import RequestOutput
 
 STATIC_DIR = os.path.join(os.path.dirname(__file__), "static")
@@ -64,6 +68,12 @@ class RecentLatencies(StatLogger):
         return list(self.finished)
 
 
+def hide_sharing(snapshot: EngineSnapshot) -> EngineSnapshot:
+    """The snapshot with shared blocks shown as merely held (no per-request cache hits)."""
+    owners = [HELD if o == SHARED else o for o in snapshot.block_owners]
+    return msgspec.structs.replace(snapshot, block_owners=owners)
+
+
 class Viewers:
     """Counts open streams; tells the engine to make snapshots while there is at least one."""
 
@@ -94,7 +104,17 @@ def dashboard_router(engine, latencies: RecentLatencies, settings) -> APIRouter:
     async def page():
         return FileResponse(os.path.join(STATIC_DIR, "dashboard.html"), media_type="text/html")
 
+    shown: list = [None, None]  # the last snapshot and what viewers see of it, made once for all
+
+    def visible(snapshot):
+        if snapshot is None or settings.enable_prompt_tokens_details:
+            return snapshot
+        if shown[0] is not snapshot:
+            shown[:] = [snapshot, hide_sharing(snapshot)]
+        return shown[1]
+
     def event(snapshot) -> bytes:
+        snapshot = visible(snapshot)
         now = time.time()
         info = engine.info
         body = {"time": now, "model": settings.model_name,

@@ -23,6 +23,9 @@ class ServerSettings:
     engine_stall_timeout: float = option(
         30.0, "seconds without engine progress while requests are pending before /health "
               "turns 503, streams end with an error and the server exits (0: never)")
+    enable_prompt_tokens_details: bool = option(
+        False, "report usage.prompt_tokens_details.cached_tokens and per-request prefix-cache "
+        "hits on the dashboard (off: they tell one tenant whether another's prompt is cached)")
     served_model_names: list[str] = field(default_factory=lambda: ["kvflow"])
     shutting_down: bool = field(default=False)
 

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvflow.entrypoints.openai.errors import APIError, bad_request
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from kvflow.entrypoints.openai.serving_engine import (MAX_MESSAGES, OpenAIServing, off_loop, sse,
-                                                      until_disconnected)
+                                                      until_disconnected, usage_info)
 from kvflow.outputs import Logprob
 from kvflow.sampling_params import SamplingParams
 
@@ -129,10 +129,9 @@ class OpenAIServingChat(OpenAIServing):
                 yield {**head, "choices": [choice], **extra}
         if job.include_usage:
             n_prompt = len(job.prompt_ids)
-            yield {**head, "choices": [], "usage": {
-                "prompt_tokens": n_prompt, "completion_tokens": completion_tokens,
-                "total_tokens": n_prompt + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": cached_tokens}}}
+            details = self.settings.enable_prompt_tokens_details
+            yield {**head, "choices": [], "usage": usage_info(
+                n_prompt, completion_tokens, cached_tokens if details else None)}
 
     async def collect(self, job: ChatJob) -> dict:
         job.include_usage = True

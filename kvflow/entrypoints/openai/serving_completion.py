@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvflow.entrypoints.openai.errors import bad_request
 from kvflow.entrypoints.openai.protocol import CompletionRequest
 from kvflow.entrypoints.openai.serving_engine import (OpenAIServing, merge_streams, off_loop, sse,
-                                                      until_disconnected)
+                                                      until_disconnected, usage_info)
 from kvflow.outputs import Logprob
 from kvflow.sampling_params import SamplingParams
 
@@ -123,10 +123,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 yield chunk
         if job.include_usage:
             prompt_tokens = sum(len(ids) for _, ids in job.prompts)
-            yield {**head, "choices": [], "usage": {
-                "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}}
+            details = self.settings.enable_prompt_tokens_details
+            yield {**head, "choices": [], "usage": usage_info(
+                prompt_tokens, completion_tokens, sum(cached.values()) if details else None)}
 
     async def collect(self, job: CompletionJob) -> dict:
         """The whole response: the stream's chunks joined per choice."""

@@ -213,3 +213,13 @@ async def until_disconnected(raw: Request, coro) -> object:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     return Response(status_code=499)  # nobody is listening
+
+
+def usage_info(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict:
+    """OpenAI's usage object; `prompt_tokens_details` only when `cached_tokens` is given
+    (--enable-prompt-tokens-details), as in vLLM."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out

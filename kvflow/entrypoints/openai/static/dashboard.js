@@ -120,6 +120,10 @@ function renderBlocks(snap) {
         ctx.strokeStyle = "#fff";
         ctx.strokeRect(x + mark + 0.5, y + mark + 0.5, s - 2 * mark - 1, s - 2 * mark - 1);
       }
+    } else if (o === L.held) { // shared, but per-request cache hits are not shown
+      used++;
+      ctx.fillStyle = color("--held");
+      ctx.fillRect(x, y, s, s);
     } else if (o === L.cached_free) {
       cached++;
       ctx.fillStyle = color("--free");
