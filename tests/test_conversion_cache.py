@@ -112,3 +112,31 @@ def test_a_broken_cached_tokenizer_is_converted_again(tmp_path, monkeypatch):
     assert len(conversions) == 2
     get_tokenizer(str(path))
     assert len(conversions) == 2
+
+
+def test_a_torn_arch_cache_is_parsed_again(tmp_path, monkeypatch):
+    """arch.json is written with fsync and an atomic rename; one that is torn anyway (a crash
+    before this change, a full disk) is parsed from the file again, not trusted."""
+    from kvflow.model import arch as arch_mod
+    from kvflow.model_path import cache_dir_for
+
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    folder = save_tiny_llama3(str(tmp_path / "tiny"))
+    want = load_arch_config(folder)
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF stand-in")
+    parsed = []
+
+    class FakeReader:
+        def __init__(self, p):
+            parsed.append(p)
+
+    import gguf
+    monkeypatch.setattr(gguf, "GGUFReader", FakeReader)
+    monkeypatch.setattr(arch_mod, "arch_from_gguf_reader", lambda reader, p: want)
+    os.makedirs(cache_dir_for(str(path)), exist_ok=True)
+    cached = os.path.join(cache_dir_for(str(path)), arch_mod.ARCH_CACHE_FILE)
+    with open(cached, "w") as f:
+        f.write('{"architecture": "LlamaFor')  # torn
+    assert load_arch_config(str(path)) == want and len(parsed) == 1
+    assert load_arch_config(str(path)) == want and len(parsed) == 1, "the rewritten cache serves"

@@ -209,3 +209,19 @@ def test_stats_are_each_steps_decisions_and_reading_them_changes_nothing(default
     for o in outs:
         assert o.metrics["first_scheduled_time"] >= o.metrics["arrival_time"]
     small.engine.shutdown()
+
+
+@pytest.mark.parametrize("prompt,kwargs,field", [
+    ([5, 10**6], {}, "prompt"),
+    ([5, 6], dict(stop_token_ids=[10**7]), "stop_token_ids"),
+    ([5, 6], dict(logit_bias={10**7: 1.0}), "logit_bias"),
+])
+def test_engine_core_refuses_ids_outside_the_vocabulary_from_any_caller(llm, prompt, kwargs, field):
+    """The frontends check first; the core holds the line for callers that bypass them."""
+    from kvflow.engine.protocol import EngineCoreRequest
+
+    core = llm.engine.core
+    req = EngineCoreRequest("direct", prompt, SamplingParams(max_tokens=2, **kwargs))
+    with pytest.raises(ValueError, match=field):
+        core.add_request(req)
+    assert not core.has_unfinished_requests()

@@ -20,6 +20,7 @@ from kvflow.model.loader import load_model, resolve_dtype
 from kvflow.model.sharding import kv_bytes_per_token_per_rank
 from kvflow.model_path import resolve_model_path
 from kvflow.request import Request, check_request_fits
+from kvflow.sampling_params import check_token_ids
 
 logger = init_logger("kvflow.engine")
 
@@ -88,8 +89,13 @@ class EngineCore:
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> None:
-        """Queue a request; ValueError (naming the numbers) if it can never fit."""
+        """Queue a request; ValueError (naming the field or the numbers) if an id lies outside the
+        vocabulary or it can never fit. The frontends check first; this holds for any caller."""
         params = r.sampling_params
+        vocab_size = self.arch.vocab_size
+        check_token_ids("prompt", r.prompt_token_ids, vocab_size)
+        check_token_ids("eos_token_ids", r.eos_token_ids, vocab_size)
+        params.verify_token_ids(vocab_size)
         cc = self.cache_config
         max_tokens = check_request_fits(len(r.prompt_token_ids), params.max_tokens,
                                         self.max_model_len, cc.block_size, cc.num_blocks)

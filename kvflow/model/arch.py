@@ -8,6 +8,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from kvflow.model_path import cache_dir_for, is_gguf
+from kvflow.utils.files import publish
 
 # model_type -> architecture name, for config.json files saved without "architectures".
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -144,8 +145,11 @@ def _from_gguf(path: str) -> LlamaArchConfig:
     # the result is cached next to the converted weights.
     cached = os.path.join(cache_dir_for(path), ARCH_CACHE_FILE)
     if os.path.isfile(cached):
-        with open(cached) as f:
-            return LlamaArchConfig.from_dict(json.load(f))
+        try:
+            with open(cached) as f:
+                return LlamaArchConfig.from_dict(json.load(f))
+        except (ValueError, TypeError, KeyError):  # torn or from another version: parse again
+            pass
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
@@ -160,7 +164,7 @@ def save_arch_cache(arch: LlamaArchConfig, path: str) -> None:
     tmp = os.path.join(cache, ARCH_CACHE_FILE + f".{os.getpid()}.tmp")
     with open(tmp, "w") as f:
         json.dump(arch.to_dict(), f)
-    os.replace(tmp, os.path.join(cache, ARCH_CACHE_FILE))
+    publish(tmp, os.path.join(cache, ARCH_CACHE_FILE))  # fsync, then the atomic rename
 
 
 def gguf_field(reader, key: str, default=None):
