@@ -1,6 +1,8 @@
-"""SamplingParams: OpenAI-shaped generation settings, validated on construction."""
+"""Sampling parameters (OpenAI-shaped, validated on construction) and the decoding constraint
+of a request (StructuredOutputsParams, vLLM's names)."""
 from __future__ import annotations
 
+import json as jsonlib
 import math
 from dataclasses import dataclass
 
@@ -57,6 +59,76 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+MAX_CONSTRAINT_CHARS = 64 * 1024  # a schema's JSON text, a grammar, a regex
+MAX_CHOICES = 256
+MAX_CHOICE_CHARS = 1024
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one of: `json` (a JSON schema, as a dict or its JSON text), `regex`, `choice`
+    (the output is one of these strings), `grammar` (EBNF / Lark), or `json_object=True` (any
+    JSON object, OpenAI's `response_format={"type": "json_object"}`). A schema is kept as
+    canonical JSON text, which is also the compile cache's key."""
+
+    json: str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None] + (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            raise ValueError("structured_outputs: give exactly one of json, regex, choice, grammar "
+                             f"or json_object, got {', '.join(given) or 'none'}")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = jsonlib.loads(schema)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("structured_outputs.json must be a JSON schema (an object)")
+            self.json = jsonlib.dumps(schema, sort_keys=True, separators=(",", ":"))
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or not self.choice:
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+            if len(self.choice) > MAX_CHOICES:
+                raise ValueError(f"structured_outputs.choice: at most {MAX_CHOICES} choices, "
+                                 f"got {len(self.choice)}")
+            for c in self.choice:
+                if not isinstance(c, str) or not c or len(c) > MAX_CHOICE_CHARS:
+                    raise ValueError("structured_outputs.choice: each choice must be a non-empty "
+                                     f"string of at most {MAX_CHOICE_CHARS} characters")
+        for name in ("json", "regex", "grammar"):
+            text = getattr(self, name)
+            if text is None:
+                continue
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+            if len(text) > MAX_CONSTRAINT_CHARS:
+                raise ValueError(f"structured_outputs.{name}: at most {MAX_CONSTRAINT_CHARS} "
+                                 f"characters, got {len(text)}")
+        for text in [self.json, self.regex, self.grammar, *(self.choice or ())]:
+            if text is not None and find_lone_surrogate(text) is not None:
+                raise ValueError("structured_outputs contains a lone surrogate")
+
+    @property
+    def kind(self) -> str:
+        """json | regex | choice | grammar | json_object."""
+        if self.json_object:
+            return "json_object"
+        return next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None)
+
+    def key(self) -> tuple:
+        """What the compiled grammar depends on: the compile cache's key."""
+        value = getattr(self, self.kind)
+        return (self.kind, tuple(value) if isinstance(value, list) else value)
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request. `temperature=0` is greedy. `top_k=0` (or -1) disables top-k.
@@ -81,6 +153,8 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    # a decoding constraint (JSON schema, regex, choice, grammar), compiled in the engine
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
