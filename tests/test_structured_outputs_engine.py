@@ -154,6 +154,19 @@ def test_invalid_constraints_are_a_value_error_naming_the_problem():
     validate_structured_outputs(SO(grammar='root ::= "a" | "b"'))  # GBNF is read too
 
 
+def test_the_xgrammar_backend_refuses_keywords_it_would_ignore():
+    for schema, word in [({"type": "array", "uniqueItems": True}, "uniqueItems"),
+                         ({"type": "object", "properties": {"a": {"not": {"type": "integer"}}}},
+                          "not")]:
+        with pytest.raises(ValueError, match=word):
+            validate_structured_outputs(SO(json=schema), "xgrammar")
+    # a property may be called "not"; an enum value may hold anything
+    validate_structured_outputs(SO(json={"type": "object", "properties": {
+        "not": {"type": "integer"}, "x": {"enum": [{"if": 1}]}}}), "xgrammar")
+    with pytest.raises(ValueError, match="structured_outputs.regex"):
+        validate_structured_outputs(SO(regex="[a-"), "xgrammar")
+
+
 class SlowBackend:
     """Compiles only when `gate` is set; counts compiles."""
 

@@ -98,7 +98,11 @@ class LLGuidanceBackend:
         return grammar
 
     def matcher(self, compiled: str) -> "LLGuidanceMatcher":
-        return LLGuidanceMatcher(self._llg.LLMatcher(self.tokenizer, compiled))
+        m = self._llg.LLMatcher(self.tokenizer, compiled)
+        # llguidance builds its lexer lazily: the first mask (up to ~20 ms for a large schema)
+        # is computed here, in the compile thread, not in the step's batch fill
+        m.compute_bitmask()
+        return LLGuidanceMatcher(m)
 
     def fill_bitmask(self, matchers: list["LLGuidanceMatcher"], bitmask: np.ndarray) -> None:
         # one call for the batch; it releases the GIL while it works
@@ -134,6 +138,9 @@ def xgrammar_grammar(params: StructuredOutputsParams):
     kind = params.kind
     if kind in ("json", "json_object"):
         schema = params.json if kind == "json" else JSON_OBJECT_SCHEMA
+        ignored = sorted(xgrammar_ignored_keywords(json.loads(schema)))
+        if ignored:
+            raise ValueError(f"keywords the xgrammar backend does not enforce: {ignored}")
         return xgr.Grammar.from_json_schema(schema, any_whitespace=False)
     if kind == "regex":
         return xgr.Grammar.from_regex(params.regex)
@@ -142,6 +149,29 @@ def xgrammar_grammar(params: StructuredOutputsParams):
     if "::=" in params.grammar:  # EBNF (GBNF), else Lark
         return xgr.Grammar.from_ebnf(params.grammar)
     return xgr.Grammar.from_lark(params.grammar)
+
+
+# xgrammar 0.2.8 accepts these and generates instances that break them (checked by hand:
+# [1, 1] under uniqueItems, 1 under {"not": {"type": "integer"}}, ...): refused, never ignored
+_XGRAMMAR_IGNORES = {"uniqueItems", "contains", "minContains", "maxContains", "not",
+                     "dependentRequired", "dependentSchemas", "if", "then", "else"}
+_NOT_SCHEMAS = ("enum", "const", "default", "examples")
+
+
+def xgrammar_ignored_keywords(schema) -> set[str]:
+    found = set()
+    if isinstance(schema, list):
+        for s in schema:
+            found |= xgrammar_ignored_keywords(s)
+    elif isinstance(schema, dict):
+        found |= _XGRAMMAR_IGNORES.intersection(schema)
+        for k, v in schema.items():
+            if k in _SUBSCHEMA_MAPS and isinstance(v, dict):  # its keys are names, not keywords
+                for sub in v.values():
+                    found |= xgrammar_ignored_keywords(sub)
+            elif k not in _NOT_SCHEMAS:
+                found |= xgrammar_ignored_keywords(v)
+    return found
 
 
 class XGrammarBackend:
