@@ -456,3 +456,24 @@ def test_the_xgrammar_backend_is_selectable(default_model_path):
             llm.generate(["x"], SamplingParams(structured_outputs=SO(regex="[a-")), use_tqdm=False)
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.slow
+def test_constraints_hold_under_tensor_parallelism(llm, default_model_path):
+    """Only rank 0 samples, so only it masks; the outputs equal one process's."""
+    from kvflow import LLM
+
+    cases = checks()[:5]
+    params = [SamplingParams(max_tokens=80, temperature=0, structured_outputs=so)
+              for _, so, _ in cases] + [SamplingParams(max_tokens=16, temperature=0)]
+    prompts = [p for p, _, _ in cases] + ["The capital of France is"]
+    one = llm.generate(prompts, params, use_tqdm=False)
+    tp = LLM(default_model_path, dtype="float32", max_model_len=512, num_blocks=256,
+             warmup=False, tensor_parallel_size=3)
+    try:
+        three = tp.generate(prompts, params, use_tqdm=False)
+    finally:
+        tp.engine.shutdown()
+    assert [o.outputs[0].token_ids for o in three] == [o.outputs[0].token_ids for o in one]
+    for (_, _, check), out in zip(cases, three):
+        check(out.outputs[0].text)
