@@ -477,3 +477,34 @@ def test_constraints_hold_under_tensor_parallelism(llm, default_model_path):
     assert [o.outputs[0].token_ids for o in three] == [o.outputs[0].token_ids for o in one]
     for (_, _, check), out in zip(cases, three):
         check(out.outputs[0].text)
+
+
+@pytest.mark.slow
+def test_the_served_engine_constrains_and_refuses_in_its_own_process(default_model_path):
+    """AsyncLLM (the server's engine): the core process loads its tokenizer on the first
+    constrained request; a bad constraint is a ValueError before it reaches the core."""
+    import asyncio
+
+    from kvflow.config import CacheConfig, EngineConfig, ModelConfig
+    from kvflow.engine.async_engine import AsyncLLM
+
+    async def main():
+        engine = AsyncLLM(EngineConfig(ModelConfig(default_model_path, dtype="float32"),
+                                       CacheConfig(num_blocks=64), warmup=False))
+        await engine.start()
+        try:
+            ids = engine.tokenizer.encode("Review: 'awful'. Sentiment:")
+            tokens, finish = [], None
+            async for out in engine.generate(ids, SamplingParams(
+                    temperature=0, max_tokens=20, structured_outputs=SO(choice=CHOICES)), "a"):
+                tokens += out.outputs[0].token_ids
+                finish = out.outputs[0].finish_reason
+            assert engine.tokenizer.decode(tokens) in CHOICES and finish == "stop"
+            with pytest.raises(ValueError, match="structured_outputs.regex"):
+                async for _ in engine.generate(ids, SamplingParams(
+                        structured_outputs=SO(regex="[a-")), "b"):
+                    pass
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
