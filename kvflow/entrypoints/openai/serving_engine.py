@@ -87,6 +87,19 @@ class OpenAIServing:
             raise bad_request(e) from None
         return params
 
+    def check_constraint(self, params: SamplingParams) -> None:
+        """A constraint the grammar backend cannot compile (a bad schema, grammar or regex) is
+        a 400 naming the problem, before the request reaches the engine."""
+        if params.structured_outputs is None:
+            return
+        validate = getattr(self.engine, "validate_structured_outputs", None)
+        if validate is None:
+            return
+        try:
+            validate(params.structured_outputs)
+        except ValueError as e:
+            raise bad_request(e) from None
+
     @staticmethod
     def check_choices(num_prompts: int, n: int) -> None:
         """Each prompt x n is one sequence in the engine: cap them before any tokenizing."""
