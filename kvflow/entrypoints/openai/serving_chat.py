@@ -184,7 +184,13 @@ class OpenAIServingChat(OpenAIServing):
         params = self.make_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         tools = tool_dicts(req.tools)
         tool_mode, tool_name = self.tool_mode(req, params, tools)
-        self.check_constraint(params)
+        try:
+            await self.check_constraint(params)
+        except APIError as e:
+            if tool_mode in ("required", "named"):  # the schema came from the tools
+                raise APIError(400, f"tools: a parameter schema cannot be enforced: {e.message}",
+                               param="tools", code=e.code) from None
+            raise
         prompt, ids = await self.render(req.messages, req.add_generation_prompt, tools)
         self.check_prompt(ids, params)
         self.check_request_tokens(len(ids), params.n)
