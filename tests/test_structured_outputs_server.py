@@ -295,3 +295,34 @@ def test_invalid_constraints_are_a_400_naming_the_problem(server, body, param):
         if param is not None:
             assert err["param"] == param, err
         assert err["message"]
+
+
+@pytest.mark.parametrize("depth", [50, 400])
+def test_deeply_nested_schemas_are_answered_never_a_500(server, depth):
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    for body in ({"messages": ASK, "structured_outputs": {"json": schema}},
+                 {"messages": ASK, "response_format": {"type": "json_schema",
+                                                       "json_schema": {"name": "x", "schema": schema}}},
+                 {"messages": ASK, "tools": tools, "tool_choice": "required"},
+                 {"messages": ASK, "tools": tools, "tool_choice": {"type": "function",
+                                                                   "function": {"name": "f"}}}):
+        resp = post(server, "/v1/chat/completions", {**body, "max_tokens": 4})
+        assert resp.status_code in (200, 400), resp.text
+
+
+@pytest.mark.parametrize("depth", [480, 2000])
+def test_schemas_nested_past_the_encoders_limit_are_a_400(server, depth):
+    schema = '{"type": "integer"}'
+    for _ in range(depth):
+        schema = '{"type": "object", "properties": {"a": %s}}' % schema
+    tools = '[{"type": "function", "function": {"name": "f", "parameters": %s}}]' % schema
+    ask = json.dumps(ASK)
+    for body in ('{"messages": %s, "structured_outputs": {"json": %s}}' % (ask, schema),
+                 '{"messages": %s, "tools": %s, "tool_choice": "required"}' % (ask, tools),
+                 '{"messages": %s, "tools": %s, "tool_choice": "none"}' % (ask, tools)):
+        resp = httpx.post(f"{server.url}/v1/chat/completions", content=body, timeout=TIMEOUT,
+                          headers={"content-type": "application/json"})
+        assert resp.status_code in (200, 400), resp.text
