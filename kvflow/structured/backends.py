@@ -41,13 +41,43 @@ def llguidance_grammar(params: StructuredOutputsParams) -> str:
 
     kind = params.kind
     if kind in ("json", "json_object"):
-        schema = params.json if kind == "json" else JSON_OBJECT_SCHEMA
+        schema = no_extra_properties(json.loads(params.json)) if kind == "json" \
+            else JSON_OBJECT_SCHEMA
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_LLG_JSON)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(params.regex)
     if kind == "choice":
         return llguidance.grammar_from("choice", params.choice)
     return llguidance.grammar_from("grammar", params.grammar)  # Lark, or GBNF converted
+
+
+_SUBSCHEMA = ("additionalProperties", "items", "not", "if", "then", "else", "contains",
+              "unevaluatedItems", "propertyNames")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def no_extra_properties(schema):
+    """The schema with `additionalProperties: false` wherever an object lists its `properties`
+    and says nothing of others (xgrammar's strict mode, OpenAI's strict schemas): an instance
+    of it is still valid, and a small model cannot wander off into keys of its own. Only
+    subschemas are visited (never `enum` or `const` values)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for k in _SUBSCHEMA:
+        if isinstance(out.get(k), dict):
+            out[k] = no_extra_properties(out[k])
+    for k in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(k), list):
+            out[k] = [no_extra_properties(s) for s in out[k]]
+    for k in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: no_extra_properties(s) for name, s in out[k].items()}
+    if "properties" in out and "additionalProperties" not in out \
+            and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 class LLGuidanceBackend:
