@@ -195,3 +195,21 @@ def test_server_options_offer_every_parser():
     fields = {f.name: f for f in dataclasses.fields(ServerSettings)}
     assert fields["tool_call_parser"].metadata["choices"] == tuple(TOOL_PARSERS)
     assert fields["reasoning_parser"].metadata["choices"] == tuple(REASONING_PARSERS)
+
+
+def test_conversation_hands_templates_tool_calls_with_object_arguments():
+    from kvflow.entrypoints.openai.protocol import ChatCompletionRequest
+    from kvflow.entrypoints.openai.serving_chat import conversation, tool_dicts
+
+    req = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}], "tools": TOOLS[:1]})
+    convo = conversation(req.messages)
+    assert convo[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    assert convo[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+    assert tool_dicts(req.tools) == TOOLS[:1]
