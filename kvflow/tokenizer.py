@@ -79,11 +79,13 @@ def _save_atomically(tokenizer, target: str) -> None:
         raise
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                tools: list[dict] | None = None) -> tuple[str, list[int]]:
     """Apply the model's chat template; returns the text and its token ids. The template writes
-    its own special tokens (BOS and the like), so they are not added again."""
+    its own special tokens (BOS and the like), so they are not added again. `tools` (OpenAI's
+    function definitions) reach the template as transformers passes them."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; use a completion instead")
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                         tokenize=False)
+                                         tokenize=False, tools=tools)
     return text, tokenizer.encode(text, add_special_tokens=False)

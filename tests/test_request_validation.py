@@ -138,13 +138,7 @@ def test_valid_non_ascii_text_passes():
     (CompletionRequest, {"best_of": 3}, "best_of"),
     (CompletionRequest, {"best_of": 2, "n": 1}, "best_of"),
     (CompletionRequest, {"suffix": "end"}, "suffix"),
-    (CompletionRequest, {"response_format": {"type": "json_object"}}, "response_format"),
     (CompletionRequest, {"use_beam_search": True}, "use_beam_search"),
-    (CompletionRequest, {"guided_json": {"type": "object"}}, "guided_json"),
-    (ChatCompletionRequest, {"response_format": {"type": "json_schema", "json_schema": {}}},
-     "response_format"),
-    (ChatCompletionRequest, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    (ChatCompletionRequest, {"tool_choice": "required"}, "tool_choice"),
     (ChatCompletionRequest, {"best_of": 4}, "best_of"),
     (ChatCompletionRequest, {"modalities": ["text", "audio"]}, "modalities"),
     (ChatCompletionRequest, {"prediction": {"type": "content", "content": "x"}}, "prediction"),
@@ -230,3 +224,84 @@ def test_a_websocket_caps_its_requests_in_flight_and_survives_bad_frames():
     assert lone["id"] is None and lone["error"]["param"] == "id"
     assert long_id["id"] is None and long_id["error"]["param"] == "id"
     assert cancelled == {"type": "cancelled", "id": "r0"}
+
+
+# -- constraints (issue 19) ------------------------------------------------------------
+@pytest.mark.parametrize("field, value, names", [
+    ("guided_json", {"type": "object"}, 'structured_outputs: {"json"'),
+    ("guided_regex", "[a-z]+", 'structured_outputs: {"regex"'),
+    ("guided_choice", ["a", "b"], 'structured_outputs: {"choice"'),
+    ("guided_grammar", "root ::= \"a\"", 'structured_outputs: {"grammar"'),
+    ("guided_decoding_backend", "xgrammar", "structured_outputs"),
+])
+@pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest])
+def test_removed_guided_fields_name_structured_outputs(model, field, value, names):
+    body = {"prompt": "hi"} if model is CompletionRequest else {"messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(ValidationError) as info:
+        model.model_validate({**body, field: value})
+    message, param = validation_message(info.value.errors())
+    assert param == field and message.startswith(f"{field} was removed") and names in message
+
+
+def _constraint(**extra):
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **extra})
+    return req.sampling_params(8, None).structured_outputs
+
+
+def test_response_format_and_structured_outputs_become_the_constraint():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert _constraint() is None
+    assert _constraint(response_format={"type": "text"}) is None
+    assert _constraint(response_format={"type": "json_object"}).kind == "json_object"
+    so = _constraint(response_format={"type": "json_schema",
+                                      "json_schema": {"name": "x", "schema": schema, "strict": True}})
+    assert so.kind == "json" and json.loads(so.json) == schema
+    assert json.loads(_constraint(structured_outputs={"json": schema}).json) == schema
+    assert _constraint(structured_outputs={"regex": "[0-9]+"}).regex == "[0-9]+"
+    assert _constraint(structured_outputs={"choice": ["yes", "no"]}).choice == ["yes", "no"]
+    assert _constraint(structured_outputs={"grammar": 'root ::= "a"'}).kind == "grammar"
+    req = CompletionRequest.model_validate({"prompt": "hi", "structured_outputs": {"regex": "a+"}})
+    assert req.sampling_params(8, None).structured_outputs.regex == "a+"
+
+
+@pytest.mark.parametrize("extra, starts", [
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs: give exactly one"),
+    ({"structured_outputs": {}}, "structured_outputs: give exactly one"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json is not valid JSON"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "structured_outputs: give either"),
+])
+def test_bad_constraints_are_a_value_error_naming_the_field(extra, starts):
+    with pytest.raises(ValueError) as info:
+        _constraint(**extra)
+    assert str(info.value).startswith(starts)
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools"),
+])
+def test_malformed_constraint_and_tool_fields_are_refused(extra, field):
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **extra})
+    assert validation_message(info.value.errors())[1] == field
+
+
+def test_tool_messages_and_assistant_tool_calls_are_accepted():
+    req = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}],
+        "tools": [{"type": "function", "function": {"name": "get_weather",
+                                                    "parameters": {"type": "object"}}}],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "parallel_tool_calls": False})
+    assert req.messages[1].tool_calls[0].function.name == "get_weather"
+    assert req.messages[2].tool_call_id == "call_1" and req.tool_choice.function.name == "get_weather"

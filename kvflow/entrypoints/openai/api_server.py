@@ -23,7 +23,7 @@ from kvflow.entrypoints.openai.errors import error_response, install_error_handl
 from kvflow.entrypoints.openai.metrics import ServerMetrics
 from kvflow.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                 DetokenizeRequest, TokenizeRequest)
-from kvflow.entrypoints.openai.serving_chat import OpenAIServingChat
+from kvflow.entrypoints.openai.serving_chat import OpenAIServingChat, tool_dicts
 from kvflow.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvflow.entrypoints.openai.server_settings import ServerSettings
 from kvflow.entrypoints.openai.serving_engine import MAX_REQUEST_TOKENS, ShuttingDownError, off_loop
@@ -192,7 +192,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
     async def tokenize(req: TokenizeRequest):
         completions.check_model(req.model)
         if req.messages is not None:
-            _, ids = await chat.render(req.messages, req.add_generation_prompt)
+            _, ids = await chat.render(req.messages, req.add_generation_prompt,
+                                       tool_dicts(req.tools))
         elif req.prompt is not None:
             completions.check_text_size(len(req.prompt), "prompt")
             ids = await off_loop(engine.tokenizer.encode, req.prompt,

@@ -1,17 +1,18 @@
 """OpenAI API request models (pydantic). Unknown fields are ignored, as OpenAI does, so that
 clients written for OpenAI or vLLM work unchanged; but a field that OpenAI or vLLM defines and
-kvflow does not implement (`best_of`, `response_format`, `tools`, ...) is refused with a 400
-naming it, never silently ignored. Every string is checked for lone surrogates (a JSON
+kvflow does not implement (`best_of`, `audio`, ...) is refused with a 400 naming it, never
+silently ignored; so are vLLM's removed `guided_*` fields, naming `structured_outputs`. Every string is checked for lone surrogates (a JSON
 "\\ud800" escape), which nothing downstream could encode. Responses are built as plain dicts in
 the serving modules (one shape per chunk, cheap to encode)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from kvflow.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, find_lone_surrogate
+from kvflow.sampling_params import (SEED_MAX, SEED_MIN, SamplingParams, StructuredOutputsParams,
+                                    find_lone_surrogate)
 
 SEED_RANGE = dict(ge=SEED_MIN, le=SEED_MAX)
 
@@ -47,14 +48,8 @@ def _absent(value) -> bool:
 # harmless default?". Any other value is a 400 naming the field.
 _UNIMPLEMENTED_COMMON: dict[str, Any] = {
     "best_of": lambda v, body: v is None or v == body.get("n", 1),
-    "response_format": lambda v, body: v is None or v == {"type": "text"},
     "use_beam_search": lambda v, body: _absent(v),
     "length_penalty": lambda v, body: v is None or v == 1 or v == 1.0,
-    "guided_json": lambda v, body: v is None,
-    "guided_regex": lambda v, body: v is None,
-    "guided_choice": lambda v, body: v is None,
-    "guided_grammar": lambda v, body: v is None,
-    "structured_outputs": lambda v, body: v is None,
     "allowed_token_ids": lambda v, body: v is None,
     "bad_words": lambda v, body: _absent(v),
     "prompt_logprobs": lambda v, body: v is None,
@@ -70,8 +65,6 @@ _UNIMPLEMENTED_COMPLETION = {
 }
 _UNIMPLEMENTED_CHAT = {
     **_UNIMPLEMENTED_COMMON,
-    "tools": lambda v, body: _absent(v),
-    "tool_choice": lambda v, body: v is None or v in ("none", "auto"),
     "functions": lambda v, body: _absent(v),
     "function_call": lambda v, body: v is None or v in ("none", "auto"),
     "audio": lambda v, body: v is None,
@@ -88,9 +81,27 @@ _UNIMPLEMENTED_CHAT = {
 }
 
 
+# vLLM's removed constraint fields: vLLM now ignores them (unconstrained output, silently);
+# kvflow names what replaced them.
+_REMOVED = {
+    "guided_json": 'use structured_outputs: {"json": SCHEMA} or response_format',
+    "guided_regex": 'use structured_outputs: {"regex": ...}',
+    "guided_choice": 'use structured_outputs: {"choice": [...]}',
+    "guided_grammar": 'use structured_outputs: {"grammar": ...}',
+    "guided_json_object": 'use response_format: {"type": "json_object"}',
+    "guided_whitespace_pattern": "give the constraint as structured_outputs",
+    "guided_decoding_backend": "give the constraint as structured_outputs (the server chooses "
+                               "the backend)",
+}
+
+
 def _refuse_unimplemented(body: Any, table: dict[str, Any]) -> None:
     if not isinstance(body, dict):
         return
+    for name, instead in _REMOVED.items():
+        if body.get(name) is not None:
+            raise PydanticCustomError("removed_field", "{param} was removed; " + instead,
+                                      {"param": name})
     for name, harmless in table.items():
         if name in body:
             try:
@@ -101,8 +112,7 @@ def _refuse_unimplemented(body: Any, table: dict[str, Any]) -> None:
                 raise PydanticCustomError(
                     "unsupported_field",
                     "{param}: kvflow does not implement this field; leave it out"
-                    + (" (or set it equal to n)" if name == "best_of" else
-                       ' (or send {{"type": "text"}})' if name == "response_format" else ""),
+                    + (" (or set it equal to n)" if name == "best_of" else ""),
                     {"param": name})
 
 
@@ -118,6 +128,56 @@ class OpenAIBaseModel(BaseModel):
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
+
+
+# -- constraints -----------------------------------------------------------------------
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's `response_format`: text (no constraint), json_object or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's `structured_outputs` field. A key kvflow does not know is refused: ignoring it
+    would give unconstrained output where the client asked for a constraint."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | str | bool | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+def constraint_of(response_format: ResponseFormat | None,
+                  structured_outputs: StructuredOutputsRequest | None) -> StructuredOutputsParams | None:
+    """The request's decoding constraint; ValueError naming the field when it is not one."""
+    rf = response_format if response_format is not None and response_format.type != "text" else None
+    if rf is not None and structured_outputs is not None:
+        raise ValueError("structured_outputs: give either response_format or structured_outputs, "
+                         "not both")
+    try:
+        if rf is not None and rf.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if rf is not None:
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise ValueError('response_format: type "json_schema" needs json_schema.schema')
+            return StructuredOutputsParams(json=rf.json_schema.schema_)
+        if structured_outputs is not None:
+            so = structured_outputs
+            return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice,
+                                           grammar=so.grammar, json_object=bool(so.json_object))
+    except RecursionError:
+        raise ValueError("structured_outputs: the schema is nested too deeply") from None
+    return None
 
 
 class SamplingFields(OpenAIBaseModel):
@@ -148,6 +208,8 @@ class SamplingFields(OpenAIBaseModel):
     cache_salt: str | None = Field(None, max_length=1024)
     # With --scheduling-policy priority: lower values are served first.
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -167,7 +229,8 @@ class SamplingFields(OpenAIBaseModel):
             min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            logit_bias=self.logit_bias)
+            logit_bias=self.logit_bias,
+            structured_outputs=constraint_of(self.response_format, self.structured_outputs))
 
 
 class CompletionRequest(SamplingFields):
@@ -189,10 +252,23 @@ class TextPart(OpenAIBaseModel):
     text: str | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # role "tool": the call this answers
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -204,8 +280,35 @@ class ChatMessage(OpenAIBaseModel):
         return "".join(p.text for p in self.content)
 
 
+MAX_TOOLS = 128
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -224,6 +327,7 @@ class TokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

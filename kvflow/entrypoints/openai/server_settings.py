@@ -26,6 +26,14 @@ class ServerSettings:
     enable_prompt_tokens_details: bool = option(
         False, "report usage.prompt_tokens_details.cached_tokens and per-request prefix-cache "
         "hits on the dashboard (off: they tell one tenant whether another's prompt is cached)")
+    tool_call_parser: str | None = option(
+        None, "read the model's own tool calls (tool_choice auto) in this format: hermes "
+        "(<tool_call>{...}</tool_call>) or llama3_json (a bare JSON object)",
+        choices=("hermes", "llama3_json"))
+    reasoning_parser: str | None = option(
+        None, "split <think>...</think> into message.reasoning_content: qwen3 (only when the "
+        "output begins with <think>) or deepseek_r1 (the output begins in reasoning)",
+        choices=("qwen3", "deepseek_r1"))
     served_model_names: list[str] = field(default_factory=lambda: ["kvflow"])
     shutting_down: bool = field(default=False)
 

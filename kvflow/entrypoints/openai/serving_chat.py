@@ -1,6 +1,8 @@
-"""POST /v1/chat/completions: messages through the model's chat template, deltas out."""
+"""POST /v1/chat/completions: messages (and tools) through the model's chat template, deltas
+out: content, reasoning_content and tool_calls."""
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -9,12 +11,17 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvflow.entrypoints.openai.chat_output import MessageParser, merge_delta
 from kvflow.entrypoints.openai.errors import APIError, bad_request
-from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool
+from kvflow.entrypoints.openai.reasoning_parsers import make_reasoning_parser
 from kvflow.entrypoints.openai.serving_engine import (MAX_MESSAGES, OpenAIServing, off_loop, sse,
                                                       until_disconnected, usage_info)
+from kvflow.entrypoints.openai.tool_parsers import (JsonArrayToolParser, NamedToolParser,
+                                                    make_tool_parser)
+from kvflow.entrypoints.openai.tool_schema import named_tool_schema, required_tools_schema
 from kvflow.outputs import Logprob
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 @dataclass
@@ -29,6 +36,17 @@ class ChatJob:
     include_usage: bool
     priority: int = 0
     cache_salt: str | None = None
+    tool_mode: str | None = None  # auto | required | named: how tool calls are read
+    tool_name: str | None = None  # the named tool_choice
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+    def message_parser(self) -> MessageParser:
+        tools = (make_tool_parser(self.tool_call_parser) if self.tool_mode == "auto" else
+                 JsonArrayToolParser() if self.tool_mode == "required" else
+                 NamedToolParser(self.tool_name) if self.tool_mode == "named" else None)
+        reasoning = make_reasoning_parser(self.reasoning_parser) if self.reasoning_parser else None
+        return MessageParser(reasoning, tools)
 
 
 def _entry(lp: Logprob) -> dict:
@@ -53,16 +71,49 @@ def conversation(messages: list[ChatMessage]) -> list[dict]:
         raise APIError(400, f"messages: {len(messages)} messages; at most {MAX_MESSAGES} per "
                             "request", param="messages", code="invalid_value")
     try:
-        return [{"role": m.role, "content": m.text()} for m in messages]
+        return [_template_message(m) for m in messages]
     except ValueError as e:
         raise bad_request(e) from None
 
 
-def render_chat(tokenizer, convo: list[dict], add_generation_prompt: bool = True) -> str:
+def _template_message(m: ChatMessage) -> dict:
+    """One message as templates expect it: an assistant's `tool_calls` with their arguments
+    as objects (templates write them with `tojson`), a tool's answer with its call's id."""
+    out = {"role": m.role, "content": m.text()}
+    if m.name is not None:
+        out["name"] = m.name
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        calls = []
+        for call in m.tool_calls:
+            args = call.function.arguments
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except ValueError:
+                    raise ValueError(f"messages: the arguments of tool call {call.id!r} are not "
+                                     "valid JSON") from None
+            calls.append({"id": call.id, "type": call.type,
+                          "function": {"name": call.function.name, "arguments": args}})
+        out["tool_calls"] = calls
+    return out
+
+
+def tool_dicts(tools: list[ChatTool] | None) -> list[dict] | None:
+    """The tools as transformers' `apply_chat_template(tools=...)` takes them."""
+    if not tools:
+        return None
+    return [{"type": "function", "function": t.function.model_dump(exclude_none=True)}
+            for t in tools]
+
+
+def render_chat(tokenizer, convo: list[dict], add_generation_prompt: bool = True,
+                tools: list[dict] | None = None) -> str:
     """The prompt text of a conversation; template errors become a 400."""
     try:
         return tokenizer.apply_chat_template(convo, add_generation_prompt=add_generation_prompt,
-                                             tokenize=False)
+                                             tokenize=False, tools=tools)
     except ValueError as e:
         raise bad_request(e) from None
     except Exception as e:  # noqa: BLE001 - jinja raises its own errors for bad conversations
@@ -70,21 +121,59 @@ def render_chat(tokenizer, convo: list[dict], add_generation_prompt: bool = True
                        code="invalid_value") from None
 
 
-def render_and_encode(tokenizer, convo: list[dict], add_generation_prompt: bool) -> tuple[str, list[int]]:
-    prompt = render_chat(tokenizer, convo, add_generation_prompt)
+def render_and_encode(tokenizer, convo: list[dict], add_generation_prompt: bool,
+                      tools: list[dict] | None = None) -> tuple[str, list[int]]:
+    prompt = render_chat(tokenizer, convo, add_generation_prompt, tools)
     # The template already holds the special tokens it wants.
     return prompt, tokenizer.encode(prompt, add_special_tokens=False)
 
 
 class OpenAIServingChat(OpenAIServing):
-    async def render(self, messages: list[ChatMessage],
-                     add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    async def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                     tools: list[dict] | None = None) -> tuple[str, list[int]]:
         """Template and tokenize, with the input bounded first and big work off the loop."""
         convo = conversation(messages)
         chars = sum(len(m["content"]) + len(m["role"]) for m in convo)
+        if tools:
+            chars += len(json.dumps(tools))
         self.check_text_size(chars, "messages")
         return await off_loop(render_and_encode, self.tokenizer, convo, add_generation_prompt,
-                              size=chars + 16 * len(convo))
+                              tools, size=chars + 16 * len(convo))
+
+    def tool_mode(self, req: ChatCompletionRequest, params: SamplingParams,
+                  tools: list[dict] | None) -> tuple[str | None, str | None]:
+        """How this request's tool calls are read (auto | required | named, and the name);
+        a required or named choice also constrains the output to its calls' JSON."""
+        choice = req.tool_choice
+        named = choice.function.name if not isinstance(choice, str) and choice is not None else None
+        if not tools:
+            if choice == "required" or named is not None:
+                raise APIError(400, f"tool_choice: {'required' if named is None else repr(named)}"
+                                    " needs tools", param="tool_choice", code="invalid_value")
+            return None, None
+        if choice == "none":
+            return None, None
+        if choice is None or choice == "auto":
+            if self.settings.tool_call_parser is None:
+                raise APIError(400, 'tool_choice: "auto" needs the server started with '
+                                    "--tool-call-parser (hermes or llama3_json); or use "
+                                    'tool_choice "required" or a named function',
+                               param="tool_choice", code="invalid_value")
+            return "auto", None
+        if params.structured_outputs is not None:
+            raise APIError(400, "tool_choice: a required or named tool_choice constrains the "
+                                "output itself; leave out response_format and structured_outputs",
+                           param="tool_choice", code="invalid_value")
+        try:
+            schema = (named_tool_schema(tools, named) if named is not None else
+                      required_tools_schema(tools, req.parallel_tool_calls))
+            params.structured_outputs = StructuredOutputsParams(json=schema)
+        except RecursionError:
+            raise APIError(400, "tools: a parameter schema is nested too deeply", param="tools",
+                           code="invalid_value") from None
+        except ValueError as e:
+            raise bad_request(e) from None
+        return ("named", named) if named is not None else ("required", None)
 
     async def prepare(self, req: ChatCompletionRequest) -> ChatJob:
         self.check_model(req.model)
@@ -93,13 +182,23 @@ class OpenAIServingChat(OpenAIServing):
                            code="invalid_value")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.make_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        prompt, ids = await self.render(req.messages, req.add_generation_prompt)
+        tools = tool_dicts(req.tools)
+        tool_mode, tool_name = self.tool_mode(req, params, tools)
+        try:
+            await self.check_constraint(params)
+        except APIError as e:
+            if tool_mode in ("required", "named"):  # the schema came from the tools
+                raise APIError(400, f"tools: a parameter schema cannot be enforced: {e.message}",
+                               param="tools", code=e.code) from None
+            raise
+        prompt, ids = await self.render(req.messages, req.add_generation_prompt, tools)
         self.check_prompt(ids, params)
         self.check_request_tokens(len(ids), params.n)
         self.check_available(params.n)
         return ChatJob(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.settings.model_name,
                        prompt, ids, params, req.top_logprobs or 0, req.include_usage,
-                       req.priority, req.cache_salt)
+                       req.priority, req.cache_salt, tool_mode, tool_name,
+                       self.settings.tool_call_parser, self.settings.reasoning_parser)
 
     async def chunks(self, job: ChatJob) -> AsyncIterator[dict]:
         head = {"id": job.request_id, "object": "chat.completion.chunk", "created": job.created,
@@ -112,18 +211,25 @@ class OpenAIServingChat(OpenAIServing):
                                         "logprobs": None, "finish_reason": None}], **extra}
         completion_tokens = 0
         cached_tokens = 0
+        parsers: dict[int, MessageParser] = {}
         async for out in gen:
             cached_tokens = max(cached_tokens, out.num_cached_tokens)
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
-                delta = {"content": c.text} if c.text or c.finish_reason is None else {}
+                parser = parsers.get(c.index) or parsers.setdefault(c.index, job.message_parser())
+                delta = parser.feed(c.text, final=c.finish_reason is not None)
                 logprobs = None
                 if job.params.logprobs is not None and c.logprobs is not None:
                     logprobs = chat_logprobs(c.token_ids, c.logprobs, job.top_logprobs)
-                if not c.text and c.finish_reason is None and logprobs is None:
-                    continue  # e.g. a skipped special token or a held-back partial character
+                if not delta and c.finish_reason is None and logprobs is None:
+                    continue  # e.g. a skipped special token, a held-back character or tag
+                if not delta and c.finish_reason is None:
+                    delta = {"content": ""}
+                finish = c.finish_reason
+                if finish == "stop" and parser.called:
+                    finish = "tool_calls"
                 choice = {"index": c.index, "delta": delta, "logprobs": logprobs,
-                          "finish_reason": c.finish_reason}
+                          "finish_reason": finish}
                 if c.finish_reason is not None:
                     choice["stop_reason"] = c.stop_reason
                 yield {**head, "choices": [choice], **extra}
@@ -142,15 +248,19 @@ class OpenAIServingChat(OpenAIServing):
                 usage = chunk["usage"]
             for c in chunk["choices"]:
                 choice = choices.setdefault(c["index"], {
-                    "index": c["index"], "message": {"role": "assistant", "content": ""},
+                    "index": c["index"], "message": {"role": "assistant", "content": None},
                     "logprobs": None, "finish_reason": None, "stop_reason": None})
-                choice["message"]["content"] += c["delta"].get("content") or ""
+                merge_delta(choice["message"], c["delta"])
                 if c["logprobs"] is not None:
                     if choice["logprobs"] is None:
                         choice["logprobs"] = {"content": []}
                     choice["logprobs"]["content"].extend(c["logprobs"]["content"])
                 if c["finish_reason"] is not None:
                     choice["finish_reason"], choice["stop_reason"] = c["finish_reason"], c.get("stop_reason")
+        for choice in choices.values():
+            message = choice["message"]
+            if message["content"] is None and not message.get("tool_calls"):
+                message["content"] = ""  # an empty answer is "", a tool-calling one null
         return {"id": job.request_id, "object": "chat.completion", "created": job.created,
                 "model": job.model, "choices": [choices[i] for i in sorted(choices)], "usage": usage}
 

@@ -56,6 +56,7 @@ class OpenAIServingCompletion(OpenAIServing):
         cap is checked before the work it bounds, and big texts are tokenized off the loop."""
         self.check_model(req.model)
         params = self.make_params(req, req.max_tokens, req.logprobs)
+        await self.check_constraint(params)
         prompts = self._prompts(req.prompt)
         self.check_choices(len(prompts), params.n)
         chars = 0

@@ -16,6 +16,7 @@ from kvflow.entrypoints.openai.errors import APIError, bad_request, error_body
 from kvflow.entrypoints.openai.server_settings import ServerSettings
 from kvflow.request import InvalidRequestError, check_request_fits
 from kvflow.sampling_params import SamplingParams, check_token_ids
+from kvflow.structured import validate_structured_outputs
 
 # What one request may ask for, checked before any work is done for it (vLLM caps none of
 # these; OpenAI documents none for completions). The body itself is capped by --max-body-size.
@@ -86,6 +87,20 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(e) from None
         return params
+
+    async def check_constraint(self, params: SamplingParams) -> None:
+        """A constraint the grammar backend cannot enforce (a bad schema, grammar or regex) is
+        a 400 naming the problem, before the request reaches the engine (which checks again).
+        A big schema is checked off the loop."""
+        so = params.structured_outputs
+        if so is None:
+            return
+        size = sum(len(t) for t in (so.json, so.regex, so.grammar, *(so.choice or ())) if t)
+        try:
+            await off_loop(validate_structured_outputs, so,
+                           self.engine.config.structured_outputs_backend, size=size)
+        except ValueError as e:
+            raise bad_request(e) from None
 
     @staticmethod
     def check_choices(num_prompts: int, n: int) -> None:

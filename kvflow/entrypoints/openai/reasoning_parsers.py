@@ -1,0 +1,66 @@
+"""`--reasoning-parser`: a thinking model's `<think>...</think>` split from its answer, as it
+streams (`reasoning_content` apart from `content`).
+
+`deepseek_r1`: the output is reasoning from its start (the chat template opened the `<think>`;
+a `<think>` the model writes itself is dropped) up to `</think>`. `qwen3`: the output is
+reasoning only when it begins with `<think>` (Qwen3 writes it; with thinking switched off
+there is none), else all content. Text that may still become a tag is held back."""
+from __future__ import annotations
+
+from kvflow.entrypoints.openai.tool_parsers import held_back
+
+
+class ReasoningParser:
+    START, END = "<think>", "</think>"
+    starts_in_reasoning = False
+
+    def __init__(self) -> None:
+        self.state = "start"  # start | reasoning | gap | content
+        self.pending = ""
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        """(reasoning, content) decided by this delta; `final=True` flushes what was held."""
+        self.pending += text
+        reasoning = content = ""
+        if self.state == "start":
+            head = self.pending.lstrip()
+            if head.startswith(self.START):
+                self.pending, self.state = head[len(self.START):], "reasoning"
+            elif self.START.startswith(head) and not final:
+                return "", ""  # may still be the tag
+            else:
+                self.state = "reasoning" if self.starts_in_reasoning else "content"
+        if self.state == "reasoning":
+            at = self.pending.find(self.END)
+            if at < 0:
+                keep = 0 if final else held_back(self.pending, self.END)
+                reasoning = self.pending[:len(self.pending) - keep]
+                self.pending = self.pending[len(reasoning):]
+                return reasoning, ""
+            reasoning, self.pending = self.pending[:at], self.pending[at + len(self.END):]
+            self.state = "gap"
+        if self.state == "gap":  # the blank lines between the reasoning and the answer
+            self.pending = self.pending.lstrip()
+            if not self.pending:
+                return reasoning, ""
+            self.state = "content"
+        content, self.pending = self.pending, ""
+        return reasoning, content
+
+
+class Qwen3ReasoningParser(ReasoningParser):
+    starts_in_reasoning = False
+
+
+class DeepSeekR1ReasoningParser(ReasoningParser):
+    starts_in_reasoning = True
+
+
+REASONING_PARSERS = {"qwen3": Qwen3ReasoningParser, "deepseek_r1": DeepSeekR1ReasoningParser}
+
+
+def make_reasoning_parser(name: str) -> ReasoningParser:
+    if name not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                         f"got {name!r}")
+    return REASONING_PARSERS[name]()
