@@ -167,7 +167,7 @@ SCHEMAS: list[dict] = [
                      "active": {"type": "boolean"}})},
     {"name": "search_result", "category": "api",
      "prompt": "Give one web search result with a title, a link and a snippet.",
-     "schema": _obj({"title": _s(40), "link": {"type": "string", "format": "uri", "maxLength": 60},
+     "schema": _obj({"title": _s(40), "link": _s(pattern=r"^https://[a-z]{2,20}\.(com|org|net)/[a-z0-9/-]{0,30}$"),
                      "snippet": _s(60)})},
     {"name": "geo_point", "category": "api",
      "prompt": "Give the coordinates of the Eiffel Tower.",
