@@ -189,9 +189,16 @@ class EngineConfig:
     trace: str | None = option(
         None, "write one JSON line per engine step here (`kvflow trace FILE` reads it)")
     warmup: bool = option(True, "run a few throw-away steps at start-up")
+    structured_outputs_backend: str = option(
+        "auto", "grammar library for structured outputs (JSON schema, regex, choice, grammar); "
+        "`auto` is llguidance, chosen by measurement (benchmarks/README.md)",
+        choices=("auto", "llguidance", "xgrammar"))
 
     def __post_init__(self) -> None:
         if self.num_threads is None:
             self.num_threads = envs.KVFLOW_NUM_THREADS or 1
         if self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.structured_outputs_backend not in ("auto", "llguidance", "xgrammar"):
+            raise ValueError("structured_outputs_backend must be auto, llguidance or xgrammar, "
+                             f"got {self.structured_outputs_backend!r}")

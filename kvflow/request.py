@@ -5,6 +5,7 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvflow.sampling_params import SamplingParams
 
@@ -25,10 +26,11 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
+    WAITING_FOR_GRAMMAR = 6  # queued, its grammar still compiling: admission passes it over
 
     @property
     def finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return RequestStatus.FINISHED_STOPPED <= self <= RequestStatus.FINISHED_ABORTED
 
     @property
     def finish_reason(self) -> FinishReason | None:
@@ -62,6 +64,10 @@ class Request:
     arrival_time: float = field(default_factory=time.time)
     priority: int = 0
     cache_salt: str | None = None
+    # its decoding constraint, when it has one: a kvflow.structured StructuredOutputRequest
+    # (compiling, then the matcher). The scheduler only calls is_ready(), error, accept(token),
+    # is_terminated() and close() on it, so that core/ never imports a grammar library.
+    structured_output: Any = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

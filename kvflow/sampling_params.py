@@ -69,7 +69,8 @@ class StructuredOutputsParams:
     """Exactly one of: `json` (a JSON schema, as a dict or its JSON text), `regex`, `choice`
     (the output is one of these strings), `grammar` (EBNF / Lark), or `json_object=True` (any
     JSON object, OpenAI's `response_format={"type": "json_object"}`). A schema is kept as
-    canonical JSON text, which is also the compile cache's key."""
+    compact JSON text in its own key order (the order the grammar generates its properties
+    in), which is also the compile cache's key."""
 
     json: str | None = None
     regex: str | None = None
@@ -92,7 +93,9 @@ class StructuredOutputsParams:
                     raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("structured_outputs.json must be a JSON schema (an object)")
-            self.json = jsonlib.dumps(schema, sort_keys=True, separators=(",", ":"))
+            # keys keep their order: a schema's property order is the order the grammar
+            # generates them in, so two orders are two grammars (and two cache entries)
+            self.json = jsonlib.dumps(schema, separators=(",", ":"))
         if self.choice is not None:
             if not isinstance(self.choice, list) or not self.choice:
                 raise ValueError("structured_outputs.choice must be a non-empty list of strings")

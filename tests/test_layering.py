@@ -9,6 +9,8 @@ The layers, bottom to top:
     csrc/        the compiled kernels and their torch wrappers
     model/       torch: weights, the model, attention, sampling, the runner and executor
     distributed/ tensor parallelism: the process group, workers and the TPExecutor
+    structured/  structured outputs: grammar backends, compiling off the loop, batch masks
+                 (given a tokenizer, never loading one itself)
     engine/      EngineCore and its process, the wire protocol, detokenizing; tokenizer.py
                  sits here too (only the engine and above turn text into ids)
     trace/       reading and explaining the engine's step trace
@@ -35,6 +37,7 @@ LAYERS = [
     ("csrc", ["kvflow.csrc"]),
     ("model", ["kvflow.model"]),
     ("distributed", ["kvflow.distributed"]),
+    ("structured", ["kvflow.structured"]),
     ("engine", ["kvflow.engine", "kvflow.tokenizer"]),
     ("trace", ["kvflow.trace"]),
     ("entrypoints", ["kvflow.entrypoints"]),

@@ -9,7 +9,10 @@ from kvflow.config import CacheConfig, SchedulerConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.request_queue import RequestQueue
 from kvflow.core.scheduler_output import AdmissionStop, BlockCheck, NewRequestData, SchedulerOutput
+from kvflow.logger import init_logger
 from kvflow.request import FinishReason, Request, RequestStatus, check_request_fits
+
+logger = init_logger("kvflow.scheduler")
 
 __all__ = ["Scheduler", "SchedulerOutput", "RequestUpdate"]
 
@@ -43,6 +46,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.step_index = 0
         self._finished_ids: set[str] = set()
+        self._grammar_failed: dict[str, Request] = {}  # reported by the next update_from_output
 
     # -- requests in and out -------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -51,6 +55,8 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
+        if req.structured_output is not None:
+            req.status = RequestStatus.WAITING_FOR_GRAMMAR  # until its grammar has compiled
         self._enqueue(req)
 
     def _enqueue(self, req: Request, front: bool = False) -> None:
@@ -153,7 +159,7 @@ class Scheduler:
         pending = sum(kv.num_blocks_needed(r, r.num_tokens) for r in self.running
                       if r.num_computed_tokens + out.num_scheduled_tokens.get(r.request_id, 0)
                       < r.num_tokens)
-        admitted = []
+        admitted, failed = [], []
         now = time.time()
         for req in self.waiting:
             if budget <= 0:
@@ -162,6 +168,15 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 out.admission_stop = AdmissionStop.MAX_NUM_SEQS
                 break
+            if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                so = req.structured_output
+                if not so.is_ready():
+                    out.waiting_for_grammar_ids.append(req.request_id)
+                    continue  # compiling off the loop: the requests behind it go on
+                if so.error is not None:
+                    failed.append(req)
+                    continue
+                req.status = RequestStatus.WAITING
             computed, num_cached = kv.get_computed_blocks(req)
             need = (kv.num_blocks_needed(req, req.num_tokens) - len(computed)
                     + kv.num_evictable(computed))
@@ -199,6 +214,15 @@ class Scheduler:
             pending += kv.num_blocks_needed(req, req.num_tokens)
         for req in admitted:
             self.waiting.remove(req)
+        for req in failed:
+            # validation at the boundary catches bad constraints; this is the backstop
+            logger.error("kvflow: request %s: its grammar failed to compile: %s",
+                         req.request_id, req.structured_output.error)
+            self.waiting.remove(req)
+            out.grammar_errors[req.request_id] = req.structured_output.error
+            req.stop_reason = f"structured_outputs: {req.structured_output.error}"
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            self._grammar_failed[req.request_id] = req
         return budget
 
     def _pick_victim(self) -> Request:
@@ -215,6 +239,8 @@ class Scheduler:
         out.num_computed_tokens[rid] = computed
         out.block_ids[rid] = self.kv_cache_manager.get_block_ids(rid)
         out.total_num_scheduled_tokens += n
+        if req.structured_output is not None and computed + n == req.num_tokens:
+            out.structured_output_request_ids.append(rid)  # it samples: its row needs a mask
         # a decode feeds back the one newest token, sampled in an earlier step; anything else
         # (a prompt chunk, or recomputing prompt and outputs after a preemption) is a prefill
         prefill = not (n == 1 and computed == req.num_tokens - 1 and req.num_output_tokens > 0)
@@ -230,6 +256,8 @@ class Scheduler:
         del out.num_computed_tokens[rid]
         del out.block_ids[rid]
         out.total_num_scheduled_tokens -= n
+        if rid in out.structured_output_request_ids:
+            out.structured_output_request_ids.remove(rid)
         if out.is_prefill.pop(rid):
             out.num_prefill_tokens -= n
         else:
@@ -248,7 +276,8 @@ class Scheduler:
                            sampled: dict[str, list[int]]) -> list[RequestUpdate]:
         """Advance each scheduled request by its tokens, append what was sampled, check stops,
         and free the blocks of requests that finished in this step."""
-        updates = []
+        updates = [RequestUpdate(self._grammar_failed.pop(rid), [], FinishReason.ABORT)
+                   for rid in sched_out.grammar_errors if rid in self._grammar_failed]
         for req_id, n in sched_out.num_scheduled_tokens.items():
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
@@ -259,9 +288,21 @@ class Scheduler:
                 continue
             finish = None
             accepted = []
+            so = req.structured_output
             for token in new_tokens:
                 req.append_output_token(token)
                 accepted.append(token)
+                if so is not None:
+                    # the matcher advances exactly once per sampled token, here; a preempted
+                    # request keeps its outputs, so its matcher stays in step with them
+                    if not so.accept(token):
+                        logger.error("kvflow: request %s: token %d is outside its grammar "
+                                     "(%s)", req_id, token, so.error)
+                        finish = RequestStatus.FINISHED_ABORTED
+                        break
+                    if so.is_terminated():
+                        finish = RequestStatus.FINISHED_STOPPED  # the grammar is complete
+                        break
                 finish = self._check_stop(req, token)
                 if finish is not None:
                     break
@@ -285,6 +326,8 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
+        if req.structured_output is not None:
+            req.structured_output.close()  # a compile still queued is cancelled
         self.kv_cache_manager.free(req)
         self.kv_cache_manager.forget(req)
         self._finished_ids.add(req.request_id)

@@ -63,6 +63,11 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     # request id -> prompt tokens found in the prefix cache at admission (admitted this step)
     num_cached_tokens: dict[str, int] = field(default_factory=dict)
+    # constrained requests that sample in this step, in schedule order: the rows that need a
+    # grammar mask (the engine fills their bitmask in one batch call before sampling)
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    # request id -> why its grammar failed to compile; it finished (aborted) in this schedule()
+    grammar_errors: dict[str, str] = field(default_factory=dict)
 
     # -- what was decided and why: the runner does not need these ---------------------------
     # request id -> True when its tokens this step are prompt tokens (a prefill chunk, or a
@@ -78,10 +83,12 @@ class SchedulerOutput:
     skipped_req_ids: list[str] = field(default_factory=list)
     # why admission stopped before the end of the queue (None: it saw the whole queue)
     admission_stop: AdmissionStop | None = None
+    # waiting requests passed over because their grammar is still compiling, in queue order
+    waiting_for_grammar_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
+        return self.total_num_scheduled_tokens == 0 and not self.grammar_errors
 
     @property
     def num_preemptions(self) -> int:

@@ -118,12 +118,13 @@ class TPExecutor(Executor):
                 time.sleep(0.05)
 
     # -- steps ---------------------------------------------------------------------------
-    def execute(self, sched_out) -> ModelRunnerOutput:
-        """One step on every rank; the driver's sampled tokens come back."""
+    def execute(self, sched_out, grammar=None) -> ModelRunnerOutput:
+        """One step on every rank; the driver's sampled tokens come back. Only the driver
+        samples, so only it applies the grammar masks; the other ranks never see them."""
         self.check_health()
         try:
             self.group.broadcast_bytes(encode_step(sched_out, self._sampled))
-            out = self.runner.execute(sched_out)
+            out = self.runner.execute(sched_out, grammar)
         except CollectiveError as e:
             blame = self.supervisor.wait_failure(BLAME_WAIT_S)
             self._fail(blame or f"a tensor-parallel rank left the group ({e})")

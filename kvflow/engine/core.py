@@ -21,6 +21,8 @@ from kvflow.model.sharding import kv_bytes_per_token_per_rank
 from kvflow.model_path import resolve_model_path
 from kvflow.request import Request, check_request_fits
 from kvflow.sampling_params import check_token_ids
+from kvflow.structured import StructuredOutputManager, validate_structured_outputs
+from kvflow.tokenizer import get_tokenizer, tokenizer_source
 
 logger = init_logger("kvflow.engine")
 
@@ -52,6 +54,11 @@ class EngineCore:
                      num_blocks=num_kv_blocks(config.cache_config, self.kv_bytes_per_token))
         self.scheduler_config, self.cache_config = sc, cc
         self.scheduler = Scheduler(sc, cc)
+        # grammars compile in its thread; the tokenizer loads there on the first constrained request
+        self.structured = StructuredOutputManager(
+            config.structured_outputs_backend,
+            lambda: get_tokenizer(tokenizer_source(mc.tokenizer, self.model_path)),
+            self.arch.vocab_size, list(self.arch.eos_token_ids))
         self.trace = None
         # runs each step: in this process, or over tensor_parallel_size ranks
         self.executor: Executor = (
@@ -101,11 +108,21 @@ class EngineCore:
                                         self.max_model_len, cc.block_size, cc.num_blocks)
         if params.max_tokens is None:
             params = replace(params, max_tokens=max_tokens)
+        so = params.structured_outputs
+        if so is not None:  # a 400 naming the problem, never unconstrained output
+            validate_structured_outputs(so, self.config.structured_outputs_backend)
         eos = r.eos_token_ids if r.eos_token_ids is not None else self.arch.eos_token_ids
         req = Request(r.request_id, r.prompt_token_ids, params, eos_token_id=eos,
                       arrival_time=r.arrival_time or time.time(), priority=r.priority,
                       cache_salt=r.cache_salt)
-        self.scheduler.add_request(req)
+        if so is not None:
+            req.structured_output = self.structured.request(so)  # compiles off the loop
+        try:
+            self.scheduler.add_request(req)
+        except ValueError:
+            if req.structured_output is not None:
+                req.structured_output.close()
+            raise
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)  # one pass, however many
@@ -124,7 +141,13 @@ class EngineCore:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return EngineCoreOutputs(scheduler_stats=self.stats(sched_out, 0.0))
-        runner_out = self.executor.execute(sched_out)
+        grammar = None
+        if sched_out.structured_output_request_ids:  # only steps with a constrained row pay
+            ids = sched_out.structured_output_request_ids
+            reqs = self.scheduler.requests
+            grammar = self.structured.grammar_bitmask(
+                ids, [reqs[rid].structured_output for rid in ids])
+        runner_out = self.executor.execute(sched_out, grammar)
         updates = self.scheduler.update_from_output(sched_out, runner_out.sampled)
         outputs = []
         for u in updates:
@@ -161,6 +184,7 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         if self.trace:
             self.trace.close()
             self.trace = None

@@ -11,6 +11,7 @@ from kvflow.options import engine_config
 from kvflow.outputs import RequestOutput
 from kvflow.request import check_request_fits
 from kvflow.sampling_params import SamplingParams, check_token_ids
+from kvflow.structured import validate_structured_outputs
 from kvflow.tokenizer import render_chat
 
 Prompt = str | list[int]
@@ -88,6 +89,9 @@ class LLM:
         vocab_size = self.engine.core.arch.vocab_size
         check_token_ids("prompt", ids, vocab_size)
         params.verify_token_ids(vocab_size)
+        if params.structured_outputs is not None:  # ValueError naming the problem
+            validate_structured_outputs(params.structured_outputs,
+                                        self.engine.core.config.structured_outputs_backend)
         cc = self.engine.core.cache_config
         check_request_fits(len(ids), params.max_tokens, self.engine.max_model_len,
                            cc.block_size, cc.num_blocks)

@@ -20,8 +20,9 @@ class Executor(ABC):
     runner: ModelRunner
 
     @abstractmethod
-    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        """One step: the forward over the scheduled tokens, then the sampled token ids."""
+    def execute(self, sched_out: SchedulerOutput, grammar=None) -> ModelRunnerOutput:
+        """One step: the forward over the scheduled tokens, then the sampled token ids;
+        `grammar` masks the constrained rows' logits (ModelRunner.execute)."""
 
     @abstractmethod
     def check_health(self) -> None:
@@ -47,8 +48,8 @@ class UniProcExecutor(Executor):
                  block_size: int, kv_dtype: torch.dtype, eos_token_id: int | list[int] | None) -> None:
         self.runner = ModelRunner(model, arch, num_blocks, block_size, kv_dtype, eos_token_id)
 
-    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute(sched_out)
+    def execute(self, sched_out: SchedulerOutput, grammar=None) -> ModelRunnerOutput:
+        return self.runner.execute(sched_out, grammar)
 
     def check_health(self) -> None:
         pass  # nothing outside this process to fail

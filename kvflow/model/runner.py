@@ -12,7 +12,8 @@ from kvflow.model import hugepages
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
 from kvflow.model.malloc_tuning import retain_freed_memory
-from kvflow.model.sampler import Sampler, SamplingRow, build_sampling_metadata, logit_bias_tensors
+from kvflow.model.sampler import (Sampler, SamplingRow, apply_grammar_bitmask,
+                                  build_sampling_metadata, logit_bias_tensors)
 from kvflow.outputs import TokenLogprobs
 from kvflow.request import eos_ids
 from kvflow.sampling_params import SamplingParams
@@ -93,7 +94,10 @@ class ModelRunner:
                 state.token_ids.extend(tokens)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, out: SchedulerOutput, grammar=None) -> ModelRunnerOutput:
+        """One step. `grammar` (the engine's GrammarBitmask: `req_ids` and an int32 `bitmask`,
+        one row each) masks the logits of the constrained rows that sample; None when no row
+        of this step is constrained, so unconstrained batches pay nothing."""
         self._update_states(out)
         if out.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput()
@@ -127,9 +131,14 @@ class ModelRunner:
         sampled_states = [states[i] for i in rows.tolist()]
         greedy = all(s.plain_greedy for s in sampled_states)
         logits = self.model.compute_logits(
-            hidden[torch.from_numpy(meta.query_start_loc[rows + 1] - 1)], as_float=not greedy)
+            hidden[torch.from_numpy(meta.query_start_loc[rows + 1] - 1)],
+            as_float=not greedy or grammar is not None)
         if logits is None:  # a tensor-parallel rank other than the driver: it never samples
             return result
+        if grammar is not None:
+            row_of = {s.req_id: j for j, s in enumerate(sampled_states)}
+            apply_grammar_bitmask(logits, [row_of[rid] for rid in grammar.req_ids],
+                                  grammar.bitmask)
         if greedy:
             tokens, logprobs = self.model.kernels.argmax(logits), None
         else:

@@ -156,6 +156,25 @@ def build_sampling_metadata(rows: list[SamplingRow], vocab_size: int,
     return meta
 
 
+# byte -> its 8 bits as additive float32 masks: 0.0 where the bit allows the token, -inf where not
+_BYTE_MASKS = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1,
+                                     bitorder="little") == 1, 0.0, -np.inf).astype(np.float32)
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> None:
+    """In place: each `rows[i]` of `logits` [S, V] keeps only the tokens that row i of
+    `bitmask` (int32 [len(rows), ceil(V / 32)], bit j of word w = token 32 w + j) allows; the
+    rest become -inf, so that every later stage (penalties, temperature, top-k/p, greedy,
+    logprobs) sees the masked logits. One table lookup per mask byte, one add per row."""
+    n, V = len(rows), logits.shape[1]
+    add = np.take(_BYTE_MASKS, bitmask.view(np.uint8), axis=0).reshape(n, -1)[:, :V]
+    if n == logits.shape[0] and rows == list(range(n)):
+        logits.add_(torch.from_numpy(add).to(logits.device))
+    else:
+        index = torch.tensor(rows, device=logits.device)
+        logits.index_add_(0, index, torch.from_numpy(add).to(logits.device))
+
+
 def _bin_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[S, L] padded ids -> [S, V] occurrence counts (padding falls in a dropped column)."""
     counts = torch.zeros(token_ids.shape[0], vocab_size + 1, device=token_ids.device)

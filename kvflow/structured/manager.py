@@ -1,0 +1,131 @@
+"""StructuredOutputManager: grammars compile off the step loop, masks fill in one batch call.
+
+vLLM V1's shape: a request with a constraint gets a StructuredOutputRequest whose matcher is
+built in a one-thread pool (the backend, and the tokenizer it needs, are made there on first
+use, so the engine never loads a tokenizer unless a constrained request comes); the scheduler
+passes it over (`waiting_for_grammar`) until `is_ready()`, then advances it once per sampled
+token. Each step, `grammar_bitmask` fills the bitmask of every constrained row that samples."""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvflow.logger import init_logger
+from kvflow.sampling_params import StructuredOutputsParams
+from kvflow.structured.backends import make_backend, resolve_backend
+
+logger = init_logger("kvflow.structured")
+MAX_CACHED_GRAMMARS = 256
+
+
+@dataclass(slots=True)
+class GrammarBitmask:
+    """The step's masks: row i of `bitmask` (int32 [len(req_ids), ceil(vocab / 32)]) is the
+    allowed next tokens of request `req_ids[i]`."""
+
+    req_ids: list[str]
+    bitmask: np.ndarray
+
+
+class StructuredOutputRequest:
+    """One request's constraint: compiling (a future), then its matcher, or the compile error."""
+
+    __slots__ = ("params", "_future", "matcher", "error")
+
+    def __init__(self, params: StructuredOutputsParams, future: Future) -> None:
+        self.params = params
+        self._future: Future | None = future
+        self.matcher = None
+        self.error: str | None = None
+
+    def is_ready(self) -> bool:
+        """True once compiled (or failed: then `error` says why); never blocks."""
+        f = self._future
+        if f is None:
+            return True
+        if not f.done():
+            return False
+        self._future = None
+        try:
+            self.matcher = f.result()
+        except Exception as e:  # noqa: BLE001 - any compile failure ends this request only
+            self.error = str(e) or type(e).__name__
+        return True
+
+    def accept(self, token: int) -> bool:
+        return self.matcher.accept(token)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def close(self) -> None:
+        """Cancel a compile still queued; drop the matcher."""
+        if self._future is not None:
+            self._future.cancel()
+            self._future = None
+        self.matcher = None
+
+
+class StructuredOutputManager:
+    """Compiles constraints in a background thread with a compile cache keyed by
+    `StructuredOutputsParams.key()`, and fills each step's bitmask in one batch call.
+    `load_tokenizer` is called once, in the compile thread, on the first constrained request."""
+
+    def __init__(self, backend: str, load_tokenizer: Callable[[], object], vocab_size: int,
+                 eos_token_ids: list[int]) -> None:
+        self.backend_name = resolve_backend(backend)
+        self.vocab_size = vocab_size
+        self._load_tokenizer = load_tokenizer
+        self._eos = list(eos_token_ids)
+        self._backend = None
+        self._cache: OrderedDict[tuple, object] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self.num_compiles = 0  # cache misses, for tests and stats
+
+    def _get_backend(self):
+        if self._backend is None:
+            self._backend = make_backend(self.backend_name, self._load_tokenizer(),
+                                         self.vocab_size, self._eos)
+        return self._backend
+
+    def _build(self, params: StructuredOutputsParams):
+        """In the compile thread: the cached compiled grammar (or a fresh compile), then a
+        matcher of this request's own."""
+        backend = self._get_backend()
+        key = params.key()
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+        if compiled is None:
+            compiled = backend.compile(params)
+            with self._lock:
+                self.num_compiles += 1
+                self._cache[key] = compiled
+                if len(self._cache) > MAX_CACHED_GRAMMARS:
+                    self._cache.popitem(last=False)
+        return backend.matcher(compiled)
+
+    def request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
+        """Start compiling `params` for one request; returns at once."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvflow-grammar")
+        return StructuredOutputRequest(params, self._pool.submit(self._build, params))
+
+    def grammar_bitmask(self, req_ids: list[str],
+                        states: list[StructuredOutputRequest]) -> GrammarBitmask:
+        """The next-token masks of these ready requests, filled in one batch call."""
+        bitmask = np.zeros((len(states), (self.vocab_size + 31) // 32), dtype=np.int32)
+        self._backend.fill_bitmask([s.matcher for s in states], bitmask)
+        return GrammarBitmask(req_ids, bitmask)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
