@@ -173,8 +173,8 @@ def test_unsupported_schema_is_refused_never_unconstrained(llm, case):
     assert out[0].outputs[0].text in ("hi", "hello")
 
 
-@pytest.mark.parametrize("kind", [{"grammar": 'root ::= "a" | '}, {"grammar": "root ::= undefined_rule"},
-                                  {"regex": "(unclosed"}])
+@pytest.mark.parametrize("kind", [{"grammar": 'root ::= ("a"'}, {"grammar": "root ::= undefined_rule"},
+                                  {"grammar": 'start: "a" | b'}, {"regex": "(unclosed"}])
 def test_invalid_grammar_or_regex_is_refused(llm, kind):
     with pytest.raises(ValueError):
         llm.chat(_chat("Anything."), _constrained(**kind), use_tqdm=False)
