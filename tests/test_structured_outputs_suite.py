@@ -43,9 +43,12 @@ def _free() -> SamplingParams:
     return SamplingParams(max_tokens=FREE_TOKENS, temperature=0)
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(dtype="float32", max_model_len=1024)
+@pytest.fixture(scope="module", params=["llguidance", "xgrammar"])
+def llm(request):
+    """The default model (fp32: exact greedy) with each grammar backend."""
+    engine = LLM(dtype="float32", max_model_len=1024, structured_outputs_backend=request.param)
+    yield engine
+    engine.engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +105,18 @@ def test_every_json_schema_completion_parses_and_validates(llm, free_alone):
         except (AssertionError, ValueError, jsonschema.ValidationError) as e:
             failures.append(f"{s['name']}: {str(e).splitlines()[0]} -- {out.text!r}")
     assert not failures, f"{len(failures)}/{len(SCHEMAS)} invalid:\n" + "\n".join(failures)
+    _check_neighbours(free_ids, free_alone)
+
+
+JSON_OBJECT_PROMPTS = ["Describe a cat as a JSON object.", "Give a person's name and age as a JSON object.",
+                       "Return a JSON object with your favourite colour."]
+
+
+def test_json_object_completions_are_objects(llm, free_alone):
+    cons, free_ids = _run_mixed(llm, [(p, _constrained(json_object=True)) for p in JSON_OBJECT_PROMPTS])
+    for prompt, out in zip(JSON_OBJECT_PROMPTS, cons):
+        assert out.finish_reason == "stop", (prompt, out.text)
+        assert isinstance(json.loads(out.text), dict), (prompt, out.text)
     _check_neighbours(free_ids, free_alone)
 
 
@@ -165,7 +180,11 @@ def test_grammar_constraints_match(llm, free_alone):
 
 
 @pytest.mark.parametrize("case", UNSUPPORTED, ids=[c["name"] for c in UNSUPPORTED])
-def test_unsupported_schema_is_refused_never_unconstrained(llm, case):
+def test_unsupported_schema_is_refused_never_unconstrained(llm, case, request):
+    if llm.engine.core.config.structured_outputs_backend == "xgrammar":
+        # xgrammar 0.2 ignores keywords it cannot enforce (uniqueItems, not, if/then) instead of
+        # rejecting them; the engine does not check them for it yet
+        request.applymarker(pytest.mark.xfail(strict=True, reason="xgrammar ignores unsupported keywords"))
     with pytest.raises(ValueError):
         llm.chat(_chat(case["prompt"]), _constrained(json=case["schema"]), use_tqdm=False)
     # the engine is still serving after the refusal
