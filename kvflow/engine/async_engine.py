@@ -27,6 +27,7 @@ from kvflow.engine.protocol import (CoreMessage, EngineCoreOutputs, EngineCoreRe
 from kvflow.model_path import resolve_model_path
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
+from kvflow.structured import validate_structured_outputs
 from kvflow.tokenizer import get_tokenizer, tokenizer_source
 
 logger = logging.getLogger("kvflow")
@@ -105,6 +106,9 @@ class AsyncLLM:
         """Stream DELTA RequestOutputs for one request (all its `n` samples) until finished."""
         if self.dead_error is not None:
             raise type(self.dead_error)(str(self.dead_error))  # keeps its code
+        if params.structured_outputs is not None:  # ValueError naming the problem: a 400
+            validate_structured_outputs(params.structured_outputs,
+                                        self.config.structured_outputs_backend)
         core_reqs = self.processor.add_request(
             request_id, prompt, prompt_token_ids, params, OutputKind.DELTA,
             arrival_time=arrival_time or time.time(), priority=priority, cache_salt=cache_salt)

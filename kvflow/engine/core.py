@@ -141,13 +141,18 @@ class EngineCore:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return EngineCoreOutputs(scheduler_stats=self.stats(sched_out, 0.0))
-        grammar = None
         if sched_out.structured_output_request_ids:  # only steps with a constrained row pay
             ids = sched_out.structured_output_request_ids
             reqs = self.scheduler.requests
+            # filled in the background while the forward runs; the sampler waits for it
             grammar = self.structured.grammar_bitmask(
                 ids, [reqs[rid].structured_output for rid in ids])
-        runner_out = self.executor.execute(sched_out, grammar)
+            try:
+                runner_out = self.executor.execute(sched_out, grammar)
+            finally:
+                grammar.wait()  # no matcher advances while the fill may still read it
+        else:
+            runner_out = self.executor.execute(sched_out)
         updates = self.scheduler.update_from_output(sched_out, runner_out.sampled)
         outputs = []
         for u in updates:

@@ -238,12 +238,17 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     return probs.div_(q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
 
 
+LOGPROB_FLOOR = -9999.0
+
+
 def gather_logprobs(raw_logits: torch.Tensor, sampled: torch.Tensor,
                     meta: SamplingMetadata) -> list[TokenLogprobs | None]:
     """Logprobs of the raw model distribution: the sampled token, then the top-N."""
     out: list[TokenLogprobs | None] = [None] * meta.num_rows
     rows = torch.tensor(meta.logprob_rows, device=raw_logits.device)
-    logprobs = raw_logits[rows].log_softmax(dim=-1)
+    # a token a grammar masked has logprob -inf: reported as -9999.0 (vLLM's value), since JSON
+    # has no infinity
+    logprobs = raw_logits[rows].log_softmax(dim=-1).clamp_min_(LOGPROB_FLOOR)
     chosen = sampled[rows].unsqueeze(1)
     chosen_lp = logprobs.gather(1, chosen)
     ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
@@ -273,8 +278,15 @@ class Sampler:
         if not meta.no_penalties:
             logits = apply_penalties(logits, meta)
         if meta.banned_tokens is not None:
-            logits = logits.index_put((meta.banned_rows, meta.banned_tokens),
+            banned = logits.index_put((meta.banned_rows, meta.banned_tokens),
                                       torch.tensor(float("-inf"), device=logits.device))
+            # a grammar that allows only EOS ends the output even before min_tokens: a row
+            # with no token left keeps its unbanned logits
+            rows = meta.banned_rows.unique()
+            dead = rows[torch.isneginf(banned[rows]).all(dim=-1)]
+            if len(dead):
+                banned[dead] = logits[dead]
+            logits = banned
 
         greedy = logits.argmax(dim=-1) if not meta.all_random else None
         if meta.all_greedy:

@@ -41,13 +41,43 @@ def llguidance_grammar(params: StructuredOutputsParams) -> str:
 
     kind = params.kind
     if kind in ("json", "json_object"):
-        schema = params.json if kind == "json" else JSON_OBJECT_SCHEMA
+        schema = no_extra_properties(json.loads(params.json)) if kind == "json" \
+            else JSON_OBJECT_SCHEMA
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_LLG_JSON)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(params.regex)
     if kind == "choice":
         return llguidance.grammar_from("choice", params.choice)
     return llguidance.grammar_from("grammar", params.grammar)  # Lark, or GBNF converted
+
+
+_SUBSCHEMA = ("additionalProperties", "items", "not", "if", "then", "else", "contains",
+              "unevaluatedItems", "propertyNames")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def no_extra_properties(schema):
+    """The schema with `additionalProperties: false` wherever an object lists its `properties`
+    and says nothing of others (xgrammar's strict mode, OpenAI's strict schemas): an instance
+    of it is still valid, and a small model cannot wander off into keys of its own. Only
+    subschemas are visited (never `enum` or `const` values)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for k in _SUBSCHEMA:
+        if isinstance(out.get(k), dict):
+            out[k] = no_extra_properties(out[k])
+    for k in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(k), list):
+            out[k] = [no_extra_properties(s) for s in out[k]]
+    for k in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: no_extra_properties(s) for name, s in out[k].items()}
+    if "properties" in out and "additionalProperties" not in out \
+            and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 class LLGuidanceBackend:
@@ -68,7 +98,11 @@ class LLGuidanceBackend:
         return grammar
 
     def matcher(self, compiled: str) -> "LLGuidanceMatcher":
-        return LLGuidanceMatcher(self._llg.LLMatcher(self.tokenizer, compiled))
+        m = self._llg.LLMatcher(self.tokenizer, compiled)
+        # llguidance builds its lexer lazily: the first mask (up to ~20 ms for a large schema)
+        # is computed here, in the compile thread, not in the step's batch fill
+        m.compute_bitmask()
+        return LLGuidanceMatcher(m)
 
     def fill_bitmask(self, matchers: list["LLGuidanceMatcher"], bitmask: np.ndarray) -> None:
         # one call for the batch; it releases the GIL while it works
@@ -104,6 +138,9 @@ def xgrammar_grammar(params: StructuredOutputsParams):
     kind = params.kind
     if kind in ("json", "json_object"):
         schema = params.json if kind == "json" else JSON_OBJECT_SCHEMA
+        ignored = sorted(xgrammar_ignored_keywords(json.loads(schema)))
+        if ignored:
+            raise ValueError(f"keywords the xgrammar backend does not enforce: {ignored}")
         return xgr.Grammar.from_json_schema(schema, any_whitespace=False)
     if kind == "regex":
         return xgr.Grammar.from_regex(params.regex)
@@ -112,6 +149,29 @@ def xgrammar_grammar(params: StructuredOutputsParams):
     if "::=" in params.grammar:  # EBNF (GBNF), else Lark
         return xgr.Grammar.from_ebnf(params.grammar)
     return xgr.Grammar.from_lark(params.grammar)
+
+
+# xgrammar 0.2.8 accepts these and generates instances that break them (checked by hand:
+# [1, 1] under uniqueItems, 1 under {"not": {"type": "integer"}}, ...): refused, never ignored
+_XGRAMMAR_IGNORES = {"uniqueItems", "contains", "minContains", "maxContains", "not",
+                     "dependentRequired", "dependentSchemas", "if", "then", "else"}
+_NOT_SCHEMAS = ("enum", "const", "default", "examples")
+
+
+def xgrammar_ignored_keywords(schema) -> set[str]:
+    found = set()
+    if isinstance(schema, list):
+        for s in schema:
+            found |= xgrammar_ignored_keywords(s)
+    elif isinstance(schema, dict):
+        found |= _XGRAMMAR_IGNORES.intersection(schema)
+        for k, v in schema.items():
+            if k in _SUBSCHEMA_MAPS and isinstance(v, dict):  # its keys are names, not keywords
+                for sub in v.values():
+                    found |= xgrammar_ignored_keywords(sub)
+            elif k not in _NOT_SCHEMAS:
+                found |= xgrammar_ignored_keywords(v)
+    return found
 
 
 class XGrammarBackend:

@@ -11,7 +11,6 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -23,13 +22,29 @@ logger = init_logger("kvflow.structured")
 MAX_CACHED_GRAMMARS = 256
 
 
-@dataclass(slots=True)
 class GrammarBitmask:
     """The step's masks: row i of `bitmask` (int32 [len(req_ids), ceil(vocab / 32)]) is the
-    allowed next tokens of request `req_ids[i]`."""
+    allowed next tokens of request `req_ids[i]`. The fill may still be running (beside the
+    step's forward): reading `bitmask` waits for it."""
 
-    req_ids: list[str]
-    bitmask: np.ndarray
+    __slots__ = ("req_ids", "_bitmask", "_fill")
+
+    def __init__(self, req_ids: list[str], bitmask: np.ndarray, fill: Future | None = None) -> None:
+        self.req_ids = req_ids
+        self._bitmask = bitmask
+        self._fill = fill
+
+    @property
+    def bitmask(self) -> np.ndarray:
+        self.wait()
+        return self._bitmask
+
+    def wait(self) -> None:
+        """Until the fill is done (it raises what the fill raised); the matchers may not
+        advance before."""
+        if self._fill is not None:
+            fill, self._fill = self._fill, None
+            fill.result()
 
 
 class StructuredOutputRequest:
@@ -86,6 +101,7 @@ class StructuredOutputManager:
         self._cache: OrderedDict[tuple, object] = OrderedDict()
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._fill_pool: ThreadPoolExecutor | None = None
         self.num_compiles = 0  # cache misses, for tests and stats
 
     def _get_backend(self):
@@ -118,14 +134,26 @@ class StructuredOutputManager:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvflow-grammar")
         return StructuredOutputRequest(params, self._pool.submit(self._build, params))
 
-    def grammar_bitmask(self, req_ids: list[str],
-                        states: list[StructuredOutputRequest]) -> GrammarBitmask:
-        """The next-token masks of these ready requests, filled in one batch call."""
+    def grammar_bitmask(self, req_ids: list[str], states: list[StructuredOutputRequest],
+                        background: bool = True) -> GrammarBitmask:
+        """The next-token masks of these ready requests, filled in one batch call; in the fill
+        thread when `background` (both libraries release the GIL while they fill, so the
+        step's forward runs meanwhile), the caller waiting (GrammarBitmask.wait) before any
+        matcher advances."""
         bitmask = np.zeros((len(states), (self.vocab_size + 31) // 32), dtype=np.int32)
-        self._backend.fill_bitmask([s.matcher for s in states], bitmask)
-        return GrammarBitmask(req_ids, bitmask)
+        matchers = [s.matcher for s in states]
+        if not background:
+            self._backend.fill_bitmask(matchers, bitmask)
+            return GrammarBitmask(req_ids, bitmask)
+        if self._fill_pool is None:
+            self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="kvflow-mask")
+        return GrammarBitmask(req_ids, bitmask,
+                              self._fill_pool.submit(self._backend.fill_bitmask, matchers, bitmask))
 
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+        if self._fill_pool is not None:
+            self._fill_pool.shutdown(wait=True)
+            self._fill_pool = None
