@@ -180,11 +180,7 @@ def test_grammar_constraints_match(llm, free_alone):
 
 
 @pytest.mark.parametrize("case", UNSUPPORTED, ids=[c["name"] for c in UNSUPPORTED])
-def test_unsupported_schema_is_refused_never_unconstrained(llm, case, request):
-    if llm.engine.core.config.structured_outputs_backend == "xgrammar":
-        # xgrammar 0.2 ignores keywords it cannot enforce (uniqueItems, not, if/then) instead of
-        # rejecting them; the engine does not check them for it yet
-        request.applymarker(pytest.mark.xfail(strict=True, reason="xgrammar ignores unsupported keywords"))
+def test_unsupported_schema_is_refused_never_unconstrained(llm, case):
     with pytest.raises(ValueError):
         llm.chat(_chat(case["prompt"]), _constrained(json=case["schema"]), use_tqdm=False)
     # the engine is still serving after the refusal
