@@ -68,6 +68,11 @@ class Request:
     # (compiling, then the matcher). The scheduler only calls is_ready(), error, accept(token),
     # is_terminated() and close() on it, so that core/ never imports a grammar library.
     structured_output: Any = None
+    # the output index from which its constraint applies (masks and matcher): 0, or, with
+    # `structured_outputs.reasoning_end_token_ids`, the index after that run's first
+    # occurrence; None while the output is still reasoning. Outputs survive a preemption, so
+    # this does too.
+    constraint_start: int | None = field(default=0, init=False)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -86,6 +91,13 @@ class Request:
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.all_token_ids = self.prompt_token_ids + list(self.output_token_ids)
         self.eos_token_ids = eos_ids(self.eos_token_id)
+        so = self.sampling_params.structured_outputs
+        self._reasoning_end: tuple[int, ...] = tuple(
+            (so.reasoning_end_token_ids or ()) if so is not None else ())
+        self.constraint_start = None if self._reasoning_end else 0
+        for i in range(len(self.output_token_ids)):  # outputs given up front: find the end
+            if self.constraint_start is None:
+                self._check_reasoning_end(i + 1)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -111,9 +123,24 @@ class Request:
     def finish_reason(self) -> FinishReason | None:
         return self.status.finish_reason
 
+    @property
+    def constraint_active(self) -> bool:
+        """Whether its constraint masks the next token (and its matcher accepts it)."""
+        return self.constraint_start is not None
+
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.constraint_start is None:
+            self._check_reasoning_end(len(self.output_token_ids))
+
+    def _check_reasoning_end(self, n: int) -> None:
+        """Whether the first `n` outputs end with the reasoning's end run: only the tail is
+        read, O(len(run)) a token."""
+        end = self._reasoning_end
+        k = len(end)
+        if n >= k and tuple(self.output_token_ids[n - k:n]) == end:
+            self.constraint_start = n
 
 
 class InvalidRequestError(ValueError):

@@ -62,6 +62,7 @@ def _is_int(value) -> bool:
 MAX_CONSTRAINT_CHARS = 64 * 1024  # a schema's JSON text, a grammar, a regex
 MAX_CHOICES = 256
 MAX_CHOICE_CHARS = 1024
+MAX_REASONING_END_TOKENS = 16  # `</think>` is one or a few tokens in any tokenizer
 
 
 @dataclass
@@ -70,13 +71,19 @@ class StructuredOutputsParams:
     (the output is one of these strings), `grammar` (EBNF / Lark), or `json_object=True` (any
     JSON object, OpenAI's `response_format={"type": "json_object"}`). A schema is kept as
     compact JSON text in its own key order (the order the grammar generates its properties
-    in), which is also the compile cache's key."""
+    in), which is also the compile cache's key.
+
+    `reasoning_end_token_ids` (set by the server's `--reasoning-parser`): the output begins in
+    reasoning, free, and the constraint applies from the token after the first contiguous run
+    of these ids (`</think>`) in the output on; until then no mask and no matcher advance. It
+    does not change the grammar, so it is not part of `key()`."""
 
     json: str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    reasoning_end_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar")
@@ -118,6 +125,14 @@ class StructuredOutputsParams:
         for text in [self.json, self.regex, self.grammar, *(self.choice or ())]:
             if text is not None and find_lone_surrogate(text) is not None:
                 raise ValueError("structured_outputs contains a lone surrogate")
+        ids = self.reasoning_end_token_ids
+        if ids is not None:
+            if (not isinstance(ids, (list, tuple)) or not 1 <= len(ids) <= MAX_REASONING_END_TOKENS
+                    or not all(isinstance(t, int) and not isinstance(t, bool)
+                               and 0 <= t <= MAX_COUNT for t in ids)):
+                raise ValueError("structured_outputs.reasoning_end_token_ids must be 1 to "
+                                 f"{MAX_REASONING_END_TOKENS} token ids")
+            self.reasoning_end_token_ids = list(ids)
 
     @property
     def kind(self) -> str:

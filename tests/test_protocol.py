@@ -12,7 +12,7 @@ from kvflow.engine.protocol import (BLOCK_LEGEND, CoreMessage, EngineCoreOutput,
                                     EngineCoreReady, EngineCoreRequest, EngineCoreRequestType,
                                     EngineSnapshot, RequestView, SchedulerStats, StepTokens,
                                     TokenLogprobs, UtilityCall)
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 
 LOGPROBS = TokenLogprobs(token_ids=[5, 9, 2], logprobs=[-0.1, -2.5, -3.0], sampled_rank=1)
 STATS = SchedulerStats(num_running=2, num_waiting=1, kv_cache_usage=0.25, num_free_blocks=30,
@@ -26,6 +26,9 @@ EXAMPLES = [
     EngineCoreRequest("req-1", [1, 2, 3], SamplingParams(temperature=0.7, top_p=0.9, max_tokens=8,
                                                          stop=["\n"], logprobs=2, seed=7),
                       eos_token_ids=[2, 128009], arrival_time=1700000000.5, priority=3, cache_salt="s"),
+    # a constraint that applies after the reasoning's end run (--reasoning-parser)
+    EngineCoreRequest("req-2", [1, 2], SamplingParams(max_tokens=8, structured_outputs=(
+        StructuredOutputsParams(json={"type": "object"}, reasoning_end_token_ids=[151668])))),
     EngineCoreReady(pid=123, model_path="/models/x.gguf", max_model_len=2048, num_blocks=512,
                     block_size=16, max_num_seqs=128, vocab_size=49152, startup_report="ready"),
     LOGPROBS,

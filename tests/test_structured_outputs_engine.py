@@ -140,6 +140,105 @@ def test_preemption_keeps_the_matcher_in_step_with_the_outputs():
         assert r.structured_output.accepted == r.output_token_ids  # each token exactly once
 
 
+# -- reasoning first: the constraint applies after reasoning_end_token_ids ----------------------
+class ScriptRunner:
+    """Samples each request's next token from its script (by output index)."""
+
+    def __init__(self, sched, scripts: dict[str, list[int]]) -> None:
+        self.sched, self.scripts = sched, scripts
+
+    def execute(self, out) -> dict[str, list[int]]:
+        sampled = {}
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.sched.requests[rid]
+            if out.num_computed_tokens[rid] + n == req.num_tokens:
+                sampled[rid] = [self.scripts[rid][req.num_output_tokens]]
+        return sampled
+
+
+END = [900, 901]  # the end-of-think run: two tokens, to be split across steps
+THINK = [5, 900, 6, 901, 900, 7, 900, 901, 40, 41, 42, 43]  # 900 901 ends at output index 8
+
+
+def reasoning_request(rid, script=THINK, prompt_len=8, max_tokens=12, length=99, end=END):
+    req = make_request(rid, prompt_len, max_tokens,
+                       structured_outputs=SO(regex="x", reasoning_end_token_ids=end))
+    req.structured_output = FakeConstraint(ready=True, length=length)
+    return req
+
+
+def test_reasoning_is_free_and_the_constraint_applies_after_its_end_run():
+    sched = make_scheduler()
+    a = reasoning_request("a")
+    sched.add_request(a)
+    runner = ScriptRunner(sched, {"a": THINK})
+    masked = []  # whether each output token was sampled under a mask
+    while sched.has_unfinished_requests():
+        out, _ = step(sched, runner)
+        masked.append("a" in out.structured_output_request_ids)
+    assert a.output_token_ids == THINK
+    assert masked == [False] * 8 + [True] * 4  # lone 900s and 901s do not end it; 900 901 does
+    assert a.constraint_start == 8
+    assert a.structured_output.accepted == THINK[8:]  # the matcher saw only the answer
+
+
+def test_the_end_run_may_close_in_the_last_step_and_the_grammar_then_stops():
+    sched = make_scheduler()
+    a = reasoning_request("a", script=[900, 901, 50, 51, 52], length=2, max_tokens=5)
+    sched.add_request(a)
+    runner = ScriptRunner(sched, {"a": [900, 901, 50, 51, 52]})
+    updates = []
+    while sched.has_unfinished_requests():
+        updates += step(sched, runner)[1]
+    assert a.output_token_ids == [900, 901, 50, 51]
+    assert a.structured_output.accepted == [50, 51] and updates[-1].finish_reason == FinishReason.STOP
+
+
+def test_without_the_end_run_it_never_masks_and_plain_constraints_mask_from_the_start():
+    sched = make_scheduler()
+    a = reasoning_request("a", script=[1] * 6, max_tokens=6)
+    b = constrained("b", ready=True, length=99, max_tokens=6)
+    sched.add_request(a)
+    sched.add_request(b)
+    assert b.constraint_start == 0 and a.constraint_start is None
+    runner = ScriptRunner(sched, {"a": [1] * 6, "b": [2] * 6})
+    while sched.has_unfinished_requests():
+        out, _ = step(sched, runner)
+        assert "a" not in out.structured_output_request_ids
+        assert ("b" in out.structured_output_request_ids) == ("b" in out.num_scheduled_tokens)
+    assert a.structured_output.accepted == [] and a.finish_reason == FinishReason.LENGTH
+    assert b.structured_output.accepted == [2] * 6
+
+
+def test_preemption_while_thinking_keeps_the_activation_and_the_matcher_in_step():
+    # 6 blocks of 4 tokens for two requests that need 6 each: one is preempted while it thinks
+    sched = make_scheduler(num_blocks=6, budget=64)
+    script = [3, 4, 5, 900, 901, 6, 7, 8, 9, 10, 11, 12]  # the end run closes at index 5
+    reqs = [reasoning_request(r, script=script, prompt_len=10, max_tokens=12) for r in "ab"]
+    for r in reqs:
+        sched.add_request(r)
+    runner = ScriptRunner(sched, {"a": script, "b": script})
+    by_id = {r.request_id: r for r in reqs}
+    preempted_at = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        preempted_at += [by_id[rid].num_output_tokens for rid in out.preempted_req_ids]
+        for rid in out.structured_output_request_ids:  # masked only once the answer began
+            assert by_id[rid].num_output_tokens >= 5
+        sched.update_from_output(out, runner.execute(out))
+    assert preempted_at and min(preempted_at) < 5  # one was preempted mid-thought
+    for r in reqs:
+        assert r.output_token_ids == script and r.constraint_start == 5
+        assert r.structured_output.accepted == script[5:]  # each answer token exactly once
+
+
+def test_reasoning_end_token_ids_are_validated_and_not_part_of_the_cache_key():
+    assert SO(regex="a", reasoning_end_token_ids=[7]).key() == SO(regex="a").key()
+    for bad in ([], [-1], ["x"], [True], list(range(17)), 5):
+        with pytest.raises(ValueError, match="reasoning_end_token_ids"):
+            SO(regex="a", reasoning_end_token_ids=bad)
+
+
 # -- the manager and the backends -----------------------------------------------------------------
 def test_invalid_constraints_are_a_value_error_naming_the_problem():
     for params, words in [(SO(regex="[a-"), ["structured_outputs.regex", "unclosed"]),

@@ -239,7 +239,8 @@ class Scheduler:
         out.num_computed_tokens[rid] = computed
         out.block_ids[rid] = self.kv_cache_manager.get_block_ids(rid)
         out.total_num_scheduled_tokens += n
-        if req.structured_output is not None and computed + n == req.num_tokens:
+        if (req.structured_output is not None and computed + n == req.num_tokens
+                and req.constraint_active):  # not while it still reasons
             out.structured_output_request_ids.append(rid)  # it samples: its row needs a mask
         # a decode feeds back the one newest token, sampled in an earlier step; anything else
         # (a prompt chunk, or recomputing prompt and outputs after a preemption) is a prefill
@@ -290,11 +291,13 @@ class Scheduler:
             accepted = []
             so = req.structured_output
             for token in new_tokens:
+                active = so is not None and req.constraint_active  # masked when sampled
                 req.append_output_token(token)
                 accepted.append(token)
-                if so is not None:
+                if active:
                     # the matcher advances exactly once per sampled token, here; a preempted
-                    # request keeps its outputs, so its matcher stays in step with them
+                    # request keeps its outputs, so its matcher stays in step with them; the
+                    # reasoning before `reasoning_end_token_ids` (and that run) is not fed
                     if not so.accept(token):
                         logger.error("kvflow: request %s: token %d is outside its grammar "
                                      "(%s)", req_id, token, so.error)
