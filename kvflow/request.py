@@ -70,9 +70,10 @@ class Request:
     structured_output: Any = None
     # the output index from which its constraint applies (masks and matcher): 0, or, with
     # `structured_outputs.reasoning_end_token_ids`, the index after that run's first
-    # occurrence; None while the output is still reasoning. Outputs survive a preemption, so
-    # this does too.
+    # occurrence; None while the output is still reasoning (or, with a start run, while it may
+    # still begin with it: `reasoning_undecided`). Outputs survive a preemption, so this does too.
     constraint_start: int | None = field(default=0, init=False)
+    reasoning_undecided: bool = field(default=False, init=False)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -94,10 +95,12 @@ class Request:
         so = self.sampling_params.structured_outputs
         self._reasoning_end: tuple[int, ...] = tuple(
             (so.reasoning_end_token_ids or ()) if so is not None else ())
+        self._reasoning_start: tuple[int, ...] = tuple(
+            (so.reasoning_start_token_ids or ()) if self._reasoning_end else ())
         self.constraint_start = None if self._reasoning_end else 0
-        for i in range(len(self.output_token_ids)):  # outputs given up front: find the end
-            if self.constraint_start is None:
-                self._check_reasoning_end(i + 1)
+        self.reasoning_undecided = bool(self._reasoning_start)
+        for i in range(len(self.output_token_ids)):  # outputs given up front: replay them
+            self._track_reasoning(i + 1)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -128,18 +131,37 @@ class Request:
         """Whether its constraint masks the next token (and its matcher accepts it)."""
         return self.constraint_start is not None
 
+    @property
+    def reasoning_start_next(self) -> int | None:
+        """While it may still begin with the reasoning's start run: that run's next token,
+        which its mask allows besides the grammar's."""
+        if not self.reasoning_undecided:
+            return None
+        return self._reasoning_start[len(self.output_token_ids)]
+
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         if self.constraint_start is None:
-            self._check_reasoning_end(len(self.output_token_ids))
+            self._track_reasoning(len(self.output_token_ids))
 
-    def _check_reasoning_end(self, n: int) -> None:
-        """Whether the first `n` outputs end with the reasoning's end run: only the tail is
-        read, O(len(run)) a token."""
+    def _track_reasoning(self, n: int) -> None:
+        """After the first `n` outputs: still undecided, reasoning, or constrained. Only the
+        tail is read, O(len(run)) a token."""
+        if self.constraint_start is not None:
+            return
+        out = self.output_token_ids
+        if self.reasoning_undecided:
+            start = self._reasoning_start
+            if out[n - 1] != start[n - 1]:
+                self.reasoning_undecided = False  # no reasoning: constrained from the start
+                self.constraint_start = 0
+            elif n == len(start):
+                self.reasoning_undecided = False  # it reasons, until the end run
+            return
         end = self._reasoning_end
         k = len(end)
-        if n >= k and tuple(self.output_token_ids[n - k:n]) == end:
+        if n >= k and tuple(out[n - k:n]) == end:
             self.constraint_start = n
 
 

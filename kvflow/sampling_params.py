@@ -75,8 +75,13 @@ class StructuredOutputsParams:
 
     `reasoning_end_token_ids` (set by the server's `--reasoning-parser`): the output begins in
     reasoning, free, and the constraint applies from the token after the first contiguous run
-    of these ids (`</think>`) in the output on; until then no mask and no matcher advance. It
-    does not change the grammar, so it is not part of `key()`."""
+    of these ids (`</think>`) in the output on; until then no mask and no matcher advance.
+    With `reasoning_start_token_ids` too (qwen3: `<think>`), the output reasons only if it
+    begins with that run: its first tokens are masked by the grammar with the run's next token
+    also allowed, and once the output leaves the run the constraint holds from its first token
+    (the matcher is fed what was generated; keep the run one token, as `<think>` is in the
+    tokenizers that think, so that nothing unchecked comes before). Neither changes the
+    grammar, so neither is part of `key()`."""
 
     json: str | None = None
     regex: str | None = None
@@ -84,6 +89,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
     reasoning_end_token_ids: list[int] | None = None
+    reasoning_start_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar")
@@ -125,14 +131,19 @@ class StructuredOutputsParams:
         for text in [self.json, self.regex, self.grammar, *(self.choice or ())]:
             if text is not None and find_lone_surrogate(text) is not None:
                 raise ValueError("structured_outputs contains a lone surrogate")
-        ids = self.reasoning_end_token_ids
-        if ids is not None:
+        for name in ("reasoning_end_token_ids", "reasoning_start_token_ids"):
+            ids = getattr(self, name)
+            if ids is None:
+                continue
             if (not isinstance(ids, (list, tuple)) or not 1 <= len(ids) <= MAX_REASONING_END_TOKENS
                     or not all(isinstance(t, int) and not isinstance(t, bool)
                                and 0 <= t <= MAX_COUNT for t in ids)):
-                raise ValueError("structured_outputs.reasoning_end_token_ids must be 1 to "
+                raise ValueError(f"structured_outputs.{name} must be 1 to "
                                  f"{MAX_REASONING_END_TOKENS} token ids")
-            self.reasoning_end_token_ids = list(ids)
+            setattr(self, name, list(ids))
+        if self.reasoning_start_token_ids is not None and self.reasoning_end_token_ids is None:
+            raise ValueError("structured_outputs.reasoning_start_token_ids needs "
+                             "reasoning_end_token_ids")
 
     @property
     def kind(self) -> str:

@@ -28,7 +28,8 @@ EXAMPLES = [
                       eos_token_ids=[2, 128009], arrival_time=1700000000.5, priority=3, cache_salt="s"),
     # a constraint that applies after the reasoning's end run (--reasoning-parser)
     EngineCoreRequest("req-2", [1, 2], SamplingParams(max_tokens=8, structured_outputs=(
-        StructuredOutputsParams(json={"type": "object"}, reasoning_end_token_ids=[151668])))),
+        StructuredOutputsParams(json={"type": "object"}, reasoning_end_token_ids=[151668],
+                                reasoning_start_token_ids=[151667])))),
     EngineCoreReady(pid=123, model_path="/models/x.gguf", max_model_len=2048, num_blocks=512,
                     block_size=16, max_num_seqs=128, vocab_size=49152, startup_report="ready"),
     LOGPROBS,

@@ -160,9 +160,10 @@ END = [900, 901]  # the end-of-think run: two tokens, to be split across steps
 THINK = [5, 900, 6, 901, 900, 7, 900, 901, 40, 41, 42, 43]  # 900 901 ends at output index 8
 
 
-def reasoning_request(rid, script=THINK, prompt_len=8, max_tokens=12, length=99, end=END):
-    req = make_request(rid, prompt_len, max_tokens,
-                       structured_outputs=SO(regex="x", reasoning_end_token_ids=end))
+def reasoning_request(rid, script=THINK, prompt_len=8, max_tokens=12, length=99, end=END,
+                      start=None):
+    req = make_request(rid, prompt_len, max_tokens, structured_outputs=SO(
+        regex="x", reasoning_end_token_ids=end, reasoning_start_token_ids=start))
     req.structured_output = FakeConstraint(ready=True, length=length)
     return req
 
@@ -232,11 +233,64 @@ def test_preemption_while_thinking_keeps_the_activation_and_the_matcher_in_step(
         assert r.structured_output.accepted == script[5:]  # each answer token exactly once
 
 
-def test_reasoning_end_token_ids_are_validated_and_not_part_of_the_cache_key():
-    assert SO(regex="a", reasoning_end_token_ids=[7]).key() == SO(regex="a").key()
+def run_scripted(req, script):
+    sched = make_scheduler()
+    sched.add_request(req)
+    runner = ScriptRunner(sched, {req.request_id: script})
+    steps = []  # (masked, the token also allowed) as each output token was sampled
+    while sched.has_unfinished_requests():
+        out, _ = step(sched, runner)
+        steps.append((req.request_id in out.structured_output_request_ids,
+                      out.structured_output_also_allowed.get(req.request_id)))
+    return steps
+
+
+def test_with_a_start_run_an_output_that_opens_it_reasons_first():
+    script = [800, 5, 6, 900, 901, 40, 41]  # <think> 5 6 </think> answer
+    a = reasoning_request("a", start=[800], max_tokens=7)
+    steps = run_scripted(a, script)
+    # the first token: the grammar's mask plus <think>; then free until the end run
+    assert steps == [(True, 800)] + [(False, None)] * 4 + [(True, None)] * 2
+    assert a.structured_output.accepted == [40, 41] and a.constraint_start == 5
+
+
+def test_with_a_start_run_an_output_that_does_not_open_it_is_constrained_from_its_start():
+    script = [40, 41, 900, 901, 42]
+    a = reasoning_request("a", start=[800], max_tokens=5)
+    steps = run_scripted(a, script)
+    assert steps == [(True, 800)] + [(True, None)] * 4  # masked throughout, never free
+    assert a.structured_output.accepted == script and a.constraint_start == 0
+
+
+def test_the_reasoning_start_token_is_allowed_on_top_of_the_filled_mask():
+    backend = SlowBackend()
+    backend.gate.set()
+    backend.fill_bitmask = lambda matchers, bm: bm.fill(0)  # the grammar allows nothing
+    manager = fake_manager(backend)
+    try:
+        states = [manager.request(SO(regex="a")) for _ in range(2)]
+        deadline = time.time() + 10
+        while not all(s.is_ready() for s in states) and time.time() < deadline:
+            time.sleep(0.01)
+        for background in (True, False):
+            out = manager.grammar_bitmask(["r", "s"], states, background=background,
+                                          also_allowed={"s": 63})
+            allowed = allowed_of(out.bitmask, 64)
+            assert [set(row.nonzero().flatten().tolist()) for row in allowed] == [set(), {63}]
+    finally:
+        manager.shutdown()
+
+
+def test_reasoning_token_ids_are_validated_and_not_part_of_the_cache_key():
+    assert SO(regex="a", reasoning_end_token_ids=[7], reasoning_start_token_ids=[6]).key() == \
+        SO(regex="a").key()
     for bad in ([], [-1], ["x"], [True], list(range(17)), 5):
         with pytest.raises(ValueError, match="reasoning_end_token_ids"):
             SO(regex="a", reasoning_end_token_ids=bad)
+        with pytest.raises(ValueError, match="reasoning_start_token_ids"):
+            SO(regex="a", reasoning_end_token_ids=[7], reasoning_start_token_ids=bad)
+    with pytest.raises(ValueError, match="needs reasoning_end_token_ids"):
+        SO(regex="a", reasoning_start_token_ids=[6])
 
 
 # -- the manager and the backends -----------------------------------------------------------------

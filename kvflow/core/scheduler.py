@@ -240,8 +240,10 @@ class Scheduler:
         out.block_ids[rid] = self.kv_cache_manager.get_block_ids(rid)
         out.total_num_scheduled_tokens += n
         if (req.structured_output is not None and computed + n == req.num_tokens
-                and req.constraint_active):  # not while it still reasons
+                and (req.constraint_active or req.reasoning_undecided)):  # not while it reasons
             out.structured_output_request_ids.append(rid)  # it samples: its row needs a mask
+            if req.reasoning_undecided:  # it may still begin its reasoning: allow that too
+                out.structured_output_also_allowed[rid] = req.reasoning_start_next
         # a decode feeds back the one newest token, sampled in an earlier step; anything else
         # (a prompt chunk, or recomputing prompt and outputs after a preemption) is a prefill
         prefill = not (n == 1 and computed == req.num_tokens - 1 and req.num_output_tokens > 0)
@@ -259,6 +261,7 @@ class Scheduler:
         out.total_num_scheduled_tokens -= n
         if rid in out.structured_output_request_ids:
             out.structured_output_request_ids.remove(rid)
+            out.structured_output_also_allowed.pop(rid, None)
         if out.is_prefill.pop(rid):
             out.num_prefill_tokens -= n
         else:
@@ -292,20 +295,26 @@ class Scheduler:
             so = req.structured_output
             for token in new_tokens:
                 active = so is not None and req.constraint_active  # masked when sampled
+                undecided = so is not None and req.reasoning_undecided
                 req.append_output_token(token)
                 accepted.append(token)
-                if active:
+                # an output that left the reasoning's start run is constrained from its start
+                feed = [token] if active else (list(req.output_token_ids)
+                                               if undecided and req.constraint_active else [])
+                for fed in feed:
                     # the matcher advances exactly once per sampled token, here; a preempted
                     # request keeps its outputs, so its matcher stays in step with them; the
                     # reasoning before `reasoning_end_token_ids` (and that run) is not fed
-                    if not so.accept(token):
+                    if not so.accept(fed):
                         logger.error("kvflow: request %s: token %d is outside its grammar "
-                                     "(%s)", req_id, token, so.error)
+                                     "(%s)", req_id, fed, so.error)
                         finish = RequestStatus.FINISHED_ABORTED
                         break
                     if so.is_terminated():
                         finish = RequestStatus.FINISHED_STOPPED  # the grammar is complete
                         break
+                if finish is not None:
+                    break
                 finish = self._check_stop(req, token)
                 if finish is not None:
                     break

@@ -66,6 +66,9 @@ class SchedulerOutput:
     # constrained requests that sample in this step, in schedule order: the rows that need a
     # grammar mask (the engine fills their bitmask in one batch call before sampling)
     structured_output_request_ids: list[str] = field(default_factory=list)
+    # of those, the ones whose output may still open its reasoning: id -> the reasoning's start
+    # token, allowed besides the grammar's tokens
+    structured_output_also_allowed: dict[str, int] = field(default_factory=dict)
     # request id -> why its grammar failed to compile; it finished (aborted) in this schedule()
     grammar_errors: dict[str, str] = field(default_factory=dict)
 

@@ -146,7 +146,8 @@ class EngineCore:
             reqs = self.scheduler.requests
             # filled in the background while the forward runs; the sampler waits for it
             grammar = self.structured.grammar_bitmask(
-                ids, [reqs[rid].structured_output for rid in ids])
+                ids, [reqs[rid].structured_output for rid in ids],
+                also_allowed=sched_out.structured_output_also_allowed)
             try:
                 runner_out = self.executor.execute(sched_out, grammar)
             finally:

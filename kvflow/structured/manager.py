@@ -25,14 +25,27 @@ MAX_CACHED_GRAMMARS = 256
 class GrammarBitmask:
     """The step's masks: row i of `bitmask` (int32 [len(req_ids), ceil(vocab / 32)]) is the
     allowed next tokens of request `req_ids[i]`. The fill may still be running (beside the
-    step's forward): reading `bitmask` waits for it."""
+    step's forward): reading `bitmask` waits for it. `also_allowed` (row -> token) are set
+    on top of the grammar's once the fill is done (a reasoning's start token)."""
 
-    __slots__ = ("req_ids", "_bitmask", "_fill")
+    __slots__ = ("req_ids", "_bitmask", "_fill", "_also")
 
-    def __init__(self, req_ids: list[str], bitmask: np.ndarray, fill: Future | None = None) -> None:
+    def __init__(self, req_ids: list[str], bitmask: np.ndarray, fill: Future | None = None,
+                 also_allowed: dict[int, int] | None = None) -> None:
         self.req_ids = req_ids
         self._bitmask = bitmask
         self._fill = fill
+        self._also = also_allowed or None
+        if fill is None:
+            self._allow_also()
+
+    def _allow_also(self) -> None:
+        if self._also:
+            words = self._bitmask.view(np.uint32)
+            for row, token in self._also.items():
+                if 0 <= token < words.shape[1] * 32:
+                    words[row, token >> 5] |= np.uint32(1 << (token & 31))
+        self._also = None
 
     @property
     def bitmask(self) -> np.ndarray:
@@ -45,6 +58,7 @@ class GrammarBitmask:
         if self._fill is not None:
             fill, self._fill = self._fill, None
             fill.result()
+            self._allow_also()
 
 
 class StructuredOutputRequest:
@@ -135,20 +149,24 @@ class StructuredOutputManager:
         return StructuredOutputRequest(params, self._pool.submit(self._build, params))
 
     def grammar_bitmask(self, req_ids: list[str], states: list[StructuredOutputRequest],
-                        background: bool = True) -> GrammarBitmask:
+                        background: bool = True,
+                        also_allowed: dict[str, int] | None = None) -> GrammarBitmask:
         """The next-token masks of these ready requests, filled in one batch call; in the fill
         thread when `background` (both libraries release the GIL while they fill, so the
         step's forward runs meanwhile), the caller waiting (GrammarBitmask.wait) before any
-        matcher advances."""
+        matcher advances. `also_allowed`: request id -> a token its row allows besides."""
         bitmask = np.zeros((len(states), (self.vocab_size + 31) // 32), dtype=np.int32)
         matchers = [s.matcher for s in states]
+        also = ({req_ids.index(rid): t for rid, t in also_allowed.items()}
+                if also_allowed else None)
         if not background:
             self._backend.fill_bitmask(matchers, bitmask)
-            return GrammarBitmask(req_ids, bitmask)
+            return GrammarBitmask(req_ids, bitmask, also_allowed=also)
         if self._fill_pool is None:
             self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="kvflow-mask")
         return GrammarBitmask(req_ids, bitmask,
-                              self._fill_pool.submit(self._backend.fill_bitmask, matchers, bitmask))
+                              self._fill_pool.submit(self._backend.fill_bitmask, matchers, bitmask),
+                              also_allowed=also)
 
     def shutdown(self) -> None:
         if self._pool is not None:
