@@ -206,6 +206,23 @@ def test_tool_messages_round_trip_through_the_template(client, server):
     assert out.choices[0].message.content
 
 
+def test_a_constraint_waits_for_the_reasoning_the_parser_expects():
+    from kvflow.entrypoints.openai.reasoning_parsers import reasoning_token_ids
+
+    vocab = {"<think>": [7], "</think>": [8]}
+    encode = vocab.__getitem__
+    both = {"reasoning_end_token_ids": [8], "reasoning_start_token_ids": [7]}
+    assert reasoning_token_ids("qwen3", encode, "<|im_start|>assistant\n") == both
+    assert reasoning_token_ids("qwen3", encode, "assistant\n<think>\n") == \
+        {"reasoning_end_token_ids": [8]}  # the template opened it
+    assert reasoning_token_ids("qwen3", encode, "assistant\n<think>\n\n</think>\n\n") == {}
+    assert reasoning_token_ids("deepseek_r1", encode, "Assistant:") == \
+        {"reasoning_end_token_ids": [8]}
+    # a tokenizer without a <think> token does not think: constrained from the start
+    assert reasoning_token_ids("qwen3", {"<think>": [1, 2], "</think>": [3, 2]}.__getitem__,
+                               "assistant\n") == {}
+
+
 @pytest.mark.parametrize("endpoint", ["chat", "completion"])
 def test_regex_choice_and_grammar_constraints(client, endpoint):
     cases = [({"regex": r"[0-9]{3}-[a-z]{2}"}, lambda s: re.fullmatch(r"[0-9]{3}-[a-z]{2}", s)),

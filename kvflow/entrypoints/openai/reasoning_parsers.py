@@ -59,6 +59,32 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
 REASONING_PARSERS = {"qwen3": Qwen3ReasoningParser, "deepseek_r1": DeepSeekR1ReasoningParser}
 
 
+def reasoning_token_ids(name: str, encode, prompt: str) -> dict:
+    """What a constraint needs to apply only after the reasoning (StructuredOutputsParams'
+    `reasoning_end_token_ids` and `reasoning_start_token_ids`), for this parser, a tokenizer's
+    `encode(text)` (no special tokens) and the rendered prompt; {} when the constraint holds
+    from the first output token.
+
+    A prompt that already closed the reasoning (Qwen3's template with thinking off ends in
+    `<think>\n\n</think>\n\n`) has none to wait for; one that opened it (ends in `<think>`)
+    starts in reasoning, as deepseek_r1 always does. Otherwise, qwen3 reasons only when its
+    output begins with `<think>`: a tokenizer without a one-token `<think>` is not a thinking
+    one, and its output is constrained from the start."""
+    cls = REASONING_PARSERS[name]
+    tail = prompt.rstrip()
+    if tail.endswith(cls.END):
+        return {}
+    end = encode(cls.END)
+    if not end:
+        return {}
+    if cls.starts_in_reasoning or tail.endswith(cls.START):
+        return {"reasoning_end_token_ids": end}
+    start = encode(cls.START)
+    if len(start) != 1:
+        return {}
+    return {"reasoning_end_token_ids": end, "reasoning_start_token_ids": start}
+
+
 def make_reasoning_parser(name: str) -> ReasoningParser:
     if name not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "

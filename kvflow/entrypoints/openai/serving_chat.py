@@ -2,6 +2,7 @@
 out: content, reasoning_content and tool_calls."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -14,7 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvflow.entrypoints.openai.chat_output import MessageParser, merge_delta
 from kvflow.entrypoints.openai.errors import APIError, bad_request
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool
-from kvflow.entrypoints.openai.reasoning_parsers import make_reasoning_parser
+from kvflow.entrypoints.openai.reasoning_parsers import make_reasoning_parser, reasoning_token_ids
 from kvflow.entrypoints.openai.serving_engine import (MAX_MESSAGES, OpenAIServing, off_loop, sse,
                                                       until_disconnected, usage_info)
 from kvflow.entrypoints.openai.tool_parsers import (JsonArrayToolParser, NamedToolParser,
@@ -192,6 +193,13 @@ class OpenAIServingChat(OpenAIServing):
                                param="tools", code=e.code) from None
             raise
         prompt, ids = await self.render(req.messages, req.add_generation_prompt, tools)
+        if self.settings.reasoning_parser and params.structured_outputs is not None:
+            # the thinking is free; the constraint holds from the token after `</think>`
+            extra = reasoning_token_ids(
+                self.settings.reasoning_parser,
+                lambda text: self.tokenizer.encode(text, add_special_tokens=False), prompt)
+            if extra:
+                params.structured_outputs = dataclasses.replace(params.structured_outputs, **extra)
         self.check_prompt(ids, params)
         self.check_request_tokens(len(ids), params.n)
         self.check_available(params.n)
