@@ -267,6 +267,12 @@ class SamplingParams:
         run at the boundary (server, `LLM`) before the request reaches the engine."""
         check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size)
         check_token_ids("logit_bias", list(self.logit_bias or ()), vocab_size)
+        so = self.structured_outputs
+        if so is not None:
+            check_token_ids("structured_outputs.reasoning_end_token_ids",
+                            so.reasoning_end_token_ids, vocab_size)
+            check_token_ids("structured_outputs.reasoning_start_token_ids",
+                            so.reasoning_start_token_ids, vocab_size)
         if self.top_k > vocab_size:
             raise ValueError(f"top_k must be -1 (disable) or at most the vocabulary size "
                              f"{vocab_size}, got {self.top_k}")

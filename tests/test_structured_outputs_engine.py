@@ -551,6 +551,34 @@ def test_unconstrained_neighbours_are_token_identical_to_running_alone(llm):
 
 
 @pytest.mark.slow
+def test_a_constraint_applies_after_the_reasoning_ends(llm):
+    """The default model does not think, so two tokens its greedy path writes at a known step
+    play `</think>`: before and through them the output is the unconstrained one, after them
+    it is one of the choices. With a start run (qwen3's rule): a first token that opens it
+    reasons the same way, one that does not is constrained from the start."""
+    prompt = "Review: 'great film!' Sentiment:"
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    k = next(i for i in range(4, 10) if (free[i], free[i + 1]) not in zip(free[:i], free[1:i + 1]))
+    end = [free[k], free[k + 1]]
+    unlikely = llm.tokenizer.encode("<", add_special_tokens=False)  # not chosen here
+    cases = [(SO(choice=CHOICES, reasoning_end_token_ids=end), k + 2),
+             (SO(choice=CHOICES, reasoning_end_token_ids=end,
+                 reasoning_start_token_ids=[free[0]]), k + 2),
+             (SO(choice=CHOICES, reasoning_end_token_ids=end,
+                 reasoning_start_token_ids=unlikely), 0)]  # not opened: no reasoning
+    outs = llm.generate([prompt] * len(cases),
+                        [SamplingParams(temperature=0, max_tokens=40, structured_outputs=so)
+                         for so, _ in cases], use_tqdm=False)
+    for (so, answer_at), out in zip(cases, outs):
+        c = out.outputs[0]
+        ids = list(c.token_ids)
+        assert ids[:answer_at] == list(free[:answer_at]), so  # the thinking was free
+        assert c.finish_reason == "stop", (so, c.text)
+        assert llm.tokenizer.decode(ids[answer_at:]) in CHOICES, (so, c.text)
+
+
+@pytest.mark.slow
 def test_invalid_constraints_are_refused_before_anything_runs(llm):
     from kvflow.engine.protocol import EngineCoreRequest
 
