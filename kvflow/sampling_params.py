@@ -45,12 +45,9 @@ def check_token_ids(name: str, ids, vocab_size: int) -> None:
     """ValueError naming `name` when an id is not an integer in [0, vocab_size)."""
     if not ids:
         return
-    try:
-        lo, hi = min(ids), max(ids)
-    except TypeError:
-        lo = hi = None
-    if lo is None or not all(type(t) is int for t in (lo, hi)) or lo < 0 or hi >= vocab_size:
-        bad = next((t for t in ids if type(t) is not int or not 0 <= t < vocab_size), lo)
+    # one pass over every id: a float or bool between two ints must not slip through
+    bad = next((t for t in ids if type(t) is not int or not 0 <= t < vocab_size), None)
+    if bad is not None:
         raise ValueError(f"{name} contains token id {bad!r}, outside the vocabulary "
                          f"[0, {vocab_size})")
 
@@ -141,9 +138,14 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.{name} must be 1 to "
                                  f"{MAX_REASONING_END_TOKENS} token ids")
             setattr(self, name, list(ids))
-        if self.reasoning_start_token_ids is not None and self.reasoning_end_token_ids is None:
-            raise ValueError("structured_outputs.reasoning_start_token_ids needs "
-                             "reasoning_end_token_ids")
+        if self.reasoning_start_token_ids is not None:
+            if self.reasoning_end_token_ids is None:
+                raise ValueError("structured_outputs.reasoning_start_token_ids needs "
+                                 "reasoning_end_token_ids")
+            # the first output token decides whether the output reasons: a longer run would
+            # leave tokens the grammar never masked
+            if len(self.reasoning_start_token_ids) != 1:
+                raise ValueError("structured_outputs.reasoning_start_token_ids must be one token")
 
     @property
     def kind(self) -> str:

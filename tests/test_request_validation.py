@@ -305,3 +305,20 @@ def test_tool_messages_and_assistant_tool_calls_are_accepted():
         "parallel_tool_calls": False})
     assert req.messages[1].tool_calls[0].function.name == "get_weather"
     assert req.messages[2].tool_call_id == "call_1" and req.tool_choice.function.name == "get_weather"
+
+
+@pytest.mark.parametrize("ids", [[1, 2.5, 3], [1, True, 3], [0, "7", 9]])
+def test_every_id_is_checked_not_just_the_smallest_and_largest(ids):
+    from kvflow.sampling_params import check_token_ids
+
+    with pytest.raises(ValueError, match="prompt contains token id"):
+        check_token_ids("prompt", ids, 100)
+
+
+def test_a_reasoning_start_run_is_one_token():
+    from kvflow.sampling_params import StructuredOutputsParams
+
+    StructuredOutputsParams(regex="x", reasoning_end_token_ids=[5, 6], reasoning_start_token_ids=[4])
+    with pytest.raises(ValueError, match="reasoning_start_token_ids must be one token"):
+        StructuredOutputsParams(regex="x", reasoning_end_token_ids=[5],
+                                reasoning_start_token_ids=[3, 4])

@@ -460,6 +460,7 @@ def test_a_grammar_that_allows_only_eos_ends_before_min_tokens():
     apply_grammar_bitmask(logits, [0], bm)
     meta = build_sampling_metadata([SamplingRow(SamplingParams(min_tokens=5, temperature=0),
                                                 [1], [], eos_token_ids=(eos,))], V)
+    meta.grammar_masked = True  # as the runner says when it applied a mask
     assert Sampler()(logits, meta).sampled_token_ids == [eos]
 
 

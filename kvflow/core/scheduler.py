@@ -282,6 +282,7 @@ class Scheduler:
         and free the blocks of requests that finished in this step."""
         updates = [RequestUpdate(self._grammar_failed.pop(rid), [], FinishReason.ABORT)
                    for rid in sched_out.grammar_errors if rid in self._grammar_failed]
+        finished: set[str] = set()
         for req_id, n in sched_out.num_scheduled_tokens.items():
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
@@ -319,9 +320,11 @@ class Scheduler:
                 if finish is not None:
                     break
             if finish is not None:
-                self.running.remove(req)
+                finished.add(req_id)
                 self._finish(req, finish)
             updates.append(RequestUpdate(req, accepted, req.finish_reason))
+        if finished:  # one pass over the batch, however many finished
+            self.running = [r for r in self.running if r.request_id not in finished]
         return updates
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:

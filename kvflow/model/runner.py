@@ -142,8 +142,10 @@ class ModelRunner:
         if greedy:
             tokens, logprobs = self.model.kernels.argmax(logits), None
         else:
-            sampled = self.sampler(logits, build_sampling_metadata(
-                [self._sampling_row(s) for s in sampled_states], logits.shape[-1]))
+            meta = build_sampling_metadata([self._sampling_row(s) for s in sampled_states],
+                                           logits.shape[-1])
+            meta.grammar_masked = grammar is not None
+            sampled = self.sampler(logits, meta)
             tokens, logprobs = sampled.sampled_token_ids, sampled.logprobs
         for j, (state, token) in enumerate(zip(sampled_states, tokens)):
             state.token_ids.append(token)

@@ -64,6 +64,7 @@ class SamplingMetadata:
     # min_tokens: (row, token) pairs forced to -inf this step.
     banned_rows: torch.Tensor | None = None
     banned_tokens: torch.Tensor | None = None
+    grammar_masked: bool = False  # a grammar masked some rows' logits this step (set by the runner)
     # logprobs: rows that want them and how many top tokens each.
     logprob_rows: list[int] = field(default_factory=list)
     num_logprobs: list[int] = field(default_factory=list)
@@ -280,12 +281,13 @@ class Sampler:
         if meta.banned_tokens is not None:
             banned = logits.index_put((meta.banned_rows, meta.banned_tokens),
                                       torch.tensor(float("-inf"), device=logits.device))
-            # a grammar that allows only EOS ends the output even before min_tokens: a row
-            # with no token left keeps its unbanned logits
-            rows = meta.banned_rows.unique()
-            dead = rows[torch.isneginf(banned[rows]).all(dim=-1)]
-            if len(dead):
-                banned[dead] = logits[dead]
+            if meta.grammar_masked:
+                # a grammar that allows only EOS ends the output even before min_tokens: a row
+                # with no token left keeps its unbanned logits (only a grammar empties a row)
+                rows = meta.banned_rows.unique()
+                dead = rows[torch.isneginf(banned[rows]).all(dim=-1)]
+                if len(dead):
+                    banned[dead] = logits[dead]
             logits = banned
 
         greedy = logits.argmax(dim=-1) if not meta.all_random else None

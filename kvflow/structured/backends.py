@@ -11,6 +11,7 @@ whitespace can emit newlines until max_tokens instead of closing the object."""
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -220,6 +221,7 @@ def make_backend(name: str, tokenizer, vocab_size: int, eos_token_ids: list[int]
 
 # -- validation at the boundary -------------------------------------------------------------------
 _validated: OrderedDict[tuple, None] = OrderedDict()  # (backend, key) of valid constraints
+_validated_lock = threading.Lock()
 _MAX_VALIDATED = 1024
 
 
@@ -247,10 +249,12 @@ def validate_structured_outputs(params: StructuredOutputsParams, backend: str = 
     the constraint. The frontends call it before admission (a 400), EngineCore again."""
     name = resolve_backend(backend)
     key = (name, params.key())
-    if key in _validated:
-        _validated.move_to_end(key)
-        return
+    with _validated_lock:  # the server validates on its tokenizer thread and on the event loop
+        if key in _validated:
+            _validated.move_to_end(key)
+            return
     _validate(name, params)
-    _validated[key] = None
-    if len(_validated) > _MAX_VALIDATED:
-        _validated.popitem(last=False)
+    with _validated_lock:
+        _validated[key] = None
+        if len(_validated) > _MAX_VALIDATED:
+            _validated.popitem(last=False)

@@ -75,7 +75,7 @@ class Gate:
                 return await error_response(503, "the server is shutting down",
                                             code="shutting_down")(scope, receive, send)
             if self.settings.api_key and not self._authorized(scope):
-                if kind == "websocket":
+                if kind == "websocket" and path == "/v1/ws":
                     # Browsers cannot set headers on a WebSocket: the key may come as the
                     # first message instead (never in the URL, which servers log).
                     scope[WS_AUTH_PENDING] = True
