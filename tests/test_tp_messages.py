@@ -1,8 +1,9 @@
-"""The tensor-parallel wire: typed msgpack, never pickle. A step round-trips exactly, and a
+"""The tensor-parallel wire: typed msgpack, never pickle. A step's runner view round-trips exactly, and a
 frame that is not a kvflow message (a pickle among them) is refused without being run."""
 from __future__ import annotations
 
 import pickle
+from dataclasses import replace
 
 import pytest
 
@@ -23,7 +24,12 @@ def test_a_step_round_trips_exactly():
         num_decode_tokens=1, preempted_for={"c": "b"}, block_checks={"a": BlockCheck(2, 10, 0)},
         skipped_req_ids=["f"], admission_stop=AdmissionStop.BUDGET)
     msg = decode_step(encode_step(out, {"b": [42]}))
-    assert msg.sched_out == out and msg.sampled == {"b": [42]}
+    # everything the runner reads arrives exactly; the scheduler's record of its decisions
+    # (for the trace and stats, growing with the waiting queue) stays on the driver
+    runner_view = replace(out, is_prefill={}, preempted_for={}, block_checks={},
+                          skipped_req_ids=[], admission_stop=None)
+    assert msg.sched_out == runner_view and msg.sampled == {"b": [42]}
+    assert msg.sched_out.num_prefill_tokens == 5 and msg.sched_out.preempted_req_ids == ["c"]
     assert isinstance(msg.sched_out.scheduled_new_reqs[0].sampling_params, SamplingParams)
     assert decode_step(encode_step(None, {})) is None  # stop
 

@@ -17,7 +17,9 @@ import tempfile
 from functools import lru_cache
 
 import numpy as np
+
 from kvflow import envs
+from kvflow.utils.files import publish
 
 logger = logging.getLogger("kvflow")
 
@@ -97,15 +99,19 @@ def library() -> ctypes.CDLL | None:
     out_dir = _build_dir()
     lib_path = os.path.join(out_dir, f"kvflow_kernels-{digest.hexdigest()[:16]}.so")
     if not os.path.isfile(lib_path):
+        tmp = None
         try:
             os.makedirs(out_dir, exist_ok=True)
-            # build privately then rename: concurrent starts never load a half-written file
+            # build privately, then publish (fsync + rename) as the other caches do:
+            # concurrent starts never load a half-written file
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
             os.close(fd)
             subprocess.run([cc, *_FLAGS, *_SOURCES, "-o", tmp, "-lm"], check=True,
                            capture_output=True, timeout=120)
-            os.replace(tmp, lib_path)
+            publish(tmp, lib_path)
         except (OSError, subprocess.SubprocessError) as e:
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)  # no half-built library left behind
             err = getattr(e, "stderr", b"") or b""
             logger.warning("kvflow: building the C kernels failed (%s %s); using the PyTorch paths",
                            e, err.decode(errors="replace")[-500:])

@@ -8,7 +8,7 @@ reaches those ports decodes into these types or fails; it cannot run code.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgspec
 
@@ -44,9 +44,17 @@ class BadMessageError(RuntimeError):
     """A frame that is not one of the driver's messages (a bug, or someone else on the port)."""
 
 
+# What the scheduler recorded about its decisions (for the trace and stats): the workers' runners
+# never read it, and block_checks grows with the waiting queue, so it stays on the driver.
+_DECISIONS_CLEARED = dict(is_prefill={}, preempted_for={}, block_checks={}, skipped_req_ids=[],
+                          waiting_for_grammar_ids=[], admission_stop=None, grammar_errors={})
+
+
 def encode_step(sched_out: SchedulerOutput | None, sampled: dict[str, list[int]]) -> bytes:
-    """One step's broadcast; `sched_out=None` tells the workers to stop."""
-    return _encoder.encode(None if sched_out is None else StepMessage(sched_out, sampled))
+    """One step's broadcast (what the runner reads); `sched_out=None` tells the workers to stop."""
+    if sched_out is None:
+        return _encoder.encode(None)
+    return _encoder.encode(StepMessage(replace(sched_out, **_DECISIONS_CLEARED), sampled))
 
 
 def decode_step(data: bytes) -> StepMessage | None:
