@@ -213,3 +213,24 @@ def test_conversation_hands_templates_tool_calls_with_object_arguments():
          "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
     assert convo[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
     assert tool_dicts(req.tools) == TOOLS[:1]
+
+
+@pytest.mark.parametrize("name,prompt,output,expected", [
+    ("deepseek_r1", "Assistant: <think>\nok</think>\n", "The answer is 4.", ("", "The answer is 4.")),
+    ("qwen3", "assistant\n<think>\n", "hmm</think>\n\nOK", ("hmm", "OK")),
+    ("qwen3", "assistant\n<think>\n\n</think>\n\n", "<think>x</think>OK", ("", "<think>x</think>OK")),
+    ("qwen3", "assistant\n", "<think>hmm</think>OK", ("hmm", "OK")),
+    ("qwen3", "assistant\n", "OK", ("", "OK")),
+    ("deepseek_r1", "Assistant:", "hmm</think>OK", ("hmm", "OK")),
+])
+def test_the_parser_and_the_constraint_gate_read_the_prompt_alike(name, prompt, output, expected):
+    """Where the output begins (inside the reasoning or not) is decided once, from the rendered
+    prompt, for both the text split and the grammar's gate (reasoning_token_ids)."""
+    from kvflow.entrypoints.openai.reasoning_parsers import reasoning_token_ids
+
+    assert make_reasoning_parser(name, prompt).feed(output, final=True) == expected
+    gate = reasoning_token_ids(name, {"<think>": [1], "</think>": [2]}.__getitem__, prompt)
+    if prompt.rstrip().endswith("</think>"):
+        assert gate == {}  # the prompt closed the reasoning: constrained from the first token
+    else:
+        assert gate["reasoning_end_token_ids"] == [2]

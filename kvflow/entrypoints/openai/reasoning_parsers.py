@@ -14,8 +14,13 @@ class ReasoningParser:
     START, END = "<think>", "</think>"
     starts_in_reasoning = False
 
-    def __init__(self) -> None:
-        self.state = "start"  # start | reasoning | gap | content
+    def __init__(self, starts_in_reasoning: bool | None = None) -> None:
+        """`starts_in_reasoning`: what the rendered prompt decided (`prompt_starts_in_reasoning`):
+        False, the prompt closed the reasoning (all content); True, it opened it; None: the
+        parser's own rule."""
+        if starts_in_reasoning is not None:
+            self.starts_in_reasoning = starts_in_reasoning
+        self.state = "content" if starts_in_reasoning is False else "start"  # | reasoning | gap
         self.pending = ""
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
@@ -59,6 +64,22 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
 REASONING_PARSERS = {"qwen3": Qwen3ReasoningParser, "deepseek_r1": DeepSeekR1ReasoningParser}
 
 
+def prompt_starts_in_reasoning(name: str, prompt: str) -> bool | None:
+    """Whether the output of a prompt rendered as `prompt` begins inside the reasoning: False
+    when the prompt already closed it (Qwen3's template with thinking off ends in
+    `<think>\n\n</think>\n\n`), True when it opened it (ends in `<think>`) or the parser
+    always starts there (deepseek_r1), None when the output decides (qwen3: it reasons only if
+    it begins with `<think>`). The parser that splits the text and the constraint's gate both
+    follow this one answer."""
+    cls = REASONING_PARSERS[name]
+    tail = prompt.rstrip()
+    if tail.endswith(cls.END):
+        return False
+    if tail.endswith(cls.START) or cls.starts_in_reasoning:
+        return True
+    return None
+
+
 def reasoning_token_ids(name: str, encode, prompt: str) -> dict:
     """What a constraint needs to apply only after the reasoning (StructuredOutputsParams'
     `reasoning_end_token_ids` and `reasoning_start_token_ids`), for this parser, a tokenizer's
@@ -71,13 +92,13 @@ def reasoning_token_ids(name: str, encode, prompt: str) -> dict:
     output begins with `<think>`: a tokenizer without a one-token `<think>` is not a thinking
     one, and its output is constrained from the start."""
     cls = REASONING_PARSERS[name]
-    tail = prompt.rstrip()
-    if tail.endswith(cls.END):
+    starts = prompt_starts_in_reasoning(name, prompt)
+    if starts is False:
         return {}
     end = encode(cls.END)
     if not end:
         return {}
-    if cls.starts_in_reasoning or tail.endswith(cls.START):
+    if starts:
         return {"reasoning_end_token_ids": end}
     start = encode(cls.START)
     if len(start) != 1:
@@ -85,8 +106,10 @@ def reasoning_token_ids(name: str, encode, prompt: str) -> dict:
     return {"reasoning_end_token_ids": end, "reasoning_start_token_ids": start}
 
 
-def make_reasoning_parser(name: str) -> ReasoningParser:
+def make_reasoning_parser(name: str, prompt: str | None = None) -> ReasoningParser:
+    """The parser `name`, told by the rendered `prompt` (when given) where the output begins."""
     if name not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                          f"got {name!r}")
-    return REASONING_PARSERS[name]()
+    starts = None if prompt is None else prompt_starts_in_reasoning(name, prompt)
+    return REASONING_PARSERS[name](starts)

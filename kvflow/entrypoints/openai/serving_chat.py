@@ -46,7 +46,8 @@ class ChatJob:
         tools = (make_tool_parser(self.tool_call_parser) if self.tool_mode == "auto" else
                  JsonArrayToolParser() if self.tool_mode == "required" else
                  NamedToolParser(self.tool_name) if self.tool_mode == "named" else None)
-        reasoning = make_reasoning_parser(self.reasoning_parser) if self.reasoning_parser else None
+        reasoning = (make_reasoning_parser(self.reasoning_parser, self.prompt)
+                     if self.reasoning_parser else None)
         return MessageParser(reasoning, tools)
 
 
