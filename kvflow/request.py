@@ -174,10 +174,12 @@ class InvalidRequestError(ValueError):
 
 
 def check_request_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
-                       block_size: int | None = None, num_blocks: int | None = None) -> int:
+                       block_size: int | None = None, num_blocks: int | None = None,
+                       min_tokens: int = 0) -> int:
     """The one check that a request can ever run: a non-empty prompt that, with `max_tokens`
     (None: as many as fit), stays within `max_model_len` and, when the pool is given, within
-    `num_blocks` blocks of `block_size`. Returns max_tokens (resolved when None); raises
+    `num_blocks` blocks of `block_size`, and whose `min_tokens` fits in the max_tokens it gets
+    (resolved from max_model_len when None). Returns max_tokens (resolved when None); raises
     InvalidRequestError naming the numbers and the field to change."""
     n = num_prompt_tokens
     if n == 0:
@@ -187,6 +189,10 @@ def check_request_fits(num_prompt_tokens: int, max_tokens: int | None, max_model
             raise InvalidRequestError(f"prompt has {n} tokens; max_model_len is {max_model_len}",
                                       "prompt")
         max_tokens = max_model_len - n
+        if min_tokens > max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens}: what "
+                f"max_model_len leaves after the prompt)", "min_tokens")
     elif n + max_tokens > max_model_len:
         raise InvalidRequestError(
             f"prompt has {n} tokens and max_tokens is {max_tokens}: {n + max_tokens} is over "

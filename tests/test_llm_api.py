@@ -225,3 +225,13 @@ def test_engine_core_refuses_ids_outside_the_vocabulary_from_any_caller(llm, pro
     with pytest.raises(ValueError, match=field):
         core.add_request(req)
     assert not core.has_unfinished_requests()
+
+
+def test_min_tokens_past_what_max_model_len_leaves_refuses_the_whole_batch(llm):
+    """max_tokens=None resolves to what max_model_len leaves after the prompt; a min_tokens
+    past that is refused before any prompt of the batch is queued."""
+    max_len = llm.engine.max_model_len
+    params = [SamplingParams(max_tokens=4), SamplingParams(max_tokens=None, min_tokens=max_len)]
+    with pytest.raises(ValueError, match="min_tokens"):
+        llm.generate(["Hi", "Hello there"], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()

@@ -105,7 +105,8 @@ class EngineCore:
         params.verify_token_ids(vocab_size)
         cc = self.cache_config
         max_tokens = check_request_fits(len(r.prompt_token_ids), params.max_tokens,
-                                        self.max_model_len, cc.block_size, cc.num_blocks)
+                                        self.max_model_len, cc.block_size, cc.num_blocks,
+                                        params.min_tokens)
         if params.max_tokens is None:
             params = replace(params, max_tokens=max_tokens)
         so = params.structured_outputs

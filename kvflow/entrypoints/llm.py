@@ -94,7 +94,7 @@ class LLM:
                                         self.engine.core.config.structured_outputs_backend)
         cc = self.engine.core.cache_config
         check_request_fits(len(ids), params.max_tokens, self.engine.max_model_len,
-                           cc.block_size, cc.num_blocks)
+                           cc.block_size, cc.num_blocks, params.min_tokens)
 
     def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(order)

@@ -134,13 +134,10 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(e) from None
         try:
-            max_tokens = check_request_fits(len(ids), params.max_tokens, self.engine.max_model_len,
-                                            info.block_size, info.num_blocks)
+            check_request_fits(len(ids), params.max_tokens, self.engine.max_model_len,
+                               info.block_size, info.num_blocks, params.min_tokens)
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=e.param, code="invalid_value") from None
-        if params.min_tokens > max_tokens:
-            raise bad_request(f"min_tokens ({params.min_tokens}) must not exceed max_tokens "
-                              f"({max_tokens}: what max_model_len leaves after the prompt)")
 
 
 async def merge_streams(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
