@@ -1,7 +1,8 @@
 """The kernel backend: which implementation serves each operation of the model (projections,
 the MLP's gate/up with SiLU, attention, RMSNorm, RoPE, the KV write, the greedy argmax), chosen
 once at load from the CPU's features, the dtypes and the KVFLOW_NO_* opt-outs. The model and
-the runner call through the chosen `Kernels`; nothing below them decides again.
+the runner call through the chosen `Kernels`; nothing below them re-checks the CPU or the
+opt-outs (kernels still check the tensors they get: dtype, layout, shape).
 
 What serves here, and why:
 
