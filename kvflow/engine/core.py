@@ -11,6 +11,7 @@ from kvflow.core.scheduler import Scheduler, SchedulerOutput
 from kvflow.distributed.executor import TPExecutor
 from kvflow.engine.kv_sizing import max_concurrency, num_kv_blocks
 from kvflow.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from kvflow.engine.speculator import build_speculator
 from kvflow.engine.step_trace import StepTrace
 from kvflow.engine.warmup import warmup_outputs
 from kvflow.logger import init_logger
@@ -60,6 +61,14 @@ class EngineCore:
             lambda: get_tokenizer(tokenizer_source(mc.tokenizer, self.model_path)),
             self.arch.vocab_size, list(self.arch.eos_token_ids))
         self.trace = None
+        self.spec = None
+        if config.speculative_config is not None:
+            if self.tp_size > 1:
+                raise ValueError("speculative_config is not supported with tensor_parallel_size > 1 "
+                                 "yet; run without one of them")
+            self.spec = build_speculator(config.speculative_config, self.arch, self.dtype,
+                                         self.kv_dtype, cc, self.max_model_len)
+            self.scheduler.num_lookahead_tokens = self.spec.num_lookahead_tokens
         # runs each step: in this process, or over tensor_parallel_size ranks
         self.executor: Executor = (
             TPExecutor(config, self.model_path, self.arch, self.dtype, self.kv_dtype,
@@ -92,6 +101,7 @@ class EngineCore:
                 f"threads {torch.get_num_threads()}; "
                 + (f"tensor-parallel size {self.tp_size} (KV per rank); " if self.tp_size > 1 else "")
                 + f"{self.executor.runner.model.kernels.describe()}; "
+            + (f"{self.spec.describe()}; " if self.spec is not None else "")
                 + f"ready in {self.startup_time:.1f}s")
 
     # -- requests ------------------------------------------------------------------------
@@ -156,13 +166,17 @@ class EngineCore:
         else:
             runner_out = self.executor.execute(sched_out)
         updates = self.scheduler.update_from_output(sched_out, runner_out.sampled)
+        if self.spec is not None:  # drafts for the next step, from this step's outcome
+            self.scheduler.update_draft_token_ids(self.spec.propose(
+                sched_out, updates, len(self.scheduler.running),
+                self.scheduler.kv_cache_manager.get_block_ids))
         outputs = []
         for u in updates:
             rid = u.request.request_id
             lp = runner_out.logprobs.get(rid)
             finish = u.finish_reason.value if u.finish_reason is not None else None
             outputs.append(EngineCoreOutput(
-                rid, u.new_token_ids, [lp] if lp is not None else None, finish,
+                rid, u.new_token_ids, lp[:len(u.new_token_ids)] if lp is not None else None, finish,
                 u.request.stop_reason if finish else None,
                 num_cached_tokens=max(u.request.num_cached_tokens, 0),
                 first_scheduled_time=u.request.first_scheduled_time))
@@ -183,7 +197,10 @@ class EngineCore:
             num_preemptions=sched_out.num_preemptions,
             num_prompt_tokens=sched_out.num_prefill_tokens,
             num_generation_tokens=sched_out.num_decode_tokens, step_time=step_time,
-            prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits)
+            prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
+            spec_decode_num_drafts=s.spec_stats.num_drafts,
+            spec_decode_num_draft_tokens=s.spec_stats.num_draft_tokens,
+            spec_decode_num_accepted_tokens=s.spec_stats.num_accepted_tokens)
 
     def check_health(self) -> None:
         """WorkerFailedError if a tensor-parallel worker has died (checked while idle, so that
