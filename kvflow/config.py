@@ -277,6 +277,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+            if self.parallel_config.tensor_parallel_size > 1:
+                raise ValueError("speculative_config is not supported with tensor_parallel_size "
+                                 "> 1 yet; run without one of them")
         if self.num_threads is None:
             self.num_threads = envs.KVFLOW_NUM_THREADS or 1
         if self.num_threads < 1:

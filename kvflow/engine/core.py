@@ -62,10 +62,7 @@ class EngineCore:
             self.arch.vocab_size, list(self.arch.eos_token_ids))
         self.trace = None
         self.spec = None
-        if config.speculative_config is not None:
-            if self.tp_size > 1:
-                raise ValueError("speculative_config is not supported with tensor_parallel_size > 1 "
-                                 "yet; run without one of them")
+        if config.speculative_config is not None:  # (EngineConfig refuses it with TP)
             self.spec = build_speculator(config.speculative_config, self.arch, self.dtype,
                                          self.kv_dtype, cc, self.max_model_len)
             self.scheduler.num_lookahead_tokens = self.spec.num_lookahead_tokens

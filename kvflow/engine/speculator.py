@@ -19,8 +19,9 @@ class Speculator:
     """One proposer (`propose(items) -> drafts`, `forget(req_id)`) behind SpecPolicy."""
 
     def __init__(self, config: SpeculativeConfig, proposer, num_lookahead_tokens: int,
-                 description: str) -> None:
+                 description: str, max_model_len: int) -> None:
         self.config = config
+        self.max_model_len = max_model_len
         self.proposer = proposer
         self.num_lookahead_tokens = num_lookahead_tokens
         self.policy = SpecPolicy(config.disable_by_batch_size, config.min_acceptance_rate)
@@ -46,7 +47,12 @@ class Speculator:
                     or not self.policy.request_allows(req.num_draft_tokens,
                                                       req.num_accepted_tokens)):
                 continue
-            items.append((req.request_id, req.all_token_ids, block_ids(req.request_id)))
+            # drafts past max_tokens or max_model_len would be cut: never made
+            cap = min(self.config.num_speculative_tokens,
+                      req.max_tokens - req.num_output_tokens - 1,
+                      self.max_model_len - req.num_tokens)
+            if cap > 0:
+                items.append((req.request_id, req.all_token_ids, block_ids(req.request_id), cap))
         if not items:
             return {}
         return dict(zip((i[0] for i in items), self.proposer.propose(items)))
@@ -56,7 +62,7 @@ class NgramSpeculatorProposer(NgramProposer):
     """The n-gram proposer under the batch interface."""
 
     def propose(self, items) -> list[list[int]]:  # type: ignore[override]
-        return [NgramProposer.propose(self, rid, tokens) for rid, tokens, _ in items]
+        return [NgramProposer.propose(self, rid, tokens)[:cap] for rid, tokens, _, cap in items]
 
 
 def build_speculator(config: SpeculativeConfig, arch: LlamaArchConfig, dtype: torch.dtype,
@@ -67,10 +73,10 @@ def build_speculator(config: SpeculativeConfig, arch: LlamaArchConfig, dtype: to
         proposer = NgramSpeculatorProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
         return Speculator(config, proposer, 0,
                           f"speculative decoding: ngram k={k} n={config.prompt_lookup_min}.."
-                          f"{config.prompt_lookup_max}")
+                          f"{config.prompt_lookup_max}", max_model_len)
     from kvflow.model.draft_proposer import DraftModelProposer
     proposer = DraftModelProposer(config.model, k, arch, dtype, kv_dtype,
                                   cache_config.num_blocks, cache_config.block_size, max_model_len)
     # the draft writes k - 1 positions past the last known token: slots held for it
     return Speculator(config, proposer, k,
-                      f"speculative decoding: draft model {config.model} k={k}")
+                      f"speculative decoding: draft model {config.model} k={k}", max_model_len)
