@@ -157,7 +157,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     model: str | None = None
-    disable_by_batch_size: int = 8
+    disable_by_batch_size: int = 16
     min_acceptance_rate: float = 0.2
 
     def __post_init__(self) -> None:
