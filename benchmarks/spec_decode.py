@@ -253,11 +253,15 @@ def main() -> None:
                                      '"prompt_lookup_min": 2, "prompt_lookup_max": 5}')
     p.add_argument("--w1", action="store_true", help="also W1 off and on (minutes)")
     p.add_argument("--w1-rounds", type=int, default=2)
+    p.add_argument("--only-w1", action="store_true", help="W1 off and on, nothing else")
     p.add_argument("--llamacpp", action="store_true",
                    help="also llama.cpp's LlamaPromptLookupDecoding, one stream")
     p.add_argument("--output-json")
     args = p.parse_args()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if args.only_w1:
+        print(json.dumps({"machine": machine(), "w1": run_w1(args)}, indent=2))
+        return
     result = run_kvflow(args)
     print(json.dumps(result, indent=2), flush=True)  # kept if an anchor below fails
     if args.llamacpp:
