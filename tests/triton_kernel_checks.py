@@ -1,0 +1,127 @@
+"""The Triton paged-attention kernels (kvflow/model/triton/) against a PyTorch reference:
+scattered block tables, GQA, odd lengths, split-K, sliding windows and soft-capping.
+
+Run as its own pytest process: on CPU through Triton's interpreter, which works only when
+TRITON_INTERPRET=1 is set before triton is first imported (triton.language's own helpers are
+decorated then), so tests/test_triton_attention.py starts it in a fresh process; with
+KVFLOW_TEST_DEVICE=cuda (benchmarks/gpu_check.py) the same checks run compiled on a GPU."""
+from __future__ import annotations
+
+import os
+import sys
+
+DEVICE = os.environ.get("KVFLOW_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("triton was imported without TRITON_INTERPRET=1; run this file in "
+                           "its own process (tests/test_triton_attention.py does)")
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from triton_reference import filled_cache, reference_attention, scattered_tables  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from kvflow.model.triton import kv_write, layout, paged_decode, paged_prefill
+    if DEVICE == "cpu":
+        from triton.runtime.interpreter import InterpretedFunction
+        assert isinstance(kv_write._write_kv_kernel, InterpretedFunction)
+    return [layout, kv_write, paged_decode, paged_prefill]
+
+
+def _case(seq_lens, query_lens, heads, kv_heads, head_dim, block_size, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
+    tables = scattered_tables(seq_lens, block_size, num_blocks, gen)
+    k_cache, v_cache = filled_cache(seq_lens, tables, kv_heads, head_dim, block_size, num_blocks,
+                                    dtype, gen)
+    q = torch.randn(sum(query_lens), heads, head_dim, generator=gen).to(dtype)
+    return q, k_cache, v_cache, tables
+
+
+def _dev(*ts):
+    return [t.to(DEVICE) for t in ts]
+
+
+def _tol(dtype):
+    return dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("seq_lens,heads,kv_heads,head_dim,block_size,splits,window,cap,dtype", [
+    ([1, 17, 40], 4, 2, 32, 16, 1, None, None, torch.float32),        # GQA, odd lengths
+    ([70, 5, 33], 6, 2, 24, 8, 4, None, None, torch.float32),         # split-K, head_dim not 2^k
+    ([300, 129], 4, 1, 32, 16, 8, None, None, torch.bfloat16),        # MQA, bf16 cache, 8 splits
+    ([45, 3, 64], 4, 4, 16, 16, 2, 20, None, torch.float32),          # sliding window
+    ([37, 18], 8, 2, 16, 4, 2, None, 5.0, torch.float32),             # soft cap, block size 4
+])
+def test_paged_decode_matches_reference(kernels, seq_lens, heads, kv_heads, head_dim, block_size,
+                                        splits, window, cap, dtype):
+    decode = kernels[2]
+    q, k_cache, v_cache, tables = _case(seq_lens, [1] * len(seq_lens), heads, kv_heads, head_dim,
+                                        block_size, dtype, seed=len(seq_lens) + head_dim)
+    want = reference_attention(q, k_cache, v_cache, tables, seq_lens, [1] * len(seq_lens),
+                               0.3, window, cap)
+    qd, kd, vd, td, lens = _dev(q, k_cache, v_cache, tables, torch.tensor(seq_lens))
+    got = decode.paged_decode(qd, kd, vd, td, lens, 0.3, num_splits=splits,
+                              sliding_window=window, logits_soft_cap=cap)
+    assert got.dtype == q.dtype
+    torch.testing.assert_close(got.cpu().double(), want, **_tol(dtype))
+
+
+def test_paged_decode_padding_rows_write_zeros(kernels):
+    """A zero-length row (a CUDA graph's padding) gives zeros, never NaN, beside real rows."""
+    decode = kernels[2]
+    q, k_cache, v_cache, tables = _case([9, 1], [1, 1], 2, 1, 16, 4, torch.float32, seed=3)
+    want = reference_attention(q, k_cache, v_cache, tables, [9, 1], [1, 1], 0.25)
+    qd, kd, vd, td, lens = _dev(q, k_cache, v_cache, tables, torch.tensor([9, 0]))
+    got = decode.paged_decode(qd, kd, vd, td, lens, 0.25, num_splits=2).cpu()
+    torch.testing.assert_close(got[0].double(), want[0], **_tol(torch.float32))
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+
+
+@pytest.mark.parametrize("seq_lens,query_lens,heads,kv_heads,head_dim,block_size,window,cap,dtype", [
+    ([23, 40, 1], [23, 7, 1], 4, 2, 32, 16, None, None, torch.float32),   # prompt, chunk, decode
+    ([50, 9], [50, 9], 6, 3, 24, 8, None, None, torch.float32),           # two prompts, odd dims
+    ([70, 33], [38, 2], 4, 1, 32, 16, 24, None, torch.float32),           # window over a chunk
+    ([35, 4], [35, 1], 2, 2, 16, 4, None, 8.0, torch.float32),            # soft cap
+    ([48, 20], [16, 20], 4, 2, 32, 16, None, None, torch.bfloat16),       # bf16
+])
+def test_paged_prefill_matches_reference(kernels, seq_lens, query_lens, heads, kv_heads, head_dim,
+                                         block_size, window, cap, dtype):
+    prefill = kernels[3]
+    q, k_cache, v_cache, tables = _case(seq_lens, query_lens, heads, kv_heads, head_dim, block_size,
+                                        dtype, seed=sum(query_lens))
+    want = reference_attention(q, k_cache, v_cache, tables, seq_lens, query_lens, 0.2, window, cap)
+    qsl = torch.tensor([0] + query_lens).cumsum(0)
+    qd, kd, vd, td, lens, qsl = _dev(q, k_cache, v_cache, tables, torch.tensor(seq_lens), qsl)
+    got = prefill.paged_prefill(qd, kd, vd, td, lens, qsl, max(query_lens), 0.2,
+                                sliding_window=window, logits_soft_cap=cap, block_m=16, block_n=16)
+    torch.testing.assert_close(got.cpu().double(), want, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32),
+                                               (torch.float32, torch.bfloat16)])
+def test_write_kv_matches_write_rows(kernels, dtype, cache_dtype):
+    """Rows land where kv_layout.write_rows puts them (strided views of a fused qkv included);
+    negative slots (padding) write nothing."""
+    from kvflow.model.kv_layout import cache_shape, write_rows
+    write = kernels[1]
+    gen = torch.Generator().manual_seed(7)
+    qkv = torch.randn(5, 3 * 2 * 8 + 4 * 8, generator=gen).to(dtype)
+    k = qkv[:, 32:48].view(5, 2, 8)
+    v = qkv[:, 48:64].view(5, 2, 8)
+    slots = torch.tensor([13, 2, -1, 7, 0])
+    want_k, want_v = (torch.zeros(cache_shape(4, 4, 2, 8), dtype=cache_dtype) for _ in range(2))
+    keep = slots >= 0
+    write_rows(want_k, want_v, k[keep], v[keep], slots[keep])
+    got_k, got_v = (torch.zeros_like(want_k, device=DEVICE) for _ in range(2))
+    write.write_kv(got_k, got_v, *_dev(k, v, slots))
+    if cache_dtype == dtype:
+        assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v)
+    else:  # the interpreter rounds fp32 -> bf16 toward zero, the GPU to nearest: one ulp apart
+        for got, want in ((got_k, want_k), (got_v, want_v)):
+            torch.testing.assert_close(got.cpu().float(), want.float(), atol=0, rtol=2 ** -7)
+            assert torch.equal(got.cpu() == 0, want == 0)  # the same slots written
