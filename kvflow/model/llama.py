@@ -156,8 +156,11 @@ class LlamaForCausalLM(nn.Module):
             x = F.embedding(input_ids, self.embed_tokens)
         else:
             x = vocab_parallel_embedding(input_ids, self.embed_tokens, self.tp)
-        pos = positions if isinstance(positions, np.ndarray) else positions.numpy()
-        rope = (np.ascontiguousarray(pos, dtype=np.int64), self.rope_cos, self.rope_sin)
+        if attn_metadata.device_positions is not None:  # on a GPU: no host copy in the step
+            rope = (attn_metadata.device_positions, self.rope_cos, self.rope_sin)
+        else:
+            pos = positions if isinstance(positions, np.ndarray) else positions.numpy()
+            rope = (np.ascontiguousarray(pos, dtype=np.int64), self.rope_cos, self.rope_sin)
         delta, kernels = None, self.kernels
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, delta = layer(x, delta, rope, kv_cache, attn_metadata, kernels)

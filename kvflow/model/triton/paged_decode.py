@@ -5,7 +5,7 @@ KV head (each K/V tile is read once for the whole group) over its share of the s
 and writes a partial output normalised by its own softmax sum, with that sum's log-sum-exp. A
 second kernel merges the splits by their LSEs. Every sequence is cut into the same number of
 splits (`num_splits`, fixed for a CUDA graph's life), each `ceil(len / num_splits)` keys long,
-so long contexts occupy the GPU and short ones cost one near-empty program per split.
+so long contexts occupy the GPU (gpu_batch.num_decode_splits chooses) and short ones cost one near-empty program per split.
 
 A sequence of length 0 (padding in a captured graph) writes zeros."""
 from __future__ import annotations
@@ -16,10 +16,6 @@ import triton.language as tl
 
 from kvflow.model.kv_layout import cache_geometry
 from kvflow.model.triton.layout import key_offset, soft_cap, tile_base, value_offset
-
-# keys a split should have before another split pays for its launch share and the merge
-KEYS_PER_SPLIT = 256
-MAX_SPLITS = 16
 
 
 @triton.jit
@@ -96,12 +92,6 @@ def _merge_splits_kernel(part_out, part_lse, out_ptr, stride_o_tok, stride_o_hea
     out = tl.sum(w[:, None] * parts, axis=0) / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + seq.to(tl.int64) * stride_o_tok + head * stride_o_head + d,
              out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
-
-
-def num_splits_for(max_seq_len: int) -> int:
-    """Splits for a batch whose longest sequence has `max_seq_len` keys (a power of two)."""
-    want = max(1, -(-max_seq_len // KEYS_PER_SPLIT))
-    return min(MAX_SPLITS, triton.next_power_of_2(want))
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
