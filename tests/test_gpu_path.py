@@ -97,3 +97,56 @@ def test_runner_gpu_path_matches_cpu_kernels_under_interpreter():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "ok steps=" in proc.stdout
+
+
+# -- sizing the KV pool by --gpu-memory-utilization, from given numbers ----------------------
+GiB = 2**30
+
+
+def _mem(**kw):
+    from kvflow.model.gpu_memory import GpuMemory
+    base = dict(total=140 * GiB, free_at_start=139 * GiB, weights=16 * GiB,
+                activation_peak=3 * GiB, non_torch=1 * GiB)
+    return GpuMemory(**{**base, **kw})
+
+
+def test_kv_pool_gets_the_fraction_left_after_weights_activations_and_the_rest():
+    from kvflow.model.gpu_memory import kv_cache_bytes, num_gpu_blocks
+    assert kv_cache_bytes(_mem(), 0.9) == int(140 * GiB * 0.9) - 20 * GiB
+    # Llama-3-8B in bf16: 32 layers x 2 x 8 kv heads x 128 x 2 B = 128 KiB per token
+    per_token = 32 * 2 * 8 * 128 * 2
+    blocks = num_gpu_blocks(_mem(), 0.9, per_token, 16)
+    assert blocks == (int(140 * GiB * 0.9) - 20 * GiB) // (per_token * 16)
+    assert num_gpu_blocks(_mem(), 0.5, per_token, 16) < blocks
+
+
+def test_gpu_memory_errors_say_what_to_change():
+    from kvflow.model.gpu_memory import kv_cache_bytes, num_gpu_blocks
+    with pytest.raises(ValueError, match="only 50.00 GiB was free at start.*lower it"):
+        kv_cache_bytes(_mem(free_at_start=50 * GiB), 0.9)
+    with pytest.raises(ValueError, match="leaves nothing for the KV cache: raise it"):
+        kv_cache_bytes(_mem(weights=120 * GiB), 0.9)
+    with pytest.raises(ValueError, match="holds no block"):
+        num_gpu_blocks(_mem(total=21 * GiB, free_at_start=21 * GiB, non_torch=0), 0.96,
+                       1 << 20, 2048)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
+        kv_cache_bytes(_mem(), 1.5)
+
+
+def test_device_and_utilization_options_are_validated():
+    from kvflow.config import CacheConfig, ModelConfig
+    assert ModelConfig().device == "auto" and CacheConfig().gpu_memory_utilization == 0.9
+    with pytest.raises(ValueError, match="device must be auto, cpu or cuda"):
+        ModelConfig(device="tpu")
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        CacheConfig(gpu_memory_utilization=0.0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
+def test_device_auto_is_the_cpu_here_and_cuda_is_refused_without_a_gpu():
+    from kvflow.config import EngineConfig, ModelConfig
+    from kvflow.engine.core import EngineCore
+    from kvflow.model.loader import resolve_device
+    assert resolve_device("auto").type == "cpu"
+    with pytest.raises(ValueError, match="device cuda: torch sees no GPU"):
+        EngineCore(EngineConfig(model_config=ModelConfig(device="cuda")))

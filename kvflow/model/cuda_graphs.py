@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from kvflow.model.gpu_batch import DeviceMetadata
+from kvflow.model.gpu_batch import DeviceMetadata, num_decode_splits
 
 MAX_CAPTURE_SIZE = 512
 
@@ -109,3 +109,12 @@ class DecodeGraphs:
         graph.replay()
         self.replays += 1
         return out
+
+
+def decode_graphs_for(arch, block_size: int, max_num_seqs: int, max_model_len: int,
+                      device: torch.device | str, capture: bool = True) -> DecodeGraphs:
+    """The graphs of an engine: its whole batch-size ladder, block tables as wide as
+    max_model_len, and the decode splits that length calls for."""
+    return DecodeGraphs(capture_sizes(max_num_seqs), -(-max_model_len // block_size),
+                        arch.num_attention_heads, arch.head_dim,
+                        num_decode_splits(max_model_len), device, capture)

@@ -28,6 +28,19 @@ def resolve_dtype(name: str, device: torch.device | str | None = None) -> torch.
     return torch.bfloat16 if cpu_features().native_bf16 else torch.float32
 
 
+def resolve_device(name: str) -> torch.device:
+    """ModelConfig.device -> torch device: "auto" is cuda when torch sees a GPU, else the CPU;
+    "cuda" without a GPU is a ValueError."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda: torch sees no GPU (this torch build "
+                         f"{torch.__version__}{' has no CUDA' if torch.version.cuda is None else ''})")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {name!r}")
+    return torch.device(name)
+
+
 def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None = None,
                kernels: Kernels | None = None) -> tuple[LlamaForCausalLM, LlamaArchConfig]:
     """Load the model at `path` (HF folder or .gguf) in `dtype`, weights fused for inference;
