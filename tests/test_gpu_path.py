@@ -125,7 +125,7 @@ def test_gpu_memory_errors_say_what_to_change():
     with pytest.raises(ValueError, match="only 50.00 GiB was free at start.*lower it"):
         kv_cache_bytes(_mem(free_at_start=50 * GiB), 0.9)
     with pytest.raises(ValueError, match="leaves nothing for the KV cache: raise it"):
-        kv_cache_bytes(_mem(weights=120 * GiB), 0.9)
+        kv_cache_bytes(_mem(weights=123 * GiB), 0.9)
     with pytest.raises(ValueError, match="holds no block"):
         num_gpu_blocks(_mem(total=21 * GiB, free_at_start=21 * GiB, non_torch=0), 0.96,
                        1 << 20, 2048)
