@@ -73,6 +73,14 @@ def test_run_with_capture_off_calls_the_forward_on_the_padded_buffers():
     assert g.eager_steps == 1 and g.replays == 0 and not g.graphs
 
 
+def test_capture_all_runs_every_size_once_on_dummy_decodes():
+    g = _graphs()
+    seen = []
+    g.capture_all(lambda ids, m: seen.append((len(ids), m.slot_mapping.tolist())) or ids, block_size=4)
+    assert [n for n, _ in seen] == [1, 2, 4, 8] and g.eager_steps == 4
+    assert all(slots == [0] * n for n, slots in seen)  # block 0, before any request holds it
+
+
 def test_device_metadata_and_decode_splits():
     assert [num_decode_splits(n) for n in (1, 256, 257, 1000, 10**6)] == [1, 1, 2, 4, MAX_SPLITS]
     dm = device_metadata(np.array([[3, 1], [2, 0]]), np.array([7, 2]), np.array([0, 5, 7]), "cpu")

@@ -96,6 +96,7 @@ class EngineCore:
                 for sched_out in warmup_outputs(self.arch.vocab_size, cc.block_size, cc.num_blocks,
                                                 sc.max_num_batched_tokens):
                     self.executor.execute(sched_out)
+            self.executor.runner.capture_graphs()  # on a GPU: every decode batch size, now
         except BaseException:
             self.shutdown()  # no worker outlives a failed start
             raise

@@ -85,6 +85,19 @@ class DecodeGraphs:
         return size, replace(meta, num_tokens=size, gpu=gpu, device_positions=self.positions[:size],
                              slot_mapping=self.slot_mapping[:size])
 
+    def capture_all(self, forward: Callable[[torch.Tensor, object], torch.Tensor],
+                    block_size: int) -> None:
+        """Capture every size now (at start-up) instead of on first use: a dummy decode of
+        `size` one-token sequences on block 0, which no request has been handed yet."""
+        from kvflow.model.attention import build_attention_metadata
+        device = self.input_ids.device
+        for size in self.sizes:
+            meta = build_attention_metadata(np.ones(size), np.ones(size), [[0]] * size,
+                                            block_size, device)
+            size, padded = self.prepare(meta, [0] * size)
+            self.run(size, padded, forward)
+        self.replays = 0
+
     def run(self, size: int, meta, forward: Callable[[torch.Tensor, object], torch.Tensor]) -> torch.Tensor:
         """Hidden states [size, hidden] of the prepared step: replayed from the graph of this
         size (captured on first use), or `forward(input_ids, meta)` run eagerly."""

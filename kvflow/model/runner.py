@@ -167,6 +167,11 @@ class ModelRunner:
                 result.logprobs[state.req_id] = logprobs[j]
         return result
 
+    def capture_graphs(self) -> None:
+        """Capture the decode graphs of every batch size (start-up, before any request)."""
+        if self.graphs is not None:
+            self.graphs.capture_all(self._forward, self.block_size)
+
     def _forward(self, input_ids: torch.Tensor, meta) -> torch.Tensor:
         return self.model(input_ids, meta.positions, self.kv_caches, meta)
 
