@@ -87,6 +87,11 @@ def test_device_metadata_and_decode_splits():
     assert dm.block_tables.dtype == torch.int32 and dm.max_query_len == 5 and not dm.decode_only
 
 
+def test_ranks_stay_on_the_cpu_with_gloo_unless_the_device_is_cuda():
+    from kvflow.distributed.parallel import rank_device
+    assert rank_device("cpu", 3) == torch.device("cpu")
+
+
 def test_cuda_kernel_choice_is_triton_attention_and_torch_gemms():
     pytest.importorskip("triton")
     from kvflow.model.kernels import select_kernels

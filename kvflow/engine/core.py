@@ -45,9 +45,10 @@ class EngineCore:
         cache_dtype = config.cache_config.cache_dtype
         self.kv_dtype = self.dtype if cache_dtype == "auto" else resolve_dtype(cache_dtype)
         self.tp_size = config.parallel_config.tensor_parallel_size
-        if on_gpu and self.tp_size > 1:
-            raise ValueError("tensor parallelism on cuda (NCCL) is not implemented yet; "
-                             "use --device cpu or --tensor-parallel-size 1")
+        if on_gpu and self.tp_size > 1 and config.cache_config.num_blocks is None:
+            # the profile run that sizes the pool by --gpu-memory-utilization is one process's
+            raise ValueError("tensor parallelism on cuda needs --num-blocks: the KV pool is not "
+                             "sized from --gpu-memory-utilization across ranks yet")
         free_at_start = torch.cuda.mem_get_info(self.device)[0] if on_gpu else 0
         if self.tp_size > 1:  # the executor's ranks load their shards; never the whole model here
             model, self.arch = None, load_arch_config(self.model_path)
@@ -82,7 +83,8 @@ class EngineCore:
         # runs each step: in this process, or over tensor_parallel_size ranks
         self.executor: Executor = (
             TPExecutor(config, self.model_path, self.arch, self.dtype, self.kv_dtype,
-                       cc.num_blocks, cc.block_size, self.arch.eos_token_ids) if self.tp_size > 1
+                       cc.num_blocks, cc.block_size, self.arch.eos_token_ids,
+                       self.device.type) if self.tp_size > 1
             else UniProcExecutor(model, self.arch, cc.num_blocks, cc.block_size, self.kv_dtype,
                                  self.arch.eos_token_ids, self.device,
                                  decode_graphs_for(self.arch, cc.block_size, sc.max_num_seqs,

@@ -62,13 +62,17 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None 
     return model, arch
 
 
-def load_sharded_model(path: str, dtype: torch.dtype, tp) -> tuple[LlamaForCausalLM, LlamaArchConfig]:
-    """Rank `tp.rank`'s LlamaForCausalLM shard (built on the meta device, then given its slices)
-    and the full model's arch."""
+def load_sharded_model(path: str, dtype: torch.dtype, tp,
+                       device: torch.device | str | None = None) -> tuple[LlamaForCausalLM, LlamaArchConfig]:
+    """Rank `tp.rank`'s LlamaForCausalLM shard (built on the meta device, then given its slices;
+    moved to `device` when given) and the full model's arch."""
     arch = load_arch_config(path)
     weights = load_shard(path, arch, dtype, tp.rank, tp.world_size)
-    model = LlamaForCausalLM(arch, dtype, device="meta", tp=tp)
+    kernels = select_kernels(dtype, device=device) if device is not None else None
+    model = LlamaForCausalLM(arch, dtype, device="meta", tp=tp, kernels=kernels)
     model.load_state_dict(weights, strict=True, assign=True)
     model.eval()
-    model.pack_weights()  # oneDNN copies of this rank's projections, as load_model does
+    if device is not None:
+        model.to(device)
+    model.pack_weights()  # oneDNN copies of this rank's projections, as load_model does (CPU only)
     return model, arch
