@@ -46,8 +46,11 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1)
     lens = [29, 9, 1, 14]
     for i, n in enumerate(lens):
+        # one seeded sampled request: the sampler's path on the GPU set too
+        params = (SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=4 + i, ignore_eos=True)
+                  if i == 1 else SamplingParams(temperature=0.0, max_tokens=4 + i, ignore_eos=True))
         sched.add_request(Request(f"r{i}", torch.randint(0, arch.vocab_size, (n,), generator=gen).tolist(),
-                                  SamplingParams(temperature=0.0, max_tokens=4 + i, ignore_eos=True)))
+                                  params))
     steps = mixed = padded = 0
     while sched.has_unfinished_requests():
         out = sched.schedule()

@@ -156,7 +156,7 @@ class ModelRunner:
             tokens, logprobs = self.model.kernels.argmax(logits), None
         else:
             meta = build_sampling_metadata([self._sampling_row(s) for s in sampled_states],
-                                           logits.shape[-1])
+                                           logits.shape[-1], logits.device)
             meta.grammar_masked = grammar is not None
             sampled = self.sampler(logits, meta)
             tokens, logprobs = sampled.sampled_token_ids, sampled.logprobs
