@@ -307,54 +307,74 @@ def check_model(name: str, args, device, report: dict) -> None:
     if engine.memory is not None:
         sec["gpu_memory"] = {k: getattr(engine.memory, k) for k in
                              ("total", "free_at_start", "weights", "activation_peak", "non_torch")}
-    vocab = arch.vocab_size
 
-    if "equivalence" not in skip:
-        prompts = w1_prompts(4, 8, 24 if dry else 64, vocab, args.seed + 1)
-        outs, _ = engine.generate(prompts, 8 if dry else 32)
-        ranks = ranks_under_hf(hf, prompts, outs, device)
-        sec["equivalence"] = {"tokens": len(ranks), "exact": sum(r == 0 for r in ranks) / len(ranks),
-                              "max_rank": max(ranks), "ok": max(ranks) < 3}
+    try:
+        run_sections(sec, engine, hf, arch, weight_bytes, dtype, device, args, skip)
+    finally:
+        del engine, model, hf
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
+
+def run_sections(sec: dict, engine, hf, arch, weight_bytes: int, dtype, device, args, skip) -> None:
+    """Each section on its own: one that fails leaves its traceback and the next still runs."""
+    import traceback
+
+    for name, fn in (("equivalence", equivalence), ("w1", w1), ("batch1", batch1)):
+        if name in skip:
+            continue
+        try:
+            sec[name] = fn(engine, hf, arch, weight_bytes, dtype, device, args, skip)
+        except Exception:  # noqa: BLE001
+            sec[name] = {"error": traceback.format_exc()[-3000:]}
+
+
+def equivalence(engine, hf, arch, weight_bytes, dtype, device, args, skip) -> dict:
+    prompts = w1_prompts(4, 8, 24 if args.dry_run else 64, arch.vocab_size, args.seed + 1)
+    outs, _ = engine.generate(prompts, 8 if args.dry_run else 32)
+    ranks = ranks_under_hf(hf, prompts, outs, device)
+    return {"tokens": len(ranks), "exact": sum(r == 0 for r in ranks) / len(ranks),
+            "max_rank": max(ranks), "ok": max(ranks) < 3}
+
+
+def w1(engine, hf, arch, weight_bytes, dtype, device, args, skip) -> dict:
+    dry = args.dry_run
     n_prompts = args.w1_prompts or (4 if dry else 128)
     out_len = args.w1_output or (8 if dry else 128)
-    if "w1" not in skip:
-        prompts = w1_prompts(n_prompts, 8 if dry else 32, 24 if dry else 512, vocab, args.seed)
-        engine.generate(prompts[:2], 4)  # warm: Triton compiles the prefill kernel's variants
-        outs, timing = engine.generate(prompts, out_len)
-        assert all(len(o) == out_len for o in outs)
-        w1 = {"prompts": n_prompts, "prompt_tokens": sum(map(len, prompts)), "output_len": out_len,
-              "kvflow_s": timing["seconds"], "kvflow_output_tok_s": n_prompts * out_len / timing["seconds"],
-              "kvflow_steps": timing["steps"]}
-        roof = roofline_w1(arch, weight_bytes, list(map(len, prompts)), out_len, dtype.itemsize,
-                           args.bandwidth_tbs * 1e12, args.peak_tflops * 1e12)
-        w1["roofline_output_tok_s"] = roof["output_tok_s"]
-        w1["roofline_bound"] = roof["bound"]
-        w1["kvflow_of_roofline"] = w1["kvflow_output_tok_s"] / roof["output_tok_s"]
-        if "hf" not in skip:
-            hf_outs, hf_s = hf_generate(hf, prompts, out_len, args.hf_batch, device)
-            w1["hf_s"] = hf_s
-            w1["hf_output_tok_s"] = n_prompts * out_len / hf_s
-            w1["kvflow_over_hf"] = w1["kvflow_output_tok_s"] / w1["hf_output_tok_s"]
-        sec["w1"] = w1
+    prompts = w1_prompts(n_prompts, 8 if dry else 32, 24 if dry else 512, arch.vocab_size, args.seed)
+    engine.generate(prompts[:2], 4)  # warm: Triton compiles the prefill kernel's variants
+    outs, timing = engine.generate(prompts, out_len)
+    assert all(len(o) == out_len for o in outs)
+    r = {"prompts": n_prompts, "prompt_tokens": sum(map(len, prompts)), "output_len": out_len,
+         "kvflow_s": timing["seconds"], "kvflow_output_tok_s": n_prompts * out_len / timing["seconds"],
+         "kvflow_steps": timing["steps"]}
+    roof = roofline_w1(arch, weight_bytes, list(map(len, prompts)), out_len, dtype.itemsize,
+                       args.bandwidth_tbs * 1e12, args.peak_tflops * 1e12)
+    r["roofline_output_tok_s"] = roof["output_tok_s"]
+    r["roofline_bound"] = roof["bound"]
+    r["kvflow_of_roofline"] = r["kvflow_output_tok_s"] / roof["output_tok_s"]
+    if "hf" not in skip:
+        _, hf_s = hf_generate(hf, prompts, out_len, args.hf_batch, device)
+        r["hf_s"] = hf_s
+        r["hf_output_tok_s"] = n_prompts * out_len / hf_s
+        r["kvflow_over_hf"] = r["kvflow_output_tok_s"] / r["hf_output_tok_s"]
+    return r
 
-    if "batch1" not in skip:
-        p_len, b1_out = (8, 8) if dry else (128, 256)
-        prompt = w1_prompts(1, p_len, p_len, vocab, args.seed + 2)
-        outs, timing = engine.generate(prompt, b1_out)
-        decode_s = timing["seconds"] - (timing["first_token_s"] or 0.0)
-        b1 = {"prompt_len": p_len, "output_len": b1_out,
-              "kvflow_decode_tok_s": (b1_out - 1) / decode_s,
-              "bandwidth_limit_tok_s": bandwidth_limit_batch1(arch, weight_bytes, p_len, b1_out,
-                                                              dtype.itemsize, args.bandwidth_tbs * 1e12)}
-        b1["kvflow_of_limit"] = b1["kvflow_decode_tok_s"] / b1["bandwidth_limit_tok_s"]
-        if "hf" not in skip:
-            _, hf_s = hf_generate(hf, prompt, b1_out, 1, device)
-            b1["hf_tok_s"] = b1_out / hf_s  # prefill included: a slight underestimate
-        sec["batch1"] = b1
-    del engine, model, hf
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+
+def batch1(engine, hf, arch, weight_bytes, dtype, device, args, skip) -> dict:
+    p_len, out_len = (8, 8) if args.dry_run else (128, 256)
+    prompt = w1_prompts(1, p_len, p_len, arch.vocab_size, args.seed + 2)
+    _, timing = engine.generate(prompt, out_len)
+    decode_s = timing["seconds"] - (timing["first_token_s"] or 0.0)
+    r = {"prompt_len": p_len, "output_len": out_len,
+         "kvflow_decode_tok_s": (out_len - 1) / decode_s,
+         "bandwidth_limit_tok_s": bandwidth_limit_batch1(arch, weight_bytes, p_len, out_len,
+                                                         dtype.itemsize, args.bandwidth_tbs * 1e12)}
+    r["kvflow_of_limit"] = r["kvflow_decode_tok_s"] / r["bandwidth_limit_tok_s"]
+    if "hf" not in skip:
+        _, hf_s = hf_generate(hf, prompt, out_len, 1, device)
+        r["hf_tok_s"] = out_len / hf_s  # prefill included: a slight underestimate
+    return r
 
 
 def render(report: dict) -> str:
@@ -365,13 +385,26 @@ def render(report: dict) -> str:
         k = report["kernels"]
         lines.append(f"kernel tests: {'PASS' if k['ok'] else 'FAIL'} ({k['summary']}, {k['seconds']:.0f}s)")
     for m in report["models"]:
+        if "error" in m and "num_blocks" not in m:
+            lines.append(f"[{m['shape']}] FAILED before measuring:\n{m['error']}")
+            continue
         lines.append(f"[{m['shape']}] {m['dtype']}, weights {m['weight_bytes'] / 2**30:.2f} GiB, "
                      f"{m['num_blocks']} KV blocks, graph capture {m['graph_capture_s']}s")
-        if "equivalence" in m:
+        if "gpu_memory" in m:
+            g = {k: v / 2**30 for k, v in m["gpu_memory"].items()}
+            lines.append(f"  GPU memory (GiB): total {g['total']:.1f}, free at start "
+                         f"{g['free_at_start']:.1f}, weights {g['weights']:.2f} (HF's copy included), "
+                         f"activation peak {g['activation_peak']:.2f}, outside torch {g['non_torch']:.2f}")
+        if "error" in m:
+            lines.append(f"  FAILED:\n{m['error']}")
+        for name in ("equivalence", "w1", "batch1"):
+            if "error" in m.get(name, {}):
+                lines.append(f"  {name} FAILED:\n{m[name]['error']}")
+        if "ok" in m.get("equivalence", {}):
             q = m["equivalence"]
             lines.append(f"  greedy vs HF: {'PASS' if q['ok'] else 'FAIL'} ({q['tokens']} tokens, "
                          f"{q['exact']:.0%} HF's argmax, worst rank {q['max_rank']}; rule: top-3)")
-        if "w1" in m:
+        if "kvflow_s" in m.get("w1", {}):
             w = m["w1"]
             hf = (f", HF generate {w['hf_output_tok_s']:.0f} tok/s (kvflow x{w['kvflow_over_hf']:.2f})"
                   if "hf_output_tok_s" in w else "")
@@ -379,7 +412,7 @@ def render(report: dict) -> str:
                          f"{w['kvflow_output_tok_s']:.0f} output tok/s{hf}; roofline "
                          f"{w['roofline_output_tok_s']:.0f} ({w['roofline_bound']}-bound), kvflow at "
                          f"{w['kvflow_of_roofline']:.1%}")
-        if "batch1" in m:
+        if "kvflow_decode_tok_s" in m.get("batch1", {}):
             b = m["batch1"]
             hf = f", HF generate {b['hf_tok_s']:.0f} tok/s" if "hf_tok_s" in b else ""
             lines.append(f"  batch 1 decode: kvflow {b['kvflow_decode_tok_s']:.0f} tok/s{hf}; "
@@ -422,7 +455,13 @@ def main(argv=None) -> int:
         if name not in SHAPES:
             print(f"unknown shape {name!r}; known: {', '.join(SHAPES)}", file=sys.stderr)
             return 2
-        check_model(name, args, device, report)
+        try:  # a failure is reported and the next shape still runs: GPU time is scarce
+            check_model(name, args, device, report)
+        except Exception:  # noqa: BLE001
+            import traceback
+            report["models"].append({"shape": name, "error": traceback.format_exc()[-3000:]})
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     report["seconds"] = time.perf_counter() - t0
     text = render(report)
     report["text"] = text
@@ -430,7 +469,8 @@ def main(argv=None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1, default=str))
     ok = report.get("kernels", {}).get("ok", True) and all(
-        m.get("equivalence", {}).get("ok", True) for m in report["models"])
+        "error" not in m and all("error" not in m.get(k, {}) for k in ("equivalence", "w1", "batch1"))
+        and m.get("equivalence", {}).get("ok", True) for m in report["models"])
     return 0 if ok else 1
 
 
