@@ -97,6 +97,7 @@ def test_cuda_kernel_choice_is_triton_attention_and_torch_gemms():
     from kvflow.model.kernels import select_kernels
     k = select_kernels(torch.bfloat16, device="cuda")
     assert k.names["attention"] == "triton-paged" and k.names["linear"] == "torch" and k.pack is None
+    assert k.names["norm"] == k.names["rope"] == k.names["kv_write"] == "triton"
     assert k.describe().startswith("kernels [cuda]: linear=torch")
     assert k.with_kv_dtype(torch.float32).names == k.names
 

@@ -125,3 +125,65 @@ def test_write_kv_matches_write_rows(kernels, dtype, cache_dtype):
         for got, want in ((got_k, want_k), (got_v, want_v)):
             torch.testing.assert_close(got.cpu().float(), want.float(), atol=0, rtol=2 ** -7)
             assert torch.equal(got.cpu() == 0, want == 0)  # the same slots written
+
+
+# -- the fused per-token ops against their PyTorch versions (kvflow/csrc/ops.py) --------------
+def _close_or_ulp(got, want):
+    """fp32: equal to rounding; bf16: within one ulp on a GPU (it rounds to nearest, as PyTorch
+    does), a few under the interpreter, which rounds toward zero at each of the 2-3 roundings."""
+    if want.dtype == torch.float32:
+        torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+    elif DEVICE == "cpu":
+        torch.testing.assert_close(got.cpu().float(), want.float(), atol=3e-2, rtol=3e-2)
+    else:
+        torch.testing.assert_close(got.cpu().float(), want.float(), atol=1e-2, rtol=2 ** -7)
+
+
+@pytest.fixture(scope="module")
+def fused():
+    from kvflow.model.triton import fused_ops
+    return fused_ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm_matches_torch(fused, dtype, with_delta):
+    from kvflow.csrc.ops import add_rms_norm_torch
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(5, 96, generator=gen).to(dtype)
+    delta = torch.randn(5, 96, generator=gen).to(dtype) if with_delta else None
+    w = (1 + 0.1 * torch.randn(96, generator=gen)).to(dtype)
+    want_x = x.clone()
+    want = add_rms_norm_torch(want_x, delta, w, 1e-5)
+    got_x = x.clone().to(DEVICE)
+    got = fused.add_rms_norm(got_x, None if delta is None else delta.to(DEVICE), w.to(DEVICE), 1e-5)
+    _close_or_ulp(got_x, want_x)  # the residual stream, updated in place
+    _close_or_ulp(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(fused, dtype):
+    from kvflow.csrc.ops import silu_mul_torch
+    gu = torch.randn(3, 2 * 80, generator=torch.Generator().manual_seed(2)).to(dtype)
+    _close_or_ulp(fused.silu_mul(gu.to(DEVICE)), silu_mul_torch(gu))
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(32, torch.float32), (24, torch.float32),
+                                            (64, torch.bfloat16)])
+def test_rope_matches_torch_on_the_q_and_k_heads_only(fused, head_dim, dtype):
+    from kvflow.csrc.ops import rope_torch_
+    import numpy as np
+    gen = torch.Generator().manual_seed(4)
+    heads, kv = 3, 1
+    qkv = torch.randn(6, (heads + 2 * kv) * head_dim, generator=gen).to(dtype)
+    freqs = torch.outer(torch.arange(64, dtype=torch.float32),
+                        1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    positions = np.array([0, 5, 63, 2, 2, 40])
+    want = qkv.clone()
+    rope_torch_(want, heads + kv, head_dim, positions, emb.cos(), emb.sin())
+    got = qkv.clone().to(DEVICE)
+    fused.rope_(got, heads + kv, head_dim, torch.from_numpy(positions).to(DEVICE),
+                emb.cos().to(DEVICE), emb.sin().to(DEVICE))
+    _close_or_ulp(got, want)
+    assert torch.equal(got.cpu()[:, (heads + kv) * head_dim:], qkv[:, (heads + kv) * head_dim:])  # v untouched

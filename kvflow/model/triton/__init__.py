@@ -1,6 +1,6 @@
 """Paged attention for NVIDIA GPUs in Triton: the KV write by slot mapping (kv_write.py), decode
 attention split over the KV length (paged_decode.py) and varlen prompt/mixed attention
-(paged_prefill.py). They read and write kvflow's own cache tiles (kvflow/model/kv_layout.py),
+(paged_prefill.py); and the layer's small fused ops (fused_ops.py: add+RMSNorm, RoPE, SiLU-mul). They read and write kvflow's own cache tiles (kvflow/model/kv_layout.py),
 so the GPU cache is the CPU one on another device. `attention.py` here is the backend's entry
 point with the signature of model/attention.py's.
 
