@@ -10,6 +10,9 @@ What it does, in order, printing one report at the end (and writing it as JSON w
    reference) compiled and run on the GPU, in a pytest subprocess.
 2. for each model shape (SmolLM2-135M's and Llama-3-8B's, random weights built from a
    `transformers` config on the GPU, bf16; no weights are carried there):
+   - engine (SmolLM2's shape): the model saved as an HF folder and served by kvflow's
+     EngineCore with --device cuda: its own --gpu-memory-utilization sizing, CUDA graphs, the
+     start-up line, and greedy tokens checked against HF as below.
    - equivalence: kvflow's greedy tokens against HF transformers on the same weights. With
      random weights many logits nearly tie, so the rule is the CPU bf16 tests': each kvflow
      token is within HF's top-3 at its position (HF run over kvflow's own prefix); the share
@@ -38,7 +41,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-REQUIRED = ["torch", "triton", "transformers", "numpy", "msgspec", "safetensors", "pytest"]
+REQUIRED = ["torch", "triton", "transformers", "numpy", "msgspec", "safetensors"]
 
 # (name, transformers LlamaConfig kwargs): the real models' shapes, random weights
 SHAPES = {
@@ -66,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--models", default=None,
                    help="comma-separated shapes (default: smollm2-135m,llama3-8b; dry run: tiny)")
     p.add_argument("--skip", default="", help="comma-separated sections to leave out: "
-                   "kernels, equivalence, w1, batch1, hf")
+                   "kernels, engine, equivalence, w1, batch1, hf")
     p.add_argument("--out", default=None, help="write the report as JSON here")
     p.add_argument("--w1-prompts", type=int, default=None, help="W1 prompts (128; dry run 4)")
     p.add_argument("--w1-output", type=int, default=None, help="W1 tokens out each (128; dry run 8)")
@@ -78,6 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85,
                    help="the KV pool's sizing; HF's copy of the model shares the GPU")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--engine-shapes", default="smollm2-135m,tiny",
+                   help="shapes also run through EngineCore from a saved HF folder (section "
+                   "`engine`; the 8B one is not saved: 16 GB to disk)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -272,7 +278,10 @@ def bandwidth_limit_batch1(arch, weight_bytes: int, prompt_len: int, out_len: in
 
 # -- the sections ---------------------------------------------------------------------------------
 def run_kernel_tests(device_type: str) -> dict:
-    env = {**os.environ, "KVFLOW_TEST_DEVICE": device_type,
+    if importlib.util.find_spec("pytest") is None:
+        return {"ok": False, "summary": "not run: pytest is not installed", "seconds": 0.0,
+                "output_tail": ""}
+    env = {**os.environ, "KERNEL_CHECKS_DEVICE": device_type,
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     if device_type == "cpu":
         env["TRITON_INTERPRET"] = "1"
@@ -283,6 +292,49 @@ def run_kernel_tests(device_type: str) -> dict:
     tail = proc.stdout.strip().splitlines()[-1:] or [proc.stderr.strip()[-300:]]
     return {"ok": proc.returncode == 0, "summary": tail[0], "seconds": time.perf_counter() - t0,
             "output_tail": proc.stdout[-3000:] if proc.returncode else ""}
+
+
+def engine_core_run(hf, arch, dtype, device, args) -> dict:
+    """The product path: the HF folder saved, kvflow's EngineCore started on it with --device
+    and --gpu-memory-utilization (the pool sized by its own profile run, CUDA graphs captured,
+    the start-up line), a few greedy requests stepped through it and checked against HF."""
+    import torch
+
+    from kvflow.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from kvflow.engine.core import EngineCore
+    from kvflow.engine.protocol import EngineCoreRequest
+    from kvflow.sampling_params import SamplingParams
+
+    prompts = w1_prompts(8, 8, 24 if args.dry_run else 200, arch.vocab_size, args.seed + 3)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp)
+        t0 = time.perf_counter()
+        core = EngineCore(EngineConfig(
+            model_config=ModelConfig(model=tmp, device=device.type, enforce_eager=args.enforce_eager,
+                                     dtype=str(dtype).removeprefix("torch."),
+                                     max_model_len=min(1024, arch.max_position_embeddings)),
+            cache_config=CacheConfig(gpu_memory_utilization=args.gpu_memory_utilization,
+                                     num_blocks=None if device.type == "cuda" else 256),
+            scheduler_config=SchedulerConfig(max_num_seqs=8 if args.dry_run else 64)))
+        startup_s = time.perf_counter() - t0
+        try:
+            for i, p in enumerate(prompts):
+                core.add_request(EngineCoreRequest(f"e{i}", p, SamplingParams(
+                    temperature=0.0, max_tokens=16, ignore_eos=True)))
+            outs: dict[str, list[int]] = {}
+            while core.has_unfinished_requests():
+                for o in core.step().outputs:
+                    outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            report_line = core.startup_report()
+        finally:
+            core.shutdown()
+            del core
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    ranks = ranks_under_hf(hf, prompts, [outs[f"e{i}"] for i in range(len(prompts))], device)
+    return {"startup_report": report_line, "startup_s": startup_s, "tokens": len(ranks),
+            "exact": sum(r == 0 for r in ranks) / len(ranks), "max_rank": max(ranks),
+            "ok": max(ranks) < 3}
 
 
 def check_model(name: str, args, device, report: dict) -> None:
@@ -296,6 +348,13 @@ def check_model(name: str, args, device, report: dict) -> None:
     free_at_start = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
     t0 = time.perf_counter()
     hf, model, arch = build_models(SHAPES[name], dtype, device, dry, args.seed)
+    if "engine" not in skip and name in args.engine_shapes.split(","):
+        # first, while the GPU holds only the two models: EngineCore sizes its own pool
+        import traceback
+        try:
+            sec["engine_core"] = engine_core_run(hf, arch, dtype, device, args)
+        except Exception:  # noqa: BLE001
+            sec["engine_core"] = {"error": traceback.format_exc()[-3000:]}
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     sec["build_s"] = round(time.perf_counter() - t0, 1)
     sec["weight_bytes"] = weight_bytes
@@ -397,6 +456,14 @@ def render(report: dict) -> str:
                          f"activation peak {g['activation_peak']:.2f}, outside torch {g['non_torch']:.2f}")
         if "error" in m:
             lines.append(f"  FAILED:\n{m['error']}")
+        if "engine_core" in m:
+            c = m["engine_core"]
+            if "error" in c:
+                lines.append(f"  EngineCore FAILED:\n{c['error']}")
+            else:
+                lines.append(f"  EngineCore: {'PASS' if c['ok'] else 'FAIL'} ({c['tokens']} tokens, "
+                             f"{c['exact']:.0%} HF's argmax, worst rank {c['max_rank']}); started in "
+                             f"{c['startup_s']:.1f}s: {c['startup_report']}")
         for name in ("equivalence", "w1", "batch1"):
             if "error" in m.get(name, {}):
                 lines.append(f"  {name} FAILED:\n{m[name]['error']}")
@@ -469,8 +536,10 @@ def main(argv=None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1, default=str))
     ok = report.get("kernels", {}).get("ok", True) and all(
-        "error" not in m and all("error" not in m.get(k, {}) for k in ("equivalence", "w1", "batch1"))
-        and m.get("equivalence", {}).get("ok", True) for m in report["models"])
+        "error" not in m
+        and all("error" not in m.get(k, {}) for k in ("engine_core", "equivalence", "w1", "batch1"))
+        and m.get("equivalence", {}).get("ok", True) and m.get("engine_core", {}).get("ok", True)
+        for m in report["models"])
     return 0 if ok else 1
 
 

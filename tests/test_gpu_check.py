@@ -66,6 +66,7 @@ def test_gpu_check_dry_run_passes_on_cpu(tmp_path):
     report = json.loads(out.read_text())
     (model,) = report["models"]
     assert model["equivalence"]["ok"] and model["equivalence"]["tokens"] == 32
+    assert model["engine_core"]["ok"] and "blocks x 16" in model["engine_core"]["startup_report"]
     assert model["w1"]["kvflow_output_tok_s"] > 0 and model["w1"]["hf_output_tok_s"] > 0
     assert model["batch1"]["kvflow_decode_tok_s"] > 0
     assert "greedy vs HF: PASS" in proc.stdout

@@ -17,7 +17,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def test_triton_kernels_match_reference_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "KVFLOW_TEST_DEVICE": "cpu",
+    env = {**os.environ, "TRITON_INTERPRET": "1", "KERNEL_CHECKS_DEVICE": "cpu",
            "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            str(HERE / "triton_kernel_checks.py")],

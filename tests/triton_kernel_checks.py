@@ -4,13 +4,13 @@ scattered block tables, GQA, odd lengths, split-K, sliding windows and soft-capp
 Run as its own pytest process: on CPU through Triton's interpreter, which works only when
 TRITON_INTERPRET=1 is set before triton is first imported (triton.language's own helpers are
 decorated then), so tests/test_triton_attention.py starts it in a fresh process; with
-KVFLOW_TEST_DEVICE=cuda (benchmarks/gpu_check.py) the same checks run compiled on a GPU."""
+KERNEL_CHECKS_DEVICE=cuda (benchmarks/gpu_check.py) the same checks run compiled on a GPU."""
 from __future__ import annotations
 
 import os
 import sys
 
-DEVICE = os.environ.get("KVFLOW_TEST_DEVICE", "cpu")
+DEVICE = os.environ.get("KERNEL_CHECKS_DEVICE", "cpu")
 if DEVICE == "cpu":
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("triton was imported without TRITON_INTERPRET=1; run this file in "
