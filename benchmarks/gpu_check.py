@@ -154,7 +154,7 @@ class Engine:
         self.memory = None
         if device.type == "cuda":
             self.memory = gpu_memory.measure(model, arch, dtype, block_size, max_num_batched_tokens,
-                                             max_num_seqs, device, free_at_start)
+                                             max_num_seqs, max_model_len, device, free_at_start)
             num_blocks = gpu_memory.num_gpu_blocks(self.memory, args.gpu_memory_utilization,
                                                    self.kv_bytes_per_token, block_size)
         else:

@@ -68,6 +68,13 @@ def main() -> None:
         torch.testing.assert_close(k1, k0, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(v1, v0, atol=1e-5, rtol=1e-5)
     assert graphs.eager_steps > 0 and padded > 0 and mixed > 0, (graphs.eager_steps, padded, mixed)
+    # the memory profile's step (gpu_memory.py) through the GPU kernel set: a batch longer than
+    # max_model_len is cut into sequences that keep positions inside the RoPE table
+    from kvflow.model.gpu_memory import run_profile_step
+    cache_bytes = run_profile_step(gpu_model, arch, torch.float32, block_size, num_tokens=70,
+                                   num_seqs=8, max_model_len=32, device="cpu")
+    per_block = 2 * arch.num_hidden_layers * block_size * arch.num_key_value_heads * arch.head_dim * 4
+    assert cache_bytes == (8 + 8 + 2) * per_block, cache_bytes
     print(f"ok steps={steps} graph_steps={graphs.eager_steps} padded={padded} mixed={mixed}")
 
 

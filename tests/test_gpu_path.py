@@ -164,3 +164,12 @@ def test_device_auto_is_the_cpu_here_and_cuda_is_refused_without_a_gpu():
     assert resolve_device("auto").type == "cpu"
     with pytest.raises(ValueError, match="device cuda: torch sees no GPU"):
         EngineCore(EngineConfig(model_config=ModelConfig(device="cuda")))
+
+
+def test_profile_batch_keeps_positions_inside_max_model_len():
+    from kvflow.model.gpu_memory import profile_batch
+    lens, tables, blocks = profile_batch(2048, 8192, 16)
+    assert lens.tolist() == [2048] and blocks == 128 and tables == [list(range(128))]
+    lens, tables, blocks = profile_batch(2048, 500, 16)
+    assert lens.tolist() == [500, 500, 500, 500, 48] and max(lens) <= 500
+    assert blocks == 4 * 32 + 3 and tables[-1] == [128, 129, 130]

@@ -65,7 +65,8 @@ class EngineCore:
             # weights, a profile run of the largest step, then the KV pool gets what is left
             self.gpu_memory = gpu_memory.measure(
                 model, self.arch, self.kv_dtype, config.cache_config.block_size,
-                sc.max_num_batched_tokens, sc.max_num_seqs, self.device, free_at_start)
+                sc.max_num_batched_tokens, sc.max_num_seqs, self.max_model_len, self.device,
+                free_at_start)
             num_blocks = gpu_memory.num_gpu_blocks(
                 self.gpu_memory, config.cache_config.gpu_memory_utilization,
                 self.kv_bytes_per_token, config.cache_config.block_size)

@@ -62,37 +62,58 @@ def num_gpu_blocks(mem: GpuMemory, utilization: float, kv_bytes_per_token: int,
     return int(blocks)
 
 
+def profile_batch(num_tokens: int, max_model_len: int, block_size: int):
+    """The profile step's prompts: `num_tokens` in sequences of at most max_model_len (positions
+    stay inside the model's RoPE table), each on its own blocks -> (lens, block tables, blocks)."""
+    seq_len = min(num_tokens, max_model_len)
+    lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+    tables, next_block = [], 0
+    for n in lens:
+        count = -(-n // block_size)
+        tables.append(list(range(next_block, next_block + count)))
+        next_block += count
+    return np.array(lens), tables, next_block
+
+
 @torch.inference_mode()
-def profile_step_peak(model, arch, kv_dtype: torch.dtype, block_size: int, num_tokens: int,
-                      num_seqs: int, device: torch.device) -> int:
-    """Peak bytes above what is allocated now of the largest step: one prompt of `num_tokens`
-    tokens (a throw-away cache of its own size, not counted) and fp32 logits with a softmax for
-    `num_seqs` sampling rows."""
-    torch.cuda.synchronize(device)
-    base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    num_blocks = -(-num_tokens // block_size)
+def run_profile_step(model, arch, kv_dtype: torch.dtype, block_size: int, num_tokens: int,
+                     num_seqs: int, max_model_len: int, device: torch.device | str) -> int:
+    """The largest step once: `num_tokens` prompt tokens on a throw-away cache of their own
+    size, and fp32 logits with a softmax for `num_seqs` sampling rows. Returns the cache's
+    bytes (what the profile does not count as activations)."""
+    lens, tables, num_blocks = profile_batch(num_tokens, max_model_len, block_size)
     caches = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype, device)
     cache_bytes = sum(t.numel() * t.element_size() for pair in caches for t in pair)
-    meta = build_attention_metadata(np.array([num_tokens]), np.array([num_tokens]),
-                                    [list(range(num_blocks))], block_size, device)
+    meta = build_attention_metadata(lens, lens, tables, block_size, device)
     ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     hidden = model(ids, meta.positions, caches, meta)
     rows = torch.arange(max(0, num_tokens - num_seqs), num_tokens, device=device)
     logits = model.compute_logits(hidden[rows], as_float=True)
     torch.softmax(logits, dim=-1)
+    return cache_bytes
+
+
+def profile_step_peak(model, arch, kv_dtype: torch.dtype, block_size: int, num_tokens: int,
+                      num_seqs: int, max_model_len: int, device: torch.device) -> int:
+    """Peak bytes above what is allocated now of the largest step (run_profile_step), its
+    throw-away cache excluded."""
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    cache_bytes = run_profile_step(model, arch, kv_dtype, block_size, num_tokens, num_seqs,
+                                   max_model_len, device)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base - cache_bytes
-    del caches, hidden, logits
     torch.cuda.empty_cache()
     return max(0, int(peak))
 
 
 def measure(model, arch, kv_dtype: torch.dtype, block_size: int, num_tokens: int, num_seqs: int,
-            device: torch.device, free_at_start: int) -> GpuMemory:
+            max_model_len: int, device: torch.device, free_at_start: int) -> GpuMemory:
     """The numbers on this GPU after the model loaded (`free_at_start` taken before)."""
     weights = torch.cuda.memory_allocated(device)
-    peak = profile_step_peak(model, arch, kv_dtype, block_size, num_tokens, num_seqs, device)
+    peak = profile_step_peak(model, arch, kv_dtype, block_size, num_tokens, num_seqs,
+                             max_model_len, device)
     free, total = torch.cuda.mem_get_info(device)
     non_torch = max(0, (free_at_start - free) - torch.cuda.memory_reserved(device))
     return GpuMemory(total=total, free_at_start=free_at_start, weights=weights,
