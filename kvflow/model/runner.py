@@ -124,9 +124,11 @@ class ModelRunner:
             input_ids = []
             for s, start, end in zip(states, starts.tolist(), seq_lens.tolist()):
                 input_ids.extend(s.token_ids[start:end])
-        on_cpu = self.device.type == "cpu"
         meta = build_attention_metadata(query_lens, seq_lens, [out.block_ids[r] for r in req_ids],
-                                        self.block_size, None if on_cpu else self.device)
+                                        self.block_size)
+        if self.device.type != "cpu":  # the GPU kernels read these (and meta.gpu's arrays) only
+            meta.slot_mapping = meta.slot_mapping.to(self.device, non_blocking=True)
+            meta.device_positions = torch.from_numpy(meta.positions).to(self.device, non_blocking=True)
         if self.populator is not None:  # every cache's bytes up to the furthest block written
             self.populator.need((int(meta.slot_mapping.max()) // self.block_size + 1) * self._block_bytes)
         graphs = self.graphs
