@@ -169,6 +169,7 @@ class ModelRunner:
                 result.logprobs[state.req_id] = logprobs[j]
         return result
 
+    @torch.inference_mode()
     def capture_graphs(self) -> None:
         """Capture the decode graphs of every batch size (start-up, before any request)."""
         if self.graphs is not None:
