@@ -38,6 +38,12 @@ class ShardLayout:
 
 def check_tp_size(arch: LlamaArchConfig, size: int) -> None:
     """ValueError naming the numbers when `arch` cannot be split `size` ways."""
+    if size > 1 and arch.num_experts:
+        raise ValueError(f"tensor_parallel_size {size}: {arch.architecture} is a mixture-of-experts "
+                         f"model, which kvflow runs on one rank only (tensor_parallel_size 1)")
+    if size > 1 and arch.architecture == "Phi3ForCausalLM":
+        raise ValueError(f"tensor_parallel_size {size}: Phi3ForCausalLM (fused qkv_proj and "
+                         f"gate_up_proj in the checkpoint) runs on one rank only (tensor_parallel_size 1)")
     h, kvh, inter = arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size
     if h % size:
         raise ValueError(f"tensor_parallel_size {size} must divide the number of attention "
@@ -121,6 +127,7 @@ def _hf_names(i: int) -> dict[str, tuple[str, int]]:
             "v_bias": (a + "v_proj.bias", 0), "o": (a + "o_proj.weight", 0),
             "gate": (m + "gate_proj.weight", 0), "up": (m + "up_proj.weight", 0),
             "down": (m + "down_proj.weight", 0),
+            "q_norm": (a + "q_norm.weight", 0), "k_norm": (a + "k_norm.weight", 0),
             "input_layernorm": (f"model.layers.{i}.input_layernorm.weight", 0),
             "post_attention_layernorm": (f"model.layers.{i}.post_attention_layernorm.weight", 0)}
 
@@ -135,6 +142,7 @@ def _fused_names(i: int, arch: LlamaArchConfig) -> dict[str, tuple[str, int]]:
             "v_bias": (p + "qkv_bias", q + kv), "o": (p + "o_proj", 0),
             "gate": (p + "gate_up_proj", 0), "up": (p + "gate_up_proj", inter),
             "down": (p + "down_proj", 0), "input_layernorm": (p + "input_layernorm", 0),
+            "q_norm": (p + "q_norm", 0), "k_norm": (p + "k_norm", 0),
             "post_attention_layernorm": (p + "post_attention_layernorm", 0)}
 
 
@@ -170,7 +178,8 @@ def load_shard(path: str, arch: LlamaArchConfig, dtype: torch.dtype, rank: int,
     for i in range(arch.num_hidden_layers):
         names = _fused_names(i, arch) if fused else _hf_names(i)
         p = f"layers.{i}."
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        for norm in ("input_layernorm", "post_attention_layernorm") + (
+                ("q_norm", "k_norm") if arch.qk_norm else ()):  # QK-norm weights span head_dim: replicated
             out[p + norm] = ckpt.read(names[norm][0]).to(dtype)
         out[p + "qkv_proj"] = torch.cat([rows(names, "q", q0, nq), rows(names, "k", k0, nk),
                                          rows(names, "v", k0, nk)])

@@ -1,0 +1,165 @@
+"""Qwen3, Phi-3, Qwen3-MoE, Mixtral and Qwen2-MoE: tiny random models built from transformers
+configs give Hugging Face's fp32 logits (1e-4) over a flat batch of different-length prompts
+run in chunks beside decodes, HF's greedy tokens over 32 steps through the engine with chunked
+prefill, and the same logits again when converted to GGUF the way llama.cpp converts them."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import NEW_TOKENS, assert_matches_reference
+from conftest_model_helpers import PagedDriver, hf_logits
+from tiny_arch_models import BUILDERS, hf_model, write_gguf
+from kvflow.model.arch import SUPPORTED_ARCHITECTURES, load_arch_config
+from kvflow.model.loader import load_model
+
+pytestmark = pytest.mark.slow  # loads models (make test-fast leaves it out)
+
+torch.set_num_threads(1)
+ATOL = 1e-4
+SEQ_LENS = {"a": 21, "b": 9, "c": 1, "d": 14}
+DECODE_STEPS = 3
+# c and d finish their prompts first and decode while a and b arrive in chunks
+PLAN = [{"c": 1, "d": 6, "b": 5}, {"c": 1, "d": 8, "a": 7, "b": 4},
+        {"a": 9, "c": 1, "d": 1}, {"a": 5, "b": 1, "d": 1}, {"a": 1, "b": 1, "c": 1}]
+
+
+@pytest.fixture(scope="module", params=list(BUILDERS))
+def tiny(request, tmp_path_factory):
+    """(name, HF folder, HF model, token ids per sequence, HF logits per sequence)."""
+    path = BUILDERS[request.param](str(tmp_path_factory.mktemp(request.param) / "hf"))
+    hf = hf_model(path)
+    rng = np.random.default_rng(1)
+    tokens = {sid: rng.integers(0, 320, n + DECODE_STEPS).tolist() for sid, n in SEQ_LENS.items()}
+    refs = {sid: hf_logits(hf, ids) for sid, ids in tokens.items()}
+    return request.param, path, hf, tokens, refs
+
+
+def _run_plan(model, arch, tokens, refs) -> None:
+    driver = PagedDriver(model, arch, seed=7)
+    done = dict.fromkeys(SEQ_LENS, 0)
+    for step in PLAN:
+        out = driver.step([(sid, tokens[sid][done[sid]: done[sid] + n]) for sid, n in step.items()])
+        for sid, n in step.items():
+            got, want = out[sid], refs[sid][done[sid]: done[sid] + n]
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)
+            done[sid] += n
+    assert done == {"a": 22, "b": 11, "c": 4, "d": 16}  # every prompt whole, then decodes
+
+
+def test_hf_folder_logits_match_hf_over_chunked_mixed_batches(tiny):
+    name, path, hf, tokens, refs = tiny
+    model, arch = load_model(path, torch.float32)
+    assert arch.architecture == type(hf).__name__
+    assert arch.num_parameters() == sum(p.numel() for p in hf.parameters())
+    if arch.num_experts:  # the routed layers really run the expert block
+        assert any(layer.moe is not None for layer in model.layers)
+        assert all((layer.moe is None) == (i in arch.mlp_only_layers) for i, layer in enumerate(model.layers))
+    _run_plan(model, arch, tokens, refs)
+
+
+def test_gguf_conversion_loads_to_the_same_model(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    name, path, hf, tokens, refs = tiny
+    gguf_path = write_gguf(path, str(tmp_path / f"{name}.gguf"))
+    model, arch = load_model(gguf_path, torch.float32)
+    hf_arch = load_arch_config(path)
+    same = ("architecture", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+            "norm_topk_prob", "shared_expert_intermediate_size", "qk_norm", "rotary_dim",
+            "head_dim", "attention_bias", "tie_word_embeddings", "rope_theta")
+    assert {f: getattr(arch, f) for f in same} == {f: getattr(hf_arch, f) for f in same}
+    if hf_arch.rope_scaling:  # LongRoPE from the factor tensors and the attn_factor key
+        for key in ("short_factor", "long_factor", "original_max_position_embeddings"):
+            assert np.allclose(arch.rope_scaling[key], hf_arch.rope_scaling[key])
+        assert abs(arch.rope_scaling["attention_factor"] - hf_arch.rope_scaling["attention_factor"]) < 1e-6
+    assert arch.eos_token_ids == [2]  # tokenizer.ggml.eos_token_id
+    _run_plan(model, arch, tokens, refs)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_q8_0_gguf_experts_dequantise_like_the_gguf_package(name, tmp_path, monkeypatch):
+    """A Q8_0 file: each expert's weights are exactly the gguf package's dequantisation of
+    its slice of the 3-D tensor (and Mixtral's q rows are un-permuted)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    path = BUILDERS[name](str(tmp_path / "hf"))
+    gguf_path = write_gguf(path, str(tmp_path / "q8.gguf"), quant="Q8_0")
+    model, arch = load_model(gguf_path, torch.float32)
+    raw = {t.name: t for t in GGUFReader(gguf_path).tensors}
+    assert raw["blk.0.ffn_up_exps.weight"].tensor_type.name == "Q8_0"
+    inter, moe = arch.moe_intermediate_size, model.layers[0].moe
+    for kind, ours in (("gate", moe.gate_up[:, :inter]), ("up", moe.gate_up[:, inter:]), ("down", moe.down)):
+        t = raw[f"blk.0.ffn_{kind}_exps.weight"]
+        want = dequantize(t.data, t.tensor_type).reshape(ours.shape)
+        assert torch.equal(ours, torch.from_numpy(want.copy()))
+    hf_q = hf_model(path).model.layers[0].self_attn.q_proj.weight
+    q = model.layers[0].qkv_proj[:arch.num_attention_heads * arch.head_dim]
+    torch.testing.assert_close(q, hf_q, atol=0.01, rtol=0.05)  # Q8_0 rounding, rows in HF order
+
+
+def test_greedy_tokens_match_hf_through_the_engine_with_chunked_prefill(tiny, tmp_path):
+    """The engine runs the prompts together, split into chunks by a 16-token budget: the
+    greedy tokens equal HF's generate() over 32 steps."""
+    from kvflow import LLM, SamplingParams
+
+    name, path, hf, _, _ = tiny
+    prompts = [np.random.default_rng(i).integers(4, 320, n).tolist() for i, n in enumerate((37, 5, 19, 2))]
+    refs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
+                              return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+            refs.append((out.sequences[0, len(ids):].tolist(), [s[0].topk(3).indices.tolist() for s in out.scores]))
+    trace = tmp_path / "trace.jsonl"
+    llm = LLM(path, dtype="float32", max_model_len=128, num_blocks=64, max_num_batched_tokens=16,
+              trace=str(trace))
+    assert llm.engine.core.arch.eos_token_ids == [2, 3]  # config.json's and generation_config.json's
+    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)
+    identical = 0
+    for i, out in enumerate(outs):
+        assert_matches_reference(out.outputs[0].token_ids, refs[i], f"{name} prompt {i}")
+        identical += out.outputs[0].token_ids == refs[i][0]
+    assert identical >= len(prompts) - 1
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert all(s["num_scheduled_tokens"] <= 16 for s in steps)
+    chunks = [r for s in steps for r in s["requests"] if r["phase"] == "prefill"]
+    assert len(chunks) > len(prompts), "the long prompts should have been split"
+
+
+def test_unknown_architecture_fails_at_load_listing_the_supported(tmp_path):
+    path = BUILDERS["qwen3"](str(tmp_path / "hf"))
+    with open(f"{path}/config.json") as f:
+        cfg = json.load(f)
+    cfg["architectures"] = ["FancyNewForCausalLM"]
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match="FancyNewForCausalLM") as err:
+        load_model(path, torch.float32)
+    assert all(a in str(err.value) for a in SUPPORTED_ARCHITECTURES)
+    assert "Qwen3MoeForCausalLM" in SUPPORTED_ARCHITECTURES and "Phi3ForCausalLM" in SUPPORTED_ARCHITECTURES
+
+
+def test_tensor_parallel_refuses_expert_and_phi3_models_and_shards_qwen3(tmp_path):
+    from kvflow.model.sharding import check_tp_size, load_shard
+
+    for name in ("qwen3_moe", "mixtral", "phi3"):
+        arch = load_arch_config(BUILDERS[name](str(tmp_path / name)))
+        check_tp_size(arch, 1)
+        with pytest.raises(ValueError, match="tensor_parallel_size 1"):
+            check_tp_size(arch, 2)
+    path = BUILDERS["qwen3"](str(tmp_path / "qwen3"))
+    arch = load_arch_config(path)
+    shards = [load_shard(path, arch, torch.float32, r, 2) for r in range(2)]
+    hf = hf_model(path).model.layers[1].self_attn
+    for s in shards:  # QK-norm weights span one head: every rank holds them whole
+        assert torch.equal(s["layers.1.q_norm"], hf.q_norm.weight) and torch.equal(s["layers.1.k_norm"], hf.k_norm.weight)
+    dataclasses.replace(arch)  # (the arch round-trips through its dataclass)
