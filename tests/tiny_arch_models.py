@@ -17,6 +17,18 @@ VOCAB = 320
 _BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=512,
              bos_token_id=1, eos_token_id=2)
+# Each family's chat template and end-of-turn token (a special token, also a stop id in
+# generation_config.json, as in the real models).
+_CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+_PHI3 = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+         "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+_MISTRAL = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}"
+            " [/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+_CHAT = {"qwen": (("<|im_end|>", "<|im_start|>"), _CHATML),
+         "phi3": (("<|end|>", "<|user|>", "<|assistant|>", "<|system|>"), _PHI3),
+         "mistral": ((), _MISTRAL)}
+END_OF_TURN = {"qwen": "<|im_end|>", "phi3": "<|end|>", "mistral": None}
 # Routers scaled up from the random init so that the top-k choice is decisive, not a near-tie
 # that fp32 rounding could flip between two implementations.
 _ROUTER_SCALE = 40.0
@@ -27,7 +39,7 @@ def save_qwen3(path: str) -> str:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     cfg = Qwen3Config(**_BASE, head_dim=24, tie_word_embeddings=True, rope_theta=1000000.0)
-    return _finish(_save_random(Qwen3ForCausalLM, cfg, path, seed=1))
+    return _finish(_save_random(Qwen3ForCausalLM, cfg, path, seed=1), "qwen")
 
 
 def save_phi3(path: str) -> str:
@@ -43,7 +55,7 @@ def save_phi3(path: str) -> str:
             "original_max_position_embeddings": 64}
     cfg = Phi3Config(**_BASE, tie_word_embeddings=False, pad_token_id=0, rope_parameters=rope,
                      original_max_position_embeddings=64)
-    return _finish(_save_random(Phi3ForCausalLM, cfg, path, seed=2))
+    return _finish(_save_random(Phi3ForCausalLM, cfg, path, seed=2), "phi3")
 
 
 def save_qwen3_moe(path: str) -> str:
@@ -53,7 +65,7 @@ def save_qwen3_moe(path: str) -> str:
     cfg = Qwen3MoeConfig(**_BASE, head_dim=16, moe_intermediate_size=32, num_experts=6,
                          num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
                          tie_word_embeddings=False)
-    return _finish(_save_random(Qwen3MoeForCausalLM, cfg, path, seed=3))
+    return _finish(_save_random(Qwen3MoeForCausalLM, cfg, path, seed=3), "qwen")
 
 
 def save_mixtral(path: str) -> str:
@@ -61,7 +73,7 @@ def save_mixtral(path: str) -> str:
     from transformers import MixtralConfig, MixtralForCausalLM
 
     cfg = MixtralConfig(**_BASE, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
-    return _finish(_save_random(MixtralForCausalLM, cfg, path, seed=4))
+    return _finish(_save_random(MixtralForCausalLM, cfg, path, seed=4), "mistral")
 
 
 def save_qwen2_moe(path: str) -> str:
@@ -72,15 +84,24 @@ def save_qwen2_moe(path: str) -> str:
     cfg = Qwen2MoeConfig(**_BASE, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                          num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
                          tie_word_embeddings=False)
-    return _finish(_save_random(Qwen2MoeForCausalLM, cfg, path, seed=5))
+    return _finish(_save_random(Qwen2MoeForCausalLM, cfg, path, seed=5), "qwen")
 
 
 BUILDERS = {"qwen3": save_qwen3, "phi3": save_phi3, "qwen3_moe": save_qwen3_moe,
             "mixtral": save_mixtral, "qwen2_moe": save_qwen2_moe}
 
 
-def _finish(path: str) -> str:
-    """Sharpen the routers, add a tokenizer and a generation_config with a second stop id."""
+def family(path: str) -> str:
+    """The chat family ("qwen", "phi3", "mistral") a folder was saved with."""
+    with open(os.path.join(path, "kvflow_test_family")) as f:
+        return f.read()
+
+
+def _finish(path: str, family: str) -> str:
+    """Sharpen the routers, add a tokenizer with the family's chat template, and a
+    generation_config listing its end-of-turn token as a second stop id."""
+    from transformers import AutoTokenizer
+
     from safetensors.torch import load_file, save_file
 
     file = os.path.join(path, "model.safetensors")
@@ -89,9 +110,15 @@ def _finish(path: str) -> str:
         if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
             tensors[name] = tensors[name] * _ROUTER_SCALE
     save_file(tensors, file, metadata={"format": "pt"})
-    save_byte_tokenizer(path)
+    extra, template = _CHAT[family]
+    save_byte_tokenizer(path, VOCAB, ("<unk>", "<s>", "</s>") + extra)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = template
+    tok.save_pretrained(path)
     with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": 1, "eos_token_id": [2, 3]}, f)
+        json.dump({"bos_token_id": 1, "eos_token_id": [2, 3] if extra else 2}, f)
+    with open(os.path.join(path, "kvflow_test_family"), "w") as f:
+        f.write(family)
     return path
 
 
@@ -131,8 +158,7 @@ def write_gguf(hf_dir: str, out_path: str, quant: str = "F32") -> str:
     w.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
+    _add_tokenizer(w, hf_dir)
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
     if experts:
         w.add_expert_count(experts)
@@ -212,6 +238,27 @@ def write_gguf(hf_dir: str, out_path: str, quant: str = "F32") -> str:
     w.write_tensors_to_file()
     w.close()
     return out_path
+
+
+def _add_tokenizer(w, hf_dir: str) -> None:
+    """The folder's byte-level BPE tokenizer and chat template as llama.cpp's "gpt2" vocab."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    vocab = tok.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    special = set(tok.all_special_ids)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
+                       for i in range(len(tokens))])
+    w.add_token_scores([0.0] * len(tokens))  # (no merges: single bytes; readers derive none)
+    w.add_bos_token_id(tok.bos_token_id)
+    w.add_eos_token_id(tok.eos_token_id)
+    w.add_pad_token_id(0)
+    w.add_chat_template(tok.chat_template)
 
 
 def hf_model(path: str):

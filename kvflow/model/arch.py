@@ -264,6 +264,30 @@ _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
 _GGUF_NORM_TOPK = {"qwen2moe": False}
 
 
+# End-of-turn tokens that stop generation besides the EOS id, as llama.cpp finds them: by the
+# eot/eom keys, or by their text among the control tokens (Qwen's <|im_end|>, Phi-3's <|end|>,
+# Llama 3's <|eot_id|>, Gemma's <end_of_turn>), which the HF folder lists in
+# generation_config.json and a GGUF file often does not.
+_END_OF_TURN_TEXTS = {b"<|im_end|>", b"<|end|>", b"<|eot_id|>", b"<|eom_id|>", b"<end_of_turn>"}
+_CONTROL_TOKEN_TYPES = (3, 4)  # gguf TokenType CONTROL, USER_DEFINED
+
+
+def _gguf_stop_ids(reader, eos) -> list[int]:
+    ids = [] if eos is None else [int(eos)]
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        value = gguf_field(reader, key)
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    tokens, types = reader.fields.get("tokenizer.ggml.tokens"), reader.fields.get("tokenizer.ggml.token_type")
+    if tokens is None or types is None:
+        return ids
+    for i, idx in enumerate(tokens.data):
+        if (int(types.parts[types.data[i]][0]) in _CONTROL_TOKEN_TYPES
+                and bytes(tokens.parts[idx]) in _END_OF_TURN_TEXTS and i not in ids):
+            ids.append(i)
+    return ids
+
+
 def arch_from_gguf_reader(reader, path: str) -> LlamaArchConfig:
     """Map GGUF metadata (`<arch>.block_count` ...) to a LlamaArchConfig."""
     g = gguf_field(reader, "general.architecture")
@@ -309,6 +333,7 @@ def arch_from_gguf_reader(reader, path: str) -> LlamaArchConfig:
     rope_dim = int(meta("rope.dimension_count", head_dim))
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     name = os.path.splitext(os.path.basename(path))[0]
+    stop_ids = _gguf_stop_ids(reader, eos)
     return LlamaArchConfig(
         architecture=architecture,
         vocab_size=int(vocab),
@@ -327,6 +352,7 @@ def arch_from_gguf_reader(reader, path: str) -> LlamaArchConfig:
         bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=None if eos is None else int(eos),
         name=str(name),
+        eos_token_ids=stop_ids,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         rotary_dim=0 if rope_dim == head_dim else rope_dim,
         **moe,
