@@ -166,18 +166,44 @@ def test_unknown_architecture_fails_at_load_listing_the_supported(tmp_path):
     assert "Qwen3MoeForCausalLM" in SUPPORTED_ARCHITECTURES and "Phi3ForCausalLM" in SUPPORTED_ARCHITECTURES
 
 
-def test_tensor_parallel_refuses_expert_and_phi3_models_and_shards_qwen3(tmp_path):
-    from kvflow.model.sharding import check_tp_size, load_shard
+@pytest.mark.parametrize("name,fmt", [("qwen2_moe", "hf"), ("phi3", "hf"), ("mixtral", "gguf")])
+def test_tensor_parallel_2_gives_the_single_process_tokens(name, fmt, tmp_path, monkeypatch):
+    """Experts split along their intermediate dimension (the router and the shared expert's
+    gate whole on every rank), Phi-3's fused q/k/v and gate/up read at their offsets: TP=2
+    greedy tokens equal one process's (HF folder, and the GGUF conversion cache for Mixtral)."""
+    from kvflow import LLM, SamplingParams
 
-    for name in ("qwen3_moe", "mixtral", "phi3"):
-        arch = load_arch_config(BUILDERS[name](str(tmp_path / name)))
-        check_tp_size(arch, 1)
-        with pytest.raises(ValueError, match="tensor_parallel_size 1"):
-            check_tp_size(arch, 2)
-    path = BUILDERS["qwen3"](str(tmp_path / "qwen3"))
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    path = BUILDERS[name](str(tmp_path / "hf"))
+    if fmt == "gguf":
+        path = write_gguf(path, str(tmp_path / f"{name}.gguf"))
+    prompts = [np.random.default_rng(i).integers(4, 320, n).tolist() for i, n in enumerate((23, 6, 40))]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for tp in (1, 2):
+        llm = LLM(path, dtype="float32", max_model_len=128, num_blocks=64, max_num_batched_tokens=16,
+                  tensor_parallel_size=tp, num_threads=1)
+        try:
+            outs[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.engine.shutdown()
+    assert outs[2] == outs[1]
+
+
+def test_tensor_parallel_shards_qwen3_moe_experts_and_replicates_qk_norm(tmp_path):
+    from kvflow.model.sharding import check_tp_size, load_shard, local_arch
+
+    path = BUILDERS["qwen3_moe"](str(tmp_path / "qwen3_moe"))
     arch = load_arch_config(path)
+    with pytest.raises(ValueError, match="moe_intermediate_size"):
+        check_tp_size(dataclasses.replace(arch, num_attention_heads=6, num_key_value_heads=3), 3)
     shards = [load_shard(path, arch, torch.float32, r, 2) for r in range(2)]
-    hf = hf_model(path).model.layers[1].self_attn
-    for s in shards:  # QK-norm weights span one head: every rank holds them whole
-        assert torch.equal(s["layers.1.q_norm"], hf.q_norm.weight) and torch.equal(s["layers.1.k_norm"], hf.k_norm.weight)
-    dataclasses.replace(arch)  # (the arch round-trips through its dataclass)
+    assert local_arch(arch, 2).moe_intermediate_size == arch.moe_intermediate_size // 2
+    hf = hf_model(path).model.layers[0]
+    for s in shards:  # QK-norm weights span one head and the router sees the whole hidden state
+        assert torch.equal(s["layers.0.q_norm"], hf.self_attn.q_norm.weight)
+        assert torch.equal(s["layers.0.moe.router"], hf.mlp.gate.weight)
+    n = arch.moe_intermediate_size // 2
+    full_gate_up = torch.cat([shards[0]["layers.0.moe.gate_up"][:, :n], shards[1]["layers.0.moe.gate_up"][:, :n]], 1)
+    assert torch.equal(full_gate_up, hf.mlp.experts.gate_up_proj[:, :arch.moe_intermediate_size])
+    assert torch.equal(torch.cat([s["layers.0.moe.down"] for s in shards], 2), hf.mlp.experts.down_proj)

@@ -149,8 +149,11 @@ class LlamaDecoderLayer(nn.Module):
         if self.tp is not None:
             self.tp.all_reduce(o)  # row-parallel: each rank holds a partial sum
         h = kernels.add_rms_norm(x, o, self.post_attention_layernorm, self.eps)
-        if self.moe is not None:
-            return x, self.moe(h, kernels)  # (tensor parallelism refuses expert models)
+        if self.moe is not None:  # under tensor parallelism each rank holds a slice of every expert
+            down = self.moe(h, kernels)
+            if self.tp is not None:
+                self.tp.all_reduce(down)
+            return x, down
         act = kernels.linear_silu_mul(h, self.gate_up_proj, pk.get("gate_up_proj"))
         down = kernels.linear(act, self.down_proj, pk.get("down_proj"))
         if self.tp is not None:
