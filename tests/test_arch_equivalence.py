@@ -99,6 +99,17 @@ def test_gguf_keeps_the_chat_template_and_the_end_of_turn_stop(tiny, tmp_path, m
     assert load_arch_config(gguf_path).eos_token_ids == want_stops
 
 
+def test_mixtral_gguf_with_one_tensor_per_expert_loads_the_same(tmp_path, monkeypatch):
+    """Mixtral GGUFs converted before llama.cpp stacked the experts (blk.N.ffn_gate.E.weight)."""
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    path = BUILDERS["mixtral"](str(tmp_path / "hf"))
+    stacked, _ = load_model(write_gguf(path, str(tmp_path / "stacked.gguf")), torch.float32)
+    legacy, arch = load_model(write_gguf(path, str(tmp_path / "legacy.gguf"), legacy_experts=True), torch.float32)
+    assert arch.architecture == "MixtralForCausalLM" and arch.num_experts == 4
+    for name, w in stacked.state_dict().items():
+        assert torch.equal(legacy.state_dict()[name], w), name
+
+
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
 def test_q8_0_gguf_experts_dequantise_like_the_gguf_package(name, tmp_path, monkeypatch):
     """A Q8_0 file: each expert's weights are exactly the gguf package's dequantisation of

@@ -132,9 +132,11 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf_dir: str, out_path: str, quant: str = "F32") -> str:
+def write_gguf(hf_dir: str, out_path: str, quant: str = "F32", legacy_experts: bool = False) -> str:
     """Convert the tiny HF folder to a GGUF file; `quant` "F32" or "Q8_0" (the 2-D and 3-D
-    projections quantised, norms and small tensors kept in F32, as llama.cpp does)."""
+    projections quantised, norms and small tensors kept in F32, as llama.cpp does).
+    `legacy_experts`: Mixtral's experts one tensor each (`blk.N.ffn_gate.E.weight`), as
+    llama.cpp wrote them before it stacked them."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -219,6 +221,10 @@ def write_gguf(hf_dir: str, out_path: str, quant: str = "F32") -> str:
             e = p + "block_sparse_moe."
             add(b + "ffn_gate_inp.weight", t[e + "gate.weight"])
             for kind, hf in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+                if legacy_experts:
+                    for x in range(experts):
+                        add(b + f"ffn_{kind}.{x}.weight", t[e + f"experts.{x}.{hf}.weight"])
+                    continue
                 add(b + f"ffn_{kind}_exps.weight",
                     np.stack([t[e + f"experts.{x}.{hf}.weight"] for x in range(experts)]))
         elif m + "gate.weight" in t:  # Qwen-MoE sparse layer

@@ -36,6 +36,8 @@ _ARCH_LAYER_NAMES = {
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _MIXTRAL_EXPERT_NAMES = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Mixtral files from before llama.cpp stacked the experts: one tensor per expert
+_LEGACY_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 
 
 def hf_name(gguf_name: str, architecture: str = "LlamaForCausalLM") -> str | None:
@@ -43,6 +45,11 @@ def hf_name(gguf_name: str, architecture: str = "LlamaForCausalLM") -> str | Non
     the 3-D expert tensors, which expert_names splits)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    legacy = _LEGACY_EXPERT_RE.fullmatch(gguf_name)
+    if legacy is not None and architecture == "MixtralForCausalLM":
+        layer, kind, e = legacy.groups()
+        w = _MIXTRAL_EXPERT_NAMES[f"ffn_{kind}_exps"]
+        return f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight"
     m = _LAYER_RE.fullmatch(gguf_name)
     if m is None:
         return None
