@@ -164,6 +164,35 @@ def test_greedy_tokens_match_hf_through_the_engine_with_chunked_prefill(tiny, tm
     assert len(chunks) > len(prompts), "the long prompts should have been split"
 
 
+def test_bf16_greedy_tokens_stay_within_hf_bf16_top3(tiny):
+    """dtype="bfloat16" (what "auto" picks on CPUs with native bf16: the experts then run on
+    the bf16 panel GEMM with SiLU fused) follows HF's bf16 model."""
+    from transformers import AutoModelForCausalLM
+
+    from kvflow import LLM, SamplingParams
+
+    name, path, _, _, _ = tiny
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    prompts = [np.random.default_rng(i).integers(4, 320, n).tolist() for i, n in enumerate((29, 3, 12))]
+    refs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=16, do_sample=False, output_scores=True,
+                              return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+            refs.append((out.sequences[0, len(ids):].tolist(), [s[0].topk(3).indices.tolist() for s in out.scores]))
+    llm = LLM(path, dtype="bfloat16", max_model_len=128, num_blocks=64, max_num_batched_tokens=16)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    # bf16 rounds a random tiny model's flat logits into near-ties, so a divergence may come
+    # early: the first token must agree, a divergence must pick one of HF's top-3, and most
+    # prompts must keep HF's exact tokens.
+    identical = 0
+    for i, out in enumerate(outs):
+        assert_matches_reference(out.outputs[0].token_ids, refs[i], f"{name} bf16 prompt {i}", min_agree=1)
+        identical += out.outputs[0].token_ids == refs[i][0]
+    assert identical >= 2, f"{name}: only {identical} of 3 prompts kept HF bf16's tokens"
+
+
 def test_unknown_architecture_fails_at_load_listing_the_supported(tmp_path):
     path = BUILDERS["qwen3"](str(tmp_path / "hf"))
     with open(f"{path}/config.json") as f:
