@@ -13,7 +13,7 @@ import torch
 
 from conftest import NEW_TOKENS, assert_matches_reference
 from conftest_model_helpers import PagedDriver, hf_logits
-from tiny_arch_models import BUILDERS, END_OF_TURN, family, hf_model, write_gguf
+from tiny_arch_models import BUILDERS, END_OF_TURN, ORIGINAL_CONTEXT, family, hf_model, write_gguf
 from kvflow.model.arch import SUPPORTED_ARCHITECTURES, load_arch_config
 from kvflow.model.loader import load_model
 
@@ -135,28 +135,37 @@ def test_q8_0_gguf_experts_dequantise_like_the_gguf_package(name, tmp_path, monk
 
 def test_greedy_tokens_match_hf_through_the_engine_with_chunked_prefill(tiny, tmp_path):
     """The engine runs the prompts together, split into chunks by a 16-token budget: the
-    greedy tokens equal HF's generate() over 32 steps."""
+    greedy tokens equal HF's generate() over 32 steps, and the top-5 logprobs the engine
+    returns at each step equal HF's log-softmax to 1e-4."""
     from kvflow import LLM, SamplingParams
 
     name, path, hf, _, _ = tiny
     prompts = [np.random.default_rng(i).integers(4, 320, n).tolist() for i, n in enumerate((37, 5, 19, 2))]
-    refs = []
+    refs, hf_logprobs = [], []
     with torch.inference_mode():
         for ids in prompts:
             out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                              max_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
+                              max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
                               return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
-            refs.append((out.sequences[0, len(ids):].tolist(), [s[0].topk(3).indices.tolist() for s in out.scores]))
+            refs.append((out.sequences[0, len(ids):].tolist(), [s[0].topk(3).indices.tolist() for s in out.logits]))
+            hf_logprobs.append([s[0].float().log_softmax(-1) for s in out.logits])
     trace = tmp_path / "trace.jsonl"
     llm = LLM(path, dtype="float32", max_model_len=128, num_blocks=64, max_num_batched_tokens=16,
               trace=str(trace))
     assert len(llm.engine.core.arch.eos_token_ids) == (1 if name == "mixtral" else 2)  # + generation_config's
-    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True),
-                        use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
+                                                logprobs=5), use_tqdm=False)
     identical = 0
     for i, out in enumerate(outs):
-        assert_matches_reference(out.outputs[0].token_ids, refs[i], f"{name} prompt {i}")
-        identical += out.outputs[0].token_ids == refs[i][0]
+        got = out.outputs[0].token_ids
+        assert_matches_reference(got, refs[i], f"{name} prompt {i}")
+        identical += got == refs[i][0]
+        for j, step in enumerate(out.outputs[0].logprobs):
+            if got[:j] != refs[i][0][:j]:
+                break  # past a divergence the contexts differ
+            assert len(step) >= 5
+            for token, lp in step.items():
+                assert abs(lp.logprob - hf_logprobs[i][j][token].item()) <= ATOL, (name, i, j, token)
     assert identical >= len(prompts) - 1
     steps = [json.loads(line) for line in trace.read_text().splitlines()]
     assert all(s["num_scheduled_tokens"] <= 16 for s in steps)
@@ -191,6 +200,30 @@ def test_bf16_greedy_tokens_stay_within_hf_bf16_top3(tiny):
         assert_matches_reference(out.outputs[0].token_ids, refs[i], f"{name} bf16 prompt {i}", min_agree=1)
         identical += out.outputs[0].token_ids == refs[i][0]
     assert identical >= 2, f"{name}: only {identical} of 3 prompts kept HF bf16's tokens"
+
+
+def test_longrope_tables_match_transformers_short_and_long_factors(tmp_path):
+    """Phi-3's cos/sin: below the original context, transformers' short-factor frequencies;
+    from it on, its long-factor ones (what it uses for a sequence longer than that), both
+    scaled by the attention factor; only the first rotary_dim dims of a head rotate."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from kvflow.model.llama import rope_tables
+
+    path = BUILDERS["phi3"](str(tmp_path / "phi3"))
+    arch, cfg = load_arch_config(path), AutoConfig.from_pretrained(path)
+    short, factor = ROPE_INIT_FUNCTIONS["longrope"](cfg, None)
+    long, _ = ROPE_INIT_FUNCTIONS["longrope"](cfg, None, seq_len=ORIGINAL_CONTEXT + 1)
+    cos, sin = rope_tables(arch, 2 * ORIGINAL_CONTEXT)
+    assert cos.shape == (2 * ORIGINAL_CONTEXT, arch.head_dim // 2) and factor > 1.1
+    pos = torch.arange(2 * ORIGINAL_CONTEXT, dtype=torch.float32)
+    for rows, inv_freq in ((slice(0, ORIGINAL_CONTEXT), short), (slice(ORIGINAL_CONTEXT, None), long)):
+        freqs = torch.outer(pos[rows], inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        torch.testing.assert_close(cos[rows], emb.cos() * factor)
+        torch.testing.assert_close(sin[rows], emb.sin() * factor)
+    assert not torch.allclose(short, long)
 
 
 def test_unknown_architecture_fails_at_load_listing_the_supported(tmp_path):

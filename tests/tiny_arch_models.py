@@ -42,9 +42,14 @@ def save_qwen3(path: str) -> str:
     return _finish(_save_random(Qwen3ForCausalLM, cfg, path, seed=1), "qwen")
 
 
+ORIGINAL_CONTEXT = 128  # Phi-3's original_max_position_embeddings in the tiny model
+
+
 def save_phi3(path: str) -> str:
-    """Phi-3 with LongRoPE (short/long factors, attention factor from 512/64) and a partial
-    rotary factor of 0.5; untied."""
+    """Phi-3 with LongRoPE (short/long factors, attention factor from 512/128) and a partial
+    rotary factor of 0.5; untied. The tests stay below position 128, where transformers and
+    kvflow both use the short factors (past it transformers re-rotates the whole sequence with
+    the long ones; tests/test_arch_equivalence.py checks kvflow's long-factor table alone)."""
     from transformers import Phi3Config, Phi3ForCausalLM
 
     half = 16 // 2 // 2  # head_dim 16, rotary dim 8: 4 frequencies
@@ -52,9 +57,9 @@ def save_phi3(path: str) -> str:
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
             "short_factor": (1 + rng.random(half)).round(3).tolist(),
             "long_factor": (2 + 4 * rng.random(half)).round(3).tolist(),
-            "original_max_position_embeddings": 64}
+            "original_max_position_embeddings": ORIGINAL_CONTEXT}
     cfg = Phi3Config(**_BASE, tie_word_embeddings=False, pad_token_id=0, rope_parameters=rope,
-                     original_max_position_embeddings=64)
+                     original_max_position_embeddings=ORIGINAL_CONTEXT)
     return _finish(_save_random(Phi3ForCausalLM, cfg, path, seed=2), "phi3")
 
 
