@@ -1,4 +1,5 @@
-"""Architecture of a Llama-family model, read from an HF config.json or GGUF metadata.
+"""Architecture of a Llama-family model or a close relative (Qwen3, Phi-3, the mixture-of-experts
+Qwen3-MoE, Mixtral and Qwen2-MoE), read from an HF config.json or GGUF metadata.
 
 No torch here: the frontend process reads it to size things and to print model facts."""
 from __future__ import annotations
@@ -25,7 +26,8 @@ ARCH_CACHE_FILE = "arch.json"
 
 @dataclass
 class LlamaArchConfig:
-    """Shapes and constants of one Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2)."""
+    """Shapes and constants of one Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2) or
+    of a relative that differs by the fields at the end (Qwen3, Phi-3, expert models)."""
 
     architecture: str
     vocab_size: int
