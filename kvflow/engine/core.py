@@ -91,7 +91,8 @@ class EngineCore:
                                  decode_graphs_for(self.arch, cc.block_size, sc.max_num_seqs,
                                                    self.max_model_len, self.device,
                                                    capture=not mc.enforce_eager)
-                                 if on_gpu else None))
+                                 # an expert block groups tokens on the host (moe.py): no graph
+                                 if on_gpu and not self.arch.num_experts else None))
         try:
             self.trace = StepTrace(config.trace, sc.max_num_batched_tokens, cc.block_size,
                                    cc.num_blocks) if config.trace else None
