@@ -22,8 +22,9 @@ MAX_CAPTURE_SIZE = 512
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    """Batch sizes to capture: 1, 2, 4, then every multiple of 8, up to max_num_seqs (which
-    is always included, so every decode batch the scheduler can form has a graph)."""
+    """Batch sizes to capture: 1, 2, 4, then every multiple of 8, up to max_num_seqs, which is
+    included (so every decode batch the scheduler can form has a graph) unless it is past
+    MAX_CAPTURE_SIZE (larger batches run eagerly)."""
     top = min(max_num_seqs, MAX_CAPTURE_SIZE)
     sizes = [s for s in (1, 2, 4) if s <= top] + list(range(8, top + 1, 8))
     if sizes[-1] != top:
