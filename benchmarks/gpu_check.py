@@ -20,8 +20,8 @@ What it does, in order, printing one report at the end (and writing it as JSON w
    - W1: 128 prompts of U[32, 512] random tokens, 128 output tokens each (ignore_eos): kvflow's
      output tokens/s, HF `generate` with static batching on the same GPU, and the roofline
      (max of FLOPs / peak and bytes / bandwidth, a lower bound on the time).
-   - batch 1: one 128-token prompt, 256 tokens decoded: decode tokens/s against the bandwidth
-     limit (weights + KV read once per token) and against HF `generate`.
+   - batch 1: one 128-token prompt, 256 tokens decoded: decode tokens/s (with CUDA graphs, and
+     eager) against the bandwidth limit (weights + KV read once per token) and HF `generate`.
    vLLM cannot be installed there (no internet), so no vLLM figure is measured.
 
 `--dry-run` runs the same code on the CPU with tiny shapes, the Triton kernels through Triton's
@@ -430,6 +430,12 @@ def batch1(engine, hf, arch, weight_bytes, dtype, device, args, skip) -> dict:
          "bandwidth_limit_tok_s": bandwidth_limit_batch1(arch, weight_bytes, p_len, out_len,
                                                          dtype.itemsize, args.bandwidth_tbs * 1e12)}
     r["kvflow_of_limit"] = r["kvflow_decode_tok_s"] / r["bandwidth_limit_tok_s"]
+    graphs, engine.runner.graphs = engine.runner.graphs, None  # the same decode, eager
+    try:
+        _, timing = engine.generate(prompt, out_len)
+    finally:
+        engine.runner.graphs = graphs
+    r["kvflow_eager_decode_tok_s"] = (out_len - 1) / (timing["seconds"] - (timing["first_token_s"] or 0.0))
     if "hf" not in skip:
         _, hf_s = hf_generate(hf, prompt, out_len, 1, device)
         r["hf_tok_s"] = out_len / hf_s  # prefill included: a slight underestimate
@@ -482,7 +488,8 @@ def render(report: dict) -> str:
         if "kvflow_decode_tok_s" in m.get("batch1", {}):
             b = m["batch1"]
             hf = f", HF generate {b['hf_tok_s']:.0f} tok/s" if "hf_tok_s" in b else ""
-            lines.append(f"  batch 1 decode: kvflow {b['kvflow_decode_tok_s']:.0f} tok/s{hf}; "
+            lines.append(f"  batch 1 decode: kvflow {b['kvflow_decode_tok_s']:.0f} tok/s (eager "
+                         f"{b['kvflow_eager_decode_tok_s']:.0f}){hf}; "
                          f"bandwidth limit {b['bandwidth_limit_tok_s']:.0f} tok/s, kvflow at "
                          f"{b['kvflow_of_limit']:.1%}")
     lines.append("vLLM: not installable on this machine (no internet); no vLLM figure measured.")

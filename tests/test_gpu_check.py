@@ -68,5 +68,5 @@ def test_gpu_check_dry_run_passes_on_cpu(tmp_path):
     assert model["equivalence"]["ok"] and model["equivalence"]["tokens"] == 32
     assert model["engine_core"]["ok"] and "blocks x 16" in model["engine_core"]["startup_report"]
     assert model["w1"]["kvflow_output_tok_s"] > 0 and model["w1"]["hf_output_tok_s"] > 0
-    assert model["batch1"]["kvflow_decode_tok_s"] > 0
+    assert model["batch1"]["kvflow_decode_tok_s"] > 0 and model["batch1"]["kvflow_eager_decode_tok_s"] > 0
     assert "greedy vs HF: PASS" in proc.stdout
