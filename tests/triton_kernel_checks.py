@@ -129,14 +129,15 @@ def test_write_kv_matches_write_rows(kernels, dtype, cache_dtype):
 
 # -- the fused per-token ops against their PyTorch versions (kvflow/csrc/ops.py) --------------
 def _close_or_ulp(got, want):
-    """fp32: equal to rounding; bf16: within one ulp on a GPU (it rounds to nearest, as PyTorch
-    does), a few under the interpreter, which rounds toward zero at each of the 2-3 roundings."""
+    """fp32: equal to rounding; bf16: within two ulps on a GPU (it rounds to nearest, as PyTorch
+    does, but a sum of squares in another order can move a rounding by one, then the weight's
+    product by another), a few under the interpreter, which rounds toward zero every time."""
     if want.dtype == torch.float32:
         torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
     elif DEVICE == "cpu":
         torch.testing.assert_close(got.cpu().float(), want.float(), atol=3e-2, rtol=3e-2)
     else:
-        torch.testing.assert_close(got.cpu().float(), want.float(), atol=1e-2, rtol=2 ** -7)
+        torch.testing.assert_close(got.cpu().float(), want.float(), atol=1e-2, rtol=2 ** -6)
 
 
 @pytest.fixture(scope="module")
