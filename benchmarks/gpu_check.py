@@ -85,7 +85,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="shapes also run through EngineCore from a saved HF folder (section "
                    "`engine`; the 8B one is not saved: 16 GB to disk)")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument("--budget-s", type=float, default=540.0,
+                   help="skip what is left after this many seconds (the device runs a command "
+                   "for at most 600 s); every finished part is already in --out")
+    args = p.parse_args(argv)
+    args.started, args.report = time.perf_counter(), None
+    return args
 
 
 # -- the workloads ------------------------------------------------------------------------------
@@ -348,13 +353,15 @@ def check_model(name: str, args, device, report: dict) -> None:
     free_at_start = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
     t0 = time.perf_counter()
     hf, model, arch = build_models(SHAPES[name], dtype, device, dry, args.seed)
-    if "engine" not in skip and name in args.engine_shapes.split(","):
+    progress(args, f"{name} built", {"seconds": round(time.perf_counter() - t0, 1)})
+    if "engine" not in skip and name in args.engine_shapes.split(",") and not over_budget(args):
         # first, while the GPU holds only the two models: EngineCore sizes its own pool
         import traceback
         try:
             sec["engine_core"] = engine_core_run(hf, arch, dtype, device, args)
         except Exception:  # noqa: BLE001
             sec["engine_core"] = {"error": traceback.format_exc()[-3000:]}
+        progress(args, f"{name} engine_core", sec["engine_core"])
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     sec["build_s"] = round(time.perf_counter() - t0, 1)
     sec["weight_bytes"] = weight_bytes
@@ -375,6 +382,20 @@ def check_model(name: str, args, device, report: dict) -> None:
             torch.cuda.empty_cache()
 
 
+def over_budget(args) -> bool:
+    """Past --budget-s: the sections left are skipped, so the report still comes out."""
+    return time.perf_counter() - args.started > args.budget_s
+
+
+def progress(args, what: str, result) -> None:
+    """One line as each part ends (a run cut short still shows how far it got), and the report
+    so far written to --out."""
+    print(f"[{time.perf_counter() - args.started:5.0f}s] {what}: "
+          f"{json.dumps(result, default=str)[:400]}", flush=True)
+    if args.out and args.report is not None:
+        Path(args.out).write_text(json.dumps(args.report, indent=1, default=str))
+
+
 def run_sections(sec: dict, engine, hf, arch, weight_bytes: int, dtype, device, args, skip) -> None:
     """Each section on its own: one that fails leaves its traceback and the next still runs."""
     import traceback
@@ -382,10 +403,14 @@ def run_sections(sec: dict, engine, hf, arch, weight_bytes: int, dtype, device, 
     for name, fn in (("equivalence", equivalence), ("w1", w1), ("batch1", batch1)):
         if name in skip:
             continue
+        if over_budget(args):
+            sec[name] = {"error": f"skipped: past the {args.budget_s:.0f}s budget"}
+            continue
         try:
             sec[name] = fn(engine, hf, arch, weight_bytes, dtype, device, args, skip)
         except Exception:  # noqa: BLE001
             sec[name] = {"error": traceback.format_exc()[-3000:]}
+        progress(args, f"{sec['shape']} {name}", sec[name])
 
 
 def equivalence(engine, hf, arch, weight_bytes, dtype, device, args, skip) -> dict:
@@ -516,19 +541,23 @@ def main(argv=None) -> int:
         print("no GPU visible to torch; --dry-run runs this on the CPU", file=sys.stderr)
         return 2
     device = torch.device("cuda" if cuda else "cpu")
-    t0 = time.perf_counter()
     report = {"env": {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
                       "transformers": transformers.__version__, "dry_run": args.dry_run,
                       "device_name": torch.cuda.get_device_name(device) if cuda else "cpu (interpreter)"},
               "models": []}
+    args.report = report
     skip = set(filter(None, args.skip.split(",")))
     if "kernels" not in skip:
         report["kernels"] = run_kernel_tests(device.type)
+        progress(args, "kernel tests", report["kernels"])
     models = (args.models or ("tiny" if args.dry_run else "smollm2-135m,llama3-8b")).split(",")
     for name in models:
         if name not in SHAPES:
             print(f"unknown shape {name!r}; known: {', '.join(SHAPES)}", file=sys.stderr)
             return 2
+        if over_budget(args):
+            report["models"].append({"shape": name, "error": f"skipped: past the {args.budget_s:.0f}s budget"})
+            continue
         try:  # a failure is reported and the next shape still runs: GPU time is scarce
             check_model(name, args, device, report)
         except Exception:  # noqa: BLE001
@@ -536,7 +565,7 @@ def main(argv=None) -> int:
             report["models"].append({"shape": name, "error": traceback.format_exc()[-3000:]})
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    report["seconds"] = time.perf_counter() - t0
+    report["seconds"] = time.perf_counter() - args.started
     text = render(report)
     report["text"] = text
     print(text)
