@@ -49,7 +49,7 @@ def rejection_sample(logits: torch.Tensor, meta: SamplingMetadata, drafts: list[
             out.append(d[:a] + [target[a]])
             continue
         gen = generators[j]
-        u = torch.rand(k, generator=gen).tolist() if k else []
+        u = torch.rand(k, generator=gen).tolist() if k else []  # on the CPU, as seeds draw
         a = 0
         while a < k and u[a] < p_draft[pos + a]:
             a += 1
@@ -75,7 +75,7 @@ def rejection_sample(logits: torch.Tensor, meta: SamplingMetadata, drafts: list[
         sub = SamplingMetadata(num_rows=len(rows), vocab_size=meta.vocab_size, all_greedy=False,
                                all_random=False, logprob_rows=list(range(len(rows))),
                                num_logprobs=nums)
-        lps = gather_logprobs(raw[rows], torch.tensor(toks), sub)
+        lps = gather_logprobs(raw[rows], torch.tensor(toks, device=raw.device), sub)
         for j, lp in zip(owner, lps):
             if logprobs[j] is None:
                 logprobs[j] = []
