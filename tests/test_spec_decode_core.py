@@ -277,3 +277,20 @@ def test_prefix_cache_never_finds_a_block_of_rejected_drafts():
     probe = Request("b", [10, 11, 12, 13, 50, 51, 52, 53, 9], SamplingParams(max_tokens=1))
     blocks, num_cached = s.kv_cache_manager.get_computed_blocks(probe)
     assert num_cached == 4
+
+
+def test_speculator_drafts_only_where_the_policy_allows():
+    from kvflow.core.scheduler import RequestUpdate
+    from kvflow.core.scheduler_output import SchedulerOutput
+    from kvflow.engine.speculator import Speculator
+
+    cfg = SpeculativeConfig("ngram", 3, 1, 3, disable_by_batch_size=3, min_acceptance_rate=0.5)
+    spec = Speculator(cfg, NgramProposer(3, 1, 3), 0, "ngram", max_model_len=64)
+    reqs = [Request(f"r{i}", [1, 2, 3, 1, 2], SamplingParams(max_tokens=10)) for i in range(3)]
+    reqs[1].num_draft_tokens, reqs[1].num_accepted_tokens = 40, 4  # poor acceptance
+    updates = [RequestUpdate(r, [2]) for r in reqs]
+    got = spec.propose(SchedulerOutput(), updates, 2, lambda rid: [])
+    assert got == {"r0": [3, 1, 2], "r2": [3, 1, 2]}
+    assert spec.propose(SchedulerOutput(), updates, 3, lambda rid: []) == {}  # batch too big
+    reqs[2].output_token_ids = [0] * 8  # 2 tokens left: one draft and the target's token
+    assert spec.propose(SchedulerOutput(), updates, 2, lambda rid: [])["r2"] == [3]

@@ -86,6 +86,10 @@ class NgramProposer:
         self._buffers[req_id] = (buf, total)
         return ngram_propose(buf[:total], self.min_n, self.max_n, self.k).tolist()
 
+    def propose_batch(self, items) -> list[list[int]]:
+        """items: (request id, its tokens, its block table (unused), most drafts) each."""
+        return [self.propose(rid, tokens)[:cap] for rid, tokens, _, cap in items]
+
     def forget(self, req_id: str) -> None:
         self._buffers.pop(req_id, None)
 

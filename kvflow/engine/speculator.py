@@ -16,7 +16,7 @@ from kvflow.model.arch import LlamaArchConfig
 
 
 class Speculator:
-    """One proposer (`propose(items) -> drafts`, `forget(req_id)`) behind SpecPolicy."""
+    """One proposer (`propose_batch(items) -> drafts`, `forget(req_id)`) behind SpecPolicy."""
 
     def __init__(self, config: SpeculativeConfig, proposer, num_lookahead_tokens: int,
                  description: str, max_model_len: int) -> None:
@@ -55,14 +55,7 @@ class Speculator:
                 items.append((req.request_id, req.all_token_ids, block_ids(req.request_id), cap))
         if not items:
             return {}
-        return dict(zip((i[0] for i in items), self.proposer.propose(items)))
-
-
-class NgramSpeculatorProposer(NgramProposer):
-    """The n-gram proposer under the batch interface."""
-
-    def propose(self, items) -> list[list[int]]:  # type: ignore[override]
-        return [NgramProposer.propose(self, rid, tokens)[:cap] for rid, tokens, _, cap in items]
+        return dict(zip((i[0] for i in items), self.proposer.propose_batch(items)))
 
 
 def build_speculator(config: SpeculativeConfig, arch: LlamaArchConfig, dtype: torch.dtype,
@@ -70,7 +63,7 @@ def build_speculator(config: SpeculativeConfig, arch: LlamaArchConfig, dtype: to
                      max_model_len: int) -> Speculator:
     k = config.num_speculative_tokens
     if config.method == "ngram":
-        proposer = NgramSpeculatorProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
+        proposer = NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
         return Speculator(config, proposer, 0,
                           f"speculative decoding: ngram k={k} n={config.prompt_lookup_min}.."
                           f"{config.prompt_lookup_max}", max_model_len)

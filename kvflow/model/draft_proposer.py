@@ -48,7 +48,7 @@ class DraftModelProposer:
         self.states.pop(req_id, None)
 
     @torch.inference_mode()
-    def propose(self, items: list[tuple[str, list[int], list[int], int]]) -> list[list[int]]:
+    def propose_batch(self, items: list[tuple[str, list[int], list[int], int]]) -> list[list[int]]:
         """items: (request id, its tokens so far, its block table, how many drafts at most)
         -> its drafts. The draft writes positions up to len(tokens) + that many - 2."""
         feeds, starts, tables, states = [], [], [], []
