@@ -178,6 +178,7 @@ def test_agents_move_the_exact_bytes_and_end_the_lease(use_shm):
         ev = wait_event(consumer, "loaded")
         assert (len(ev.frames) == 1) == use_shm
         write_blocks(dst, ev)
+        consumer.release_remote(p, done=True)  # the engine's word once the bytes are in place
         for (sk, sv), (dk, dv) in zip(src, dst):
             assert torch.equal(dk[[1, 3]], sk[[5, 2]]) and torch.equal(dv[[1, 3]], sv[[5, 2]])
         assert wait_event(producer, "released").error == "done"

@@ -28,6 +28,7 @@ import zmq
 from conftest_model_helpers import _save_random
 from server_helpers import REPO, ServerProcess, free_port, metric_value
 from kvflow.kv_transfer import messages as m
+from kvflow.kv_transfer import shm
 from kvflow.utils.process import die_with_parent
 
 pytestmark = pytest.mark.slow
@@ -329,8 +330,12 @@ def test_killed_prefill_instance_mid_transfer_is_recomputed(cluster, reference, 
         fut = pool.submit(complete, cluster.decode.url, fresh, kv_transfer_params=params)
         wait_until(lambda: metric_value(cluster.decode.url, "kvflow:kv_transfer_loads_active")
                    == 1, "pull under way")
+        engine_pid = cluster.prefill.engine_pid
         cluster.prefill.kill()
         resp = fut.result(GUARD_S)
+    # what the killed instance left in shared memory goes at the next start's sweep
+    shm.sweep_orphans()
+    assert not [f for f in os.listdir(shm.SHM_DIR) if f.startswith(f"kvflow-kv-{engine_pid}-")]
     # recomputed on the decode side: the single engine's tokens
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["text"] == ref_text(reference, fresh, default_tokenizer)

@@ -206,8 +206,10 @@ class EngineCore:
                 s.release_lease(ev.req_id)
                 self._kv_trace.append({"id": ev.req_id, "event": f"lease_{ev.error}"})
                 continue
-            if ev.req_id not in s.loading:
-                continue  # aborted meanwhile: its blocks are gone already
+            if ev.req_id not in s.loading:  # aborted meanwhile: its blocks are gone already
+                if ev.kind == "loaded":
+                    agent.release_remote(ev.load.params)
+                continue
             error = ev.error
             if ev.kind == "loaded":
                 try:
@@ -215,7 +217,9 @@ class EngineCore:
                 except ValueError as e:
                     error = str(e)
                     agent.stats.loads_failed += 1
+                    agent.release_remote(ev.load.params)
                 else:
+                    agent.release_remote(ev.load.params, done=True)
                     st = agent.stats
                     st.loads_done += 1
                     st.bytes_received += ev.num_bytes

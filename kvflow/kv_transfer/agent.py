@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import queue
 import socket
 import threading
@@ -29,12 +28,12 @@ from kvflow.core.scheduler_output import KVLoad
 from kvflow.kv_transfer import messages as m
 from kvflow.kv_transfer.lease import LeaseTable
 from kvflow.kv_transfer.params import KVTransferParams, compat_mismatch
+from kvflow.kv_transfer.shm import MappingCache, StagingPool, available, is_staging_path
 from kvflow.logger import init_logger
 
 logger = init_logger("kvflow.kv_transfer")
 
 _TICK_S = 0.05  # the agent's clock: lease expiry, heartbeats, pull deadlines
-SHM_DIR = "/dev/shm"
 
 
 def host_id() -> str:
@@ -83,10 +82,11 @@ class Event:
     kind: str  # "released" | "loaded" | "failed"
     req_id: str
     load: KVLoad | None = None
-    frames: list = field(default_factory=list)  # zmq frames, or one mapped shared-memory tensor
+    frames: list = field(default_factory=list)  # zmq frames, or one shared-memory tensor view
     num_bytes: int = 0
     seconds: float = 0.0
     error: str = ""
+    peer: tuple[str, int] | None = None
 
 
 class KVTransferAgent:
@@ -121,6 +121,8 @@ class KVTransferAgent:
                               f"{config.kv_port}: {e}") from None
         self._dealers: dict[tuple[str, int], zmq.Socket] = {}
         self._pending: dict[str, _Pending] = {}  # transfer id -> pull in flight
+        self._staging = StagingPool() if config.is_producer and available() else None
+        self._mappings = MappingCache()
         self._running = True
         self._thread = threading.Thread(target=self._run, name="kvflow-kv-transfer", daemon=True)
         self._thread.start()
@@ -155,9 +157,11 @@ class KVTransferAgent:
         """Stop waiting for a pull (its request was aborted); the producer is told."""
         self._command("cancel", req_id)
 
-    def release_remote(self, p: KVTransferParams) -> None:
-        """Tell a producer that its lease is not needed (a refused or finished request)."""
-        self._command("release", (p.remote_host, p.remote_port), p.transfer_id)
+    def release_remote(self, p: KVTransferParams, done: bool = False) -> None:
+        """Tell a producer that its lease is not needed any more: the blocks are copied here
+        (`done`), or will never be (a refused or aborted request)."""
+        self._command("done" if done else "release", (p.remote_host, p.remote_port),
+                      p.transfer_id)
 
     def _command(self, *cmd) -> None:
         self._commands.put(cmd)
@@ -192,6 +196,9 @@ class KVTransferAgent:
         self.close_sockets()
 
     def close_sockets(self) -> None:
+        if self._staging is not None:
+            self._staging.close()
+        self._mappings.close()
         for s in [self._thread_end, self.wakeup_socket, self.router, *self._dealers.values()]:
             if s is not None:
                 s.close(linger=0)
@@ -246,8 +253,9 @@ class KVTransferAgent:
                     if p.load.req_id == cmd[1]:
                         del self._pending[tid]
                         self._send(p.peer, [m.RELEASE, m.encoder.encode(tid)])
-            elif kind == "release":
-                self._send(cmd[1], [m.RELEASE, m.encoder.encode(cmd[2])])
+            elif kind in ("release", "done"):
+                self._send(cmd[1], [m.RELEASE if kind == "release" else m.DONE,
+                                    m.encoder.encode(cmd[2])])
             elif kind == "stop":
                 self._running = False
                 return
@@ -299,31 +307,27 @@ class KVTransferAgent:
             p = self._pending.get(head.transfer_id)
             if p is None:  # late: the pull timed out, was cancelled or answered already
                 self.stats.late_frames += 1
-                if head.shm_path:
-                    _unlink(head.shm_path)
                 self._thread_end.send(b"e")  # no event, but the count reaches /metrics
                 continue
             if head.error is not None:
                 self._fail(head.transfer_id, f"the prefill instance refused: {head.error}")
                 continue
             data = frames[2:]
-            if head.shm_path and not _is_our_shm_file(head.shm_path):
-                self._fail(head.transfer_id, "the prefill instance named a file that is not a "
-                                             "kvflow shared-memory file")
-                continue
             if head.shm_path:
+                if not is_staging_path(head.shm_path):
+                    self._fail(head.transfer_id, "the prefill instance named a file that is not "
+                                                 "a kvflow staging file")
+                    continue
                 try:
-                    data = [torch.from_file(head.shm_path, shared=False, size=head.num_bytes,
-                                            dtype=torch.uint8)]
-                except (OSError, RuntimeError) as e:
+                    data = [self._mappings.view(head.shm_path, head.num_bytes)]
+                except (OSError, ValueError) as e:
                     self._fail(head.transfer_id, f"shared memory: {e}")
                     continue
-                finally:
-                    _unlink(head.shm_path)
             del self._pending[head.transfer_id]
-            self._send(p.peer, [m.DONE, m.encoder.encode(head.transfer_id)])
+            # DONE goes once the engine has copied the bytes (release_remote(done=True)): a
+            # staging file is reused after it
             self._emit(Event("loaded", p.load.req_id, p.load, data, head.num_bytes,
-                             time.monotonic() - p.started))
+                             time.monotonic() - p.started, peer=p.peer))
 
     def _tick(self, now: float) -> None:
         for lease in self.leases.expired(now):
@@ -344,8 +348,8 @@ class KVTransferAgent:
     def _end_lease(self, lease, reason: str) -> None:
         # pulls are served on this thread and copy the blocks out before they are sent, so no
         # read of the lease's blocks is under way: the engine may free them at once
-        for path in lease.shm_paths:
-            _unlink(path)
+        if self._staging is not None:
+            self._staging.give_back(lease.transfer_id)
         self._emit(Event("released", lease.transfer_id, error=reason))
 
     # -- serving pulls (prefill side) --------------------------------------------------------
@@ -390,22 +394,18 @@ class KVTransferAgent:
         idx = torch.tensor(req.block_ids, dtype=torch.long)
         per_tensor = len(req.block_ids) * self.kv_caches[0][0][0].numel() * self.kv_caches[0][0].element_size()
         total = per_tensor * 2 * len(self.kv_caches)
-        if req.use_shm and req.host_id == self.host_id and os.path.isdir(SHM_DIR):
-            path = os.path.join(SHM_DIR, f"kvflow-kv-{self.engine_id}-{uuid.uuid4().hex}")
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, total)
-            finally:
-                os.close(fd)
-            lease.shm_paths.append(path)
-            dst = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+        staging = None
+        if (req.use_shm and req.host_id == self.host_id and self._staging is not None
+                and req.transfer_id not in self._staging.in_use):
+            staging = self._staging.take(req.transfer_id, total)
+        if staging is not None:
+            dst = staging.tensor
             for i, (k, v) in enumerate(self.kv_caches):
                 for j, t in enumerate((k, v)):
                     off = (2 * i + j) * per_tensor
                     out = dst[off:off + per_tensor].view(t.dtype).view(len(idx), *t.shape[1:])
                     torch.index_select(t, 0, idx, out=out)
-            del dst
-            header = m.KVHeader(req.transfer_id, shm_path=path, num_bytes=total)
+            header = m.KVHeader(req.transfer_id, shm_path=staging.path, num_bytes=total)
             router.send_multipart([ident, m.KV, m.encoder.encode(header)])
         else:
             parts = [t.index_select(0, idx).view(torch.uint8).view(-1).numpy()
@@ -442,13 +442,3 @@ def write_blocks(kv_caches, event: Event) -> None:
             t.index_copy_(0, idx, src.view(t.dtype).view(n, *t.shape[1:]))
 
 
-def _is_our_shm_file(path: str) -> bool:
-    return (os.path.dirname(path) == SHM_DIR
-            and os.path.basename(path).startswith("kvflow-kv-") and ".." not in path)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -12,7 +12,6 @@ class Lease:
     block_ids: list[int]
     num_tokens: int
     expires_at: float
-    shm_paths: list[str]  # shared-memory files made for this transfer, removed at the end
 
 
 class LeaseTable:
@@ -26,7 +25,7 @@ class LeaseTable:
     def add(self, transfer_id: str, block_ids: list[int], num_tokens: int, now: float) -> None:
         assert transfer_id not in self.leases, f"lease {transfer_id} granted twice"
         self.leases[transfer_id] = Lease(transfer_id, list(block_ids), num_tokens,
-                                         now + self.timeout_s, [])
+                                         now + self.timeout_s)
 
     def get(self, transfer_id: str) -> Lease | None:
         return self.leases.get(transfer_id)
