@@ -260,8 +260,8 @@ class EngineConfig:
         "`auto` is llguidance, chosen by measurement (benchmarks/README.md)",
         choices=("auto", "llguidance", "xgrammar"))
     kv_transfer_config: str | None = option(
-        None, "prefill/decode disaggregation, vLLM's JSON: {\"kv_role\": \"kv_producer\" | "
-        "\"kv_consumer\" | \"kv_both\", \"kv_port\": 14579, ...} (docs/disaggregation.md)")
+        None, "prefill/decode disaggregation, vLLM's JSON, e.g. {\"kv_role\": \"kv_producer\", "
+        "\"kv_port\": 14579}; roles kv_producer, kv_consumer, kv_both (docs/disaggregation.md)")
     # parsed from kv_transfer_config
     kv_transfer: KVTransferConfig | None = field(default=None, init=False, repr=False)
 

@@ -284,7 +284,9 @@ class EngineCore:
         if self.scheduler.new_leases:  # prompts computed for a decode instance: lend the blocks
             for rid, (blocks, n) in self.scheduler.new_leases.items():
                 self.kv_agent.offer(rid, blocks, n)
-                lent[rid] = self.kv_agent.params_for(rid, blocks, n)
+                # the prompt's blocks (a request that also decoded here holds more, all lent)
+                prompt_blocks = blocks[:-(-n // self.cache_config.block_size)]
+                lent[rid] = self.kv_agent.params_for(rid, prompt_blocks, n)
             self.scheduler.new_leases = {}
         outputs = []
         for u in updates:
