@@ -19,7 +19,7 @@ price of every prompt waiting behind the one prefill instance (TTFT).
 
 --transfer-only (also run after the rounds): the KV bytes/s of one 2,000-token pull of the
 default model's layout between two agents in one process, over loopback ZeroMQ and over shared
-memory (medians of 7).
+memory, alternated (medians of 9 each).
 """
 from __future__ import annotations
 
@@ -145,9 +145,10 @@ async def run_round(url: str, items) -> dict:
             "num_short": len(short), "num_long": len(long_)}
 
 
-def transfer_rates(reps: int = 7) -> dict:
+def transfer_rates(reps: int = 9) -> dict:
     """Bytes/s of one 2,000-token pull of SmolLM2-135M's KV layout (30 layers, 3 KV heads of 64,
-    bf16, blocks of 16) between two agents in this process."""
+    bf16, blocks of 16) between two agents in this process: ZeroMQ over loopback and shared
+    memory, alternated pull by pull so that both see the same load."""
     import torch
 
     from kvflow.config import KVTransferConfig
@@ -161,15 +162,16 @@ def transfer_rates(reps: int = 7) -> dict:
         return [(torch.randn(nb, 3, bs, 64).to(torch.bfloat16),
                  torch.randn(nb, 3, bs, 64).to(torch.bfloat16)) for _ in range(30)]
 
-    out = {}
-    for shm in (False, True):
-        src, dst = caches(), caches()
-        port = free_port()
-        prod = KVTransferAgent(KVTransferConfig("kv_producer", kv_port=port), {}, src, bs)
-        cons = KVTransferAgent(KVTransferConfig("kv_consumer", kv_use_shm=shm), {}, dst, bs)
-        rates = []
-        try:
-            for i in range(reps):
+    pairs, rates = {}, {"zmq_loopback": [], "shm": []}
+    try:
+        for name in rates:
+            src, dst = caches(), caches()
+            prod = KVTransferAgent(KVTransferConfig("kv_producer", kv_port=free_port()), {}, src, bs)
+            cons = KVTransferAgent(KVTransferConfig("kv_consumer", kv_use_shm=name == "shm"), {},
+                                   dst, bs)
+            pairs[name] = (prod, cons, src, dst)
+        for i in range(reps):
+            for name, (prod, cons, src, dst) in pairs.items():
                 tid = f"t{i}"
                 prod.offer(tid, list(range(n)), n * bs)
                 time.sleep(0.05)
@@ -179,22 +181,24 @@ def transfer_rates(reps: int = 7) -> dict:
                 ev = None
                 while ev is None:
                     cons.wait(1.0)
-                    ev = next((e for e in cons.drain_events() if e.kind in ("loaded", "failed")), None)
+                    ev = next((e for e in cons.drain_events() if e.kind in ("loaded", "failed")),
+                              None)
                 assert ev.kind == "loaded", ev.error
+                assert (len(ev.frames) == 1) == (name == "shm")
                 write_blocks(dst, ev)
                 cons.release_remote(p, done=True)
-                dt = time.perf_counter() - t0
-                rates.append(ev.num_bytes / dt)
+                rates[name].append(ev.num_bytes / (time.perf_counter() - t0))
                 while not any(e.kind == "released" for e in prod.drain_events()):
                     prod.wait(1.0)
+        for prod, cons, src, dst in pairs.values():
             assert all(torch.equal(a[0][:n], b[0][:n]) for a, b in zip(src, dst))
-        finally:
+    finally:
+        for prod, cons, _, _ in pairs.values():
             prod.shutdown()
             cons.shutdown()
-        out["shm" if shm else "zmq_loopback"] = {
-            "bytes": ev.num_bytes, "median_GBps": statistics.median(rates) / 1e9,
-            "min_GBps": min(rates) / 1e9, "max_GBps": max(rates) / 1e9}
-    return out
+    return {name: {"bytes": n * 30 * 2 * 3 * bs * 64 * 2, "pulls": len(r),
+                   "median_GBps": statistics.median(r) / 1e9, "min_GBps": min(r) / 1e9,
+                   "max_GBps": max(r) / 1e9} for name, r in rates.items()}
 
 
 def main() -> int:

@@ -299,6 +299,53 @@ def test_64_concurrent_requests_with_failing_transfers(cluster, reference, defau
     assert_clean(cluster.prefill, cluster.decode)
 
 
+def start_router(*args: str, ready: str = "/health") -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvflow.entrypoints.cli", "router", "--port",
+                             str(port), *args], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL,
+                            preexec_fn=functools.partial(die_with_parent, signal.SIGTERM))
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: proc.poll() is not None or _ok(url + ready), "router up")
+    return proc, url
+
+
+def test_router_balances_replicas_and_retries_a_dead_prefill(cluster, reference,
+                                                              default_tokenizer):
+    served = [metric_value(s.url, "kvflow:e2e_request_latency_seconds_count")
+              for s in (cluster.prefill, cluster.decode)]
+    proc, url = start_router("--replicas", cluster.prefill.url, cluster.decode.url)
+    try:
+        prompts = prompts_of([24] * 64, seed=2)[:12]
+        for p in prompts:  # plain requests, each to one replica
+            resp = complete(url, p)
+            assert resp.json()["choices"][0]["text"] == ref_text(reference, p, default_tokenizer)
+        after = [metric_value(s.url, "kvflow:e2e_request_latency_seconds_count")
+                 for s in (cluster.prefill, cluster.decode)]
+        assert all(a > b for a, b in zip(after, served)), (served, after)  # both took some
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    dead = f"http://127.0.0.1:{free_port()}"
+    # ready by /v1/models: a /health probe would mark the dead instance before any request
+    proc, url = start_router("--prefill", dead, cluster.prefill.url, "--decode", cluster.decode.url,
+                             ready="/v1/models")
+    try:
+        for p in prompts_of([30] * 20, seed=11):
+            assert complete(url, p).status_code == 200
+            text = httpx.get(url + "/metrics").text
+            if "kvflow_router:prefill_retries_total 1.0" in text:
+                break
+        else:
+            raise AssertionError("no request was retried away from the dead prefill instance")
+        health = httpx.get(url + "/health", timeout=10)
+        assert health.status_code == 200 and not health.json()["backends"][dead]["healthy"]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert_clean(cluster.prefill, cluster.decode)
+
+
 def test_killed_decode_instance_leaves_no_blocks_on_the_prefill_side(cluster, tiny_model):
     victim = ServerProcess("--model", tiny_model, *COMMON,
                            "--kv-transfer-config", kv_config("kv_consumer"))
