@@ -255,6 +255,19 @@ def test_lease_expires_when_nobody_comes_after_the_prefill(cluster):
     assert metric_value(cluster.prefill.url, "kvflow:kv_transfer_leases_expired_total") == 1
 
 
+def test_what_an_instance_cannot_do_is_a_400_naming_it(cluster):
+    prompt = prompts_of([10], seed=12)[0]
+    resp = complete(cluster.decode.url, prompt, max_tokens=1,
+                    kv_transfer_params={"do_remote_decode": True})
+    assert resp.status_code == 400 and "lends no KV blocks" in resp.text, resp.text
+    resp = complete(cluster.prefill.url, prompt, kv_transfer_params={"do_remote_decode": True,
+                                                                     "remote_tp_size": 2})
+    assert resp.status_code == 400 and "remote_tp_size" in resp.text, resp.text
+    resp = complete(cluster.router_url, prompt, kv_transfer_params={"do_remote_decode": True})
+    assert resp.status_code == 400 and "kv_transfer_params" in resp.text
+    assert_clean(cluster.prefill, cluster.decode)
+
+
 def test_compatibility_mismatch_is_refused_at_both_handshakes(cluster):
     prompt = prompts_of([40], seed=7)[0]
     params = complete(cluster.prefill.url, prompt, max_tokens=1,

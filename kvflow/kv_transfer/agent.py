@@ -113,6 +113,7 @@ class KVTransferAgent:
             self.router = self.ctx.socket(zmq.ROUTER)
             self.router.setsockopt(zmq.LINGER, 0)
             self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self.router.setsockopt(zmq.MAXMSGSIZE, 1 << 24)  # pulls are small; anything else is not one
             try:
                 self.router.bind(f"tcp://{config.kv_ip}:{config.kv_port}")
             except zmq.ZMQError as e:
