@@ -108,8 +108,17 @@ def test_abort_while_waiting_for_remote_kv_frees_blocks_and_names_the_pull():
     s.add_request(remote_request("r", 10))
     s.schedule()
     assert s.abort_request("r")
-    assert s.cancelled_loads == ["r"] and s.kv_cache_manager.num_free_blocks == 32
+    assert [rid for rid, _ in s.cancelled_loads] == ["r"]
+    assert s.kv_cache_manager.num_free_blocks == 32
     assert not s.finish_load("r", True)  # a late answer finds nothing to fill
+    # one still queued for blocks (its pull not started) is named too: its lease is released
+    s = make_scheduler(num_blocks=32, block_size=BS, budget=512)
+    s.add_request(make_request("hog", 100))  # admitted first: it takes 25 blocks
+    s.add_request(remote_request("big", 40, transfer_id="t2"))
+    out = s.schedule()
+    assert out.skipped_req_ids == ["big"] and not out.kv_loads
+    s.abort_request("big")
+    assert [rid for rid, _ in s.cancelled_loads] == ["big"]
 
 
 def test_remote_decode_request_lends_its_blocks_until_released():

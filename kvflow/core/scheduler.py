@@ -10,6 +10,7 @@ from kvflow.core.kv_cache_manager import KVCacheManager, cdiv
 from kvflow.core.request_queue import RequestQueue
 from kvflow.core.scheduler_output import (AdmissionStop, BlockCheck, KVLoad, NewRequestData,
                                           SchedulerOutput)
+from kvflow.kv_transfer.params import KVTransferParams
 from kvflow.logger import init_logger
 from kvflow.request import FinishReason, Request, RequestStatus, check_request_fits
 
@@ -50,7 +51,8 @@ class Scheduler:
         self._grammar_failed: dict[str, Request] = {}  # reported by the next update_from_output
         # prefill/decode disaggregation (docs/disaggregation.md)
         self.loading: dict[str, Request] = {}  # pulls in flight: id -> request (in `waiting`)
-        self.cancelled_loads: list[str] = []  # aborted while loading: the engine tells the agent
+        # ended while waiting for remote KV (pulled or not yet): the engine tells the producer
+        self.cancelled_loads: list[tuple[str, KVTransferParams]] = []
         self._kv_failed: dict[str, Request] = {}  # failed pulls (policy `fail`), reported next
         self._kv_errors: dict[str, str] = {}
         # finished requests whose blocks are lent to a decode instance: id -> (block ids, tokens);
@@ -433,13 +435,15 @@ class Scheduler:
         return None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        was_waiting_for_kv = req.status == RequestStatus.WAITING_FOR_REMOTE_KV
         req.status = status
         if req.structured_output is not None:
             req.structured_output.close()  # a compile still queued is cancelled
         rid = req.request_id
-        if self.loading.pop(rid, None) is not None:
-            self.cancelled_loads.append(rid)  # the engine stops the pull, the producer is told
         p = req.sampling_params.kv_transfer_params
+        if was_waiting_for_kv:
+            self.loading.pop(rid, None)
+            self.cancelled_loads.append((rid, p))  # the engine stops the pull, the producer is told
         if (p is not None and p.do_remote_decode and status != RequestStatus.FINISHED_ABORTED
                 and rid in self.kv_cache_manager.req_to_blocks):
             # its prompt's blocks are lent to a decode instance, not freed

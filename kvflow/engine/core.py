@@ -22,7 +22,7 @@ from kvflow.model.executor import Executor, UniProcExecutor
 from kvflow.model.loader import load_model, resolve_dtype
 from kvflow.model.sharding import kv_bytes_per_token_per_rank
 from kvflow.model_path import resolve_model_path
-from kvflow.request import Request, check_request_fits
+from kvflow.request import Request, RequestStatus, check_request_fits
 from kvflow.sampling_params import check_token_ids
 from kvflow.structured import StructuredOutputManager, validate_structured_outputs
 from kvflow.tokenizer import get_tokenizer, tokenizer_source
@@ -127,7 +127,17 @@ class EngineCore:
     # -- requests ------------------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> None:
         """Queue a request; ValueError (naming the field or the numbers) if an id lies outside the
-        vocabulary or it can never fit. The frontends check first; this holds for any caller."""
+        vocabulary or it can never fit. The frontends check first; this holds for any caller.
+        A refused request that was to pull remote KV releases the producer's lease at once."""
+        try:
+            self._add_request(r)
+        except ValueError:
+            p = r.sampling_params.kv_transfer_params
+            if p is not None and p.do_remote_prefill and self.kv_agent is not None:
+                self.kv_agent.release_remote(p)
+            raise
+
+    def _add_request(self, r: EngineCoreRequest) -> None:
         params = r.sampling_params
         vocab_size = self.arch.vocab_size
         check_token_ids("prompt", r.prompt_token_ids, vocab_size)
@@ -156,10 +166,12 @@ class EngineCore:
             if req.structured_output is not None:
                 req.structured_output.close()
             raise
+        if req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            self.kv_agent.watch(params.kv_transfer_params)  # heartbeats until its pull starts
 
     def _check_kv_transfer(self, r: EngineCoreRequest) -> None:
         """ValueError (a 400) if this engine cannot do what the request's kv_transfer_params
-        ask; a refused pull releases the producer's lease at once."""
+        ask (add_request then releases the producer's lease at once)."""
         p = r.sampling_params.kv_transfer_params
         kt = self.config.kv_transfer
         if p.do_remote_decode and (kt is None or not kt.is_producer):
@@ -172,18 +184,14 @@ class EngineCore:
             raise ValueError("kv_transfer_params.do_remote_prefill: this instance pulls no KV "
                              "blocks (start it with --kv-transfer-config '{\"kv_role\": "
                              "\"kv_consumer\"}' or kv_both)")
-        try:
-            self.kv_agent.check_compatible(p)
-            if p.remote_num_tokens != len(r.prompt_token_ids):
-                raise ValueError(f"kv_transfer_params: the prefill instance computed "
-                                 f"{p.remote_num_tokens} prompt tokens, this prompt has "
-                                 f"{len(r.prompt_token_ids)}")
-            if r.sampling_params.structured_outputs is not None:
-                raise ValueError("kv_transfer_params.do_remote_prefill with structured_outputs "
-                                 "is not implemented")
-        except ValueError:
-            self.kv_agent.release_remote(p)
-            raise
+        self.kv_agent.check_compatible(p)
+        if p.remote_num_tokens != len(r.prompt_token_ids):
+            raise ValueError(f"kv_transfer_params: the prefill instance computed "
+                             f"{p.remote_num_tokens} prompt tokens, this prompt has "
+                             f"{len(r.prompt_token_ids)}")
+        if r.sampling_params.structured_outputs is not None:
+            raise ValueError("kv_transfer_params.do_remote_prefill with structured_outputs "
+                             "is not implemented")
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)  # one pass, however many
@@ -191,8 +199,8 @@ class EngineCore:
 
     def _cancel_loads(self) -> None:
         cancelled, self.scheduler.cancelled_loads = self.scheduler.cancelled_loads, []
-        for rid in cancelled:
-            self.kv_agent.cancel(rid)
+        for rid, params in cancelled:
+            self.kv_agent.cancel(rid, params)
             self._kv_trace.append({"id": rid, "event": "load_cancelled"})
 
     # -- KV transfer -----------------------------------------------------------------------

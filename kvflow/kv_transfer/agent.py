@@ -122,6 +122,7 @@ class KVTransferAgent:
                               f"{config.kv_port}: {e}") from None
         self._dealers: dict[tuple[str, int], zmq.Socket] = {}
         self._pending: dict[str, _Pending] = {}  # transfer id -> pull in flight
+        self._watched: dict[str, list] = {}  # transfer id -> [peer, next heartbeat]: queued
         self._staging = StagingPool() if config.is_producer and available() else None
         self._mappings = MappingCache()
         self._running = True
@@ -154,9 +155,13 @@ class KVTransferAgent:
     def load(self, load: KVLoad) -> None:
         self._command("load", load, time.monotonic())
 
-    def cancel(self, req_id: str) -> None:
-        """Stop waiting for a pull (its request was aborted); the producer is told."""
-        self._command("cancel", req_id)
+    def watch(self, p: KVTransferParams) -> None:
+        """A request waits to pull `p` (for blocks, say): keep its lease alive meanwhile."""
+        self._command("watch", (p.remote_host, p.remote_port), p.transfer_id, time.monotonic())
+
+    def cancel(self, req_id: str, p: KVTransferParams) -> None:
+        """Stop waiting for a pull, started or not (its request ended); the producer is told."""
+        self._command("cancel", req_id, (p.remote_host, p.remote_port), p.transfer_id)
 
     def release_remote(self, p: KVTransferParams, done: bool = False) -> None:
         """Tell a producer that its lease is not needed any more: the blocks are copied here
@@ -249,11 +254,16 @@ class KVTransferAgent:
                 self.stats.leases_granted += 1
             elif kind == "load":
                 self._start_pull(cmd[1], cmd[2])
+            elif kind == "watch":
+                _, peer, tid, now = cmd
+                self._watched[tid] = [peer, now + self.config.kv_lease_timeout_s / 3]
             elif kind == "cancel":
-                for tid, p in list(self._pending.items()):
-                    if p.load.req_id == cmd[1]:
-                        del self._pending[tid]
-                        self._send(p.peer, [m.RELEASE, m.encoder.encode(tid)])
+                _, req_id, peer, tid = cmd
+                self._watched.pop(tid, None)
+                p = self._pending.get(tid)
+                if p is not None and p.load.req_id == req_id:
+                    del self._pending[tid]
+                self._send(peer, [m.RELEASE, m.encoder.encode(tid)])
             elif kind in ("release", "done"):
                 self._send(cmd[1], [m.RELEASE if kind == "release" else m.DONE,
                                     m.encoder.encode(cmd[2])])
@@ -276,6 +286,7 @@ class KVTransferAgent:
         peer = (p.remote_host, p.remote_port)
         tid = p.transfer_id
         now = time.monotonic()
+        self._watched.pop(tid, None)  # from here on the pull's own heartbeats
         if tid in self._pending:  # two requests cannot pull one lease
             self.stats.loads_failed += 1
             self._emit(Event("failed", load.req_id, load, error=f"transfer {tid!r} is already "
@@ -345,6 +356,10 @@ class KVTransferAgent:
             elif now >= p.next_beat:
                 p.next_beat = now + self.config.kv_lease_timeout_s / 3
                 self._send(p.peer, [m.BEAT, m.encoder.encode(tid)])
+        for tid, w in self._watched.items():
+            if now >= w[1]:
+                w[1] = now + self.config.kv_lease_timeout_s / 3
+                self._send(w[0], [m.BEAT, m.encoder.encode(tid)])
 
     def _end_lease(self, lease, reason: str) -> None:
         # pulls are served on this thread and copy the blocks out before they are sent, so no
