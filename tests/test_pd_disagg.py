@@ -228,6 +228,12 @@ def test_traces_show_no_decode_on_prefill_and_one_prompt_token_on_decode(cluster
             if r["phase"] == "prefill":
                 prompt_tokens[r["id"]] = prompt_tokens.get(r["id"], 0) + r["tokens"]
     assert all(prompt_tokens.get(rid, 0) <= 1 for rid in loaded), prompt_tokens
+    # `kvflow trace` tells it: blocks lent on one side, pulled and loaded on the other
+    from kvflow.trace.reader import load_trace
+    from kvflow.trace.table import render
+    assert "(lent " in render(load_trace(cluster.p_trace).steps)
+    decode_table = render(load_trace(cluster.d_trace).steps)
+    assert ": pulling (" in decode_table and ": loaded (" in decode_table
 
 
 def test_abort_while_waiting_for_remote_kv_frees_both_sides(cluster):

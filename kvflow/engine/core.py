@@ -248,6 +248,9 @@ class EngineCore:
 
     def _start_loads(self, sched_out: SchedulerOutput) -> None:
         for load in sched_out.kv_loads:
+            # traced as an event: the step that plans a pull often runs nothing (and is not traced)
+            self._kv_trace.append({"id": load.req_id, "event": "pulling",
+                                   "blocks": len(load.local_block_ids)})
             if load.local_block_ids:
                 self.kv_agent.load(load)
             else:  # its prompt but the last token was in the local prefix cache already
@@ -295,6 +298,7 @@ class EngineCore:
                 # the prompt's blocks (a request that also decoded here holds more, all lent)
                 prompt_blocks = blocks[:-(-n // self.cache_config.block_size)]
                 lent[rid] = self.kv_agent.params_for(rid, prompt_blocks, n)
+                self._kv_trace.append({"id": rid, "event": "lent", "blocks": len(blocks)})
             self.scheduler.new_leases = {}
         outputs = []
         for u in updates:
