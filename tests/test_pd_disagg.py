@@ -18,7 +18,6 @@ import random
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import httpx

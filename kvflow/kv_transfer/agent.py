@@ -17,15 +17,14 @@ import socket
 import threading
 import time
 import uuid
-import warnings
 from dataclasses import dataclass, field
 
-import torch
 import zmq
 
 from kvflow.config import KVTransferConfig
 from kvflow.core.scheduler_output import KVLoad
 from kvflow.kv_transfer import messages as m
+from kvflow.kv_transfer.blocks import gather_frames, gather_into, scatter, transfer_bytes
 from kvflow.kv_transfer.lease import LeaseTable
 from kvflow.kv_transfer.params import KVTransferParams, compat_mismatch
 from kvflow.kv_transfer.shm import MappingCache, StagingPool, available, is_staging_path
@@ -407,25 +406,17 @@ class KVTransferAgent:
         if not all(b in held for b in req.block_ids):
             return refuse("block ids outside the lease")
         self.leases.extend(req.transfer_id, time.monotonic())
-        idx = torch.tensor(req.block_ids, dtype=torch.long)
-        per_tensor = len(req.block_ids) * self.kv_caches[0][0][0].numel() * self.kv_caches[0][0].element_size()
-        total = per_tensor * 2 * len(self.kv_caches)
+        _, total = transfer_bytes(self.kv_caches, len(req.block_ids))
         staging = None
         if (req.use_shm and req.host_id == self.host_id and self._staging is not None
                 and req.transfer_id not in self._staging.in_use):
             staging = self._staging.take(req.transfer_id, total)
         if staging is not None:
-            dst = staging.tensor
-            for i, (k, v) in enumerate(self.kv_caches):
-                for j, t in enumerate((k, v)):
-                    off = (2 * i + j) * per_tensor
-                    out = dst[off:off + per_tensor].view(t.dtype).view(len(idx), *t.shape[1:])
-                    torch.index_select(t, 0, idx, out=out)
+            gather_into(self.kv_caches, req.block_ids, staging.tensor)
             header = m.KVHeader(req.transfer_id, shm_path=staging.path, num_bytes=total)
             router.send_multipart([ident, m.KV, m.encoder.encode(header)])
         else:
-            parts = [t.index_select(0, idx).view(torch.uint8).view(-1).numpy()
-                     for pair in self.kv_caches for t in pair]
+            parts = gather_frames(self.kv_caches, req.block_ids)
             header = m.KVHeader(req.transfer_id, num_bytes=total)
             router.send_multipart([ident, m.KV, m.encoder.encode(header), *parts], copy=False)
         self.stats.pulls_served += 1
@@ -435,26 +426,4 @@ class KVTransferAgent:
 
 def write_blocks(kv_caches, event: Event) -> None:
     """Copy a finished pull's bytes into this engine's cache blocks (the engine thread)."""
-    load = event.load
-    n = len(load.local_block_ids)
-    if n == 0:
-        return
-    idx = torch.tensor(load.local_block_ids, dtype=torch.long)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # read-only zmq buffers: only read here
-        if len(event.frames) == 1:  # one shared-memory mapping holding every tensor
-            whole = event.frames[0]
-            per = whole.numel() // (2 * len(kv_caches))
-            parts = [whole[i * per:(i + 1) * per] for i in range(2 * len(kv_caches))]
-        else:
-            parts = [torch.frombuffer(f.buffer, dtype=torch.uint8) for f in event.frames]
-    if len(parts) != 2 * len(kv_caches):
-        raise ValueError(f"a KV pull brought {len(parts)} tensors, expected {2 * len(kv_caches)}")
-    for i, (k, v) in enumerate(kv_caches):
-        for j, t in enumerate((k, v)):
-            src = parts[2 * i + j]
-            if src.numel() != n * t[0].numel() * t.element_size():
-                raise ValueError("a KV pull's tensor has the wrong size")
-            t.index_copy_(0, idx, src.view(t.dtype).view(n, *t.shape[1:]))
-
-
+    scatter(kv_caches, event.load.local_block_ids, event.frames)
