@@ -291,11 +291,18 @@ def test_compatibility_mismatch_is_refused_at_both_handshakes(cluster):
     assert "kv_dtype 'bfloat16' there, 'float32' here" in head.error, head.error
     dealer.close()
     ctx.term()
-    # the consumer's check, before it allocates anything: a 400 naming the field; the
-    # producer's lease is released at once (not left to expire)
-    bad = dict(params, compat=dict(params["compat"], kv_dtype="bfloat16"))
-    resp = complete(cluster.decode.url, prompt, kv_transfer_params=bad)
-    assert resp.status_code == 400 and "kv_dtype" in resp.text, resp.text
+    # the consumer's check, before it allocates anything: a decode instance with a bf16 KV
+    # cache answers a 400 naming the field, and the producer's lease is released at once (not
+    # left to expire)
+    bf16 = ServerProcess("--model", cluster.model, *COMMON, "--kv-cache-dtype", "bfloat16",
+                         "--kv-transfer-config", kv_config("kv_consumer"))
+    try:
+        resp = complete(bf16.url, prompt, kv_transfer_params=params)
+        assert resp.status_code == 400, resp.text
+        assert "kv_dtype 'float32' there, 'bfloat16' here" in resp.text, resp.text
+        assert_clean(bf16)
+    finally:
+        bf16.close()
     expired = metric_value(cluster.prefill.url, "kvflow:kv_transfer_leases_expired_total")
     wait_until(lambda: metric_value(cluster.prefill.url, "kvflow:kv_transfer_leases_active") == 0,
                "lease released", timeout=LEASE_S - 0.5)
