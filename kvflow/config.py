@@ -40,6 +40,7 @@ def option(default=None, help: str = "", *, choices: tuple[str, ...] | None = No
 
 
 DTYPES = ("auto", "bfloat16", "float32")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass
@@ -60,12 +61,19 @@ class ModelConfig:
         None, "longest sequence (prompt + output) served (default: the model's context length)")
     seed: int = option(
         0, "seed of the engine's random state: sampling without a per-request seed draws from it")
+    device: str = option(
+        "auto", "where the model runs: `cuda` (an NVIDIA GPU: Triton attention, cuBLAS GEMMs, "
+        "CUDA graphs) or `cpu`; `auto` is cuda when torch sees a GPU", choices=DEVICES)
+    enforce_eager: bool = option(
+        False, "on a GPU, run decode steps eagerly instead of replaying CUDA graphs")
     served_model_name: list[str] | None = option(
         None, "model name(s) clients pass as `model`; the first is reported (default: the "
         "model's folder or file name)")
 
     def __post_init__(self) -> None:
         self.dtype = dtype_name(self.dtype, "dtype")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if isinstance(self.served_model_name, str):
@@ -77,12 +85,17 @@ class ModelConfig:
 @dataclass
 class CacheConfig:
     """Paged KV cache: blocks of `block_size` tokens; the pool is sized from `kv_cache_memory`
-    (capped by free RAM) unless `num_blocks` is given."""
+    (capped by free RAM) on a CPU, from `gpu_memory_utilization` on a GPU, unless `num_blocks`
+    is given."""
 
     block_size: int = option(16, "tokens per KV block (even)")
-    num_blocks: int | None = option(None, "KV blocks in the pool; overrides kv_cache_memory")
+    num_blocks: int | None = option(
+        None, "KV blocks in the pool; overrides kv_cache_memory and gpu_memory_utilization")
     kv_cache_memory: int | str = option(
-        "4GiB", "memory for the KV pool, e.g. 4GiB (capped by free RAM)")
+        "4GiB", "on a CPU: memory for the KV pool, e.g. 4GiB (capped by free RAM)")
+    gpu_memory_utilization: float = option(
+        0.9, "on a GPU: the fraction of its memory this engine may use in all (weights, "
+        "activations, KV pool); the KV pool gets what the others leave")
     enable_prefix_caching: bool = option(
         True, "reuse cached full blocks of shared prompt prefixes")
     cache_dtype: str = option(
@@ -97,6 +110,9 @@ class CacheConfig:
             raise ValueError(f"block_size must be positive and even, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
         self.kv_cache_memory = parse_memory(self.kv_cache_memory)
         if self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be positive")

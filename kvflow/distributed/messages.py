@@ -28,6 +28,7 @@ class WorkerInit:
     eos_token_id: int | list[int] | None
     shm_path: str | None = None  # the shared-memory all-reduce segment (single machine)
     shm_slot_bytes: int = 0
+    device: str = "cpu"  # cpu, or cuda: each rank on GPU `rank % device_count`, NCCL collectives
 
 
 class StepMessage(msgspec.Struct, array_like=True):

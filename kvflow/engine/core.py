@@ -19,7 +19,9 @@ from kvflow.kv_transfer.agent import KVTransferAgent, write_blocks
 from kvflow.logger import init_logger
 from kvflow.model.arch import load_arch_config
 from kvflow.model.executor import Executor, UniProcExecutor
-from kvflow.model.loader import load_model, resolve_dtype
+from kvflow.model import gpu_memory
+from kvflow.model.cuda_graphs import decode_graphs_for
+from kvflow.model.loader import load_model, resolve_device, resolve_dtype
 from kvflow.model.sharding import kv_bytes_per_token_per_rank
 from kvflow.model_path import resolve_model_path
 from kvflow.request import Request, RequestStatus, check_request_fits
@@ -40,21 +42,40 @@ class EngineCore:
         torch.set_num_threads(config.num_threads)
         mc = config.model_config
         self.model_path = resolve_model_path(mc.model)
-        self.dtype = resolve_dtype(mc.dtype)
+        self.device = resolve_device(mc.device)
+        on_gpu = self.device.type == "cuda"
+        self.dtype = resolve_dtype(mc.dtype, self.device)
         cache_dtype = config.cache_config.cache_dtype
         self.kv_dtype = self.dtype if cache_dtype == "auto" else resolve_dtype(cache_dtype)
         self.tp_size = config.parallel_config.tensor_parallel_size
+        if on_gpu and self.tp_size > 1 and config.cache_config.num_blocks is None:
+            # the profile run that sizes the pool by --gpu-memory-utilization is one process's
+            raise ValueError("tensor parallelism on cuda needs --num-blocks: the KV pool is not "
+                             "sized from --gpu-memory-utilization across ranks yet")
+        free_at_start = torch.cuda.mem_get_info(self.device)[0] if on_gpu else 0
         if self.tp_size > 1:  # the executor's ranks load their shards; never the whole model here
             model, self.arch = None, load_arch_config(self.model_path)
         else:
-            model, self.arch = load_model(self.model_path, self.dtype)
+            model, self.arch = load_model(self.model_path, self.dtype,
+                                          device=self.device if on_gpu else None)
         self.max_model_len = mc.max_model_len or self.arch.max_position_embeddings
         sc = replace(config.scheduler_config, max_model_len=self.max_model_len)
         # under tensor parallelism each rank holds its KV heads' share of every block
         self.kv_bytes_per_token = kv_bytes_per_token_per_rank(self.arch, self.tp_size,
                                                               self.kv_dtype.itemsize)
-        cc = replace(config.cache_config,
-                     num_blocks=num_kv_blocks(config.cache_config, self.kv_bytes_per_token))
+        self.gpu_memory = None
+        if on_gpu and config.cache_config.num_blocks is None:
+            # weights, a profile run of the largest step, then the KV pool gets what is left
+            self.gpu_memory = gpu_memory.measure(
+                model, self.arch, self.kv_dtype, config.cache_config.block_size,
+                sc.max_num_batched_tokens, sc.max_num_seqs, self.max_model_len, self.device,
+                free_at_start)
+            num_blocks = gpu_memory.num_gpu_blocks(
+                self.gpu_memory, config.cache_config.gpu_memory_utilization,
+                self.kv_bytes_per_token, config.cache_config.block_size)
+        else:
+            num_blocks = num_kv_blocks(config.cache_config, self.kv_bytes_per_token)
+        cc = replace(config.cache_config, num_blocks=num_blocks)
         self.scheduler_config, self.cache_config = sc, cc
         self.scheduler = Scheduler(sc, cc)
         # grammars compile in its thread; the tokenizer loads there on the first constrained request
@@ -68,9 +89,15 @@ class EngineCore:
         # runs each step: in this process, or over tensor_parallel_size ranks
         self.executor: Executor = (
             TPExecutor(config, self.model_path, self.arch, self.dtype, self.kv_dtype,
-                       cc.num_blocks, cc.block_size, self.arch.eos_token_ids) if self.tp_size > 1
+                       cc.num_blocks, cc.block_size, self.arch.eos_token_ids,
+                       self.device.type) if self.tp_size > 1
             else UniProcExecutor(model, self.arch, cc.num_blocks, cc.block_size, self.kv_dtype,
-                                 self.arch.eos_token_ids))
+                                 self.arch.eos_token_ids, self.device,
+                                 decode_graphs_for(self.arch, cc.block_size, sc.max_num_seqs,
+                                                   self.max_model_len, self.device,
+                                                   capture=not mc.enforce_eager)
+                                 # an expert block groups tokens on the host (moe.py): no graph
+                                 if on_gpu and not self.arch.num_experts else None))
         try:
             kt = config.kv_transfer
             if kt is not None:
@@ -85,6 +112,7 @@ class EngineCore:
                 for sched_out in warmup_outputs(self.arch.vocab_size, cc.block_size, cc.num_blocks,
                                                 sc.max_num_batched_tokens):
                     self.executor.execute(sched_out)
+            self.executor.runner.capture_graphs()  # on a GPU: every decode batch size, now
         except BaseException:
             self.shutdown()  # no worker outlives a failed start
             raise
@@ -118,11 +146,27 @@ class EngineCore:
                 f"{self.max_model_len}: {max_concurrency(cc.num_blocks, cc.block_size, self.max_model_len):.2f}; "
                 f"threads {torch.get_num_threads()}; "
                 + (f"tensor-parallel size {self.tp_size} (KV per rank); " if self.tp_size > 1 else "")
+                + (self._gpu_report() if self.device.type == "cuda" else "")
                 + f"{self.executor.runner.model.kernels.describe()}; "
                 + (f"KV transfer {self.config.kv_transfer.kv_role} engine "
                    f"{self.kv_agent.engine_id} on {self.config.kv_transfer.kv_ip}:"
                    f"{self.config.kv_transfer.kv_port}; " if self.kv_agent is not None else "")
                 + f"ready in {self.startup_time:.1f}s")
+
+    def _gpu_report(self) -> str:
+        name = torch.cuda.get_device_name(self.device)
+        graphs = self.executor.runner.graphs
+        eager = graphs is None or not graphs.capture
+        line = f"device cuda ({name}); " + ("eager decode; " if eager else
+                                             f"CUDA graphs at {len(graphs.sizes)} batch sizes up to "
+                                             f"{graphs.sizes[-1]}; ")
+        m = self.gpu_memory
+        if m is not None:
+            gib = 2**30
+            line += (f"GPU memory {self.cache_config.gpu_memory_utilization:g} of "
+                     f"{m.total / gib:.1f} GiB: weights {m.weights / gib:.2f}, activation peak "
+                     f"{m.activation_peak / gib:.2f}, other {m.non_torch / gib:.2f} GiB; ")
+        return line
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> None:

@@ -77,13 +77,14 @@ def rope_tables(arch: LlamaArchConfig, n_pos: int) -> tuple[torch.Tensor, torch.
     return emb.cos(), emb.sin()
 
 
-def partial_rope_(qkv: torch.Tensor, n_heads: int, head_dim: int, positions: np.ndarray,
-                  cos: torch.Tensor, sin: torch.Tensor) -> None:
+def partial_rope_(qkv: torch.Tensor, n_heads: int, head_dim: int,
+                  positions: np.ndarray | torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """RoPE on the first cos.shape[1] dims of each of the first n_heads heads, in place (the
-    rest of each head passes through): Phi-3's partial_rotary_factor."""
+    rest of each head passes through): Phi-3's partial_rotary_factor. Positions on a GPU come
+    as a device tensor."""
     rot = cos.shape[1]
     x = qkv[:, :n_heads * head_dim].view(qkv.shape[0], n_heads, head_dim)[..., :rot]
-    idx = torch.from_numpy(positions)
+    idx = positions if isinstance(positions, torch.Tensor) else torch.from_numpy(positions)
     c, s = cos[idx].to(qkv.dtype).unsqueeze(1), sin[idx].to(qkv.dtype).unsqueeze(1)
     half = rot // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -220,8 +221,11 @@ class LlamaForCausalLM(nn.Module):
             x = F.embedding(input_ids, self.embed_tokens)
         else:
             x = vocab_parallel_embedding(input_ids, self.embed_tokens, self.tp)
-        pos = positions if isinstance(positions, np.ndarray) else positions.numpy()
-        rope = (np.ascontiguousarray(pos, dtype=np.int64), self.rope_cos, self.rope_sin)
+        if attn_metadata.device_positions is not None:  # on a GPU: no host copy in the step
+            rope = (attn_metadata.device_positions, self.rope_cos, self.rope_sin)
+        else:
+            pos = positions if isinstance(positions, np.ndarray) else positions.numpy()
+            rope = (np.ascontiguousarray(pos, dtype=np.int64), self.rope_cos, self.rope_sin)
         delta, kernels = None, self.kernels
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, delta = layer(x, delta, rope, kv_cache, attn_metadata, kernels)
