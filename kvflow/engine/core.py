@@ -104,6 +104,9 @@ class EngineCore:
                 if self.tp_size > 1:
                     raise ValueError("kv_transfer_config: KV transfer under tensor parallelism "
                                      "is not implemented yet")
+                if self.device.type != "cpu":
+                    raise ValueError("kv_transfer_config: KV transfer moves CPU caches only; "
+                                     f"this engine's cache is on {self.device.type}")
                 self.kv_agent = KVTransferAgent(kt, self.kv_compat(),
                                                 self.executor.runner.kv_caches, cc.block_size)
             self.trace = StepTrace(config.trace, sc.max_num_batched_tokens, cc.block_size,
