@@ -1,6 +1,7 @@
 """Engine configuration: plain dataclasses validated once on construction."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from kvflow import envs
@@ -265,6 +266,71 @@ class ParallelConfig:
                              "address of node 0 that every node can reach")
 
 
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass
+class KVTransferConfig:
+    """Prefill/decode disaggregation (vLLM's `--kv-transfer-config` JSON). A `kv_producer`
+    computes prompts and lends their KV blocks under a lease; a `kv_consumer` pulls them and
+    decodes; `kv_both` does either. docs/disaggregation.md."""
+
+    kv_role: str = "kv_both"
+    kv_connector: str = "KVFlowConnector"  # the one there is; named for vLLM users' configs
+    kv_ip: str = "127.0.0.1"  # where this instance's KV port listens (and what it advertises)
+    kv_port: int = 14579
+    engine_id: str | None = None  # default: random, for each start
+    kv_lease_timeout_s: float = 30.0  # a lent block set is freed this long after the last heartbeat
+    kv_load_timeout_s: float = 10.0  # a pull with no answer this long has failed
+    kv_load_failure_policy: str = "recompute"  # or `fail`: the request ends with an error
+    kv_use_shm: bool = True  # shared memory instead of the socket when both sit on one host
+
+    def __post_init__(self) -> None:
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_transfer_config: kv_role must be one of {', '.join(KV_ROLES)}, "
+                             f"got {self.kv_role!r}")
+        if self.kv_connector not in ("KVFlowConnector",):
+            raise ValueError(f"kv_transfer_config: kv_connector {self.kv_connector!r} is not "
+                             "implemented (only KVFlowConnector)")
+        if not isinstance(self.kv_port, int) or not 0 < self.kv_port < 65536:
+            raise ValueError(f"kv_transfer_config: kv_port must be in 1..65535, got {self.kv_port!r}")
+        for name in ("kv_lease_timeout_s", "kv_load_timeout_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not 0 < v <= 3600:
+                raise ValueError(f"kv_transfer_config: {name} must be in (0, 3600], got {v!r}")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError("kv_transfer_config: kv_load_failure_policy must be recompute or "
+                             f"fail, got {self.kv_load_failure_policy!r}")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def parse(cls, value: str | dict | KVTransferConfig) -> KVTransferConfig:
+        """From the flag's JSON text (or a dict); an unknown key is refused, naming it."""
+        if isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("kv_transfer_config must be a JSON object")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"kv_transfer_config: unknown key(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(known))}")
+        return cls(**value)
+
+
 @dataclass
 class EngineConfig:
     """The whole engine's configuration: one dataclass per concern, plus the process-wide
@@ -289,8 +355,15 @@ class EngineConfig:
         None, "speculative decoding as JSON with vLLM's keys, e.g. "
         "`{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 5}` or "
         "`{\"method\": \"draft_model\", \"model\": PATH}` (docs/speculative_decoding.md)")
+    kv_transfer_config: str | None = option(
+        None, "prefill/decode disaggregation, vLLM's JSON, e.g. {\"kv_role\": \"kv_producer\", "
+        "\"kv_port\": 14579}; roles kv_producer, kv_consumer, kv_both (docs/disaggregation.md)")
+    # parsed from kv_transfer_config
+    kv_transfer: KVTransferConfig | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.kv_transfer_config is not None:
+            self.kv_transfer = KVTransferConfig.parse(self.kv_transfer_config)
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
             if self.parallel_config.tensor_parallel_size > 1:

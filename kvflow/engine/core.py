@@ -1,6 +1,7 @@
 """EngineCore: owns the scheduler and the executor; step() is schedule -> execute -> update."""
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
 
@@ -10,10 +11,12 @@ from kvflow.config import EngineConfig
 from kvflow.core.scheduler import Scheduler, SchedulerOutput
 from kvflow.distributed.executor import TPExecutor
 from kvflow.engine.kv_sizing import max_concurrency, num_kv_blocks
-from kvflow.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from kvflow.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
+                                    KVTransferStats, SchedulerStats)
 from kvflow.engine.speculator import build_speculator
 from kvflow.engine.step_trace import StepTrace
 from kvflow.engine.warmup import warmup_outputs
+from kvflow.kv_transfer.agent import KVTransferAgent, write_blocks
 from kvflow.logger import init_logger
 from kvflow.model.arch import load_arch_config
 from kvflow.model.executor import Executor, UniProcExecutor
@@ -22,7 +25,7 @@ from kvflow.model.cuda_graphs import decode_graphs_for
 from kvflow.model.loader import load_model, resolve_device, resolve_dtype
 from kvflow.model.sharding import kv_bytes_per_token_per_rank
 from kvflow.model_path import resolve_model_path
-from kvflow.request import Request, check_request_fits
+from kvflow.request import Request, RequestStatus, check_request_fits
 from kvflow.sampling_params import check_token_ids
 from kvflow.structured import StructuredOutputManager, validate_structured_outputs
 from kvflow.tokenizer import get_tokenizer, tokenizer_source
@@ -90,6 +93,8 @@ class EngineCore:
             self.spec = build_speculator(config.speculative_config, self.arch, self.dtype,
                                          self.kv_dtype, cc, self.max_model_len)
             self.scheduler.num_lookahead_tokens = self.spec.num_lookahead_tokens
+        self.kv_agent: KVTransferAgent | None = None
+        self._kv_trace: list[dict] = []  # transfers that ended since the last traced step
         # runs each step: in this process, or over tensor_parallel_size ranks
         self.executor: Executor = (
             TPExecutor(config, self.model_path, self.arch, self.dtype, self.kv_dtype,
@@ -103,6 +108,16 @@ class EngineCore:
                                  # an expert block groups tokens on the host (moe.py): no graph
                                  if on_gpu and not self.arch.num_experts else None))
         try:
+            kt = config.kv_transfer
+            if kt is not None:
+                if self.tp_size > 1:
+                    raise ValueError("kv_transfer_config: KV transfer under tensor parallelism "
+                                     "is not implemented yet")
+                if self.device.type != "cpu":
+                    raise ValueError("kv_transfer_config: KV transfer moves CPU caches only; "
+                                     f"this engine's cache is on {self.device.type}")
+                self.kv_agent = KVTransferAgent(kt, self.kv_compat(),
+                                                self.executor.runner.kv_caches, cc.block_size)
             self.trace = StepTrace(config.trace, sc.max_num_batched_tokens, cc.block_size,
                                    cc.num_blocks) if config.trace else None
             if config.warmup:
@@ -118,6 +133,21 @@ class EngineCore:
         self.startup_time = time.perf_counter() - t0
         logger.info(self.startup_report())
 
+    def kv_compat(self) -> dict:
+        """What two engines must agree on for their KV blocks to be interchangeable."""
+        a = self.arch
+        return {"model": os.path.basename(os.path.normpath(self.model_path)),
+                "architecture": a.architecture, "vocab_size": a.vocab_size,
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
+                "num_layers": a.num_hidden_layers, "num_kv_heads": a.num_key_value_heads,
+                "head_dim": a.head_dim}
+
+    @property
+    def kv_wakeup_socket(self):
+        """Readable when the KV-transfer agent has news (the core loop polls it); else None."""
+        return self.kv_agent.wakeup_socket if self.kv_agent is not None else None
+
     def startup_report(self) -> str:
         cc, a = self.cache_config, self.arch
         return (f"kvflow: model {self.model_path} ({a.architecture}, "
@@ -130,7 +160,10 @@ class EngineCore:
                 + (f"tensor-parallel size {self.tp_size} (KV per rank); " if self.tp_size > 1 else "")
                 + (self._gpu_report() if self.device.type == "cuda" else "")
                 + f"{self.executor.runner.model.kernels.describe()}; "
-            + (f"{self.spec.describe()}; " if self.spec is not None else "")
+                + (f"{self.spec.describe()}; " if self.spec is not None else "")
+                + (f"KV transfer {self.config.kv_transfer.kv_role} engine "
+                   f"{self.kv_agent.engine_id} on {self.config.kv_transfer.kv_ip}:"
+                   f"{self.config.kv_transfer.kv_port}; " if self.kv_agent is not None else "")
                 + f"ready in {self.startup_time:.1f}s")
 
     def _gpu_report(self) -> str:
@@ -151,7 +184,17 @@ class EngineCore:
     # -- requests ------------------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> None:
         """Queue a request; ValueError (naming the field or the numbers) if an id lies outside the
-        vocabulary or it can never fit. The frontends check first; this holds for any caller."""
+        vocabulary or it can never fit. The frontends check first; this holds for any caller.
+        A refused request that was to pull remote KV releases the producer's lease at once."""
+        try:
+            self._add_request(r)
+        except ValueError:
+            p = r.sampling_params.kv_transfer_params
+            if p is not None and p.do_remote_prefill and self.kv_agent is not None:
+                self.kv_agent.release_remote(p)
+            raise
+
+    def _add_request(self, r: EngineCoreRequest) -> None:
         params = r.sampling_params
         vocab_size = self.arch.vocab_size
         check_token_ids("prompt", r.prompt_token_ids, vocab_size)
@@ -163,6 +206,8 @@ class EngineCore:
                                         params.min_tokens)
         if params.max_tokens is None:
             params = replace(params, max_tokens=max_tokens)
+        if params.kv_transfer_params is not None:
+            self._check_kv_transfer(r)
         so = params.structured_outputs
         if so is not None:  # a 400 naming the problem, never unconstrained output
             validate_structured_outputs(so, self.config.structured_outputs_backend)
@@ -178,9 +223,96 @@ class EngineCore:
             if req.structured_output is not None:
                 req.structured_output.close()
             raise
+        if req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            self.kv_agent.watch(params.kv_transfer_params)  # heartbeats until its pull starts
+
+    def _check_kv_transfer(self, r: EngineCoreRequest) -> None:
+        """ValueError (a 400) if this engine cannot do what the request's kv_transfer_params
+        ask (add_request then releases the producer's lease at once)."""
+        p = r.sampling_params.kv_transfer_params
+        kt = self.config.kv_transfer
+        if p.do_remote_decode and (kt is None or not kt.is_producer):
+            raise ValueError("kv_transfer_params.do_remote_decode: this instance lends no KV "
+                             "blocks (start it with --kv-transfer-config '{\"kv_role\": "
+                             "\"kv_producer\"}' or kv_both)")
+        if not p.do_remote_prefill:
+            return
+        if kt is None or not kt.is_consumer:
+            raise ValueError("kv_transfer_params.do_remote_prefill: this instance pulls no KV "
+                             "blocks (start it with --kv-transfer-config '{\"kv_role\": "
+                             "\"kv_consumer\"}' or kv_both)")
+        self.kv_agent.check_compatible(p)
+        if p.remote_num_tokens != len(r.prompt_token_ids):
+            raise ValueError(f"kv_transfer_params: the prefill instance computed "
+                             f"{p.remote_num_tokens} prompt tokens, this prompt has "
+                             f"{len(r.prompt_token_ids)}")
+        if r.sampling_params.structured_outputs is not None:
+            raise ValueError("kv_transfer_params.do_remote_prefill with structured_outputs "
+                             "is not implemented")
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)  # one pass, however many
+        self._cancel_loads()
+
+    def _cancel_loads(self) -> None:
+        cancelled, self.scheduler.cancelled_loads = self.scheduler.cancelled_loads, []
+        for rid, params in cancelled:
+            self.kv_agent.cancel(rid, params)
+            self._kv_trace.append({"id": rid, "event": "load_cancelled"})
+
+    # -- KV transfer -----------------------------------------------------------------------
+    def _kv_events(self) -> None:
+        """Apply what the agent reports: leases to free, pulls done (their bytes go into the
+        cache here, on the engine's thread) or failed."""
+        agent, s = self.kv_agent, self.scheduler
+        recompute = self.config.kv_transfer.kv_load_failure_policy == "recompute"
+        for ev in agent.drain_events():
+            if ev.kind == "released":
+                s.release_lease(ev.req_id)
+                self._kv_trace.append({"id": ev.req_id, "event": f"lease_{ev.error}"})
+                continue
+            if ev.req_id not in s.loading:  # aborted meanwhile: its blocks are gone already
+                if ev.kind == "loaded":
+                    agent.release_remote(ev.load.params)
+                continue
+            error = ev.error
+            if ev.kind == "loaded":
+                try:
+                    write_blocks(self.executor.runner.kv_caches, ev)
+                except ValueError as e:
+                    error = str(e)
+                    agent.stats.loads_failed += 1
+                    agent.release_remote(ev.load.params)
+                else:
+                    agent.release_remote(ev.load.params, done=True)
+                    st = agent.stats
+                    st.loads_done += 1
+                    st.bytes_received += ev.num_bytes
+                    st.blocks_received += len(ev.load.local_block_ids)
+                    st.load_seconds += ev.seconds
+                    s.finish_load(ev.req_id, True)
+                    self._kv_trace.append({"id": ev.req_id, "event": "loaded",
+                                           "blocks": len(ev.load.local_block_ids),
+                                           "bytes": ev.num_bytes,
+                                           "seconds": round(ev.seconds, 6),
+                                           "shm": len(ev.frames) == 1})
+                    continue
+            logger.warning("kvflow: request %s: KV pull failed (%s); %s", ev.req_id, error,
+                           "computing its prompt here" if recompute else "it ends")
+            s.finish_load(ev.req_id, False, recompute, error)
+            self._kv_trace.append({"id": ev.req_id, "event": "load_failed", "error": error,
+                                   "recompute": recompute})
+
+    def _start_loads(self, sched_out: SchedulerOutput) -> None:
+        for load in sched_out.kv_loads:
+            # traced as an event: the step that plans a pull often runs nothing (and is not traced)
+            self._kv_trace.append({"id": load.req_id, "event": "pulling",
+                                   "blocks": len(load.local_block_ids)})
+            if load.local_block_ids:
+                self.kv_agent.load(load)
+            else:  # its prompt but the last token was in the local prefix cache already
+                self.kv_agent.release_remote(load.params)
+                self.scheduler.finish_load(load.req_id, True)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -193,8 +325,14 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         start = time.time()
         t0 = time.perf_counter()
+        if self.kv_agent is not None:
+            self._kv_events()
         sched_out = self.scheduler.schedule()
+        if self.kv_agent is not None and sched_out.kv_loads:
+            self._start_loads(sched_out)
         if sched_out.is_empty:
+            if self.scheduler.loading and not self.scheduler.running:
+                self.kv_agent.wait(0.01)  # nothing to run until a pull ends: no busy spin
             return EngineCoreOutputs(scheduler_stats=self.stats(sched_out, 0.0))
         if sched_out.structured_output_request_ids:  # only steps with a constrained row pay
             ids = sched_out.structured_output_request_ids
@@ -214,6 +352,15 @@ class EngineCore:
             self.scheduler.update_draft_token_ids(self.spec.propose(
                 sched_out, updates, len(self.scheduler.running),
                 self.scheduler.kv_cache_manager.get_block_ids))
+        lent = {}
+        if self.scheduler.new_leases:  # prompts computed for a decode instance: lend the blocks
+            for rid, (blocks, n) in self.scheduler.new_leases.items():
+                self.kv_agent.offer(rid, blocks, n)
+                # the prompt's blocks (a request that also decoded here holds more, all lent)
+                prompt_blocks = blocks[:-(-n // self.cache_config.block_size)]
+                lent[rid] = self.kv_agent.params_for(rid, prompt_blocks, n)
+                self._kv_trace.append({"id": rid, "event": "lent", "blocks": len(blocks)})
+            self.scheduler.new_leases = {}
         outputs = []
         for u in updates:
             rid = u.request.request_id
@@ -223,12 +370,14 @@ class EngineCore:
                 rid, u.new_token_ids, lp[:len(u.new_token_ids)] if lp is not None else None, finish,
                 u.request.stop_reason if finish else None,
                 num_cached_tokens=max(u.request.num_cached_tokens, 0),
-                first_scheduled_time=u.request.first_scheduled_time))
+                first_scheduled_time=u.request.first_scheduled_time,
+                kv_transfer_params=lent.get(rid)))
         step_time = time.perf_counter() - t0
         if self.trace:
             kv = self.scheduler.kv_cache_manager
             self.trace.record(sched_out, updates, start, step_time, kv.num_free_blocks,
-                              kv.block_pool.num_cached_free_blocks)
+                              kv.block_pool.num_cached_free_blocks, self._kv_trace)
+        self._kv_trace = []
         return EngineCoreOutputs(outputs, self.stats(sched_out, step_time))
 
     def stats(self, sched_out: SchedulerOutput, step_time: float) -> SchedulerStats:
@@ -244,7 +393,22 @@ class EngineCore:
             prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
             spec_decode_num_drafts=s.spec_stats.num_drafts,
             spec_decode_num_draft_tokens=s.spec_stats.num_draft_tokens,
-            spec_decode_num_accepted_tokens=s.spec_stats.num_accepted_tokens)
+            spec_decode_num_accepted_tokens=s.spec_stats.num_accepted_tokens,
+            kv_transfer=self._transfer_stats())
+
+    def _transfer_stats(self) -> KVTransferStats | None:
+        a = self.kv_agent
+        if a is None:
+            return None
+        st = a.stats
+        return KVTransferStats(
+            leases_active=len(self.scheduler.leases), loads_active=len(self.scheduler.loading),
+            leases_granted=st.leases_granted, leases_released=st.leases_released,
+            leases_expired=st.leases_expired, pulls_served=st.pulls_served,
+            bytes_sent=st.bytes_sent, blocks_sent=st.blocks_sent, loads_done=st.loads_done,
+            loads_failed=st.loads_failed, bytes_received=st.bytes_received,
+            blocks_received=st.blocks_received, load_seconds=st.load_seconds,
+            late_frames=st.late_frames)
 
     def check_health(self) -> None:
         """WorkerFailedError if a tensor-parallel worker has died (checked while idle, so that
@@ -253,6 +417,9 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.structured.shutdown()
+        if self.kv_agent is not None:
+            self.kv_agent.shutdown()
+            self.kv_agent = None
         if self.trace:
             self.trace.close()
             self.trace = None
