@@ -84,11 +84,32 @@ static void k_gemm_panels(const int64_t *a, double f, int64_t b, int64_t e) {
     (void)f;
     gemm_bf16_panels(P(0), a[1], a[8], a[2], P(3), P(4), P(5), a[6], a[7], b, e, a[9]);
 }
+/* x, x_stride, K, Kb, bf16, per_row, qx, dx, dxs (rows of x) */
+static void k_quantize_q8(const int64_t *a, double f, int64_t b, int64_t e) {
+    (void)f;
+    quantize_rows_q8(P(0), a[1], a[2], a[3], a[4], a[5], P(6), P(7), P(8), b, e);
+}
+/* qx, dx, dxs, Kb, packed, kind, isa, bias, out, out_stride, N, out_bf16, M (rows) */
+static void k_qgemm_rows(const int64_t *a, double f, int64_t b, int64_t e) {
+    (void)f;
+    const int64_t kb = a[3];
+    char *out = (char *)a[8] + b * a[9] * (a[11] ? 2 : 4);
+    gemm_quant_panels((const int8_t *)a[0] + b * kb * 32, (const float *)a[1] + b * kb,
+                      (const float *)a[2] + b * kb, kb, e - b, P(4), a[5], a[6], P(7), out, a[9],
+                      a[10], a[11], 0, (a[10] + 15) / 16);
+}
+/* the same words; the ranges are panels of 16 outputs, every thread takes all M rows */
+static void k_qgemm_panels(const int64_t *a, double f, int64_t b, int64_t e) {
+    (void)f;
+    gemm_quant_panels(P(0), P(1), P(2), a[3], a[12], P(4), a[5], a[6], P(7), P(8), a[9], a[10],
+                      a[11], b, e);
+}
 #undef P
 
 static const range_fn KERNELS[] = {
     k_decode_f32, k_decode_bf16, k_prefill_bf16, k_norm_f32, k_norm_bf16, k_rope_f32,
-    k_rope_bf16, k_silu_f32, k_silu_bf16, k_gemm_rows, k_gemm_panels,
+    k_rope_bf16, k_silu_f32, k_silu_bf16, k_gemm_rows, k_gemm_panels, k_quantize_q8,
+    k_qgemm_rows, k_qgemm_panels,
 };
 #define NUM_KERNELS ((int64_t)(sizeof KERNELS / sizeof KERNELS[0]))
 

@@ -17,6 +17,7 @@ from kvflow.logger import init_logger
 from kvflow.model.arch import load_arch_config
 from kvflow.model.executor import Executor, UniProcExecutor
 from kvflow.model.loader import load_model, resolve_dtype
+from kvflow.model.quant.load import resolve_quantization
 from kvflow.model.sharding import kv_bytes_per_token_per_rank
 from kvflow.model_path import resolve_model_path
 from kvflow.request import Request, check_request_fits
@@ -41,10 +42,13 @@ class EngineCore:
         cache_dtype = config.cache_config.cache_dtype
         self.kv_dtype = self.dtype if cache_dtype == "auto" else resolve_dtype(cache_dtype)
         self.tp_size = config.parallel_config.tensor_parallel_size
+        resolve_quantization(mc.quantization, self.model_path, self.tp_size)  # refused early
         if self.tp_size > 1:  # the executor's ranks load their shards; never the whole model here
             model, self.arch = None, load_arch_config(self.model_path)
         else:
-            model, self.arch = load_model(self.model_path, self.dtype)
+            model, self.arch = load_model(
+                self.model_path, self.dtype,
+                quantization=resolve_quantization(mc.quantization, self.model_path, self.tp_size))
         self.max_model_len = mc.max_model_len or self.arch.max_position_embeddings
         sc = replace(config.scheduler_config, max_model_len=self.max_model_len)
         # under tensor parallelism each rank holds its KV heads' share of every block
