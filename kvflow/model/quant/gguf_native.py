@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 import torch
 
-from kvflow.model.arch import LlamaArchConfig, arch_from_gguf_reader
+from kvflow.model.arch import LlamaArchConfig, arch_from_gguf_reader, save_arch_cache
 from kvflow.model.gguf_reader import hf_name, unpermute_qk
 from kvflow.model.quant.gguf_blocks import decode, to_q8
 from kvflow.model.quant.packing import pack
@@ -51,6 +51,7 @@ def load_gguf_native(path: str, dtype: torch.dtype, isa: str
 
     reader = GGUFReader(path)
     arch = arch_from_gguf_reader(reader, path)
+    save_arch_cache(arch, path)  # later starts read it without parsing the file
     permute = arch.architecture == "LlamaForCausalLM"  # llama.cpp permutes q/k only for llama
     tensors = {}
     for t in reader.tensors:

@@ -11,6 +11,8 @@ import time
 
 import torch
 
+from kvflow.csrc import library
+from kvflow.model.arch import load_arch_config
 from kvflow.model.kernels import Kernels, select_kernels
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.model.packed_linear import PackedWeight
@@ -59,22 +61,39 @@ class QuantizedEmbedding:
 
 def load_quantized_model(path: str, dtype: torch.dtype, quantization: str,
                          kernels: Kernels | None = None):
-    """(model, arch), or None for a GGUF file with no quantized matrices (load it as floats)."""
+    """(model, arch), or None to load floats instead: a GGUF file with no quantized matrices,
+    or no kernel library (no C compiler, or KVFLOW_NO_KERNELS=1)."""
     kernels = select_kernels(dtype) if kernels is None else kernels
+    if not kernels.options.c_kernels or library() is None:
+        logger.warning("kvflow: quantization %s needs kvflow's C kernels; loading float weights",
+                       quantization)
+        return None
     isa = best_isa(kernels.features)
     rss0, t0 = rss_bytes(), time.perf_counter()
     if quantization == "gguf":
-        from gguf import GGUFReader
-
         from kvflow.model.quant.gguf_native import gguf_is_quantized, load_gguf_native
 
-        if not gguf_is_quantized(GGUFReader(path)):
-            return None
-        arch, plain, quant = load_gguf_native(path, dtype, isa)
+        def build():
+            from gguf import GGUFReader
+
+            if not gguf_is_quantized(GGUFReader(path)):
+                raise _FloatFile
+            return load_gguf_native(path, dtype, isa)[1:]
         source_bytes = os.path.getsize(path)
     else:
-        arch, plain, quant = _int8_weights(path, dtype, isa)
-        source_bytes = sum(t.numel() * t.element_size() for t in plain.values())
+        def build():
+            return _int8_weights(path, dtype, isa)[1:]
+        source_bytes = _float_bytes(path)
+    try:
+        if is_gguf(path):  # packed once, then read from kvflow's cache
+            from kvflow.model.quant.cache import cached_weights
+
+            plain, quant = cached_weights(path, quantization, dtype, isa, build)
+        else:
+            plain, quant = build()
+    except _FloatFile:
+        return None
+    arch = load_arch_config(path)
     model = LlamaForCausalLM(arch, dtype, device="meta", kernels=kernels)
     missing, unexpected = model.load_state_dict(plain, strict=False, assign=True)
     left = set(missing) - {f"layers.{i}.{p}" for i in range(arch.num_hidden_layers) for p in _PROJECTIONS}
@@ -99,10 +118,23 @@ def load_quantized_model(path: str, dtype: torch.dtype, quantization: str,
     return model, arch
 
 
+class _FloatFile(Exception):
+    """The GGUF file holds no quantized matrices."""
+
+
+def _float_bytes(path: str) -> int:
+    """The size of a float model's weight files (the GGUF file itself)."""
+    if is_gguf(path):
+        return os.path.getsize(path)
+    from kvflow.model.weights import hf_weight_files
+
+    files, bin_path = hf_weight_files(path)
+    return sum(os.path.getsize(f) for f in files or [bin_path])
+
+
 def _int8_weights(path: str, dtype: torch.dtype, isa: str):
     """A float model's fused weights, the projections and LM head quantized to int8 W8A8 one by
     one (each float copy dropped as soon as its int8 one exists)."""
-    from kvflow.model.arch import load_arch_config
     from kvflow.model.quant.int8 import quantize_int8
     from kvflow.model.weights import fuse_weights, load_gguf, read_hf_folder
 

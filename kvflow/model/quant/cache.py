@@ -1,0 +1,83 @@
+"""Quantized weights of a GGUF file, cached once packed: the panels, the float norms and
+biases and what each weight is, in one safetensors file beside the float conversion cache
+(kvflow/model/weights.py), written under the same lock, fsynced and renamed into place and
+checked on load the same way. A later start reads it instead of parsing the GGUF file and
+repacking every tensor (~10 s for the default model on a loaded 2-core machine)."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Callable
+
+import torch
+
+from kvflow.model.quant.qlinear import QuantizedWeight
+from kvflow.model.weights import _conversion_lock, cache_file_is_complete, dtype_name
+from kvflow.model_path import cache_dir_for
+from kvflow.utils.files import publish
+
+_META_KEY = "kvflow_quantized"
+_COUNT_KEY = "kvflow_num_tensors"
+
+
+def cache_file(path: str, mode: str, dtype: torch.dtype) -> str:
+    return os.path.join(cache_dir_for(path), f"quantized.{mode}.{dtype_name(dtype)}.safetensors")
+
+
+def cached_weights(path: str, mode: str, dtype: torch.dtype, isa: str,
+                   build: Callable[[], tuple[dict, dict]]
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
+    """(plain, quant) from the cache file, or from `build()` (then cached)."""
+    cached = cache_file(path, mode, dtype)
+    if not cache_file_is_complete(cached):
+        with _conversion_lock(cached):
+            if not cache_file_is_complete(cached):
+                plain, quant = build()
+                _save(cached, plain, quant)
+                return plain, quant
+    return _load(cached, isa)
+
+
+def _save(cached: str, plain: dict, quant: dict) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {f"plain/{k}": v.contiguous() for k, v in plain.items()}
+    meta, first = {}, {}
+    for name, w in quant.items():
+        if id(w) in first:  # a tied LM head is the embedding's table
+            meta[name] = {"same_as": first[id(w)]}
+            continue
+        first[id(w)] = name
+        tensors[f"quant/{name}"] = w.packed
+        meta[name] = {"kind": w.kind, "n": w.n, "k": w.k, "source": w.source, "per_row": w.per_row}
+    os.makedirs(os.path.dirname(cached), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix="quantized.", suffix=".tmp", dir=os.path.dirname(cached))
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={_META_KEY: json.dumps(meta), _COUNT_KEY: str(len(tensors))})
+        publish(tmp, cached)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _load(cached: str, isa: str) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
+    from safetensors import safe_open
+
+    plain, quant = {}, {}
+    with safe_open(cached, framework="pt") as f:
+        meta = json.loads(f.metadata()[_META_KEY])
+        for key in f.keys():
+            if key.startswith("plain/"):
+                plain[key.removeprefix("plain/")] = f.get_tensor(key)
+        for name, m in meta.items():
+            if "same_as" not in m:
+                quant[name] = QuantizedWeight(kind=m["kind"], n=m["n"], k=m["k"],
+                                              packed=f.get_tensor(f"quant/{name}"), isa=isa,
+                                              source=m["source"], per_row=m["per_row"])
+    for name, m in meta.items():
+        if "same_as" in m:
+            quant[name] = quant[m["same_as"]]
+    return plain, quant
