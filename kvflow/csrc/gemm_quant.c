@@ -240,8 +240,9 @@ tile_vnni(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb, int r
 {
     const int64_t Kp = Kb * QB;
     const __m512i low = _mm512_set1_epi8(0x0f);
+    const int rec_bytes = q8 ? Q8_REC : Q4_REC;
     for (int64_t b = 0; b < Kb; b++) {
-        const uint8_t *rec = panel + b * (q8 ? Q8_REC : Q4_REC);
+        const uint8_t *rec = panel + b * rec_bytes;
         __m512i w[8], start = _mm512_setzero_si512();
         __m512 d, m = _mm512_setzero_ps();
         if (q8) {

@@ -11,8 +11,6 @@ from kvflow.csrc import library, run_kernel
 from kvflow.model.quant.packing import BLOCK, PANEL
 
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512-vnni": 2}
-# rows from which threads split the rows (each reading every panel) rather than the panels
-ROW_SPLIT_ROWS = 32
 
 
 @dataclass
@@ -75,19 +73,32 @@ def quantize_activations(x: torch.Tensor, kb: int, per_row: bool, threads: int
 
 def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
                  threads: int | None = None, isa: str | None = None) -> torch.Tensor:
-    """x [M, K] @ w.T (+ bias) -> [M, N] in x's dtype (bf16 or fp32)."""
+    """x [M, K] @ w.T (+ bias) -> [M, N] in x's dtype (bf16, else fp32): one C call
+    (pool.c's quant_linear) quantizes the rows and runs the GEMM, each over the kernel pool."""
     threads = torch.get_num_threads() if threads is None else threads
-    out_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
-    assert x.shape[-1] == w.k, (x.shape, w.k)
-    qx, dx, dxs = quantize_activations(x, w.kb, w.per_row, threads)
-    m = x.shape[0]
-    out = torch.empty(m, w.n, dtype=out_dtype)
-    b = None if bias is None else bias.float().contiguous()
-    words = [qx.data_ptr(), dx.data_ptr(), dxs.data_ptr(), w.kb, w.packed.data_ptr(),
-             int(w.kind == "q8"), ISA_CODES[isa or w.isa], None if b is None else b.data_ptr(),
-             out.data_ptr(), w.n, w.n, int(out_dtype == torch.bfloat16), m]
-    if m >= ROW_SPLIT_ROWS:
-        run_kernel("qgemm_rows", words, m, threads)
-    else:
-        run_kernel("qgemm_panels", words, -(-w.n // PANEL), threads)
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        x = x.float()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    assert k == w.k, (x.shape, w.k)
+    out = torch.empty(m, w.n, dtype=x.dtype)
+    if bias is not None:
+        bias = bias.float().contiguous()
+    bf16 = int(x.dtype == torch.bfloat16)
+    rc = _lib().quant_linear(x.data_ptr(), x.stride(0), k, w.kb, bf16, int(w.per_row),
+                             w.packed.data_ptr(), int(w.kind == "q8"), ISA_CODES[isa or w.isa],
+                             None if bias is None else bias.data_ptr(), out.data_ptr(), w.n, bf16,
+                             m, threads)
+    if rc != 0:
+        raise MemoryError("quant_linear: no memory for the quantized activations")
     return out
+
+
+_LIB = []
+
+
+def _lib():
+    if not _LIB:
+        _LIB.append(library())
+    return _LIB[0]
