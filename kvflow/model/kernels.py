@@ -13,8 +13,12 @@ What serves here, and why:
   else PyTorch; attention's prompt kernel exists only where the CPU has AVX512-BF16, elsewhere
   prompt tokens run as rows of the decode kernel.
 
-A new variant (a quantized GEMM, sliding-window or soft-capped attention) is one more
-implementation and one more branch in `select_kernels`."""
+Quantized weights (kvflow/model/quant) are served by kvflow/csrc/gemm_quant.c through the same
+`linear(x, w, packed)` seam: their PackedWeight carries the quantized weight, and its
+instruction set (AVX-512 VNNI, AVX2 or scalar) is chosen once at load from these features.
+
+A new variant (sliding-window or soft-capped attention) is one more implementation and one
+more branch in `select_kernels`."""
 from __future__ import annotations
 
 from dataclasses import dataclass

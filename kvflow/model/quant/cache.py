@@ -39,9 +39,27 @@ def cached_weights(path: str, mode: str, dtype: torch.dtype, isa: str,
     return _load(cached, isa)
 
 
-def _save(cached: str, plain: dict, quant: dict) -> None:
-    from safetensors.torch import save_file
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.uint8: "U8"}
 
+
+def _save_file(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
+    """The safetensors format, written one tensor at a time (safetensors' own save_file copies
+    every tensor to bytes first: twice an 8B model's memory)."""
+    header, offset = {"__metadata__": metadata}, 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for t in tensors.values():
+            f.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
+
+
+def _save(cached: str, plain: dict, quant: dict) -> None:
     tensors = {f"plain/{k}": v.contiguous() for k, v in plain.items()}
     meta, first = {}, {}
     for name, w in quant.items():
@@ -55,7 +73,7 @@ def _save(cached: str, plain: dict, quant: dict) -> None:
     fd, tmp = tempfile.mkstemp(prefix="quantized.", suffix=".tmp", dir=os.path.dirname(cached))
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata={_META_KEY: json.dumps(meta), _COUNT_KEY: str(len(tensors))})
+        _save_file(tensors, tmp, {_META_KEY: json.dumps(meta), _COUNT_KEY: str(len(tensors))})
         publish(tmp, cached)
     except BaseException:
         if os.path.exists(tmp):

@@ -5,6 +5,7 @@ memory): the projections are read through `layer.packed[...].quant`, the embeddi
 `model.quantized_embedding`. The load reports the weights' bytes and the process's RSS."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -115,6 +116,9 @@ def load_quantized_model(path: str, dtype: torch.dtype, quantization: str,
                 weight_bytes / 1e6, source_bytes / 1e6, rss / 1e6, (rss - rss0) / 1e6,
                 time.perf_counter() - t0)
     model.quant_report = {"weight_bytes": weight_bytes, "rss_after_load": rss, "isa": isa}
+    # the start-up line names what serves the projections now
+    model.kernels = dataclasses.replace(kernels, names={**kernels.names, "linear": f"quant-{isa}",
+                                                        "gate_up": f"quant-{isa}+silu"})
     return model, arch
 
 
