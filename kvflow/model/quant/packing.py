@@ -60,18 +60,19 @@ def dequantize_rows(kind: str, packed: torch.Tensor, k: int, rows: torch.Tensor,
     """Rows `rows` of the (N, K) weight in `packed`, as floats [len(rows), K]: the embedding
     lookup of a tied model reads its quantized LM head this way."""
     kb = k // BLOCK
-    rec = packed.view(-1, kb, RECORD_BYTES[kind])
     p, c = rows // PANEL, rows % PANEL
+    rec = packed.view(-1, kb, RECORD_BYTES[kind])[p]  # [T, Kb, record]: only the rows' panels
+    t = torch.arange(len(rows))
     if kind == "q4":
-        data = rec[:, :, :256].reshape(-1, kb, 4, PANEL, 4)[p, :, :, c, :]  # [T, Kb, 4, 4]
+        data = rec[:, :, :256].reshape(len(rows), kb, 4, PANEL, 4)[t, :, :, c, :]  # [T, Kb, 4, 4]
         q = torch.cat([data & 0x0F, data >> 4], dim=2).float()  # quads 0..3, then 4..7
-        d = rec[:, :, 256:288].contiguous().view(torch.float16).reshape(-1, kb, PANEL)[p, :, c]
-        m = rec[:, :, 288:320].contiguous().view(torch.float16).reshape(-1, kb, PANEL)[p, :, c]
+        d = rec[:, :, 256:288].contiguous().view(torch.float16)[t, :, c]
+        m = rec[:, :, 288:320].contiguous().view(torch.float16)[t, :, c]
         w = q.reshape(len(rows), kb, BLOCK) * d.float()[..., None] + m.float()[..., None]
     else:
-        data = rec[:, :, :512].reshape(-1, kb, 8, PANEL, 4)[p, :, :, c, :]
+        data = rec[:, :, :512].reshape(len(rows), kb, 8, PANEL, 4)[t, :, :, c, :]
         q = data.view(torch.int8).float()
-        d = rec[:, :, 512:544].contiguous().view(torch.float16).reshape(-1, kb, PANEL)[p, :, c]
+        d = rec[:, :, 512:544].contiguous().view(torch.float16)[t, :, c]
         w = q.reshape(len(rows), kb, BLOCK) * d.float()[..., None]
     return w.reshape(len(rows), k).to(dtype)
 
