@@ -92,8 +92,10 @@ def _load(cached: str, isa: str) -> tuple[dict[str, torch.Tensor], dict[str, Qua
                 plain[key.removeprefix("plain/")] = f.get_tensor(key)
         for name, m in meta.items():
             if "same_as" not in m:
-                quant[name] = QuantizedWeight(kind=m["kind"], n=m["n"], k=m["k"],
-                                              packed=f.get_tensor(f"quant/{name}"), isa=isa,
+                # copied out of the file's mapping: resident, counted in RSS, and not
+                # faulted in again when the kernel drops the file's pages under pressure
+                packed = f.get_tensor(f"quant/{name}").clone()
+                quant[name] = QuantizedWeight(kind=m["kind"], n=m["n"], k=m["k"], packed=packed, isa=isa,
                                               source=m["source"], per_row=m["per_row"])
     for name, m in meta.items():
         if "same_as" in m:
