@@ -62,6 +62,10 @@ class AttentionMetadata:
     decode_seq_lens: np.ndarray  # [B] int64
     decode_block_tables: np.ndarray  # [B, max_decode_blocks] int64, C-contiguous
     prefills: list[PrefillSeq]
+    # on a GPU: the arrays above on the device (model/gpu_batch.py) and the positions as a
+    # device tensor, in a CUDA graph's persistent buffers when one replays the step
+    gpu: object | None = None
+    device_positions: torch.Tensor | None = None
     _torch_decode: tuple | None = None  # tensors of the PyTorch fallback, built on first use
     _token_rows: tuple | None = None  # (rows, seq_lens, tables) of every token, built on first use
     _prefill_arrays: tuple | None = None  # prefill_arrays(), built on first use

@@ -26,17 +26,22 @@ QUANTIZATIONS = ("gguf", "int8", "none")
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-def resolve_quantization(requested: str | None, path: str, tp_size: int = 1) -> str:
+def resolve_quantization(requested: str | None, path: str, tp_size: int = 1,
+                         on_gpu: bool = False) -> str:
     """The option's value -> what serves: default `gguf` for a GGUF file (a float GGUF then
-    loads as floats), else `none`. Quantized weights are not sharded across ranks yet."""
+    loads as floats), else `none`. Quantized weights are the CPU kernels', and not sharded
+    across ranks yet: there the default is `none` and an explicit choice is refused."""
     if requested is None:
-        return "gguf" if is_gguf(path) and tp_size == 1 else "none"
+        return "gguf" if is_gguf(path) and tp_size == 1 and not on_gpu else "none"
     if requested not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {requested!r}")
     if requested == "gguf" and not is_gguf(path):
         raise ValueError("quantization gguf needs a .gguf model file")
     if requested != "none" and tp_size > 1:
         raise ValueError(f"quantization {requested} is not supported with tensor_parallel_size > 1")
+    if requested != "none" and on_gpu:
+        raise ValueError(f"quantization {requested} runs on the CPU only (device cuda: pass "
+                         "--quantization none)")
     return requested
 
 
@@ -70,6 +75,12 @@ def load_quantized_model(path: str, dtype: torch.dtype, quantization: str,
                        quantization)
         return None
     isa = best_isa(kernels.features)
+    shape = load_arch_config(path)
+    if shape.num_experts or shape.qk_norm:
+        logger.warning("kvflow: quantization %s serves dense Llama-family layers only (this model "
+                       "has %s); loading float weights", quantization,
+                       "experts" if shape.num_experts else "QK-norm")
+        return None
     rss0, t0 = rss_bytes(), time.perf_counter()
     if quantization == "gguf":
         from kvflow.model.quant.gguf_native import gguf_is_quantized, load_gguf_native
