@@ -18,11 +18,15 @@ from kvflow.model_path import cache_dir_for
 from kvflow.utils.files import publish
 
 _META_KEY = "kvflow_quantized"
+# the panel layout's version (packing.py, gemm_quant.c): a file packed for another layout is
+# never read as this one
+LAYOUT_VERSION = 1
 _COUNT_KEY = "kvflow_num_tensors"
 
 
 def cache_file(path: str, mode: str, dtype: torch.dtype) -> str:
-    return os.path.join(cache_dir_for(path), f"quantized.{mode}.{dtype_name(dtype)}.safetensors")
+    return os.path.join(cache_dir_for(path),
+                        f"quantized.v{LAYOUT_VERSION}.{mode}.{dtype_name(dtype)}.safetensors")
 
 
 def cached_weights(path: str, mode: str, dtype: torch.dtype, isa: str,
