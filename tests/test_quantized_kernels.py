@@ -1,7 +1,9 @@
 """The quantized GEMM (kvflow/csrc/gemm_quant.c) against dequantise-then-matmul: every GGUF
 format kvflow serves natively (Q8_0, Q4_0, Q4_1, Q4_K) and two it requantizes (Q5_K, Q6_K),
 int8 W8A8, on each instruction set this machine has (the scalar reference, AVX2, AVX-512
-VNNI), plus the AVX2 path from a build with AVX-512 switched off."""
+VNNI), plus the AVX2 path from a build with AVX-512 switched off. The int8 path is forced
+(wide_rows=NEVER) where the test checks its numbers; the widened path (gemm_quant_wide.c) has
+its own tests at the end."""
 from __future__ import annotations
 
 import ctypes
@@ -18,8 +20,8 @@ import kvflow.csrc
 from kvflow.model.quant.gguf_blocks import decode
 from kvflow.model.quant.int8 import quantize_int8
 from kvflow.model.quant.packing import dequantize_rows, pack
-from kvflow.model.quant.qlinear import (QuantizedWeight, available_isas, quant_linear,
-                                        quantize_activations)
+from kvflow.model.quant.qlinear import (NEVER, WIDE_ROWS, QuantizedWeight, available_isas,
+                                        quant_linear, quantize_activations)
 
 ISAS = available_isas()
 
@@ -73,7 +75,7 @@ def test_gguf_formats_match_dequantise_then_matmul(isa, type_name, tol, m, n, k)
     w, ref_w = quantized(type_name, n, k, isa)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     threads = 2 if m in (7, 2048) else 1  # split by panels (7) and by rows (2048)
-    got = quant_linear(x, w, threads=threads)
+    got = quant_linear(x, w, threads=threads, wide_rows=NEVER)
     ref = reference(x, ref_w, w.kb, per_row=False)
     scale = ref.abs().max().item()
     assert (got.double() - ref).abs().max().item() <= tol * scale
@@ -92,7 +94,7 @@ def test_int8_w8a8_matches_dequantise_then_matmul(isa, m, n, k):
     ref_w = dequantize_rows("q8", w.packed, w.kb * 32, torch.arange(n), torch.float32)[:, :k]
     assert (ref_w - w_float).abs().max() <= w_float.abs().amax(1).max() / 127 * 0.51
     x = torch.randn(m, k, generator=g)
-    got = quant_linear(x, w, threads=2)
+    got = quant_linear(x, w, threads=2, wide_rows=NEVER)
     ref = reference(x, ref_w, w.kb, per_row=True)
     assert (got.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
 
@@ -156,3 +158,130 @@ def test_this_machine_builds_every_path_its_cpu_has():
     assert "scalar" in ISAS
     assert ("avx2" in ISAS) == ({"avx2", "fma", "f16c"} <= flags)
     assert ("avx512-vnni" in ISAS) == ({"avx512_vnni", "avx512bw", "avx512f"} <= flags)
+
+
+def _build(tmp_path, name: str, flags: list[str]) -> ctypes.CDLL:
+    src = os.path.dirname(kvflow.csrc.__file__)
+    so = tmp_path / f"{name}.so"
+    subprocess.run(["cc", "-O3", *flags, "-shared", "-fPIC", "-std=c11",
+                    os.path.join(src, "gemm_quant.c"), os.path.join(src, "gemm_quant_wide.c"),
+                    os.path.join(src, "gemm_bf16.c"), "-o", str(so), "-lm"],
+                   check=True, capture_output=True)
+    return ctypes.CDLL(str(so))
+
+
+def _quantize_with(lib, x: torch.Tensor, kb: int) -> tuple[torch.Tensor, ...]:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.quantize_rows_q8.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64]
+    m, k = x.shape
+    qx = torch.empty(m, kb * 32, dtype=torch.int8)
+    dx, dxs = torch.empty(m, kb), torch.empty(m, kb)
+    lib.quantize_rows_q8(x.data_ptr(), k, k, kb, int(x.dtype == torch.bfloat16), 0, qx.data_ptr(),
+                         dx.data_ptr(), dxs.data_ptr(), 0, m)
+    return qx, dx, dxs
+
+
+def test_vector_activation_quantization_gives_the_scalar_bytes(tmp_path):
+    """quantize_rows_q8's AVX-512 and AVX2 block code (whole blocks) and its scalar code (every
+    block, in a build without AVX2) round the same products the same way: identical bytes,
+    scales and sums, for bf16 and fp32 rows, a partial last block and an all-zero block."""
+    scalar = _build(tmp_path, "scalar", ["-march=x86-64"])
+    avx2 = _build(tmp_path, "avx2", ["-march=x86-64-v3", "-mno-avx512f"])
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(9, 200, generator=g) * torch.rand(9, 1, generator=g) * 4).to(dtype)
+        x[0, :32] = 0
+        x[1, 40] = 1e4  # one outlier: the rest of its block rounds to small values
+        ref = _quantize_with(scalar, x, 7)
+        for got in (_quantize_with(avx2, x, 7), quantize_activations(x, 7, False, 1)):
+            for a, b in zip(got, ref):
+                assert torch.equal(a, b)
+
+
+def wide_reference(x: torch.Tensor, ref_w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The widened path's numbers: the float activations times the dequantised weights (bf16
+    activations: the weights rounded to bf16 first, as the bf16 path widens them)."""
+    w = ref_w.bfloat16() if x.dtype == torch.bfloat16 else ref_w
+    out = x.double() @ w.double().T
+    return out if bias is None else out + bias.double()
+
+
+WIDE_ISAS = [isa for isa in ISAS if isa != "scalar"]
+
+
+@pytest.mark.parametrize("isa", WIDE_ISAS)
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+# N: a partial last panel of 16 and a partial group of 64 (and whole groups)
+@pytest.mark.parametrize("m,n,k", [(70, 72, 256), (9, 200, 64)])
+def test_widened_path_matches_dequantise_then_matmul(isa, type_name, dtype, m, n, k):
+    """gemm_quant_wide.c: on AVX-512 (bf16 activations: the bf16 panels and vdpbf16ps; fp32:
+    the FMA path) and on AVX2 (the FMA path), with a bias, split over two threads."""
+    w, ref_w = quantized(type_name, n, k, isa)
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g)
+    got = quant_linear(x, w, bias, threads=2, wide_rows=1)
+    ref = wide_reference(x, ref_w, bias.bfloat16().float() if dtype == torch.bfloat16 and isa == "avx512-vnni" else bias)
+    scale = ref.abs().max().item()
+    tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: the output's rounding
+    assert (got.double() - ref).abs().max().item() <= tol * scale
+    # the int8 path on the same call differs only by the activations' 8-bit rounding
+    int8 = quant_linear(x, w, bias, threads=2, wide_rows=NEVER)
+    assert (got.double() - int8.double()).abs().max().item() <= 0.03 * scale
+
+
+@pytest.mark.parametrize("isa", WIDE_ISAS)
+@pytest.mark.parametrize("k", [99, 100])
+def test_widened_int8_w8a8_with_k_off_the_block(isa, k):
+    """int8 W8A8 weights (K padded to whole blocks of 32 with zeros) widened: K odd (the bf16
+    path takes pairs, so the FMA path serves it) and K even but not whole blocks."""
+    g = torch.Generator().manual_seed(k)
+    w_float = torch.randn(40, k, generator=g)
+    w = quantize_int8(w_float, isa)
+    ref_w = dequantize_rows("q8", w.packed, w.kb * 32, torch.arange(40), torch.float32)[:, :k]
+    x = torch.randn(66, k, generator=g).bfloat16()
+    got = quant_linear(x, w, threads=2, wide_rows=1)
+    ref = wide_reference(x, ref_w, None)
+    assert (got.double() - ref).abs().max().item() <= 8e-3 * ref.abs().max().item()
+
+
+def test_which_rows_take_the_widened_path():
+    """8-bit weights widen from WIDE_ROWS["q8"] rows (the float activations as they are: the
+    exact product, not the int8 activations'); 4-bit weights never do."""
+    if "avx512-vnni" not in ISAS and "avx2" not in ISAS:
+        pytest.skip("no vector path in this build")  # the scalar build has no widened path
+    isa = "avx512-vnni" if "avx512-vnni" in ISAS else "avx2"
+    rows = WIDE_ROWS["q8"]
+    for type_name, widened in (("Q8_0", True), ("Q4_1", False)):
+        w, ref_w = quantized(type_name, 48, 128, isa)
+        for m in (rows - 1, rows):
+            x = torch.randn(m, 128, generator=torch.Generator().manual_seed(m))
+            got = quant_linear(x, w, threads=1).double()
+            exact = x.double() @ ref_w.double().T
+            err = (got - exact).abs().max().item() / exact.abs().max().item()
+            assert (err <= 1e-5) == (widened and m >= rows), (type_name, m, err)
+
+
+def test_widened_avx2_path_from_a_build_without_avx512(tmp_path):
+    """gemm_quant_wide.c compiled for an AVX2-only CPU has the FMA path only, and gives the
+    dequantised weights' products through pool-free calls over every group of 64 outputs."""
+    lib = _build(tmp_path, "wide_avx2", ["-march=x86-64-v3", "-mno-avx512f"])
+    lib.gemm_quant_wide_isas.restype = ctypes.c_int64
+    assert lib.gemm_quant_wide_isas() == 0b010
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.gemm_quant_wide.restype = i64
+    lib.gemm_quant_wide.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64,
+                                    i64, i64, i64]
+    m, n, k = 13, 100, 96
+    for type_name in ("Q4_1", "Q8_0"):
+        w, ref_w = quantized(type_name, n, k, "avx2")
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(m, k).to(dtype)
+            out = torch.zeros(m, n, dtype=dtype)
+            assert lib.gemm_quant_wide(x.data_ptr(), k, k, w.kb, int(dtype == torch.bfloat16), m,
+                                       w.packed.data_ptr(), int(w.kind == "q8"), 1, None,
+                                       out.data_ptr(), n, n, int(dtype == torch.bfloat16), 0, 2) == 0
+            ref = x.double() @ ref_w.double().T
+            tol = 1e-5 if dtype == torch.float32 else 8e-3
+            assert (out.double() - ref).abs().max().item() <= tol * ref.abs().max().item()

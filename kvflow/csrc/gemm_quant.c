@@ -28,11 +28,13 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "simd.h"
 
 #define QP 16
 #define QB 32
 #define Q4_REC 320
 #define Q8_REC 608
+#define PANEL_BLOCK_BYTES (128 * 1024)
 
 static inline float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -62,8 +64,86 @@ static inline float load_act(const void *x, int64_t i, int bf16) {
     return ((const float *)x)[i];
 }
 
+/* One block of 32 activations -> int8 q, its scale and dx * sum(q), given its largest |x|:
+ * the scalar rounding (and the reference for the vector ones below, which give the same
+ * bytes: the same fp32 products, rounded to nearest even, clamped). */
+static inline void quant_block_scalar(const float *vals, float amax, int8_t *q, float *d, float *ds)
+{
+    const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    int sum = 0;
+    for (int j = 0; j < QB; j++) {
+        float v = nearbyintf(vals[j] * inv);
+        v = v > 127.f ? 127.f : v < -127.f ? -127.f : v;
+        q[j] = (int8_t)v;
+        sum += (int)v;
+    }
+    *d = scale;
+    *ds = scale * (float)sum;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define QUANT_ACT_512 1
+/* a whole block of 32 (k0 + 32 <= K), per-block scale */
+static inline void quant_block_vec(const char *xr, int64_t k0, int bf16, int8_t *q, float *d, float *ds)
+{
+    __m512 v0, v1;
+    if (bf16) {
+        v0 = load16_bf16((const uint16_t *)xr + k0);
+        v1 = load16_bf16((const uint16_t *)xr + k0 + 16);
+    } else {
+        v0 = _mm512_loadu_ps((const float *)xr + k0);
+        v1 = _mm512_loadu_ps((const float *)xr + k0 + 16);
+    }
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    const __m512i i0 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v0, vinv)), lo), hi);
+    const __m512i i1 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v1, vinv)), lo), hi);
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(i0));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(i1));
+    *d = scale;
+    *ds = scale * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define QUANT_ACT_256 1
+static inline void quant_block_vec(const char *xr, int64_t k0, int bf16, int8_t *q, float *d, float *ds)
+{
+    __m256 v[4];
+    for (int i = 0; i < 4; i++)
+        v[i] = bf16 ? load8_bf16((const uint16_t *)xr + k0 + 8 * i)
+                    : _mm256_loadu_ps((const float *)xr + k0 + 8 * i);
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                             _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    const float amax = _mm_cvtss_f32(m4);
+    const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    __m256i iv[4], sum = _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) {
+        iv[i] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], vinv)), lo), hi);
+        sum = _mm256_add_epi32(sum, iv[i]);
+    }
+    /* int32 -> int8 (all within -127..127): packs keep the order within 128-bit lanes */
+    const __m256i w01 = _mm256_packs_epi32(iv[0], iv[1]), w23 = _mm256_packs_epi32(iv[2], iv[3]);
+    const __m256i b = _mm256_packs_epi16(w01, w23);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(b, order));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    *d = scale;
+    *ds = scale * (float)_mm_cvtsi128_si32(s4);
+}
+#endif
+
 /* Rows [begin, end) of x [M, K] (bf16 or fp32) -> qx [M, Kb * 32] int8, dx and dxs [M, Kb];
- * inputs past K are zeros. */
+ * inputs past K are zeros. Whole blocks with per-block scales go through the vector code
+ * where the build has it (prefill quantizes M x K values per projection). */
 void quantize_rows_q8(const void *x, int64_t x_stride, int64_t K, int64_t Kb, int64_t bf16,
                       int64_t per_row, int8_t *qx, float *dx, float *dxs, int64_t begin,
                       int64_t end)
@@ -78,6 +158,12 @@ void quantize_rows_q8(const void *x, int64_t x_stride, int64_t K, int64_t Kb, in
             for (int64_t k = 0; k < K; k++)
                 row_amax = fmaxf(row_amax, fabsf(load_act(xr, k, (int)bf16)));
         for (int64_t b = 0; b < Kb; b++) {
+#if defined(QUANT_ACT_512) || defined(QUANT_ACT_256)
+            if (!per_row && (b + 1) * QB <= K) {
+                quant_block_vec(xr, b * QB, (int)bf16, q + b * QB, d + b, ds + b);
+                continue;
+            }
+#endif
             float vals[QB];
             float amax = 0.f;
             for (int j = 0; j < QB; j++) {
@@ -85,18 +171,7 @@ void quantize_rows_q8(const void *x, int64_t x_stride, int64_t K, int64_t Kb, in
                 vals[j] = k < K ? load_act(xr, k, (int)bf16) : 0.f;
                 amax = fmaxf(amax, fabsf(vals[j]));
             }
-            if (per_row)
-                amax = row_amax;
-            const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-            int sum = 0;
-            for (int j = 0; j < QB; j++) {
-                float v = nearbyintf(vals[j] * inv);
-                v = v > 127.f ? 127.f : v < -127.f ? -127.f : v;
-                q[b * QB + j] = (int8_t)v;
-                sum += (int)v;
-            }
-            d[b] = scale;
-            ds[b] = scale * (float)sum;
+            quant_block_scalar(vals, per_row ? row_amax : amax, q + b * QB, d + b, ds + b);
         }
     }
 }
@@ -122,6 +197,9 @@ static inline void finish_row(const float *acc, const float *bias, int64_t n0, i
     for (int64_t o = 0; o < nv; o++)
         store_out(out, row_off + n0 + o, acc[o] + (bias ? bias[n0 + o] : 0.f), bf16);
 }
+
+/* a tile of rows against one panel: its 16 sums per row into res */
+typedef void (*qtile_fn)(const int8_t *, const float *, const float *, int64_t, const uint8_t *, float *);
 
 /* ---- scalar reference ------------------------------------------------------------------ */
 static void panel_scalar(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb,
@@ -226,7 +304,6 @@ tile_avx2(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb, int r
         _mm256_storeu_ps(res + r * QP + 8, acc[r][1]); } }
 AVX2_FN(1, 0) AVX2_FN(2, 0) AVX2_FN(3, 0) AVX2_FN(4, 0)
 AVX2_FN(1, 1) AVX2_FN(2, 1) AVX2_FN(3, 1) AVX2_FN(4, 1)
-typedef void (*qtile_fn)(const int8_t *, const float *, const float *, int64_t, const uint8_t *, float *);
 static const qtile_fn AVX2_TILES[2][AVX2_TILE + 1] = {
     {0, avx2_1_0, avx2_2_0, avx2_3_0, avx2_4_0}, {0, avx2_1_1, avx2_2_1, avx2_3_1, avx2_4_1}};
 #endif
@@ -292,6 +369,42 @@ static const qtile_fn VNNI_TILES[2][VNNI_TILE + 1] = {
     {0, vnni_1_1, vnni_2_1, vnni_3_1, vnni_4_1, vnni_5_1, vnni_6_1, vnni_7_1, vnni_8_1}};
 #endif
 
+/* finish_row for a whole panel in vector code (a wide, shallow projection like an LM head
+ * spends as long storing its outputs one by one as multiplying them): the same numbers,
+ * rounded to bf16 to nearest even as store_out does. */
+static inline void finish_row16(const float *acc, const float *bias, int64_t n0, void *out,
+                                int64_t row_off, int bf16)
+{
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    __m512 v = _mm512_loadu_ps(acc);
+    if (bias)
+        v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0));
+    if (bf16)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out + row_off + n0), (__m256i)_mm512_cvtneps_pbh(v));
+    else
+        _mm512_storeu_ps((float *)out + row_off + n0, v);
+#elif defined(QUANT_AVX2)
+    for (int h = 0; h < 2; h++) {
+        __m256 v = _mm256_loadu_ps(acc + 8 * h);
+        if (bias)
+            v = _mm256_add_ps(v, _mm256_loadu_ps(bias + n0 + 8 * h));
+        if (!bf16) {
+            _mm256_storeu_ps((float *)out + row_off + n0 + 8 * h, v);
+            continue;
+        }
+        const __m256i u = _mm256_castps_si256(v);
+        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+        const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+        r = _mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+        _mm_storeu_si128((__m128i *)((uint16_t *)out + row_off + n0 + 8 * h), _mm256_castsi256_si128(packed));
+    }
+#else
+    finish_row(acc, bias, n0, QP, out, row_off, bf16);
+#endif
+}
+
 /* The paths this build has: bit 0 scalar, bit 1 AVX2, bit 2 AVX-512 VNNI. */
 int64_t gemm_quant_isas(void)
 {
@@ -322,20 +435,36 @@ void gemm_quant_panels(const int8_t *qx, const float *dx, const float *dxs, int6
 #ifdef QUANT_VNNI
     if (isa == 2) { tiles = VNNI_TILES[q8]; max_tile = VNNI_TILE; }
 #endif
-    for (int64_t p = p_begin; p < p_end; p++) {
-        const uint8_t *panel = packed + p * panel_bytes;
-        const int64_t n0 = p * QP, nv = N - n0 < QP ? N - n0 : QP;
-        if (tiles == 0) {
-            panel_scalar(qx, dx, dxs, Kb, M, panel, q8, bias, n0, nv, out, out_stride, bf16);
-            continue;
+    if (tiles == 0) {
+        for (int64_t p = p_begin; p < p_end; p++) {
+            const int64_t n0 = p * QP, nv = N - n0 < QP ? N - n0 : QP;
+            panel_scalar(qx, dx, dxs, Kb, M, packed + p * panel_bytes, q8, bias, n0, nv, out,
+                         out_stride, bf16);
         }
-        const int64_t ntiles = (M + max_tile - 1) / max_tile;
+        return;
+    }
+    /* Panels go in blocks of about PANEL_BLOCK_BYTES (kept in L2), and each tile of rows runs
+     * over a whole block before the next tile: a row's outputs are then written a block-width
+     * run at a time. Panel by panel, every tile wrote 32 bytes per row, and when the rows' stride
+     * is a multiple of 4 KiB (an LM head: 49152 bf16 outputs) more than 8 rows' lines fall in
+     * one set of the 8-way L1: two tiles of 8 rows took 3.3x one tile's time. */
+    const int64_t block = panel_bytes >= PANEL_BLOCK_BYTES ? 1 : PANEL_BLOCK_BYTES / panel_bytes;
+    const int64_t ntiles = (M + max_tile - 1) / max_tile;
+    for (int64_t p0 = p_begin; p0 < p_end; p0 += block) {
+        const int64_t p1 = p0 + block < p_end ? p0 + block : p_end;
         for (int64_t t = 0, m0 = 0; t < ntiles; t++) {
             const int64_t rows = (M - m0) / (ntiles - t);
-            float res[16 * QP];
-            tiles[rows](qx + m0 * Kp, dx + m0 * Kb, dxs + m0 * Kb, Kb, panel, res);
-            for (int64_t r = 0; r < rows; r++)
-                finish_row(res + r * QP, bias, n0, nv, out, (m0 + r) * out_stride, bf16);
+            for (int64_t p = p0; p < p1; p++) {
+                const int64_t n0 = p * QP, nv = N - n0 < QP ? N - n0 : QP;
+                float res[16 * QP];
+                tiles[rows](qx + m0 * Kp, dx + m0 * Kb, dxs + m0 * Kb, Kb, packed + p * panel_bytes, res);
+                for (int64_t r = 0; r < rows; r++) {
+                    if (nv == QP)
+                        finish_row16(res + r * QP, bias, n0, out, (m0 + r) * out_stride, bf16);
+                    else
+                        finish_row(res + r * QP, bias, n0, nv, out, (m0 + r) * out_stride, bf16);
+                }
+            }
             m0 += rows;
         }
     }

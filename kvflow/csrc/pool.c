@@ -106,12 +106,20 @@ static void k_qgemm_panels(const int64_t *a, double f, int64_t b, int64_t e) {
     gemm_quant_panels(P(0), P(1), P(2), a[3], a[12], P(4), a[5], a[6], P(7), P(8), a[9], a[10],
                       a[11], b, e);
 }
+/* x, x_stride, K, Kb, x_bf16, M, packed, kind, isa, bias, out, out_stride, N, out_bf16,
+ * failed (int64_t *): the ranges are groups of 64 outputs, every thread takes all M rows */
+static void k_qgemm_wide(const int64_t *a, double f, int64_t b, int64_t e) {
+    (void)f;
+    if (gemm_quant_wide(P(0), a[1], a[2], a[3], a[4], a[5], P(6), a[7], a[8], P(9), P(10), a[11],
+                        a[12], a[13], b, e) != 0)
+        *(int64_t *)a[14] = 1; /* only ever set to 1: no race that matters */
+}
 #undef P
 
 static const range_fn KERNELS[] = {
     k_decode_f32, k_decode_bf16, k_prefill_bf16, k_norm_f32, k_norm_bf16, k_rope_f32,
     k_rope_bf16, k_silu_f32, k_silu_bf16, k_gemm_rows, k_gemm_panels, k_quantize_q8,
-    k_qgemm_rows, k_qgemm_panels,
+    k_qgemm_rows, k_qgemm_panels, k_qgemm_wide,
 };
 #define NUM_KERNELS ((int64_t)(sizeof KERNELS / sizeof KERNELS[0]))
 
@@ -242,21 +250,33 @@ void kernel_pool_run(int64_t kernel, const int64_t *args, double farg, int64_t n
     pthread_mutex_unlock(&pool.lock);
 }
 
-/* out [M, N] = x [M, K] @ w.T for a quantized weight (gemm_quant.c), in one call: the rows
- * quantized to int8 into this thread's scratch, then the GEMM, each split over `threads`
- * (by rows from QUANT_ROW_SPLIT rows, else by panels of 16 outputs). One call from Python
- * per projection: two pool jobs through ctypes cost more than the GEMM of a decode step. */
+/* out [M, N] = x [M, K] @ w.T for a quantized weight, in one call. From `wide_rows` rows
+ * (where gemm_quant_wide.c takes the call) the weights are widened to floats per thread and
+ * the float activations multiplied as they are, split by groups of 64 outputs. Below it
+ * (gemm_quant.c) the rows are quantized to int8 into this thread's scratch, then the int8
+ * GEMM runs, each split over `threads` (by rows from QUANT_ROW_SPLIT rows, else by panels of
+ * 16 outputs). One call from Python per projection: two pool jobs through ctypes cost more
+ * than the GEMM of a decode step. */
 #define K_QUANTIZE 11
 #define K_QGEMM_ROWS 12
 #define K_QGEMM_PANELS 13
+#define K_QGEMM_WIDE 14
 #define QUANT_ROW_SPLIT 32
 static __thread struct { void *buf; size_t cap; } scratch;
 
 int64_t quant_linear(const void *x, int64_t x_stride, int64_t K, int64_t Kb, int64_t x_bf16,
                      int64_t per_row, const uint8_t *packed, int64_t kind, int64_t isa,
                      const float *bias, void *out, int64_t N, int64_t out_bf16, int64_t M,
-                     int64_t threads)
+                     int64_t threads, int64_t wide_rows)
 {
+    if (M >= wide_rows && gemm_quant_wide_takes(isa, K, x_bf16, out_bf16)) {
+        int64_t failed = 0;
+        const int64_t wargs[15] = {(int64_t)x, x_stride, K, Kb, x_bf16, M, (int64_t)packed, kind,
+                                   isa, (int64_t)bias, (int64_t)out, N, N, out_bf16,
+                                   (int64_t)&failed};
+        kernel_pool_run(K_QGEMM_WIDE, wargs, 0.0, (N + 63) / 64, NULL, threads);
+        return failed ? -1 : 0;
+    }
     const size_t q_bytes = ((size_t)(M * Kb * 32) + 63) & ~(size_t)63, f_bytes = (size_t)(M * Kb) * 4;
     const size_t need = q_bytes + 2 * f_bytes;
     if (need > scratch.cap) {

@@ -1,6 +1,8 @@
-"""x @ w.T for a quantized weight: the activations are quantized to int8 (per block of 32, or
-per row for int8 W8A8), then kvflow/csrc/gemm_quant.c multiplies them with the packed weight,
-both split over the kernel pool."""
+"""x @ w.T for a quantized weight. Few rows (decode): the activations are quantized to int8 (per
+block of 32, or per row for int8 W8A8), then kvflow/csrc/gemm_quant.c multiplies them with the
+packed weight, both split over the kernel pool. 8-bit weights from WIDE_ROWS rows (prefill,
+batches): kvflow/csrc/gemm_quant_wide.c widens them to floats per thread, once per call, and
+multiplies the float activations at the float GEMM's speed."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,6 +13,13 @@ from kvflow.csrc import library, run_kernel
 from kvflow.model.quant.packing import BLOCK, PANEL
 
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512-vnni": 2}
+# Rows from which a kind's weights are widened to floats (benchmarks/README.md, "Quantized GEMM
+# by rows", Zen 4, one thread): 8-bit weights' int8 GEMM runs 25-30% behind the bf16 GEMM from
+# ~100 rows (its records are twice a 4-bit one's) and the widened path within 5% of it; level at
+# 32 rows. 4-bit weights' int8 GEMM is level with bf16 or ahead at every row count, and widening
+# them only adds its cost, so they are never widened.
+WIDE_ROWS = {"q8": 64}
+NEVER = 1 << 62
 
 
 @dataclass
@@ -72,9 +81,12 @@ def quantize_activations(x: torch.Tensor, kb: int, per_row: bool, threads: int
 
 
 def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
-                 threads: int | None = None, isa: str | None = None) -> torch.Tensor:
+                 threads: int | None = None, isa: str | None = None,
+                 wide_rows: int | None = None) -> torch.Tensor:
     """x [M, K] @ w.T (+ bias) -> [M, N] in x's dtype (bf16, else fp32): one C call
-    (pool.c's quant_linear) quantizes the rows and runs the GEMM, each over the kernel pool."""
+    (pool.c's quant_linear) over the kernel pool: from `wide_rows` rows (default: WIDE_ROWS for
+    the weight's kind) the widened float GEMM where the ISA has one, else the rows quantized to
+    int8 and the int8 GEMM."""
     threads = torch.get_num_threads() if threads is None else threads
     if x.dtype not in (torch.bfloat16, torch.float32):
         x = x.float()
@@ -86,12 +98,14 @@ def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
     if bias is not None:
         bias = bias.float().contiguous()
     bf16 = int(x.dtype == torch.bfloat16)
+    if wide_rows is None:
+        wide_rows = WIDE_ROWS.get(w.kind, NEVER)
     rc = _lib().quant_linear(x.data_ptr(), x.stride(0), k, w.kb, bf16, int(w.per_row),
                              w.packed.data_ptr(), int(w.kind == "q8"), ISA_CODES[isa or w.isa],
                              None if bias is None else bias.data_ptr(), out.data_ptr(), w.n, bf16,
-                             m, threads)
+                             m, threads, wide_rows)
     if rc != 0:
-        raise MemoryError("quant_linear: no memory for the quantized activations")
+        raise MemoryError("quant_linear: no memory for its scratch")
     return out
 
 
