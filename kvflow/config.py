@@ -88,6 +88,9 @@ class CacheConfig:
         "auto", "KV cache storage (`auto`: the model's dtype); bfloat16 on an fp32 model halves "
         "the cache and what decode attention reads, at a small cost in accuracy",
         choices=DTYPES, name="kv_cache_dtype")
+    # set by the engine from the model: each layer's sliding window (None: full attention);
+    # any window gives the scheduler one block table per KV cache group. Not an option.
+    layer_windows: tuple = ()
 
     def __post_init__(self) -> None:
         self.cache_dtype = dtype_name(self.cache_dtype, "kv_cache_dtype")

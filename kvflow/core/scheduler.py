@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass
 
 from kvflow.config import CacheConfig, SchedulerConfig
+from kvflow.core.hybrid_kv_cache_manager import HybridKVCacheManager
+from kvflow.core.kv_cache_groups import make_kv_cache_groups
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.request_queue import RequestQueue
 from kvflow.core.scheduler_output import AdmissionStop, BlockCheck, NewRequestData, SchedulerOutput
@@ -39,8 +41,14 @@ class Scheduler:
             raise ValueError("CacheConfig.num_blocks must be set before building a Scheduler")
         self.config = scheduler_config
         self.block_size = cache_config.block_size
-        self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
-                                               cache_config.enable_prefix_caching)
+        windows = cache_config.layer_windows
+        if any(w is not None for w in windows):  # one block table per KV cache group
+            self.kv_cache_manager = HybridKVCacheManager(
+                make_kv_cache_groups(windows), cache_config.num_blocks, cache_config.block_size,
+                cache_config.enable_prefix_caching, scheduler_config.max_num_batched_tokens)
+        else:
+            self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
+                                                   cache_config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
         self.waiting = RequestQueue()  # O(1) removal: aborting many requests stays linear
         self.running: list[Request] = []
@@ -237,7 +245,10 @@ class Scheduler:
         rid = req.request_id
         out.num_scheduled_tokens[rid] = n
         out.num_computed_tokens[rid] = computed
-        out.block_ids[rid] = self.kv_cache_manager.get_block_ids(rid)
+        kv = self.kv_cache_manager
+        out.block_ids[rid] = kv.get_block_ids(rid)
+        if isinstance(kv, HybridKVCacheManager):
+            out.group_block_ids[rid] = kv.get_group_block_ids(rid)
         out.total_num_scheduled_tokens += n
         if (req.structured_output is not None and computed + n == req.num_tokens
                 and (req.constraint_active or req.reasoning_undecided)):  # not while it reasons
@@ -258,6 +269,7 @@ class Scheduler:
         n = out.num_scheduled_tokens.pop(rid)
         del out.num_computed_tokens[rid]
         del out.block_ids[rid]
+        out.group_block_ids.pop(rid, None)
         out.total_num_scheduled_tokens -= n
         if rid in out.structured_output_request_ids:
             out.structured_output_request_ids.remove(rid)

@@ -40,11 +40,11 @@ typedef void (*range_fn)(const int64_t *a, double f, int64_t begin, int64_t end)
 #define P(i) ((void *)a[i])
 static void k_decode_f32(const int64_t *a, double f, int64_t b, int64_t e) {
     paged_decode_f32(P(0), a[1], P(2), P(3), P(4), a[5], P(6), P(7), b, e, a[8], a[9], a[10],
-                     a[11], (float)f, P(12), a[13], a[14]);
+                     a[11], (float)f, P(12), a[13], a[14], a[15]);
 }
 static void k_decode_bf16(const int64_t *a, double f, int64_t b, int64_t e) {
     paged_decode_bf16(P(0), a[1], P(2), P(3), P(4), a[5], P(6), P(7), b, e, a[8], a[9], a[10],
-                      a[11], (float)f, P(12), a[13], a[14]);
+                      a[11], (float)f, P(12), a[13], a[14], a[15]);
 }
 static void k_prefill_bf16(const int64_t *a, double f, int64_t b, int64_t e) {
     paged_prefill_bf16(P(0), a[1], P(2), P(3), P(4), a[5], P(6), P(7), P(8), b, e, a[9], a[10],

@@ -7,6 +7,7 @@ from dataclasses import replace
 import torch
 
 from kvflow.config import EngineConfig
+from kvflow.core.kv_cache_groups import make_kv_cache_groups
 from kvflow.core.scheduler import Scheduler, SchedulerOutput
 from kvflow.distributed.executor import TPExecutor
 from kvflow.engine.kv_sizing import max_concurrency, num_kv_blocks
@@ -50,8 +51,12 @@ class EngineCore:
         # under tensor parallelism each rank holds its KV heads' share of every block
         self.kv_bytes_per_token = kv_bytes_per_token_per_rank(self.arch, self.tp_size,
                                                               self.kv_dtype.itemsize)
-        cc = replace(config.cache_config,
-                     num_blocks=num_kv_blocks(config.cache_config, self.kv_bytes_per_token))
+        # with sliding windows a block spans one KV cache group's layers, not all of them
+        windows = tuple(self.arch.layer_windows())
+        group_layers = len(make_kv_cache_groups(windows)[0].layers)
+        block_bytes_per_token = self.kv_bytes_per_token * group_layers // self.arch.num_hidden_layers
+        cc = replace(config.cache_config, layer_windows=windows,
+                     num_blocks=num_kv_blocks(config.cache_config, block_bytes_per_token))
         self.scheduler_config, self.cache_config = sc, cc
         self.scheduler = Scheduler(sc, cc)
         # grammars compile in its thread; the tokenizer loads there on the first constrained request

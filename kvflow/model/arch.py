@@ -7,13 +7,17 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
+from kvflow.model.attention_pattern import gguf_pattern_fields, hf_pattern_fields, layer_windows
 from kvflow.model_path import cache_dir_for, is_gguf
 from kvflow.utils.files import publish
 
 # model_type -> architecture name, for config.json files saved without "architectures".
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM"}
-SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPES.values())
+# Gemma 3 (text); a Gemma3ForConditionalGeneration checkpoint loads its text part
+_MODEL_TYPES.update({"gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForCausalLM"})
+_TEXT_PART_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = tuple(dict.fromkeys(_MODEL_TYPES.values()))
 _ROPE_TYPES = ("llama3", "linear")
 ARCH_CACHE_FILE = "arch.json"
 
@@ -40,6 +44,14 @@ class LlamaArchConfig:
     eos_token_id: int | list[int] | None
     name: str = "model"
     eos_token_ids: list[int] = field(default_factory=list)
+    # sliding-window attention (attention_pattern.py): the window, and each layer's type
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    # Gemma 3: the local layers' RoPE base, the query scale's 1/sqrt(query_pre_attn_scalar)
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -52,6 +64,10 @@ class LlamaArchConfig:
         if not self.eos_token_ids:
             eos = self.eos_token_id
             self.eos_token_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: it attends to the whole context)."""
+        return layer_windows(self.layer_types, self.sliding_window, self.num_hidden_layers)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V that one token occupies across all layers."""
@@ -99,7 +115,7 @@ def _from_hf_folder(path: str) -> LlamaArchConfig:
         cfg = json.load(f)
     cfg = {**cfg.get("text_config", {}), **cfg} if "text_config" in cfg else cfg
     archs = cfg.get("architectures") or [_MODEL_TYPES.get(cfg.get("model_type"), cfg.get("model_type"))]
-    architecture = archs[0]
+    architecture = _TEXT_PART_OF.get(archs[0], archs[0])
     # transformers 5.x: rope_parameters holds theta and scaling; 4.x: rope_theta + rope_scaling.
     rope_params = cfg.get("rope_parameters") or {}
     rope_theta = rope_params.get("rope_theta", cfg.get("rope_theta", 10000.0))
@@ -111,6 +127,9 @@ def _from_hf_folder(path: str) -> LlamaArchConfig:
     if os.path.isfile(gen_path):  # instruct models list extra stop ids (e.g. <|eot_id|>) here
         with open(gen_path) as f:
             eos_ids += [e for e in _eos_list(json.load(f).get("eos_token_id")) if e not in eos_ids]
+    pattern = hf_pattern_fields(cfg, architecture)  # windows; Gemma 3's own RoPE and scales
+    rope_theta = pattern.pop("rope_theta", rope_theta)
+    rope_scaling = pattern.pop("rope_scaling", rope_scaling)
     return LlamaArchConfig(
         architecture=architecture,
         vocab_size=cfg["vocab_size"],
@@ -131,6 +150,7 @@ def _from_hf_folder(path: str) -> LlamaArchConfig:
         eos_token_id=eos,
         name=os.path.basename(os.path.normpath(path)),
         eos_token_ids=eos_ids,
+        **pattern,
     )
 
 
@@ -175,9 +195,10 @@ def gguf_field(reader, key: str, default=None):
 def arch_from_gguf_reader(reader, path: str) -> LlamaArchConfig:
     """Map GGUF metadata (`<arch>.block_count` ...) to a LlamaArchConfig."""
     g = gguf_field(reader, "general.architecture")
-    architecture = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(g)
+    architecture = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                    "gemma3": "Gemma3ForCausalLM"}.get(g)
     if architecture is None:
-        raise ValueError(f"GGUF architecture {g!r} is not supported (llama, qwen2)")
+        raise ValueError(f"GGUF architecture {g!r} is not supported (llama, qwen2, gemma3)")
 
     def meta(key, default=None):
         return gguf_field(reader, f"{g}.{key}", default)
@@ -197,6 +218,8 @@ def arch_from_gguf_reader(reader, path: str) -> LlamaArchConfig:
                          "use the Hugging Face folder of this model")
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     name = os.path.splitext(os.path.basename(path))[0]
+    eos_ids = _eos_list(None if eos is None else int(eos))
+    eos_ids += [i for i in _end_of_turn_ids(reader) if i not in eos_ids]
     return LlamaArchConfig(
         architecture=architecture,
         vocab_size=int(vocab),
@@ -215,4 +238,19 @@ def arch_from_gguf_reader(reader, path: str) -> LlamaArchConfig:
         bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=None if eos is None else int(eos),
         name=str(name),
+        eos_token_ids=eos_ids,
+        **gguf_pattern_fields(meta, architecture, int(meta("block_count"))),
     )
+
+
+_END_OF_TURN_TOKENS = ("<end_of_turn>",)  # chat models whose GGUF names only <eos> as its EOS
+
+
+def _end_of_turn_ids(reader) -> list[int]:
+    """Ids of end-of-turn tokens in a GGUF vocabulary (HF's generation_config lists them as
+    EOS beside `<eos>`; the GGUF keeps only the one eos_token_id)."""
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        return []
+    wanted = {t.encode() for t in _END_OF_TURN_TOKENS}
+    return [i for i, idx in enumerate(tokens.data) if bytes(tokens.parts[idx]) in wanted]

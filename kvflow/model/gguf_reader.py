@@ -18,17 +18,24 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
+# Gemma 3's four norms per layer and its QK-norm (llama.cpp's names)
+_GEMMA3_LAYER_NAMES = {**_LAYER_NAMES,
+                       "post_attention_norm": "post_attention_layernorm",
+                       "ffn_norm": "pre_feedforward_layernorm",
+                       "post_ffw_norm": "post_feedforward_layernorm",
+                       "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, architecture: str = "LlamaForCausalLM") -> str | None:
     """HF parameter name of a GGUF tensor, or None for tensors kvflow does not use."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA3_LAYER_NAMES if architecture == "Gemma3ForCausalLM" else _LAYER_NAMES
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    if m is None or m.group(2) not in names:
         return None
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -45,9 +52,11 @@ def read_gguf(path: str) -> tuple[LlamaArchConfig, dict[str, np.ndarray]]:
     reader = GGUFReader(path)
     arch = arch_from_gguf_reader(reader, path)
     permute = arch.architecture == "LlamaForCausalLM"  # llama.cpp permutes q/k only for llama
+    # llama.cpp stores Gemma's norm weights as 1 + w; back to HF's w, as transformers does
+    norm_shift = 1.0 if arch.architecture == "Gemma3ForCausalLM" else 0.0
     weights: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch.architecture)
         if name is None:
             continue
         w = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
@@ -57,5 +66,7 @@ def read_gguf(path: str) -> tuple[LlamaArchConfig, dict[str, np.ndarray]]:
             w = unpermute_qk(w, arch.num_attention_heads)
         elif permute and ".k_proj." in name:
             w = unpermute_qk(w, arch.num_key_value_heads)
+        if norm_shift and name.endswith("norm.weight"):
+            w = w - np.float32(norm_shift)
         weights[name] = w
     return arch, weights

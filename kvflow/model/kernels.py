@@ -63,6 +63,9 @@ class Kernels:
     linear_silu_mul: Callable[..., torch.Tensor]
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
     add_rms_norm: Callable[..., torch.Tensor]
+    # Gemma: RMSNorm times an fp32 weight (its 1 + w) rounded once; the GeGLU MLP
+    add_rms_norm_fp32_weight: Callable[..., torch.Tensor]
+    linear_gelu_tanh_mul: Callable[..., torch.Tensor]
     rope: Callable[..., None]
     write_kv: Callable[..., None]
     attention: Callable[..., torch.Tensor]
@@ -122,6 +125,8 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
         linear_silu_mul=partial(packed_linear.linear_silu_mul, silu_mul=silu_mul),
         silu_mul=silu_mul,
         add_rms_norm=ops.add_rms_norm if c else ops.add_rms_norm_torch,
+        add_rms_norm_fp32_weight=ops.add_rms_norm_fp32_weight if c else ops.add_rms_norm_fp32_weight_torch,
+        linear_gelu_tanh_mul=partial(packed_linear.linear_silu_mul, silu_mul=ops.gelu_tanh_mul_torch),
         rope=ops.rope_ if c else ops.rope_torch_,
         write_kv=attention.write_kv_with_kernel if c else write_rows,
         attention=attend,

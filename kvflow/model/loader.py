@@ -8,6 +8,7 @@ import torch
 from kvflow.model.arch import LlamaArchConfig, load_arch_config
 from kvflow.model.cpu_features import cpu_features
 from kvflow.model.kernels import Kernels, select_kernels
+from kvflow.model.gemma3 import Gemma3ForCausalLM
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.model.sharding import load_shard
 from kvflow.model.weights import fuse_weights, load_gguf, read_hf_folder
@@ -40,7 +41,8 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None 
     # build on the meta device, then adopt the loaded tensors without a second copy
     if kernels is None:
         kernels = select_kernels(dtype, device=device)
-    model = LlamaForCausalLM(arch, dtype, device="meta", kernels=kernels)
+    model_class = Gemma3ForCausalLM if arch.architecture == "Gemma3ForCausalLM" else LlamaForCausalLM
+    model = model_class(arch, dtype, device="meta", kernels=kernels)
     model.load_state_dict(weights, strict=True, assign=True)
     model.eval()
     if device is not None:

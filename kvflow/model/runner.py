@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvflow.core.kv_cache_groups import layer_slots, make_kv_cache_groups
 from kvflow.core.scheduler_output import SchedulerOutput
 from kvflow.model import hugepages
 from kvflow.model.arch import LlamaArchConfig
@@ -56,12 +57,18 @@ class ModelRunner:
         self.arch = arch
         self.block_size = block_size
         self.eos_token_ids = eos_ids(eos_token_id)  # the model's, all of them
-        self.kv_caches = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype)
+        # KV cache groups (core/kv_cache_groups.py): one group of all layers without windows;
+        # with windows, layer j of each group uses shared tensor pair j
+        self.groups = make_kv_cache_groups(arch.layer_windows())
+        self.layer_group, tensor_of = layer_slots(self.groups, arch.num_hidden_layers)
+        tensors = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype,
+                                     num_layers=len(self.groups[0].layers))
+        self.kv_caches = [tensors[j] for j in tensor_of]
         model.kernels = model.kernels.with_kv_dtype(kv_dtype)  # attention chosen for this cache
         k0 = self.kv_caches[0][0]
         self._block_bytes = k0[0].numel() * k0.element_size()
         # the cache's pages are faulted in ahead of the writes (KVFLOW_KV_POPULATE=0: on first write)
-        self.populator = (hugepages.Populator([t for pair in self.kv_caches for t in pair])
+        self.populator = (hugepages.Populator([t for pair in tensors for t in pair])
                           if envs.KVFLOW_KV_POPULATE else None)
         retain_freed_memory()  # after the KV cache: only the per-step activations are affected
         self.sampler = Sampler()
@@ -117,12 +124,22 @@ class ModelRunner:
             input_ids = []
             for s, start, end in zip(states, starts.tolist(), seq_lens.tolist()):
                 input_ids.extend(s.token_ids[start:end])
-        meta = build_attention_metadata(query_lens, seq_lens,
-                                        [out.block_ids[r] for r in req_ids], self.block_size)
+        if len(self.groups) == 1:
+            meta = build_attention_metadata(query_lens, seq_lens, [out.block_ids[r] for r in req_ids],
+                                            self.block_size, sliding_window=self.groups[0].sliding_window)
+            layer_metas, max_slot = meta, int(meta.slot_mapping.max())
+        else:  # one metadata per group (its block tables and window), handed to its layers
+            metas = [build_attention_metadata(query_lens, seq_lens,
+                                              [out.group_block_ids[r][g] for r in req_ids],
+                                              self.block_size, sliding_window=group.sliding_window)
+                     for g, group in enumerate(self.groups)]
+            meta = metas[0]
+            layer_metas = [metas[g] for g in self.layer_group]
+            max_slot = max(int(m.slot_mapping.max()) for m in metas)
         if self.populator is not None:  # every cache's bytes up to the furthest block written
-            self.populator.need((int(meta.slot_mapping.max()) // self.block_size + 1) * self._block_bytes)
+            self.populator.need((max_slot // self.block_size + 1) * self._block_bytes)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long), meta.positions,
-                            self.kv_caches, meta)
+                            self.kv_caches, layer_metas)
 
         result = ModelRunnerOutput()
         if len(rows) == 0:
