@@ -108,3 +108,16 @@ def test_prefix_hit_is_cut_where_a_window_block_was_evicted():
     assert kv.allocate_slots(b, b.num_tokens - n, hit) is not None
     kv.check_invariants()
     kv.free(b)
+
+
+def test_a_request_that_can_never_fit_the_groups_is_refused_up_front():
+    import pytest
+
+    from kvflow.request import InvalidRequestError
+
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8),
+                      CacheConfig(num_blocks=20, block_size=BS, layer_windows=(WINDOW, None)))
+    # 40 tokens: 10 blocks of full attention + 4 of the window's; 60 tokens: 15 + 4 > 19
+    sched.add_request(_req("fits", list(range(32))))
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        sched.add_request(Request("too-long", list(range(52)), SamplingParams(max_tokens=8)))

@@ -38,7 +38,7 @@ LAYERS = [
     ("model", ["kvflow.model"]),
     ("distributed", ["kvflow.distributed"]),
     ("structured", ["kvflow.structured"]),
-    ("engine", ["kvflow.engine", "kvflow.tokenizer"]),
+    ("engine", ["kvflow.engine", "kvflow.tokenizer", "kvflow.chat_templates"]),
     ("trace", ["kvflow.trace"]),
     ("entrypoints", ["kvflow.entrypoints"]),
 ]

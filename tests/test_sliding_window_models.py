@@ -13,8 +13,9 @@ import torch
 
 from conftest_model_helpers import hf_logits, save_byte_tokenizer
 from kvflow import LLM, SamplingParams
+from kvflow.model.arch import load_arch_config
 from kvflow.model.loader import load_model
-from window_model_helpers import SAVERS, WINDOW, WindowedPagedDriver
+from window_model_helpers import SAVERS, WINDOW, WindowedPagedDriver, save_tiny_gemma3, save_tiny_gguf
 
 pytestmark = pytest.mark.slow  # loads models (make test-fast leaves it out)
 
@@ -70,6 +71,32 @@ def test_chunked_prefill_batch_logits_match_hf(tiny, hf_model):
             assert held <= -(-WINDOW // driver.block_size) + 1, (sid, held)
             if n + DECODE_STEPS > 2 * WINDOW:
                 assert held < len(table), sid
+
+
+@pytest.mark.parametrize("name", ["gemma3", "mistral"])
+def test_gguf_conversion_loads_to_the_same_logits(name, tmp_path):
+    """The model written as llama.cpp writes GGUF (its names, permuted q/k for llama,
+    Gemma's 1 + w norms, the window pattern) loads to HF's logits. (Qwen2's window has no
+    GGUF form: llama.cpp's qwen2 ignores it.)"""
+    from transformers import AutoModelForCausalLM
+
+    folder = str(tmp_path / name)
+    if name == "gemma3":  # GGUF has no query_pre_attn_scalar: llama.cpp scales by 1/sqrt(head_dim)
+        save_tiny_gemma3(folder, query_pre_attn_scalar=16)
+    else:
+        SAVERS[name](folder)
+    gguf_file = save_tiny_gguf(folder, str(tmp_path / f"{name}.gguf"))
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model, arch = load_model(gguf_file, torch.float32)
+    assert arch.layer_windows() == load_arch_config(folder).layer_windows()
+    assert WINDOW in arch.layer_windows()
+    rng = np.random.default_rng(3)
+    tokens = {sid: rng.integers(0, arch.vocab_size, n).tolist() for sid, n in (("a", 21), ("b", 13))}
+    driver = WindowedPagedDriver(model, arch)
+    first = driver.step([("a", tokens["a"][:9]), ("b", tokens["b"])])
+    rest = driver.step([("a", tokens["a"][9:])])
+    torch.testing.assert_close(torch.cat([first["a"], rest["a"]]), hf_logits(hf, tokens["a"]), atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(first["b"], hf_logits(hf, tokens["b"]), atol=ATOL, rtol=1e-4)
 
 
 def _hf_greedy(hf_model, ids: list[int], n: int) -> list[int]:

@@ -16,16 +16,17 @@ from kvflow.sampling_params import SamplingParams
 WINDOW = 8  # smaller than every prompt the tests run
 
 
-def save_tiny_gemma3(path: str, seed: int = 0) -> str:
+def save_tiny_gemma3(path: str, seed: int = 0, query_pre_attn_scalar: int = 24) -> str:
     """Gemma-3-shaped: local/global layers alternating, a local RoPE base, QK-norm, a query
-    scale that is not head_dim's, final logit soft-capping, tied embeddings."""
+    scale that is not head_dim's (GGUF has no key for that: pass 16), final logit
+    soft-capping, tied embeddings."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     config = Gemma3TextConfig(
         vocab_size=TINY["vocab_size"], hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
         sliding_window=WINDOW, sliding_window_pattern=2, rope_theta=1_000_000.0,
-        rope_local_base_freq=10_000.0, query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+        rope_local_base_freq=10_000.0, query_pre_attn_scalar=query_pre_attn_scalar, final_logit_softcapping=30.0,
         bos_token_id=1, eos_token_id=[2, 3], pad_token_id=0, architectures=["Gemma3ForCausalLM"])
     return _save_random(Gemma3ForCausalLM, config, path, seed)
 
@@ -50,6 +51,80 @@ def save_tiny_qwen2_window(path: str, seed: int = 0) -> str:
 
 SAVERS = {"gemma3": save_tiny_gemma3, "mistral": save_tiny_mistral_window,
           "qwen2": save_tiny_qwen2_window}
+
+
+_GGUF_ARCH = {"gemma3_text": "gemma3", "mistral": "llama", "qwen2": "qwen2"}
+
+
+def save_tiny_gguf(hf_path: str, out_file: str) -> str:
+    """The HF folder's model as an fp32 GGUF file the way llama.cpp's converter writes it:
+    its tensor and metadata names, q/k rows permuted for `llama`, Gemma's norms stored as
+    1 + w, the window and which layers use it."""
+    import json
+    import os
+
+    from gguf import GGUFWriter
+    from safetensors.torch import load_file
+
+    with open(os.path.join(hf_path, "config.json")) as f:
+        cfg = json.load(f)
+    hf = {k: v.float().numpy() for k, v in load_file(os.path.join(hf_path, "model.safetensors")).items()}
+    arch = _GGUF_ARCH[cfg["model_type"]]
+    gemma = arch == "gemma3"
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    rope = cfg.get("rope_parameters") or {}
+    w = GGUFWriter(out_file, arch)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_rope_freq_base((rope.get("full_attention") or rope).get("rope_theta", 10000.0))
+    if cfg.get("sliding_window"):
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]]
+                                     if cfg.get("layer_types") else [True] * cfg["num_hidden_layers"])
+    if gemma:
+        w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+        if cfg.get("final_logit_softcapping"):
+            w.add_float32("gemma3.final_logit_softcapping", cfg["final_logit_softcapping"])
+
+    def permute(x: np.ndarray, n: int) -> np.ndarray:  # llama.cpp's, for llama's q and k
+        return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+    def norm(x: np.ndarray) -> np.ndarray:
+        return x + 1.0 if gemma else x
+
+    w.add_tensor("token_embd.weight", hf["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", norm(hf["model.norm.weight"]))
+    if "lm_head.weight" in hf and not cfg.get("tie_word_embeddings"):
+        w.add_tensor("output.weight", hf["lm_head.weight"])
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm"}
+    names.update({"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                  "post_feedforward_layernorm": "post_ffw_norm", "self_attn.q_norm": "attn_q_norm",
+                  "self_attn.k_norm": "attn_k_norm"} if gemma else {"post_attention_layernorm": "ffn_norm"})
+    for i in range(cfg["num_hidden_layers"]):
+        for hf_part, part in names.items():
+            for kind in ("weight", "bias"):
+                x = hf.get(f"model.layers.{i}.{hf_part}.{kind}")
+                if x is None:
+                    continue
+                if arch == "llama" and part in ("attn_q", "attn_k"):
+                    x = permute(x, heads if part == "attn_q" else kv_heads)
+                w.add_tensor(f"blk.{i}.{part}.{kind}", norm(x) if "norm" in part else x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out_file
 
 
 class WindowedPagedDriver:

@@ -56,13 +56,19 @@ class HybridKVCacheManager(KVCacheManager):
         """Blocks `req` still lacks, over all groups, to run up to `num_tokens` positions: all
         of them for a full-attention group; for a sliding one what a window plus one step's
         tokens spans (the rest are freed as the prompt advances)."""
-        rid, total = req.request_id, 0
-        for g, group in enumerate(self.groups):
-            want = cdiv(num_tokens, self.block_size)
-            if group.sliding_window is not None:
-                want = min(want, cdiv(group.sliding_window - 1 + self.max_step_tokens, self.block_size) + 1)
-            total += max(0, want - self._num_real(g, rid))
-        return total
+        rid = req.request_id
+        return sum(max(0, self._blocks_wanted(group, num_tokens) - self._num_real(g, rid))
+                   for g, group in enumerate(self.groups))
+
+    def _blocks_wanted(self, group: KVCacheGroup, num_tokens: int) -> int:
+        want = cdiv(num_tokens, self.block_size)
+        if group.sliding_window is not None:
+            want = min(want, cdiv(group.sliding_window - 1 + self.max_step_tokens, self.block_size) + 1)
+        return want
+
+    def max_blocks_needed(self, num_tokens: int) -> int:
+        """The most blocks one request of `num_tokens` positions ever holds at once."""
+        return sum(self._blocks_wanted(group, num_tokens) for group in self.groups)
 
     def _remove_skipped_blocks(self, req: Request) -> None:
         """Return the blocks each sliding group's window has left behind."""

@@ -12,7 +12,7 @@ from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.request_queue import RequestQueue
 from kvflow.core.scheduler_output import AdmissionStop, BlockCheck, NewRequestData, SchedulerOutput
 from kvflow.logger import init_logger
-from kvflow.request import FinishReason, Request, RequestStatus, check_request_fits
+from kvflow.request import InvalidRequestError, FinishReason, Request, RequestStatus, check_request_fits
 
 logger = init_logger("kvflow.scheduler")
 
@@ -60,6 +60,14 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         check_request_fits(req.num_prompt_tokens, req.max_tokens, self.config.max_model_len,
                            self.block_size, self.kv_cache_manager.num_total_blocks)
+        kv = self.kv_cache_manager
+        if isinstance(kv, HybridKVCacheManager):  # its KV cache groups' blocks, all together
+            need = kv.max_blocks_needed(req.num_prompt_tokens + req.max_tokens)
+            if need > kv.num_total_blocks - 1:
+                raise InvalidRequestError(
+                    f"prompt ({req.num_prompt_tokens} tokens) and max_tokens ({req.max_tokens}) need "
+                    f"{need} KV blocks over the model's KV cache groups; the pool has "
+                    f"{kv.num_total_blocks - 1}", "max_tokens")
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req

@@ -48,24 +48,31 @@ def hf_pattern_fields(cfg: dict, architecture: str) -> dict:
 
 
 def gguf_pattern_fields(meta, architecture: str, num_layers: int) -> dict:
-    """The same from GGUF metadata (`meta(key)` reads `<arch>.<key>`): llama.cpp writes
-    `attention.sliding_window`; Gemma 3's layers are local except every sixth."""
+    """The same from GGUF metadata (`meta(key)` reads `<arch>.<key>`): the window in
+    `attention.sliding_window`, which layers use it in `attention.sliding_window_pattern`
+    (every n-th layer global, or one bool per layer: True for a window; Gemma 3's files often
+    leave it out: llama.cpp's fixed 6), the local RoPE base in `rope.freq_base_swa`."""
     fields: dict = {}
     window = meta("attention.sliding_window")
+    pattern = meta("attention.sliding_window_pattern")
     if architecture == GEMMA3:
-        pattern = int(meta("attention.sliding_window_pattern", 6) or 6)
-        fields.update(
-            sliding_window=int(window or 512),
-            layer_types=[SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)],
-            rope_local_theta=10_000.0,  # llama.cpp's converter does not store it; HF's default
-            query_pre_attn_scalar=float(meta("attention.key_length", 256)))
-    elif window:
-        fields.update(sliding_window=int(window), layer_types=[SLIDING] * num_layers)
-    for key, name in (("final_logit_softcapping", "final_logit_softcapping"),
-                      ("attn_logit_softcapping", "attn_logit_softcapping")):
+        window = window or 512
+        pattern = pattern or 6
+        # llama.cpp scales queries by 1/sqrt(head_dim) (hidden/heads for the 27B only)
+        fields.update(rope_local_theta=float(meta("rope.freq_base_swa", 10_000.0)),
+                      query_pre_attn_scalar=float(meta("attention.key_length", 256)))
+    if window:
+        if pattern is None:
+            types = [SLIDING] * num_layers
+        elif isinstance(pattern, (list, tuple)):
+            types = [SLIDING if p else FULL for p in pattern]
+        else:
+            types = [SLIDING if (i + 1) % int(pattern) else FULL for i in range(num_layers)]
+        fields.update(sliding_window=int(window), layer_types=types)
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         value = meta(key)
         if value:
-            fields[name] = float(value)
+            fields[key] = float(value)
     return fields
 
 
