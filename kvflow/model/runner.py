@@ -129,8 +129,10 @@ class ModelRunner:
                                             self.block_size, sliding_window=self.groups[0].sliding_window)
             layer_metas, max_slot = meta, int(meta.slot_mapping.max())
         else:  # one metadata per group (its block tables and window), handed to its layers
-            metas = [build_attention_metadata(query_lens, seq_lens,
-                                              [out.group_block_ids[r][g] for r in req_ids],
+            # (a step built without groups, the warm-up's, gives every group its one table)
+            tables = [out.group_block_ids.get(r) or (out.block_ids[r],) * len(self.groups)
+                      for r in req_ids]
+            metas = [build_attention_metadata(query_lens, seq_lens, [t[g] for t in tables],
                                               self.block_size, sliding_window=group.sliding_window)
                      for g, group in enumerate(self.groups)]
             meta = metas[0]
