@@ -1,6 +1,7 @@
 """Engine configuration: plain dataclasses validated once on construction."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from kvflow import envs
@@ -39,6 +40,7 @@ def option(default=None, help: str = "", *, choices: tuple[str, ...] | None = No
 
 
 DTYPES = ("auto", "bfloat16", "float32")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass
@@ -59,12 +61,19 @@ class ModelConfig:
         None, "longest sequence (prompt + output) served (default: the model's context length)")
     seed: int = option(
         0, "seed of the engine's random state: sampling without a per-request seed draws from it")
+    device: str = option(
+        "auto", "where the model runs: `cuda` (an NVIDIA GPU: Triton attention, cuBLAS GEMMs, "
+        "CUDA graphs) or `cpu`; `auto` is cuda when torch sees a GPU", choices=DEVICES)
+    enforce_eager: bool = option(
+        False, "on a GPU, run decode steps eagerly instead of replaying CUDA graphs")
     served_model_name: list[str] | None = option(
         None, "model name(s) clients pass as `model`; the first is reported (default: the "
         "model's folder or file name)")
 
     def __post_init__(self) -> None:
         self.dtype = dtype_name(self.dtype, "dtype")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if isinstance(self.served_model_name, str):
@@ -76,12 +85,17 @@ class ModelConfig:
 @dataclass
 class CacheConfig:
     """Paged KV cache: blocks of `block_size` tokens; the pool is sized from `kv_cache_memory`
-    (capped by free RAM) unless `num_blocks` is given."""
+    (capped by free RAM) on a CPU, from `gpu_memory_utilization` on a GPU, unless `num_blocks`
+    is given."""
 
     block_size: int = option(16, "tokens per KV block (even)")
-    num_blocks: int | None = option(None, "KV blocks in the pool; overrides kv_cache_memory")
+    num_blocks: int | None = option(
+        None, "KV blocks in the pool; overrides kv_cache_memory and gpu_memory_utilization")
     kv_cache_memory: int | str = option(
-        "4GiB", "memory for the KV pool, e.g. 4GiB (capped by free RAM)")
+        "4GiB", "on a CPU: memory for the KV pool, e.g. 4GiB (capped by free RAM)")
+    gpu_memory_utilization: float = option(
+        0.9, "on a GPU: the fraction of its memory this engine may use in all (weights, "
+        "activations, KV pool); the KV pool gets what the others leave")
     enable_prefix_caching: bool = option(
         True, "reuse cached full blocks of shared prompt prefixes")
     cache_dtype: str = option(
@@ -99,6 +113,9 @@ class CacheConfig:
             raise ValueError(f"block_size must be positive and even, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
         self.kv_cache_memory = parse_memory(self.kv_cache_memory)
         if self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be positive")
@@ -176,6 +193,71 @@ class ParallelConfig:
                              "address of node 0 that every node can reach")
 
 
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass
+class KVTransferConfig:
+    """Prefill/decode disaggregation (vLLM's `--kv-transfer-config` JSON). A `kv_producer`
+    computes prompts and lends their KV blocks under a lease; a `kv_consumer` pulls them and
+    decodes; `kv_both` does either. docs/disaggregation.md."""
+
+    kv_role: str = "kv_both"
+    kv_connector: str = "KVFlowConnector"  # the one there is; named for vLLM users' configs
+    kv_ip: str = "127.0.0.1"  # where this instance's KV port listens (and what it advertises)
+    kv_port: int = 14579
+    engine_id: str | None = None  # default: random, for each start
+    kv_lease_timeout_s: float = 30.0  # a lent block set is freed this long after the last heartbeat
+    kv_load_timeout_s: float = 10.0  # a pull with no answer this long has failed
+    kv_load_failure_policy: str = "recompute"  # or `fail`: the request ends with an error
+    kv_use_shm: bool = True  # shared memory instead of the socket when both sit on one host
+
+    def __post_init__(self) -> None:
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_transfer_config: kv_role must be one of {', '.join(KV_ROLES)}, "
+                             f"got {self.kv_role!r}")
+        if self.kv_connector not in ("KVFlowConnector",):
+            raise ValueError(f"kv_transfer_config: kv_connector {self.kv_connector!r} is not "
+                             "implemented (only KVFlowConnector)")
+        if not isinstance(self.kv_port, int) or not 0 < self.kv_port < 65536:
+            raise ValueError(f"kv_transfer_config: kv_port must be in 1..65535, got {self.kv_port!r}")
+        for name in ("kv_lease_timeout_s", "kv_load_timeout_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not 0 < v <= 3600:
+                raise ValueError(f"kv_transfer_config: {name} must be in (0, 3600], got {v!r}")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError("kv_transfer_config: kv_load_failure_policy must be recompute or "
+                             f"fail, got {self.kv_load_failure_policy!r}")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def parse(cls, value: str | dict | KVTransferConfig) -> KVTransferConfig:
+        """From the flag's JSON text (or a dict); an unknown key is refused, naming it."""
+        if isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("kv_transfer_config must be a JSON object")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"kv_transfer_config: unknown key(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(known))}")
+        return cls(**value)
+
+
 @dataclass
 class EngineConfig:
     """The whole engine's configuration: one dataclass per concern, plus the process-wide
@@ -196,8 +278,15 @@ class EngineConfig:
         "auto", "grammar library for structured outputs (JSON schema, regex, choice, grammar); "
         "`auto` is llguidance, chosen by measurement (benchmarks/README.md)",
         choices=("auto", "llguidance", "xgrammar"))
+    kv_transfer_config: str | None = option(
+        None, "prefill/decode disaggregation, vLLM's JSON, e.g. {\"kv_role\": \"kv_producer\", "
+        "\"kv_port\": 14579}; roles kv_producer, kv_consumer, kv_both (docs/disaggregation.md)")
+    # parsed from kv_transfer_config
+    kv_transfer: KVTransferConfig | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.kv_transfer_config is not None:
+            self.kv_transfer = KVTransferConfig.parse(self.kv_transfer_config)
         if self.num_threads is None:
             self.num_threads = envs.KVFLOW_NUM_THREADS or 1
         if self.num_threads < 1:

@@ -49,3 +49,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    # a prefill instance's answer to `do_remote_decode`: where its lent blocks are
+    kv_transfer_params: dict | None = None

@@ -27,6 +27,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
     WAITING_FOR_GRAMMAR = 6  # queued, its grammar still compiling: admission passes it over
+    WAITING_FOR_REMOTE_KV = 7  # queued, its prompt's KV being pulled from a prefill instance
 
     @property
     def finished(self) -> bool:

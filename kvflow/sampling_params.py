@@ -6,6 +6,8 @@ import json as jsonlib
 import math
 from dataclasses import dataclass
 
+from kvflow.kv_transfer.params import KVTransferParams
+
 # Caps on what one request may ask for. OpenAI caps logprobs at 20, chat stop strings at 4 and
 # logit_bias at 300 entries; vLLM caps none of the lists. These bound the per-token work (stop
 # strings are scanned on every token, banned and biased ids are scattered every step) and keep
@@ -186,6 +188,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # a decoding constraint (JSON schema, regex, choice, grammar), compiled in the engine
     structured_outputs: StructuredOutputsParams | None = None
+    # prefill/decode disaggregation (vLLM's field): lend the prompt's blocks, or pull them
+    kv_transfer_params: KVTransferParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -9,6 +9,9 @@ The layers, bottom to top:
     csrc/        the compiled kernels and their torch wrappers
     model/       torch: weights, the model, attention, sampling, the runner and executor
     distributed/ tensor parallelism: the process group, workers and the TPExecutor
+    kv_transfer/ prefill/decode disaggregation: the lease table, the wire messages and the
+                 agent thread that lends and pulls KV blocks (its `params` module, the request
+                 field, is a plain leaf type)
     structured/  structured outputs: grammar backends, compiling off the loop, batch masks
                  (given a tokenizer, never loading one itself)
     engine/      EngineCore and its process, the wire protocol, detokenizing; tokenizer.py
@@ -32,11 +35,12 @@ PACKAGE = ROOT / "kvflow"
 LAYERS = [
     ("leaf", ["kvflow", "kvflow.config", "kvflow.options", "kvflow.envs", "kvflow.logger",
               "kvflow.sampling_params", "kvflow.request", "kvflow.outputs", "kvflow.model_path",
-              "kvflow.utils"]),
+              "kvflow.utils", "kvflow.kv_transfer.params"]),
     ("core", ["kvflow.core"]),
     ("csrc", ["kvflow.csrc"]),
     ("model", ["kvflow.model"]),
     ("distributed", ["kvflow.distributed"]),
+    ("kv_transfer", ["kvflow.kv_transfer"]),
     ("structured", ["kvflow.structured"]),
     ("engine", ["kvflow.engine", "kvflow.tokenizer", "kvflow.chat_templates"]),
     ("trace", ["kvflow.trace"]),

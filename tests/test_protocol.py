@@ -10,8 +10,9 @@ import pytest
 from kvflow.engine import protocol
 from kvflow.engine.protocol import (BLOCK_LEGEND, CoreMessage, EngineCoreOutput, EngineCoreOutputs,
                                     EngineCoreReady, EngineCoreRequest, EngineCoreRequestType,
-                                    EngineSnapshot, RequestView, SchedulerStats, StepTokens,
-                                    TokenLogprobs, UtilityCall)
+                                    EngineSnapshot, KVTransferStats, RequestView, SchedulerStats,
+                                    StepTokens, TokenLogprobs, UtilityCall)
+from kvflow.kv_transfer.params import KVTransferParams
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 
 LOGPROBS = TokenLogprobs(token_ids=[5, 9, 2], logprobs=[-0.1, -2.5, -3.0], sampled_rank=1)
@@ -19,6 +20,14 @@ STATS = SchedulerStats(num_running=2, num_waiting=1, kv_cache_usage=0.25, num_fr
                        num_total_blocks=40, num_preemptions=1, num_prompt_tokens=12,
                        num_generation_tokens=2, step_time=0.012, prefix_cache_queries=64,
                        prefix_cache_hits=16)
+KV_STATS = KVTransferStats(leases_active=1, loads_active=2, leases_granted=5, leases_released=3,
+                           leases_expired=1, pulls_served=4, bytes_sent=1 << 20, blocks_sent=9,
+                           loads_done=6, loads_failed=1, bytes_received=2 << 20,
+                           blocks_received=12, load_seconds=0.25, late_frames=1)
+KV_PARAMS = KVTransferParams(do_remote_prefill=True, remote_engine_id="e1", remote_host="10.0.0.2",
+                             remote_port=14579, remote_block_ids=[3, 9], remote_num_tokens=20,
+                             remote_block_size=16, remote_host_id="h/b", transfer_id="cmpl-1-0",
+                             compat_hash="abcd", compat={"dtype": "float32", "num_layers": 30})
 VIEW = RequestView("req-1", prompt=12, computed=8, output=3, max_tokens=16, blocks=2, preempted=1)
 
 # One filled-in example of every message type (the defaults are covered by the second test).
@@ -36,6 +45,11 @@ EXAMPLES = [
     EngineCoreOutput("req-1", [5], [LOGPROBS], finish_reason="stop", stop_reason="\n",
                      num_cached_tokens=16, first_scheduled_time=1700000000.75),
     STATS,
+    KV_STATS,
+    # prefill/decode disaggregation: the pull's parameters in, the lent blocks' out
+    EngineCoreRequest("req-3", [1, 2], SamplingParams(max_tokens=4, kv_transfer_params=KV_PARAMS)),
+    EngineCoreOutput("req-4", [7], finish_reason="length", kv_transfer_params=KV_PARAMS),
+    SchedulerStats(num_free_blocks=3, kv_transfer=KV_STATS),
     EngineCoreOutputs([EngineCoreOutput("req-1", [5, 6]), EngineCoreOutput("req-2", [], finish_reason="abort")],
                       scheduler_stats=STATS, timestamp=1700000001.0),
     VIEW,

@@ -36,7 +36,9 @@ def test_a_step_round_trips_exactly():
 
 def test_worker_init_round_trips():
     init = WorkerInit("/m.gguf", "bfloat16", "float32", 128, 16, 2, [2, 3], "/dev/shm/x", 4096)
-    assert decode_init(encode_init(init)) == init
+    assert decode_init(encode_init(init)) == init and init.device == "cpu"
+    on_gpu = WorkerInit("/m", "bfloat16", "bfloat16", 64, 16, 1, 2, device="cuda")
+    assert decode_init(encode_init(on_gpu)).device == "cuda"
 
 
 class Boom:

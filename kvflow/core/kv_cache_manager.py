@@ -102,10 +102,13 @@ class KVCacheManager:
         return sum(1 for b in blocks if b.ref_cnt == 0)
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
-                       computed_blocks: list[KVBlock] | None = None) -> list[int] | None:
+                       computed_blocks: list[KVBlock] | None = None,
+                       cache: bool = True) -> list[int] | None:
         """Reserve room for `num_computed_tokens + num_new_tokens` positions (after taking
         `computed_blocks`, the prefix-cache hit found at admission). Returns the ids of the newly
-        allocated blocks (possibly none), or None, changing nothing, if they don't fit."""
+        allocated blocks (possibly none), or None, changing nothing, if they don't fit.
+        `cache=False`: the new blocks are filled by something that may fail (a KV pull), so they
+        become findable only through `cache_blocks` once they are."""
         computed_blocks = computed_blocks or []
         held = len(self.req_to_blocks.get(req.request_id, ())) + len(computed_blocks)
         need = max(0, cdiv(req.num_computed_tokens + num_new_tokens, self.block_size) - held)
@@ -118,9 +121,14 @@ class KVCacheManager:
             self.num_cached_blocks[req.request_id] = len(computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(need)
         blocks.extend(new_blocks)
-        if self.enable_caching:
+        if self.enable_caching and cache:
             self._cache_full_blocks(req, blocks, req.num_computed_tokens + num_new_tokens)
         return [b.block_id for b in new_blocks]
+
+    def cache_blocks(self, req: Request, num_tokens: int) -> None:
+        """Make `req`'s full blocks up to `num_tokens` findable (their K/V are in place)."""
+        if self.enable_caching:
+            self._cache_full_blocks(req, self.req_to_blocks.get(req.request_id, []), num_tokens)
 
     def _cache_full_blocks(self, req: Request, blocks: list[KVBlock], num_tokens: int) -> None:
         # Blocks that this step fills get findable now: their K/V are written in this step's
@@ -145,6 +153,12 @@ class KVCacheManager:
         evicted before the shared prefix)."""
         blocks = self.req_to_blocks.pop(req.request_id, [])
         self.num_cached_blocks.pop(req.request_id, None)
+        self.block_pool.free_blocks(list(reversed(blocks)))
+
+    def free_request_id(self, request_id: str) -> None:
+        """`free` for blocks held under an id whose request is gone (a lent prompt's)."""
+        blocks = self.req_to_blocks.pop(request_id, [])
+        self.num_cached_blocks.pop(request_id, None)
         self.block_pool.free_blocks(list(reversed(blocks)))
 
     def forget(self, req: Request) -> None:

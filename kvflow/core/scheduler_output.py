@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvflow.kv_transfer.params import KVTransferParams
 from kvflow.sampling_params import SamplingParams
 
 
@@ -17,6 +18,20 @@ class NewRequestData:
     token_ids: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
+
+
+@dataclass(slots=True)
+class KVLoad:
+    """A pull the engine starts this step: the K/V of the prompt's tokens
+    `[first_token, num_tokens)` from the remote blocks into the local ones (block for block, the
+    same block size on both sides)."""
+
+    req_id: str
+    params: KVTransferParams
+    local_block_ids: list[int]
+    remote_block_ids: list[int]
+    first_token: int  # tokens before it were found in the local prefix cache
+    num_tokens: int  # the prompt's tokens but the last (recomputed for its logits)
 
 
 @dataclass(slots=True)
@@ -91,10 +106,18 @@ class SchedulerOutput:
     admission_stop: AdmissionStop | None = None
     # waiting requests passed over because their grammar is still compiling, in queue order
     waiting_for_grammar_ids: list[str] = field(default_factory=list)
+    # -- KV transfer (prefill/decode disaggregation) -------------------------------------
+    # pulls to start: their requests got their blocks this step and wait for the K/V
+    kv_loads: list[KVLoad] = field(default_factory=list)
+    # waiting requests passed over because their K/V is still being pulled, in queue order
+    waiting_for_remote_kv_ids: list[str] = field(default_factory=list)
+    # request id -> why its pull failed (kv_load_failure_policy `fail`); it finished (aborted)
+    kv_load_errors: dict[str, str] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0 and not self.grammar_errors
+        return (self.total_num_scheduled_tokens == 0 and not self.grammar_errors
+                and not self.kv_load_errors)
 
     @property
     def num_preemptions(self) -> int:

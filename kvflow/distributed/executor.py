@@ -15,7 +15,7 @@ import torch
 
 from kvflow.config import EngineConfig
 from kvflow.distributed.parallel import (CollectiveError, CommStats, Rendezvous, rendezvous_timeout,
-                                         TPGroup, parse_init_method)
+                                         TPGroup, parse_init_method, rank_device)
 from kvflow.distributed.messages import WorkerInit, encode_init, encode_step
 from kvflow.distributed.shm_allreduce import (MAX_SLOT_BYTES, ShmAllReduce, create_segment,
                                               shm_supported)
@@ -47,7 +47,7 @@ class TPExecutor(Executor):
 
     def __init__(self, config: EngineConfig, model_path: str, arch: LlamaArchConfig,
                  dtype: torch.dtype, kv_dtype: torch.dtype, num_blocks: int, block_size: int,
-                 eos_token_id: int | list[int] | None) -> None:
+                 eos_token_id: int | list[int] | None, device: str = "cpu") -> None:
         pc = config.parallel_config
         n, nnodes = pc.tensor_parallel_size, pc.nnodes
         check_tp_size(arch, n)
@@ -72,7 +72,7 @@ class TPExecutor(Executor):
                 model_path, str(dtype).removeprefix("torch."), str(kv_dtype).removeprefix("torch."),
                 num_blocks, block_size,
                 config.num_threads, eos_token_id, shm_path=self._shm_path,
-                shm_slot_bytes=slot_bytes)))
+                shm_slot_bytes=slot_bytes, device=device)))
             self.supervisor = WorkerSupervisor(
                 {r: spawn_worker(self.rdv.address, r, n) for r in range(1, n // nnodes)})
             # Workers that never started are killed even if shutdown() is never called.
@@ -82,10 +82,12 @@ class TPExecutor(Executor):
             shm = (ShmAllReduce(self._shm_path, 0, n, slot_bytes, lambda: sup.failure)
                    if self._shm_path else None)
             self._unlink_shm()  # every rank has it mapped: nothing is left in /dev/shm
-            self.group = TPGroup(self.rdv, 0, n, shm=shm)
-            self.model, _ = load_sharded_model(model_path, dtype, self.group)
+            rank0 = rank_device(device, 0)
+            self.group = TPGroup(self.rdv, 0, n, shm=shm, device=rank0)
+            self.model, _ = load_sharded_model(model_path, dtype, self.group,
+                                               rank0 if rank0.type != "cpu" else None)
             self.runner = ModelRunner(self.model, local_arch(arch, n), num_blocks, block_size,
-                                      kv_dtype, eos_token_id)
+                                      kv_dtype, eos_token_id, device=rank0)
             self._wait_for("loaded")
         except BaseException:
             self._abort()

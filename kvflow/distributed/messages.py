@@ -28,6 +28,7 @@ class WorkerInit:
     eos_token_id: int | list[int] | None
     shm_path: str | None = None  # the shared-memory all-reduce segment (single machine)
     shm_slot_bytes: int = 0
+    device: str = "cpu"  # cpu, or cuda: each rank on GPU `rank % device_count`, NCCL collectives
 
 
 class StepMessage(msgspec.Struct, array_like=True):
@@ -47,7 +48,8 @@ class BadMessageError(RuntimeError):
 # What the scheduler recorded about its decisions (for the trace and stats): the workers' runners
 # never read it, and block_checks grows with the waiting queue, so it stays on the driver.
 _DECISIONS_CLEARED = dict(is_prefill={}, preempted_for={}, block_checks={}, skipped_req_ids=[],
-                          waiting_for_grammar_ids=[], admission_stop=None, grammar_errors={})
+                          waiting_for_grammar_ids=[], admission_stop=None, grammar_errors={},
+                          kv_loads=[], waiting_for_remote_kv_ids=[], kv_load_errors={})
 
 
 def encode_step(sched_out: SchedulerOutput | None, sampled: dict[str, list[int]]) -> bytes:

@@ -76,6 +76,16 @@ class Rendezvous:
         self.store = None
 
 
+def rank_device(device: str, rank: int) -> torch.device:
+    """The device a rank runs on: the CPU, or GPU `rank % device_count` of its machine (made
+    the current one, as NCCL wants)."""
+    if device != "cuda":
+        return torch.device("cpu")
+    index = rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
 class CollectiveError(RuntimeError):
     """A collective failed: another rank closed its connection (it died or left the group)."""
 
@@ -95,10 +105,16 @@ class TPGroup:
     all-reduce (row-parallel layers), gather to the driver (vocab-parallel logits) and the
     driver's per-step object broadcast."""
 
-    def __init__(self, rdv: Rendezvous, rank: int, world_size: int, shm=None) -> None:
+    def __init__(self, rdv: Rendezvous, rank: int, world_size: int, shm=None,
+                 device: torch.device | str = "cpu") -> None:
         self.rank, self.world_size = rank, world_size
         self.shm = shm  # a ShmAllReduce when every rank is on this machine
-        # gloo, as the engine runs on CPUs (a GPU engine would build a ProcessGroupNCCL here).
+        # gloo carries the step broadcast (host bytes) always, and the collectives on a CPU;
+        # on a GPU the model's all-reduces and the logits gather go over NCCL.
+        self.device = torch.device(device)
+        self.nccl = None
+        if self.device.type == "cuda":
+            self.nccl = dist.ProcessGroupNCCL(dist.PrefixStore("tp-nccl", rdv.store), rank, world_size)
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = COLLECTIVE_TIMEOUT
         # Listen where the other ranks can reach us (loopback stays loopback), unless the user
@@ -128,7 +144,9 @@ class TPGroup:
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks, in place (through shared memory when it can)."""
         nbytes = t.numel() * t.element_size()
-        if self.shm is not None and self.shm.fits(t):
+        if t.is_cuda:
+            self._timed("all_reduce_nccl", lambda: self.nccl.allreduce([t]).wait(), nbytes)
+        elif self.shm is not None and self.shm.fits(t):
             self._timed("all_reduce_shm", lambda: self.shm(t), nbytes)
         else:
             self._timed("all_reduce_gloo", lambda: self.pg.allreduce([t]).wait(), nbytes)
@@ -138,6 +156,10 @@ class TPGroup:
         """Concatenate every rank's `t` along the last dim on the driver; None elsewhere."""
         t = t.contiguous()
         nbytes = t.numel() * t.element_size()
+        if t.is_cuda:  # NCCL: every rank gets the parts; only the driver keeps them
+            parts = [torch.empty_like(t) for _ in range(self.world_size)]
+            self._timed("gather_nccl", lambda: self.nccl.allgather([parts], [t]).wait(), nbytes)
+            return torch.cat(parts, dim=-1) if self.rank == 0 else None
         opts = dist.GatherOptions()
         opts.rootRank = 0
         if self.rank == 0:
@@ -176,6 +198,7 @@ class TPGroup:
     def close(self) -> None:
         # Dropping the process group closes its sockets; peers still waiting see them close.
         self.pg = None
+        self.nccl = None
         if self.shm is not None:
             self.shm.close()
             self.shm = None

@@ -29,7 +29,7 @@ def run_worker(rendezvous: str, rank: int, world_size: int, parent_pid: int | No
     # supervises) imports this module for the exit codes, without torch.
     import torch
 
-    from kvflow.distributed.parallel import CollectiveError, Rendezvous, TPGroup
+    from kvflow.distributed.parallel import CollectiveError, Rendezvous, TPGroup, rank_device
     from kvflow.distributed.shm_allreduce import ShmAllReduce
     from kvflow.model.loader import load_sharded_model
     from kvflow.model.runner import ModelRunner
@@ -50,12 +50,14 @@ def run_worker(rendezvous: str, rank: int, world_size: int, parent_pid: int | No
             return None if parent_alive(parent_pid) else "the driver is gone"
         shm = ShmAllReduce(init.shm_path, rank, world_size, init.shm_slot_bytes, driver_gone)
     store.set(f"joined/{rank}", str(os.getpid()))  # the driver unlinks the segment after this
-    group = TPGroup(rdv, rank, world_size, shm)
+    device = rank_device(init.device, rank)
+    group = TPGroup(rdv, rank, world_size, shm, device)
     try:
         dtype = getattr(torch, init.dtype)
-        model, arch = load_sharded_model(init.model_path, dtype, group)
+        model, arch = load_sharded_model(init.model_path, dtype, group,
+                                         device if device.type != "cpu" else None)
         runner = ModelRunner(model, local_arch(arch, world_size), init.num_blocks, init.block_size,
-                             getattr(torch, init.kv_dtype), init.eos_token_id)
+                             getattr(torch, init.kv_dtype), init.eos_token_id, device=device)
     except Exception as e:  # noqa: BLE001 - the driver reports it
         store.set(f"error/{rank}", f"{type(e).__name__}: {e}")
         return EXIT_LOAD_FAILED

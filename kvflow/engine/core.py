@@ -1,6 +1,7 @@
 """EngineCore: owns the scheduler and the executor; step() is schedule -> execute -> update."""
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
 
@@ -11,16 +12,20 @@ from kvflow.core.kv_cache_groups import make_kv_cache_groups
 from kvflow.core.scheduler import Scheduler, SchedulerOutput
 from kvflow.distributed.executor import TPExecutor
 from kvflow.engine.kv_sizing import max_concurrency, num_kv_blocks
-from kvflow.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from kvflow.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
+                                    KVTransferStats, SchedulerStats)
 from kvflow.engine.step_trace import StepTrace
 from kvflow.engine.warmup import warmup_outputs
+from kvflow.kv_transfer.agent import KVTransferAgent, write_blocks
 from kvflow.logger import init_logger
 from kvflow.model.arch import load_arch_config
 from kvflow.model.executor import Executor, UniProcExecutor
-from kvflow.model.loader import load_model, resolve_dtype
+from kvflow.model import gpu_memory
+from kvflow.model.cuda_graphs import decode_graphs_for
+from kvflow.model.loader import load_model, resolve_device, resolve_dtype
 from kvflow.model.sharding import kv_bytes_per_token_per_rank
 from kvflow.model_path import resolve_model_path
-from kvflow.request import Request, check_request_fits
+from kvflow.request import Request, RequestStatus, check_request_fits
 from kvflow.sampling_params import check_token_ids
 from kvflow.structured import StructuredOutputManager, validate_structured_outputs
 from kvflow.tokenizer import get_tokenizer, tokenizer_source
@@ -38,14 +43,22 @@ class EngineCore:
         torch.set_num_threads(config.num_threads)
         mc = config.model_config
         self.model_path = resolve_model_path(mc.model)
-        self.dtype = resolve_dtype(mc.dtype)
+        self.device = resolve_device(mc.device)
+        on_gpu = self.device.type == "cuda"
+        self.dtype = resolve_dtype(mc.dtype, self.device)
         cache_dtype = config.cache_config.cache_dtype
         self.kv_dtype = self.dtype if cache_dtype == "auto" else resolve_dtype(cache_dtype)
         self.tp_size = config.parallel_config.tensor_parallel_size
+        if on_gpu and self.tp_size > 1 and config.cache_config.num_blocks is None:
+            # the profile run that sizes the pool by --gpu-memory-utilization is one process's
+            raise ValueError("tensor parallelism on cuda needs --num-blocks: the KV pool is not "
+                             "sized from --gpu-memory-utilization across ranks yet")
+        free_at_start = torch.cuda.mem_get_info(self.device)[0] if on_gpu else 0
         if self.tp_size > 1:  # the executor's ranks load their shards; never the whole model here
             model, self.arch = None, load_arch_config(self.model_path)
         else:
-            model, self.arch = load_model(self.model_path, self.dtype)
+            model, self.arch = load_model(self.model_path, self.dtype,
+                                          device=self.device if on_gpu else None)
         self.max_model_len = mc.max_model_len or self.arch.max_position_embeddings
         sc = replace(config.scheduler_config, max_model_len=self.max_model_len)
         # under tensor parallelism each rank holds its KV heads' share of every block
@@ -55,8 +68,19 @@ class EngineCore:
         windows = tuple(self.arch.layer_windows())
         group_layers = len(make_kv_cache_groups(windows)[0].layers)
         block_bytes_per_token = self.kv_bytes_per_token * group_layers // self.arch.num_hidden_layers
-        cc = replace(config.cache_config, layer_windows=windows,
-                     num_blocks=num_kv_blocks(config.cache_config, block_bytes_per_token))
+        self.gpu_memory = None
+        if on_gpu and config.cache_config.num_blocks is None:
+            # weights, a profile run of the largest step, then the KV pool gets what is left
+            self.gpu_memory = gpu_memory.measure(
+                model, self.arch, self.kv_dtype, config.cache_config.block_size,
+                sc.max_num_batched_tokens, sc.max_num_seqs, self.max_model_len, self.device,
+                free_at_start)
+            num_blocks = gpu_memory.num_gpu_blocks(
+                self.gpu_memory, config.cache_config.gpu_memory_utilization,
+                block_bytes_per_token, config.cache_config.block_size)
+        else:
+            num_blocks = num_kv_blocks(config.cache_config, block_bytes_per_token)
+        cc = replace(config.cache_config, num_blocks=num_blocks, layer_windows=windows)
         self.scheduler_config, self.cache_config = sc, cc
         self.scheduler = Scheduler(sc, cc)
         # grammars compile in its thread; the tokenizer loads there on the first constrained request
@@ -65,19 +89,38 @@ class EngineCore:
             lambda: get_tokenizer(tokenizer_source(mc.tokenizer, self.model_path)),
             self.arch.vocab_size, list(self.arch.eos_token_ids))
         self.trace = None
+        self.kv_agent: KVTransferAgent | None = None
+        self._kv_trace: list[dict] = []  # transfers that ended since the last traced step
         # runs each step: in this process, or over tensor_parallel_size ranks
         self.executor: Executor = (
             TPExecutor(config, self.model_path, self.arch, self.dtype, self.kv_dtype,
-                       cc.num_blocks, cc.block_size, self.arch.eos_token_ids) if self.tp_size > 1
+                       cc.num_blocks, cc.block_size, self.arch.eos_token_ids,
+                       self.device.type) if self.tp_size > 1
             else UniProcExecutor(model, self.arch, cc.num_blocks, cc.block_size, self.kv_dtype,
-                                 self.arch.eos_token_ids))
+                                 self.arch.eos_token_ids, self.device,
+                                 decode_graphs_for(self.arch, cc.block_size, sc.max_num_seqs,
+                                                   self.max_model_len, self.device,
+                                                   capture=not mc.enforce_eager)
+                                 # an expert block groups tokens on the host (moe.py): no graph
+                                 if on_gpu and not self.arch.num_experts else None))
         try:
+            kt = config.kv_transfer
+            if kt is not None:
+                if self.tp_size > 1:
+                    raise ValueError("kv_transfer_config: KV transfer under tensor parallelism "
+                                     "is not implemented yet")
+                if self.device.type != "cpu":
+                    raise ValueError("kv_transfer_config: KV transfer moves CPU caches only; "
+                                     f"this engine's cache is on {self.device.type}")
+                self.kv_agent = KVTransferAgent(kt, self.kv_compat(),
+                                                self.executor.runner.kv_caches, cc.block_size)
             self.trace = StepTrace(config.trace, sc.max_num_batched_tokens, cc.block_size,
                                    cc.num_blocks) if config.trace else None
             if config.warmup:
                 for sched_out in warmup_outputs(self.arch.vocab_size, cc.block_size, cc.num_blocks,
                                                 sc.max_num_batched_tokens):
                     self.executor.execute(sched_out)
+            self.executor.runner.capture_graphs()  # on a GPU: every decode batch size, now
         except BaseException:
             self.shutdown()  # no worker outlives a failed start
             raise
@@ -85,6 +128,21 @@ class EngineCore:
         torch.manual_seed(mc.seed)
         self.startup_time = time.perf_counter() - t0
         logger.info(self.startup_report())
+
+    def kv_compat(self) -> dict:
+        """What two engines must agree on for their KV blocks to be interchangeable."""
+        a = self.arch
+        return {"model": os.path.basename(os.path.normpath(self.model_path)),
+                "architecture": a.architecture, "vocab_size": a.vocab_size,
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
+                "num_layers": a.num_hidden_layers, "num_kv_heads": a.num_key_value_heads,
+                "head_dim": a.head_dim}
+
+    @property
+    def kv_wakeup_socket(self):
+        """Readable when the KV-transfer agent has news (the core loop polls it); else None."""
+        return self.kv_agent.wakeup_socket if self.kv_agent is not None else None
 
     def startup_report(self) -> str:
         cc, a = self.cache_config, self.arch
@@ -96,13 +154,42 @@ class EngineCore:
                 f"{self.max_model_len}: {max_concurrency(cc.num_blocks, cc.block_size, self.max_model_len):.2f}; "
                 f"threads {torch.get_num_threads()}; "
                 + (f"tensor-parallel size {self.tp_size} (KV per rank); " if self.tp_size > 1 else "")
+                + (self._gpu_report() if self.device.type == "cuda" else "")
                 + f"{self.executor.runner.model.kernels.describe()}; "
+                + (f"KV transfer {self.config.kv_transfer.kv_role} engine "
+                   f"{self.kv_agent.engine_id} on {self.config.kv_transfer.kv_ip}:"
+                   f"{self.config.kv_transfer.kv_port}; " if self.kv_agent is not None else "")
                 + f"ready in {self.startup_time:.1f}s")
+
+    def _gpu_report(self) -> str:
+        name = torch.cuda.get_device_name(self.device)
+        graphs = self.executor.runner.graphs
+        eager = graphs is None or not graphs.capture
+        line = f"device cuda ({name}); " + ("eager decode; " if eager else
+                                             f"CUDA graphs at {len(graphs.sizes)} batch sizes up to "
+                                             f"{graphs.sizes[-1]}; ")
+        m = self.gpu_memory
+        if m is not None:
+            gib = 2**30
+            line += (f"GPU memory {self.cache_config.gpu_memory_utilization:g} of "
+                     f"{m.total / gib:.1f} GiB: weights {m.weights / gib:.2f}, activation peak "
+                     f"{m.activation_peak / gib:.2f}, other {m.non_torch / gib:.2f} GiB; ")
+        return line
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> None:
         """Queue a request; ValueError (naming the field or the numbers) if an id lies outside the
-        vocabulary or it can never fit. The frontends check first; this holds for any caller."""
+        vocabulary or it can never fit. The frontends check first; this holds for any caller.
+        A refused request that was to pull remote KV releases the producer's lease at once."""
+        try:
+            self._add_request(r)
+        except ValueError:
+            p = r.sampling_params.kv_transfer_params
+            if p is not None and p.do_remote_prefill and self.kv_agent is not None:
+                self.kv_agent.release_remote(p)
+            raise
+
+    def _add_request(self, r: EngineCoreRequest) -> None:
         params = r.sampling_params
         vocab_size = self.arch.vocab_size
         check_token_ids("prompt", r.prompt_token_ids, vocab_size)
@@ -114,6 +201,8 @@ class EngineCore:
                                         params.min_tokens)
         if params.max_tokens is None:
             params = replace(params, max_tokens=max_tokens)
+        if params.kv_transfer_params is not None:
+            self._check_kv_transfer(r)
         so = params.structured_outputs
         if so is not None:  # a 400 naming the problem, never unconstrained output
             validate_structured_outputs(so, self.config.structured_outputs_backend)
@@ -129,9 +218,96 @@ class EngineCore:
             if req.structured_output is not None:
                 req.structured_output.close()
             raise
+        if req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            self.kv_agent.watch(params.kv_transfer_params)  # heartbeats until its pull starts
+
+    def _check_kv_transfer(self, r: EngineCoreRequest) -> None:
+        """ValueError (a 400) if this engine cannot do what the request's kv_transfer_params
+        ask (add_request then releases the producer's lease at once)."""
+        p = r.sampling_params.kv_transfer_params
+        kt = self.config.kv_transfer
+        if p.do_remote_decode and (kt is None or not kt.is_producer):
+            raise ValueError("kv_transfer_params.do_remote_decode: this instance lends no KV "
+                             "blocks (start it with --kv-transfer-config '{\"kv_role\": "
+                             "\"kv_producer\"}' or kv_both)")
+        if not p.do_remote_prefill:
+            return
+        if kt is None or not kt.is_consumer:
+            raise ValueError("kv_transfer_params.do_remote_prefill: this instance pulls no KV "
+                             "blocks (start it with --kv-transfer-config '{\"kv_role\": "
+                             "\"kv_consumer\"}' or kv_both)")
+        self.kv_agent.check_compatible(p)
+        if p.remote_num_tokens != len(r.prompt_token_ids):
+            raise ValueError(f"kv_transfer_params: the prefill instance computed "
+                             f"{p.remote_num_tokens} prompt tokens, this prompt has "
+                             f"{len(r.prompt_token_ids)}")
+        if r.sampling_params.structured_outputs is not None:
+            raise ValueError("kv_transfer_params.do_remote_prefill with structured_outputs "
+                             "is not implemented")
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)  # one pass, however many
+        self._cancel_loads()
+
+    def _cancel_loads(self) -> None:
+        cancelled, self.scheduler.cancelled_loads = self.scheduler.cancelled_loads, []
+        for rid, params in cancelled:
+            self.kv_agent.cancel(rid, params)
+            self._kv_trace.append({"id": rid, "event": "load_cancelled"})
+
+    # -- KV transfer -----------------------------------------------------------------------
+    def _kv_events(self) -> None:
+        """Apply what the agent reports: leases to free, pulls done (their bytes go into the
+        cache here, on the engine's thread) or failed."""
+        agent, s = self.kv_agent, self.scheduler
+        recompute = self.config.kv_transfer.kv_load_failure_policy == "recompute"
+        for ev in agent.drain_events():
+            if ev.kind == "released":
+                s.release_lease(ev.req_id)
+                self._kv_trace.append({"id": ev.req_id, "event": f"lease_{ev.error}"})
+                continue
+            if ev.req_id not in s.loading:  # aborted meanwhile: its blocks are gone already
+                if ev.kind == "loaded":
+                    agent.release_remote(ev.load.params)
+                continue
+            error = ev.error
+            if ev.kind == "loaded":
+                try:
+                    write_blocks(self.executor.runner.kv_caches, ev)
+                except ValueError as e:
+                    error = str(e)
+                    agent.stats.loads_failed += 1
+                    agent.release_remote(ev.load.params)
+                else:
+                    agent.release_remote(ev.load.params, done=True)
+                    st = agent.stats
+                    st.loads_done += 1
+                    st.bytes_received += ev.num_bytes
+                    st.blocks_received += len(ev.load.local_block_ids)
+                    st.load_seconds += ev.seconds
+                    s.finish_load(ev.req_id, True)
+                    self._kv_trace.append({"id": ev.req_id, "event": "loaded",
+                                           "blocks": len(ev.load.local_block_ids),
+                                           "bytes": ev.num_bytes,
+                                           "seconds": round(ev.seconds, 6),
+                                           "shm": len(ev.frames) == 1})
+                    continue
+            logger.warning("kvflow: request %s: KV pull failed (%s); %s", ev.req_id, error,
+                           "computing its prompt here" if recompute else "it ends")
+            s.finish_load(ev.req_id, False, recompute, error)
+            self._kv_trace.append({"id": ev.req_id, "event": "load_failed", "error": error,
+                                   "recompute": recompute})
+
+    def _start_loads(self, sched_out: SchedulerOutput) -> None:
+        for load in sched_out.kv_loads:
+            # traced as an event: the step that plans a pull often runs nothing (and is not traced)
+            self._kv_trace.append({"id": load.req_id, "event": "pulling",
+                                   "blocks": len(load.local_block_ids)})
+            if load.local_block_ids:
+                self.kv_agent.load(load)
+            else:  # its prompt but the last token was in the local prefix cache already
+                self.kv_agent.release_remote(load.params)
+                self.scheduler.finish_load(load.req_id, True)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -144,8 +320,14 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         start = time.time()
         t0 = time.perf_counter()
+        if self.kv_agent is not None:
+            self._kv_events()
         sched_out = self.scheduler.schedule()
+        if self.kv_agent is not None and sched_out.kv_loads:
+            self._start_loads(sched_out)
         if sched_out.is_empty:
+            if self.scheduler.loading and not self.scheduler.running:
+                self.kv_agent.wait(0.01)  # nothing to run until a pull ends: no busy spin
             return EngineCoreOutputs(scheduler_stats=self.stats(sched_out, 0.0))
         if sched_out.structured_output_request_ids:  # only steps with a constrained row pay
             ids = sched_out.structured_output_request_ids
@@ -161,6 +343,15 @@ class EngineCore:
         else:
             runner_out = self.executor.execute(sched_out)
         updates = self.scheduler.update_from_output(sched_out, runner_out.sampled)
+        lent = {}
+        if self.scheduler.new_leases:  # prompts computed for a decode instance: lend the blocks
+            for rid, (blocks, n) in self.scheduler.new_leases.items():
+                self.kv_agent.offer(rid, blocks, n)
+                # the prompt's blocks (a request that also decoded here holds more, all lent)
+                prompt_blocks = blocks[:-(-n // self.cache_config.block_size)]
+                lent[rid] = self.kv_agent.params_for(rid, prompt_blocks, n)
+                self._kv_trace.append({"id": rid, "event": "lent", "blocks": len(blocks)})
+            self.scheduler.new_leases = {}
         outputs = []
         for u in updates:
             rid = u.request.request_id
@@ -170,12 +361,14 @@ class EngineCore:
                 rid, u.new_token_ids, [lp] if lp is not None else None, finish,
                 u.request.stop_reason if finish else None,
                 num_cached_tokens=max(u.request.num_cached_tokens, 0),
-                first_scheduled_time=u.request.first_scheduled_time))
+                first_scheduled_time=u.request.first_scheduled_time,
+                kv_transfer_params=lent.get(rid)))
         step_time = time.perf_counter() - t0
         if self.trace:
             kv = self.scheduler.kv_cache_manager
             self.trace.record(sched_out, updates, start, step_time, kv.num_free_blocks,
-                              kv.block_pool.num_cached_free_blocks)
+                              kv.block_pool.num_cached_free_blocks, self._kv_trace)
+        self._kv_trace = []
         return EngineCoreOutputs(outputs, self.stats(sched_out, step_time))
 
     def stats(self, sched_out: SchedulerOutput, step_time: float) -> SchedulerStats:
@@ -188,7 +381,22 @@ class EngineCore:
             num_preemptions=sched_out.num_preemptions,
             num_prompt_tokens=sched_out.num_prefill_tokens,
             num_generation_tokens=sched_out.num_decode_tokens, step_time=step_time,
-            prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits)
+            prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
+            kv_transfer=self._transfer_stats())
+
+    def _transfer_stats(self) -> KVTransferStats | None:
+        a = self.kv_agent
+        if a is None:
+            return None
+        st = a.stats
+        return KVTransferStats(
+            leases_active=len(self.scheduler.leases), loads_active=len(self.scheduler.loading),
+            leases_granted=st.leases_granted, leases_released=st.leases_released,
+            leases_expired=st.leases_expired, pulls_served=st.pulls_served,
+            bytes_sent=st.bytes_sent, blocks_sent=st.blocks_sent, loads_done=st.loads_done,
+            loads_failed=st.loads_failed, bytes_received=st.bytes_received,
+            blocks_received=st.blocks_received, load_seconds=st.load_seconds,
+            late_frames=st.late_frames)
 
     def check_health(self) -> None:
         """WorkerFailedError if a tensor-parallel worker has died (checked while idle, so that
@@ -197,6 +405,9 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.structured.shutdown()
+        if self.kv_agent is not None:
+            self.kv_agent.shutdown()
+            self.kv_agent = None
         if self.trace:
             self.trace.close()
             self.trace = None

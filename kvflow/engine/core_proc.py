@@ -82,6 +82,10 @@ class EngineCoreLoop:
         self.parent_pid = parent_pid
         self.poller = zmq.Poller()
         self.poller.register(in_sock, zmq.POLLIN)
+        # the KV-transfer agent's news (a lease to free, a pull done) wakes an idle loop too
+        self.kv_wake = getattr(core, "kv_wakeup_socket", None)
+        if self.kv_wake is not None:
+            self.poller.register(self.kv_wake, zmq.POLLIN)
         self.encoder = msgspec.msgpack.Encoder()
         self.add_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
         self.ids_decoder = msgspec.msgpack.Decoder(list[str])
@@ -109,6 +113,8 @@ class EngineCoreLoop:
 
     def drain_input(self) -> int:
         n = 0
+        if self.kv_wake is not None and self.kv_wake.poll(0):
+            n += 1  # the step reads the agent's events
         while True:
             try:
                 kind, payload = self.in_sock.recv_multipart(zmq.NOBLOCK, copy=False)

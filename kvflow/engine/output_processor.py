@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from kvflow.engine.detokenizer import IncrementalDetokenizer, StopStrings, decode_token
 from kvflow.engine.protocol import EngineCoreOutput, EngineCoreRequest
@@ -46,6 +46,7 @@ class RequestState:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -122,6 +123,9 @@ class OutputProcessor:
                 state.num_cached_tokens = out.num_cached_tokens
             if out.new_token_ids and state.first_token_time is None:
                 state.first_token_time = now
+            if out.kv_transfer_params is not None:
+                state.kv_transfer_params = {k: v for k, v in asdict(out.kv_transfer_params).items()
+                                            if v is not None and v is not False}
             sample.token_ids.extend(out.new_token_ids)
             if out.new_logprobs and sample.logprobs is not None:
                 for lp in out.new_logprobs:
@@ -180,4 +184,5 @@ class OutputProcessor:
                    "first_scheduled_time": state.first_scheduled_time,
                    "first_token_time": state.first_token_time}
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             finished, num_cached_tokens=state.num_cached_tokens, metrics=metrics)
+                             finished, num_cached_tokens=state.num_cached_tokens, metrics=metrics,
+                             kv_transfer_params=state.kv_transfer_params if finished else None)

@@ -7,7 +7,7 @@ import time
 from collections import deque
 
 from kvflow.core.scheduler import Scheduler
-from kvflow.engine.protocol import (CACHED_FREE, FREE, OWNER_BASE, SHARED, EngineSnapshot,
+from kvflow.engine.protocol import (CACHED_FREE, FREE, HELD, OWNER_BASE, SHARED, EngineSnapshot,
                                     RequestView, SchedulerStats, StepTokens)
 
 SNAPSHOT_INTERVAL_S = 0.25  # at most 4 snapshots a second
@@ -32,6 +32,11 @@ def block_owners(scheduler: Scheduler) -> list[int]:
         code = OWNER_BASE + i
         for block in kv.req_to_blocks.get(req.request_id, ()):
             owners[block.block_id] = SHARED if block.ref_cnt > 1 else code
+    # blocks lent to a decode instance, or being filled from a prefill instance: held
+    for rid in [*scheduler.leases, *scheduler.loading]:
+        for block in kv.req_to_blocks.get(rid, ()):
+            if owners[block.block_id] < OWNER_BASE:
+                owners[block.block_id] = HELD
     return owners
 
 

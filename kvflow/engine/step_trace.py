@@ -16,7 +16,8 @@ class StepTrace:
         self._finished_last_step: set[str] = set()
 
     def record(self, out: SchedulerOutput, updates: list[RequestUpdate], start: float,
-               step_time: float, num_free_blocks: int, num_cached_free_blocks: int = 0) -> None:
+               step_time: float, num_free_blocks: int, num_cached_free_blocks: int = 0,
+               kv_transfers: list[dict] | None = None) -> None:
         sampled = {u.request.request_id: u.new_token_ids[0] for u in updates if u.new_token_ids}
         # finished_req_ids also repeats last step's finishes; only aborts since then are new here
         finished = sorted(out.finished_req_ids - self._finished_last_step)
@@ -60,6 +61,16 @@ class StepTrace:
             record["skipped"] = out.skipped_req_ids
         if out.admission_stop is not None:
             record["admission_stop"] = out.admission_stop.value
+        # prefill/decode disaggregation: pulls started, requests still waiting for their K/V,
+        # and transfers that ended since the last traced step (loaded, failed, leases ended)
+        if out.kv_loads:
+            record["kv_loads"] = [{"id": ld.req_id, "blocks": len(ld.local_block_ids),
+                                   "first_token": ld.first_token, "num_tokens": ld.num_tokens}
+                                  for ld in out.kv_loads]
+        if out.waiting_for_remote_kv_ids:
+            record["waiting_for_remote_kv"] = out.waiting_for_remote_kv_ids
+        if kv_transfers:
+            record["kv_transfers"] = kv_transfers
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 

@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 
-from kvflow.entrypoints import bench_cli, serve_cli, trace_cli
+from kvflow.entrypoints import bench_cli, router, serve_cli, trace_cli
 from kvflow.entrypoints.worker_node import worker_node_status
 from kvflow.options import add_engine_args, engine_kwargs
 
@@ -82,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     trace_cli.add_explain_args(g)
     trace_cli.register(sub)
     serve_cli.register(sub)
+    router.register(sub)
     bench_cli.register(sub)
     return parser
 

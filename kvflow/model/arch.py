@@ -1,9 +1,11 @@
-"""Architecture of a Llama-family model, read from an HF config.json or GGUF metadata.
+"""Architecture of a Llama-family model or a close relative (Qwen3, Phi-3, the mixture-of-experts
+Qwen3-MoE, Mixtral and Qwen2-MoE), read from an HF config.json or GGUF metadata.
 
 No torch here: the frontend process reads it to size things and to print model facts."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 
@@ -13,18 +15,23 @@ from kvflow.utils.files import publish
 
 # model_type -> architecture name, for config.json files saved without "architectures".
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM"}
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                "qwen2_moe": "Qwen2MoeForCausalLM"}
 # Gemma 3 (text); a Gemma3ForConditionalGeneration checkpoint loads its text part
 _MODEL_TYPES.update({"gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForCausalLM"})
 _TEXT_PART_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 SUPPORTED_ARCHITECTURES = tuple(dict.fromkeys(_MODEL_TYPES.values()))
-_ROPE_TYPES = ("llama3", "linear")
+_ROPE_TYPES = ("llama3", "linear", "longrope")
+_QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_QWEN_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 ARCH_CACHE_FILE = "arch.json"
 
 
 @dataclass
 class LlamaArchConfig:
-    """Shapes and constants of one Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2)."""
+    """Shapes and constants of one Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2) or
+    of a relative that differs by the fields at the end (Qwen3, Phi-3, expert models)."""
 
     architecture: str
     vocab_size: int
@@ -52,6 +59,18 @@ class LlamaArchConfig:
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
+    # Qwen3: per-head RMSNorm on q and k before RoPE. Phi-3: RoPE on the first `rotary_dim`
+    # dims of each head (0: all of it).
+    qk_norm: bool = False
+    rotary_dim: int = 0
+    # Mixture of experts (kvflow/model/moe.py); num_experts 0: every layer has a dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to one
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert (0: none)
+    decoder_sparse_step: int = 1  # every n-th layer is sparse ...
+    mlp_only_layers: list[int] = field(default_factory=list)  # ... except these
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -60,7 +79,18 @@ class LlamaArchConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
                              f"of num_key_value_heads ({self.num_key_value_heads})")
+        if not 0 <= self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ValueError(f"rotary_dim ({self.rotary_dim}) must be even and at most head_dim ({self.head_dim})")
         self.rope_scaling = _normalise_rope_scaling(self.rope_scaling)
+        if self.rope_scaling and self.rope_scaling["rope_type"] == "longrope":
+            self.rope_scaling = _complete_longrope(self.rope_scaling, self.max_position_embeddings)
+            for key in ("short_factor", "long_factor"):
+                if len(self.rope_scaling[key]) != self.rope_dim // 2:
+                    raise ValueError(f"longrope {key} has {len(self.rope_scaling[key])} entries; "
+                                     f"the rotary dim {self.rope_dim} needs {self.rope_dim // 2}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 "
+                             f"and num_experts ({self.num_experts})")
         if not self.eos_token_ids:
             eos = self.eos_token_id
             self.eos_token_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
@@ -73,13 +103,28 @@ class LlamaArchConfig:
         """Bytes of K and V that one token occupies across all layers."""
         return self.num_hidden_layers * 2 * self.num_key_value_heads * self.head_dim * dtype_bytes
 
+    @property
+    def rope_dim(self) -> int:
+        """How many dims of each head RoPE rotates."""
+        return self.rotary_dim or self.head_dim
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Layer i has a sparse expert block instead of the dense MLP (HF's rule for Qwen-MoE)."""
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
+
     def num_parameters(self) -> int:
         h, d = self.hidden_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
         attn = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if self.attention_bias else 0)
-        layer = attn + 3 * h * self.intermediate_size + 2 * h
+        attn += 2 * d if self.qk_norm else 0
+        dense = 3 * h * self.intermediate_size
+        shared = self.shared_expert_intermediate_size
+        moe = (self.num_experts * (h + 3 * h * self.moe_intermediate_size)
+               + (3 * h * shared + h if shared else 0))
+        mlps = sum(moe if self.is_moe_layer(i) else dense for i in range(self.num_hidden_layers))
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return embed + self.num_hidden_layers * layer + h
+        return embed + self.num_hidden_layers * (attn + 2 * h) + mlps + h
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -96,11 +141,26 @@ def _normalise_rope_scaling(rs: dict | None) -> dict | None:
     rope_type = rs.pop("rope_type", None) or rs.pop("type", None) or "default"
     rs.pop("type", None)
     rs.pop("rope_theta", None)
+    rope_type = "longrope" if rope_type == "su" else rope_type  # Phi-3's first name for it
     if rope_type == "default":
         return None
     if rope_type not in _ROPE_TYPES:
         raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: {', '.join(_ROPE_TYPES)})")
     return {"rope_type": rope_type, **rs}
+
+
+def _complete_longrope(rs: dict, max_position_embeddings: int) -> dict:
+    """LongRoPE (Phi-3): the attention factor, where the config leaves it out, as transformers
+    derives it from the context extension factor."""
+    for key in ("short_factor", "long_factor", "original_max_position_embeddings"):
+        if key not in rs:
+            raise ValueError(f"longrope scaling needs {key!r}")
+    if rs.get("attention_factor") is None:
+        original = float(rs["original_max_position_embeddings"])
+        factor = rs.get("factor") or max_position_embeddings / original
+        rs["attention_factor"] = (math.sqrt(1 + math.log(factor) / math.log(original))
+                                  if factor > 1.0 else 1.0)
+    return rs
 
 
 def load_arch_config(path: str) -> LlamaArchConfig:
@@ -121,6 +181,12 @@ def _from_hf_folder(path: str) -> LlamaArchConfig:
     rope_theta = rope_params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_scaling = rope_params if rope_params else cfg.get("rope_scaling")
     heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    partial = rope_params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in ("longrope", "su"):
+        # Phi-3 keeps original_max_position_embeddings beside the scaling, not in it
+        rope_scaling = {"original_max_position_embeddings": cfg.get("original_max_position_embeddings"),
+                        **rope_scaling}
     eos = cfg.get("eos_token_id")
     eos_ids = _eos_list(eos)
     gen_path = os.path.join(path, "generation_config.json")
@@ -138,20 +204,40 @@ def _from_hf_folder(path: str) -> LlamaArchConfig:
         num_hidden_layers=cfg["num_hidden_layers"],
         num_attention_heads=heads,
         num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        head_dim=head_dim,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope_theta),
         rope_scaling=rope_scaling,
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases; Llama declares them with attention_bias.
-        attention_bias=bool(cfg.get("attention_bias", architecture == "Qwen2ForCausalLM")),
+        attention_bias=bool(cfg.get("attention_bias", cfg.get(
+            "qkv_bias", architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")))),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=eos,
         name=os.path.basename(os.path.normpath(path)),
         eos_token_ids=eos_ids,
         **pattern,
+        qk_norm=architecture in _QK_NORM_ARCHITECTURES,
+        rotary_dim=0 if partial == 1.0 else int(head_dim * partial),
+        **_hf_moe_fields(cfg, architecture),
     )
+
+
+def _hf_moe_fields(cfg: dict, architecture: str) -> dict:
+    """The expert fields of a Qwen2-MoE, Qwen3-MoE or Mixtral config.json ({} for dense models)."""
+    if architecture == "MixtralForCausalLM":
+        return {"num_experts": cfg["num_local_experts"], "num_experts_per_tok": cfg["num_experts_per_tok"],
+                "moe_intermediate_size": cfg["intermediate_size"], "norm_topk_prob": True}
+    if architecture not in _QWEN_MOE_ARCHITECTURES:
+        return {}
+    return {"num_experts": cfg.get("num_experts") or cfg["num_local_experts"],
+            "num_experts_per_tok": cfg["num_experts_per_tok"],
+            "moe_intermediate_size": cfg["moe_intermediate_size"],
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0),
+            "decoder_sparse_step": int(cfg.get("decoder_sparse_step") or 1),
+            "mlp_only_layers": [int(i) for i in cfg.get("mlp_only_layers") or []]}
 
 
 def _eos_list(eos) -> list[int]:
@@ -192,65 +278,106 @@ def gguf_field(reader, key: str, default=None):
     return default if fld is None else fld.contents()
 
 
+_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                       "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                       "qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+                       "gemma3": "Gemma3ForCausalLM"}
+# llama.cpp's own choice where the file does not say (expert_weights_norm): Qwen2-MoE leaves the
+# top-k weights as they come out of the softmax, Qwen3-MoE and Mixtral renormalise them.
+_GGUF_NORM_TOPK = {"qwen2moe": False}
+
+
+# End-of-turn tokens that stop generation besides the EOS id, as llama.cpp finds them: by the
+# eot/eom keys, or by their text among the control tokens (Qwen's <|im_end|>, Phi-3's <|end|>,
+# Llama 3's <|eot_id|>, Gemma's <end_of_turn>), which the HF folder lists in
+# generation_config.json and a GGUF file often does not.
+_END_OF_TURN_TEXTS = {b"<|im_end|>", b"<|end|>", b"<|eot_id|>", b"<|eom_id|>", b"<end_of_turn>"}
+_CONTROL_TOKEN_TYPES = (3, 4)  # gguf TokenType CONTROL, USER_DEFINED
+
+
+def _gguf_stop_ids(reader, eos) -> list[int]:
+    ids = [] if eos is None else [int(eos)]
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        value = gguf_field(reader, key)
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    tokens, types = reader.fields.get("tokenizer.ggml.tokens"), reader.fields.get("tokenizer.ggml.token_type")
+    if tokens is None or types is None:
+        return ids
+    for i, idx in enumerate(tokens.data):
+        if (int(types.parts[types.data[i]][0]) in _CONTROL_TOKEN_TYPES
+                and bytes(tokens.parts[idx]) in _END_OF_TURN_TEXTS and i not in ids):
+            ids.append(i)
+    return ids
+
+
 def arch_from_gguf_reader(reader, path: str) -> LlamaArchConfig:
     """Map GGUF metadata (`<arch>.block_count` ...) to a LlamaArchConfig."""
     g = gguf_field(reader, "general.architecture")
-    architecture = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                    "gemma3": "Gemma3ForCausalLM"}.get(g)
+    architecture = _GGUF_ARCHITECTURES.get(g)
     if architecture is None:
-        raise ValueError(f"GGUF architecture {g!r} is not supported (llama, qwen2, gemma3)")
+        raise ValueError(f"GGUF architecture {g!r} is not supported ({', '.join(_GGUF_ARCHITECTURES)})")
 
     def meta(key, default=None):
         return gguf_field(reader, f"{g}.{key}", default)
 
     hidden = int(meta("embedding_length"))
     heads = int(meta("attention.head_count"))
+    head_dim = int(meta("attention.key_length", hidden // heads))
     vocab = meta("vocab_size")
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    tensor_names = {t.name for t in reader.tensors}
+    tensors = {t.name: t for t in reader.tensors}
     rope_scaling = None
     scaling_type = meta("rope.scaling.type")
     if scaling_type and scaling_type != "none":
         rope_scaling = {"rope_type": scaling_type, "factor": float(meta("rope.scaling.factor", 1.0))}
-    if "rope_freqs.weight" in tensor_names:
+    if "rope_factors_long.weight" in tensors:  # Phi-3 LongRoPE: the factors are tensors
+        rope_scaling = {"rope_type": "longrope",
+                        "long_factor": tensors["rope_factors_long.weight"].data.tolist(),
+                        "short_factor": tensors["rope_factors_short.weight"].data.tolist(),
+                        "original_max_position_embeddings": int(meta("rope.scaling.original_context_length")),
+                        "attention_factor": meta("rope.scaling.attn_factor")}
+    if "rope_freqs.weight" in tensors:
         raise ValueError("GGUF files with rope_freqs (Llama-3.1 style scaling) are not supported yet; "
                          "use the Hugging Face folder of this model")
+    experts = int(meta("expert_count", 0) or 0)
+    if g == "llama" and experts:
+        architecture = "MixtralForCausalLM"
+    moe = {}
+    if experts:
+        moe = {"num_experts": experts, "num_experts_per_tok": int(meta("expert_used_count")),
+               "moe_intermediate_size": int(meta("expert_feed_forward_length", meta("feed_forward_length"))),
+               "norm_topk_prob": bool(meta("expert_weights_norm", _GGUF_NORM_TOPK.get(g, True))),
+               "shared_expert_intermediate_size": int(meta("expert_shared_feed_forward_length", 0)),
+               # layers without a router keep a dense MLP
+               "mlp_only_layers": [i for i in range(int(meta("block_count")))
+                                   if f"blk.{i}.ffn_gate_inp.weight" not in tensors]}
+    rope_dim = int(meta("rope.dimension_count", head_dim))
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     name = os.path.splitext(os.path.basename(path))[0]
-    eos_ids = _eos_list(None if eos is None else int(eos))
-    eos_ids += [i for i in _end_of_turn_ids(reader) if i not in eos_ids]
+    stop_ids = _gguf_stop_ids(reader, eos)
     return LlamaArchConfig(
         architecture=architecture,
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(meta("feed_forward_length")),
+        intermediate_size=int(meta("feed_forward_length", 0)),
         num_hidden_layers=int(meta("block_count")),
         num_attention_heads=heads,
         num_key_value_heads=int(meta("attention.head_count_kv", heads)),
-        head_dim=int(meta("attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(meta("rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
         max_position_embeddings=int(meta("context_length", 2048)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
         bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=None if eos is None else int(eos),
         name=str(name),
-        eos_token_ids=eos_ids,
+        eos_token_ids=stop_ids,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        rotary_dim=0 if rope_dim == head_dim else rope_dim,
+        **moe,
         **gguf_pattern_fields(meta, architecture, int(meta("block_count"))),
     )
-
-
-_END_OF_TURN_TOKENS = ("<end_of_turn>",)  # chat models whose GGUF names only <eos> as its EOS
-
-
-def _end_of_turn_ids(reader) -> list[int]:
-    """Ids of end-of-turn tokens in a GGUF vocabulary (HF's generation_config lists them as
-    EOS beside `<eos>`; the GGUF keeps only the one eos_token_id)."""
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    if tokens is None:
-        return []
-    wanted = {t.encode() for t in _END_OF_TURN_TOKENS}
-    return [i for i, idx in enumerate(tokens.data) if bytes(tokens.parts[idx]) in wanted]

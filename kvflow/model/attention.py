@@ -66,6 +66,10 @@ class AttentionMetadata:
     # a query at position p sees keys in (p - sliding_window, p] (None: all keys up to p); one
     # window per KV cache group, so one per metadata
     sliding_window: int | None = None
+    # on a GPU: the arrays above on the device (model/gpu_batch.py) and the positions as a
+    # device tensor, in a CUDA graph's persistent buffers when one replays the step
+    gpu: object | None = None
+    device_positions: torch.Tensor | None = None
     _torch_decode: tuple | None = None  # tensors of the PyTorch fallback, built on first use
     _token_rows: tuple | None = None  # (rows, seq_lens, tables) of every token, built on first use
     _prefill_arrays: tuple | None = None  # prefill_arrays(), built on first use

@@ -45,8 +45,10 @@ class UniProcExecutor(Executor):
     """The whole model in this process."""
 
     def __init__(self, model: torch.nn.Module, arch: LlamaArchConfig, num_blocks: int,
-                 block_size: int, kv_dtype: torch.dtype, eos_token_id: int | list[int] | None) -> None:
-        self.runner = ModelRunner(model, arch, num_blocks, block_size, kv_dtype, eos_token_id)
+                 block_size: int, kv_dtype: torch.dtype, eos_token_id: int | list[int] | None,
+                 device: torch.device | str = "cpu", graphs=None) -> None:
+        self.runner = ModelRunner(model, arch, num_blocks, block_size, kv_dtype, eos_token_id,
+                                  device=device, graphs=graphs)
 
     def execute(self, sched_out: SchedulerOutput, grammar=None) -> ModelRunnerOutput:
         return self.runner.execute(sched_out, grammar)

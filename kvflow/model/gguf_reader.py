@@ -1,4 +1,9 @@
-"""GGUF file -> (architecture, float32 weights under Hugging Face names)."""
+"""GGUF file -> (architecture, float32 weights under Hugging Face names).
+
+The names are llama.cpp's (convert_hf_to_gguf.py, gguf-py's tensor_mapping.py): Phi-3 keeps
+its fused `attn_qkv` and `ffn_up` (= [gate; up]); a mixture-of-experts layer stores each
+projection of all its experts as one 3-D tensor (`ffn_gate_exps` ...), split here into HF's
+per-expert names (Mixtral's `block_sparse_moe.experts.N.w1` or Qwen's `mlp.experts.N.gate_proj`)."""
 from __future__ import annotations
 
 import re
@@ -17,25 +22,58 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
-# Gemma 3's four norms per layer and its QK-norm (llama.cpp's names)
-_GEMMA3_LAYER_NAMES = {**_LAYER_NAMES,
-                       "post_attention_norm": "post_attention_layernorm",
-                       "ffn_norm": "pre_feedforward_layernorm",
-                       "post_ffw_norm": "post_feedforward_layernorm",
-                       "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# per-architecture differences from the table above
+_ARCH_LAYER_NAMES = {
+    "Phi3ForCausalLM": {"ffn_up": "mlp.gate_up_proj"},
+    "MixtralForCausalLM": {"ffn_gate_inp": "block_sparse_moe.gate"},
+    # Gemma 3's four norms per layer (llama.cpp's names)
+    "Gemma3ForCausalLM": {"post_attention_norm": "post_attention_layernorm",
+                          "ffn_norm": "pre_feedforward_layernorm",
+                          "post_ffw_norm": "post_feedforward_layernorm"},
+}
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_MIXTRAL_EXPERT_NAMES = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Mixtral files from before llama.cpp stacked the experts: one tensor per expert
+_LEGACY_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 
 
 def hf_name(gguf_name: str, architecture: str = "LlamaForCausalLM") -> str | None:
-    """HF parameter name of a GGUF tensor, or None for tensors kvflow does not use."""
+    """HF parameter name of a GGUF tensor, or None for tensors kvflow does not use (and for
+    the 3-D expert tensors, which expert_names splits)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    names = _GEMMA3_LAYER_NAMES if architecture == "Gemma3ForCausalLM" else _LAYER_NAMES
+    legacy = _LEGACY_EXPERT_RE.fullmatch(gguf_name)
+    if legacy is not None and architecture == "MixtralForCausalLM":
+        layer, kind, e = legacy.groups()
+        w = _MIXTRAL_EXPERT_NAMES[f"ffn_{kind}_exps"]
+        return f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight"
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m is None or m.group(2) not in names:
+    if m is None:
+        return None
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(architecture, {})}
+    if m.group(2) not in names:
         return None
     return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
+
+
+def expert_names(gguf_name: str, architecture: str, num_experts: int) -> list[str] | None:
+    """HF names of the experts stacked in a GGUF `blk.N.ffn_*_exps` tensor, in order (None for
+    any other tensor)."""
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _EXPERT_NAMES:
+        return None
+    layer = f"model.layers.{m.group(1)}."
+    if architecture == "MixtralForCausalLM":
+        return [f"{layer}block_sparse_moe.experts.{e}.{_MIXTRAL_EXPERT_NAMES[m.group(2)]}.weight"
+                for e in range(num_experts)]
+    return [f"{layer}mlp.experts.{e}.{_EXPERT_NAMES[m.group(2)]}.weight" for e in range(num_experts)]
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -51,17 +89,24 @@ def read_gguf(path: str) -> tuple[LlamaArchConfig, dict[str, np.ndarray]]:
 
     reader = GGUFReader(path)
     arch = arch_from_gguf_reader(reader, path)
-    permute = arch.architecture == "LlamaForCausalLM"  # llama.cpp permutes q/k only for llama
+    # llama.cpp permutes q/k only for its "llama" architecture (Llama, Mistral, Mixtral)
+    permute = arch.architecture in ("LlamaForCausalLM", "MixtralForCausalLM")
     # llama.cpp stores Gemma's norm weights as 1 + w; back to HF's w, as transformers does
     norm_shift = 1.0 if arch.architecture == "Gemma3ForCausalLM" else 0.0
     weights: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
         name = hf_name(tensor.name, arch.architecture)
-        if name is None:
+        experts = expert_names(tensor.name, arch.architecture, arch.num_experts)
+        if name is None and experts is None:
             continue
         w = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         # GGUF lists dims innermost first; numpy's row-major shape is the reverse = HF's (out, in)
         w = w.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        if experts is not None:  # [experts, out, in]
+            weights.update(zip(experts, w))
+            continue
+        if name.endswith("shared_expert_gate.weight"):
+            w = w.reshape(1, -1)  # llama.cpp stores this [1, hidden] row as a vector
         if permute and ".q_proj." in name:
             w = unpermute_qk(w, arch.num_attention_heads)
         elif permute and ".k_proj." in name:

@@ -13,6 +13,9 @@ What serves here, and why:
   else PyTorch; attention's prompt kernel exists only where the CPU has AVX512-BF16, elsewhere
   prompt tokens run as rows of the decode kernel.
 
+On an NVIDIA GPU (device cuda) the set is gpu_kernels.py's: torch GEMMs in bf16 and the Triton
+paged attention of kvflow/model/triton.
+
 A new variant (a quantized GEMM, sliding-window or soft-capped attention) is one more
 implementation and one more branch in `select_kernels`."""
 from __future__ import annotations
@@ -92,6 +95,11 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
     device_type = "cpu" if device is None else torch.device(device).type
     features = cpu_features() if features is None else features
     options = KernelOptions.from_env() if options is None else options
+    if device_type == "cuda":  # Triton attention, torch GEMMs (gpu_kernels.py; imports triton)
+        from kvflow.model.gpu_kernels import gpu_implementations
+        names, impl = gpu_implementations()
+        return Kernels(dtype=dtype, kv_dtype=kv_dtype, device_type=device_type, features=features,
+                       options=options, names=names, pack=None, **impl)
     on_cpu = device_type == "cpu"
     lib = library() if on_cpu and options.c_kernels else None
     c = lib is not None

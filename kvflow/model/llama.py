@@ -1,4 +1,6 @@
-"""The Llama family (Llama 2/3, SmolLM, Mistral, Qwen2): one flat batch of tokens, paged KV.
+"""The Llama family (Llama 2/3, SmolLM, Mistral, Qwen2) and its close relatives (Qwen3's
+QK-norm, Phi-3's LongRoPE and partial rotary, mixture-of-experts layers from kvflow/model/moe.py
+for Qwen3-MoE, Mixtral and Qwen2-MoE): one flat batch of tokens, paged KV.
 
 Weights are fused at load time (q|k|v rows into `qkv_proj`, gate|up into `gate_up_proj`) so
 each layer runs four matmuls, on the CPU through prepacked copies (kvflow/model/packed_linear.py:
@@ -22,6 +24,7 @@ from torch import nn
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.attention import AttentionMetadata
 from kvflow.model.kernels import Kernels, select_kernels
+from kvflow.model.moe import SparseMoeBlock
 from kvflow.model.packed_linear import PackedWeight
 from kvflow.model.sharding import local_arch
 from kvflow.model.tp_layers import gather_vocab_logits, vocab_parallel_embedding
@@ -30,11 +33,12 @@ ROPE_CACHE_MAX = 32768  # positions precomputed by default; pass max_position fo
 
 
 def rope_inv_freq(arch: LlamaArchConfig) -> torch.Tensor:
-    """Inverse frequencies, with Llama-3 or linear scaling (same formulas as transformers)."""
-    dim = arch.head_dim
+    """Inverse frequencies, with Llama-3 or linear scaling (same formulas as transformers);
+    LongRoPE's are per position (rope_tables)."""
+    dim = arch.rope_dim
     inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     rs = arch.rope_scaling
-    if rs is None:
+    if rs is None or rs["rope_type"] == "longrope":
         return inv_freq
     factor = float(rs["factor"])
     if rs["rope_type"] == "linear":
@@ -51,6 +55,42 @@ def rope_inv_freq(arch: LlamaArchConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def rope_tables(arch: LlamaArchConfig, n_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [n_pos, rope_dim] in fp32. LongRoPE (Phi-3) divides the frequencies by its
+    short factors up to the original context length and by its long factors beyond, and scales
+    cos and sin by its attention factor, as transformers does. (transformers switches a whole
+    sequence to the long factors once it outgrows the original length; here the choice is per
+    position, so the keys already in the cache stay valid.)"""
+    pos = torch.arange(n_pos, dtype=torch.float32)
+    inv_freq = rope_inv_freq(arch)
+    rs = arch.rope_scaling
+    if rs is not None and rs["rope_type"] == "longrope":
+        short = torch.tensor(rs["short_factor"], dtype=torch.float32)
+        long = torch.tensor(rs["long_factor"], dtype=torch.float32)
+        is_long = (pos >= rs["original_max_position_embeddings"]).unsqueeze(1)
+        freqs = torch.where(is_long, torch.outer(pos, inv_freq / long), torch.outer(pos, inv_freq / short))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scale = float(rs["attention_factor"])
+        return emb.cos() * scale, emb.sin() * scale
+    freqs = torch.outer(pos, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def partial_rope_(qkv: torch.Tensor, n_heads: int, head_dim: int,
+                  positions: np.ndarray | torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """RoPE on the first cos.shape[1] dims of each of the first n_heads heads, in place (the
+    rest of each head passes through): Phi-3's partial_rotary_factor. Positions on a GPU come
+    as a device tensor."""
+    rot = cos.shape[1]
+    x = qkv[:, :n_heads * head_dim].view(qkv.shape[0], n_heads, head_dim)[..., :rot]
+    idx = positions if isinstance(positions, torch.Tensor) else torch.from_numpy(positions)
+    c, s = cos[idx].to(qkv.dtype).unsqueeze(1), sin[idx].to(qkv.dtype).unsqueeze(1)
+    half = rot // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    x.copy_(x * c + rotated * s)
+
+
 def _weight(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -59,7 +99,8 @@ class LlamaDecoderLayer(nn.Module):
     """One decoder layer; under tensor parallelism `arch` holds this rank's shapes (local heads,
     MLP slice) and `tp` all-reduces the row-parallel outputs."""
 
-    def __init__(self, arch: LlamaArchConfig, dtype: torch.dtype, device=None, tp=None):
+    def __init__(self, arch: LlamaArchConfig, dtype: torch.dtype, device=None, tp=None,
+                 layer_idx: int = 0):
         super().__init__()
         self.tp = tp
         h, d = arch.hidden_size, arch.head_dim
@@ -73,8 +114,15 @@ class LlamaDecoderLayer(nn.Module):
         self.qkv_bias = (_weight(self.q_size + 2 * self.kv_size, dtype=dtype, device=device)
                          if arch.attention_bias else None)
         self.o_proj = _weight(h, self.q_size, dtype=dtype, device=device)
-        self.gate_up_proj = _weight(2 * arch.intermediate_size, h, dtype=dtype, device=device)
-        self.down_proj = _weight(h, arch.intermediate_size, dtype=dtype, device=device)
+        # Qwen3's QK-norm: one RMSNorm weight over head_dim, shared by the heads
+        self.q_norm = _weight(d, dtype=dtype, device=device) if arch.qk_norm else None
+        self.k_norm = _weight(d, dtype=dtype, device=device) if arch.qk_norm else None
+        self.partial_rope = arch.rope_dim != d
+        # a mixture-of-experts layer has the expert block instead of the dense MLP
+        self.moe = SparseMoeBlock(arch, dtype, device) if arch.is_moe_layer(layer_idx) else None
+        dense = self.moe is None
+        self.gate_up_proj = _weight(2 * arch.intermediate_size, h, dtype=dtype, device=device) if dense else None
+        self.down_proj = _weight(h, arch.intermediate_size, dtype=dtype, device=device) if dense else None
         self.packed: dict[str, PackedWeight | None] = {}  # prepacked projections (pack_weights)
 
     def forward(self, x: torch.Tensor, residual_delta: torch.Tensor | None, rope: tuple,
@@ -86,8 +134,11 @@ class LlamaDecoderLayer(nn.Module):
         h = kernels.add_rms_norm(x, residual_delta, self.input_layernorm, self.eps)
         pk = self.packed
         qkv = kernels.linear(h, self.qkv_proj, pk.get("qkv_proj"), self.qkv_bias)
+        if self.q_norm is not None:
+            self._qk_norm(qkv, kernels)
         # RoPE on the q and k heads together, in place in the fused projection's output
-        kernels.rope(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rope)
+        rope_ = partial_rope_ if self.partial_rope else kernels.rope
+        rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rope)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -99,11 +150,23 @@ class LlamaDecoderLayer(nn.Module):
         if self.tp is not None:
             self.tp.all_reduce(o)  # row-parallel: each rank holds a partial sum
         h = kernels.add_rms_norm(x, o, self.post_attention_layernorm, self.eps)
+        if self.moe is not None:  # under tensor parallelism each rank holds a slice of every expert
+            down = self.moe(h, kernels)
+            if self.tp is not None:
+                self.tp.all_reduce(down)
+            return x, down
         act = kernels.linear_silu_mul(h, self.gate_up_proj, pk.get("gate_up_proj"))
         down = kernels.linear(act, self.down_proj, pk.get("down_proj"))
         if self.tp is not None:
             self.tp.all_reduce(down)
         return x, down
+
+    def _qk_norm(self, qkv: torch.Tensor, kernels: Kernels) -> None:
+        """RMSNorm over each q and k head of the fused projection's output, in place."""
+        t, q, kv, d = qkv.shape[0], self.q_size, self.kv_size, self.head_dim
+        for start, size, weight in ((0, q, self.q_norm), (q, kv, self.k_norm)):
+            heads = qkv[:, start:start + size].reshape(-1, d)  # a copy: the slice is strided
+            qkv[:, start:start + size] = kernels.add_rms_norm(heads, None, weight, self.eps).view(t, size)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -120,8 +183,8 @@ class LlamaForCausalLM(nn.Module):
         shard = arch if tp is None else local_arch(arch, tp.world_size)
         h = arch.hidden_size
         self.embed_tokens = _weight(shard.vocab_size, h, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(shard, dtype, device, tp)
-                                    for _ in range(arch.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(shard, dtype, device, tp, layer_idx=i)
+                                    for i in range(arch.num_hidden_layers))
         self.norm = _weight(h, dtype=dtype, device=device)
         # tied models read the embedding matrix directly (no second parameter to keep in sync)
         self.lm_head = (None if arch.tie_word_embeddings
@@ -129,10 +192,9 @@ class LlamaForCausalLM(nn.Module):
         # cos/sin in fp32 like HF; on the CPU even when the weights start on the meta device
         rope_device = None if device is None or torch.device(device).type == "meta" else device
         n_pos = max_position or min(arch.max_position_embeddings, ROPE_CACHE_MAX)
-        freqs = torch.outer(torch.arange(n_pos, dtype=torch.float32), rope_inv_freq(arch))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("rope_cos", emb.cos().to(rope_device), persistent=False)
-        self.register_buffer("rope_sin", emb.sin().to(rope_device), persistent=False)
+        cos, sin = rope_tables(arch, n_pos)
+        self.register_buffer("rope_cos", cos.to(rope_device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(rope_device), persistent=False)
         self.kernels = kernels if kernels is not None else select_kernels(dtype, device=rope_device)
         self.packed_lm_head: PackedWeight | None = None
 
@@ -144,7 +206,10 @@ class LlamaForCausalLM(nn.Module):
             return False
         for layer in self.layers:
             layer.packed = {name: pack(getattr(layer, name), gate_up=name == "gate_up_proj")
-                            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+                            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+                            if getattr(layer, name) is not None}
+            if layer.moe is not None:
+                layer.moe.pack_weights(pack)
         self.packed_lm_head = pack(self.embed_tokens if self.lm_head is None else self.lm_head)
         return True
 
@@ -158,8 +223,12 @@ class LlamaForCausalLM(nn.Module):
             x = F.embedding(input_ids, self.embed_tokens)
         else:
             x = vocab_parallel_embedding(input_ids, self.embed_tokens, self.tp)
-        pos = positions if isinstance(positions, np.ndarray) else positions.numpy()
-        rope = (np.ascontiguousarray(pos, dtype=np.int64), self.rope_cos, self.rope_sin)
+        first = attn_metadata[0] if isinstance(attn_metadata, list) else attn_metadata
+        if first.device_positions is not None:  # on a GPU: no host copy in the step
+            rope = (first.device_positions, self.rope_cos, self.rope_sin)
+        else:
+            pos = positions if isinstance(positions, np.ndarray) else positions.numpy()
+            rope = (np.ascontiguousarray(pos, dtype=np.int64), self.rope_cos, self.rope_sin)
         delta, kernels = None, self.kernels
         metas = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata] * len(self.layers)
         for layer, kv_cache, meta in zip(self.layers, kv_caches, metas):

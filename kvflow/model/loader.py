@@ -29,6 +29,19 @@ def resolve_dtype(name: str, device: torch.device | str | None = None) -> torch.
     return torch.bfloat16 if cpu_features().native_bf16 else torch.float32
 
 
+def resolve_device(name: str) -> torch.device:
+    """ModelConfig.device -> torch device: "auto" is cuda when torch sees a GPU, else the CPU;
+    "cuda" without a GPU is a ValueError."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda: torch sees no GPU (this torch build "
+                         f"{torch.__version__}{' has no CUDA' if torch.version.cuda is None else ''})")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {name!r}")
+    return torch.device(name)
+
+
 def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None = None,
                kernels: Kernels | None = None) -> tuple[LlamaForCausalLM, LlamaArchConfig]:
     """Load the model at `path` (HF folder or .gguf) in `dtype`, weights fused for inference;
@@ -51,13 +64,17 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None 
     return model, arch
 
 
-def load_sharded_model(path: str, dtype: torch.dtype, tp) -> tuple[LlamaForCausalLM, LlamaArchConfig]:
-    """Rank `tp.rank`'s LlamaForCausalLM shard (built on the meta device, then given its slices)
-    and the full model's arch."""
+def load_sharded_model(path: str, dtype: torch.dtype, tp,
+                       device: torch.device | str | None = None) -> tuple[LlamaForCausalLM, LlamaArchConfig]:
+    """Rank `tp.rank`'s LlamaForCausalLM shard (built on the meta device, then given its slices;
+    moved to `device` when given) and the full model's arch."""
     arch = load_arch_config(path)
     weights = load_shard(path, arch, dtype, tp.rank, tp.world_size)
-    model = LlamaForCausalLM(arch, dtype, device="meta", tp=tp)
+    kernels = select_kernels(dtype, device=device) if device is not None else None
+    model = LlamaForCausalLM(arch, dtype, device="meta", tp=tp, kernels=kernels)
     model.load_state_dict(weights, strict=True, assign=True)
     model.eval()
-    model.pack_weights()  # oneDNN copies of this rank's projections, as load_model does
+    if device is not None:
+        model.to(device)
+    model.pack_weights()  # oneDNN copies of this rank's projections, as load_model does (CPU only)
     return model, arch

@@ -12,6 +12,7 @@ from kvflow.core.scheduler_output import SchedulerOutput
 from kvflow.model import hugepages
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
+from kvflow.model.cuda_graphs import DecodeGraphs
 from kvflow.model.malloc_tuning import retain_freed_memory
 from kvflow.model.sampler import (Sampler, SamplingRow, apply_grammar_bitmask,
                                   build_sampling_metadata, logit_bias_tensors)
@@ -52,16 +53,20 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, arch: LlamaArchConfig, num_blocks: int,
                  block_size: int, kv_dtype: torch.dtype,
-                 eos_token_id: int | Sequence[int] | None) -> None:
+                 eos_token_id: int | Sequence[int] | None, *, device: torch.device | str = "cpu",
+                 graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.arch = arch
         self.block_size = block_size
         self.eos_token_ids = eos_ids(eos_token_id)  # the model's, all of them
+        self.device = torch.device(device)
+        on_cpu = self.device.type == "cpu"
         # KV cache groups (core/kv_cache_groups.py): one group of all layers without windows;
         # with windows, layer j of each group uses shared tensor pair j
         self.groups = make_kv_cache_groups(arch.layer_windows())
         self.layer_group, tensor_of = layer_slots(self.groups, arch.num_hidden_layers)
         tensors = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype,
+                                     None if on_cpu else self.device,
                                      num_layers=len(self.groups[0].layers))
         self.kv_caches = [tensors[j] for j in tensor_of]
         model.kernels = model.kernels.with_kv_dtype(kv_dtype)  # attention chosen for this cache
@@ -69,8 +74,10 @@ class ModelRunner:
         self._block_bytes = k0[0].numel() * k0.element_size()
         # the cache's pages are faulted in ahead of the writes (KVFLOW_KV_POPULATE=0: on first write)
         self.populator = (hugepages.Populator([t for pair in tensors for t in pair])
-                          if envs.KVFLOW_KV_POPULATE else None)
-        retain_freed_memory()  # after the KV cache: only the per-step activations are affected
+                          if envs.KVFLOW_KV_POPULATE and on_cpu else None)
+        if on_cpu:
+            retain_freed_memory()  # after the KV cache: only the per-step activations are affected
+        self.graphs = graphs  # decode steps through CUDA graphs (cuda_graphs.py); None: eager
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
 
@@ -127,7 +134,7 @@ class ModelRunner:
         if len(self.groups) == 1:
             meta = build_attention_metadata(query_lens, seq_lens, [out.block_ids[r] for r in req_ids],
                                             self.block_size, sliding_window=self.groups[0].sliding_window)
-            layer_metas, max_slot = meta, int(meta.slot_mapping.max())
+            metas = [meta]
         else:  # one metadata per group (its block tables and window), handed to its layers
             # (a step built without groups, the warm-up's, gives every group its one table)
             tables = [out.group_block_ids.get(r) or (out.block_ids[r],) * len(self.groups)
@@ -136,12 +143,21 @@ class ModelRunner:
                                               self.block_size, sliding_window=group.sliding_window)
                      for g, group in enumerate(self.groups)]
             meta = metas[0]
-            layer_metas = [metas[g] for g in self.layer_group]
-            max_slot = max(int(m.slot_mapping.max()) for m in metas)
+        if self.device.type != "cpu":  # the GPU kernels read these (and meta.gpu's arrays) only
+            for m in metas:
+                m.slot_mapping = m.slot_mapping.to(self.device, non_blocking=True)
+                m.device_positions = torch.from_numpy(m.positions).to(self.device, non_blocking=True)
         if self.populator is not None:  # every cache's bytes up to the furthest block written
+            max_slot = max(int(m.slot_mapping.max()) for m in metas)
             self.populator.need((max_slot // self.block_size + 1) * self._block_bytes)
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.long), meta.positions,
-                            self.kv_caches, layer_metas)
+        graphs = self.graphs
+        if (graphs is not None and len(metas) == 1 and out.total_num_scheduled_tokens == n
+                and graphs.fits(n, meta.decode_block_tables.shape[1])):
+            size, padded = graphs.prepare(meta, input_ids)
+            hidden = graphs.run(size, padded, self._forward)[:n]
+        else:
+            layer_metas = meta if len(metas) == 1 else [metas[g] for g in self.layer_group]
+            hidden = self._forward(torch.tensor(input_ids, dtype=torch.long).to(self.device), layer_metas)
 
         result = ModelRunnerOutput()
         if len(rows) == 0:
@@ -150,7 +166,7 @@ class ModelRunner:
         sampled_states = [states[i] for i in rows.tolist()]
         greedy = all(s.plain_greedy for s in sampled_states)
         logits = self.model.compute_logits(
-            hidden[torch.from_numpy(meta.query_start_loc[rows + 1] - 1)],
+            hidden[torch.from_numpy(meta.query_start_loc[rows + 1] - 1).to(self.device)],
             as_float=not greedy or grammar is not None)
         if logits is None:  # a tensor-parallel rank other than the driver: it never samples
             return result
@@ -162,7 +178,7 @@ class ModelRunner:
             tokens, logprobs = self.model.kernels.argmax(logits), None
         else:
             meta = build_sampling_metadata([self._sampling_row(s) for s in sampled_states],
-                                           logits.shape[-1])
+                                           logits.shape[-1], logits.device)
             meta.grammar_masked = grammar is not None
             sampled = self.sampler(logits, meta)
             tokens, logprobs = sampled.sampled_token_ids, sampled.logprobs
@@ -172,6 +188,17 @@ class ModelRunner:
             if logprobs is not None and logprobs[j] is not None:
                 result.logprobs[state.req_id] = logprobs[j]
         return result
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """Capture the decode graphs of every batch size (start-up, before any request)."""
+        if self.graphs is not None:
+            self.graphs.capture_all(self._forward, self.block_size)
+
+    def _forward(self, input_ids: torch.Tensor, meta) -> torch.Tensor:
+        """`meta`: one AttentionMetadata, or one per layer (its KV cache group's)."""
+        positions = (meta[0] if isinstance(meta, list) else meta).positions
+        return self.model(input_ids, positions, self.kv_caches, meta)
 
     def _sampling_row(self, s: CachedRequestState) -> SamplingRow:
         # token histories are copied only for requests whose sampling reads them

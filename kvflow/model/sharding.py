@@ -5,7 +5,9 @@ Megatron's layout, as in vLLM: Q/K/V and gate/up are column-parallel (each rank 
 own heads and its slice of the MLP), O and down are row-parallel (partial sums, all-reduced),
 the embedding and LM head are split by vocabulary rows. KV heads are split across ranks; with
 fewer KV heads than ranks each KV head is replicated on the ranks whose query heads read it.
-Norms and RoPE are replicated. Slices are read with safetensors' `get_slice`, so a rank never
+Norms and RoPE are replicated. An expert layer splits every expert (and Qwen2-MoE's shared
+expert) along its intermediate dimension like a dense MLP, the router and the shared expert's
+gate replicated, so each rank routes every token and all-reduces its partial sums. Slices are read with safetensors' `get_slice`, so a rank never
 holds more than its share of the model (plus one tensor's slice in flight); the loader builds
 the rank's model from them (kvflow.model.loader.load_sharded_model)."""
 from __future__ import annotations
@@ -45,8 +47,11 @@ def check_tp_size(arch: LlamaArchConfig, size: int) -> None:
     if (kvh % size) if kvh >= size else (size % kvh):
         raise ValueError(f"tensor_parallel_size {size} must divide the number of KV heads ({kvh}) "
                          f"or be a multiple of it")
-    if inter % size:
+    if inter % size and any(not arch.is_moe_layer(i) for i in range(arch.num_hidden_layers)):
         raise ValueError(f"tensor_parallel_size {size} must divide intermediate_size ({inter})")
+    for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        if arch.num_experts and getattr(arch, name) % size:
+            raise ValueError(f"tensor_parallel_size {size} must divide {name} ({getattr(arch, name)})")
 
 
 def shard_layout(arch: LlamaArchConfig, rank: int, size: int) -> ShardLayout:
@@ -56,7 +61,7 @@ def shard_layout(arch: LlamaArchConfig, rank: int, size: int) -> ShardLayout:
         local_kv, kv_start = kvh // size, rank * (kvh // size)
     else:  # replicated: ranks rank*kvh//size share KV head r // (size // kvh)
         local_kv, kv_start = 1, rank // (size // kvh)
-    inter = arch.intermediate_size // size
+    inter = arch.intermediate_size // size  # (0 rows where only expert layers use it)
     per_rank = -(-arch.vocab_size // size)
     v0 = min(rank * per_rank, arch.vocab_size)
     return ShardLayout(rank, size, rank * heads, heads, kv_start, local_kv, rank * inter, inter,
@@ -68,7 +73,9 @@ def local_arch(arch: LlamaArchConfig, size: int) -> LlamaArchConfig:
     and the KV cache are built from it unchanged."""
     lay = shard_layout(arch, 0, size)
     return replace(arch, num_attention_heads=lay.num_heads, num_key_value_heads=lay.num_kv_heads,
-                   intermediate_size=lay.intermediate_size, vocab_size=lay.vocab_per_rank)
+                   intermediate_size=lay.intermediate_size, vocab_size=lay.vocab_per_rank,
+                   moe_intermediate_size=arch.moe_intermediate_size // size,
+                   shared_expert_intermediate_size=arch.shared_expert_intermediate_size // size)
 
 
 def kv_bytes_per_token_per_rank(arch: LlamaArchConfig, size: int, dtype_bytes: int) -> int:
@@ -102,11 +109,14 @@ class _Checkpoint:
         return name in self._file_of or name in self._mapped
 
     def read(self, name: str, rows: tuple[int, int] | None = None,
-             cols: tuple[int, int] | None = None) -> torch.Tensor:
+             cols: tuple[int, int] | None = None, index: tuple | None = None) -> torch.Tensor:
+        """The whole tensor, or its `rows`, its `cols`, or any `index` (a tuple of slices)."""
         if name not in self:
             raise ValueError(f"weight {name!r} is missing from the checkpoint")
         src = self._mapped[name] if name in self._mapped else \
             self._handles[self._file_of[name]].get_slice(name)
+        if index is not None:
+            return src[index]
         if rows is not None:
             return src[rows[0]:rows[1]]
         if cols is not None:
@@ -121,6 +131,7 @@ def _hf_names(i: int) -> dict[str, tuple[str, int]]:
             "v_bias": (a + "v_proj.bias", 0), "o": (a + "o_proj.weight", 0),
             "gate": (m + "gate_proj.weight", 0), "up": (m + "up_proj.weight", 0),
             "down": (m + "down_proj.weight", 0),
+            "q_norm": (a + "q_norm.weight", 0), "k_norm": (a + "k_norm.weight", 0),
             "input_layernorm": (f"model.layers.{i}.input_layernorm.weight", 0),
             "post_attention_layernorm": (f"model.layers.{i}.post_attention_layernorm.weight", 0)}
 
@@ -135,7 +146,58 @@ def _fused_names(i: int, arch: LlamaArchConfig) -> dict[str, tuple[str, int]]:
             "v_bias": (p + "qkv_bias", q + kv), "o": (p + "o_proj", 0),
             "gate": (p + "gate_up_proj", 0), "up": (p + "gate_up_proj", inter),
             "down": (p + "down_proj", 0), "input_layernorm": (p + "input_layernorm", 0),
+            "q_norm": (p + "q_norm", 0), "k_norm": (p + "k_norm", 0),
             "post_attention_layernorm": (p + "post_attention_layernorm", 0)}
+
+
+def _phi3_names(i: int, arch: LlamaArchConfig) -> dict[str, tuple[str, int]]:
+    """Phi-3's HF folder: q/k/v rows and gate/up rows at offsets in its fused tensors."""
+    a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
+    return {**_hf_names(i), "q": (a + "qkv_proj.weight", 0), "k": (a + "qkv_proj.weight", q),
+            "v": (a + "qkv_proj.weight", q + kv), "gate": (m + "gate_up_proj.weight", 0),
+            "up": (m + "gate_up_proj.weight", arch.intermediate_size)}
+
+
+def _expert_shard(ckpt: "_Checkpoint", arch: LlamaArchConfig, i: int, fused: bool, rank: int,
+                  size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Layer i's expert block on rank `rank`: the router and the shared expert's gate whole,
+    every expert's (and the shared expert's) intermediate columns split like a dense MLP's."""
+    inter, shared = arch.moe_intermediate_size, arch.shared_expert_intermediate_size
+    n, ns = inter // size, shared // size
+    e0, s0 = rank * n, rank * ns
+    q, out = f"layers.{i}.moe.", {}
+    if fused:  # kvflow's own stacked names (the GGUF conversion cache)
+        out[q + "router"] = ckpt.read(q + "router")
+        gate_up = q + "gate_up"
+        out[q + "gate_up"] = torch.cat([ckpt.read(gate_up, index=(slice(None), slice(e0, e0 + n))),
+                                        ckpt.read(gate_up, index=(slice(None), slice(inter + e0, inter + e0 + n)))], 1)
+        out[q + "down"] = ckpt.read(q + "down", index=(slice(None), slice(None), slice(e0, e0 + n)))
+        if shared:
+            out[q + "shared_gate_up"] = torch.cat([ckpt.read(q + "shared_gate_up", rows=(s0, s0 + ns)),
+                                                   ckpt.read(q + "shared_gate_up", rows=(shared + s0, shared + s0 + ns))])
+            out[q + "shared_down"] = ckpt.read(q + "shared_down", cols=(s0, s0 + ns))
+            out[q + "shared_gate"] = ckpt.read(q + "shared_gate")
+        return {k: v.to(dtype) for k, v in out.items()}
+    if arch.architecture == "MixtralForCausalLM":
+        p = f"model.layers.{i}.block_sparse_moe."
+        gate, up, down = p + "experts.{}.w1.weight", p + "experts.{}.w3.weight", p + "experts.{}.w2.weight"
+    else:
+        p = f"model.layers.{i}.mlp."
+        gate, up, down = (p + "experts.{}.gate_proj.weight", p + "experts.{}.up_proj.weight",
+                          p + "experts.{}.down_proj.weight")
+    experts = range(arch.num_experts)
+    out[q + "router"] = ckpt.read(p + "gate.weight")
+    out[q + "gate_up"] = torch.stack([torch.cat([ckpt.read(gate.format(e), rows=(e0, e0 + n)),
+                                                 ckpt.read(up.format(e), rows=(e0, e0 + n))]) for e in experts])
+    out[q + "down"] = torch.stack([ckpt.read(down.format(e), cols=(e0, e0 + n)) for e in experts])
+    if shared:
+        s = p + "shared_expert."
+        out[q + "shared_gate_up"] = torch.cat([ckpt.read(s + "gate_proj.weight", rows=(s0, s0 + ns)),
+                                               ckpt.read(s + "up_proj.weight", rows=(s0, s0 + ns))])
+        out[q + "shared_down"] = ckpt.read(s + "down_proj.weight", cols=(s0, s0 + ns))
+        out[q + "shared_gate"] = ckpt.read(p + "shared_expert_gate.weight")
+    return {k: v.to(dtype) for k, v in out.items()}
 
 
 def load_shard(path: str, arch: LlamaArchConfig, dtype: torch.dtype, rank: int,
@@ -168,9 +230,11 @@ def load_shard(path: str, arch: LlamaArchConfig, dtype: torch.dtype, rank: int,
     k0, nk = lay.kv_head_start * d, lay.num_kv_heads * d
     i0, ni = lay.inter_start, lay.intermediate_size
     for i in range(arch.num_hidden_layers):
-        names = _fused_names(i, arch) if fused else _hf_names(i)
+        names = (_fused_names(i, arch) if fused else _phi3_names(i, arch)
+                 if arch.architecture == "Phi3ForCausalLM" else _hf_names(i))
         p = f"layers.{i}."
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        for norm in ("input_layernorm", "post_attention_layernorm") + (
+                ("q_norm", "k_norm") if arch.qk_norm else ()):  # QK-norm weights span head_dim: replicated
             out[p + norm] = ckpt.read(names[norm][0]).to(dtype)
         out[p + "qkv_proj"] = torch.cat([rows(names, "q", q0, nq), rows(names, "k", k0, nk),
                                          rows(names, "v", k0, nk)])
@@ -179,6 +243,9 @@ def load_shard(path: str, arch: LlamaArchConfig, dtype: torch.dtype, rank: int,
                                              rows(names, "k_bias", k0, nk),
                                              rows(names, "v_bias", k0, nk)])
         out[p + "o_proj"] = ckpt.read(names["o"][0], cols=(q0, q0 + nq)).to(dtype)
+        if arch.is_moe_layer(i):
+            out.update(_expert_shard(ckpt, arch, i, fused, rank, size, dtype))
+            continue
         out[p + "gate_up_proj"] = torch.cat([rows(names, "gate", i0, ni), rows(names, "up", i0, ni)])
         out[p + "down_proj"] = ckpt.read(names["down"][0], cols=(i0, i0 + ni)).to(dtype)
     return {k: v.contiguous() for k, v in out.items()}

@@ -53,6 +53,10 @@ class Step:
     admission_stop: str | None = None
     # derived: id -> blocks its finish or preemption returned to the pool (shared ones stay)
     freed: dict[str, list[int]] = field(default_factory=dict)
+    # prefill/decode disaggregation: pulls planned in the step, and transfers that ended (dicts
+    # with "id" and "event": lent, loaded, load_failed, load_cancelled, lease_done, ...)
+    kv_loads: list[dict] = field(default_factory=list)
+    kv_transfers: list[dict] = field(default_factory=list)
 
     @property
     def used_blocks(self) -> int:
@@ -107,7 +111,10 @@ def parse_step(obj: dict) -> Step:
                 int(obj["num_blocks"]), int(obj["free_blocks"]), [str(i) for i in obj.get("preempted", [])],
                 [str(i) for i in obj.get("finished", [])], reqs, obj.get("cached_free_blocks"),
                 {str(v): str(r) for v, r in obj.get("preempted_for", {}).items()}, checks,
-                [str(i) for i in obj.get("skipped", [])], obj.get("admission_stop"))
+                [str(i) for i in obj.get("skipped", [])], obj.get("admission_stop"),
+                kv_loads=[d for d in obj.get("kv_loads", []) if isinstance(d, dict) and "id" in d],
+                kv_transfers=[d for d in obj.get("kv_transfers", [])
+                              if isinstance(d, dict) and "id" in d and "event" in d])
 
 
 def _release(tables: dict[str, list[int]], rid: str) -> list[int]:

@@ -49,12 +49,21 @@ def _blocks(r: RequestStep) -> str:
 
 
 def events(s: Step) -> str:
-    """'preempted C (freed 6-8); finished A (freed 0-5)'."""
+    """'preempted C (freed 6-8); finished A (freed 0-5)'; with disaggregation also 'finished A
+    (lent 0-5)', 'B: pulling (3 blocks)', 'B: loaded (3 blocks)', 'A: lease_done'."""
     parts = []
+    lent = {t["id"] for t in s.kv_transfers if t["event"] == "lent"}
     for kind, ids in (("preempted", s.preempted), ("finished", s.finished)):
         for rid in ids:
             freed = s.freed.get(rid)
-            parts.append(f"{kind} {rid}" + (f" (freed {block_ranges(freed)})" if freed else ""))
+            verb = "lent" if rid in lent else "freed"  # kept for a decode instance
+            parts.append(f"{kind} {rid}" + (f" ({verb} {block_ranges(freed)})" if freed else ""))
+    for ld in s.kv_loads:
+        parts.append(f"pulling {ld['id']} ({ld.get('blocks', '?')} blocks)")
+    for t in s.kv_transfers:
+        if t["event"] != "lent":
+            extra = f" ({t['blocks']} blocks)" if "blocks" in t else ""
+            parts.append(f"{t['id']}: {t['event']}{extra}")
     return "; ".join(parts)
 
 

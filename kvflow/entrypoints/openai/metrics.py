@@ -14,6 +14,22 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
                 60.0, 120.0, 240.0, 480.0, 960.0)
 
 
+_KV_COUNTERS = (
+    ("leases_granted", "Prompts whose KV blocks were lent to a decode instance."),
+    ("leases_released", "Leases released by the decode side."),
+    ("leases_expired", "Leases that expired without word from the decode side."),
+    ("pulls_served", "KV pulls served to decode instances."),
+    ("bytes_sent", "KV bytes sent to decode instances."),
+    ("blocks_sent", "KV blocks sent to decode instances."),
+    ("loads_done", "KV pulls from prefill instances that succeeded."),
+    ("loads_failed", "KV pulls from prefill instances that failed."),
+    ("bytes_received", "KV bytes received from prefill instances."),
+    ("blocks_received", "KV blocks received from prefill instances."),
+    ("load_seconds", "Seconds spent in successful KV pulls (divide by loads_done: latency)."),
+    ("late_frames", "KV answers that came after their pull had ended (dropped)."),
+)
+
+
 class ServerMetrics(StatLogger):
     """Engine gauges from the core's SchedulerStats; request latencies measured here, in the
     frontend, from what the client actually sees."""
@@ -53,6 +69,13 @@ class ServerMetrics(StatLogger):
         self._finished = Counter("kvflow:request_success", "Finished requests by finish reason.",
                                  ["model_name", "finished_reason"], registry=r)
         self._model_name = model_name
+        # prefill/decode transfers (with --kv-transfer-config): the core's cumulative counts
+        self.kv_leases_active = gauge("kvflow:kv_transfer_leases_active",
+                                      "Lent KV block sets not yet released (prefill side).")
+        self.kv_loads_active = gauge("kvflow:kv_transfer_loads_active",
+                                     "KV pulls in flight (decode side).")
+        self._kv_counters = {f: counter(f"kvflow:kv_transfer_{f}", doc) for f, doc in _KV_COUNTERS}
+        self._kv_last: dict[str, float] = {}
         self._last_token_time: dict[str, float] = {}
         self.recent = RecentLatencies()  # the dashboard's last minute
 
@@ -76,6 +99,15 @@ class ServerMetrics(StatLogger):
         if hits > last_h:
             self.prefix_hits.inc(hits - last_h)
         self._last_prefix = (max(queries, last_q), max(hits, last_h))
+        kt = stats.kv_transfer
+        if kt is not None:
+            self.kv_leases_active.set(kt.leases_active)
+            self.kv_loads_active.set(kt.loads_active)
+            for f, c in self._kv_counters.items():
+                value, last = getattr(kt, f), self._kv_last.get(f, 0)
+                if value > last:
+                    c.inc(value - last)
+                    self._kv_last[f] = value
 
     def record_outputs(self, outputs: list[RequestOutput], now: float) -> None:
         self.recent.record_outputs(outputs, now)

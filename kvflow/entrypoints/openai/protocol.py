@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from kvflow.kv_transfer.params import MAX_ID_CHARS, MAX_REMOTE_BLOCKS, KVTransferParams
 from kvflow.sampling_params import (SEED_MAX, SEED_MIN, SamplingParams, StructuredOutputsParams,
                                     find_lone_surrogate)
 
@@ -180,6 +181,38 @@ def constraint_of(response_format: ResponseFormat | None,
     return None
 
 
+class KVTransferParamsRequest(OpenAIBaseModel):
+    """vLLM's `kv_transfer_params` (prefill/decode disaggregation, docs/disaggregation.md). An
+    unknown key is refused: a transfer that silently lost a field would move the wrong blocks."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = Field(None, max_length=MAX_ID_CHARS)
+    remote_host: str | None = Field(None, max_length=MAX_ID_CHARS)
+    remote_port: int | None = Field(None, ge=1, le=65535)
+    remote_block_ids: list[int] | None = Field(None, max_length=MAX_REMOTE_BLOCKS)
+    remote_num_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
+    remote_block_size: int | None = Field(None, ge=1, le=4096)
+    remote_host_id: str | None = Field(None, max_length=MAX_ID_CHARS)
+    transfer_id: str | None = Field(None, max_length=MAX_ID_CHARS)
+    compat_hash: str | None = Field(None, max_length=MAX_ID_CHARS)
+    compat: dict[str, str | int] | None = Field(None, max_length=32)
+
+    @field_validator("compat")
+    @classmethod
+    def _short_values(cls, value):
+        if value and any(len(k) > MAX_ID_CHARS or (isinstance(v, str) and len(v) > MAX_ID_CHARS)
+                         for k, v in value.items()):
+            raise ValueError(f"kv_transfer_params.compat: keys and values of at most "
+                             f"{MAX_ID_CHARS} characters")
+        return value
+
+    def params(self) -> KVTransferParams:
+        return KVTransferParams(**self.model_dump())
+
+
 class SamplingFields(OpenAIBaseModel):
     """Fields shared by completions and chat; the engine's extensions follow vLLM's names.
     Values are checked by SamplingParams (one place for the limits)."""
@@ -210,6 +243,7 @@ class SamplingFields(OpenAIBaseModel):
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    kv_transfer_params: KVTransferParamsRequest | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -230,7 +264,16 @@ class SamplingFields(OpenAIBaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             logit_bias=self.logit_bias,
-            structured_outputs=constraint_of(self.response_format, self.structured_outputs))
+            structured_outputs=constraint_of(self.response_format, self.structured_outputs),
+            kv_transfer_params=self._kv_transfer_params())
+
+    def _kv_transfer_params(self) -> KVTransferParams | None:
+        kt = self.kv_transfer_params
+        if kt is None or not (kt.do_remote_decode or kt.do_remote_prefill):
+            return None
+        if self.n != 1:
+            raise ValueError("kv_transfer_params: n must be 1 (one transfer per request)")
+        return kt.params()
 
 
 class CompletionRequest(SamplingFields):

@@ -241,6 +241,10 @@ class OpenAIServingChat(OpenAIServing):
                           "finish_reason": finish}
                 if c.finish_reason is not None:
                     choice["stop_reason"] = c.stop_reason
+                if out.kv_transfer_params is not None:  # lent blocks: where to pull them
+                    yield {**head, "choices": [choice], **extra,
+                           "kv_transfer_params": out.kv_transfer_params}
+                    continue
                 yield {**head, "choices": [choice], **extra}
         if job.include_usage:
             n_prompt = len(job.prompt_ids)
@@ -252,9 +256,11 @@ class OpenAIServingChat(OpenAIServing):
         job.include_usage = True
         choices: dict[int, dict] = {}
         usage = None
+        kv_transfer_params = None
         async for chunk in self.chunks(job):
             if not chunk["choices"]:
                 usage = chunk["usage"]
+            kv_transfer_params = chunk.get("kv_transfer_params", kv_transfer_params)
             for c in chunk["choices"]:
                 choice = choices.setdefault(c["index"], {
                     "index": c["index"], "message": {"role": "assistant", "content": None},
@@ -270,8 +276,12 @@ class OpenAIServingChat(OpenAIServing):
             message = choice["message"]
             if message["content"] is None and not message.get("tool_calls"):
                 message["content"] = ""  # an empty answer is "", a tool-calling one null
-        return {"id": job.request_id, "object": "chat.completion", "created": job.created,
-                "model": job.model, "choices": [choices[i] for i in sorted(choices)], "usage": usage}
+        result = {"id": job.request_id, "object": "chat.completion", "created": job.created,
+                  "model": job.model, "choices": [choices[i] for i in sorted(choices)],
+                  "usage": usage}
+        if kv_transfer_params is not None:
+            result["kv_transfer_params"] = kv_transfer_params
+        return result
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
         job = await self.prepare(req)

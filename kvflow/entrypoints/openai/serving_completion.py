@@ -119,6 +119,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 chunk = {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                               "finish_reason": c.finish_reason,
                                               "stop_reason": c.stop_reason}]}
+                if out.kv_transfer_params is not None:  # lent blocks: where to pull them
+                    chunk["kv_transfer_params"] = out.kv_transfer_params
                 if job.include_usage:
                     chunk["usage"] = None
                 yield chunk
@@ -133,9 +135,11 @@ class OpenAIServingCompletion(OpenAIServing):
         job.include_usage = True
         choices: dict[int, dict] = {}
         usage = None
+        kv_transfer_params = None
         async for chunk in self.chunks(job):
             if not chunk["choices"]:
                 usage = chunk["usage"]
+            kv_transfer_params = chunk.get("kv_transfer_params", kv_transfer_params)
             for c in chunk["choices"]:
                 choice = choices.setdefault(c["index"], {"index": c["index"], "text": "",
                                                          "logprobs": None, "finish_reason": None,
@@ -148,8 +152,12 @@ class OpenAIServingCompletion(OpenAIServing):
                         choice["logprobs"][k].extend(v)
                 if c["finish_reason"] is not None:
                     choice["finish_reason"], choice["stop_reason"] = c["finish_reason"], c["stop_reason"]
-        return {"id": job.request_id, "object": "text_completion", "created": job.created,
-                "model": job.model, "choices": [choices[i] for i in sorted(choices)], "usage": usage}
+        result = {"id": job.request_id, "object": "text_completion", "created": job.created,
+                  "model": job.model, "choices": [choices[i] for i in sorted(choices)],
+                  "usage": usage}
+        if kv_transfer_params is not None:
+            result["kv_transfer_params"] = kv_transfer_params
+        return result
 
     async def create(self, req: CompletionRequest, raw: Request):
         job = await self.prepare(req)

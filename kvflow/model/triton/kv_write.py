@@ -1,0 +1,48 @@
+"""This step's K/V rows into the paged cache at their flat slots (block * block_size + offset).
+A negative slot is a padding row (a CUDA graph's batch padded to its captured size): skipped."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvflow.model.kv_layout import cache_geometry
+from kvflow.model.triton.layout import key_offset, tile_base, value_offset
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, slot_mapping, stride_k_tok, stride_k_head,
+                     stride_v_tok, stride_v_head,
+                     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    tok = tl.program_id(0)
+    slot = tl.load(slot_mapping + tok)
+    block = tl.maximum(slot, 0) // BLOCK_SIZE
+    at = tl.maximum(slot, 0) % BLOCK_SIZE
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    row_ok = (h < KV_HEADS) & (slot + tl.zeros([BLOCK_H], tl.int64) >= 0)
+    mask = row_ok[:, None] & (d[None, :] < HEAD_DIM)
+    k = tl.load(k_ptr + tok * stride_k_tok + h[:, None] * stride_k_head + d[None, :], mask=mask)
+    v = tl.load(v_ptr + tok * stride_v_tok + h[:, None] * stride_v_head + d[None, :], mask=mask)
+    base = tile_base(block, h, KV_HEADS, BLOCK_SIZE, HEAD_DIM)[:, None]
+    tl.store(k_cache + base + key_offset(at, d[None, :], BLOCK_SIZE),
+             k.to(k_cache.dtype.element_ty), mask=mask)
+    tl.store(v_cache + base + value_offset(at, d[None, :], HEAD_DIM),
+             v.to(v_cache.dtype.element_ty), mask=mask)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k/v [T, kv_heads, head_dim] (heads dense; rows may be strided views of the fused qkv)
+    into the flat slots; kv_layout.write_rows in one kernel launch."""
+    block_size, kv_heads, head_dim = cache_geometry(k_cache)
+    if k.stride(2) != 1 or v.stride(2) != 1 or not k_cache.is_contiguous() or not v_cache.is_contiguous():
+        raise ValueError("write_kv needs dense head dims and contiguous caches")
+    num_tokens = k.shape[0]
+    if num_tokens == 0:
+        return
+    _write_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))

@@ -1,0 +1,82 @@
+"""The Triton kernels compiled ahead of time for an H200 (sm_90) on this CPU machine: Triton
+ships ptxas, so what the interpreter cannot show (types, dot shapes, register and shared memory
+limits, the bf16 dot path) is checked before any GPU time is spent. The shapes are Llama-3-8B's
+(32 heads, 8 KV heads, head_dim 128) and SmolLM2-135M's (9 / 3, 64), bf16, with the launch
+parameters the wrappers in kvflow/model/triton/ choose."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+# ~3 s per kernel variant; Triton 3.9 warns that its FP-fusion default will change (not ours)
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")]
+
+H200 = ("cuda", 90, 32)
+SHAPES = {"llama3-8b": dict(heads=32, kv=8, d=128), "smollm2-135m": dict(heads=9, kv=3, d=64)}
+
+
+def _compile(fn, types: dict, consts: dict):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    assert not os.environ.get("TRITON_INTERPRET"), "compiling needs the real @triton.jit"
+    sig = {a: "constexpr" if a in consts else types[a] for a in fn.arg_names}
+    kernel = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget(*H200))
+    assert kernel.asm["cubin"] and kernel.metadata.shared <= 228 * 1024  # H200: 228 KiB per SM
+    return kernel
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("window,cap", [(False, False), (True, True)])
+def test_decode_and_merge_compile_for_h200(shape, window, cap):
+    from kvflow.model.triton import paged_decode as m
+    s = SHAPES[shape]
+    group = s["heads"] // s["kv"]
+    _compile(m._decode_split_kernel,
+             dict(q_ptr="*bf16", k_cache="*bf16", v_cache="*bf16", block_tables="*i32",
+                  seq_lens="*i32", part_out="*fp32", part_lse="*fp32", scale="fp32", cap="fp32",
+                  window="i32", stride_q_tok="i32", stride_q_head="i32", stride_bt="i32"),
+             dict(NUM_SPLITS=16, HEADS=s["heads"], KV_HEADS=s["kv"], HEAD_DIM=s["d"], BLOCK_SIZE=16,
+                  GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), 2), BLOCK_D=s["d"],
+                  BLOCK_N=16, USE_CAP=cap, USE_WINDOW=window))
+    _compile(m._merge_splits_kernel,
+             dict(part_out="*fp32", part_lse="*fp32", out_ptr="*bf16", stride_o_tok="i32",
+                  stride_o_head="i32"),
+             dict(NUM_SPLITS=16, HEADS=s["heads"], HEAD_DIM=s["d"], BLOCK_S=16, BLOCK_D=s["d"]))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("window,cap", [(False, False), (True, True)])
+def test_prefill_compiles_for_h200_with_bf16_dots(shape, window, cap):
+    from kvflow.model.triton import paged_prefill as m
+    s = SHAPES[shape]
+    _compile(m._prefill_kernel,
+             dict(q_ptr="*bf16", k_cache="*bf16", v_cache="*bf16", block_tables="*i32",
+                  seq_lens="*i32", query_start_loc="*i32", out_ptr="*bf16", scale="fp32",
+                  cap="fp32", window="i32", stride_q_tok="i32", stride_q_head="i32",
+                  stride_o_tok="i32", stride_o_head="i32", stride_bt="i32"),
+             dict(KV_HEADS=s["kv"], GROUP=s["heads"] // s["kv"], HEAD_DIM=s["d"], BLOCK_SIZE=16,
+                  BLOCK_M=32, BLOCK_N=32, BLOCK_D=s["d"], USE_CAP=cap, USE_WINDOW=window,
+                  DOT_FP32=False, PRECISION="tf32"))
+
+
+def test_kv_write_and_fused_ops_compile_for_h200():
+    from kvflow.model.triton import fused_ops, kv_write
+    _compile(kv_write._write_kv_kernel,
+             dict(k_ptr="*bf16", v_ptr="*bf16", k_cache="*bf16", v_cache="*bf16",
+                  slot_mapping="*i64", stride_k_tok="i32", stride_k_head="i32",
+                  stride_v_tok="i32", stride_v_head="i32"),
+             dict(KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128))
+    _compile(fused_ops._add_rms_norm_kernel,
+             dict(x_ptr="*bf16", delta_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", stride_x="i32",
+                  stride_d="i32", stride_o="i32", n="i32", eps="fp32"),
+             dict(HAS_DELTA=True, BLOCK=4096))
+    _compile(fused_ops._silu_mul_kernel,
+             dict(gu_ptr="*bf16", out_ptr="*bf16", stride_gu="i32", stride_o="i32", n="i32"),
+             dict(BLOCK=1024))
+    _compile(fused_ops._rope_kernel,
+             dict(qkv_ptr="*bf16", pos_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32",
+                  stride_t="i32", stride_pos="i32", n_heads="i32"),
+             dict(HEAD_DIM=128, BLOCK_H=16, BLOCK_J=64))

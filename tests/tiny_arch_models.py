@@ -1,0 +1,278 @@
+"""Tiny random Qwen3, Phi-3 and mixture-of-experts models (Qwen3-MoE, Mixtral, Qwen2-MoE) saved
+as HF folders, and a GGUF writer that converts such a folder the way llama.cpp's
+convert_hf_to_gguf.py does (its tensor names, metadata keys, q/k permutation for the "llama"
+architecture and experts stacked into 3-D tensors), so the GGUF path is tested on files shaped
+like the ones people download."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import torch
+
+from conftest_model_helpers import _save_random, save_byte_tokenizer
+
+VOCAB = 320
+_BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=512,
+             bos_token_id=1, eos_token_id=2)
+# Each family's chat template and end-of-turn token (a special token, also a stop id in
+# generation_config.json, as in the real models).
+_CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+_PHI3 = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+         "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+_MISTRAL = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}"
+            " [/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+_CHAT = {"qwen": (("<|im_end|>", "<|im_start|>"), _CHATML),
+         "phi3": (("<|end|>", "<|user|>", "<|assistant|>", "<|system|>"), _PHI3),
+         "mistral": ((), _MISTRAL)}
+END_OF_TURN = {"qwen": "<|im_end|>", "phi3": "<|end|>", "mistral": None}
+# Routers scaled up from the random init so that the top-k choice is decisive, not a near-tie
+# that fp32 rounding could flip between two implementations.
+_ROUTER_SCALE = 40.0
+
+
+def save_qwen3(path: str) -> str:
+    """Qwen3: QK-norm, head_dim 24 (not hidden/heads), tied embeddings."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(**_BASE, head_dim=24, tie_word_embeddings=True, rope_theta=1000000.0)
+    return _finish(_save_random(Qwen3ForCausalLM, cfg, path, seed=1), "qwen")
+
+
+ORIGINAL_CONTEXT = 128  # Phi-3's original_max_position_embeddings in the tiny model
+
+
+def save_phi3(path: str) -> str:
+    """Phi-3 with LongRoPE (short/long factors, attention factor from 512/128) and a partial
+    rotary factor of 0.5; untied. The tests stay below position 128, where transformers and
+    kvflow both use the short factors (past it transformers re-rotates the whole sequence with
+    the long ones; tests/test_arch_equivalence.py checks kvflow's long-factor table alone)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    half = 16 // 2 // 2  # head_dim 16, rotary dim 8: 4 frequencies
+    rng = np.random.default_rng(5)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "short_factor": (1 + rng.random(half)).round(3).tolist(),
+            "long_factor": (2 + 4 * rng.random(half)).round(3).tolist(),
+            "original_max_position_embeddings": ORIGINAL_CONTEXT}
+    cfg = Phi3Config(**_BASE, tie_word_embeddings=False, pad_token_id=0, rope_parameters=rope,
+                     original_max_position_embeddings=ORIGINAL_CONTEXT)
+    return _finish(_save_random(Phi3ForCausalLM, cfg, path, seed=2), "phi3")
+
+
+def save_qwen3_moe(path: str) -> str:
+    """Qwen3-MoE: 6 experts, top-2 renormalised, layer 1 dense (mlp_only_layers)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(**_BASE, head_dim=16, moe_intermediate_size=32, num_experts=6,
+                         num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+                         tie_word_embeddings=False)
+    return _finish(_save_random(Qwen3MoeForCausalLM, cfg, path, seed=3), "qwen")
+
+
+def save_mixtral(path: str) -> str:
+    """Mixtral: 4 experts, top-2, GQA 4/2 (its GGUF permutes q/k like Llama's)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(**_BASE, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    return _finish(_save_random(MixtralForCausalLM, cfg, path, seed=4), "mistral")
+
+
+def save_qwen2_moe(path: str) -> str:
+    """Qwen2-MoE: q/k/v biases, 4 experts, top-2 not renormalised, a shared expert with its
+    sigmoid gate."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(**_BASE, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                         num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+                         tie_word_embeddings=False)
+    return _finish(_save_random(Qwen2MoeForCausalLM, cfg, path, seed=5), "qwen")
+
+
+BUILDERS = {"qwen3": save_qwen3, "phi3": save_phi3, "qwen3_moe": save_qwen3_moe,
+            "mixtral": save_mixtral, "qwen2_moe": save_qwen2_moe}
+
+
+def family(path: str) -> str:
+    """The chat family ("qwen", "phi3", "mistral") a folder was saved with."""
+    with open(os.path.join(path, "kvflow_test_family")) as f:
+        return f.read()
+
+
+def _finish(path: str, family: str) -> str:
+    """Sharpen the routers, add a tokenizer with the family's chat template, and a
+    generation_config listing its end-of-turn token as a second stop id."""
+    from transformers import AutoTokenizer
+
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    for name in tensors:
+        if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+            tensors[name] = tensors[name] * _ROUTER_SCALE
+    save_file(tensors, file, metadata={"format": "pt"})
+    extra, template = _CHAT[family]
+    save_byte_tokenizer(path, VOCAB, ("<unk>", "<s>", "</s>") + extra)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = template
+    tok.save_pretrained(path)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": 1, "eos_token_id": [2, 3] if extra else 2}, f)
+    with open(os.path.join(path, "kvflow_test_family"), "w") as f:
+        f.write(family)
+    return path
+
+
+# -- GGUF, the way convert_hf_to_gguf.py writes these models -----------------------------------
+_GGUF_ARCH = {"Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Qwen3MoeForCausalLM": "qwen3moe",
+              "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe"}
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute: HF's half-split RoPE rows -> interleaved pairs."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(hf_dir: str, out_path: str, quant: str = "F32", legacy_experts: bool = False) -> str:
+    """Convert the tiny HF folder to a GGUF file; `quant` "F32" or "Q8_0" (the 2-D and 3-D
+    projections quantised, norms and small tensors kept in F32, as llama.cpp does).
+    `legacy_experts`: Mixtral's experts one tensor each (`blk.N.ffn_gate.E.weight`), as
+    llama.cpp wrote them before it stacked them."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    hf_arch = cfg["architectures"][0]
+    arch = _GGUF_ARCH[hf_arch]
+    t = load_file(os.path.join(hf_dir, "model.safetensors"))
+    n_layer, n_head, n_kv = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
+    rope = cfg.get("rope_parameters") or {}
+    w = gguf.GGUFWriter(out_path, arch)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_block_count(n_layer)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    _add_tokenizer(w, hf_dir)
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if "moe_intermediate_size" in cfg:
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+
+    def add(name: str, a: np.ndarray) -> None:
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        if quant == "Q8_0" and a.ndim >= 2 and a.shape[-1] % 32 == 0:
+            q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, a)
+
+    add("token_embd.weight", t["model.embed_tokens.weight"])
+    add("output_norm.weight", t["model.norm.weight"])
+    if "lm_head.weight" in t:
+        add("output.weight", t["lm_head.weight"])
+    if arch == "phi3":
+        rot = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+        w.add_rope_dimension_count(rot)
+        if rope.get("rope_type") == "longrope":
+            orig = rope["original_max_position_embeddings"]
+            scale = cfg["max_position_embeddings"] / orig
+            w.add_rope_scaling_orig_ctx_len(orig)
+            w.add_rope_scaling_attn_factors(np.sqrt(1 + np.log(scale) / np.log(orig)) if scale > 1 else 1.0)
+            add("rope_factors_long.weight", np.array(rope["long_factor"]))
+            add("rope_factors_short.weight", np.array(rope["short_factor"]))
+    for i in range(n_layer):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        a = p + "self_attn."
+        add(b + "attn_norm.weight", t[p + "input_layernorm.weight"])
+        add(b + "ffn_norm.weight", t[p + "post_attention_layernorm.weight"])
+        add(b + "attn_output.weight", t[a + "o_proj.weight"])
+        if arch == "phi3":
+            add(b + "attn_qkv.weight", t[a + "qkv_proj.weight"])
+        else:
+            q, k = t[a + "q_proj.weight"], t[a + "k_proj.weight"]
+            if arch == "llama":
+                q, k = _permute(q, n_head), _permute(k, n_kv)
+            add(b + "attn_q.weight", q)
+            add(b + "attn_k.weight", k)
+            add(b + "attn_v.weight", t[a + "v_proj.weight"])
+            for x in "qkv":
+                if a + f"{x}_proj.bias" in t:
+                    add(b + f"attn_{x}.bias", t[a + f"{x}_proj.bias"])
+        if a + "q_norm.weight" in t:
+            add(b + "attn_q_norm.weight", t[a + "q_norm.weight"])
+            add(b + "attn_k_norm.weight", t[a + "k_norm.weight"])
+        m = p + "mlp."
+        if arch == "phi3":
+            add(b + "ffn_up.weight", t[m + "gate_up_proj.weight"])  # [gate; up], as Phi-3 ships it
+            add(b + "ffn_down.weight", t[m + "down_proj.weight"])
+        elif arch == "llama":  # Mixtral
+            e = p + "block_sparse_moe."
+            add(b + "ffn_gate_inp.weight", t[e + "gate.weight"])
+            for kind, hf in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+                if legacy_experts:
+                    for x in range(experts):
+                        add(b + f"ffn_{kind}.{x}.weight", t[e + f"experts.{x}.{hf}.weight"])
+                    continue
+                add(b + f"ffn_{kind}_exps.weight",
+                    np.stack([t[e + f"experts.{x}.{hf}.weight"] for x in range(experts)]))
+        elif m + "gate.weight" in t:  # Qwen-MoE sparse layer
+            add(b + "ffn_gate_inp.weight", t[m + "gate.weight"])
+            for kind in ("gate", "up", "down"):
+                add(b + f"ffn_{kind}_exps.weight",
+                    np.stack([t[m + f"experts.{x}.{kind}_proj.weight"] for x in range(experts)]))
+            if m + "shared_expert_gate.weight" in t:
+                add(b + "ffn_gate_inp_shexp.weight", t[m + "shared_expert_gate.weight"][0])
+                for kind in ("gate", "up", "down"):
+                    add(b + f"ffn_{kind}_shexp.weight", t[m + f"shared_expert.{kind}_proj.weight"])
+        else:
+            for kind in ("gate", "up", "down"):
+                add(b + f"ffn_{kind}.weight", t[m + f"{kind}_proj.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out_path
+
+
+def _add_tokenizer(w, hf_dir: str) -> None:
+    """The folder's byte-level BPE tokenizer and chat template as llama.cpp's "gpt2" vocab."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    vocab = tok.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    special = set(tok.all_special_ids)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
+                       for i in range(len(tokens))])
+    w.add_token_scores([0.0] * len(tokens))  # (no merges: single bytes; readers derive none)
+    w.add_bos_token_id(tok.bos_token_id)
+    w.add_eos_token_id(tok.eos_token_id)
+    w.add_pad_token_id(0)
+    w.add_chat_template(tok.chat_template)
+
+
+def hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
