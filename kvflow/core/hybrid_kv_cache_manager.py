@@ -39,8 +39,9 @@ class HybridKVCacheManager(KVCacheManager):
         self.req_to_blocks = self.tables[0]  # group 0's, for readers of the one-table view
 
     @property
-    def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / (self.num_total_blocks - 1)
+    def num_total_blocks(self) -> int:
+        """Blocks requests can hold: the pool's, less the null block."""
+        return self.block_pool.num_blocks - 1
 
     # -- what a window needs ---------------------------------------------------------------
     def _first_needed_block(self, group: KVCacheGroup, num_computed: int) -> int:
@@ -216,4 +217,4 @@ class HybridKVCacheManager(KVCacheManager):
             assert block.ref_cnt == holders.get(block.block_id, 0), (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} but held by {holders.get(block.block_id, 0)}")
             assert (block.ref_cnt == 0) == self.block_pool.is_free(block.block_id)
-        assert self.num_free_blocks + len(holders) == self.num_total_blocks
+        assert self.num_free_blocks + len(holders) == self.block_pool.num_blocks

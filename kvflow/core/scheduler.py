@@ -75,11 +75,11 @@ class Scheduler:
         kv = self.kv_cache_manager
         if isinstance(kv, HybridKVCacheManager):  # its KV cache groups' blocks, all together
             need = kv.max_blocks_needed(req.num_prompt_tokens + req.max_tokens)
-            if need > kv.num_total_blocks - 1:
+            if need > kv.num_total_blocks:
                 raise InvalidRequestError(
                     f"prompt ({req.num_prompt_tokens} tokens) and max_tokens ({req.max_tokens}) need "
                     f"{need} KV blocks over the model's KV cache groups; the pool has "
-                    f"{kv.num_total_blocks - 1}", "max_tokens")
+                    f"{kv.num_total_blocks}", "max_tokens")
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req

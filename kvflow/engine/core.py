@@ -109,6 +109,9 @@ class EngineCore:
                 if self.tp_size > 1:
                     raise ValueError("kv_transfer_config: KV transfer under tensor parallelism "
                                      "is not implemented yet")
+                if any(w is not None for w in cc.layer_windows):
+                    raise ValueError("kv_transfer_config: KV transfer of a model with sliding-window "
+                                     "layers (one block table per KV cache group) is not implemented yet")
                 if self.device.type != "cpu":
                     raise ValueError("kv_transfer_config: KV transfer moves CPU caches only; "
                                      f"this engine's cache is on {self.device.type}")
@@ -146,12 +149,18 @@ class EngineCore:
 
     def startup_report(self) -> str:
         cc, a = self.cache_config, self.arch
+        groups = make_kv_cache_groups(cc.layer_windows or (None,))
+        # with several groups a token takes a block's slot in each (a lower bound on the
+        # concurrency: local groups need only their window)
+        tokens = cc.num_blocks * cc.block_size // len(groups)
+        group_note = (f" in {len(groups)} KV cache groups of {len(groups[0].layers)} layers"
+                      if len(groups) > 1 else "")
         return (f"kvflow: model {self.model_path} ({a.architecture}, "
                 f"{a.num_parameters() / 1e6:.1f}M params, {str(self.dtype).removeprefix('torch.')}); "
                 f"KV {str(self.kv_dtype).removeprefix('torch.')} {self.kv_bytes_per_token} B/token; "
-                f"{cc.num_blocks} blocks x {cc.block_size} = "
-                f"{cc.num_blocks * cc.block_size} tokens; max concurrency at max_model_len "
-                f"{self.max_model_len}: {max_concurrency(cc.num_blocks, cc.block_size, self.max_model_len):.2f}; "
+                f"{cc.num_blocks} blocks x {cc.block_size}{group_note} = "
+                f"{tokens} tokens; max concurrency at max_model_len "
+                f"{self.max_model_len}: {max_concurrency(cc.num_blocks // len(groups), cc.block_size, self.max_model_len):.2f}; "
                 f"threads {torch.get_num_threads()}; "
                 + (f"tensor-parallel size {self.tp_size} (KV per rank); " if self.tp_size > 1 else "")
                 + (self._gpu_report() if self.device.type == "cuda" else "")

@@ -99,7 +99,10 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
         from kvflow.model.gpu_kernels import gpu_implementations
         names, impl = gpu_implementations()
         return Kernels(dtype=dtype, kv_dtype=kv_dtype, device_type=device_type, features=features,
-                       options=options, names=names, pack=None, **impl)
+                       options=options, names=names, pack=None,
+                       add_rms_norm_fp32_weight=ops.add_rms_norm_fp32_weight_torch,
+                       linear_gelu_tanh_mul=partial(packed_linear.linear_silu_mul,
+                                                    silu_mul=ops.gelu_tanh_mul_torch), **impl)
     on_cpu = device_type == "cpu"
     lib = library() if on_cpu and options.c_kernels else None
     c = lib is not None

@@ -64,6 +64,9 @@ class ModelRunner:
         # KV cache groups (core/kv_cache_groups.py): one group of all layers without windows;
         # with windows, layer j of each group uses shared tensor pair j
         self.groups = make_kv_cache_groups(arch.layer_windows())
+        if not on_cpu and any(g.sliding_window is not None for g in self.groups):
+            raise ValueError("sliding-window attention runs on the CPU only for now "
+                             "(the GPU kernels take no window)")
         self.layer_group, tensor_of = layer_slots(self.groups, arch.num_hidden_layers)
         tensors = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype,
                                      None if on_cpu else self.device,
