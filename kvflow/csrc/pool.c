@@ -142,6 +142,7 @@ static int64_t now_ns(void) {
 static void *worker_main(void *arg) {
     const int id = (int)((uintptr_t)arg >> 32);
     uint32_t seen = (uint32_t)(uintptr_t)arg;
+    pthread_setname_np(pthread_self(), "kvflow-pool"); /* how tools and tests tell them apart */
     for (;;) {
         /* spin for the next job, then sleep until one is posted */
         int64_t start = now_ns();
