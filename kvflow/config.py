@@ -57,6 +57,11 @@ class ModelConfig:
         "(AVX512-BF16/AMX), else float32; in bf16 a request's tokens can change with the batch "
         "around it, pass float32 where outputs must not depend on other requests",
         choices=DTYPES)
+    quantization: str | None = option(
+        None, "weights served quantized: `gguf` keeps a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 blocks "
+        "(other types as 8-bit blocks) and multiplies them in int8, `int8` quantizes a float "
+        "model to W8A8 at load, `none` dequantises (default: `gguf` for a quantized GGUF file, "
+        "else `none`)", choices=("gguf", "int8", "none"))
     max_model_len: int | None = option(
         None, "longest sequence (prompt + output) served (default: the model's context length)")
     seed: int = option(
@@ -72,6 +77,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         self.dtype = dtype_name(self.dtype, "dtype")
+        if self.quantization not in (None, "gguf", "int8", "none"):
+            raise ValueError(f"quantization must be gguf, int8 or none, got {self.quantization!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
@@ -151,6 +158,82 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+
+SPEC_METHODS = ("ngram", "draft_model")
+_SPEC_KEYS = {
+    "ngram": {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+              "disable_by_batch_size", "min_acceptance_rate"},
+    "draft_model": {"method", "model", "num_speculative_tokens", "disable_by_batch_size",
+                    "min_acceptance_rate"},
+}
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding, with vLLM's keys: `ngram` proposes the tokens that followed the
+    latest match of the context's suffix (`prompt_lookup_min`..`prompt_lookup_max` tokens
+    long); `draft_model` runs a smaller `model` with the same tokenizer for k cheap steps.
+    The target checks k drafts in one forward. `disable_by_batch_size`: no drafts in a step
+    that runs this many requests or more (a big batch is compute-bound, where checking k+1
+    tokens costs k+1 times one); `min_acceptance_rate`: a request whose drafts are accepted
+    less often than this (after its first 32 drafts) stops speculating."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    model: str | None = None
+    disable_by_batch_size: int = 16
+    min_acceptance_rate: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(SPEC_METHODS)}, "
+                             f"got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in "
+                             f"1..16, got {k!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)) \
+                or not 1 <= lo <= hi <= 64:
+            raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= "
+                             f"prompt_lookup_max <= 64, got {lo!r} and {hi!r}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config.model (the draft model's path) is required "
+                             "with method draft_model")
+        if not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 1:
+            raise ValueError("speculative_config.disable_by_batch_size must be an integer >= 1, "
+                             f"got {self.disable_by_batch_size!r}")
+        if not 0.0 <= self.min_acceptance_rate <= 1.0:
+            raise ValueError("speculative_config.min_acceptance_rate must be in [0, 1], "
+                             f"got {self.min_acceptance_rate!r}")
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str") -> "SpeculativeConfig":
+        """From a dict (LLM's keyword) or its JSON text (the command line); unknown keys and
+        methods are refused by name."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            import json
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be a JSON object such as "
+                             '{"method": "ngram", "num_speculative_tokens": 4}')
+        method = value.get("method", "ngram")
+        if method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(SPEC_METHODS)}, "
+                             f"got {method!r}")
+        unknown = sorted(set(value) - _SPEC_KEYS[method])
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(map(repr, unknown))} "
+                             f"for method {method!r}; valid: {', '.join(sorted(_SPEC_KEYS[method]))}")
+        return cls(**value)
 
 
 def parse_init_method(init_method: str) -> tuple[str, int]:
@@ -278,6 +361,10 @@ class EngineConfig:
         "auto", "grammar library for structured outputs (JSON schema, regex, choice, grammar); "
         "`auto` is llguidance, chosen by measurement (benchmarks/README.md)",
         choices=("auto", "llguidance", "xgrammar"))
+    speculative_config: SpeculativeConfig | dict | str | None = option(
+        None, "speculative decoding as JSON with vLLM's keys, e.g. "
+        "`{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 5}` or "
+        "`{\"method\": \"draft_model\", \"model\": PATH}` (docs/speculative_decoding.md)")
     kv_transfer_config: str | None = option(
         None, "prefill/decode disaggregation, vLLM's JSON, e.g. {\"kv_role\": \"kv_producer\", "
         "\"kv_port\": 14579}; roles kv_producer, kv_consumer, kv_both (docs/disaggregation.md)")
@@ -287,6 +374,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.kv_transfer_config is not None:
             self.kv_transfer = KVTransferConfig.parse(self.kv_transfer_config)
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+            if self.parallel_config.tensor_parallel_size > 1:
+                raise ValueError("speculative_config is not supported with tensor_parallel_size "
+                                 "> 1 yet; run without one of them")
         if self.num_threads is None:
             self.num_threads = envs.KVFLOW_NUM_THREADS or 1
         if self.num_threads < 1:

@@ -84,6 +84,11 @@ class Request:
     num_skips: int = 0  # times admission passed over it for lack of blocks
     first_scheduled_time: float | None = None  # when it first left the waiting queue (time.time())
     stop_reason: int | str | None = None
+    # speculative decoding: the drafts proposed for its next step (never part of
+    # all_token_ids), and how many of its drafts were checked and accepted so far
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     all_token_ids: list[int] = field(init=False)
     eos_token_ids: tuple[int, ...] = field(init=False)  # every id that ends it
 

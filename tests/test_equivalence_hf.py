@@ -18,7 +18,7 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def kvflow_llm_factory(default_model_path):
     def make(**kw):
-        return LLM(default_model_path, dtype="float32", max_model_len=1024, **kw)
+        return LLM(default_model_path, dtype="float32", quantization="none", max_model_len=1024, **kw)
     return make
 
 
@@ -78,7 +78,7 @@ def hf_bf16_reference(default_model_path, prompt_ids):
 def test_bf16_model_stays_within_hf_bf16_top3(default_model_path, prompt_ids, hf_bf16_reference):
     """dtype="bfloat16" (what "auto" picks on CPUs with native bf16): batched with chunked
     prefill, the greedy tokens follow HF's bf16 model, or leave it only for one of its top-3."""
-    llm = LLM(default_model_path, dtype="bfloat16", max_model_len=1024, num_blocks=256,
+    llm = LLM(default_model_path, dtype="bfloat16", quantization="none", max_model_len=1024, num_blocks=256,
               max_num_batched_tokens=64)
     core = llm.engine.core
     assert core.dtype == torch.bfloat16 and core.executor.runner.kv_caches[0][0].dtype == torch.bfloat16

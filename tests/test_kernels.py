@@ -141,7 +141,7 @@ def test_the_start_up_line_names_the_kernels_and_both_choices_give_the_same_toke
     prompts = ["The capital of France is", "def fib(n):"]
 
     def run() -> tuple[str, list[list[int]]]:
-        llm = LLM(default_model_path, dtype="float32", max_model_len=256, num_blocks=64)
+        llm = LLM(default_model_path, dtype="float32", quantization="none", max_model_len=256, num_blocks=64)
         core = llm.engine.core
         outs = llm.generate(prompts, params, use_tqdm=False)
         return core.startup_report(), [o.outputs[0].token_ids for o in outs]

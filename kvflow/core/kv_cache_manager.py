@@ -103,15 +103,19 @@ class KVCacheManager:
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        computed_blocks: list[KVBlock] | None = None,
-                       cache: bool = True) -> list[int] | None:
+                       cache: bool = True,
+                       num_lookahead_tokens: int = 0) -> list[int] | None:
         """Reserve room for `num_computed_tokens + num_new_tokens` positions (after taking
-        `computed_blocks`, the prefix-cache hit found at admission). Returns the ids of the newly
-        allocated blocks (possibly none), or None, changing nothing, if they don't fit.
+        `computed_blocks`, the prefix-cache hit found at admission), plus
+        `num_lookahead_tokens` more (a draft model's steps write there). Returns the ids of the
+        newly allocated blocks (possibly none), or None, changing nothing, if they don't fit.
+        Only positions of `req`'s real tokens are ever cached: never a draft's.
         `cache=False`: the new blocks are filled by something that may fail (a KV pull), so they
         become findable only through `cache_blocks` once they are."""
         computed_blocks = computed_blocks or []
         held = len(self.req_to_blocks.get(req.request_id, ())) + len(computed_blocks)
-        need = max(0, cdiv(req.num_computed_tokens + num_new_tokens, self.block_size) - held)
+        end = req.num_computed_tokens + num_new_tokens + num_lookahead_tokens
+        need = max(0, cdiv(end, self.block_size) - held)
         if need + self.num_evictable(computed_blocks) > self.block_pool.num_free_blocks:
             return None
         blocks = self.req_to_blocks.setdefault(req.request_id, [])

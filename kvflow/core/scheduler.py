@@ -13,6 +13,7 @@ from kvflow.core.request_queue import RequestQueue
 from kvflow.core.scheduler_output import (AdmissionStop, BlockCheck, KVLoad, NewRequestData,
                                           SchedulerOutput)
 from kvflow.kv_transfer.params import KVTransferParams
+from kvflow.core.spec_decode import SpecDecodeStats
 from kvflow.logger import init_logger
 from kvflow.request import InvalidRequestError, FinishReason, Request, RequestStatus, check_request_fits
 
@@ -28,6 +29,8 @@ class RequestUpdate:
     request: Request
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
+    num_draft_tokens: int = 0  # speculative decoding: drafts checked this step
+    num_accepted_tokens: int = 0  # of which accepted (new_token_ids holds one more, or is cut)
 
 
 class Scheduler:
@@ -57,6 +60,10 @@ class Scheduler:
         self.step_index = 0
         self._finished_ids: set[str] = set()
         self._grammar_failed: dict[str, Request] = {}  # reported by the next update_from_output
+        # speculative decoding: slots reserved past a sampling step for a draft model's own
+        # k steps (it writes its K/V at the same positions of its own pool); 0 otherwise
+        self.num_lookahead_tokens = 0
+        self.spec_stats = SpecDecodeStats()
         # prefill/decode disaggregation (docs/disaggregation.md)
         self.loading: dict[str, Request] = {}  # pulls in flight: id -> request (in `waiting`)
         # ended while waiting for remote KV (pulled or not yet): the engine tells the producer
@@ -149,11 +156,16 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, budget)
             if 0 < cap < n:
                 n = cap
             assert n > 0, f"running request {req.request_id} has nothing to compute"
-            while kv.allocate_slots(req, n) is None:
+            # drafts the budget leaves room for; they are dropped before anyone is preempted
+            num_spec = max(0, n - (req.num_tokens - req.num_computed_tokens))
+            lookahead = self.num_lookahead_tokens
+            if num_spec and kv.allocate_slots(req, n, num_lookahead_tokens=lookahead) is None:
+                n, num_spec = n - num_spec, 0
+            while kv.allocate_slots(req, n, num_lookahead_tokens=lookahead) is None:
                 victim = self._pick_victim()
                 vi = self.running.index(victim)
                 del self.running[vi]
@@ -166,7 +178,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                self._schedule(req, n, out)
+                self._schedule(req, n, out, num_spec)
                 budget -= n
                 i += 1
                 continue
@@ -217,7 +229,8 @@ class Scheduler:
             held = req.request_id in kv.req_to_blocks
             computed, num_cached = (([], req.num_computed_tokens) if held
                                     else kv.get_computed_blocks(req))
-            need = (kv.num_blocks_needed(req, req.num_tokens) - len(computed)
+            need = (kv.num_blocks_needed(req, req.num_tokens + self.num_lookahead_tokens)
+                    - len(computed)
                     + kv.num_evictable(computed))
             check = out.block_checks[req.request_id] = BlockCheck(need, kv.num_free_blocks, pending)
             if not check.fits:
@@ -231,7 +244,8 @@ class Scheduler:
             n = min(req.num_tokens - num_cached, budget)
             if 0 < cap < n:
                 n = cap
-            new = kv.allocate_slots(req, n, computed)
+            new = kv.allocate_slots(req, n, computed,
+                                   num_lookahead_tokens=self.num_lookahead_tokens)
             assert new is not None, "admission checked the blocks"
             if not held:
                 kv.prefix_queries += req.num_tokens
@@ -340,11 +354,14 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
-    def _schedule(self, req: Request, n: int, out: SchedulerOutput) -> None:
+    def _schedule(self, req: Request, n: int, out: SchedulerOutput, num_spec: int = 0) -> None:
         computed = req.num_computed_tokens
         assert computed + n <= self.config.max_model_len
         rid = req.request_id
         out.num_scheduled_tokens[rid] = n
+        if num_spec:  # its last num_spec tokens are drafts; the runner checks them
+            out.scheduled_spec_decode_tokens[rid] = req.spec_token_ids[:num_spec]
+        req.spec_token_ids = []  # the next drafts come from this step's outcome
         out.num_computed_tokens[rid] = computed
         kv = self.kv_cache_manager
         out.block_ids[rid] = kv.get_block_ids(rid)
@@ -358,7 +375,8 @@ class Scheduler:
                 out.structured_output_also_allowed[rid] = req.reasoning_start_next
         # a decode feeds back the one newest token, sampled in an earlier step; anything else
         # (a prompt chunk, or recomputing prompt and outputs after a preemption) is a prefill
-        prefill = not (n == 1 and computed == req.num_tokens - 1 and req.num_output_tokens > 0)
+        prefill = not (n - num_spec == 1 and computed == req.num_tokens - 1
+                       and req.num_output_tokens > 0)
         out.is_prefill[rid] = prefill
         if prefill:
             out.num_prefill_tokens += n
@@ -372,6 +390,7 @@ class Scheduler:
         del out.block_ids[rid]
         out.group_block_ids.pop(rid, None)
         out.total_num_scheduled_tokens -= n
+        out.scheduled_spec_decode_tokens.pop(rid, None)  # it is preempted next: drafts go
         if rid in out.structured_output_request_ids:
             out.structured_output_request_ids.remove(rid)
             out.structured_output_also_allowed.pop(rid, None)
@@ -383,6 +402,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv_cache_manager.free(req)
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -406,6 +426,17 @@ class Scheduler:
             new_tokens = sampled.get(req_id)
             if not new_tokens:
                 continue
+            drafts = sched_out.scheduled_spec_decode_tokens.get(req_id)
+            num_accepted = 0
+            if drafts:
+                # the runner returns the accepted drafts and then the target's own token: the
+                # rejected drafts' positions are computed again (their slots are reused)
+                num_accepted = len(new_tokens) - 1
+                assert 0 <= num_accepted <= len(drafts) and new_tokens[:-1] == drafts[:num_accepted]
+                req.num_computed_tokens -= len(drafts) - num_accepted
+                req.num_draft_tokens += len(drafts)
+                req.num_accepted_tokens += num_accepted
+                self.spec_stats.record(len(drafts), num_accepted)
             finish = None
             accepted = []
             so = req.structured_output
@@ -437,10 +468,25 @@ class Scheduler:
             if finish is not None:
                 finished.add(req_id)
                 self._finish(req, finish)
-            updates.append(RequestUpdate(req, accepted, req.finish_reason))
+            updates.append(RequestUpdate(req, accepted, req.finish_reason,
+                                         len(drafts) if drafts else 0, num_accepted))
         if finished:  # one pass over the batch, however many finished
             self.running = [r for r in self.running if r.request_id not in finished]
         return updates
+
+    def update_draft_token_ids(self, drafts: dict[str, list[int]]) -> None:
+        """Store each decoding request's drafts for its next step (vLLM's name), cut to what
+        max_tokens and max_model_len leave: k drafts yield up to k + 1 tokens. A constrained
+        request never speculates (its grammar would have to check drafts)."""
+        max_len = self.config.max_model_len
+        for rid, tokens in drafts.items():
+            req = self.requests.get(rid)
+            if (req is None or req.status != RequestStatus.RUNNING or not tokens
+                    or req.structured_output is not None
+                    or req.num_computed_tokens != req.num_tokens - 1):
+                continue
+            room = min(req.max_tokens - req.num_output_tokens - 1, max_len - req.num_tokens)
+            req.spec_token_ids = list(tokens[:max(room, 0)])
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params

@@ -89,6 +89,9 @@ class SchedulerOutput:
     structured_output_also_allowed: dict[str, int] = field(default_factory=dict)
     # request id -> why its grammar failed to compile; it finished (aborted) in this schedule()
     grammar_errors: dict[str, str] = field(default_factory=dict)
+    # speculative decoding: request id -> its draft tokens checked this step (vLLM's name);
+    # they are the last len(drafts) of its num_scheduled_tokens. Absent: no drafts.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     # -- what was decided and why: the runner does not need these ---------------------------
     # request id -> True when its tokens this step are prompt tokens (a prefill chunk, or a

@@ -34,4 +34,11 @@ void gemm_bf16_panels(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K,
                       const uint16_t *packed, const uint16_t *bias, uint16_t *out,
                       int64_t out_stride, int64_t N, int64_t p_begin, int64_t p_end,
                       int64_t silu_mul);
+void quantize_rows_q8(const void *x, int64_t x_stride, int64_t K, int64_t Kb, int64_t bf16,
+                      int64_t per_row, int8_t *qx, float *dx, float *dxs, int64_t begin,
+                      int64_t end);
+void gemm_quant_panels(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb,
+                       int64_t M, const uint8_t *packed, int64_t kind, int64_t isa,
+                       const float *bias, void *out, int64_t out_stride, int64_t N,
+                       int64_t out_bf16, int64_t p_begin, int64_t p_end);
 #endif

@@ -30,6 +30,8 @@
 #define CPU_RELAX() ((void)0)
 #endif
 
+#include <stdlib.h>
+
 #include "kernels.h"
 
 #define MAX_WORKERS 63
@@ -84,11 +86,32 @@ static void k_gemm_panels(const int64_t *a, double f, int64_t b, int64_t e) {
     (void)f;
     gemm_bf16_panels(P(0), a[1], a[8], a[2], P(3), P(4), P(5), a[6], a[7], b, e, a[9]);
 }
+/* x, x_stride, K, Kb, bf16, per_row, qx, dx, dxs (rows of x) */
+static void k_quantize_q8(const int64_t *a, double f, int64_t b, int64_t e) {
+    (void)f;
+    quantize_rows_q8(P(0), a[1], a[2], a[3], a[4], a[5], P(6), P(7), P(8), b, e);
+}
+/* qx, dx, dxs, Kb, packed, kind, isa, bias, out, out_stride, N, out_bf16, M (rows) */
+static void k_qgemm_rows(const int64_t *a, double f, int64_t b, int64_t e) {
+    (void)f;
+    const int64_t kb = a[3];
+    char *out = (char *)a[8] + b * a[9] * (a[11] ? 2 : 4);
+    gemm_quant_panels((const int8_t *)a[0] + b * kb * 32, (const float *)a[1] + b * kb,
+                      (const float *)a[2] + b * kb, kb, e - b, P(4), a[5], a[6], P(7), out, a[9],
+                      a[10], a[11], 0, (a[10] + 15) / 16);
+}
+/* the same words; the ranges are panels of 16 outputs, every thread takes all M rows */
+static void k_qgemm_panels(const int64_t *a, double f, int64_t b, int64_t e) {
+    (void)f;
+    gemm_quant_panels(P(0), P(1), P(2), a[3], a[12], P(4), a[5], a[6], P(7), P(8), a[9], a[10],
+                      a[11], b, e);
+}
 #undef P
 
 static const range_fn KERNELS[] = {
     k_decode_f32, k_decode_bf16, k_prefill_bf16, k_norm_f32, k_norm_bf16, k_rope_f32,
-    k_rope_bf16, k_silu_f32, k_silu_bf16, k_gemm_rows, k_gemm_panels,
+    k_rope_bf16, k_silu_f32, k_silu_bf16, k_gemm_rows, k_gemm_panels, k_quantize_q8,
+    k_qgemm_rows, k_qgemm_panels,
 };
 #define NUM_KERNELS ((int64_t)(sizeof KERNELS / sizeof KERNELS[0]))
 
@@ -119,6 +142,7 @@ static int64_t now_ns(void) {
 static void *worker_main(void *arg) {
     const int id = (int)((uintptr_t)arg >> 32);
     uint32_t seen = (uint32_t)(uintptr_t)arg;
+    pthread_setname_np(pthread_self(), "kvflow-pool"); /* how tools and tests tell them apart */
     for (;;) {
         /* spin for the next job, then sleep until one is posted */
         int64_t start = now_ns();
@@ -217,4 +241,42 @@ void kernel_pool_run(int64_t kernel, const int64_t *args, double farg, int64_t n
     while (atomic_load_explicit(&pool.pending, memory_order_acquire) > 0)
         CPU_RELAX();
     pthread_mutex_unlock(&pool.lock);
+}
+
+/* out [M, N] = x [M, K] @ w.T for a quantized weight (gemm_quant.c), in one call: the rows
+ * quantized to int8 into this thread's scratch, then the GEMM, each split over `threads`
+ * (by rows from QUANT_ROW_SPLIT rows, else by panels of 16 outputs). One call from Python
+ * per projection: two pool jobs through ctypes cost more than the GEMM of a decode step. */
+#define K_QUANTIZE 11
+#define K_QGEMM_ROWS 12
+#define K_QGEMM_PANELS 13
+#define QUANT_ROW_SPLIT 32
+static __thread struct { void *buf; size_t cap; } scratch;
+
+int64_t quant_linear(const void *x, int64_t x_stride, int64_t K, int64_t Kb, int64_t x_bf16,
+                     int64_t per_row, const uint8_t *packed, int64_t kind, int64_t isa,
+                     const float *bias, void *out, int64_t N, int64_t out_bf16, int64_t M,
+                     int64_t threads)
+{
+    const size_t q_bytes = ((size_t)(M * Kb * 32) + 63) & ~(size_t)63, f_bytes = (size_t)(M * Kb) * 4;
+    const size_t need = q_bytes + 2 * f_bytes;
+    if (need > scratch.cap) {
+        free(scratch.buf);
+        scratch.buf = malloc(need);
+        scratch.cap = scratch.buf ? need : 0;
+        if (!scratch.buf)
+            return -1;
+    }
+    int8_t *qx = scratch.buf;
+    float *dx = (float *)((char *)scratch.buf + q_bytes), *dxs = dx + M * Kb;
+    const int64_t qargs[9] = {(int64_t)x, x_stride, K, Kb, x_bf16, per_row, (int64_t)qx,
+                              (int64_t)dx, (int64_t)dxs};
+    kernel_pool_run(K_QUANTIZE, qargs, 0.0, M, NULL, M >= 4 * threads ? threads : 1);
+    const int64_t gargs[13] = {(int64_t)qx, (int64_t)dx, (int64_t)dxs, Kb, (int64_t)packed, kind,
+                               isa, (int64_t)bias, (int64_t)out, N, N, out_bf16, M};
+    if (M >= QUANT_ROW_SPLIT)
+        kernel_pool_run(K_QGEMM_ROWS, gargs, 0.0, M, NULL, threads);
+    else
+        kernel_pool_run(K_QGEMM_PANELS, gargs, 0.0, (N + 15) / 16, NULL, threads);
+    return 0;
 }

@@ -14,6 +14,7 @@ from kvflow.distributed.executor import TPExecutor
 from kvflow.engine.kv_sizing import max_concurrency, num_kv_blocks
 from kvflow.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
                                     KVTransferStats, SchedulerStats)
+from kvflow.engine.speculator import build_speculator
 from kvflow.engine.step_trace import StepTrace
 from kvflow.engine.warmup import warmup_outputs
 from kvflow.kv_transfer.agent import KVTransferAgent, write_blocks
@@ -23,6 +24,7 @@ from kvflow.model.executor import Executor, UniProcExecutor
 from kvflow.model import gpu_memory
 from kvflow.model.cuda_graphs import decode_graphs_for
 from kvflow.model.loader import load_model, resolve_device, resolve_dtype
+from kvflow.model.quant.load import resolve_quantization
 from kvflow.model.sharding import kv_bytes_per_token_per_rank
 from kvflow.model_path import resolve_model_path
 from kvflow.request import Request, RequestStatus, check_request_fits
@@ -45,6 +47,9 @@ class EngineCore:
         self.model_path = resolve_model_path(mc.model)
         self.device = resolve_device(mc.device)
         on_gpu = self.device.type == "cuda"
+        if on_gpu and config.speculative_config is not None:
+            raise ValueError("speculative_config runs on the CPU only for now (its GPU path is "
+                             "not verified); drop it or use --device cpu")
         self.dtype = resolve_dtype(mc.dtype, self.device)
         cache_dtype = config.cache_config.cache_dtype
         self.kv_dtype = self.dtype if cache_dtype == "auto" else resolve_dtype(cache_dtype)
@@ -54,11 +59,14 @@ class EngineCore:
             raise ValueError("tensor parallelism on cuda needs --num-blocks: the KV pool is not "
                              "sized from --gpu-memory-utilization across ranks yet")
         free_at_start = torch.cuda.mem_get_info(self.device)[0] if on_gpu else 0
+        # quantized weights are the CPU's, one process's (refused here, before anything loads)
+        quantization = resolve_quantization(mc.quantization, self.model_path, self.tp_size, on_gpu)
         if self.tp_size > 1:  # the executor's ranks load their shards; never the whole model here
             model, self.arch = None, load_arch_config(self.model_path)
         else:
             model, self.arch = load_model(self.model_path, self.dtype,
-                                          device=self.device if on_gpu else None)
+                                          device=self.device if on_gpu else None,
+                                          quantization=quantization)
         self.max_model_len = mc.max_model_len or self.arch.max_position_embeddings
         sc = replace(config.scheduler_config, max_model_len=self.max_model_len)
         # under tensor parallelism each rank holds its KV heads' share of every block
@@ -89,6 +97,11 @@ class EngineCore:
             lambda: get_tokenizer(tokenizer_source(mc.tokenizer, self.model_path)),
             self.arch.vocab_size, list(self.arch.eos_token_ids))
         self.trace = None
+        self.spec = None
+        if config.speculative_config is not None:  # (EngineConfig refuses it with TP)
+            self.spec = build_speculator(config.speculative_config, self.arch, self.dtype,
+                                         self.kv_dtype, cc, self.max_model_len)
+            self.scheduler.num_lookahead_tokens = self.spec.num_lookahead_tokens
         self.kv_agent: KVTransferAgent | None = None
         self._kv_trace: list[dict] = []  # transfers that ended since the last traced step
         # runs each step: in this process, or over tensor_parallel_size ranks
@@ -165,6 +178,7 @@ class EngineCore:
                 + (f"tensor-parallel size {self.tp_size} (KV per rank); " if self.tp_size > 1 else "")
                 + (self._gpu_report() if self.device.type == "cuda" else "")
                 + f"{self.executor.runner.model.kernels.describe()}; "
+                + (f"{self.spec.describe()}; " if self.spec is not None else "")
                 + (f"KV transfer {self.config.kv_transfer.kv_role} engine "
                    f"{self.kv_agent.engine_id} on {self.config.kv_transfer.kv_ip}:"
                    f"{self.config.kv_transfer.kv_port}; " if self.kv_agent is not None else "")
@@ -352,6 +366,10 @@ class EngineCore:
         else:
             runner_out = self.executor.execute(sched_out)
         updates = self.scheduler.update_from_output(sched_out, runner_out.sampled)
+        if self.spec is not None:  # drafts for the next step, from this step's outcome
+            self.scheduler.update_draft_token_ids(self.spec.propose(
+                sched_out, updates, len(self.scheduler.running),
+                self.scheduler.kv_cache_manager.get_block_ids))
         lent = {}
         if self.scheduler.new_leases:  # prompts computed for a decode instance: lend the blocks
             for rid, (blocks, n) in self.scheduler.new_leases.items():
@@ -367,7 +385,7 @@ class EngineCore:
             lp = runner_out.logprobs.get(rid)
             finish = u.finish_reason.value if u.finish_reason is not None else None
             outputs.append(EngineCoreOutput(
-                rid, u.new_token_ids, [lp] if lp is not None else None, finish,
+                rid, u.new_token_ids, lp[:len(u.new_token_ids)] if lp is not None else None, finish,
                 u.request.stop_reason if finish else None,
                 num_cached_tokens=max(u.request.num_cached_tokens, 0),
                 first_scheduled_time=u.request.first_scheduled_time,
@@ -391,6 +409,9 @@ class EngineCore:
             num_prompt_tokens=sched_out.num_prefill_tokens,
             num_generation_tokens=sched_out.num_decode_tokens, step_time=step_time,
             prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
+            spec_decode_num_drafts=s.spec_stats.num_drafts,
+            spec_decode_num_draft_tokens=s.spec_stats.num_draft_tokens,
+            spec_decode_num_accepted_tokens=s.spec_stats.num_accepted_tokens,
             kv_transfer=self._transfer_stats())
 
     def _transfer_stats(self) -> KVTransferStats | None:

@@ -126,13 +126,23 @@ class OutputProcessor:
             if out.kv_transfer_params is not None:
                 state.kv_transfer_params = {k: v for k, v in asdict(out.kv_transfer_params).items()
                                             if v is not None and v is not False}
-            sample.token_ids.extend(out.new_token_ids)
+            finished = out.finish_reason is not None
+            new = out.new_token_ids
+            if len(new) > 1:
+                # several tokens in one step (speculative decoding): each goes in alone, as it
+                # would without speculation, and a stop string ends the output at its token
+                for i, token in enumerate(new):
+                    stop_str = sample.detokenizer.update([token], finished and i == len(new) - 1)
+                    if stop_str is not None:
+                        new = new[:i + 1]
+                        break
+            else:
+                stop_str = sample.detokenizer.update(new, finished)
+            sample.token_ids.extend(new)
             if out.new_logprobs and sample.logprobs is not None:
-                for lp in out.new_logprobs:
+                for lp in out.new_logprobs[:len(new)]:
                     sample.logprobs.append(self._logprob_dict(lp))
                     sample.cumulative_logprob += lp.logprobs[0]
-            finished = out.finish_reason is not None
-            stop_str = sample.detokenizer.update(out.new_token_ids, finished)
             if stop_str is not None and not finished:
                 to_abort.append(sample.core_id)
                 finished = True

@@ -122,6 +122,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     step_time: float = 0.0
     prefix_cache_queries: int = 0  # prompt tokens looked up, since start
     prefix_cache_hits: int = 0  # of which found in the cache
+    # speculative decoding, since start: draft runs checked, their tokens, of which accepted
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
     kv_transfer: KVTransferStats | None = None  # with --kv-transfer-config
 
 

@@ -19,6 +19,8 @@ class StepTrace:
                step_time: float, num_free_blocks: int, num_cached_free_blocks: int = 0,
                kv_transfers: list[dict] | None = None) -> None:
         sampled = {u.request.request_id: u.new_token_ids[0] for u in updates if u.new_token_ids}
+        # speculative decoding: drafts checked and accepted, per request that had drafts
+        spec = {u.request.request_id: u for u in updates if u.num_draft_tokens}
         # finished_req_ids also repeats last step's finishes; only aborts since then are new here
         finished = sorted(out.finished_req_ids - self._finished_last_step)
         ended = [u.request.request_id for u in updates if u.finish_reason is not None]
@@ -35,6 +37,11 @@ class StepTrace:
                 "blocks": out.block_ids[rid],
                 "sampled": sampled.get(rid),
             }
+            if rid in spec:
+                u = spec[rid]
+                entry["drafted"] = u.num_draft_tokens
+                entry["accepted"] = u.num_accepted_tokens
+                entry["new_tokens"] = len(u.new_token_ids)
             if rid in out.num_cached_tokens:  # admitted this step
                 entry["cached_tokens"] = out.num_cached_tokens[rid]
                 entry["admitted"] = "resumed" if rid in resumed else "new"

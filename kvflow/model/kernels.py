@@ -16,7 +16,11 @@ What serves here, and why:
 On an NVIDIA GPU (device cuda) the set is gpu_kernels.py's: torch GEMMs in bf16 and the Triton
 paged attention of kvflow/model/triton.
 
-A new variant (a quantized GEMM, sliding-window or soft-capped attention) is one more
+Quantized weights (kvflow/model/quant) are served by kvflow/csrc/gemm_quant.c through the same
+`linear(x, w, packed)` seam: their PackedWeight carries the quantized weight, and its
+instruction set (AVX-512 VNNI, AVX2 or scalar) is chosen once at load from these features.
+
+A new variant (sliding-window or soft-capped attention) is one more
 implementation and one more branch in `select_kernels`."""
 from __future__ import annotations
 

@@ -197,6 +197,8 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_sin", sin.to(rope_device), persistent=False)
         self.kernels = kernels if kernels is not None else select_kernels(dtype, device=rope_device)
         self.packed_lm_head: PackedWeight | None = None
+        # a quantized model's embedding: token ids -> rows in `dtype` (kvflow/model/quant)
+        self.quantized_embedding = None
 
     def pack_weights(self) -> bool:
         """Keep prepacked copies of the projections and the LM head beside the weights
@@ -219,7 +221,9 @@ class LlamaForCausalLM(nn.Module):
         """Final-normed hidden states [T, hidden] for the flat batch; K/V land in `kv_caches`.
         `attn_metadata`: one for all layers, or one per layer (its KV cache group's, which
         carries a sliding window where the layer has one)."""
-        if self.tp is None:
+        if self.quantized_embedding is not None:
+            x = self.quantized_embedding(input_ids)
+        elif self.tp is None:
             x = F.embedding(input_ids, self.embed_tokens)
         else:
             x = vocab_parallel_embedding(input_ids, self.embed_tokens, self.tp)

@@ -43,9 +43,20 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None = None,
-               kernels: Kernels | None = None) -> tuple[LlamaForCausalLM, LlamaArchConfig]:
+               kernels: Kernels | None = None, quantization: str = "none"
+               ) -> tuple[LlamaForCausalLM, LlamaArchConfig]:
     """Load the model at `path` (HF folder or .gguf) in `dtype`, weights fused for inference;
-    `kernels` (default: chosen for `dtype` and `device`) serve its operations."""
+    `kernels` (default: chosen for `dtype` and `device`) serve its operations. `quantization`
+    gguf or int8 (kvflow/model/quant/load.py) keeps the weights quantized, on the CPU."""
+    if quantization != "none":
+        from kvflow.model.quant.load import load_quantized_model
+
+        if load_arch_config(path).architecture == "Gemma3ForCausalLM":
+            raise ValueError(f"quantization {quantization!r} does not serve Gemma 3 yet; "
+                             "use quantization=none (the GGUF is dequantised at load)")
+        loaded = load_quantized_model(path, dtype, quantization, kernels)
+        if loaded is not None:
+            return loaded
     if is_gguf(path):
         arch, weights = load_gguf(path, dtype)
     else:

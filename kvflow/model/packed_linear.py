@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.csrc.gemm import GATE_UP_ALIGN, pack_panels, panel_gemm
+from kvflow.model.quant.qlinear import QuantizedWeight, quant_linear
 
 
 @dataclass
@@ -30,6 +31,7 @@ class PackedWeight:
     panels: torch.Tensor | None = None  # kvflow's bf16 panels (kvflow/csrc/gemm.py)
     onednn: torch.Tensor | None = None  # oneDNN's blocked copy
     gate_up: bool = False  # panels of an MLP's [gate; up], for the GEMM with SiLU fused
+    quant: QuantizedWeight | None = None  # quantized weights (kvflow/model/quant): the only copy
 
 
 def onednn_available() -> bool:
@@ -84,7 +86,10 @@ def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, packed: PackedWeight | Non
 def linear(x: torch.Tensor, w: torch.Tensor, packed: PackedWeight | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T (+ bias) for 2-D x: through `packed` when given, else F.linear (also for a
-    gate_up pack, whose panels only linear_silu_mul reads)."""
+    gate_up pack, whose panels only linear_silu_mul reads). A quantized weight is `packed.quant`
+    alone (`w` is then only its shape)."""
+    if packed is not None and packed.quant is not None:
+        return quant_linear(x, packed.quant, bias)
     if packed is None or packed.gate_up:
         return F.linear(x, w, bias)
     if packed.panels is not None:

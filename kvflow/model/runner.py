@@ -14,6 +14,7 @@ from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
 from kvflow.model.cuda_graphs import DecodeGraphs
 from kvflow.model.malloc_tuning import retain_freed_memory
+from kvflow.model.rejection_sampler import rejection_sample
 from kvflow.model.sampler import (Sampler, SamplingRow, apply_grammar_bitmask,
                                   build_sampling_metadata, logit_bias_tensors)
 from kvflow.outputs import TokenLogprobs
@@ -43,8 +44,9 @@ def _needs_history(p: SamplingParams) -> bool:
 
 @dataclass
 class ModelRunnerOutput:
+    # request id -> its new tokens: one, or with drafts the accepted ones and the target's
     sampled: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # one per new token
 
 
 class ModelRunner:
@@ -125,7 +127,11 @@ class ModelRunner:
         starts = np.fromiter(map(out.num_computed_tokens.__getitem__, req_ids), dtype=np.int64, count=n)
         seq_lens = starts + query_lens
         num_known = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=n)
-        rows = np.flatnonzero(seq_lens == num_known)  # requests whose known tokens are all in
+        spec = out.scheduled_spec_decode_tokens
+        num_spec = (np.fromiter((len(spec.get(r, ())) for r in req_ids), dtype=np.int64, count=n)
+                    if spec else 0)
+        # requests whose known tokens are all in (their drafts come after them)
+        rows = np.flatnonzero(seq_lens - num_spec == num_known)
 
         # Per request O(1) work for decodes; prompt chunks copy their own tokens only.
         if out.total_num_scheduled_tokens == n:
@@ -134,6 +140,8 @@ class ModelRunner:
             input_ids = []
             for s, start, end in zip(states, starts.tolist(), seq_lens.tolist()):
                 input_ids.extend(s.token_ids[start:end])
+                if spec and s.req_id in spec:  # the drafts follow its known tokens
+                    input_ids.extend(spec[s.req_id])
         if len(self.groups) == 1:
             meta = build_attention_metadata(query_lens, seq_lens, [out.block_ids[r] for r in req_ids],
                                             self.block_size, sliding_window=self.groups[0].sliding_window)
@@ -165,6 +173,8 @@ class ModelRunner:
         result = ModelRunnerOutput()
         if len(rows) == 0:
             return result
+        if spec:
+            return self._verify(hidden, meta.query_start_loc, rows, states, spec, grammar)
         # logits only at each sampling request's last position
         sampled_states = [states[i] for i in rows.tolist()]
         greedy = all(s.plain_greedy for s in sampled_states)
@@ -189,7 +199,49 @@ class ModelRunner:
             state.token_ids.append(token)
             result.sampled[state.req_id] = [token]
             if logprobs is not None and logprobs[j] is not None:
-                result.logprobs[state.req_id] = logprobs[j]
+                result.logprobs[state.req_id] = [logprobs[j]]
+        return result
+
+    def _verify(self, hidden: torch.Tensor, query_start_loc: np.ndarray, rows: np.ndarray,
+                states: list[CachedRequestState], spec: dict[str, list[int]],
+                grammar) -> ModelRunnerOutput:
+        """A step with drafts: logits at each sampling request's last 1 + k positions (its
+        last known token and its k drafts), checked by rejection sampling."""
+        sampled_states = [states[i] for i in rows.tolist()]
+        drafts = [spec.get(s.req_id, []) for s in sampled_states]
+        ks = np.fromiter(map(len, drafts), dtype=np.int64, count=len(drafts))
+        counts = ks + 1
+        first = query_start_loc[rows + 1] - counts  # each request's first row: its known token
+        ends = np.cumsum(counts)
+        index = np.repeat(first - (ends - counts), counts) + np.arange(int(ends[-1]))
+        logits = self.model.compute_logits(hidden[torch.from_numpy(index).to(self.device)],
+                                           as_float=True)
+        if logits is None:  # a tensor-parallel rank other than the driver
+            return ModelRunnerOutput()
+        if grammar is not None:  # constrained requests never have drafts: one row each
+            row_of = {s.req_id: int(e - 1) for s, e in zip(sampled_states, ends)}
+            apply_grammar_bitmask(logits, [row_of[rid] for rid in grammar.req_ids],
+                                  grammar.bitmask)
+        sampling_rows = []
+        for s, d in zip(sampled_states, drafts):
+            row = self._sampling_row(s)
+            sampling_rows.append(row)
+            for i in range(1, len(d) + 1):  # row i follows drafts d[:i]: its history has them
+                sampling_rows.append(SamplingRow(
+                    row.params, row.prompt_token_ids,
+                    row.output_token_ids + d[:i] if s.needs_history else [],
+                    row.generator, row.eos_token_ids, row.logit_bias))
+        meta = build_sampling_metadata(sampling_rows, logits.shape[-1], logits.device)
+        meta.grammar_masked = grammar is not None
+        tokens, logprobs = rejection_sample(
+            logits, meta, drafts, [s.params.greedy for s in sampled_states],
+            [s.generator for s in sampled_states])
+        result = ModelRunnerOutput()
+        for state, new, lps in zip(sampled_states, tokens, logprobs):
+            state.token_ids.extend(new)
+            result.sampled[state.req_id] = new
+            if lps is not None:
+                result.logprobs[state.req_id] = lps
         return result
 
     @torch.inference_mode()

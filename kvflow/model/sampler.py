@@ -272,6 +272,23 @@ class Sampler:
                 and meta.bias_tokens is None and not meta.logprob_rows:
             return SamplerOutput(raw.argmax(dim=-1).tolist(), [None] * meta.num_rows)
 
+        logits = self.adjust(raw, meta)
+        greedy = logits.argmax(dim=-1) if not meta.all_random else None
+        if meta.all_greedy:
+            sampled = greedy
+        else:
+            sampled = random_sample(self.probs(logits, meta), meta.generators)
+            if greedy is not None:
+                sampled = torch.where(meta.greedy_mask, greedy, sampled)
+
+        logprobs = gather_logprobs(raw, sampled, meta) if meta.logprob_rows \
+            else [None] * meta.num_rows
+        return SamplerOutput(sampled.tolist(), logprobs)
+
+    @staticmethod
+    def adjust(raw: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Logit bias, penalties and min_tokens' bans (out of place); greedy takes the argmax
+        of these."""
         logits = raw
         if meta.bias_tokens is not None:  # out of place: the caller's logits stay as they were
             logits = logits.index_put((meta.bias_rows, meta.bias_tokens), meta.bias_values,
@@ -289,20 +306,15 @@ class Sampler:
                 if len(dead):
                     banned[dead] = logits[dead]
             logits = banned
+        return logits
 
-        greedy = logits.argmax(dim=-1) if not meta.all_random else None
-        if meta.all_greedy:
-            sampled = greedy
-        else:
-            logits = logits / meta.temperature.unsqueeze(1)
-            if meta.top_k is not None or meta.top_p is not None:
-                logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p, meta.max_top_k)
-            if meta.min_p is not None:
-                logits = apply_min_p(logits, meta.min_p)
-            sampled = random_sample(logits.softmax(dim=-1), meta.generators)
-            if greedy is not None:
-                sampled = torch.where(meta.greedy_mask, greedy, sampled)
-
-        logprobs = gather_logprobs(raw, sampled, meta) if meta.logprob_rows \
-            else [None] * meta.num_rows
-        return SamplerOutput(sampled.tolist(), logprobs)
+    @staticmethod
+    def probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The distribution random rows draw from: adjusted logits through temperature,
+        top-k / top-p and min-p, softmaxed (not all_greedy batches only)."""
+        logits = logits / meta.temperature.unsqueeze(1)
+        if meta.top_k is not None or meta.top_p is not None:
+            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p, meta.max_top_k)
+        if meta.min_p is not None:
+            logits = apply_min_p(logits, meta.min_p)
+        return logits.softmax(dim=-1)

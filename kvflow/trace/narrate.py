@@ -73,6 +73,9 @@ def _fresh(r: RequestStep, block_size: int) -> list[int]:
 
 def _running_clause(r: RequestStep, q: Queued, left: int, block_size: int) -> str:
     fresh = _fresh(r, block_size)
+    if r.phase == "decode" and r.drafted:
+        return (f"{r.id} checks {r.drafted} draft tokens after its newest token and accepts "
+                f"{r.accepted}" + (f", into {_blocks_phrase(fresh)}" if fresh else ""))
     if r.phase == "decode":
         return f"{r.id} decodes 1 token" + (f" into {_blocks_phrase(fresh)}" if fresh else "")
     remaining = q.num_tokens - q.num_computed_tokens

@@ -26,6 +26,8 @@ class RequestStep:
     cached_tokens: int | None = None  # prompt tokens found in the prefix cache (admitted only)
     admitted: str | None = None  # "new" | "resumed" when admitted in this step
     new_blocks: list[int] = field(default_factory=list)  # derived: allocated in this step
+    drafted: int = 0  # speculative decoding: drafts checked this step
+    accepted: int = 0  # of which accepted
 
 
 @dataclass(slots=True)
@@ -102,7 +104,8 @@ def parse_step(obj: dict) -> Step:
     if missing:
         raise ValueError(f"missing field(s) {', '.join(missing)}")
     reqs = [RequestStep(str(r["id"]), r["phase"], int(r["tokens"]), int(r["num_computed_tokens"]),
-                        list(r["blocks"]), r.get("sampled"), r.get("cached_tokens"), r.get("admitted"))
+                        list(r["blocks"]), r.get("sampled"), r.get("cached_tokens"), r.get("admitted"),
+                        drafted=int(r.get("drafted", 0)), accepted=int(r.get("accepted", 0)))
             for r in obj["requests"]]
     checks = {str(rid): BlockCheck(int(c["need"]), int(c["free"]), int(c["promised"]))
               for rid, c in obj.get("block_checks", {}).items()}

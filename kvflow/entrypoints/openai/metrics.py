@@ -66,6 +66,19 @@ class ServerMetrics(StatLogger):
         self.prefix_hits = counter("kvflow:prefix_cache_hits",
                                    "Prompt tokens found in the prefix cache.")
         self._last_prefix = (0, 0)  # the core reports cumulative counts; counters take deltas
+        # speculative decoding (vLLM's names): draft runs checked, their tokens, accepted ones
+        self.spec_drafts = counter("kvflow:spec_decode_num_drafts",
+                                   "Draft runs checked by the target (one per request and step).")
+        self.spec_draft_tokens = counter("kvflow:spec_decode_num_draft_tokens",
+                                         "Draft tokens checked by the target.")
+        self.spec_accepted_tokens = counter("kvflow:spec_decode_num_accepted_tokens",
+                                            "Draft tokens accepted.")
+        self.spec_acceptance_rate = gauge("kvflow:spec_decode_acceptance_rate",
+                                          "Accepted / drafted tokens since start (0-1).")
+        self.spec_mean_acceptance_length = gauge(
+            "kvflow:spec_decode_mean_acceptance_length",
+            "Tokens per checked draft run since start: 1 + accepted / runs.")
+        self._last_spec = (0, 0, 0)
         self._finished = Counter("kvflow:request_success", "Finished requests by finish reason.",
                                  ["model_name", "finished_reason"], registry=r)
         self._model_name = model_name
@@ -99,6 +112,16 @@ class ServerMetrics(StatLogger):
         if hits > last_h:
             self.prefix_hits.inc(hits - last_h)
         self._last_prefix = (max(queries, last_q), max(hits, last_h))
+        spec = (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
+                stats.spec_decode_num_accepted_tokens)
+        if spec[0] > self._last_spec[0]:
+            for metric, now, last in zip((self.spec_drafts, self.spec_draft_tokens,
+                                          self.spec_accepted_tokens), spec, self._last_spec):
+                if now > last:
+                    metric.inc(now - last)
+            self._last_spec = spec
+            self.spec_acceptance_rate.set(spec[2] / spec[1] if spec[1] else 0.0)
+            self.spec_mean_acceptance_length.set(1.0 + spec[2] / spec[0])
         kt = stats.kv_transfer
         if kt is not None:
             self.kv_leases_active.set(kt.leases_active)

@@ -1,0 +1,283 @@
+"""Speculative decoding (n-gram prompt lookup) on an input-grounded workload: prompts that ask the
+default model to copy, fix or reformat a passage or some code given in the prompt, greedy, up to
+256 output tokens each (the answer ends at EOS, as a user's would: past its answer a model
+ignoring EOS writes free text that no prompt grounds).
+
+Measured, with speculation off and on in the same process, alternating round by round (medians):
+- one stream: output tok/s (first request token to last), time per output token after the
+  first (TPOT, the inter-token latency a reader sees, averaged over tokens), mean gap between
+  streamed deltas (with speculation a delta may carry several tokens);
+- 8 concurrent streams: output tok/s of the batch;
+- acceptance: drafted and accepted tokens, acceptance rate, mean acceptance length.
+`--w1` also runs W1 (`kvflow bench throughput`, 128 random-token prompts) off and on, each in
+its own process, alternating. `--llamacpp` runs llama.cpp's `LlamaPromptLookupDecoding`
+(llama-cpp-python in benchmarks/.venv-llamacpp, bf16 GGUF of the same weights) on the same
+token ids, one stream, off and on.
+
+    flock /tmp/kvflow-bench.lock .venv/bin/python benchmarks/spec_decode.py --rounds 3
+    flock /tmp/kvflow-bench.lock .venv/bin/python benchmarks/spec_decode.py --w1 --llamacpp
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+LLAMACPP_PY = os.path.join(HERE, ".venv-llamacpp", "bin", "python")
+
+PASSAGE = (
+    "Caching is one of the oldest ideas in computing. A cache keeps a copy of data close to "
+    "where it is used, so that the next request for the same data is answered quickly instead "
+    "of going back to the slower original source. Web browsers cache pages and images, "
+    "processors cache memory in several levels, and databases cache query results. The hard "
+    "part is deciding what to keep and when to throw it away: a cache that holds stale data "
+    "gives wrong answers, and a cache that is too small evicts entries before they are reused.")
+CODE = '''def parse_config(path):
+    with open(path) as f:
+        lines = f.readlines()
+    config = {}
+    for line in lines:
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, value = line.split("=", 1)
+        config[key.strip()] = value.strip()
+    return config
+
+
+def load_users(path):
+    with open(path) as f:
+        rows = f.readlines()
+    users = []
+    for row in rows:
+        name, email, age = row.strip().split(",")
+        users.append({"name": name, "email": email, "age": int(age)})
+    return users
+'''
+TASKS = [
+    f"Copy the following text exactly, word for word:\n\n{PASSAGE}",
+    f"Rewrite this Python code with type hints added to every function, keeping everything "
+    f"else the same:\n\n{CODE}",
+    f"Fix the spelling mistakes in this text and return the whole corrected text:\n\n"
+    f"{PASSAGE.replace('computing', 'computnig').replace('quickly', 'quikly')}",
+    f"Reformat this text as a bulleted list, one sentence per bullet:\n\n{PASSAGE}",
+    f"Add a docstring to each function of this code and return the whole file:\n\n{CODE}",
+    f"Repeat this code exactly, then say nothing else:\n\n{CODE}",
+    f"Copy this paragraph twice, separated by a blank line:\n\n{PASSAGE}",
+    f"Rename the variable `lines` to `text_lines` in this code and return all of it:\n\n{CODE}",
+]
+OUTPUT_LEN = 256
+
+
+def machine() -> str:
+    model = "?"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"{os.cpu_count()} vCPU {model}"
+
+
+def prompt_ids(tokenizer) -> list[list[int]]:
+    return [tokenizer.encode(tokenizer.apply_chat_template(
+        [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False) for t in TASKS]
+
+
+def one_stream(llm, ids: list[int], params) -> dict:
+    from kvflow.engine.output_processor import OutputKind
+    eng = llm.engine
+    t0 = time.perf_counter()
+    eng.add_request("s", ids, params, kind=OutputKind.DELTA)
+    arrivals = []  # (time, tokens in the delta)
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            n = len(out.outputs[0].token_ids) if out.outputs else 0
+            if n:
+                arrivals.append((time.perf_counter(), n))
+    n_tok = sum(n for _, n in arrivals)
+    first, last = arrivals[0][0], arrivals[-1][0]
+    return {"tokens": n_tok, "ttft_s": first - t0, "tok_s": (n_tok - arrivals[0][1]) / (last - first),
+            "tpot_ms": (last - first) / (n_tok - arrivals[0][1]) * 1e3,
+            "delta_gap_ms": (last - first) / max(len(arrivals) - 1, 1) * 1e3}
+
+
+def concurrent(llm, prompts: list[list[int]], params) -> dict:
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"tokens": n, "wall_s": wall, "tok_s": n / wall}
+
+
+def spec_counts(llm) -> dict:
+    s = llm.engine.core.scheduler.spec_stats
+    return {"drafts": s.num_drafts, "draft_tokens": s.num_draft_tokens,
+            "accepted": s.num_accepted_tokens}
+
+
+def run_kvflow(args) -> dict:
+    sys.path.insert(0, ROOT)
+    from kvflow import LLM, SamplingParams
+    spec = json.loads(args.spec)
+    kw = dict(dtype=args.dtype, num_blocks=1024, max_model_len=2048)
+    llms = {"off": LLM(**kw), "on": LLM(**kw, speculative_config=spec)}
+    prompts = prompt_ids(llms["off"].tokenizer)
+    params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN)
+    res = {m: {"single": [], "batch8": []} for m in llms}
+    same = True
+    for r in range(args.rounds):
+        for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+            llm = llms[mode]
+            before = spec_counts(llm)
+            singles = [one_stream(llm, p, params) for p in prompts[:args.single_prompts]]
+            res[mode]["single"].append({
+                "tok_s": statistics.mean(s["tok_s"] for s in singles),
+                "tpot_ms": statistics.mean(s["tpot_ms"] for s in singles),
+                "delta_gap_ms": statistics.mean(s["delta_gap_ms"] for s in singles),
+                "per_prompt_tok_s": [round(s["tok_s"], 1) for s in singles]})
+            after_single = spec_counts(llm)
+            res[mode]["batch8"].append(concurrent(llm, prompts[:8], params))
+            if mode == "on":
+                res[mode].setdefault("acceptance_single", []).append(
+                    {k: after_single[k] - before[k] for k in before})
+    # outputs equal (greedy): one check on the batch
+    a = llms["off"].generate(prompts[:8], params, use_tqdm=False)
+    b = llms["on"].generate(prompts[:8], params, use_tqdm=False)
+    same = all(x.outputs[0].token_ids == y.outputs[0].token_ids for x, y in zip(a, b))
+    summary = {"machine": machine(), "load1": os.getloadavg()[0], "dtype": args.dtype,
+               "speculative_config": spec, "rounds": args.rounds, "outputs_equal": same}
+    for mode in llms:
+        summary[mode] = {
+            "single_tok_s": statistics.median(x["tok_s"] for x in res[mode]["single"]),
+            "single_tpot_ms": statistics.median(x["tpot_ms"] for x in res[mode]["single"]),
+            "single_delta_gap_ms": statistics.median(x["delta_gap_ms"] for x in res[mode]["single"]),
+            "batch8_tok_s": statistics.median(x["tok_s"] for x in res[mode]["batch8"]),
+            "single_rounds": res[mode]["single"], "batch8_rounds": res[mode]["batch8"]}
+    acc = res["on"]["acceptance_single"]
+    d, t, a_ = (sum(x[k] for x in acc) for k in ("drafts", "draft_tokens", "accepted"))
+    total = spec_counts(llms["on"])
+    summary["acceptance_single_stream"] = {"rate": a_ / t if t else 0.0,
+                                           "mean_acceptance_length": 1 + a_ / d if d else 0.0}
+    summary["acceptance_all"] = {
+        "rate": total["accepted"] / max(total["draft_tokens"], 1),
+        "mean_acceptance_length": 1 + total["accepted"] / max(total["drafts"], 1), **total}
+    summary["speedup_single"] = summary["on"]["single_tok_s"] / summary["off"]["single_tok_s"]
+    summary["speedup_batch8"] = summary["on"]["batch8_tok_s"] / summary["off"]["batch8_tok_s"]
+    return summary
+
+
+def run_w1(args) -> dict:
+    out = {"off": [], "on": []}
+    for r in range(args.w1_rounds):
+        for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+            cmd = [sys.executable, "-m", "kvflow.entrypoints.cli", "bench", "throughput",
+                   "--dtype", args.dtype]
+            if mode == "on":
+                cmd += ["--speculative-config", args.spec]
+            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                               env=dict(os.environ, PYTHONPATH=ROOT))
+            if p.returncode:
+                raise RuntimeError(p.stderr[-2000:])
+            text = p.stdout
+            out[mode].append(json.loads(text[text.index("{"):])["output_tok_s"])
+    off, on = statistics.median(out["off"]), statistics.median(out["on"])
+    return {"off_tok_s": off, "on_tok_s": on, "ratio": on / off, "rounds": out,
+            "load1": os.getloadavg()[0]}
+
+
+LLAMACPP_WORKER = r'''
+import json, sys, time
+from llama_cpp import Llama
+from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+cfg = json.loads(sys.argv[1])
+res = {}
+llms = {"off": Llama(cfg["gguf"], n_ctx=2048, n_threads=cfg["threads"], n_batch=512, verbose=False),
+        "on": Llama(cfg["gguf"], n_ctx=2048, n_threads=cfg["threads"], n_batch=512, verbose=False,
+                    draft_model=LlamaPromptLookupDecoding(num_pred_tokens=cfg["k"],
+                                                          max_ngram_size=cfg["max_n"]))}
+for r in range(cfg["rounds"]):
+    for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+        llm = llms[mode]
+        rates = []
+        for ids in cfg["prompts"]:
+            llm.reset()
+            t0 = time.perf_counter(); first = None; n = 0
+            for tok in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+                if tok == llm.token_eos():
+                    break
+                n += 1
+                if first is None:
+                    first = time.perf_counter()
+                if n >= cfg["max_tokens"]:
+                    break
+            last = time.perf_counter()
+            rates.append((n - 1) / (last - first))
+        res.setdefault(mode, []).append(sum(rates) / len(rates))
+print(json.dumps(res))
+'''
+
+
+def run_llamacpp(args, prompts: list[list[int]], spec: dict) -> dict:
+    sys.path.insert(0, HERE)
+    from export_model import export_gguf, export_hf_folder
+    gguf = export_gguf("bf16", export_hf_folder())
+    cfg = {"gguf": gguf, "threads": 1, "k": spec.get("num_speculative_tokens", 4),
+           "max_n": spec.get("prompt_lookup_max", 5), "rounds": args.rounds,
+           "prompts": prompts[:args.single_prompts], "max_tokens": OUTPUT_LEN}
+    p = subprocess.run([LLAMACPP_PY, "-c", LLAMACPP_WORKER, json.dumps(cfg)], capture_output=True,
+                       text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if p.returncode:
+        raise RuntimeError(p.stderr[-2000:])
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    off, on = statistics.median(res["off"]), statistics.median(res["on"])
+    return {"engine": "llama-cpp-python 0.3.36 (bf16 GGUF, 1 thread)", "off_tok_s": off,
+            "on_tok_s": on, "speedup": on / off, "rounds": res}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--single-prompts", type=int, default=4,
+                   help="prompts run one at a time per round (of the 8)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--spec", default='{"method": "ngram", "num_speculative_tokens": 4, '
+                                     '"prompt_lookup_min": 2, "prompt_lookup_max": 5}')
+    p.add_argument("--w1", action="store_true", help="also W1 off and on (minutes)")
+    p.add_argument("--w1-rounds", type=int, default=2)
+    p.add_argument("--only-w1", action="store_true", help="W1 off and on, nothing else")
+    p.add_argument("--llamacpp", action="store_true",
+                   help="also llama.cpp's LlamaPromptLookupDecoding, one stream")
+    p.add_argument("--output-json")
+    args = p.parse_args()
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if args.only_w1:
+        print(json.dumps({"machine": machine(), "w1": run_w1(args)}, indent=2))
+        return
+    result = run_kvflow(args)
+    print(json.dumps(result, indent=2), flush=True)  # kept if an anchor below fails
+    if args.llamacpp:
+        sys.path.insert(0, ROOT)
+        from kvflow.tokenizer import get_tokenizer
+        from kvflow.model_path import default_model_path
+        prompts = prompt_ids(get_tokenizer(default_model_path()))
+        result["llamacpp"] = run_llamacpp(args, prompts, json.loads(args.spec))
+    if args.w1:
+        result["w1"] = run_w1(args)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

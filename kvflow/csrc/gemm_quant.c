@@ -1,0 +1,342 @@
+/* out = x @ w.T (+ bias) for quantized weights: 4-bit (GGUF Q4_0, Q4_1, Q4_K) and 8-bit
+ * (GGUF Q8_0 and everything requantized to it; kvflow's int8 W8A8) against activations
+ * quantized to int8 on the fly. The weights are never widened to floats.
+ *
+ * Weight layout (kvflow/model/quant/packing.py writes it): panels of QP = 16 outputs, each a
+ * contiguous run of records, one per block of 32 inputs. In a record, 64-byte vectors hold
+ * "quads": input k..k+3 of all 16 outputs, output o's four values in bytes 4o..4o+3, so one
+ * broadcast of four activation bytes feeds 16 outputs with one `vpdpbusd` (or
+ * `vpmaddubsw` + `vpmaddwd` on AVX2) and no horizontal sums.
+ *   q4 record (320 B): 4 vectors, vector v holds quad v in its low nibbles and quad v + 4 in
+ *       its high ones (values 0..15, unsigned); then fp16 scale d[16] and fp16 min m[16]:
+ *       weight = d * q + m (Q4_0: m = -8 d; Q4_K: its sub-block's scale and min).
+ *   q8 record (608 B): 8 vectors of signed int8 (-127..127), fp16 scale d[16], then
+ *       int32 bias[16] = -128 * (the sum of the output's 32 weights): `vpdpbusd` takes its
+ *       first operand unsigned, so the VNNI path multiplies x + 128 and starts from the bias.
+ *
+ * Activations (quantize_rows_q8): per row and block of 32 inputs, int8 values in -127..127,
+ * scale dx (x ~ dx * q) and dxs = dx * (sum of the block's q), which carries q4's min term:
+ *   sum_k w_k x_k = sum_blocks dx * (d * sum(q_w q_x) + m * sum(q_x)).
+ * `per_row` gives a whole row one scale (int8 W8A8's per-token scales).
+ *
+ * Paths (chosen at load, passed as `isa`): 0 scalar (the tests' reference), 1 AVX2,
+ * 2 AVX-512 VNNI. Rows go in tiles (the unpacked block of weights is reused by every row of
+ * the tile); threads split panels (few rows: each streams its share of the weights) or rows
+ * (many rows). */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#define QP 16
+#define QB 32
+#define Q4_REC 320
+#define Q8_REC 608
+
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal */
+            float f = (float)man * (1.0f / 16777216.0f);
+            memcpy(&bits, &f, 4);
+            bits |= sign;
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float load_act(const void *x, int64_t i, int bf16) {
+    if (bf16) {
+        union { uint32_t u; float f; } v = { (uint32_t)((const uint16_t *)x)[i] << 16 };
+        return v.f;
+    }
+    return ((const float *)x)[i];
+}
+
+/* Rows [begin, end) of x [M, K] (bf16 or fp32) -> qx [M, Kb * 32] int8, dx and dxs [M, Kb];
+ * inputs past K are zeros. */
+void quantize_rows_q8(const void *x, int64_t x_stride, int64_t K, int64_t Kb, int64_t bf16,
+                      int64_t per_row, int8_t *qx, float *dx, float *dxs, int64_t begin,
+                      int64_t end)
+{
+    const int64_t Kp = Kb * QB;
+    for (int64_t r = begin; r < end; r++) {
+        const char *xr = (const char *)x + r * x_stride * (bf16 ? 2 : 4);
+        int8_t *q = qx + r * Kp;
+        float *d = dx + r * Kb, *ds = dxs + r * Kb;
+        float row_amax = 0.f;
+        if (per_row)
+            for (int64_t k = 0; k < K; k++)
+                row_amax = fmaxf(row_amax, fabsf(load_act(xr, k, (int)bf16)));
+        for (int64_t b = 0; b < Kb; b++) {
+            float vals[QB];
+            float amax = 0.f;
+            for (int j = 0; j < QB; j++) {
+                const int64_t k = b * QB + j;
+                vals[j] = k < K ? load_act(xr, k, (int)bf16) : 0.f;
+                amax = fmaxf(amax, fabsf(vals[j]));
+            }
+            if (per_row)
+                amax = row_amax;
+            const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+            int sum = 0;
+            for (int j = 0; j < QB; j++) {
+                float v = nearbyintf(vals[j] * inv);
+                v = v > 127.f ? 127.f : v < -127.f ? -127.f : v;
+                q[b * QB + j] = (int8_t)v;
+                sum += (int)v;
+            }
+            d[b] = scale;
+            ds[b] = scale * (float)sum;
+        }
+    }
+}
+
+static inline void store_out(void *out, int64_t i, float v, int bf16) {
+    if (bf16) {
+        union { float f; uint32_t u; } x = { v };
+        uint16_t h;
+        if ((x.u & 0x7fffffffu) > 0x7f800000u)
+            h = (uint16_t)((x.u >> 16) | 0x40);
+        else
+            h = (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
+        ((uint16_t *)out)[i] = h;
+    } else {
+        ((float *)out)[i] = v;
+    }
+}
+
+/* one panel's 16 sums for one row -> out (+ bias), masked to the outputs that exist */
+static inline void finish_row(const float *acc, const float *bias, int64_t n0, int64_t nv,
+                              void *out, int64_t row_off, int bf16)
+{
+    for (int64_t o = 0; o < nv; o++)
+        store_out(out, row_off + n0 + o, acc[o] + (bias ? bias[n0 + o] : 0.f), bf16);
+}
+
+/* ---- scalar reference ------------------------------------------------------------------ */
+static void panel_scalar(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb,
+                         int64_t rows, const uint8_t *panel, int q8, const float *bias,
+                         int64_t n0, int64_t nv, void *out, int64_t out_stride, int bf16)
+{
+    const int64_t Kp = Kb * QB;
+    for (int64_t r = 0; r < rows; r++) {
+        float acc[QP] = {0};
+        for (int64_t b = 0; b < Kb; b++) {
+            const int8_t *xq = qx + r * Kp + b * QB;
+            const uint8_t *rec = panel + b * (q8 ? Q8_REC : Q4_REC);
+            const uint16_t *d16 = (const uint16_t *)(rec + (q8 ? 512 : 256));
+            for (int o = 0; o < QP; o++) {
+                int32_t dot = 0;
+                for (int j = 0; j < 8; j++)
+                    for (int t = 0; t < 4; t++) {
+                        int w;
+                        if (q8)
+                            w = (int8_t)rec[64 * j + 4 * o + t];
+                        else
+                            w = j < 4 ? rec[64 * j + 4 * o + t] & 0x0f : rec[64 * (j - 4) + 4 * o + t] >> 4;
+                        dot += w * xq[4 * j + t];
+                    }
+                acc[o] += dx[r * Kb + b] * half_to_float(d16[o]) * (float)dot;
+                if (!q8)
+                    acc[o] += dxs[r * Kb + b] * half_to_float(d16[QP + o]);
+            }
+        }
+        finish_row(acc, bias, n0, nv, out, r * out_stride, bf16);
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define QUANT_AVX2 1
+
+static inline __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* AVX2: the panel in two halves of 8 outputs (bytes 0..31 and 32..63 of each vector) */
+static inline __attribute__((always_inline)) void
+tile_avx2(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb, int rows,
+          const uint8_t *panel, int q8, __m256 acc[][2])
+{
+    const int64_t Kp = Kb * QB;
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
+    for (int h = 0; h < 2; h++) {
+        for (int64_t b = 0; b < Kb; b++) {
+            const uint8_t *rec = panel + b * (q8 ? Q8_REC : Q4_REC);
+            __m256i w[8];
+            __m256 d, m = _mm256_setzero_ps();
+            if (q8) {
+                for (int j = 0; j < 8; j++)
+                    w[j] = _mm256_loadu_si256((const __m256i *)(rec + 64 * j + 32 * h));
+                d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 512 + 16 * h)));
+            } else {
+                for (int j = 0; j < 4; j++) {
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(rec + 64 * j + 32 * h));
+                    w[j] = _mm256_and_si256(v, low);
+                    w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                }
+                d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 256 + 16 * h)));
+                m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 288 + 16 * h)));
+            }
+            for (int r = 0; r < rows; r++) {
+                const int8_t *xq = qx + r * Kp + b * QB;
+                __m256i sum;
+                if (q8) { /* |x| * (w with x's sign): both under 128, no saturation */
+                    sum = _mm256_setzero_si256();
+                    for (int j = 0; j < 8; j++) {
+                        const __m256i xb = bcast4(xq + 4 * j);
+                        const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(xb), _mm256_sign_epi8(w[j], xb));
+                        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, ones));
+                    }
+                } else { /* 8 pairs of 15 * 127 stay under 2^15 in int16 */
+                    __m256i s16 = _mm256_maddubs_epi16(w[0], bcast4(xq));
+                    for (int j = 1; j < 8; j++)
+                        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[j], bcast4(xq + 4 * j)));
+                    sum = _mm256_madd_epi16(s16, ones);
+                }
+                const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dx[r * Kb + b]));
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[r][h]);
+                if (!q8)
+                    acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(dxs[r * Kb + b]), acc[r][h]);
+            }
+        }
+    }
+}
+
+#define AVX2_TILE 4
+#define AVX2_FN(R, Q) static void avx2_##R##_##Q(const int8_t *qx, const float *dx,            \
+        const float *dxs, int64_t Kb, const uint8_t *panel, float *res) {                      \
+    __m256 acc[R][2];                                                                         \
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                  \
+    tile_avx2(qx, dx, dxs, Kb, R, panel, Q, acc);                                             \
+    for (int r = 0; r < R; r++) {                                                             \
+        _mm256_storeu_ps(res + r * QP, acc[r][0]);                                            \
+        _mm256_storeu_ps(res + r * QP + 8, acc[r][1]); } }
+AVX2_FN(1, 0) AVX2_FN(2, 0) AVX2_FN(3, 0) AVX2_FN(4, 0)
+AVX2_FN(1, 1) AVX2_FN(2, 1) AVX2_FN(3, 1) AVX2_FN(4, 1)
+typedef void (*qtile_fn)(const int8_t *, const float *, const float *, int64_t, const uint8_t *, float *);
+static const qtile_fn AVX2_TILES[2][AVX2_TILE + 1] = {
+    {0, avx2_1_0, avx2_2_0, avx2_3_0, avx2_4_0}, {0, avx2_1_1, avx2_2_1, avx2_3_1, avx2_4_1}};
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define QUANT_VNNI 1
+
+static inline __attribute__((always_inline)) void
+tile_vnni(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb, int rows,
+          const uint8_t *panel, int q8, __m512 *acc)
+{
+    const int64_t Kp = Kb * QB;
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    const int rec_bytes = q8 ? Q8_REC : Q4_REC;
+    for (int64_t b = 0; b < Kb; b++) {
+        const uint8_t *rec = panel + b * rec_bytes;
+        __m512i w[8], start = _mm512_setzero_si512();
+        __m512 d, m = _mm512_setzero_ps();
+        if (q8) {
+            for (int j = 0; j < 8; j++)
+                w[j] = _mm512_loadu_si512(rec + 64 * j);
+            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 512)));
+            start = _mm512_loadu_si512(rec + 544);
+        } else {
+            for (int j = 0; j < 4; j++) {
+                __m512i v = _mm512_loadu_si512(rec + 64 * j);
+                w[j] = _mm512_and_si512(v, low);
+                w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 256)));
+            m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 288)));
+        }
+        for (int r = 0; r < rows; r++) {
+            const int8_t *xq = qx + r * Kp + b * QB;
+            __m512i sum = start;
+            for (int j = 0; j < 8; j++) {
+                int32_t v;
+                memcpy(&v, xq + 4 * j, 4);
+                if (q8) /* x + 128, unsigned, against signed weights; the bias takes 128 * sum(w) off */
+                    sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi32(v ^ (int32_t)0x80808080u), w[j]);
+                else    /* unsigned 4-bit weights against signed x */
+                    sum = _mm512_dpbusd_epi32(sum, w[j], _mm512_set1_epi32(v));
+            }
+            const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[r * Kb + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r]);
+            if (!q8)
+                acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(dxs[r * Kb + b]), acc[r]);
+        }
+    }
+}
+
+#define VNNI_TILE 8
+#define VNNI_FN(R, Q) static void vnni_##R##_##Q(const int8_t *qx, const float *dx,            \
+        const float *dxs, int64_t Kb, const uint8_t *panel, float *res) {                      \
+    __m512 acc[R];                                                                            \
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                                 \
+    tile_vnni(qx, dx, dxs, Kb, R, panel, Q, acc);                                             \
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(res + r * QP, acc[r]); }
+VNNI_FN(1, 0) VNNI_FN(2, 0) VNNI_FN(3, 0) VNNI_FN(4, 0) VNNI_FN(5, 0) VNNI_FN(6, 0) VNNI_FN(7, 0) VNNI_FN(8, 0)
+VNNI_FN(1, 1) VNNI_FN(2, 1) VNNI_FN(3, 1) VNNI_FN(4, 1) VNNI_FN(5, 1) VNNI_FN(6, 1) VNNI_FN(7, 1) VNNI_FN(8, 1)
+static const qtile_fn VNNI_TILES[2][VNNI_TILE + 1] = {
+    {0, vnni_1_0, vnni_2_0, vnni_3_0, vnni_4_0, vnni_5_0, vnni_6_0, vnni_7_0, vnni_8_0},
+    {0, vnni_1_1, vnni_2_1, vnni_3_1, vnni_4_1, vnni_5_1, vnni_6_1, vnni_7_1, vnni_8_1}};
+#endif
+
+/* The paths this build has: bit 0 scalar, bit 1 AVX2, bit 2 AVX-512 VNNI. */
+int64_t gemm_quant_isas(void)
+{
+    int64_t isas = 1;
+#ifdef QUANT_AVX2
+    isas |= 2;
+#endif
+#ifdef QUANT_VNNI
+    isas |= 4;
+#endif
+    return isas;
+}
+
+/* Panels [p_begin, p_end) of out[M, N] (bf16 or fp32, row stride out_stride) for all M rows of
+ * the quantized activations; `kind` 0: q4, 1: q8; `bias` fp32 [N] or NULL. */
+void gemm_quant_panels(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb,
+                       int64_t M, const uint8_t *packed, int64_t kind, int64_t isa,
+                       const float *bias, void *out, int64_t out_stride, int64_t N,
+                       int64_t out_bf16, int64_t p_begin, int64_t p_end)
+{
+    const int q8 = (int)kind, bf16 = (int)out_bf16;
+    const int64_t panel_bytes = Kb * (q8 ? Q8_REC : Q4_REC), Kp = Kb * QB;
+    int max_tile = 1;
+    const qtile_fn *tiles = 0;
+#ifdef QUANT_AVX2
+    if (isa == 1) { tiles = AVX2_TILES[q8]; max_tile = AVX2_TILE; }
+#endif
+#ifdef QUANT_VNNI
+    if (isa == 2) { tiles = VNNI_TILES[q8]; max_tile = VNNI_TILE; }
+#endif
+    for (int64_t p = p_begin; p < p_end; p++) {
+        const uint8_t *panel = packed + p * panel_bytes;
+        const int64_t n0 = p * QP, nv = N - n0 < QP ? N - n0 : QP;
+        if (tiles == 0) {
+            panel_scalar(qx, dx, dxs, Kb, M, panel, q8, bias, n0, nv, out, out_stride, bf16);
+            continue;
+        }
+        const int64_t ntiles = (M + max_tile - 1) / max_tile;
+        for (int64_t t = 0, m0 = 0; t < ntiles; t++) {
+            const int64_t rows = (M - m0) / (ntiles - t);
+            float res[16 * QP];
+            tiles[rows](qx + m0 * Kp, dx + m0 * Kb, dxs + m0 * Kb, Kb, panel, res);
+            for (int64_t r = 0; r < rows; r++)
+                finish_row(res + r * QP, bias, n0, nv, out, (m0 + r) * out_stride, bf16);
+            m0 += rows;
+        }
+    }
+}

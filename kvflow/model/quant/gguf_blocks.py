@@ -1,0 +1,69 @@
+"""GGUF block formats -> the integer values and per-32 scales/offsets of packing.py, without
+going through floats where the format maps exactly:
+
+- Q8_0 (d, 32 x int8)            -> q8: q, d
+- Q4_0 (d, 32 x 4 bit, w = d(q-8)) -> q4: q, d, m = -8 d
+- Q4_1 (d, m, 32 x 4 bit)        -> q4: q, d, m
+- Q4_K (256: d, dmin, 8 x 6-bit scale/min, 256 x 4 bit; w = d sc q - dmin mn per 32)
+                                  -> q4: q, d * sc, -dmin * mn (scales rounded to fp16)
+- anything else (Q5_K, Q6_K, Q5_0, Q2_K, F16, ...) is dequantised with gguf's own code and
+  requantized to q8 per 32: 8 bits against the format's 5-6, so the error it adds is small
+  against the format's own, and the GEMM is the Q8_0 one."""
+from __future__ import annotations
+
+import numpy as np
+
+from kvflow.model.quant.packing import quantize_q8_blocks
+
+NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
+
+
+def _f16(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32] values: low nibbles are values 0..15, high ones 16..31."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def decode(raw: np.ndarray, type_name: str, n: int, k: int
+           ) -> tuple[str, np.ndarray, np.ndarray, np.ndarray | None]:
+    """A GGUF tensor's bytes (n rows of k values) -> (kind, q (n, k), d (n, k/32), m or None)."""
+    rows = np.ascontiguousarray(raw).reshape(n, -1)
+    if type_name == "Q8_0":
+        b = rows.reshape(n, k // 32, 34)
+        return "q8", b[..., 2:].view(np.int8).reshape(n, k).clip(-127, 127), _f16(b[..., :2]).reshape(n, -1), None
+    if type_name == "Q4_0":
+        b = rows.reshape(n, k // 32, 18)
+        d = _f16(b[..., :2]).reshape(n, -1)
+        return "q4", _nibbles(b[..., 2:]).reshape(n, k), d, -8.0 * d
+    if type_name == "Q4_1":
+        b = rows.reshape(n, k // 32, 20)
+        return "q4", _nibbles(b[..., 4:]).reshape(n, k), _f16(b[..., :2]).reshape(n, -1), _f16(b[..., 2:4]).reshape(n, -1)
+    if type_name == "Q4_K":
+        from gguf.quants import Q4_K
+
+        b = rows.reshape(n * (k // 256), 144)
+        d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+        sc, mn = Q4_K.get_scale_min(b[:, 4:16])
+        # 4 runs of 32 bytes: low nibbles are sub-block 2j, high ones 2j + 1
+        qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        q = (qs & 0x0F).reshape(n, k)
+        return ("q4", q, (d * sc.astype(np.float32)).reshape(n, -1),
+                (-dmin * mn.astype(np.float32)).reshape(n, -1))
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    w = dequantize(rows, GGMLQuantizationType[type_name]).astype(np.float32).reshape(n, k)
+    q, d = quantize_q8_blocks(w)
+    return "q8", q, d, None
+
+
+def to_q8(kind: str, q: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """q4 values requantized to q8 (for a fused weight whose parts differ in kind)."""
+    if kind == "q8":
+        return q, d
+    n, k = q.shape
+    w = (q.reshape(n, -1, 32).astype(np.float32) * d[..., None] + m[..., None]).reshape(n, k)
+    return quantize_q8_blocks(w)

@@ -1,0 +1,170 @@
+"""A LlamaForCausalLM whose projections, LM head and embedding are quantized weights: from a
+quantized GGUF file as it is stored (`gguf`), or from any float model quantized to int8 W8A8
+at load (`int8`). The model's float parameters for those weights stay on the meta device (no
+memory): the projections are read through `layer.packed[...].quant`, the embedding through
+`model.quantized_embedding`. The load reports the weights' bytes and the process's RSS."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+import torch
+
+from kvflow.csrc import library
+from kvflow.model.arch import load_arch_config
+from kvflow.model.kernels import Kernels, select_kernels
+from kvflow.model.llama import LlamaForCausalLM
+from kvflow.model.packed_linear import PackedWeight
+from kvflow.model.quant.packing import dequantize_rows
+from kvflow.model.quant.qlinear import QuantizedWeight, best_isa
+from kvflow.model_path import is_gguf
+
+logger = logging.getLogger("kvflow")
+QUANTIZATIONS = ("gguf", "int8", "none")
+_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def resolve_quantization(requested: str | None, path: str, tp_size: int = 1,
+                         on_gpu: bool = False) -> str:
+    """The option's value -> what serves: default `gguf` for a GGUF file (a float GGUF then
+    loads as floats), else `none`. Quantized weights are the CPU kernels', and not sharded
+    across ranks yet: there the default is `none` and an explicit choice is refused."""
+    if requested is None:
+        return "gguf" if is_gguf(path) and tp_size == 1 and not on_gpu else "none"
+    if requested not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {requested!r}")
+    if requested == "gguf" and not is_gguf(path):
+        raise ValueError("quantization gguf needs a .gguf model file")
+    if requested != "none" and tp_size > 1:
+        raise ValueError(f"quantization {requested} is not supported with tensor_parallel_size > 1")
+    if requested != "none" and on_gpu:
+        raise ValueError(f"quantization {requested} runs on the CPU only (device cuda: pass "
+                         "--quantization none)")
+    return requested
+
+
+def rss_bytes() -> int:
+    """This process's resident set (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class QuantizedEmbedding:
+    """Token ids -> embedding rows, dequantised from the quantized table on lookup."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype):
+        self.weight, self.dtype = weight, dtype
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        return dequantize_rows(w.kind, w.packed, w.k, ids.reshape(-1).long(), self.dtype)
+
+
+def load_quantized_model(path: str, dtype: torch.dtype, quantization: str,
+                         kernels: Kernels | None = None):
+    """(model, arch), or None to load floats instead: a GGUF file with no quantized matrices,
+    or no kernel library (no C compiler, or KVFLOW_NO_KERNELS=1)."""
+    kernels = select_kernels(dtype) if kernels is None else kernels
+    if not kernels.options.c_kernels or library() is None:
+        logger.warning("kvflow: quantization %s needs kvflow's C kernels; loading float weights",
+                       quantization)
+        return None
+    isa = best_isa(kernels.features)
+    shape = load_arch_config(path)
+    if shape.num_experts or shape.qk_norm:
+        logger.warning("kvflow: quantization %s serves dense Llama-family layers only (this model "
+                       "has %s); loading float weights", quantization,
+                       "experts" if shape.num_experts else "QK-norm")
+        return None
+    rss0, t0 = rss_bytes(), time.perf_counter()
+    if quantization == "gguf":
+        from kvflow.model.quant.gguf_native import gguf_is_quantized, load_gguf_native
+
+        def build():
+            from gguf import GGUFReader
+
+            if not gguf_is_quantized(GGUFReader(path)):
+                raise _FloatFile
+            return load_gguf_native(path, dtype, isa)[1:]
+        source_bytes = os.path.getsize(path)
+    else:
+        def build():
+            return _int8_weights(path, dtype, isa)[1:]
+        source_bytes = _float_bytes(path)
+    try:
+        if is_gguf(path):  # packed once, then read from kvflow's cache
+            from kvflow.model.quant.cache import cached_weights
+
+            plain, quant = cached_weights(path, quantization, dtype, isa, build)
+        else:
+            plain, quant = build()
+    except _FloatFile:
+        return None
+    arch = load_arch_config(path)
+    model = LlamaForCausalLM(arch, dtype, device="meta", kernels=kernels)
+    missing, unexpected = model.load_state_dict(plain, strict=False, assign=True)
+    left = set(missing) - {f"layers.{i}.{p}" for i in range(arch.num_hidden_layers) for p in _PROJECTIONS}
+    left -= {"embed_tokens", "lm_head"}
+    if left or unexpected:
+        raise ValueError(f"quantized load: missing {sorted(left)}, unexpected {sorted(unexpected)}")
+    model.eval()
+    for i, layer in enumerate(model.layers):
+        layer.packed = {p: PackedWeight(quant=quant[f"layers.{i}.{p}"]) for p in _PROJECTIONS}
+    model.packed_lm_head = PackedWeight(quant=quant["lm_head"])
+    model.quantized_embedding = QuantizedEmbedding(quant["embed_tokens"], dtype)
+    weight_bytes = sum(w.nbytes for w in {id(w): w for w in quant.values()}.values())
+    weight_bytes += sum(t.numel() * t.element_size() for t in plain.values())
+    from kvflow.model.quant.gguf_native import describe
+
+    rss = rss_bytes()
+    logger.info("kvflow: %s weights (%s) via %s: %.1f MB in memory (source %.1f MB); RSS %.1f MB "
+                "after load (+%.1f MB), %.1f s", quantization, describe(quant), isa,
+                weight_bytes / 1e6, source_bytes / 1e6, rss / 1e6, (rss - rss0) / 1e6,
+                time.perf_counter() - t0)
+    model.quant_report = {"weight_bytes": weight_bytes, "rss_after_load": rss, "isa": isa}
+    # the start-up line names what serves the projections now
+    model.kernels = dataclasses.replace(kernels, names={**kernels.names, "linear": f"quant-{isa}",
+                                                        "gate_up": f"quant-{isa}+silu"})
+    return model, arch
+
+
+class _FloatFile(Exception):
+    """The GGUF file holds no quantized matrices."""
+
+
+def _float_bytes(path: str) -> int:
+    """The size of a float model's weight files (the GGUF file itself)."""
+    if is_gguf(path):
+        return os.path.getsize(path)
+    from kvflow.model.weights import hf_weight_files
+
+    files, bin_path = hf_weight_files(path)
+    return sum(os.path.getsize(f) for f in files or [bin_path])
+
+
+def _int8_weights(path: str, dtype: torch.dtype, isa: str):
+    """A float model's fused weights, the projections and LM head quantized to int8 W8A8 one by
+    one (each float copy dropped as soon as its int8 one exists)."""
+    from kvflow.model.quant.int8 import quantize_int8
+    from kvflow.model.weights import fuse_weights, load_gguf, read_hf_folder
+
+    if is_gguf(path):
+        arch, weights = load_gguf(path, torch.float32)
+    else:
+        arch = load_arch_config(path)
+        weights = fuse_weights(read_hf_folder(path, torch.float32), arch, torch.float32)
+    quant = {}
+    for name in [n for n in weights if n.rsplit(".", 1)[-1] in _PROJECTIONS]:
+        quant[name] = quantize_int8(weights.pop(name), isa)
+    head = weights.pop("lm_head", None)
+    embed = weights.pop("embed_tokens")
+    quant["embed_tokens"] = quantize_int8(embed, isa)
+    quant["lm_head"] = quant["embed_tokens"] if head is None else quantize_int8(head, isa)
+    del embed, head
+    plain = {k: v.to(dtype) for k, v in weights.items()}
+    return arch, plain, quant

@@ -1,0 +1,104 @@
+"""x @ w.T for a quantized weight: the activations are quantized to int8 (per block of 32, or
+per row for int8 W8A8), then kvflow/csrc/gemm_quant.c multiplies them with the packed weight,
+both split over the kernel pool."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvflow.csrc import library, run_kernel
+from kvflow.model.quant.packing import BLOCK, PANEL
+
+ISA_CODES = {"scalar": 0, "avx2": 1, "avx512-vnni": 2}
+
+
+@dataclass
+class QuantizedWeight:
+    """One (n, k) projection in the panel layout (packing.py). `source` names where it came
+    from (a GGUF type like Q4_1, or int8), `per_row`: quantize activations per row (W8A8)."""
+
+    kind: str  # q4 | q8
+    n: int
+    k: int
+    packed: torch.Tensor  # uint8
+    isa: str
+    source: str
+    per_row: bool = False
+
+    @property
+    def kb(self) -> int:
+        return -(-self.k // BLOCK)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+
+def available_isas() -> list[str]:
+    """The paths the kernel library was built with, narrowest first."""
+    lib = library()
+    if lib is None:
+        return []
+    bits = int(lib.gemm_quant_isas())
+    return [name for name, code in ISA_CODES.items() if bits >> code & 1]
+
+
+def best_isa(features) -> str:
+    """The widest path that both the build and the CPU offer."""
+    built = available_isas()
+    if "avx512-vnni" in built and {"avx512_vnni", "avx512bw", "avx512vl"} <= features.flags:
+        return "avx512-vnni"
+    if "avx2" in built and {"avx2", "fma", "f16c"} <= features.flags:
+        return "avx2"
+    return "scalar"
+
+
+def quantize_activations(x: torch.Tensor, kb: int, per_row: bool, threads: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] (bf16 or fp32) -> (qx int8 [M, kb*32], dx [M, kb], dx * sum(qx) [M, kb])."""
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        x = x.float()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    qx = torch.empty(m, kb * BLOCK, dtype=torch.int8)
+    dx = torch.empty(m, kb, dtype=torch.float32)
+    dxs = torch.empty(m, kb, dtype=torch.float32)
+    words = [x.data_ptr(), x.stride(0), k, kb, int(x.dtype == torch.bfloat16), int(per_row),
+             qx.data_ptr(), dx.data_ptr(), dxs.data_ptr()]
+    run_kernel("quantize_q8", words, m, threads if m >= 4 * threads else 1)
+    return qx, dx, dxs
+
+
+def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
+                 threads: int | None = None, isa: str | None = None) -> torch.Tensor:
+    """x [M, K] @ w.T (+ bias) -> [M, N] in x's dtype (bf16, else fp32): one C call
+    (pool.c's quant_linear) quantizes the rows and runs the GEMM, each over the kernel pool."""
+    threads = torch.get_num_threads() if threads is None else threads
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        x = x.float()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    assert k == w.k, (x.shape, w.k)
+    out = torch.empty(m, w.n, dtype=x.dtype)
+    if bias is not None:
+        bias = bias.float().contiguous()
+    bf16 = int(x.dtype == torch.bfloat16)
+    rc = _lib().quant_linear(x.data_ptr(), x.stride(0), k, w.kb, bf16, int(w.per_row),
+                             w.packed.data_ptr(), int(w.kind == "q8"), ISA_CODES[isa or w.isa],
+                             None if bias is None else bias.data_ptr(), out.data_ptr(), w.n, bf16,
+                             m, threads)
+    if rc != 0:
+        raise MemoryError("quant_linear: no memory for the quantized activations")
+    return out
+
+
+_LIB = []
+
+
+def _lib():
+    if not _LIB:
+        _LIB.append(library())
+    return _LIB[0]
