@@ -141,13 +141,15 @@ class HybridKVCacheManager(KVCacheManager):
 
     # -- allocation ------------------------------------------------------------------------
     def allocate_slots(self, req: Request, num_new_tokens: int,
-                       computed_blocks: list[KVBlock] | None = None) -> list[int] | None:
-        """As KVCacheManager.allocate_slots, over every group at once (all or nothing), after
-        returning what the windows have left behind. Returns group 0's new block ids."""
+                       computed_blocks: list[KVBlock] | None = None, cache: bool = True,
+                       num_lookahead_tokens: int = 0) -> list[int] | None:
+        """As KVCacheManager.allocate_slots (lookahead room for drafts included), over every
+        group at once (all or nothing), after returning what the windows have left behind.
+        Returns group 0's new block ids."""
         rid = req.request_id
         per_group = getattr(computed_blocks, "per_group", None) or [[] for _ in self.groups]
         self._remove_skipped_blocks(req)
-        num_tokens = req.num_computed_tokens + num_new_tokens
+        num_tokens = req.num_computed_tokens + num_new_tokens + num_lookahead_tokens
         needs = []
         for g in range(len(self.groups)):
             held = len(self.tables[g].get(rid, ())) + len(per_group[g])
@@ -168,8 +170,8 @@ class HybridKVCacheManager(KVCacheManager):
             table.extend(new)
             if g == 0:
                 new_ids = [b.block_id for b in new]
-            if self.enable_caching:
-                self._cache_group_blocks(g, req, table, num_tokens)
+            if self.enable_caching and cache:  # real tokens only (drafts: never)
+                self._cache_group_blocks(g, req, table, req.num_computed_tokens + num_new_tokens)
         return new_ids
 
     def _cache_group_blocks(self, g: int, req: Request, table: list[KVBlock], num_tokens: int) -> None:

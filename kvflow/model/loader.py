@@ -3,6 +3,8 @@ GGUF file, or one tensor-parallel rank's shard of it. Reading the files is kvflo
 job; which slices a rank owns, kvflow.model.sharding's."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kvflow.model.arch import LlamaArchConfig, load_arch_config
@@ -13,6 +15,8 @@ from kvflow.model.llama import LlamaForCausalLM
 from kvflow.model.sharding import load_shard
 from kvflow.model.weights import fuse_weights, load_gguf, read_hf_folder
 from kvflow.model_path import is_gguf
+
+logger = logging.getLogger("kvflow")
 
 
 def resolve_dtype(name: str, device: torch.device | str | None = None) -> torch.dtype:
@@ -48,12 +52,14 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None 
     """Load the model at `path` (HF folder or .gguf) in `dtype`, weights fused for inference;
     `kernels` (default: chosen for `dtype` and `device`) serve its operations. `quantization`
     gguf or int8 (kvflow/model/quant/load.py) keeps the weights quantized, on the CPU."""
+    if quantization != "none" and load_arch_config(path).architecture == "Gemma3ForCausalLM":
+        # the quantized path builds the Llama class: Gemma 3 loads dequantised instead
+        logger.warning("kvflow: quantization %r does not serve Gemma 3 yet; its weights "
+                       "are dequantised at load", quantization)
+        quantization = "none"
     if quantization != "none":
         from kvflow.model.quant.load import load_quantized_model
 
-        if load_arch_config(path).architecture == "Gemma3ForCausalLM":
-            raise ValueError(f"quantization {quantization!r} does not serve Gemma 3 yet; "
-                             "use quantization=none (the GGUF is dequantised at load)")
         loaded = load_quantized_model(path, dtype, quantization, kernels)
         if loaded is not None:
             return loaded
