@@ -109,6 +109,9 @@ class CacheConfig:
         "auto", "KV cache storage (`auto`: the model's dtype); bfloat16 on an fp32 model halves "
         "the cache and what decode attention reads, at a small cost in accuracy",
         choices=DTYPES, name="kv_cache_dtype")
+    # set by the engine from the model: each layer's sliding window (None: full attention);
+    # any window gives the scheduler one block table per KV cache group. Not an option.
+    layer_windows: tuple = ()
 
     def __post_init__(self) -> None:
         self.cache_dtype = dtype_name(self.cache_dtype, "kv_cache_dtype")
@@ -213,15 +216,8 @@ class SpeculativeConfig:
         methods are refused by name."""
         if isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            import json
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("speculative_config must be a JSON object such as "
-                             '{"method": "ngram", "num_speculative_tokens": 4}')
+        value = json_object_option(value, "speculative_config",
+                                   '{"method": "ngram", "num_speculative_tokens": 4}')
         method = value.get("method", "ngram")
         if method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(SPEC_METHODS)}, "
@@ -231,6 +227,18 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: unknown key(s) {', '.join(map(repr, unknown))} "
                              f"for method {method!r}; valid: {', '.join(sorted(_SPEC_KEYS[method]))}")
         return cls(**value)
+
+
+def json_object_option(value, name: str, example: str) -> dict:
+    """An option given as a dict (LLM's keyword) or its JSON text (the command line)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object such as {example}")
+    return value
 
 
 def parse_init_method(init_method: str) -> tuple[str, int]:
@@ -323,13 +331,7 @@ class KVTransferConfig:
         """From the flag's JSON text (or a dict); an unknown key is refused, naming it."""
         if isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("kv_transfer_config must be a JSON object")
+        value = json_object_option(value, "kv_transfer_config", '{"kv_role": "kv_producer"}')
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(value) - known)
         if unknown:

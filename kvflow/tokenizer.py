@@ -11,6 +11,7 @@ import os
 import shutil
 import tempfile
 
+from kvflow.chat_templates import builtin_chat_template
 from kvflow.model_path import cache_dir_for, is_gguf
 from kvflow.utils.files import file_lock, publish
 
@@ -44,6 +45,8 @@ def get_tokenizer(path: str):
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path),
                                                       gguf_file=os.path.basename(path))
+            if not getattr(tokenizer, "chat_template", None):  # a GGUF without one
+                tokenizer.chat_template = builtin_chat_template(tokenizer)
             _save_atomically(tokenizer, cached)
     return tokenizer
 

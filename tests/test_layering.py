@@ -42,7 +42,7 @@ LAYERS = [
     ("distributed", ["kvflow.distributed"]),
     ("kv_transfer", ["kvflow.kv_transfer"]),
     ("structured", ["kvflow.structured"]),
-    ("engine", ["kvflow.engine", "kvflow.tokenizer"]),
+    ("engine", ["kvflow.engine", "kvflow.tokenizer", "kvflow.chat_templates"]),
     ("trace", ["kvflow.trace"]),
     ("entrypoints", ["kvflow.entrypoints"]),
 ]

@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass
 
 from kvflow.config import CacheConfig, SchedulerConfig
+from kvflow.core.hybrid_kv_cache_manager import HybridKVCacheManager
+from kvflow.core.kv_cache_groups import make_kv_cache_groups
 from kvflow.core.kv_cache_manager import KVCacheManager, cdiv
 from kvflow.core.request_queue import RequestQueue
 from kvflow.core.scheduler_output import (AdmissionStop, BlockCheck, KVLoad, NewRequestData,
@@ -13,7 +15,7 @@ from kvflow.core.scheduler_output import (AdmissionStop, BlockCheck, KVLoad, New
 from kvflow.kv_transfer.params import KVTransferParams
 from kvflow.core.spec_decode import SpecDecodeStats
 from kvflow.logger import init_logger
-from kvflow.request import FinishReason, Request, RequestStatus, check_request_fits
+from kvflow.request import InvalidRequestError, FinishReason, Request, RequestStatus, check_request_fits
 
 logger = init_logger("kvflow.scheduler")
 
@@ -44,8 +46,14 @@ class Scheduler:
             raise ValueError("CacheConfig.num_blocks must be set before building a Scheduler")
         self.config = scheduler_config
         self.block_size = cache_config.block_size
-        self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
-                                               cache_config.enable_prefix_caching)
+        windows = cache_config.layer_windows
+        if any(w is not None for w in windows):  # one block table per KV cache group
+            self.kv_cache_manager = HybridKVCacheManager(
+                make_kv_cache_groups(windows), cache_config.num_blocks, cache_config.block_size,
+                cache_config.enable_prefix_caching, scheduler_config.max_num_batched_tokens)
+        else:
+            self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
+                                                   cache_config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
         self.waiting = RequestQueue()  # O(1) removal: aborting many requests stays linear
         self.running: list[Request] = []
@@ -71,6 +79,14 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         check_request_fits(req.num_prompt_tokens, req.max_tokens, self.config.max_model_len,
                            self.block_size, self.kv_cache_manager.num_total_blocks)
+        kv = self.kv_cache_manager
+        if isinstance(kv, HybridKVCacheManager):  # its KV cache groups' blocks, all together
+            need = kv.max_blocks_needed(req.num_prompt_tokens + req.max_tokens)
+            if need > kv.num_total_blocks:
+                raise InvalidRequestError(
+                    f"prompt ({req.num_prompt_tokens} tokens) and max_tokens ({req.max_tokens}) need "
+                    f"{need} KV blocks over the model's KV cache groups; the pool has "
+                    f"{kv.num_total_blocks}", "max_tokens")
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
@@ -347,7 +363,10 @@ class Scheduler:
             out.scheduled_spec_decode_tokens[rid] = req.spec_token_ids[:num_spec]
         req.spec_token_ids = []  # the next drafts come from this step's outcome
         out.num_computed_tokens[rid] = computed
-        out.block_ids[rid] = self.kv_cache_manager.get_block_ids(rid)
+        kv = self.kv_cache_manager
+        out.block_ids[rid] = kv.get_block_ids(rid)
+        if isinstance(kv, HybridKVCacheManager):
+            out.group_block_ids[rid] = kv.get_group_block_ids(rid)
         out.total_num_scheduled_tokens += n
         if (req.structured_output is not None and computed + n == req.num_tokens
                 and (req.constraint_active or req.reasoning_undecided)):  # not while it reasons
@@ -369,6 +388,7 @@ class Scheduler:
         n = out.num_scheduled_tokens.pop(rid)
         del out.num_computed_tokens[rid]
         del out.block_ids[rid]
+        out.group_block_ids.pop(rid, None)
         out.total_num_scheduled_tokens -= n
         out.scheduled_spec_decode_tokens.pop(rid, None)  # it is preempted next: drafts go
         if rid in out.structured_output_request_ids:

@@ -71,6 +71,9 @@ class SchedulerOutput:
     num_computed_tokens: dict[str, int] = field(default_factory=dict)
     # request id -> whole block table after this step's allocation
     block_ids: dict[str, list[int]] = field(default_factory=dict)
+    # models with several KV cache groups (sliding-window layers; core/kv_cache_groups.py):
+    # request id -> each group's whole block table (block_ids is group 0's); empty otherwise
+    group_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)  # admitted this step
     resumed_req_ids: list[str] = field(default_factory=list)  # subset of the new ones
     preempted_req_ids: list[str] = field(default_factory=list)

@@ -34,11 +34,12 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared",
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
     # q, q_stride, k_cache, v_cache, tables, bt_stride, seq_lens, rows, begin, end, H, KVH, D,
-    # block_size, scale, out, out_stride, io_bf16 (bit 0: q is bf16, bit 1: out is bf16)
+    # block_size, scale, out, out_stride, io_bf16 (bit 0: q is bf16, bit 1: out is bf16),
+    # window (a row of seq_len L sees keys L - window .. L - 1; 0: all)
     "paged_decode_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
-                         _i64, _i64, _f32, _ptr, _i64, _i64],
+                         _i64, _i64, _f32, _ptr, _i64, _i64, _i64],
     "paged_decode_bf16": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
-                          _i64, _i64, _f32, _ptr, _i64, _i64],
+                          _i64, _i64, _f32, _ptr, _i64, _i64, _i64],
     # q, q_stride, k_cache, v_cache, tables, bt_stride, token_start, query_len, seq_len,
     # work_begin, work_end, H, KVH, D, block_size, scale, out, out_stride, out_bf16
     "paged_prefill_bf16": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64,

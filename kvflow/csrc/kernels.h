@@ -7,12 +7,13 @@ void paged_decode_f32(const void *q, int64_t q_stride, const float *k_cache, con
                       const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
                       const int64_t *rows, int64_t row_begin, int64_t row_end, int64_t H, int64_t KVH,
                       int64_t D, int64_t block_size, float scale, void *out, int64_t out_stride,
-                      int64_t io_bf16);
+                      int64_t io_bf16, int64_t window);
 void paged_decode_bf16(const void *q, int64_t q_stride, const uint16_t *k_cache,
                        const uint16_t *v_cache, const int64_t *block_tables, int64_t bt_stride,
                        const int64_t *seq_lens, const int64_t *rows, int64_t row_begin,
                        int64_t row_end, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
-                       float scale, void *out, int64_t out_stride, int64_t io_bf16);
+                       float scale, void *out, int64_t out_stride, int64_t io_bf16,
+                       int64_t window);
 void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
                         const uint16_t *v_cache, const int64_t *block_tables, int64_t bt_stride,
                         const int64_t *token_start, const int64_t *query_len, const int64_t *seq_len,

@@ -51,6 +51,22 @@ def rope_torch_(qkv: torch.Tensor, n_heads: int, head_dim: int, positions: np.nd
     x.copy_(x * c + rotated * s)
 
 
+def add_rms_norm_fp32_weight_torch(residual: torch.Tensor, delta: torch.Tensor | None,
+                                   weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += delta (in place, if given); return RMSNorm(residual) * weight with an fp32
+    `weight`, multiplied in fp32 and rounded once (Gemma's norm, whose weight is 1 + w)."""
+    if delta is not None:
+        residual.add_(delta)
+    xf = residual.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(residual.dtype)
+
+
+def gelu_tanh_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up for gate_up = [gate | up] along the last dim (GeGLU)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] along the last dim."""
     gate, up = gate_up.chunk(2, dim=-1)
@@ -76,6 +92,15 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: tor
                                           else None, weight.data_ptr(), out.data_ptr(), n],
                rows, _threads(rows * n), farg=eps)
     return out
+
+
+def add_rms_norm_fp32_weight(residual: torch.Tensor, delta: torch.Tensor | None,
+                             weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """add_rms_norm_fp32_weight_torch; for fp32 activations that is exactly add_rms_norm, so
+    the C kernel serves it."""
+    if residual.dtype == torch.float32:
+        return add_rms_norm(residual, delta, weight, eps)
+    return add_rms_norm_fp32_weight_torch(residual, delta, weight, eps)
 
 
 def rope_(qkv: torch.Tensor, n_heads: int, head_dim: int, positions: np.ndarray,

@@ -70,15 +70,22 @@ static float softmax_unnormalised(float *s, int64_t n) {
 /* Every row function: q fp32 (and qb, the same row in bf16, or NULL), scores [H][Ls] scratch
  * (Ls >= L + 2), out [H][D] fp32. */
 typedef void row_fn(const float *q, const uint16_t *qb, const void *k_cache, const void *v_cache,
-                    const int64_t *table, int64_t L, int64_t H, int64_t KVH, int64_t D, int64_t bs,
-                    float scale, float *scores, int64_t Ls, float *out);
+                    const int64_t *table, int64_t L, int64_t skip, int64_t H, int64_t KVH, int64_t D,
+                    int64_t bs, float scale, float *scores, int64_t Ls, float *out);
+
+/* A sliding window's first block may start before the window: its first `skip` keys are
+ * masked (their weights come out as exp(-inf) = 0, or exp8's clamp, ~1e-38). */
+static inline void mask_skipped(float *scores, int64_t H, int64_t Ls, int64_t skip) {
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t t = 0; t < skip; t++) scores[h * Ls + t] = -INFINITY;
+}
 
 /* Any shape: one key and one value element at a time. */
 #define DEFINE_SCALAR(SUFFIX, KV_T)                                                            \
 static void row_scalar_##SUFFIX(const float *q, const uint16_t *qb, const void *kc, const void *vc, \
-                                const int64_t *table, int64_t L, int64_t H, int64_t KVH,       \
-                                int64_t D, int64_t bs, float scale, float *scores, int64_t Ls,  \
-                                float *out) {                                                  \
+                                const int64_t *table, int64_t L, int64_t skip, int64_t H,      \
+                                int64_t KVH, int64_t D, int64_t bs, float scale, float *scores, \
+                                int64_t Ls, float *out) {                                      \
     (void)qb;                                                                                  \
     const KV_T *k_cache = (const KV_T *)kc, *v_cache = (const KV_T *)vc;                       \
     const int64_t G = H / KVH, tile = bs * D;                                                  \
@@ -88,7 +95,7 @@ static void row_scalar_##SUFFIX(const float *q, const uint16_t *qb, const void *
             const KV_T *k = k_cache + (table[t / bs] * KVH + h / G) * tile;                    \
             float s = 0.f;                                                                     \
             for (int64_t d = 0; d < D; d++) s += qh[d] * load1_##SUFFIX(k + k_tile_at(t % bs, d, bs)); \
-            scores[h * Ls + t] = s * scale;                                                    \
+            scores[h * Ls + t] = t < skip ? -INFINITY : s * scale;                             \
         }                                                                                      \
         const float inv = softmax_unnormalised(scores + h * Ls, L);                            \
         float *a = out + h * D;                                                                \
@@ -156,9 +163,9 @@ DEFINE_VALUES8(bf16, uint16_t)
  * by the broadcast probability pair. Lanes past a tile's last key are computed and dropped. */
 #define DEFINE_AVX2(SUFFIX, KV_T)                                                              \
 static void row_avx2_##SUFFIX(const float *q, const uint16_t *qb, const void *kc, const void *vc, \
-                              const int64_t *table, int64_t L, int64_t H, int64_t KVH,         \
-                              int64_t D, int64_t bs, float scale, float *scores, int64_t Ls,    \
-                              float *out) {                                                    \
+                              const int64_t *table, int64_t L, int64_t skip, int64_t H,        \
+                              int64_t KVH, int64_t D, int64_t bs, float scale, float *scores,   \
+                              int64_t Ls, float *out) {                                        \
     (void)qb;                                                                                  \
     const KV_T *k_cache = (const KV_T *)kc, *v_cache = (const KV_T *)vc;                       \
     const int64_t G = H / KVH, tile = bs * D, nb = (L + bs - 1) / bs;                          \
@@ -194,6 +201,7 @@ static void row_avx2_##SUFFIX(const float *q, const uint16_t *qb, const void *kc
             }                                                                                  \
         }                                                                                      \
     }                                                                                          \
+    mask_skipped(scores, H, Ls, skip);                                                         \
     float inv_sum[H];                                                                          \
     for (int64_t h = 0; h < H; h++) {                                                          \
         inv_sum[h] = softmax_unnormalised(scores + h * Ls, L);                                 \
@@ -266,7 +274,7 @@ static float softmax_bf16(float *s, int64_t n) {
  * 16 dims x one key pair per load, times the broadcast pair of bf16 weights. */
 static inline __attribute__((always_inline)) void row_dp_group(
         const uint16_t *qb, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table,
-        int64_t L, int64_t KVH, int64_t D, int64_t bs, float scale, float *scores, int64_t Ls,
+        int64_t L, int64_t skip, int64_t KVH, int64_t D, int64_t bs, float scale, float *scores, int64_t Ls,
         float *out, const int G) {
     const int64_t H = KVH * G, tile = bs * D, half = D / 2, nb = (L + bs - 1) / bs;
     const __m512 sc = _mm512_set1_ps(scale);
@@ -302,6 +310,7 @@ static inline __attribute__((always_inline)) void row_dp_group(
             }
         }
     }
+    mask_skipped(scores, H, Ls, skip);
     float inv_sum[H];
     for (int64_t h = 0; h < H; h++) inv_sum[h] = softmax_bf16(scores + h * Ls, L);
     memset(out, 0, sizeof(float) * (size_t)(H * D));
@@ -344,15 +353,15 @@ static inline __attribute__((always_inline)) void row_dp_group(
 
 /* G is a literal in each branch, so row_dp_group's accumulators stay in registers */
 static void row_dp(const float *q, const uint16_t *qb, const void *kc, const void *vc,
-                   const int64_t *table, int64_t L, int64_t H, int64_t KVH, int64_t D, int64_t bs,
-                   float scale, float *scores, int64_t Ls, float *out) {
+                   const int64_t *table, int64_t L, int64_t skip, int64_t H, int64_t KVH, int64_t D,
+                   int64_t bs, float scale, float *scores, int64_t Ls, float *out) {
     (void)q;
     const uint16_t *k = (const uint16_t *)kc, *v = (const uint16_t *)vc;
     switch (H / KVH) {
-    case 1: row_dp_group(qb, k, v, table, L, KVH, D, bs, scale, scores, Ls, out, 1); break;
-    case 2: row_dp_group(qb, k, v, table, L, KVH, D, bs, scale, scores, Ls, out, 2); break;
-    case 3: row_dp_group(qb, k, v, table, L, KVH, D, bs, scale, scores, Ls, out, 3); break;
-    default: row_dp_group(qb, k, v, table, L, KVH, D, bs, scale, scores, Ls, out, 4); break;
+    case 1: row_dp_group(qb, k, v, table, L, skip, KVH, D, bs, scale, scores, Ls, out, 1); break;
+    case 2: row_dp_group(qb, k, v, table, L, skip, KVH, D, bs, scale, scores, Ls, out, 2); break;
+    case 3: row_dp_group(qb, k, v, table, L, skip, KVH, D, bs, scale, scores, Ls, out, 3); break;
+    default: row_dp_group(qb, k, v, table, L, skip, KVH, D, bs, scale, scores, Ls, out, 4); break;
     }
 }
 #define DP_SHAPE(H, KVH, D, bs) ((D) % 64 == 0 && (bs) % 16 == 0 && (H) / (KVH) <= 4)
@@ -375,7 +384,7 @@ void paged_decode_##SUFFIX(const void *q, int64_t q_stride, const KV_T *k_cache,
                            const int64_t *seq_lens, const int64_t *rows, int64_t row_begin,    \
                            int64_t row_end, int64_t H, int64_t KVH, int64_t D,                 \
                            int64_t block_size, float scale, void *out, int64_t out_stride,     \
-                           int64_t io_bf16) {                                                  \
+                           int64_t io_bf16, int64_t window) {                                  \
     int64_t max_len = 1;                                                                       \
     for (int64_t r = row_begin; r < row_end; r++)                                              \
         if (seq_lens[r] > max_len) max_len = seq_lens[r];                                      \
@@ -393,8 +402,17 @@ void paged_decode_##SUFFIX(const void *q, int64_t q_stride, const KV_T *k_cache,
                 for (int64_t i = 0; i < H * D; i++) q32[i] = bf16_to_float(qb[i]);             \
             qr = q32;                                                                          \
         }                                                                                      \
-        row(qr, qb, k_cache, v_cache, block_tables + r * bt_stride, seq_lens[r], H, KVH, D,    \
-            block_size, scale, scores, Ls, orow);                                              \
+        /* a window reads the blocks from the one holding its first key (seq_len - window) */  \
+        const int64_t *table = block_tables + r * bt_stride;                                   \
+        int64_t L = seq_lens[r], skip = 0;                                                     \
+        if (window > 0 && L > window) {                                                        \
+            const int64_t first = (L - window) / block_size;                                   \
+            table += first;                                                                    \
+            skip = L - window - first * block_size;                                            \
+            L -= first * block_size;                                                           \
+        }                                                                                      \
+        row(qr, qb, k_cache, v_cache, table, L, skip, H, KVH, D, block_size, scale, scores, Ls, \
+            orow);                                                                             \
         if (io_bf16 & 2) {                                                                     \
             uint16_t *ob = (uint16_t *)out + rows[r] * out_stride;                             \
             for (int64_t i = 0; i < H * D; i++) ob[i] = float_to_bf16(o32[i]);                 \

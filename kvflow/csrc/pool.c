@@ -42,11 +42,11 @@ typedef void (*range_fn)(const int64_t *a, double f, int64_t begin, int64_t end)
 #define P(i) ((void *)a[i])
 static void k_decode_f32(const int64_t *a, double f, int64_t b, int64_t e) {
     paged_decode_f32(P(0), a[1], P(2), P(3), P(4), a[5], P(6), P(7), b, e, a[8], a[9], a[10],
-                     a[11], (float)f, P(12), a[13], a[14]);
+                     a[11], (float)f, P(12), a[13], a[14], a[15]);
 }
 static void k_decode_bf16(const int64_t *a, double f, int64_t b, int64_t e) {
     paged_decode_bf16(P(0), a[1], P(2), P(3), P(4), a[5], P(6), P(7), b, e, a[8], a[9], a[10],
-                      a[11], (float)f, P(12), a[13], a[14]);
+                      a[11], (float)f, P(12), a[13], a[14], a[15]);
 }
 static void k_prefill_bf16(const int64_t *a, double f, int64_t b, int64_t e) {
     paged_prefill_bf16(P(0), a[1], P(2), P(3), P(4), a[5], P(6), P(7), P(8), b, e, a[9], a[10],
@@ -150,6 +150,7 @@ static int64_t now_ns(void) {
 static void *worker_main(void *arg) {
     const int id = (int)((uintptr_t)arg >> 32);
     uint32_t seen = (uint32_t)(uintptr_t)arg;
+    pthread_setname_np(pthread_self(), "kvflow-pool"); /* how tools and tests tell them apart */
     for (;;) {
         /* spin for the next job, then sleep until one is posted */
         int64_t start = now_ns();

@@ -8,6 +8,7 @@ from dataclasses import replace
 import torch
 
 from kvflow.config import EngineConfig
+from kvflow.core.kv_cache_groups import make_kv_cache_groups
 from kvflow.core.scheduler import Scheduler, SchedulerOutput
 from kvflow.distributed.executor import TPExecutor
 from kvflow.engine.kv_sizing import max_concurrency, num_kv_blocks
@@ -71,6 +72,10 @@ class EngineCore:
         # under tensor parallelism each rank holds its KV heads' share of every block
         self.kv_bytes_per_token = kv_bytes_per_token_per_rank(self.arch, self.tp_size,
                                                               self.kv_dtype.itemsize)
+        # with sliding windows a block spans one KV cache group's layers, not all of them
+        windows = tuple(self.arch.layer_windows())
+        group_layers = len(make_kv_cache_groups(windows)[0].layers)
+        block_bytes_per_token = self.kv_bytes_per_token * group_layers // self.arch.num_hidden_layers
         self.gpu_memory = None
         if on_gpu and config.cache_config.num_blocks is None:
             # weights, a profile run of the largest step, then the KV pool gets what is left
@@ -80,10 +85,10 @@ class EngineCore:
                 free_at_start)
             num_blocks = gpu_memory.num_gpu_blocks(
                 self.gpu_memory, config.cache_config.gpu_memory_utilization,
-                self.kv_bytes_per_token, config.cache_config.block_size)
+                block_bytes_per_token, config.cache_config.block_size)
         else:
-            num_blocks = num_kv_blocks(config.cache_config, self.kv_bytes_per_token)
-        cc = replace(config.cache_config, num_blocks=num_blocks)
+            num_blocks = num_kv_blocks(config.cache_config, block_bytes_per_token)
+        cc = replace(config.cache_config, num_blocks=num_blocks, layer_windows=windows)
         self.scheduler_config, self.cache_config = sc, cc
         self.scheduler = Scheduler(sc, cc)
         # grammars compile in its thread; the tokenizer loads there on the first constrained request
@@ -117,6 +122,9 @@ class EngineCore:
                 if self.tp_size > 1:
                     raise ValueError("kv_transfer_config: KV transfer under tensor parallelism "
                                      "is not implemented yet")
+                if any(w is not None for w in cc.layer_windows):
+                    raise ValueError("kv_transfer_config: KV transfer of a model with sliding-window "
+                                     "layers (one block table per KV cache group) is not implemented yet")
                 if self.device.type != "cpu":
                     raise ValueError("kv_transfer_config: KV transfer moves CPU caches only; "
                                      f"this engine's cache is on {self.device.type}")
@@ -154,12 +162,18 @@ class EngineCore:
 
     def startup_report(self) -> str:
         cc, a = self.cache_config, self.arch
+        groups = make_kv_cache_groups(cc.layer_windows or (None,))
+        # with several groups a token takes a block's slot in each (a lower bound on the
+        # concurrency: local groups need only their window)
+        tokens = cc.num_blocks * cc.block_size // len(groups)
+        group_note = (f" in {len(groups)} KV cache groups of {len(groups[0].layers)} layers"
+                      if len(groups) > 1 else "")
         return (f"kvflow: model {self.model_path} ({a.architecture}, "
                 f"{a.num_parameters() / 1e6:.1f}M params, {str(self.dtype).removeprefix('torch.')}); "
                 f"KV {str(self.kv_dtype).removeprefix('torch.')} {self.kv_bytes_per_token} B/token; "
-                f"{cc.num_blocks} blocks x {cc.block_size} = "
-                f"{cc.num_blocks * cc.block_size} tokens; max concurrency at max_model_len "
-                f"{self.max_model_len}: {max_concurrency(cc.num_blocks, cc.block_size, self.max_model_len):.2f}; "
+                f"{cc.num_blocks} blocks x {cc.block_size}{group_note} = "
+                f"{tokens} tokens; max concurrency at max_model_len "
+                f"{self.max_model_len}: {max_concurrency(cc.num_blocks // len(groups), cc.block_size, self.max_model_len):.2f}; "
                 f"threads {torch.get_num_threads()}; "
                 + (f"tensor-parallel size {self.tp_size} (KV per rank); " if self.tp_size > 1 else "")
                 + (self._gpu_report() if self.device.type == "cuda" else "")

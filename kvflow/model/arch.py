@@ -9,6 +9,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
+from kvflow.model.attention_pattern import gguf_pattern_fields, hf_pattern_fields, layer_windows
 from kvflow.model_path import cache_dir_for, is_gguf
 from kvflow.utils.files import publish
 
@@ -17,7 +18,10 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                 "qwen2_moe": "Qwen2MoeForCausalLM"}
-SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPES.values())
+# Gemma 3 (text); a Gemma3ForConditionalGeneration checkpoint loads its text part
+_MODEL_TYPES.update({"gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForCausalLM"})
+_TEXT_PART_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = tuple(dict.fromkeys(_MODEL_TYPES.values()))
 _ROPE_TYPES = ("llama3", "linear", "longrope")
 _QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _QWEN_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
@@ -47,6 +51,14 @@ class LlamaArchConfig:
     eos_token_id: int | list[int] | None
     name: str = "model"
     eos_token_ids: list[int] = field(default_factory=list)
+    # sliding-window attention (attention_pattern.py): the window, and each layer's type
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    # Gemma 3: the local layers' RoPE base, the query scale's 1/sqrt(query_pre_attn_scalar)
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
     # Qwen3: per-head RMSNorm on q and k before RoPE. Phi-3: RoPE on the first `rotary_dim`
     # dims of each head (0: all of it).
     qk_norm: bool = False
@@ -82,6 +94,10 @@ class LlamaArchConfig:
         if not self.eos_token_ids:
             eos = self.eos_token_id
             self.eos_token_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: it attends to the whole context)."""
+        return layer_windows(self.layer_types, self.sliding_window, self.num_hidden_layers)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V that one token occupies across all layers."""
@@ -159,7 +175,7 @@ def _from_hf_folder(path: str) -> LlamaArchConfig:
         cfg = json.load(f)
     cfg = {**cfg.get("text_config", {}), **cfg} if "text_config" in cfg else cfg
     archs = cfg.get("architectures") or [_MODEL_TYPES.get(cfg.get("model_type"), cfg.get("model_type"))]
-    architecture = archs[0]
+    architecture = _TEXT_PART_OF.get(archs[0], archs[0])
     # transformers 5.x: rope_parameters holds theta and scaling; 4.x: rope_theta + rope_scaling.
     rope_params = cfg.get("rope_parameters") or {}
     rope_theta = rope_params.get("rope_theta", cfg.get("rope_theta", 10000.0))
@@ -177,6 +193,9 @@ def _from_hf_folder(path: str) -> LlamaArchConfig:
     if os.path.isfile(gen_path):  # instruct models list extra stop ids (e.g. <|eot_id|>) here
         with open(gen_path) as f:
             eos_ids += [e for e in _eos_list(json.load(f).get("eos_token_id")) if e not in eos_ids]
+    pattern = hf_pattern_fields(cfg, architecture)  # windows; Gemma 3's own RoPE and scales
+    rope_theta = pattern.pop("rope_theta", rope_theta)
+    rope_scaling = pattern.pop("rope_scaling", rope_scaling)
     return LlamaArchConfig(
         architecture=architecture,
         vocab_size=cfg["vocab_size"],
@@ -198,6 +217,7 @@ def _from_hf_folder(path: str) -> LlamaArchConfig:
         eos_token_id=eos,
         name=os.path.basename(os.path.normpath(path)),
         eos_token_ids=eos_ids,
+        **pattern,
         qk_norm=architecture in _QK_NORM_ARCHITECTURES,
         rotary_dim=0 if partial == 1.0 else int(head_dim * partial),
         **_hf_moe_fields(cfg, architecture),
@@ -260,7 +280,8 @@ def gguf_field(reader, key: str, default=None):
 
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                        "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                       "qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM"}
+                       "qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+                       "gemma3": "Gemma3ForCausalLM"}
 # llama.cpp's own choice where the file does not say (expert_weights_norm): Qwen2-MoE leaves the
 # top-k weights as they come out of the softmax, Qwen3-MoE and Mixtral renormalise them.
 _GGUF_NORM_TOPK = {"qwen2moe": False}
@@ -358,4 +379,5 @@ def arch_from_gguf_reader(reader, path: str) -> LlamaArchConfig:
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         rotary_dim=0 if rope_dim == head_dim else rope_dim,
         **moe,
+        **gguf_pattern_fields(meta, architecture, int(meta("block_count"))),
     )

@@ -19,19 +19,20 @@ from kvflow.model.kv_layout import cache_geometry, cache_shape, read_blocks, rea
 
 def allocate_kv_caches(arch: LlamaArchConfig, num_blocks: int, block_size: int,
                        dtype: torch.dtype, device: torch.device | str | None = None,
-                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (k_cache, v_cache) pair per layer, each [num_blocks, kv_heads, block_size, head_dim]
-    in tiles (kv_layout.py)."""
+                       num_layers: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (k_cache, v_cache) pair per layer (or per `num_layers`: the tensors that KV cache
+    groups share), each [num_blocks, kv_heads, block_size, head_dim] in tiles (kv_layout.py)."""
+    num_layers = arch.num_hidden_layers if num_layers is None else num_layers
     shape = cache_shape(num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
     if device is not None and torch.device(device).type != "cpu":
         return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                for _ in range(arch.num_hidden_layers)]
+                for _ in range(num_layers)]
     # Zeroed (unwritten slots may be read under a mask, and 0 * NaN would poison the sum), but
     # as anonymous memory: the OS hands out zero pages on first touch instead of a multi-GiB
     # memset at start-up; on huge pages where granted (kvflow/model/hugepages.py).
     n = int(np.prod(shape))
     return [(hugepages.zeros(n, dtype).view(shape), hugepages.zeros(n, dtype).view(shape))
-            for _ in range(arch.num_hidden_layers)]
+            for _ in range(num_layers)]
 
 
 @dataclass
@@ -62,6 +63,9 @@ class AttentionMetadata:
     decode_seq_lens: np.ndarray  # [B] int64
     decode_block_tables: np.ndarray  # [B, max_decode_blocks] int64, C-contiguous
     prefills: list[PrefillSeq]
+    # a query at position p sees keys in (p - sliding_window, p] (None: all keys up to p); one
+    # window per KV cache group, so one per metadata
+    sliding_window: int | None = None
     # on a GPU: the arrays above on the device (model/gpu_batch.py) and the positions as a
     # device tensor, in a CUDA graph's persistent buffers when one replays the step
     gpu: object | None = None
@@ -98,8 +102,10 @@ class AttentionMetadata:
 
 def build_attention_metadata(query_lens: np.ndarray, seq_lens: np.ndarray,
                              block_tables: list[list[int]], block_size: int,
-                             device: torch.device | str | None = None) -> AttentionMetadata:
-    """Slot mapping, padded block tables and per-path index arrays for one step."""
+                             device: torch.device | str | None = None,
+                             sliding_window: int | None = None) -> AttentionMetadata:
+    """Slot mapping, padded block tables and per-path index arrays for one step (with
+    `sliding_window`: each query sees only the last `sliding_window` keys up to itself)."""
     query_lens = np.asarray(query_lens, dtype=np.int64)
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     n = len(query_lens)
@@ -133,15 +139,22 @@ def build_attention_metadata(query_lens: np.ndarray, seq_lens: np.ndarray,
     prefills = []
     for i in np.flatnonzero(~is_decode):
         q_len, s_len = int(query_lens[i]), int(seq_lens[i])
-        if q_len == s_len:  # the whole sequence is new: plain causal over this step's own K/V
+        windowed = sliding_window is not None and s_len > sliding_window
+        if q_len == s_len and not windowed:  # all new: plain causal over this step's own K/V
             prefills.append(PrefillSeq(int(query_start_loc[i]), q_len, s_len, None, None))
             continue
         ctx = np.arange(s_len)
-        ctx_slots = table[i, ctx // block_size] * block_size + ctx % block_size
         # query row r sits at position s_len - q_len + r and sees keys 0..that position
-        mask = ctx[None, :] <= (s_len - q_len + np.arange(q_len))[:, None]
-        prefills.append(PrefillSeq(int(query_start_loc[i]), q_len, s_len,
-                                   torch.from_numpy(ctx_slots).to(device),
+        # (a window: the last sliding_window of them)
+        qpos = (s_len - q_len + np.arange(q_len))[:, None]
+        mask = ctx[None, :] <= qpos
+        if windowed:
+            mask &= ctx[None, :] > qpos - sliding_window
+        ctx_slots = None
+        if q_len != s_len:
+            ctx_slots = torch.from_numpy(table[i, ctx // block_size] * block_size
+                                         + ctx % block_size).to(device)
+        prefills.append(PrefillSeq(int(query_start_loc[i]), q_len, s_len, ctx_slots,
                                    torch.from_numpy(mask).to(device)))
 
     return AttentionMetadata(
@@ -157,6 +170,7 @@ def build_attention_metadata(query_lens: np.ndarray, seq_lens: np.ndarray,
         decode_seq_lens=decode_seq_lens,
         decode_block_tables=decode_tables,
         prefills=prefills,
+        sliding_window=sliding_window,
     )
 
 
@@ -214,7 +228,8 @@ def _decode_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     run_kernel(kernel,
                [qf.data_ptr(), qf.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.ctypes.data,
                 tables.shape[1], lens.ctypes.data, rows.ctypes.data, num_heads, num_kv_heads,
-                head_dim, block_size, of.data_ptr(), num_heads * head_dim, io_bf16],
+                head_dim, block_size, of.data_ptr(), num_heads * head_dim, io_bf16,
+                meta.sliding_window or 0],
                len(rows), threads, farg=scale, weights=lens)
     if of is not out:  # a caller's out in another dtype
         idx = torch.from_numpy(rows)
@@ -238,6 +253,7 @@ def _prefill_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads, _ = cache_geometry(k_cache)
     if (k_cache.dtype != torch.bfloat16 or k_cache.device.type != "cpu"
+            or meta.sliding_window is not None  # the prompt kernel takes no window: rows do
             or not lib.paged_prefill_bf16_supported(num_heads, num_kv_heads, head_dim, block_size)):
         return False
     if q.dtype != torch.bfloat16 or q.stride()[1:] != (head_dim, 1):
@@ -261,6 +277,8 @@ def _decode_with_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     if meta._torch_decode is None:
         n_keys = meta.decode_block_tables.shape[1] * meta.block_size
         mask = np.arange(n_keys)[None, :] < meta.decode_seq_lens[:, None]
+        if meta.sliding_window is not None:
+            mask &= np.arange(n_keys)[None, :] >= (meta.decode_seq_lens - meta.sliding_window)[:, None]
         meta._torch_decode = (torch.from_numpy(meta.decode_rows).to(q.device),
                               torch.from_numpy(meta.decode_block_tables).to(q.device),
                               torch.from_numpy(mask[:, None, None, :]).to(q.device))

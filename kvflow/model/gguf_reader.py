@@ -32,6 +32,10 @@ _LAYER_NAMES = {
 _ARCH_LAYER_NAMES = {
     "Phi3ForCausalLM": {"ffn_up": "mlp.gate_up_proj"},
     "MixtralForCausalLM": {"ffn_gate_inp": "block_sparse_moe.gate"},
+    # Gemma 3's four norms per layer (llama.cpp's names)
+    "Gemma3ForCausalLM": {"post_attention_norm": "post_attention_layernorm",
+                          "ffn_norm": "pre_feedforward_layernorm",
+                          "post_ffw_norm": "post_feedforward_layernorm"},
 }
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _MIXTRAL_EXPERT_NAMES = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
@@ -87,6 +91,8 @@ def read_gguf(path: str) -> tuple[LlamaArchConfig, dict[str, np.ndarray]]:
     arch = arch_from_gguf_reader(reader, path)
     # llama.cpp permutes q/k only for its "llama" architecture (Llama, Mistral, Mixtral)
     permute = arch.architecture in ("LlamaForCausalLM", "MixtralForCausalLM")
+    # llama.cpp stores Gemma's norm weights as 1 + w; back to HF's w, as transformers does
+    norm_shift = 1.0 if arch.architecture == "Gemma3ForCausalLM" else 0.0
     weights: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
         name = hf_name(tensor.name, arch.architecture)
@@ -105,5 +111,7 @@ def read_gguf(path: str) -> tuple[LlamaArchConfig, dict[str, np.ndarray]]:
             w = unpermute_qk(w, arch.num_attention_heads)
         elif permute and ".k_proj." in name:
             w = unpermute_qk(w, arch.num_key_value_heads)
+        if norm_shift and name.endswith("norm.weight"):
+            w = w - np.float32(norm_shift)
         weights[name] = w
     return arch, weights

@@ -71,6 +71,9 @@ class Kernels:
     linear_silu_mul: Callable[..., torch.Tensor]
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
     add_rms_norm: Callable[..., torch.Tensor]
+    # Gemma: RMSNorm times an fp32 weight (its 1 + w) rounded once; the GeGLU MLP
+    add_rms_norm_fp32_weight: Callable[..., torch.Tensor]
+    linear_gelu_tanh_mul: Callable[..., torch.Tensor]
     rope: Callable[..., None]
     write_kv: Callable[..., None]
     attention: Callable[..., torch.Tensor]
@@ -101,7 +104,10 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
         from kvflow.model.gpu_kernels import gpu_implementations
         names, impl = gpu_implementations()
         return Kernels(dtype=dtype, kv_dtype=kv_dtype, device_type=device_type, features=features,
-                       options=options, names=names, pack=None, **impl)
+                       options=options, names=names, pack=None,
+                       add_rms_norm_fp32_weight=ops.add_rms_norm_fp32_weight_torch,
+                       linear_gelu_tanh_mul=partial(packed_linear.linear_silu_mul,
+                                                    silu_mul=ops.gelu_tanh_mul_torch), **impl)
     on_cpu = device_type == "cpu"
     lib = library() if on_cpu and options.c_kernels else None
     c = lib is not None
@@ -135,6 +141,8 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
         linear_silu_mul=partial(packed_linear.linear_silu_mul, silu_mul=silu_mul),
         silu_mul=silu_mul,
         add_rms_norm=ops.add_rms_norm if c else ops.add_rms_norm_torch,
+        add_rms_norm_fp32_weight=ops.add_rms_norm_fp32_weight if c else ops.add_rms_norm_fp32_weight_torch,
+        linear_gelu_tanh_mul=partial(packed_linear.linear_silu_mul, silu_mul=ops.gelu_tanh_mul_torch),
         rope=ops.rope_ if c else ops.rope_torch_,
         write_kv=attention.write_kv_with_kernel if c else write_rows,
         attention=attend,

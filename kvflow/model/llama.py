@@ -217,22 +217,26 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | np.ndarray,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """Final-normed hidden states [T, hidden] for the flat batch; K/V land in `kv_caches`."""
+                attn_metadata: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] for the flat batch; K/V land in `kv_caches`.
+        `attn_metadata`: one for all layers, or one per layer (its KV cache group's, which
+        carries a sliding window where the layer has one)."""
         if self.quantized_embedding is not None:
             x = self.quantized_embedding(input_ids)
         elif self.tp is None:
             x = F.embedding(input_ids, self.embed_tokens)
         else:
             x = vocab_parallel_embedding(input_ids, self.embed_tokens, self.tp)
-        if attn_metadata.device_positions is not None:  # on a GPU: no host copy in the step
-            rope = (attn_metadata.device_positions, self.rope_cos, self.rope_sin)
+        first = attn_metadata[0] if isinstance(attn_metadata, list) else attn_metadata
+        if first.device_positions is not None:  # on a GPU: no host copy in the step
+            rope = (first.device_positions, self.rope_cos, self.rope_sin)
         else:
             pos = positions if isinstance(positions, np.ndarray) else positions.numpy()
             rope = (np.ascontiguousarray(pos, dtype=np.int64), self.rope_cos, self.rope_sin)
         delta, kernels = None, self.kernels
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, delta = layer(x, delta, rope, kv_cache, attn_metadata, kernels)
+        metas = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata] * len(self.layers)
+        for layer, kv_cache, meta in zip(self.layers, kv_caches, metas):
+            x, delta = layer(x, delta, rope, kv_cache, meta, kernels)
         return kernels.add_rms_norm(x, delta, self.norm, self.arch.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor, as_float: bool = True) -> torch.Tensor | None:

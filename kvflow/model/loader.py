@@ -3,15 +3,20 @@ GGUF file, or one tensor-parallel rank's shard of it. Reading the files is kvflo
 job; which slices a rank owns, kvflow.model.sharding's."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kvflow.model.arch import LlamaArchConfig, load_arch_config
 from kvflow.model.cpu_features import cpu_features
 from kvflow.model.kernels import Kernels, select_kernels
+from kvflow.model.gemma3 import Gemma3ForCausalLM
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.model.sharding import load_shard
 from kvflow.model.weights import fuse_weights, load_gguf, read_hf_folder
 from kvflow.model_path import is_gguf
+
+logger = logging.getLogger("kvflow")
 
 
 def resolve_dtype(name: str, device: torch.device | str | None = None) -> torch.dtype:
@@ -47,6 +52,11 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None 
     """Load the model at `path` (HF folder or .gguf) in `dtype`, weights fused for inference;
     `kernels` (default: chosen for `dtype` and `device`) serve its operations. `quantization`
     gguf or int8 (kvflow/model/quant/load.py) keeps the weights quantized, on the CPU."""
+    if quantization != "none" and load_arch_config(path).architecture == "Gemma3ForCausalLM":
+        # the quantized path builds the Llama class: Gemma 3 loads dequantised instead
+        logger.warning("kvflow: quantization %r does not serve Gemma 3 yet; its weights "
+                       "are dequantised at load", quantization)
+        quantization = "none"
     if quantization != "none":
         from kvflow.model.quant.load import load_quantized_model
 
@@ -61,7 +71,8 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None 
     # build on the meta device, then adopt the loaded tensors without a second copy
     if kernels is None:
         kernels = select_kernels(dtype, device=device)
-    model = LlamaForCausalLM(arch, dtype, device="meta", kernels=kernels)
+    model_class = Gemma3ForCausalLM if arch.architecture == "Gemma3ForCausalLM" else LlamaForCausalLM
+    model = model_class(arch, dtype, device="meta", kernels=kernels)
     model.load_state_dict(weights, strict=True, assign=True)
     model.eval()
     if device is not None:

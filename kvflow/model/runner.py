@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvflow.core.kv_cache_groups import layer_slots, make_kv_cache_groups
 from kvflow.core.scheduler_output import SchedulerOutput
 from kvflow.model import hugepages
 from kvflow.model.arch import LlamaArchConfig
@@ -62,13 +63,22 @@ class ModelRunner:
         self.eos_token_ids = eos_ids(eos_token_id)  # the model's, all of them
         self.device = torch.device(device)
         on_cpu = self.device.type == "cpu"
-        self.kv_caches = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype,
-                                            None if on_cpu else self.device)
+        # KV cache groups (core/kv_cache_groups.py): one group of all layers without windows;
+        # with windows, layer j of each group uses shared tensor pair j
+        self.groups = make_kv_cache_groups(arch.layer_windows())
+        if not on_cpu and any(g.sliding_window is not None for g in self.groups):
+            raise ValueError("sliding-window attention runs on the CPU only for now "
+                             "(the GPU kernels take no window)")
+        self.layer_group, tensor_of = layer_slots(self.groups, arch.num_hidden_layers)
+        tensors = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype,
+                                     None if on_cpu else self.device,
+                                     num_layers=len(self.groups[0].layers))
+        self.kv_caches = [tensors[j] for j in tensor_of]
         model.kernels = model.kernels.with_kv_dtype(kv_dtype)  # attention chosen for this cache
         k0 = self.kv_caches[0][0]
         self._block_bytes = k0[0].numel() * k0.element_size()
         # the cache's pages are faulted in ahead of the writes (KVFLOW_KV_POPULATE=0: on first write)
-        self.populator = (hugepages.Populator([t for pair in self.kv_caches for t in pair])
+        self.populator = (hugepages.Populator([t for pair in tensors for t in pair])
                           if envs.KVFLOW_KV_POPULATE and on_cpu else None)
         if on_cpu:
             retain_freed_memory()  # after the KV cache: only the per-step activations are affected
@@ -132,20 +142,33 @@ class ModelRunner:
                 input_ids.extend(s.token_ids[start:end])
                 if spec and s.req_id in spec:  # the drafts follow its known tokens
                     input_ids.extend(spec[s.req_id])
-        meta = build_attention_metadata(query_lens, seq_lens, [out.block_ids[r] for r in req_ids],
-                                        self.block_size)
+        if len(self.groups) == 1:
+            meta = build_attention_metadata(query_lens, seq_lens, [out.block_ids[r] for r in req_ids],
+                                            self.block_size, sliding_window=self.groups[0].sliding_window)
+            metas = [meta]
+        else:  # one metadata per group (its block tables and window), handed to its layers
+            # (a step built without groups, the warm-up's, gives every group its one table)
+            tables = [out.group_block_ids.get(r) or (out.block_ids[r],) * len(self.groups)
+                      for r in req_ids]
+            metas = [build_attention_metadata(query_lens, seq_lens, [t[g] for t in tables],
+                                              self.block_size, sliding_window=group.sliding_window)
+                     for g, group in enumerate(self.groups)]
+            meta = metas[0]
         if self.device.type != "cpu":  # the GPU kernels read these (and meta.gpu's arrays) only
-            meta.slot_mapping = meta.slot_mapping.to(self.device, non_blocking=True)
-            meta.device_positions = torch.from_numpy(meta.positions).to(self.device, non_blocking=True)
+            for m in metas:
+                m.slot_mapping = m.slot_mapping.to(self.device, non_blocking=True)
+                m.device_positions = torch.from_numpy(m.positions).to(self.device, non_blocking=True)
         if self.populator is not None:  # every cache's bytes up to the furthest block written
-            self.populator.need((int(meta.slot_mapping.max()) // self.block_size + 1) * self._block_bytes)
+            max_slot = max(int(m.slot_mapping.max()) for m in metas)
+            self.populator.need((max_slot // self.block_size + 1) * self._block_bytes)
         graphs = self.graphs
-        if (graphs is not None and out.total_num_scheduled_tokens == n
+        if (graphs is not None and len(metas) == 1 and out.total_num_scheduled_tokens == n
                 and graphs.fits(n, meta.decode_block_tables.shape[1])):
             size, padded = graphs.prepare(meta, input_ids)
             hidden = graphs.run(size, padded, self._forward)[:n]
         else:
-            hidden = self._forward(torch.tensor(input_ids, dtype=torch.long).to(self.device), meta)
+            layer_metas = meta if len(metas) == 1 else [metas[g] for g in self.layer_group]
+            hidden = self._forward(torch.tensor(input_ids, dtype=torch.long).to(self.device), layer_metas)
 
         result = ModelRunnerOutput()
         if len(rows) == 0:
@@ -228,7 +251,9 @@ class ModelRunner:
             self.graphs.capture_all(self._forward, self.block_size)
 
     def _forward(self, input_ids: torch.Tensor, meta) -> torch.Tensor:
-        return self.model(input_ids, meta.positions, self.kv_caches, meta)
+        """`meta`: one AttentionMetadata, or one per layer (its KV cache group's)."""
+        positions = (meta[0] if isinstance(meta, list) else meta).positions
+        return self.model(input_ids, positions, self.kv_caches, meta)
 
     def _sampling_row(self, s: CachedRequestState) -> SamplingRow:
         # token histories are copied only for requests whose sampling reads them

@@ -18,6 +18,7 @@ import tempfile
 import torch
 
 from kvflow.model.arch import LlamaArchConfig, load_arch_config, save_arch_cache
+from kvflow.model.gemma3_weights import gemma3_norms, text_part
 from kvflow.model.gguf_reader import read_gguf
 from kvflow.model_path import cache_dir_for
 from kvflow.utils.files import file_lock, publish
@@ -34,6 +35,9 @@ def fuse_weights(hf: dict[str, torch.Tensor], arch: LlamaArchConfig,
                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """HF parameter names -> kvflow's fused ones (qkv_proj = [q; k; v], gate_up_proj = [gate; up];
     an expert layer's weights stacked per expert, kvflow/model/moe.py)."""
+    gemma3 = arch.architecture == "Gemma3ForCausalLM"
+    if gemma3:
+        hf = text_part(hf)
     def get(name: str) -> torch.Tensor:
         if name not in hf:
             raise ValueError(f"weight {name!r} is missing from the checkpoint")
@@ -66,6 +70,8 @@ def fuse_weights(hf: dict[str, torch.Tensor], arch: LlamaArchConfig,
         else:
             out[f"layers.{i}.gate_up_proj"] = torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")])
             out[f"layers.{i}.down_proj"] = get(m + "down_proj.weight")
+    if gemma3:  # its norms (four per layer, QK-norm) as fp32 multipliers 1 + weight
+        out.update(gemma3_norms(hf, arch))
     return {k: v.contiguous() for k, v in out.items()}
 
 
