@@ -505,8 +505,10 @@ def checks():
 def llm(default_model_path):
     from kvflow import LLM
 
+    # float weights (the Q4_1 file dequantised): the reference that tensor parallelism, which
+    # serves float weights only, must reproduce
     return LLM(default_model_path, dtype="float32", max_model_len=512, num_blocks=256,
-               warmup=False)
+               warmup=False, quantization="none")
 
 
 def run_checks(llm, sampling: dict, n_rounds=1):

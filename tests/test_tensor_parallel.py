@@ -31,7 +31,8 @@ pytestmark = pytest.mark.slow
 TINY_8H_4KV = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                    num_attention_heads=8, num_key_value_heads=4, vocab_size=1001,
                    max_position_embeddings=1024)
-ENGINE = dict(dtype="float32", max_model_len=512, num_threads=1)
+# float weights: tensor parallelism serves no quantized GEMM, so TP=1 must not use one either
+ENGINE = dict(dtype="float32", max_model_len=512, num_threads=1, quantization="none")
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
