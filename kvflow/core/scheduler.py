@@ -368,7 +368,7 @@ class Scheduler:
         if isinstance(kv, HybridKVCacheManager):
             out.group_block_ids[rid] = kv.get_group_block_ids(rid)
         out.total_num_scheduled_tokens += n
-        if (req.structured_output is not None and computed + n == req.num_tokens
+        if (req.structured_output is not None and computed + n - num_spec == req.num_tokens
                 and (req.constraint_active or req.reasoning_undecided)):  # not while it reasons
             out.structured_output_request_ids.append(rid)  # it samples: its row needs a mask
             if req.reasoning_undecided:  # it may still begin its reasoning: allow that too
@@ -477,16 +477,34 @@ class Scheduler:
     def update_draft_token_ids(self, drafts: dict[str, list[int]]) -> None:
         """Store each decoding request's drafts for its next step (vLLM's name), cut to what
         max_tokens and max_model_len leave: k drafts yield up to k + 1 tokens. A constrained
-        request never speculates (its grammar would have to check drafts)."""
+        request's drafts are cut where its grammar stops accepting them."""
         max_len = self.config.max_model_len
         for rid, tokens in drafts.items():
             req = self.requests.get(rid)
             if (req is None or req.status != RequestStatus.RUNNING or not tokens
-                    or req.structured_output is not None
                     or req.num_computed_tokens != req.num_tokens - 1):
                 continue
             room = min(req.max_tokens - req.num_output_tokens - 1, max_len - req.num_tokens)
-            req.spec_token_ids = list(tokens[:max(room, 0)])
+            tokens = list(tokens[:max(room, 0)])
+            so = req.structured_output
+            if so is not None and tokens:
+                tokens = self._grammar_drafts(req, tokens)
+            req.spec_token_ids = tokens
+
+    @staticmethod
+    def _grammar_drafts(req: Request, tokens: list[int]) -> list[int]:
+        """A constrained request's drafts, cut to the longest prefix its grammar accepts (the
+        matcher is left as it was; vLLM's validate_tokens) and before any end-of-sequence
+        token (one would end the grammar: the rows after it have no mask). A request still
+        in, or maybe beginning, its reasoning does not speculate: its constraint starts later."""
+        so = req.structured_output
+        if so.matcher is None or not req.constraint_active or req.reasoning_undecided:
+            return []
+        for i, t in enumerate(tokens):
+            if t in req.eos_token_ids:
+                tokens = tokens[:i]
+                break
+        return tokens[:so.validate_drafts(tokens)] if tokens else []
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params

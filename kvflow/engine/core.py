@@ -358,7 +358,8 @@ class EngineCore:
             # filled in the background while the forward runs; the sampler waits for it
             grammar = self.structured.grammar_bitmask(
                 ids, [reqs[rid].structured_output for rid in ids],
-                also_allowed=sched_out.structured_output_also_allowed)
+                also_allowed=sched_out.structured_output_also_allowed,
+                drafts=sched_out.scheduled_spec_decode_tokens)
             try:
                 runner_out = self.executor.execute(sched_out, grammar)
             finally:

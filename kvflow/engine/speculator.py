@@ -43,7 +43,11 @@ class Speculator:
             if u.finish_reason is not None:
                 self.proposer.forget(req.request_id)
                 continue
-            if (not allowed or not u.new_token_ids or req.structured_output is not None
+            # a constrained request speculates once its constraint is on (the scheduler cuts
+            # drafts its grammar rejects), never in a reasoning part before it
+            reasoning = req.structured_output is not None and (not req.constraint_active
+                                                               or req.reasoning_undecided)
+            if (not allowed or not u.new_token_ids or reasoning
                     or not self.policy.request_allows(req.num_draft_tokens,
                                                       req.num_accepted_tokens)):
                 continue

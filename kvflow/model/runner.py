@@ -218,10 +218,15 @@ class ModelRunner:
                                            as_float=True)
         if logits is None:  # a tensor-parallel rank other than the driver
             return ModelRunnerOutput()
-        if grammar is not None:  # constrained requests never have drafts: one row each
-            row_of = {s.req_id: int(e - 1) for s, e in zip(sampled_states, ends)}
-            apply_grammar_bitmask(logits, [row_of[rid] for rid in grammar.req_ids],
-                                  grammar.bitmask)
+        if grammar is not None:  # each of a constrained request's k + 1 rows has its mask
+            first_of = {s.req_id: (int(e - c), int(c))
+                        for s, e, c in zip(sampled_states, ends, counts)}
+            rows_masked = []
+            for rid, n in zip(grammar.req_ids, grammar.num_rows):
+                start, c = first_of[rid]
+                assert n == c, f"request {rid}: {n} grammar masks for {c} verified rows"
+                rows_masked.extend(range(start, start + c))
+            apply_grammar_bitmask(logits, rows_masked, grammar.bitmask)
         sampling_rows = []
         for s, d in zip(sampled_states, drafts):
             row = self._sampling_row(s)

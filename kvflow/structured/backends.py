@@ -123,6 +123,14 @@ class LLGuidanceMatcher:
     def accept(self, token: int) -> bool:
         return self.m.consume_token(token)
 
+    def validate(self, tokens: list[int]) -> int:
+        """How many leading `tokens` the grammar accepts; the state is unchanged."""
+        return self.m.validate_tokens(tokens)
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self.m.rollback(n)
+
     def is_terminated(self) -> bool:
         return self.m.is_stopped()
 
@@ -209,6 +217,18 @@ class XGrammarMatcher:
 
     def accept(self, token: int) -> bool:
         return self.m.accept_token(token)
+
+    def validate(self, tokens: list[int]) -> int:
+        """How many leading `tokens` the grammar accepts; the state is unchanged."""
+        n = 0
+        while n < len(tokens) and not self.m.is_terminated() and self.m.accept_token(tokens[n]):
+            n += 1
+        self.rollback(n)
+        return n
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self.m.rollback(n)
 
     def is_terminated(self) -> bool:
         return self.m.is_terminated()

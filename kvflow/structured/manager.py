@@ -23,16 +23,20 @@ MAX_CACHED_GRAMMARS = 256
 
 
 class GrammarBitmask:
-    """The step's masks: row i of `bitmask` (int32 [len(req_ids), ceil(vocab / 32)]) is the
-    allowed next tokens of request `req_ids[i]`. The fill may still be running (beside the
-    step's forward): reading `bitmask` waits for it. `also_allowed` (row -> token) are set
-    on top of the grammar's once the fill is done (a reasoning's start token)."""
+    """The step's masks: request `req_ids[i]` has `num_rows[i]` consecutive rows of `bitmask`
+    (int32 [sum(num_rows), ceil(vocab / 32)]), one per position it samples at: 1, or k + 1
+    with k speculative drafts (row r allows what the grammar allows after its first r drafts).
+    The fill may still be running (beside the step's forward): reading `bitmask` waits for
+    it. `also_allowed` (row -> token) are set on top of the grammar's once the fill is done
+    (a reasoning's start token)."""
 
-    __slots__ = ("req_ids", "_bitmask", "_fill", "_also")
+    __slots__ = ("req_ids", "num_rows", "_bitmask", "_fill", "_also")
 
     def __init__(self, req_ids: list[str], bitmask: np.ndarray, fill: Future | None = None,
-                 also_allowed: dict[int, int] | None = None) -> None:
+                 also_allowed: dict[int, int] | None = None,
+                 num_rows: list[int] | None = None) -> None:
         self.req_ids = req_ids
+        self.num_rows = num_rows or [1] * len(req_ids)
         self._bitmask = bitmask
         self._fill = fill
         self._also = also_allowed or None
@@ -88,6 +92,11 @@ class StructuredOutputRequest:
 
     def accept(self, token: int) -> bool:
         return self.matcher.accept(token)
+
+    def validate_drafts(self, tokens: list[int]) -> int:
+        """How many leading speculative drafts its grammar accepts (the matcher is left as it
+        was): the rest are cut before they are scheduled."""
+        return self.matcher.validate(tokens)
 
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
@@ -150,23 +159,54 @@ class StructuredOutputManager:
 
     def grammar_bitmask(self, req_ids: list[str], states: list[StructuredOutputRequest],
                         background: bool = True,
-                        also_allowed: dict[str, int] | None = None) -> GrammarBitmask:
-        """The next-token masks of these ready requests, filled in one batch call; in the fill
-        thread when `background` (both libraries release the GIL while they fill, so the
-        step's forward runs meanwhile), the caller waiting (GrammarBitmask.wait) before any
-        matcher advances. `also_allowed`: request id -> a token its row allows besides."""
-        bitmask = np.zeros((len(states), (self.vocab_size + 31) // 32), dtype=np.int32)
+                        also_allowed: dict[str, int] | None = None,
+                        drafts: dict[str, list[int]] | None = None) -> GrammarBitmask:
+        """The masks of these ready requests at each position they sample: one row each, or
+        k + 1 rows for a request with k `drafts` (request id -> drafts its matcher accepts);
+        filled in one batch call per draft depth, in the fill thread when `background` (both
+        libraries release the GIL while they fill, so the step's forward runs meanwhile), the
+        caller waiting (GrammarBitmask.wait) before any matcher advances. `also_allowed`:
+        request id -> a token its row allows besides."""
+        ks = [len(drafts.get(rid, ())) if drafts else 0 for rid in req_ids]
+        num_rows = [k + 1 for k in ks]
+        first = np.concatenate(([0], np.cumsum(num_rows)[:-1])).astype(np.int64).tolist()
+        bitmask = np.zeros((sum(num_rows), (self.vocab_size + 31) // 32), dtype=np.int32)
         matchers = [s.matcher for s in states]
-        also = ({req_ids.index(rid): t for rid, t in also_allowed.items()}
+        also = ({first[req_ids.index(rid)]: t for rid, t in also_allowed.items()}
                 if also_allowed else None)
+        if any(ks):
+            order = [drafts.get(rid, []) for rid in req_ids]
+            work, args = self._fill_with_drafts, (matchers, order, first, bitmask)
+        else:
+            work, args = self._backend.fill_bitmask, (matchers, bitmask)
         if not background:
-            self._backend.fill_bitmask(matchers, bitmask)
-            return GrammarBitmask(req_ids, bitmask, also_allowed=also)
+            work(*args)
+            return GrammarBitmask(req_ids, bitmask, also_allowed=also, num_rows=num_rows)
         if self._fill_pool is None:
             self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="kvflow-mask")
-        return GrammarBitmask(req_ids, bitmask,
-                              self._fill_pool.submit(self._backend.fill_bitmask, matchers, bitmask),
-                              also_allowed=also)
+        return GrammarBitmask(req_ids, bitmask, self._fill_pool.submit(work, *args),
+                              also_allowed=also, num_rows=num_rows)
+
+    def _fill_with_drafts(self, matchers: list, drafts: list[list[int]], first: list[int],
+                          bitmask: np.ndarray) -> None:
+        """Row first[j] + i of `bitmask`: matcher j's mask after its drafts[j][:i]. Each depth
+        is one batch fill; then the matchers still drafting advance by one draft; at the end
+        each rolls back what it advanced, so every matcher is left as it was."""
+        advanced = [0] * len(matchers)
+        try:
+            for i in range(max(map(len, drafts)) + 1):
+                live = [j for j, d in enumerate(drafts) if len(d) >= i]
+                rows = np.zeros((len(live), bitmask.shape[1]), dtype=np.int32)
+                self._backend.fill_bitmask([matchers[j] for j in live], rows)
+                bitmask[[first[j] + i for j in live]] = rows
+                for j in live:
+                    if i < len(drafts[j]):
+                        if not matchers[j].accept(drafts[j][i]):  # validated when proposed
+                            raise RuntimeError(f"draft token {drafts[j][i]} left its grammar")
+                        advanced[j] += 1
+        finally:
+            for m, n in zip(matchers, advanced):
+                m.rollback(n)
 
     def shutdown(self) -> None:
         if self._pool is not None:
