@@ -155,10 +155,16 @@ def test_greedy_constrained_outputs_with_ngram_speculation_equal_those_without(d
         assert all(o.outputs[0].finish_reason == "stop" for o in outs)
         texts[spec is None] = [o.outputs[0].text for o in outs]
         tokens[spec is None] = [list(o.outputs[0].token_ids) for o in outs]
-        if spec is not None:
+        if spec is not None:  # sampled too: rejection sampling sees each position's mask
+            sampled = llm.generate(prompts, [SamplingParams(
+                max_tokens=80, temperature=0.8, seed=i, structured_outputs=so)
+                for i, (_, so, _) in enumerate(cases)], use_tqdm=False)
             stats = llm.engine.core.scheduler.spec_stats
         llm.engine.shutdown()
     assert tokens[False] == tokens[True]
     for (_, _, check), text in zip(cases, texts[False]):
         check(text)
+    for (_, _, check), out in zip(cases, sampled):
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        check(out.outputs[0].text)
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
