@@ -1,9 +1,12 @@
 """Time prompt attention alone: `attention_with_kernels` over 30 layers of prompts read from a bf16
 paged cache, through the flash-style prompt kernel and (`--rows`) through the decode kernel
-with every prompt token as a row, the path the prompt kernel replaced.
+with every prompt token as a row, the path the prompt kernel replaced. With `--window W` every
+layer is a sliding-window layer, and `--rows` times what windowed prompts ran through before
+the prompt kernel took the window: decode rows (head sizes 64, 128) or SDPA with the window's
+mask (others, such as Gemma 3's 256).
 
     .venv/bin/python benchmarks/prompt_attention.py [--lens 293,293,293,293,293,293,293]
-        [--threads 1] [--rows]
+        [--threads 1] [--rows] [--window 512 --heads 4,1,256 --layers 15]
 """
 from __future__ import annotations
 
@@ -30,9 +33,12 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--rows", action="store_true", help="also time prompt tokens as decode rows")
+    p.add_argument("--window", type=int, default=None, help="sliding window of every layer")
+    p.add_argument("--heads", default="9,3,64", help="query heads, kv heads, head size (SmolLM2-135M)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    heads, kv_heads, head_dim, bs = 9, 3, 64, 16  # SmolLM2-135M
+    heads, kv_heads, head_dim = (int(x) for x in args.heads.split(","))
+    bs = 16
     lens = [int(n) for n in args.lens.split(",")]
     num_blocks = sum(-(-n // bs) for n in lens) + 1
     free = list(np.random.default_rng(0).permutation(num_blocks))
@@ -40,7 +46,8 @@ def main() -> int:
     shape = cache_shape(num_blocks, bs, kv_heads, head_dim)
     caches = [(torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()) for _ in range(args.layers)]
     q = torch.randn(sum(lens), heads, head_dim).bfloat16()
-    meta = A.build_attention_metadata(np.array(lens), np.array(lens), tables, bs)
+    meta = A.build_attention_metadata(np.array(lens), np.array(lens), tables, bs,
+                                      sliding_window=args.window)
 
     def one_step(prompt_kernel: bool) -> float:
         t0 = time.perf_counter()
@@ -49,7 +56,8 @@ def main() -> int:
                                      prompt_kernel=prompt_kernel)
         return time.perf_counter() - t0
 
-    for name in ["prompt kernel", "decode rows"] * 2 if args.rows else ["prompt kernel"]:
+    old = "decode rows" if args.window is None or head_dim in A.VECTOR_HEAD_DIMS else "masked SDPA"
+    for name in ["prompt kernel", old] * 2 if args.rows else ["prompt kernel"]:
         one_step(name == "prompt kernel")
         times = [one_step(name == "prompt kernel") for _ in range(args.reps)]
         print(f"{name}: {args.layers} layers x prompts {args.lens}: "

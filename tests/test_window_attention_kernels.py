@@ -111,3 +111,55 @@ def test_torch_paths_take_the_window():
         ref = _reference(qp[p], k_cache, v_cache, tables[2], p + 1, window, d ** -0.5, heads, kvh, bs)
         torch.testing.assert_close(sdpa[p], ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(rows[p], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 6, 2), (128, 4, 4), (256, 4, 1)])
+@pytest.mark.parametrize("window", [5, 16, 23])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prompt_kernel_window_matches_reference(head_dim, heads, kv_heads, window, threads):
+    """The prompt kernel (prefill_attention.c, AVX512-BF16 only: an AVX2 CPU has no prompt
+    kernel and runs prompt tokens as decode-kernel rows, tested above) takes the window: every
+    query of fresh prompts and of chunks after cached context sees only its last `window`
+    keys, and blocks before the window of a chunk's first query (the null block, NaN) are
+    never read."""
+    lib = library()
+    if not lib.paged_prefill_bf16_supported(heads, kv_heads, head_dim, 16):
+        pytest.skip("no prompt kernel on this CPU (AVX512-BF16)")
+    bs, num_blocks = 16, 40
+    query_lens = np.array([40, 23, 5, 17, 1], dtype=np.int64)  # fresh, chunks, a fresh short one, a decode
+    seq_lens = np.array([40, 61, 37, 17, 30], dtype=np.int64)
+    rng = np.random.default_rng(window)
+    free = [int(b) for b in rng.permutation(np.arange(1, num_blocks))]
+    tables = [[free.pop() for _ in range(-(-int(n) // bs))] for n in seq_lens]
+    shape = cache_shape(num_blocks, bs, kv_heads, head_dim)
+    k_cache, v_cache = torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(window)
+    for table, n in zip(tables, seq_lens):
+        slots = torch.tensor([table[t // bs] * bs + t % bs for t in range(int(n))])
+        write_rows(k_cache, v_cache, torch.randn(len(slots), kv_heads, head_dim, generator=g),
+                   torch.randn(len(slots), kv_heads, head_dim, generator=g), slots)
+    k_cache[0], v_cache[0] = float("nan"), float("nan")
+    nulled = 0
+    for table, q_len, n in zip(tables, query_lens, seq_lens):
+        for b in range(max(0, int(n - q_len) - window + 1) // bs):
+            table[b], nulled = 0, nulled + 1
+    assert nulled >= 1  # the case the kernel must not read is there
+    meta = A.build_attention_metadata(query_lens, seq_lens, tables, bs, sliding_window=window)
+    q = torch.randn(int(query_lens.sum()), heads, head_dim, generator=g).bfloat16()
+    out = torch.full(q.shape, float("nan"))
+    scale = head_dim ** -0.5
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert A._prefill_with_kernel(q, k_cache, v_cache, meta, scale, out)
+    finally:
+        torch.set_num_threads(old)
+    row = 0
+    for table, q_len, n in zip(tables, query_lens, seq_lens):
+        for p in range(int(n - q_len), int(n)):
+            if q_len > 1:  # prompt rows only: the decode row is left to the decode kernel
+                want = _reference(q[row], k_cache, v_cache, table, p + 1, window, scale, heads, kv_heads, bs)
+                torch.testing.assert_close(out[row], want, atol=2e-2, rtol=2e-2)  # bf16 probabilities
+            else:
+                assert out[row].isnan().all()
+            row += 1

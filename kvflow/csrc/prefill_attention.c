@@ -16,7 +16,12 @@
  * position seq_len[s] - 1; its keys are positions 0..seq_len[s]-1 through its block table
  * (those of this step must already be written). Work item w is sequence w / KVH, kv head
  * w % KVH; query head h reads kv head h / (H / KVH). Needs D % 32 == 0, bs == 16 and
- * TILE % (H / KVH) == 0; paged_prefill_bf16_supported() says whether a shape qualifies. */
+ * TILE % (H / KVH) == 0; paged_prefill_bf16_supported() says whether a shape qualifies.
+ *
+ * With a sliding window (window > 0) a query at position p sees keys p - window + 1 .. p only:
+ * a tile starts at the block of its first row's first key, and a sequence's blocks before the
+ * window of its first query are never read (the sliding-window KV cache may have handed them
+ * back: their table entries are the null block). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -31,13 +36,14 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
-/* keys and values 0..n-1 of kv head kh, block after block: the cache's own tiles (tiles.h),
+/* keys and values of blocks b0.. up to key n-1 of kv head kh, block after block: the cache's own tiles (tiles.h),
  * as 32-bit words kt[b][d/2][j] = k(16b + j)[d, d+1], vt[b][j/2][d] = (v(16b + j)[d],
  * v(16b + j + 1)[d]), with zeros past n (a slot not yet written may hold anything) */
 static void gather_pairs(const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table,
-                         int64_t n, int64_t KVH, int64_t D, int64_t kh, uint32_t *kt, uint32_t *vt) {
+                         int64_t b0, int64_t n, int64_t KVH, int64_t D, int64_t kh, uint32_t *kt,
+                         uint32_t *vt) {
     const int64_t tile = KB * D, half = D / 2;
-    for (int64_t b = 0; b * KB < n; b++) {
+    for (int64_t b = b0; b * KB < n; b++) { /* blocks before b0 are left as they are, unread */
         uint32_t *kd = kt + b * half * KB, *vd = vt + b * KB / 2 * D;
         memcpy(kd, k_cache + (table[b] * KVH + kh) * tile, sizeof(uint16_t) * (size_t)tile);
         memcpy(vd, v_cache + (table[b] * KVH + kh) * tile, sizeof(uint16_t) * (size_t)tile);
@@ -55,7 +61,8 @@ static void gather_pairs(const uint16_t *k_cache, const uint16_t *v_cache, const
  * q pair or a probability pair feeds NB dot products. */
 static inline __attribute__((always_inline)) void fold_blocks(
         const int NB, int64_t b, const uint32_t *kt, const uint32_t *vt, const uint32_t *qp,
-        const int64_t *pos, int64_t last, int64_t D, float scale, float *mx, float *sum, float *o) {
+        const int64_t *pos, int64_t last, int64_t window, int64_t D, float scale, float *mx,
+        float *sum, float *o) {
     const int64_t half = D / 2;
     const uint32_t *ktb = kt + b * half * KB;
     __m512 s[TILE][2];
@@ -72,18 +79,26 @@ static inline __attribute__((always_inline)) void fold_blocks(
     uint32_t pp[TILE][KB]; /* these blocks' probabilities, bf16 pairs */
     const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
     for (int i = 0; i < TILE; i++) {
-        /* causal: key 16(b + u) + j is visible to this row when it is <= pos */
+        /* causal: key 16(b + u) + j is visible to this row when it is <= pos (and, with a
+         * window, > pos - window) */
         __m512 si[2], m = ninf;
         __mmask16 keep[2];
         for (int u = 0; u < NB; u++) {
             const int64_t vis = pos[i] - (b + u) * KB + 1;
             keep[u] = vis >= KB ? (__mmask16)0xFFFF : vis <= 0 ? (__mmask16)0 : (__mmask16)((1u << vis) - 1);
+            if (window > 0) { /* keys j < lo of this block are before the window */
+                const int64_t lo = pos[i] - window + 1 - (b + u) * KB;
+                if (lo >= KB) keep[u] = 0;
+                else if (lo > 0) keep[u] &= (__mmask16)(0xFFFFu << lo);
+            }
             si[u] = _mm512_mask_blend_ps(keep[u], ninf, _mm512_mul_ps(s[i][u], sc));
             m = _mm512_max_ps(m, si[u]);
         }
         const float bm = _mm512_reduce_max_ps(m);
         const float m_new = bm > mx[i] ? bm : mx[i];
-        const float corr = expf(mx[i] - m_new); /* exp(-inf) = 0 on the first block */
+        /* exp(-inf) = 0 on the first block; a row that has seen no key yet (a window starts
+         * past these blocks) keeps its zeros */
+        const float corr = m_new == -INFINITY ? 1.f : expf(mx[i] - m_new);
         __m512 total = _mm512_setzero_ps();
         for (int u = 0; u < NB; u++) {
             const __m512 e = _mm512_maskz_mov_ps(keep[u], exp16(_mm512_sub_ps(si[u], _mm512_set1_ps(m_new))));
@@ -122,7 +137,8 @@ static inline __attribute__((always_inline)) void fold_blocks(
 /* One tile: TILE (row, head) pairs, pair i = row i / G, head kh * G + i % G; rows past the
  * sequence repeat its last row (computed, not stored). */
 static void tile_bf16(const uint16_t *q, int64_t q_stride, const uint32_t *kt, const uint32_t *vt,
-                      int64_t row0, int64_t rows, int64_t pos0, int64_t D, int64_t kh, int G,
+                      int64_t row0, int64_t rows, int64_t pos0, int64_t window, int64_t D,
+                      int64_t kh, int G,
                       float scale, void *out, int64_t out_stride, int out_bf16, uint32_t *qp,
                       float *o) {
     const int64_t half = D / 2;
@@ -136,11 +152,12 @@ static void tile_bf16(const uint16_t *q, int64_t q_stride, const uint32_t *kt, c
     float mx[TILE], sum[TILE];
     for (int i = 0; i < TILE; i++) { mx[i] = -INFINITY; sum[i] = 0.f; }
     const int64_t last = pos0 + rows - 1; /* the tile's last position */
-    int64_t b = 0;
+    /* the block of the first key the tile's first row sees */
+    int64_t b = window > 0 && pos0 - window + 1 > 0 ? (pos0 - window + 1) / KB : 0;
     for (; (b + 1) * KB <= last; b += 2) /* two whole-or-partial blocks while both hold keys */
-        fold_blocks(2, b, kt, vt, qp, pos, last, D, scale, mx, sum, o);
+        fold_blocks(2, b, kt, vt, qp, pos, last, window, D, scale, mx, sum, o);
     if (b * KB <= last)
-        fold_blocks(1, b, kt, vt, qp, pos, last, D, scale, mx, sum, o);
+        fold_blocks(1, b, kt, vt, qp, pos, last, window, D, scale, mx, sum, o);
     for (int i = 0; i < TILE && i / G < rows; i++) {
         const int64_t at = (row0 + i / G) * out_stride + (kh * G + i % G) * D;
         const __m512 inv = _mm512_set1_ps(1.f / sum[i]);
@@ -163,7 +180,7 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
                         const int64_t *token_start, const int64_t *query_len, const int64_t *seq_len,
                         int64_t work_begin, int64_t work_end, int64_t H, int64_t KVH, int64_t D,
                         int64_t block_size, float scale, void *out, int64_t out_stride,
-                        int64_t out_bf16) {
+                        int64_t out_bf16, int64_t window) {
     (void)block_size;
     const int G = (int)(H / KVH), R = TILE / G;
     int64_t max_len = 1;
@@ -177,10 +194,11 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
     for (int64_t w = work_begin; w < work_end; w++) {
         const int64_t s = w / KVH, kh = w % KVH;
         const int64_t ql = query_len[s], first = seq_len[s] - ql;
-        gather_pairs(k_cache, v_cache, block_tables + s * bt_stride, seq_len[s], KVH, D, kh, kt, vt);
+        const int64_t b0 = window > 0 && first - window + 1 > 0 ? (first - window + 1) / KB : 0;
+        gather_pairs(k_cache, v_cache, block_tables + s * bt_stride, b0, seq_len[s], KVH, D, kh, kt, vt);
         for (int64_t r = 0; r < ql; r += R)
             tile_bf16(q, q_stride, kt, vt, token_start[s] + r, ql - r < R ? ql - r : R, first + r,
-                      D, kh, G, scale, out, out_stride, (int)out_bf16, qp, o);
+                      window, D, kh, G, scale, out, out_stride, (int)out_bf16, qp, o);
     }
     free(kt); free(vt); free(qp); free(o);
 }
@@ -195,10 +213,10 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
                         const int64_t *token_start, const int64_t *query_len, const int64_t *seq_len,
                         int64_t work_begin, int64_t work_end, int64_t H, int64_t KVH, int64_t D,
                         int64_t block_size, float scale, void *out, int64_t out_stride,
-                        int64_t out_bf16) {
+                        int64_t out_bf16, int64_t window) {
     (void)q; (void)q_stride; (void)k_cache; (void)v_cache; (void)block_tables; (void)bt_stride;
     (void)token_start; (void)query_len; (void)seq_len; (void)work_begin; (void)work_end; (void)H;
     (void)KVH; (void)D; (void)block_size; (void)scale; (void)out; (void)out_stride;
-    (void)out_bf16;
+    (void)out_bf16; (void)window;
 }
 #endif
