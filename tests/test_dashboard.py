@@ -1,6 +1,6 @@
 """The dashboard without a model or a browser: the engine snapshot (the block map says who holds
-each block, queues show progress, steps are split prefill/decode, snapshots are rare and cheap)
-and the frontend's last minute of request latencies."""
+each block, queues show progress, steps are split prefill/decode, snapshots are rare and cheap),
+the frontend's last minute of request latencies and the prefill/decode transfer counts."""
 from __future__ import annotations
 
 import time
@@ -9,9 +9,9 @@ import msgspec
 
 from core_helpers import FakeRunner, default_pool_scheduler, make_request, make_scheduler
 from kvflow.engine.protocol import (CACHED_FREE, FREE, HELD, OWNER_BASE, SHARED, EngineSnapshot,
-                                    SchedulerStats, StepTokens)
+                                    KVTransferStats, SchedulerStats, StepTokens)
 from kvflow.engine.snapshot import MAX_WAITING_SHOWN, SnapshotSource, build_snapshot
-from kvflow.entrypoints.openai.dashboard import RecentLatencies, hide_sharing
+from kvflow.entrypoints.openai.dashboard import RecentLatencies, dashboard_event, hide_sharing
 from kvflow.outputs import CompletionOutput, RequestOutput
 
 
@@ -174,3 +174,36 @@ def test_latencies_of_finished_requests_over_the_last_minute():
     assert t == 100.8 and abs(ttft - 0.5) < 1e-9
     assert abs(itl - 0.1) < 1e-9, "0.3 s between the first and the last of 4 deltas"
     assert recent.last_minute(now=161.0) == [], "older than a minute"
+
+
+class FakeEngine:
+    """What the stream reads of the AsyncLLM."""
+
+    def __init__(self, kv_transfer=None) -> None:
+        self.info = None
+        self.is_dead = False
+        self.last_stats = SchedulerStats(kv_transfer=kv_transfer)
+
+
+def event_of(engine) -> dict:
+    """One stream event as the page receives it (through JSON)."""
+    body = dashboard_event(engine, None, RecentLatencies(), "m", now=10.0)
+    return msgspec.json.decode(msgspec.json.encode(body))
+
+
+def test_transfers_show_on_both_sides_from_the_engines_stats():
+    assert event_of(FakeEngine())["kv_transfer"] is None, "no --kv-transfer-config: no panel"
+    prefill = event_of(FakeEngine(KVTransferStats(
+        leases_active=1, leases_granted=5, leases_released=3, leases_expired=1, pulls_served=3,
+        bytes_sent=3 * 4096, blocks_sent=6)))["kv_transfer"]
+    assert prefill["prefill"] == {"leases_active": 1, "leases_granted": 5, "leases_released": 3,
+                                  "leases_expired": 1, "pulls_served": 3, "blocks_sent": 6,
+                                  "bytes_sent": 12288}
+    assert prefill["decode"]["loads_done"] == 0 and prefill["decode"]["mean_load_s"] is None
+    decode = event_of(FakeEngine(KVTransferStats(
+        loads_active=2, loads_done=4, loads_failed=1, bytes_received=8192, blocks_received=8,
+        load_seconds=0.5, late_frames=1)))["kv_transfer"]
+    assert decode["decode"] == {"loads_active": 2, "loads_done": 4, "loads_failed": 1,
+                                "blocks_received": 8, "bytes_received": 8192, "late_frames": 1,
+                                "mean_load_s": 0.125}, "0.5 s over 4 finished pulls"
+    assert decode["prefill"]["pulls_served"] == 0

@@ -208,6 +208,32 @@ def test_routed_greedy_outputs_equal_a_single_instance(cluster, reference, defau
     assert_clean(cluster.prefill, cluster.decode)
 
 
+def dashboard_transfers(url: str) -> dict:
+    """The transfer counts of the first event of the server's /dashboard/stream."""
+    with httpx.stream("GET", url + "/dashboard/stream", timeout=GUARD_S) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                return json.loads(line[6:])["kv_transfer"]
+    raise AssertionError("the stream ended without an event")
+
+
+def test_dashboard_shows_the_transfers_of_both_sides(cluster, default_tokenizer):
+    routed_tokens(cluster, prompts_of([40], seed=21)[0], default_tokenizer)
+    assert_clean(cluster.prefill, cluster.decode)  # the counts below no longer move
+    sent = dashboard_transfers(cluster.prefill.url)["prefill"]
+    got = dashboard_transfers(cluster.decode.url)["decode"]
+    assert sent["pulls_served"] >= 1 and sent["leases_active"] == 0
+    assert sent["pulls_served"] == metric_value(cluster.prefill.url,
+                                                "kvflow:kv_transfer_pulls_served_total")
+    assert sent["bytes_sent"] == metric_value(cluster.prefill.url,
+                                              "kvflow:kv_transfer_bytes_sent_total")
+    assert got["loads_done"] == metric_value(cluster.decode.url,
+                                             "kvflow:kv_transfer_loads_done_total")
+    assert got["blocks_received"] == metric_value(cluster.decode.url,
+                                                  "kvflow:kv_transfer_blocks_received_total")
+    assert got["bytes_received"] > 0 and 0 < got["mean_load_s"] < GUARD_S
+
+
 def read_trace(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]

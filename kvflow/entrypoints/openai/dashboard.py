@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, Response, StreamingResponse
 
 from kvflow.engine.async_engine import StatLogger
-from kvflow.engine.protocol import HELD, SHARED, EngineSnapshot
+from kvflow.engine.protocol import HELD, SHARED, EngineSnapshot, KVTransferStats
 from kvflow.outputs import RequestOutput
 
 STATIC_DIR = os.path.join(os.path.dirname(__file__), "static")
@@ -74,6 +74,37 @@ def hide_sharing(snapshot: EngineSnapshot) -> EngineSnapshot:
     return msgspec.structs.replace(snapshot, block_owners=owners)
 
 
+def transfer_view(kt: KVTransferStats | None) -> dict | None:
+    """Prefill/decode transfers for the page, both sides (an instance shows the side it plays;
+    the other stays at zero): counts since start, what is in flight, blocks and bytes moved and
+    the mean pull latency (only the decode side times its pulls). None without
+    --kv-transfer-config."""
+    if kt is None:
+        return None
+    return {
+        "prefill": {"leases_active": kt.leases_active, "leases_granted": kt.leases_granted,
+                    "leases_released": kt.leases_released, "leases_expired": kt.leases_expired,
+                    "pulls_served": kt.pulls_served, "blocks_sent": kt.blocks_sent,
+                    "bytes_sent": kt.bytes_sent},
+        "decode": {"loads_active": kt.loads_active, "loads_done": kt.loads_done,
+                   "loads_failed": kt.loads_failed, "blocks_received": kt.blocks_received,
+                   "bytes_received": kt.bytes_received, "late_frames": kt.late_frames,
+                   "mean_load_s": kt.load_seconds / kt.loads_done if kt.loads_done else None},
+    }
+
+
+def dashboard_event(engine, snapshot, latencies: RecentLatencies, model_name: str,
+                    now: float) -> dict:
+    """One stream event's body: the snapshot as viewers may see it, the last minute's
+    latencies and the transfer counts of the engine's latest stats."""
+    info = engine.info
+    return {"time": now, "model": model_name,
+            "max_model_len": info.max_model_len if info else None,
+            "engine_dead": engine.is_dead, "snapshot": snapshot,
+            "latencies": latencies.last_minute(now),
+            "kv_transfer": transfer_view(engine.last_stats.kv_transfer)}
+
+
 class Viewers:
     """Counts open streams; tells the engine to make snapshots while there is at least one."""
 
@@ -114,23 +145,20 @@ def dashboard_router(engine, latencies: RecentLatencies, settings) -> APIRouter:
         return shown[1]
 
     def event(snapshot) -> bytes:
-        snapshot = visible(snapshot)
-        now = time.time()
-        info = engine.info
-        body = {"time": now, "model": settings.model_name,
-                "max_model_len": info.max_model_len if info else None,
-                "engine_dead": engine.is_dead, "snapshot": snapshot,
-                "latencies": latencies.last_minute(now)}
+        body = dashboard_event(engine, visible(snapshot), latencies, settings.model_name,
+                               time.time())
         return b"data: " + encoder.encode(body) + b"\n\n"
 
     async def stream(request: Request):
         with viewers:
-            sent, sent_version, quiet_since = object(), -1, time.monotonic()
+            sent, sent_version, sent_kt = object(), -1, object()
+            quiet_since = time.monotonic()
             yield b"retry: 1000\n\n"
             while not settings.shutting_down and not await request.is_disconnected():
-                snap = engine.snapshot
-                if snap is not sent or latencies.version != sent_version:
-                    sent, sent_version = snap, latencies.version
+                snap, kt = engine.snapshot, engine.last_stats.kv_transfer
+                # transfer counts may move while the snapshot does not (or none is made)
+                if snap is not sent or latencies.version != sent_version or kt != sent_kt:
+                    sent, sent_version, sent_kt = snap, latencies.version, kt
                     quiet_since = time.monotonic()
                     yield event(snap)
                 elif time.monotonic() - quiet_since > KEEPALIVE_S:

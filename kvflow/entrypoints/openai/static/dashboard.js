@@ -180,6 +180,33 @@ function renderLatency() {
   $("latency-summary").textContent = `${pts.length} finished · median TTFT ${ms(ttft)} · median ITL ${ms(itl)}`;
 }
 
+// -- KV transfers (with --kv-transfer-config) ----------------------------------------------
+function bytes(n) {
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return `${i ? n.toFixed(1) : n} ${units[i]}`;
+}
+
+function renderTransfers(kt) {
+  $("transfer-panel").hidden = !kt;
+  if (!kt) return;
+  const p = kt.prefill, d = kt.decode;
+  $("tx-sent-count").textContent = `${p.pulls_served} pulls served`;
+  $("tx-sent-active").textContent = `leases: ${p.leases_active}`;
+  $("tx-sent-blocks").textContent = p.blocks_sent;
+  $("tx-sent-bytes").textContent = bytes(p.bytes_sent);
+  $("tx-sent-other").textContent =
+    `${p.leases_granted} lent · ${p.leases_released} released · ${p.leases_expired} expired`;
+  $("tx-recv-count").textContent = `${d.loads_done} done · ${d.loads_failed} failed`;
+  $("tx-recv-active").textContent = `pulls: ${d.loads_active}`;
+  $("tx-recv-blocks").textContent = d.blocks_received;
+  $("tx-recv-bytes").textContent = bytes(d.bytes_received);
+  $("tx-recv-latency").textContent =
+    d.mean_load_s === null ? "–" : `${(d.mean_load_s * 1000).toFixed(1)} ms`;
+  $("tx-recv-other").textContent = `${d.late_frames} late frames`;
+}
+
 // -- the stream ------------------------------------------------------------------------
 function render(body) {
   state.body = body;
@@ -196,6 +223,7 @@ function render(body) {
     renderBlocks(snap);
   }
   renderLatency();
+  renderTransfers(body.kv_transfer);
 }
 
 function setStatus(text, cls) {
