@@ -13,14 +13,16 @@ pytestmark = pytest.mark.slow  # loads a model (make test-fast leaves it out)
 
 # Each of four steps prefills four 512-token prompts (the default 2,048-token budget) and
 # allocates ~1.7 GiB of fp32 activations over its 30 layers, in buffers of many sizes (the script pins fp32: "auto"
-# is bf16 on CPUs with native bf16, with half the bytes). The KV pool is just large enough for
+# is bf16 on CPUs with native bf16, with half the bytes; float weights, not the quantized
+# default, whose scratch buffers change the pattern). The KV pool is just large enough for
 # the four, so every step reuses the same cache pages and what a later step faults in is
 # activation memory.
 SCRIPT = r"""
 import json, resource, sys
 from kvflow import LLM, SamplingParams
 from kvflow.model import malloc_tuning
-llm = LLM(sys.argv[1], dtype="float32", max_model_len=1024, num_blocks=136, enable_prefix_caching=False)
+llm = LLM(sys.argv[1], dtype="float32", quantization="none", max_model_len=1024, num_blocks=136,
+          enable_prefix_caching=False)
 prompts = [list(range(1000 + 600 * i, 1512 + 600 * i)) for i in range(4)]
 params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 faults = []
