@@ -375,9 +375,6 @@ class EngineConfig:
             self.kv_transfer = KVTransferConfig.parse(self.kv_transfer_config)
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-            if self.parallel_config.tensor_parallel_size > 1:
-                raise ValueError("speculative_config is not supported with tensor_parallel_size "
-                                 "> 1 yet; run without one of them")
         if self.num_threads is None:
             self.num_threads = envs.KVFLOW_NUM_THREADS or 1
         if self.num_threads < 1:

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from conftest_model_helpers import save_tiny_llama3
-from kvflow.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from kvflow.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvflow.engine.core import EngineCore
 from kvflow.engine.protocol import EngineCoreRequest
 from kvflow.sampling_params import SamplingParams
@@ -99,14 +99,6 @@ def test_seeded_sampling_with_speculation_reproduces(tiny_pair):
     a, _, _, sa = run(target, spec, num_blocks=200, params=params)
     b, _, _, _ = run(target, spec, num_blocks=200, params=params)
     assert a == b and sa.num_draft_tokens > 0
-
-
-def test_tensor_parallel_with_speculation_is_refused_at_start(tiny_pair):
-    target, _ = tiny_pair
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineConfig(model_config=ModelConfig(model=target, dtype="float32"),
-                     parallel_config=ParallelConfig(tensor_parallel_size=2),
-                     speculative_config={"method": "ngram"})
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused(tiny_pair, tmp_path):

@@ -98,7 +98,12 @@ class EngineCore:
             self.arch.vocab_size, list(self.arch.eos_token_ids))
         self.trace = None
         self.spec = None
-        if config.speculative_config is not None:  # (EngineConfig refuses it with TP)
+        # Under tensor parallelism drafts are made here, on the driver: n-gram lookup reads
+        # token ids, and a draft model runs unsharded in this process (vLLM's draft TP=1; a
+        # small draft split over ranks would pay two all-reduces per layer per draft token).
+        # Only the target's verification forward runs sharded; the ranks see the drafts as
+        # scheduled tokens in the step's SchedulerOutput.
+        if config.speculative_config is not None:
             self.spec = build_speculator(config.speculative_config, self.arch, self.dtype,
                                          self.kv_dtype, cc, self.max_model_len)
             self.scheduler.num_lookahead_tokens = self.spec.num_lookahead_tokens
