@@ -123,18 +123,34 @@ def spec_counts(llm) -> dict:
             "accepted": s.num_accepted_tokens}
 
 
+def draft_spec(name: str, args) -> dict:
+    """A layer-skip self-draft of the default model (benchmarks/layer_skip_draft.py):
+    `first8` keeps its first 8 layers, `keep0-1_6-29` those layers."""
+    sys.path.insert(0, HERE)
+    from layer_skip_draft import write_layer_skip_draft
+    path = (write_layer_skip_draft(int(name.removeprefix("first"))) if name.startswith("first")
+            else write_layer_skip_draft(keep=name.removeprefix("keep").replace("_", ",")))
+    return {"method": "draft_model", "model": path, "num_speculative_tokens": args.draft_k,
+            "min_acceptance_rate": args.draft_min_acceptance}
+
+
 def run_kvflow(args) -> dict:
+    """Off and each speculation mode, each its own LLM in this process, alternating round by
+    round (the order reversed every other round); medians."""
     sys.path.insert(0, ROOT)
     from kvflow import LLM, SamplingParams
-    spec = json.loads(args.spec)
-    kw = dict(dtype=args.dtype, num_blocks=1024, max_model_len=2048)
-    llms = {"off": LLM(**kw), "on": LLM(**kw, speculative_config=spec)}
+    specs = {"off": None}
+    if not args.no_ngram:
+        specs["on"] = json.loads(args.spec)
+    for name in args.draft:
+        specs[f"draft {name}"] = draft_spec(name, args)
+    kw = dict(dtype=args.dtype, num_blocks=args.num_blocks, max_model_len=2048)
+    llms = {m: LLM(**kw, speculative_config=spec) for m, spec in specs.items()}
     prompts = prompt_ids(llms["off"].tokenizer)
     params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN)
-    res = {m: {"single": [], "batch8": []} for m in llms}
-    same = True
+    res = {m: {"single": [], "batch8": [], "acceptance_single": []} for m in llms}
     for r in range(args.rounds):
-        for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+        for mode in (list(llms) if r % 2 == 0 else list(llms)[::-1]):
             llm = llms[mode]
             before = spec_counts(llm)
             singles = [one_stream(llm, p, params) for p in prompts[:args.single_prompts]]
@@ -145,32 +161,38 @@ def run_kvflow(args) -> dict:
                 "per_prompt_tok_s": [round(s["tok_s"], 1) for s in singles]})
             after_single = spec_counts(llm)
             res[mode]["batch8"].append(concurrent(llm, prompts[:8], params))
-            if mode == "on":
-                res[mode].setdefault("acceptance_single", []).append(
-                    {k: after_single[k] - before[k] for k in before})
+            res[mode]["acceptance_single"].append({k: after_single[k] - before[k] for k in before})
     # outputs equal (greedy): one check on the batch
-    a = llms["off"].generate(prompts[:8], params, use_tqdm=False)
-    b = llms["on"].generate(prompts[:8], params, use_tqdm=False)
-    same = all(x.outputs[0].token_ids == y.outputs[0].token_ids for x, y in zip(a, b))
+    want = llms["off"].generate(prompts[:8], params, use_tqdm=False)
     summary = {"machine": machine(), "load1": os.getloadavg()[0], "dtype": args.dtype,
-               "speculative_config": spec, "rounds": args.rounds, "outputs_equal": same}
-    for mode in llms:
-        summary[mode] = {
-            "single_tok_s": statistics.median(x["tok_s"] for x in res[mode]["single"]),
-            "single_tpot_ms": statistics.median(x["tpot_ms"] for x in res[mode]["single"]),
-            "single_delta_gap_ms": statistics.median(x["delta_gap_ms"] for x in res[mode]["single"]),
-            "batch8_tok_s": statistics.median(x["tok_s"] for x in res[mode]["batch8"]),
-            "single_rounds": res[mode]["single"], "batch8_rounds": res[mode]["batch8"]}
-    acc = res["on"]["acceptance_single"]
-    d, t, a_ = (sum(x[k] for x in acc) for k in ("drafts", "draft_tokens", "accepted"))
-    total = spec_counts(llms["on"])
-    summary["acceptance_single_stream"] = {"rate": a_ / t if t else 0.0,
-                                           "mean_acceptance_length": 1 + a_ / d if d else 0.0}
-    summary["acceptance_all"] = {
-        "rate": total["accepted"] / max(total["draft_tokens"], 1),
-        "mean_acceptance_length": 1 + total["accepted"] / max(total["drafts"], 1), **total}
-    summary["speedup_single"] = summary["on"]["single_tok_s"] / summary["off"]["single_tok_s"]
-    summary["speedup_batch8"] = summary["on"]["batch8_tok_s"] / summary["off"]["batch8_tok_s"]
+               "served_as": {"dtype": str(llms["off"].engine.core.dtype),
+                             "kernels": llms["off"].engine.core.executor.runner.model.kernels.describe()},
+               "rounds": args.rounds}
+    for mode, llm in llms.items():
+        single, batch = res[mode]["single"], res[mode]["batch8"]
+        m = summary[mode] = {
+            "speculative_config": specs[mode],
+            "single_tok_s": statistics.median(x["tok_s"] for x in single),
+            "single_tpot_ms": statistics.median(x["tpot_ms"] for x in single),
+            "single_delta_gap_ms": statistics.median(x["delta_gap_ms"] for x in single),
+            "batch8_tok_s": statistics.median(x["tok_s"] for x in batch),
+            "single_rounds": single, "batch8_rounds": batch}
+        if mode == "off":
+            continue
+        got = llm.generate(prompts[:8], params, use_tqdm=False)
+        m["outputs_equal_off"] = sum(x.outputs[0].token_ids == y.outputs[0].token_ids
+                                     for x, y in zip(want, got))
+        acc = res[mode]["acceptance_single"]
+        d, t, a = (sum(x[k] for x in acc) for k in ("drafts", "draft_tokens", "accepted"))
+        total = spec_counts(llm)
+        m["acceptance_single_stream"] = {"rate": a / t if t else 0.0,
+                                         "mean_acceptance_length": 1 + a / d if d else 0.0,
+                                         "drafts": d, "draft_tokens": t, "accepted": a}
+        m["acceptance_all"] = {
+            "rate": total["accepted"] / max(total["draft_tokens"], 1),
+            "mean_acceptance_length": 1 + total["accepted"] / max(total["drafts"], 1), **total}
+        m["speedup_single"] = m["single_tok_s"] / summary["off"]["single_tok_s"]
+        m["speedup_batch8"] = m["batch8_tok_s"] / summary["off"]["batch8_tok_s"]
     return summary
 
 
@@ -251,6 +273,15 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--spec", default='{"method": "ngram", "num_speculative_tokens": 4, '
                                      '"prompt_lookup_min": 2, "prompt_lookup_max": 5}')
+    p.add_argument("--no-ngram", action="store_true", help="no n-gram mode (drafts only)")
+    p.add_argument("--draft", action="append", default=[],
+                   help="also a layer-skip self-draft of the default model, e.g. first8 (its "
+                        "first 8 layers) or keep0-1_6-29 (those layers); repeatable")
+    p.add_argument("--draft-k", type=int, default=3, help="num_speculative_tokens of the drafts")
+    p.add_argument("--draft-min-acceptance", type=float, default=0.0,
+                   help="min_acceptance_rate of the drafts (0: they never stop, so that their "
+                        "own speed is measured; the engine's default is 0.2)")
+    p.add_argument("--num-blocks", type=int, default=512)
     p.add_argument("--w1", action="store_true", help="also W1 off and on (minutes)")
     p.add_argument("--w1-rounds", type=int, default=2)
     p.add_argument("--only-w1", action="store_true", help="W1 off and on, nothing else")

@@ -105,7 +105,8 @@ class EngineCore:
         # scheduled tokens in the step's SchedulerOutput.
         if config.speculative_config is not None:
             self.spec = build_speculator(config.speculative_config, self.arch, self.dtype,
-                                         self.kv_dtype, cc, self.max_model_len)
+                                         self.kv_dtype, cc, self.max_model_len,
+                                         mc.quantization)
             self.scheduler.num_lookahead_tokens = self.spec.num_lookahead_tokens
         self.kv_agent: KVTransferAgent | None = None
         self._kv_trace: list[dict] = []  # transfers that ended since the last traced step

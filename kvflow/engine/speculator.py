@@ -64,7 +64,9 @@ class Speculator:
 
 def build_speculator(config: SpeculativeConfig, arch: LlamaArchConfig, dtype: torch.dtype,
                      kv_dtype: torch.dtype, cache_config: CacheConfig,
-                     max_model_len: int) -> Speculator:
+                     max_model_len: int, quantization: str | None = None) -> Speculator:
+    """`quantization` is the engine's option as given: a draft model is served like a target
+    model at that path would be in one process (a quantized GGUF draft stays quantized)."""
     k = config.num_speculative_tokens
     if config.method == "ngram":
         proposer = NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
@@ -73,7 +75,9 @@ def build_speculator(config: SpeculativeConfig, arch: LlamaArchConfig, dtype: to
                           f"{config.prompt_lookup_max}", max_model_len)
     from kvflow.model.draft_proposer import DraftModelProposer
     proposer = DraftModelProposer(config.model, k, arch, dtype, kv_dtype,
-                                  cache_config.num_blocks, cache_config.block_size, max_model_len)
+                                  cache_config.num_blocks, cache_config.block_size, max_model_len,
+                                  quantization)
     # the draft writes k - 1 positions past the last known token: slots held for it
     return Speculator(config, proposer, k,
-                      f"speculative decoding: draft model {config.model} k={k}", max_model_len)
+                      f"speculative decoding: draft model {config.model} "
+                      f"({proposer.arch.num_hidden_layers} layers, {proposer.quantization}) k={k}", max_model_len)

@@ -16,6 +16,7 @@ import torch
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
 from kvflow.model.loader import load_model
+from kvflow.model.quant.load import resolve_quantization
 from kvflow.model_path import resolve_model_path
 
 
@@ -27,9 +28,12 @@ class _DraftState:
 class DraftModelProposer:
     def __init__(self, model: str, k: int, target_arch: LlamaArchConfig, dtype: torch.dtype,
                  kv_dtype: torch.dtype, num_blocks: int, block_size: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, quantization: str | None = None) -> None:
         self.path = resolve_model_path(model)
-        self.model, self.arch = load_model(self.path, dtype)
+        # the draft runs whole in this process (also under tensor parallelism): as one process
+        # would serve it, so a quantized GGUF draft stays quantized by default
+        self.quantization = resolve_quantization(quantization, self.path)
+        self.model, self.arch = load_model(self.path, dtype, quantization=self.quantization)
         if self.arch.vocab_size != target_arch.vocab_size:
             raise ValueError(f"speculative_config.model {model!r} has a vocabulary of "
                              f"{self.arch.vocab_size} tokens; the target's has "
