@@ -1,21 +1,25 @@
-"""Speculative decoding (n-gram prompt lookup) on an input-grounded workload: prompts that ask the
-default model to copy, fix or reformat a passage or some code given in the prompt, greedy, up to
-256 output tokens each (the answer ends at EOS, as a user's would: past its answer a model
-ignoring EOS writes free text that no prompt grounds).
+"""Speculative decoding on an input-grounded workload: prompts that ask the default model to
+copy, fix or reformat a passage or some code given in the prompt, greedy, up to 256 output
+tokens each (the answer ends at EOS, as a user's would: past its answer a model ignoring EOS
+writes free text that no prompt grounds).
 
-Measured, with speculation off and on in the same process, alternating round by round (medians):
+Measured, with speculation off and each mode on (n-gram; `--draft NAME` adds a layer-skip
+self-draft of the default model, benchmarks/layer_skip_draft.py), each mode its own LLM in
+this process, alternating round by round (medians):
 - one stream: output tok/s (first request token to last), time per output token after the
   first (TPOT, the inter-token latency a reader sees, averaged over tokens), mean gap between
   streamed deltas (with speculation a delta may carry several tokens);
 - 8 concurrent streams: output tok/s of the batch;
-- acceptance: drafted and accepted tokens, acceptance rate, mean acceptance length.
-`--w1` also runs W1 (`kvflow bench throughput`, 128 random-token prompts) off and on, each in
-its own process, alternating. `--llamacpp` runs llama.cpp's `LlamaPromptLookupDecoding`
-(llama-cpp-python in benchmarks/.venv-llamacpp, bf16 GGUF of the same weights) on the same
-token ids, one stream, off and on.
+- acceptance: drafted and accepted tokens, acceptance rate, mean acceptance length; how many
+  of the 8 greedy outputs equal those without speculation.
+`--w1` also runs W1 (`kvflow bench throughput`, 128 random-token prompts) off and n-gram on,
+each in its own process, alternating. `--llamacpp` runs llama.cpp's
+`LlamaPromptLookupDecoding` (llama-cpp-python in benchmarks/.venv-llamacpp, on the default
+model's file as stored, or `--llamacpp-gguf bf16`) on the same token ids, one stream, off and on.
 
     flock /tmp/kvflow-bench.lock .venv/bin/python benchmarks/spec_decode.py --rounds 3
     flock /tmp/kvflow-bench.lock .venv/bin/python benchmarks/spec_decode.py --w1 --llamacpp
+    flock /tmp/kvflow-bench.lock .venv/bin/python benchmarks/spec_decode.py --draft first4 --draft first8
 """
 from __future__ import annotations
 
@@ -248,9 +252,13 @@ print(json.dumps(res))
 
 
 def run_llamacpp(args, prompts: list[list[int]], spec: dict) -> dict:
-    sys.path.insert(0, HERE)
-    from export_model import export_gguf, export_hf_folder
-    gguf = export_gguf("bf16", export_hf_folder())
+    if args.llamacpp_gguf == "default":  # the file kvflow serves by default, as it is stored
+        from kvflow.model_path import default_model_path
+        gguf = default_model_path()
+    else:
+        sys.path.insert(0, HERE)
+        from export_model import export_gguf, export_hf_folder
+        gguf = export_gguf("bf16", export_hf_folder())
     cfg = {"gguf": gguf, "threads": 1, "k": spec.get("num_speculative_tokens", 4),
            "max_n": spec.get("prompt_lookup_max", 5), "rounds": args.rounds,
            "prompts": prompts[:args.single_prompts], "max_tokens": OUTPUT_LEN}
@@ -260,7 +268,7 @@ def run_llamacpp(args, prompts: list[list[int]], spec: dict) -> dict:
         raise RuntimeError(p.stderr[-2000:])
     res = json.loads(p.stdout.strip().splitlines()[-1])
     off, on = statistics.median(res["off"]), statistics.median(res["on"])
-    return {"engine": "llama-cpp-python 0.3.36 (bf16 GGUF, 1 thread)", "off_tok_s": off,
+    return {"engine": f"llama-cpp-python 0.3.36 ({os.path.basename(gguf)}, 1 thread)", "off_tok_s": off,
             "on_tok_s": on, "speedup": on / off, "rounds": res}
 
 
@@ -287,14 +295,19 @@ def main() -> None:
     p.add_argument("--only-w1", action="store_true", help="W1 off and on, nothing else")
     p.add_argument("--llamacpp", action="store_true",
                    help="also llama.cpp's LlamaPromptLookupDecoding, one stream")
+    p.add_argument("--llamacpp-gguf", choices=("default", "bf16"), default="default",
+                   help="llama.cpp's weights: the default model's file as stored (Q4_1, what "
+                        "kvflow serves by default) or a bf16 GGUF of the same weights")
+    p.add_argument("--only-llamacpp", action="store_true", help="llama.cpp alone")
     p.add_argument("--output-json")
     args = p.parse_args()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if args.only_w1:
         print(json.dumps({"machine": machine(), "w1": run_w1(args)}, indent=2))
         return
-    result = run_kvflow(args)
+    result = {"machine": machine()} if args.only_llamacpp else run_kvflow(args)
     print(json.dumps(result, indent=2), flush=True)  # kept if an anchor below fails
+    args.llamacpp = args.llamacpp or args.only_llamacpp
     if args.llamacpp:
         sys.path.insert(0, ROOT)
         from kvflow.tokenizer import get_tokenizer
