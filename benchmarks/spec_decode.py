@@ -200,6 +200,26 @@ def run_kvflow(args) -> dict:
     return summary
 
 
+def run_acceptance(args) -> dict:
+    """Each draft alone over the 8 prompts in one batch: acceptance, no timing."""
+    sys.path.insert(0, ROOT)
+    from kvflow import LLM, SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN)
+    out = {}
+    for name in args.draft:
+        llm = LLM(dtype=args.dtype, num_blocks=args.num_blocks, max_model_len=2048,
+                  speculative_config=draft_spec(name, args))
+        try:
+            llm.generate(prompt_ids(llm.tokenizer), params, use_tqdm=False)
+            c = spec_counts(llm)
+            out[name] = {"layers": llm.engine.core.spec.proposer.arch.num_hidden_layers,
+                         "rate": c["accepted"] / max(c["draft_tokens"], 1),
+                         "mean_acceptance_length": 1 + c["accepted"] / max(c["drafts"], 1), **c}
+        finally:
+            llm.engine.shutdown()
+    return out
+
+
 def run_w1(args) -> dict:
     out = {"off": [], "on": []}
     for r in range(args.w1_rounds):
@@ -290,6 +310,8 @@ def main() -> None:
                    help="min_acceptance_rate of the drafts (0: they never stop, so that their "
                         "own speed is measured; the engine's default is 0.2)")
     p.add_argument("--num-blocks", type=int, default=512)
+    p.add_argument("--acceptance-only", action="store_true",
+                   help="each --draft over the 8 prompts at once: acceptance only, no timing")
     p.add_argument("--w1", action="store_true", help="also W1 off and on (minutes)")
     p.add_argument("--w1-rounds", type=int, default=2)
     p.add_argument("--only-w1", action="store_true", help="W1 off and on, nothing else")
@@ -302,6 +324,9 @@ def main() -> None:
     p.add_argument("--output-json")
     args = p.parse_args()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if args.acceptance_only:
+        print(json.dumps({"machine": machine(), "acceptance": run_acceptance(args)}, indent=2))
+        return
     if args.only_w1:
         print(json.dumps({"machine": machine(), "w1": run_w1(args)}, indent=2))
         return
