@@ -70,14 +70,15 @@ def export(src: str, dst: str, ignore: tuple[str, ...] = ("lm_head",),
             out[name] = t
     os.makedirs(dst, exist_ok=True)
     for f in os.listdir(src):  # tokenizer, generation config, chat template
-        if not f.endswith((".safetensors", ".bin")) and f not in ("config.json", "model.safetensors.index.json") \
+        if not f.endswith((".safetensors", ".bin")) and not f.startswith(".") \
+                and f not in ("config.json", "model.safetensors.index.json") \
                 and os.path.isfile(os.path.join(src, f)):
             shutil.copy(os.path.join(src, f), os.path.join(dst, f))
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
     config["quantization_config"] = quantization_config(list(ignore))
     if dtype is not None:
-        config["torch_dtype"] = str(dtype).removeprefix("torch.")
+        config["dtype"] = config["torch_dtype"] = str(dtype).removeprefix("torch.")
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     from safetensors.torch import save_file
