@@ -245,5 +245,8 @@ def _fused(raw: dict, modules: list[str], isa: str):
     parts = [int8_weight(raw, m) for m in modules]
     q = np.concatenate([p[0] for p in parts])
     scale = np.concatenate([p[1] for p in parts])
+    if scale.max(initial=0.0) > 65504.0:  # the panels hold fp16 scales
+        raise ValueError(f"compressed-tensors checkpoint: {modules[0]}.weight_scale exceeds "
+                         "fp16's range (65504)")
     rounded = int(np.count_nonzero(scale.astype(np.float16).astype(np.float32) != scale))
     return int8_from_channels(q, scale, isa, source="compressed-tensors"), rounded
