@@ -14,6 +14,7 @@ from kvflow.config import EngineConfig, KVTransferConfig
 from kvflow.core.scheduler_output import KVLoad
 from kvflow.entrypoints.openai.protocol import CompletionRequest
 from kvflow.kv_transfer.agent import KVTransferAgent, write_blocks
+from kvflow.kv_transfer.blocks import KVShard, PagedKV, gather_into, scatter, transfer_bytes
 from kvflow.kv_transfer.lease import LeaseTable
 from kvflow.kv_transfer.params import KVTransferParams
 from kvflow.request import FinishReason, RequestStatus
@@ -156,10 +157,27 @@ def test_lease_table_expires_unless_extended():
     assert [x.transfer_id for x in t.expired(now=3.5)] == ["a"] and len(t) == 0
 
 
-def caches(seed: int, num_blocks=8):
+def caches(seed: int, num_blocks=8, heads=2):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(num_blocks, 2, BS, 8, generator=g),
-             torch.randn(num_blocks, 2, BS, 8, generator=g)) for _ in range(3)]
+    return [(torch.randn(num_blocks, heads, BS, 8, generator=g),
+             torch.randn(num_blocks, heads, BS, 8, generator=g)) for _ in range(3)]
+
+
+def whole(c) -> PagedKV:
+    return PagedKV([KVShard(0, c)])
+
+
+def split(c, tp: int) -> PagedKV:
+    """The same cache as `tp` ranks would hold it: rank r has heads [r*H/tp, (r+1)*H/tp)."""
+    h = c[0][0].shape[1] // tp
+    return PagedKV([KVShard(r * h, [(k[:, r * h:(r + 1) * h].clone(), v[:, r * h:(r + 1) * h].clone())
+                                    for k, v in c]) for r in range(tp)])
+
+
+def assembled(kv: PagedKV):
+    """Per layer (k, v) with every head, put back together from the ranks' shares."""
+    return [tuple(torch.cat([s.kv_caches[i][j] for s in kv.readers], dim=1) for j in (0, 1))
+            for i in range(kv.num_layers)]
 
 
 def wait_event(agent, kind, timeout=10.0):
@@ -177,8 +195,9 @@ def test_agents_move_the_exact_bytes_and_end_the_lease(use_shm):
     port = free_port()
     compat = {"dtype": "float32"}
     src, dst = caches(0), caches(1)
-    producer = KVTransferAgent(KVTransferConfig("kv_producer", kv_port=port), compat, src, BS)
-    consumer = KVTransferAgent(KVTransferConfig("kv_consumer", kv_use_shm=use_shm), compat, dst, BS)
+    producer = KVTransferAgent(KVTransferConfig("kv_producer", kv_port=port), compat, whole(src), BS)
+    consumer = KVTransferAgent(KVTransferConfig("kv_consumer", kv_use_shm=use_shm), compat,
+                               whole(dst), BS)
     try:
         producer.offer("t", [5, 2, 7], 12)
         p = producer.params_for("t", [5, 2, 7], 12)
@@ -186,7 +205,7 @@ def test_agents_move_the_exact_bytes_and_end_the_lease(use_shm):
         consumer.load(KVLoad("r", p, [1, 3], [5, 2], 0, 11))
         ev = wait_event(consumer, "loaded")
         assert (len(ev.frames) == 1) == use_shm
-        write_blocks(dst, ev)
+        write_blocks(consumer.kv, ev)
         consumer.release_remote(p, done=True)  # the engine's word once the bytes are in place
         for (sk, sv), (dk, dv) in zip(src, dst):
             assert torch.equal(dk[[1, 3]], sk[[5, 2]]) and torch.equal(dv[[1, 3]], sv[[5, 2]])
@@ -198,11 +217,54 @@ def test_agents_move_the_exact_bytes_and_end_the_lease(use_shm):
         consumer.shutdown()
 
 
+@pytest.mark.parametrize("use_shm", [False, True], ids=["zmq", "shm"])
+@pytest.mark.parametrize("tp_src,tp_dst", [(2, 1), (1, 2), (2, 2), (4, 2)])
+def test_tensor_parallel_shards_are_assembled_and_split_by_head(tp_src, tp_dst, use_shm):
+    """A TP producer sends whole blocks (its ranks' head ranges side by side); a TP consumer
+    writes each rank's heads into that rank's cache: the bytes match whatever the TP sizes."""
+    port = free_port()
+    full_src, full_dst = caches(0, heads=4), caches(1, heads=4)
+    src, dst = split(full_src, tp_src), split(full_dst, tp_dst)
+    producer = KVTransferAgent(KVTransferConfig("kv_producer", kv_port=port), {}, src, BS)
+    consumer = KVTransferAgent(KVTransferConfig("kv_consumer", kv_use_shm=use_shm), {}, dst, BS)
+    try:
+        producer.offer("t", [6, 0, 3], 12)
+        p = producer.params_for("t", [6, 0, 3], 12)
+        consumer.load(KVLoad("r", p, [2, 5, 7], [6, 0, 3], 0, 11))
+        ev = wait_event(consumer, "loaded")
+        assert (len(ev.frames) == 1) == use_shm
+        write_blocks(consumer.kv, ev)
+        got = assembled(consumer.kv)
+        for (sk, sv), (dk, dv), (ok, ov) in zip(full_src, got, full_dst):
+            assert torch.equal(dk[[2, 5, 7]], sk[[6, 0, 3]]) and torch.equal(dv[[2, 5, 7]], sv[[6, 0, 3]])
+            rest = [0, 1, 3, 4, 6]  # blocks the pull does not name are untouched
+            assert torch.equal(dk[rest], ok[rest]) and torch.equal(dv[rest], ov[rest])
+        assert ev.num_bytes == 3 * 2 * 3 * (4 * BS * 8 * 4)
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
+def test_replicated_kv_heads_are_read_once_and_written_to_every_replica():
+    """More ranks than KV heads: each head lives on several ranks (sharding.py)."""
+    c = caches(0, heads=1)
+    replicas = PagedKV([KVShard(0, [(k.clone(), v.clone()) for k, v in c]) for _ in range(2)])
+    assert len(replicas.readers) == 1 and replicas.num_heads == 1
+    src = whole(caches(3, heads=1))
+    staging = torch.empty(transfer_bytes(src, 2)[1], dtype=torch.uint8)
+    gather_into(src, [1, 2], staging)
+    scatter(replicas, [4, 5], [staging])
+    src = caches(3, heads=1)
+    for s in replicas.shards:
+        for (k, v), (sk, sv) in zip(s.kv_caches, src):
+            assert torch.equal(k[[4, 5]], sk[[1, 2]]) and torch.equal(v[[4, 5]], sv[[1, 2]])
+
+
 def test_pull_of_an_unknown_lease_fails_and_a_late_answer_is_dropped():
     port = free_port()
     producer = KVTransferAgent(KVTransferConfig("kv_producer", kv_port=port,
-                                                kv_lease_timeout_s=0.3), {}, caches(0), BS)
-    consumer = KVTransferAgent(KVTransferConfig("kv_consumer"), {}, caches(1), BS)
+                                                kv_lease_timeout_s=0.3), {}, whole(caches(0)), BS)
+    consumer = KVTransferAgent(KVTransferConfig("kv_consumer"), {}, whole(caches(1)), BS)
     try:
         producer.offer("t", [1], 4)
         p = producer.params_for("t", [1], 4)
@@ -216,7 +278,7 @@ def test_pull_of_an_unknown_lease_fails_and_a_late_answer_is_dropped():
 
 def test_mismatched_kv_layout_is_refused_naming_the_field():
     consumer = KVTransferAgent(KVTransferConfig("kv_consumer"), {"kv_dtype": "float32"},
-                               caches(1), BS)
+                               whole(caches(1)), BS)
     try:
         p = remote_params(8, compat={"kv_dtype": "bfloat16"})
         with pytest.raises(ValueError, match="kv_dtype 'bfloat16' there, 'float32' here"):

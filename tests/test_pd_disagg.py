@@ -141,6 +141,10 @@ BASE = prompts_of(LENGTHS)
 SHARED = [BASE[-1][:96] + p for p in prompts_of([20, 40], seed=1)]  # a 96-token prefix hit
 MAX_TOKENS = 12
 FRESH = prompts_of([120], seed=9)[0]
+# for a TP=2 instance on either side: fresh prompts (no prefix hit skips the pull), around
+# block multiples and past the chunk
+TP_LENGTHS = [15, 16, 17, 48, 49, 150]
+TP_PREFILL, TP_DECODE = prompts_of(TP_LENGTHS, seed=21), prompts_of(TP_LENGTHS, seed=22)
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +156,8 @@ def reference(tiny_model):
               max_num_batched_tokens=CHUNK, num_threads=1)
     try:
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-        prompts = BASE + SHARED + prompts_of([24] * 64, seed=2) + [FRESH]
+        prompts = (BASE + SHARED + prompts_of([24] * 64, seed=2) + [FRESH] + TP_PREFILL
+                   + TP_DECODE)
         outs = llm.generate(prompts, params, use_tqdm=False)
         return {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)}
     finally:
@@ -348,6 +353,35 @@ def test_64_concurrent_requests_with_failing_transfers(cluster, reference, defau
     assert texts == [ref_text(reference, p, default_tokenizer) for p in prompts]
     assert metric_value(cluster.decode.url, "kvflow:kv_transfer_loads_failed_total") >= failed + 15
     assert_clean(cluster.prefill, cluster.decode)
+
+
+def test_tensor_parallel_instance_lends_and_pulls_its_head_ranges(cluster, reference,
+                                                                   default_tokenizer):
+    """TP=2 on one side, TP=1 on the other, both ways: one kv_both instance over two ranks (each
+    holding half the KV heads) is the prefill instance for the TP=1 decode instance, then the
+    decode instance for the TP=1 prefill instance. Whole blocks travel; each side assembles or
+    splits them by head range."""
+    tp2 = ServerProcess("--model", cluster.model, *COMMON, "--quantization", "none",
+                        "--tensor-parallel-size", "2", "--kv-transfer-config", kv_config("kv_both"))
+    try:
+        for prefill, decode, prompts, counter in (
+                (tp2, cluster.decode, TP_PREFILL, "kvflow:kv_transfer_pulls_served_total"),
+                (cluster.prefill, tp2, TP_DECODE, "kvflow:kv_transfer_loads_done_total")):
+            before = metric_value(tp2.url, counter)
+            proc, url = start_router("--prefill", prefill.url, "--decode", decode.url)
+            try:
+                for p in prompts:
+                    resp = complete(url, p)
+                    assert resp.status_code == 200, resp.text
+                    assert resp.json()["choices"][0]["text"] == ref_text(
+                        reference, p, default_tokenizer), (len(p), prefill is tp2)
+            finally:
+                proc.terminate()
+                proc.wait(10)
+            assert metric_value(tp2.url, counter) == before + len(prompts), counter
+        assert_clean(tp2, cluster.prefill, cluster.decode)
+    finally:
+        tp2.close()
 
 
 def start_router(*args: str, ready: str = "/health") -> tuple[subprocess.Popen, str]:

@@ -18,6 +18,7 @@ from kvflow.engine.speculator import build_speculator
 from kvflow.engine.step_trace import StepTrace
 from kvflow.engine.warmup import warmup_outputs
 from kvflow.kv_transfer.agent import KVTransferAgent, write_blocks
+from kvflow.kv_transfer.blocks import KVShard, PagedKV
 from kvflow.logger import init_logger
 from kvflow.model.arch import load_arch_config
 from kvflow.model.executor import Executor, UniProcExecutor
@@ -25,7 +26,7 @@ from kvflow.model import gpu_memory
 from kvflow.model.cuda_graphs import decode_graphs_for
 from kvflow.model.loader import load_model, resolve_device, resolve_dtype
 from kvflow.model.quant.load import resolve_quantization
-from kvflow.model.sharding import kv_bytes_per_token_per_rank
+from kvflow.model.sharding import kv_bytes_per_token_per_rank, shard_layout
 from kvflow.model_path import resolve_model_path
 from kvflow.request import Request, RequestStatus, check_request_fits
 from kvflow.sampling_params import check_token_ids
@@ -103,6 +104,13 @@ class EngineCore:
                                          self.kv_dtype, cc, self.max_model_len)
             self.scheduler.num_lookahead_tokens = self.spec.num_lookahead_tokens
         self.kv_agent: KVTransferAgent | None = None
+        if config.kv_transfer is not None:  # refused before any worker starts
+            if any(w is not None for w in cc.layer_windows):
+                raise ValueError("kv_transfer_config: KV transfer of a model with sliding-window "
+                                 "layers (one block table per KV cache group) is not implemented yet")
+            if self.device.type != "cpu":
+                raise ValueError("kv_transfer_config: KV transfer moves CPU caches only; "
+                                 f"this engine's cache is on {self.device.type}")
         self._kv_trace: list[dict] = []  # transfers that ended since the last traced step
         # runs each step: in this process, or over tensor_parallel_size ranks
         self.executor: Executor = (
@@ -117,19 +125,9 @@ class EngineCore:
                                  # an expert block groups tokens on the host (moe.py): no graph
                                  if on_gpu and not self.arch.num_experts else None))
         try:
-            kt = config.kv_transfer
-            if kt is not None:
-                if self.tp_size > 1:
-                    raise ValueError("kv_transfer_config: KV transfer under tensor parallelism "
-                                     "is not implemented yet")
-                if any(w is not None for w in cc.layer_windows):
-                    raise ValueError("kv_transfer_config: KV transfer of a model with sliding-window "
-                                     "layers (one block table per KV cache group) is not implemented yet")
-                if self.device.type != "cpu":
-                    raise ValueError("kv_transfer_config: KV transfer moves CPU caches only; "
-                                     f"this engine's cache is on {self.device.type}")
-                self.kv_agent = KVTransferAgent(kt, self.kv_compat(),
-                                                self.executor.runner.kv_caches, cc.block_size)
+            if config.kv_transfer is not None:
+                self.kv_agent = KVTransferAgent(config.kv_transfer, self.kv_compat(),
+                                                self._paged_kv(), cc.block_size)
             self.trace = StepTrace(config.trace, sc.max_num_batched_tokens, cc.block_size,
                                    cc.num_blocks) if config.trace else None
             if config.warmup:
@@ -154,6 +152,11 @@ class EngineCore:
                 "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
                 "num_layers": a.num_hidden_layers, "num_kv_heads": a.num_key_value_heads,
                 "head_dim": a.head_dim}
+
+    def _paged_kv(self) -> PagedKV:
+        """The whole cache as KV transfer sees it: each rank's share with its first KV head."""
+        return PagedKV([KVShard(shard_layout(self.arch, r, self.tp_size).kv_head_start, caches)
+                        for r, caches in enumerate(self.executor.rank_kv_caches())])
 
     @property
     def kv_wakeup_socket(self):
@@ -296,7 +299,7 @@ class EngineCore:
             error = ev.error
             if ev.kind == "loaded":
                 try:
-                    write_blocks(self.executor.runner.kv_caches, ev)
+                    write_blocks(self.kv_agent.kv, ev)
                 except ValueError as e:
                     error = str(e)
                     agent.stats.loads_failed += 1

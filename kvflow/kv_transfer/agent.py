@@ -24,7 +24,7 @@ import zmq
 from kvflow.config import KVTransferConfig
 from kvflow.core.scheduler_output import KVLoad
 from kvflow.kv_transfer import messages as m
-from kvflow.kv_transfer.blocks import gather_frames, gather_into, scatter, transfer_bytes
+from kvflow.kv_transfer.blocks import PagedKV, gather_frames, gather_into, scatter, transfer_bytes
 from kvflow.kv_transfer.lease import LeaseTable
 from kvflow.kv_transfer.params import KVTransferParams, compat_mismatch
 from kvflow.kv_transfer.shm import MappingCache, StagingPool, available, is_staging_path
@@ -89,13 +89,13 @@ class Event:
 
 
 class KVTransferAgent:
-    def __init__(self, config: KVTransferConfig, compat: dict, kv_caches, block_size: int) -> None:
+    def __init__(self, config: KVTransferConfig, compat: dict, kv: PagedKV, block_size: int) -> None:
         self.config = config
         self.engine_id = config.engine_id or uuid.uuid4().hex[:12]
         self.host_id = host_id()
         self.compat = dict(compat)
         self.compat_hash = compat_hash(self.compat)
-        self.kv_caches = kv_caches
+        self.kv = kv  # every KV head, over the tensor-parallel ranks that hold them
         self.block_size = block_size
         self.stats = TransferStats()
         self.leases = LeaseTable(config.kv_lease_timeout_s)  # the agent thread's alone
@@ -406,17 +406,17 @@ class KVTransferAgent:
         if not all(b in held for b in req.block_ids):
             return refuse("block ids outside the lease")
         self.leases.extend(req.transfer_id, time.monotonic())
-        _, total = transfer_bytes(self.kv_caches, len(req.block_ids))
+        _, total = transfer_bytes(self.kv, len(req.block_ids))
         staging = None
         if (req.use_shm and req.host_id == self.host_id and self._staging is not None
                 and req.transfer_id not in self._staging.in_use):
             staging = self._staging.take(req.transfer_id, total)
         if staging is not None:
-            gather_into(self.kv_caches, req.block_ids, staging.tensor)
+            gather_into(self.kv, req.block_ids, staging.tensor)
             header = m.KVHeader(req.transfer_id, shm_path=staging.path, num_bytes=total)
             router.send_multipart([ident, m.KV, m.encoder.encode(header)])
         else:
-            parts = gather_frames(self.kv_caches, req.block_ids)
+            parts = gather_frames(self.kv, req.block_ids)
             header = m.KVHeader(req.transfer_id, num_bytes=total)
             router.send_multipart([ident, m.KV, m.encoder.encode(header), *parts], copy=False)
         self.stats.pulls_served += 1
@@ -424,6 +424,7 @@ class KVTransferAgent:
         self.stats.blocks_sent += len(req.block_ids)
 
 
-def write_blocks(kv_caches, event: Event) -> None:
-    """Copy a finished pull's bytes into this engine's cache blocks (the engine thread)."""
-    scatter(kv_caches, event.load.local_block_ids, event.frames)
+def write_blocks(kv: PagedKV, event: Event) -> None:
+    """Copy a finished pull's bytes into this engine's cache blocks (the engine thread, between
+    steps: no rank is running, so none reads or writes the cache meanwhile)."""
+    scatter(kv, event.load.local_block_ids, event.frames)

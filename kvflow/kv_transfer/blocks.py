@@ -1,40 +1,96 @@
 """The bytes of a transfer: for each layer, K then V, the requested blocks in order, raw (the
 cache's own dtype and tile layout, so that both sides must agree on them: the compatibility
-check). Gathered on the producer into frames or a staging buffer; scattered on the consumer into
-its own blocks."""
+check), with every KV head of the model. Gathered on the producer into frames or a staging
+buffer; scattered on the consumer into its own blocks.
+
+Under tensor parallelism each rank holds the KV heads [start, start + n) of every block
+(kvflow/model/sharding.py); a block's tiles are per head ([block, head, ...], kv_layout.py), so
+the whole block is the ranks' shares side by side on the head axis. `PagedKV` is that view: the
+producer assembles whole blocks from the shares, the consumer splits them into its ranks'
+shares, and the wire never depends on either side's TP size."""
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 
 
-def transfer_bytes(kv_caches, num_blocks: int) -> tuple[int, int]:
+@dataclass
+class KVShard:
+    """One rank's cache: per layer (k, v), each [num_blocks, heads, block_size, head_dim],
+    holding the model's KV heads [head_start, head_start + heads)."""
+
+    head_start: int
+    kv_caches: list
+
+
+class PagedKV:
+    """An engine's whole KV cache over the ranks that hold it (one shard without TP)."""
+
+    def __init__(self, shards: list[KVShard]) -> None:
+        self.shards = shards  # all of them: a pulled block is written into every replica
+        # each head read from one rank (with fewer KV heads than ranks, heads are replicated)
+        self.readers: list[KVShard] = []
+        for s in sorted(shards, key=lambda s: s.head_start):
+            if not self.readers or s.head_start >= self._heads_end(self.readers[-1]):
+                self.readers.append(s)
+        k0 = shards[0].kv_caches[0][0]
+        self.num_layers = len(shards[0].kv_caches)
+        self.num_heads = sum(self._heads(s) for s in self.readers)
+        assert self.readers[0].head_start == 0 and self._heads_end(self.readers[-1]) == self.num_heads
+        self.block_shape = (self.num_heads, k0.shape[2], k0.shape[3])
+        self.dtype = k0.dtype
+        self.block_bytes = self.num_heads * k0.shape[2] * k0.shape[3] * k0.element_size()
+
+    @staticmethod
+    def _heads(s: KVShard) -> int:
+        return s.kv_caches[0][0].shape[1]
+
+    def _heads_end(self, s: KVShard) -> int:
+        return s.head_start + self._heads(s)
+
+    def read(self, layer: int, j: int, idx: torch.Tensor, out: torch.Tensor | None = None):
+        """Blocks `idx` of layer `layer`'s K (j=0) or V (j=1), all heads, contiguous."""
+        parts = [s.kv_caches[layer][j] for s in self.readers]
+        if len(parts) == 1:
+            return torch.index_select(parts[0], 0, idx, out=out) if out is not None \
+                else parts[0].index_select(0, idx)
+        pieces = [t.index_select(0, idx) for t in parts]
+        return torch.cat(pieces, dim=1, out=out) if out is not None else torch.cat(pieces, dim=1)
+
+    def write(self, layer: int, j: int, idx: torch.Tensor, src: torch.Tensor) -> None:
+        """`src` [n, all heads, ...] into blocks `idx` of every rank, each its heads."""
+        for s in self.shards:
+            t = s.kv_caches[layer][j]
+            t.index_copy_(0, idx, src[:, s.head_start:s.head_start + t.shape[1]])
+
+
+def transfer_bytes(kv: PagedKV, num_blocks: int) -> tuple[int, int]:
     """(bytes of one tensor's blocks, bytes of the whole transfer)."""
-    k0 = kv_caches[0][0]
-    per_tensor = num_blocks * k0[0].numel() * k0.element_size()
-    return per_tensor, per_tensor * 2 * len(kv_caches)
+    per_tensor = num_blocks * kv.block_bytes
+    return per_tensor, per_tensor * 2 * kv.num_layers
 
 
-def gather_frames(kv_caches, block_ids: list[int]) -> list:
+def gather_frames(kv: PagedKV, block_ids: list[int]) -> list:
     """One contiguous uint8 array per layer and K/V (sent as ZeroMQ frames without copying)."""
     idx = torch.tensor(block_ids, dtype=torch.long)
-    return [t.index_select(0, idx).view(torch.uint8).view(-1).numpy()
-            for pair in kv_caches for t in pair]
+    return [kv.read(i, j, idx).view(torch.uint8).view(-1).numpy()
+            for i in range(kv.num_layers) for j in (0, 1)]
 
 
-def gather_into(kv_caches, block_ids: list[int], dst: torch.Tensor) -> None:
+def gather_into(kv: PagedKV, block_ids: list[int], dst: torch.Tensor) -> None:
     """The same bytes, back to back, into `dst` (a flat uint8 staging buffer)."""
     idx = torch.tensor(block_ids, dtype=torch.long)
-    per_tensor, _ = transfer_bytes(kv_caches, len(block_ids))
-    for i, (k, v) in enumerate(kv_caches):
-        for j, t in enumerate((k, v)):
+    per_tensor, _ = transfer_bytes(kv, len(block_ids))
+    for i in range(kv.num_layers):
+        for j in (0, 1):
             off = (2 * i + j) * per_tensor
-            out = dst[off:off + per_tensor].view(t.dtype).view(len(idx), *t.shape[1:])
-            torch.index_select(t, 0, idx, out=out)
+            kv.read(i, j, idx, out=dst[off:off + per_tensor].view(kv.dtype)
+                     .view(len(idx), *kv.block_shape))
 
 
-def scatter(kv_caches, block_ids: list[int], frames: list) -> None:
+def scatter(kv: PagedKV, block_ids: list[int], frames: list) -> None:
     """Write received bytes into `block_ids` of this cache: `frames` is one ZeroMQ frame per
     tensor, or a single flat tensor (a staging buffer) holding them all. ValueError if the
     sizes are not this cache's."""
@@ -42,19 +98,20 @@ def scatter(kv_caches, block_ids: list[int], frames: list) -> None:
     if n == 0:
         return
     idx = torch.tensor(block_ids, dtype=torch.long)
+    num = 2 * kv.num_layers
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only zmq buffers: only read here
         if len(frames) == 1 and isinstance(frames[0], torch.Tensor):
             whole = frames[0]
-            per = whole.numel() // (2 * len(kv_caches))
-            parts = [whole[i * per:(i + 1) * per] for i in range(2 * len(kv_caches))]
+            per = whole.numel() // num
+            parts = [whole[i * per:(i + 1) * per] for i in range(num)]
         else:
             parts = [torch.frombuffer(f.buffer, dtype=torch.uint8) for f in frames]
-    if len(parts) != 2 * len(kv_caches):
-        raise ValueError(f"a KV pull brought {len(parts)} tensors, expected {2 * len(kv_caches)}")
-    for i, (k, v) in enumerate(kv_caches):
-        for j, t in enumerate((k, v)):
+    if len(parts) != num:
+        raise ValueError(f"a KV pull brought {len(parts)} tensors, expected {num}")
+    for i in range(kv.num_layers):
+        for j in (0, 1):
             src = parts[2 * i + j]
-            if src.numel() != n * t[0].numel() * t.element_size():
+            if src.numel() != n * kv.block_bytes:
                 raise ValueError("a KV pull's tensor has the wrong size")
-            t.index_copy_(0, idx, src.view(t.dtype).view(n, *t.shape[1:]))
+            kv.write(i, j, idx, src.view(kv.dtype).view(n, *kv.block_shape))
