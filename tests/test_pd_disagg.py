@@ -3,8 +3,8 @@
 
 Greedy outputs through the router equal a single engine's; the traces show that the prefill
 instance never decodes and the decode instance computes one prompt token per transferred
-request; and each fault (an abort while the K/V is pulled, a router that never comes back after
-the prefill, a compatibility mismatch, a killed decode instance, a killed prefill instance, 64
+request; and each fault (an abort while the K/V is pulled, a router process SIGKILLed after the
+prefill, a compatibility mismatch, a killed decode instance, a killed prefill instance, 64
 concurrent requests with failing transfers) ends with every block free again on both sides and
 /health 200. Faults are timed by the fault-injection hook (tests/fault_injection), not by luck.
 Time limits here are hang guards."""
@@ -289,6 +289,34 @@ def test_lease_expires_when_nobody_comes_after_the_prefill(cluster):
     assert metric_value(cluster.prefill.url, "kvflow:kv_transfer_leases_active") == 1
     assert_clean(cluster.prefill, cluster.decode)
     assert metric_value(cluster.prefill.url, "kvflow:kv_transfer_leases_expired_total") == 1
+
+
+def test_router_killed_after_the_prefill_leaves_a_lease_that_expires(cluster):
+    """A real router process, SIGKILLed as soon as the prefill instance has answered it: the
+    decode instance's HTTP server is stopped (SIGSTOP) meanwhile, so the router's call to it hangs
+    and nobody ever pulls. The prefill side's lease expires, its blocks come back, and once the
+    decode instance runs again (it may still read the dead router's request) both are healthy."""
+    expired = metric_value(cluster.prefill.url, "kvflow:kv_transfer_leases_expired_total")
+    proc, url = start_router("--prefill", cluster.prefill.url, "--decode", cluster.decode.url)
+    frontend = cluster.decode.proc.pid
+    os.kill(frontend, signal.SIGSTOP)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(complete, url, prompts_of([70], seed=31)[0])
+            wait_until(lambda: metric_value(url, "kvflow_router:prefill_seconds_count") == 1,
+                       "the prefill instance answered the router")
+            assert metric_value(cluster.prefill.url, "kvflow:kv_transfer_leases_active") == 1
+            proc.kill()
+            proc.wait(10)
+            with pytest.raises(httpx.HTTPError):  # the client sees the router vanish
+                fut.result(GUARD_S)
+        wait_until(lambda: metric_value(cluster.prefill.url,
+                                        "kvflow:kv_transfer_leases_expired_total") == expired + 1,
+                   "lease expired", timeout=LEASE_S + 5)
+        assert_clean(cluster.prefill)
+    finally:
+        os.kill(frontend, signal.SIGCONT)
+    assert_clean(cluster.prefill, cluster.decode)
 
 
 def test_what_an_instance_cannot_do_is_a_400_naming_it(cluster):
