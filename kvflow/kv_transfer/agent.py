@@ -28,6 +28,7 @@ from kvflow.kv_transfer.blocks import PagedKV, gather_frames, gather_into, scatt
 from kvflow.kv_transfer.lease import LeaseTable
 from kvflow.kv_transfer.params import KVTransferParams, compat_mismatch
 from kvflow.kv_transfer.shm import MappingCache, StagingPool, available, is_staging_path
+from kvflow.kv_transfer.stats import KVTransferStats
 from kvflow.logger import init_logger
 
 logger = init_logger("kvflow.kv_transfer")
@@ -47,24 +48,6 @@ def host_id() -> str:
 
 def compat_hash(compat: dict) -> str:
     return hashlib.sha256(json.dumps(compat, sort_keys=True).encode()).hexdigest()[:16]
-
-
-@dataclass
-class TransferStats:
-    """Cumulative counts since start (read by the engine's stats; ints written by one thread)."""
-
-    leases_granted: int = 0
-    leases_released: int = 0
-    leases_expired: int = 0
-    pulls_served: int = 0
-    bytes_sent: int = 0
-    blocks_sent: int = 0
-    loads_done: int = 0
-    loads_failed: int = 0
-    bytes_received: int = 0
-    blocks_received: int = 0
-    load_seconds: float = 0.0
-    late_frames: int = 0
 
 
 @dataclass
@@ -97,7 +80,7 @@ class KVTransferAgent:
         self.compat_hash = compat_hash(self.compat)
         self.kv = kv  # every KV head, over the tensor-parallel ranks that hold them
         self.block_size = block_size
-        self.stats = TransferStats()
+        self.stats = KVTransferStats()  # the counts; the engine fills the gauges
         self.leases = LeaseTable(config.kv_lease_timeout_s)  # the agent thread's alone
         self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
