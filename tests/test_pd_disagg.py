@@ -403,6 +403,7 @@ def test_tensor_parallel_instance_lends_and_pulls_its_head_ranges(cluster, refer
                     assert resp.status_code == 200, resp.text
                     assert resp.json()["choices"][0]["text"] == ref_text(
                         reference, p, default_tokenizer), (len(p), prefill is tp2)
+                    assert float(resp.headers["x-kvflow-prefill-ms"]) > 0  # the prefill hop
             finally:
                 proc.terminate()
                 proc.wait(10)
