@@ -57,6 +57,8 @@ class ModelRunner:
                  block_size: int, kv_dtype: torch.dtype,
                  eos_token_id: int | Sequence[int] | None, *, device: torch.device | str = "cpu",
                  graphs: DecodeGraphs | None = None, kv_memory=None) -> None:
+        # kv_memory: where the CPU KV cache lives (allocate_kv_caches's `zeros`); a shared file
+        # when the tensor-parallel driver moves this rank's blocks (distributed/shared_kv.py)
         self.model = model
         self.arch = arch
         self.block_size = block_size
