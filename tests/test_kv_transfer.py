@@ -23,12 +23,12 @@ from server_helpers import free_port
 BS = 4
 
 
-def remote_params(num_tokens: int, block_ids=None, **kw) -> KVTransferParams:
-    n = -(-num_tokens // BS)
+def remote_params(num_tokens: int, block_ids=None, remote_bs=BS, **kw) -> KVTransferParams:
+    n = -(-num_tokens // remote_bs)
     return KVTransferParams(
         do_remote_prefill=True, remote_engine_id="p", remote_host="127.0.0.1", remote_port=1,
         remote_block_ids=block_ids or list(range(100, 100 + n)), remote_num_tokens=num_tokens,
-        remote_block_size=BS, transfer_id=kw.pop("transfer_id", "t1"), compat_hash="h",
+        remote_block_size=remote_bs, transfer_id=kw.pop("transfer_id", "t1"), compat_hash="h",
         compat=kw.pop("compat", {}), **kw)
 
 
@@ -79,6 +79,23 @@ def test_a_local_prefix_hit_is_not_pulled_again():
     # blocks 0..2 are cached here: only block 3 (token 12, the last but one) is pulled
     assert (load.first_token, load.num_tokens) == (12, 13)
     assert load.remote_block_ids == [103]
+
+
+def test_a_pull_from_another_block_size_names_the_remote_blocks_that_hold_its_tokens():
+    s = make_scheduler(num_blocks=32, block_size=BS)
+    first = make_request("a", 12, max_tokens=1)
+    s.add_request(first)
+    s.update_from_output(s.schedule(), {"a": [5]})
+    req = remote_request("r", 30, remote_bs=8)  # remote blocks 100..103 hold tokens 0..31
+    req.prompt_token_ids[:12] = first.prompt_token_ids
+    req.all_token_ids[:12] = first.prompt_token_ids
+    s.add_request(req)
+    [load] = s.schedule().kv_loads
+    # 12 tokens cached here; tokens 12..28 come from remote blocks 1..3 (tokens 8..31) into
+    # local blocks 3..7 (the request's 4th to 8th block)
+    assert (load.first_token, load.num_tokens) == (12, 29)
+    assert load.remote_block_ids == [101, 102, 103]
+    assert load.local_block_ids == s.kv_cache_manager.get_block_ids("r")[3:8]
 
 
 def test_failed_pull_recomputes_and_its_blocks_never_enter_the_prefix_cache():
@@ -157,10 +174,10 @@ def test_lease_table_expires_unless_extended():
     assert [x.transfer_id for x in t.expired(now=3.5)] == ["a"] and len(t) == 0
 
 
-def caches(seed: int, num_blocks=8, heads=2):
+def caches(seed: int, num_blocks=8, heads=2, bs=BS):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(num_blocks, heads, BS, 8, generator=g),
-             torch.randn(num_blocks, heads, BS, 8, generator=g)) for _ in range(3)]
+    return [(torch.randn(num_blocks, heads, bs, 8, generator=g),
+             torch.randn(num_blocks, heads, bs, 8, generator=g)) for _ in range(3)]
 
 
 def whole(c) -> PagedKV:
@@ -245,6 +262,40 @@ def test_tensor_parallel_shards_are_assembled_and_split_by_head(tp_src, tp_dst, 
         consumer.shutdown()
 
 
+@pytest.mark.parametrize("use_shm", [False, True], ids=["zmq", "shm"])
+@pytest.mark.parametrize("src_bs,dst_bs,tp_src,tp_dst", [(8, 4, 1, 1), (4, 8, 1, 2), (16, 4, 2, 1)])
+def test_blocks_of_another_size_are_moved_token_by_token(src_bs, dst_bs, tp_src, tp_dst, use_shm):
+    """The two sides' block sizes differ: the consumer turns the producer's tiles back into rows
+    and writes the pulled tokens by slot into its own blocks (here after a local prefix hit of
+    one block), with tensor parallelism on either side as well."""
+    from kvflow.model.kv_layout import read_rows
+
+    full_src, full_dst = caches(0, heads=4, bs=src_bs), caches(1, heads=4, bs=dst_bs)
+    src, dst = split(full_src, tp_src), split(full_dst, tp_dst)
+    remote = [5, 0, 3, 6, 2, 7][:-(-23 // src_bs)]  # a 23-token prompt's blocks
+    first, num = dst_bs, 22  # one local block cached; the last prompt token is recomputed
+    local = [7, 2, 5, 1, 3, 6][:-(-(num - first) // dst_bs)]
+    producer = KVTransferAgent(KVTransferConfig("kv_producer", kv_port=free_port()), {}, src, src_bs)
+    consumer = KVTransferAgent(KVTransferConfig("kv_consumer", kv_use_shm=use_shm), {}, dst, dst_bs)
+    try:
+        producer.offer("t", remote, 23)
+        p = producer.params_for("t", remote, 23)
+        consumer.check_compatible(p)
+        consumer.load(KVLoad("r", p, local, remote[first // src_bs:-(-num // src_bs)], first, num))
+        write_blocks(consumer.kv, wait_event(consumer, "loaded"))
+        t = torch.arange(first, num)
+        src_slots = torch.tensor(remote)[t // src_bs] * src_bs + t % src_bs
+        dst_slots = torch.tensor(local)[(t - first) // dst_bs] * dst_bs + t % dst_bs
+        untouched = [b for b in range(8) if b not in local]
+        for (sk, sv), (dk, dv), (ok, ov) in zip(full_src, assembled(consumer.kv), full_dst):
+            for got, want in zip(read_rows(dk, dv, dst_slots), read_rows(sk, sv, src_slots)):
+                assert torch.equal(got, want)
+            assert torch.equal(dk[untouched], ok[untouched]) and torch.equal(dv[untouched], ov[untouched])
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
 def test_replicated_kv_heads_are_read_once_and_written_to_every_replica():
     """More ranks than KV heads: each head lives on several ranks (sharding.py)."""
     c = caches(0, heads=1)
@@ -283,10 +334,8 @@ def test_mismatched_kv_layout_is_refused_naming_the_field():
         p = remote_params(8, compat={"kv_dtype": "bfloat16"})
         with pytest.raises(ValueError, match="kv_dtype 'bfloat16' there, 'float32' here"):
             consumer.check_compatible(p)
-        p = remote_params(8, compat={"kv_dtype": "float32"})
-        p.remote_block_size = 8
-        p.remote_block_ids = [1]
-        with pytest.raises(ValueError, match="block size is 8, this one's 4"):
+        p = remote_params(9, compat={"kv_dtype": "float32"}, remote_bs=3)
+        with pytest.raises(ValueError, match="remote_block_size 3 is odd"):
             consumer.check_compatible(p)
     finally:
         consumer.shutdown()

@@ -383,14 +383,16 @@ def test_64_concurrent_requests_with_failing_transfers(cluster, reference, defau
     assert_clean(cluster.prefill, cluster.decode)
 
 
-def test_tensor_parallel_instance_lends_and_pulls_its_head_ranges(cluster, reference,
+def test_tensor_parallel_instance_with_larger_blocks_lends_and_pulls(cluster, reference,
                                                                    default_tokenizer):
     """TP=2 on one side, TP=1 on the other, both ways: one kv_both instance over two ranks (each
     holding half the KV heads) is the prefill instance for the TP=1 decode instance, then the
     decode instance for the TP=1 prefill instance. Whole blocks travel; each side assembles or
-    splits them by head range."""
+    splits them by head range. Its blocks are twice the others' size: the consumer re-tiles
+    what it receives token by token."""
     tp2 = ServerProcess("--model", cluster.model, *COMMON, "--quantization", "none",
-                        "--tensor-parallel-size", "2", "--kv-transfer-config", kv_config("kv_both"))
+                        "--block-size", str(2 * BLOCK), "--tensor-parallel-size", "2",
+                        "--kv-transfer-config", kv_config("kv_both"))
     try:
         for prefill, decode, prompts, counter in (
                 (tp2, cluster.decode, TP_PREFILL, "kvflow:kv_transfer_pulls_served_total"),

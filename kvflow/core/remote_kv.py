@@ -54,8 +54,10 @@ class RemoteKVMixin:
         last = req.num_prompt_tokens - 1  # recomputed here, for the first token's logits
         first, end = num_cached // self.block_size, cdiv(last, self.block_size)
         p = req.sampling_params.kv_transfer_params
+        rbs = p.remote_block_size  # the prefill instance's blocks may be larger or smaller
         blocks = kv.get_block_ids(rid)
-        out.kv_loads.append(KVLoad(rid, p, blocks[first:end], p.remote_block_ids[first:end],
+        out.kv_loads.append(KVLoad(rid, p, blocks[first:end],
+                                   p.remote_block_ids[num_cached // rbs:cdiv(last, rbs)],
                                    num_cached, last))
         self.loading[rid] = req
         out.waiting_for_remote_kv_ids.append(rid)

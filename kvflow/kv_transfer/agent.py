@@ -24,7 +24,8 @@ import zmq
 from kvflow.config import KVTransferConfig
 from kvflow.core.scheduler_output import KVLoad
 from kvflow.kv_transfer import messages as m
-from kvflow.kv_transfer.blocks import PagedKV, gather_frames, gather_into, scatter, transfer_bytes
+from kvflow.kv_transfer.blocks import (PagedKV, gather_frames, gather_into, scatter, scatter_tokens,
+                                      transfer_bytes)
 from kvflow.kv_transfer.lease import LeaseTable
 from kvflow.kv_transfer.params import KVTransferParams, compat_mismatch
 from kvflow.kv_transfer.shm import MappingCache, StagingPool, available, is_staging_path
@@ -123,10 +124,9 @@ class KVTransferAgent:
 
     def check_compatible(self, p: KVTransferParams) -> None:
         """ValueError naming what differs, if `p`'s blocks cannot be used here as they are."""
-        if p.remote_block_size != self.block_size:
-            raise ValueError(f"kv_transfer_params: the prefill instance's block size is "
-                             f"{p.remote_block_size}, this one's {self.block_size}; kvflow "
-                             "moves blocks only between equal block sizes")
+        if p.remote_block_size % 2:  # a cache tile pairs keys (kv_layout.py): never odd
+            raise ValueError(f"kv_transfer_params.remote_block_size {p.remote_block_size} is odd; "
+                             "a kvflow cache's block size is even")
         diff = compat_mismatch(self.compat, p.compat)
         if diff is not None or p.compat_hash != self.compat_hash:
             raise ValueError(f"kv_transfer_params: incompatible KV cache: {diff or 'hash differs'}")
@@ -409,5 +409,11 @@ class KVTransferAgent:
 
 def write_blocks(kv: PagedKV, event: Event) -> None:
     """Copy a finished pull's bytes into this engine's cache blocks (the engine thread, between
-    steps: no rank is running, so none reads or writes the cache meanwhile)."""
-    scatter(kv, event.load.local_block_ids, event.frames)
+    steps: no rank is running, so none reads or writes the cache meanwhile): block for block,
+    or token by token where the prefill instance's block size is not this one's."""
+    ld = event.load
+    if ld.params.remote_block_size == kv.block_shape[1]:
+        scatter(kv, ld.local_block_ids, event.frames)
+    else:
+        scatter_tokens(kv, event.frames, ld.params.remote_block_size, len(ld.remote_block_ids),
+                       ld.local_block_ids, ld.first_token, ld.num_tokens)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvflow.model.kv_layout import read_blocks, write_rows
+
 
 @dataclass
 class KVShard:
@@ -90,14 +92,9 @@ def gather_into(kv: PagedKV, block_ids: list[int], dst: torch.Tensor) -> None:
                      .view(len(idx), *kv.block_shape))
 
 
-def scatter(kv: PagedKV, block_ids: list[int], frames: list) -> None:
-    """Write received bytes into `block_ids` of this cache: `frames` is one ZeroMQ frame per
-    tensor, or a single flat tensor (a staging buffer) holding them all. ValueError if the
-    sizes are not this cache's."""
-    n = len(block_ids)
-    if n == 0:
-        return
-    idx = torch.tensor(block_ids, dtype=torch.long)
+def _parts(kv: PagedKV, frames: list) -> list[torch.Tensor]:
+    """One flat uint8 tensor per layer and K/V: from one ZeroMQ frame each, or cut out of a
+    single flat tensor (a staging buffer) holding them all."""
     num = 2 * kv.num_layers
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only zmq buffers: only read here
@@ -109,9 +106,53 @@ def scatter(kv: PagedKV, block_ids: list[int], frames: list) -> None:
             parts = [torch.frombuffer(f.buffer, dtype=torch.uint8) for f in frames]
     if len(parts) != num:
         raise ValueError(f"a KV pull brought {len(parts)} tensors, expected {num}")
+    return parts
+
+
+def scatter(kv: PagedKV, block_ids: list[int], frames: list) -> None:
+    """Write received blocks (this cache's block size) into `block_ids`, block for block.
+    ValueError if the sizes are not this cache's."""
+    n = len(block_ids)
+    if n == 0:
+        return
+    idx = torch.tensor(block_ids, dtype=torch.long)
+    parts = _parts(kv, frames)
     for i in range(kv.num_layers):
         for j in (0, 1):
             src = parts[2 * i + j]
             if src.numel() != n * kv.block_bytes:
                 raise ValueError("a KV pull's tensor has the wrong size")
             kv.write(i, j, idx, src.view(kv.dtype).view(n, *kv.block_shape))
+
+
+def scatter_tokens(kv: PagedKV, frames: list, remote_block_size: int, num_remote_blocks: int,
+                   local_block_ids: list[int], first_token: int, num_tokens: int) -> None:
+    """Received blocks of another block size: their tiles back to rows (kv_layout.py), then the
+    tokens `[first_token, num_tokens)` written by slot into `local_block_ids` (the first of
+    which starts at `first_token`; the first remote block at the block boundary before it).
+    ValueError if the sizes do not add up."""
+    bs = kv.block_shape[1]
+    if num_tokens <= first_token or not local_block_ids:
+        return
+    if first_token % bs or len(local_block_ids) != -(-(num_tokens - first_token) // bs):
+        raise ValueError("a KV pull's local blocks do not match its tokens")
+    r0 = first_token // remote_block_size * remote_block_size  # the first remote block's token
+    if num_tokens > r0 + num_remote_blocks * remote_block_size:
+        raise ValueError("a KV pull's remote blocks do not hold its tokens")
+    rshape = (num_remote_blocks, kv.num_heads, remote_block_size, kv.block_shape[2])
+    rbytes = num_remote_blocks * kv.block_bytes // bs * remote_block_size
+    parts = _parts(kv, frames)
+    if any(p.numel() != rbytes for p in parts):
+        raise ValueError("a KV pull's tensor has the wrong size")
+    t = torch.arange(first_token, num_tokens)
+    local = torch.tensor(local_block_ids, dtype=torch.long)
+    slots = local[(t - first_token) // bs] * bs + t % bs
+    table = torch.arange(num_remote_blocks).view(1, -1)
+    for i in range(kv.num_layers):
+        k, v = (parts[2 * i + j].view(kv.dtype).view(rshape) for j in (0, 1))
+        rows_k, rows_v = read_blocks(k, v, table)  # [1, blocks * remote size, heads, dim]
+        rows_k, rows_v = (r[0, first_token - r0:num_tokens - r0] for r in (rows_k, rows_v))
+        for s in kv.shards:
+            kc, vc = s.kv_caches[i]
+            h = slice(s.head_start, s.head_start + kc.shape[1])
+            write_rows(kc, vc, rows_k[:, h], rows_v[:, h], slots)
