@@ -374,3 +374,37 @@ def test_request_field_is_bounded_and_refuses_what_it_cannot_do():
                           ).sampling_params(4, None)
     with pytest.raises(ValueError):
         CompletionRequest(prompt="x", kv_transfer_params=dict(body, remote_port=70000))
+
+
+def test_a_ranks_shared_kv_cache_is_the_drivers_too_and_orphans_are_swept():
+    """Under TP a rank's KV cache lives in a shared file laid out front to back, so the driver's
+    mapping sees the same tensors; a dead driver's files go at the next start."""
+    import os
+    import subprocess
+
+    from kvflow.distributed import shared_kv
+
+    path = shared_kv.create_kv_segment(shared_kv.kv_segment_bytes(2, 100, torch.float32))
+    try:
+        rank, driver = shared_kv.SharedKVMemory(path), shared_kv.SharedKVMemory(path)
+        mine = [rank.zeros(100, torch.float32) for _ in range(4)]  # K, V of 2 layers
+        seen = [driver.zeros(100, torch.float32) for _ in range(4)]
+        mine[3][7], seen[1][0] = 5.0, 2.0
+        assert seen[3][7] == 5.0 and mine[1][0] == 2.0 and mine[0].abs().sum() == 0
+        with pytest.raises(ValueError, match="holds"):
+            rank.zeros(1, torch.float32)
+    finally:
+        os.unlink(path)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    orphan = os.path.join(shared_kv.SHM_DIR, f"kvflow-tpkv-{gone.pid}-test")
+    live = os.path.join(shared_kv.SHM_DIR, f"kvflow-tpkv-{os.getpid()}-test")
+    for p in (orphan, live):
+        open(p, "w").close()
+    try:
+        shared_kv.sweep_orphans()
+        assert not os.path.exists(orphan) and os.path.exists(live)
+    finally:
+        for p in (orphan, live):
+            if os.path.exists(p):
+                os.unlink(p)

@@ -17,7 +17,8 @@ from kvflow.config import EngineConfig
 from kvflow.distributed.parallel import (CollectiveError, CommStats, Rendezvous, rendezvous_timeout,
                                          TPGroup, parse_init_method, rank_device)
 from kvflow.distributed.messages import WorkerInit, encode_init, encode_step
-from kvflow.distributed.shared_kv import SharedKVMemory, create_kv_segment, kv_segment_bytes
+from kvflow.distributed.shared_kv import (SharedKVMemory, create_kv_segment, kv_segment_bytes,
+                                         sweep_orphans as sweep_kv_orphans)
 from kvflow.distributed.shm_allreduce import (MAX_SLOT_BYTES, ShmAllReduce, create_segment,
                                               shm_supported)
 from kvflow.distributed.supervisor import WorkerSupervisor, spawn_worker
@@ -81,6 +82,7 @@ class TPExecutor(Executor):
                 seg = kv_segment_bytes(arch.num_hidden_layers,
                                        num_blocks * shard.num_key_value_heads * block_size
                                        * shard.head_dim, kv_dtype)
+                sweep_kv_orphans()
                 self._kv_paths = [create_kv_segment(seg) for _ in range(1, n)]
             self.rdv.store.set("init", encode_init(WorkerInit(
                 model_path, str(dtype).removeprefix("torch."), str(kv_dtype).removeprefix("torch."),

@@ -6,17 +6,21 @@ lends or pulls blocks, the driver creates one file per other rank in /dev/shm, e
 its cache out in its file (the same tensors, in the same order, as anonymous memory would
 hold), and the driver maps the same files: it reads and writes every rank's share directly,
 between steps, with no collective and no change to the step. The files are unlinked once
-every rank has them mapped. One machine only."""
+every rank has them mapped; their names carry the driver's pid, so that a start removes what
+a driver killed before that point left behind (sweep_orphans). One machine only."""
 from __future__ import annotations
 
 import mmap
 import os
+import re
 import tempfile
 
 import numpy as np
 import torch
 
 _ALIGN = 4096  # each tensor starts on its own page
+SHM_DIR = "/dev/shm"
+_NAME = re.compile(r"^kvflow-tpkv-(\d+)-")
 
 
 def _aligned(nbytes: int) -> int:
@@ -31,7 +35,7 @@ def kv_segment_bytes(num_layers: int, tensor_numel: int, dtype: torch.dtype) -> 
 def create_kv_segment(nbytes: int) -> str:
     """A zeroed shared file of `nbytes`, its space reserved now (a full tmpfs would otherwise
     kill a rank with SIGBUS at its first write); OSError naming the size if there is no room."""
-    fd, path = tempfile.mkstemp(prefix="kvflow-tpkv-", dir="/dev/shm")
+    fd, path = tempfile.mkstemp(prefix=f"kvflow-tpkv-{os.getpid()}-", dir=SHM_DIR)
     try:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as e:
@@ -41,6 +45,21 @@ def create_kv_segment(nbytes: int) -> str:
     finally:
         os.close(fd)
     return path
+
+
+def sweep_orphans() -> None:
+    """Remove segments of drivers that are gone (killed between creating and unlinking them)."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        mt = _NAME.match(name)
+        if mt and not os.path.exists(f"/proc/{mt.group(1)}"):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except OSError:
+                pass
 
 
 class SharedKVMemory:
