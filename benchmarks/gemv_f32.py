@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import statistics
 import subprocess
@@ -115,7 +116,9 @@ def main() -> None:
                     continue
                 fn(m)  # warm (caches of small shapes, oneDNN primitives)
                 results.setdefault((name, m), []).append(pass_time(lambda: fn(m)))
-    print(f"CPU: {open('/proc/cpuinfo').read().split('model name')[1].split(chr(10))[0].strip(': ')}; "
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                if line.startswith("model name")), "?")
+    print(f"CPU: {cpu}; "
           f"isa {f.isa}; threads {threads}; fp32 weights {nbytes / 1e6:.0f} MB "
           f"({len(ws)} matrices); medians of {args.rounds} rounds; load {os.getloadavg()[0]:.2f}")
     stream = statistics.median(results[("read loop (C)", rows[0])])
@@ -130,6 +133,12 @@ def main() -> None:
             t = statistics.median(results[(name, m)])
             cells.append(f"{t * 1e3:.1f} ms ({nbytes / t / 1e9:.1f} GB/s)")
         print(f"| {m} | " + " | ".join(cells) + " |")
+    med = {key: statistics.median(v) for key, v in results.items()}
+    print("RESULT " + json.dumps({
+        "weight_mb": nbytes / 1e6, "threads": threads, "read_loop_ms": 1e3 * stream,
+        "read_loop_gb_s": nbytes / stream / 1e9, "f_linear_ms": 1e3 * med[("F.linear", rows[0])],
+        "onednn_ms": 1e3 * med[("oneDNN prepacked", rows[0])], "rows": rows[0],
+        "gemv_ms": 1e3 * med[(f"gemv {isas[0]}", rows[0])] if isas else None}))
 
 
 if __name__ == "__main__":

@@ -13,11 +13,12 @@
  * (a line is two ymm), 2 AVX-512 (one zmm). Rows go in tiles (AVX2 up to 4, AVX-512 up to 8)
  * with two or more independent accumulators per output so the FMA latency stays hidden at
  * one row; a panel (36-96 KiB at this model's K) is reread from L2 for further tiles.
- * Threads split panels (kvflow/csrc/gemm.py: gemv_f32), each streaming its own share.
+ * Threads split panels (kvflow/csrc/gemv.py: gemv_f32), each streaming its own share.
  *
- * Software prefetch: a line GEMV_PF lines ahead is requested per line read. On the Zen 4
- * here it measured level with the hardware prefetcher alone (the stream is sequential);
- * it stays for CPUs whose L2 streamer gives up at 4 KiB page boundaries. */
+ * Software prefetch: a line GEMV_PF lines ahead is requested per line read, for CPUs whose
+ * L2 streamer stops at 4 KiB page boundaries. On the shared Zen 4 here, A/B runs of 0, 16, 32
+ * and 64 lines could not be told apart (run-to-run spread ~30%); measure again on a quiet host.
+ */
 #include <stdint.h>
 #include <string.h>
 
