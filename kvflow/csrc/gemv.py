@@ -8,10 +8,12 @@ from kvflow.csrc import library, run_kernel
 
 GEMV_PANEL = 16  # outputs per packed panel (gemv_f32.c)
 GEMV_ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}  # gemv_f32.c's `isa` codes
-# The most rows the GEMV serves per instruction set: above them oneDNN's prepacked fp32 GEMM
-# was faster (or level) on the default model's projections and LM head, one thread, on the
-# Zen 4 here (AVX2 forced for its row; benchmarks/gemv_f32.py; README "fp32 decode GEMV").
-GEMV_MAX_ROWS = {"avx2": 4, "avx512": 4}
+# The most rows the GEMV serves per instruction set, by measurement (benchmarks/gemv_f32.py,
+# the default model's projections and LM head, one thread, the Zen 4 here; README "fp32
+# decode GEMV"): AVX-512 beat oneDNN at every M up to 8 (its tile), AVX2 (forced) up to 4 and
+# was level at 6, behind at 8. A Zen 3's oneDNN is an AVX2 one: measure there before trusting
+# the AVX2 figure.
+GEMV_MAX_ROWS = {"avx2": 4, "avx512": 8}
 
 
 def gemv_isas() -> list[str]:
