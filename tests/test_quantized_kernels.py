@@ -100,6 +100,33 @@ def test_int8_w8a8_matches_dequantise_then_matmul(isa, m, n, k):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("k", [32, 96, 1024])
+def test_one_row_with_an_odd_number_of_blocks(isa, type_name, k):
+    """The decode kernel (M = 1) takes blocks two at a time: an odd count leaves one over."""
+    w, ref_w = quantized(type_name, 56, k, isa)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(k))
+    got = quant_linear(x, w, threads=2)
+    ref = reference(x, ref_w, w.kb, per_row=False)
+    assert (got.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m", [1, 7, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gate_up_with_silu_mul_fused_is_the_two_steps(isa, m, dtype):
+    """silu_mul=True: one call gives silu(gate) * up of the [gate; up] product, exactly what
+    the product followed by the SiLU kernel gives."""
+    from kvflow.csrc import ops
+
+    w, _ = quantized("Q4_1", 96, 256, isa)
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).to(dtype)
+    fused = quant_linear(x, w, silu_mul=True)
+    assert fused.shape == (m, 48) and fused.dtype == dtype
+    torch.testing.assert_close(fused, ops.silu_mul(quant_linear(x, w)), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_bf16_activations_bias_and_output(isa):
     w, ref_w = quantized("Q4_1", 40, 64, isa)
     x = torch.randn(5, 64).bfloat16()
@@ -136,14 +163,16 @@ def test_avx2_path_from_a_build_without_avx512(tmp_path):
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.gemm_quant_panels.argtypes = [ptr, ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64,
                                       i64, i64, i64]
-    for type_name in ("Q4_1", "Q8_0"):
-        w, _ = quantized(type_name, 40, 256, "scalar")
-        x = torch.randn(7, 256)
+    # M = 1: the decode kernel (Kb = 3: two blocks at a time and one over); M = 7: the tiles
+    for type_name, m, k in (("Q4_1", 7, 256), ("Q8_0", 7, 256), ("Q4_1", 1, 96), ("Q8_0", 1, 96),
+                            ("Q4_0", 1, 256)):
+        w, _ = quantized(type_name, 40, k, "scalar")
+        x = torch.randn(m, k)
         qx, dx, dxs = quantize_activations(x, w.kb, False, 1)
         outs = []
         for isa in (0, 1):
-            out = torch.zeros(7, 40)
-            lib.gemm_quant_panels(qx.data_ptr(), dx.data_ptr(), dxs.data_ptr(), w.kb, 7,
+            out = torch.zeros(m, 40)
+            lib.gemm_quant_panels(qx.data_ptr(), dx.data_ptr(), dxs.data_ptr(), w.kb, m,
                                   w.packed.data_ptr(), int(w.kind == "q8"), isa, None,
                                   out.data_ptr(), 40, 40, 0, 0, 3)
             outs.append(out)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvflow.csrc import ops
 from kvflow.csrc.gemm import GATE_UP_ALIGN, pack_panels, panel_gemm
 from kvflow.model.quant.qlinear import QuantizedWeight, quant_linear
 
@@ -80,6 +81,8 @@ def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, packed: PackedWeight | Non
     W1), else `linear` then `silu_mul` (the chosen one). The same numbers either way."""
     if packed is not None and packed.gate_up:
         return panel_gemm(x, packed.panels, w.shape[0], None, torch.get_num_threads(), silu_mul=True)
+    if packed is not None and packed.quant is not None and silu_mul is ops.silu_mul:
+        return quant_linear(x, packed.quant, silu_mul=True)  # the C kernel's numbers, one call
     return silu_mul(linear(x, w, packed))
 
 
