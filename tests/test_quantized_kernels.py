@@ -127,6 +127,31 @@ def test_gate_up_with_silu_mul_fused_is_the_two_steps(isa, m, dtype):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m", [1, 7, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_then_projection_in_one_call_is_the_two_steps(isa, m, dtype):
+    """norm_quant_linear: residual += delta in place and the projection of its RMSNorm, exactly
+    what ops.add_rms_norm then quant_linear give (with and without a delta, with SiLU * up)."""
+    from kvflow.csrc import ops
+    from kvflow.model.quant.qlinear import norm_quant_linear
+
+    w, _ = quantized("Q4_0", 64, 256, isa)
+    g = torch.Generator().manual_seed(m)
+    x, delta = torch.randn(m, 256, generator=g).to(dtype), torch.randn(m, 256, generator=g).to(dtype)
+    norm_w = (1 + 0.1 * torch.randn(256, generator=g)).to(dtype)
+    bias = torch.randn(64, generator=g)
+    for d, silu in ((delta, False), (None, False), (delta, True)):
+        r_fused, r_ref = x.clone(), x.clone()
+        fused = norm_quant_linear(r_fused, d, norm_w, 1e-5, w, None if silu else bias, silu_mul=silu)
+        h = ops.add_rms_norm(r_ref, d, norm_w, 1e-5)
+        ref = quant_linear(h, w, silu_mul=True) if silu else quant_linear(h, w, bias)
+        torch.testing.assert_close(fused, ref, rtol=0, atol=0)
+        torch.testing.assert_close(r_fused, r_ref, rtol=0, atol=0)
+        if d is not None:
+            assert not torch.equal(r_fused, x)  # the residual took the delta
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_bf16_activations_bias_and_output(isa):
     w, ref_w = quantized("Q4_1", 40, 64, isa)
     x = torch.randn(5, 64).bfloat16()

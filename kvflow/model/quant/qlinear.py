@@ -113,6 +113,29 @@ def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
     return out
 
 
+def norm_quant_linear(residual: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,
+                      eps: float, w: QuantizedWeight, bias: torch.Tensor | None = None,
+                      silu_mul: bool = False) -> torch.Tensor:
+    """quant_linear(ops.add_rms_norm(residual, delta, norm_weight, eps), w, bias, silu_mul=...)
+    in one C call, with the same numbers: residual += delta in place, the normed rows only in
+    the kernel's scratch. The caller checks that the C norm takes these tensors (one dtype,
+    bf16 or fp32, contiguous; ops.add_rms_norm's condition)."""
+    m, k = residual.shape
+    assert k == w.k, (residual.shape, w.k)
+    out = torch.empty(m, w.n // 2 if silu_mul else w.n, dtype=residual.dtype)
+    if bias is not None:
+        bias = bias.float().contiguous()
+    bf16 = int(residual.dtype is torch.bfloat16)
+    rc = _lib().quant_linear_normed(
+        residual.data_ptr(), None if delta is None else delta.data_ptr(), norm_weight.data_ptr(), eps,
+        k, w.kb, bf16, int(w.per_row), w.packed.data_ptr(), int(w.kind == "q8"), ISA_CODES[w.isa],
+        None if bias is None else bias.data_ptr(), out.data_ptr(), w.n, bf16, m,
+        torch.get_num_threads(), WIDE_ROWS.get(w.kind, NEVER), int(silu_mul))
+    if rc != 0:
+        raise MemoryError("quant_linear: no memory for its scratch")
+    return out
+
+
 _LIB = []
 
 
