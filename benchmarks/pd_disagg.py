@@ -13,7 +13,11 @@ the default model with one compute thread each, started once and measured in alt
     replicas  router --replicas C D           (plain instances)
 
 Reported per set-up (medians over rounds): the short requests' TTFT and ITL p50 / p99, and the
-long requests' TTFT. A long prompt's chunks stall every decode that shares its instance's step
+long requests' TTFT. For `pd`, each request's TTFT is also broken down: the prefill hop (the
+router's `x-kvflow-prefill-ms` header: from sending the request to the prefill instance to its
+kv_transfer_params coming back, its queue included) and the pull (the decode instance's trace:
+from asking for the blocks to the last byte arriving), p50 / p99 for short and long requests.
+Every instance writes a step trace (to a temporary folder), so that both set-ups pay the same. A long prompt's chunks stall every decode that shares its instance's step
 (ITL p99 of the replicas); disaggregated, decodes never share a step with a long prefill, at the
 price of every prompt waiting behind the one prefill instance (TTFT).
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import json
 import os
 import platform
@@ -34,6 +39,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -43,6 +49,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from kvflow.entrypoints.bench_serve import stream_one  # noqa: E402
+from kvflow.entrypoints.router import PREFILL_HEADER  # noqa: E402
+
+# each request's task holds a dict that the response hook fills with the router's prefill time
+_reply = contextvars.ContextVar("reply")
+
+
+async def _note_prefill(resp: httpx.Response) -> None:
+    ms = resp.headers.get(PREFILL_HEADER)
+    if ms is not None:
+        _reply.get()["prefill_ms"] = float(ms)
 
 
 def free_port() -> int:
@@ -91,10 +107,11 @@ class Proc:
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
 
-def serve(extra: list[str], env) -> Proc:
+def serve(extra: list[str], env, trace: str) -> Proc:
     port = free_port()
     return Proc(["serve", "--port", str(port), "--num-threads", "1", "--num-blocks", "640",
-                 "--max-model-len", "4096", *extra], f"http://127.0.0.1:{port}", env)
+                 "--max-model-len", "4096", "--trace", trace, *extra],
+                f"http://127.0.0.1:{port}", env)
 
 
 def router(args: list[str]) -> Proc:
@@ -118,19 +135,30 @@ def workload(args, seed: int) -> list[tuple[float, list[int], int, bool]]:
     return sorted(items, key=lambda x: x[0])
 
 
+def pct(values, q: float) -> float | None:
+    return float(np.percentile(values, q)) if len(values) else None
+
+
 async def run_round(url: str, items) -> dict:
     async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10),
-                                 limits=httpx.Limits(max_connections=512)) as http:
+                                 limits=httpx.Limits(max_connections=512),
+                                 event_hooks={"response": [_note_prefill]}) as http:
         start = time.perf_counter()
 
         async def one(at, prompt, max_tokens, is_long):
             await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
+            reply = {}
+            _reply.set(reply)  # this task's own: the hook runs inside it
             payload = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                        "ignore_eos": True, "stream": True}
-            return is_long, await stream_one(http, url + "/v1/completions", payload)
+            res = await stream_one(http, url + "/v1/completions", payload)
+            return is_long, res, reply.get("prefill_ms")
 
         results = await asyncio.gather(*(one(*it) for it in items))
         wall = time.perf_counter() - start
+    prefill = {kind: [ms for is_long, r, ms in results if r.ok and ms is not None
+                      and is_long == (kind == "long")] for kind in ("short", "long")}
+    results = [(is_long, r) for is_long, r, _ in results]
     short = [r for is_long, r in results if not is_long and r.ok]
     long_ = [r for is_long, r in results if is_long and r.ok]
     failed = [r.error for _, r in results if not r.ok]
@@ -142,7 +170,34 @@ async def run_round(url: str, items) -> dict:
             "short_itl_p50_ms": float(np.percentile(itl, 50)),
             "short_itl_p99_ms": float(np.percentile(itl, 99)),
             "long_ttft_p50_ms": float(np.median([r.ttft for r in long_]) * 1000) if long_ else None,
-            "num_short": len(short), "num_long": len(long_)}
+            "num_short": len(short), "num_long": len(long_),
+            "prefill_short_p50_ms": pct(prefill["short"], 50),
+            "prefill_short_p99_ms": pct(prefill["short"], 99),
+            "prefill_long_p50_ms": pct(prefill["long"], 50),
+            "prefill_long_p99_ms": pct(prefill["long"], 99)}
+
+
+def read_pulls(trace: str, offset: int) -> tuple[list[dict], int]:
+    """The decode instance's finished pulls ("loaded" events) in its trace after `offset`."""
+    with open(trace) as f:
+        f.seek(offset)
+        text = f.read()
+    end = offset + len(text.encode())
+    return [ev for line in text.splitlines() if line.strip()
+            for ev in json.loads(line).get("kv_transfers", []) if ev["event"] == "loaded"], end
+
+
+def pull_figures(pulls: list[dict], long_len: int) -> dict:
+    """Per-pull time and size, short and long prompts apart (a pull's blocks tell which)."""
+    out = {}
+    for kind in ("short", "long"):
+        ps = [p for p in pulls if (p["blocks"] * 16 >= long_len // 2) == (kind == "long")]
+        ms = [p["seconds"] * 1e3 for p in ps]
+        out |= {f"pull_{kind}_p50_ms": pct(ms, 50), f"pull_{kind}_p99_ms": pct(ms, 99),
+                f"pull_{kind}_MB": pct([p["bytes"] / 1e6 for p in ps], 50),
+                f"pull_{kind}_shm_share": (sum(p["shm"] for p in ps) / len(ps)) if ps else None,
+                f"num_pulls_{kind}": len(ps)}
+    return out
 
 
 def transfer_rates(reps: int = 9) -> dict:
@@ -154,6 +209,7 @@ def transfer_rates(reps: int = 9) -> dict:
     from kvflow.config import KVTransferConfig
     from kvflow.core.scheduler_output import KVLoad
     from kvflow.kv_transfer.agent import KVTransferAgent, write_blocks
+    from kvflow.kv_transfer.blocks import KVShard, PagedKV
 
     nb, bs = 130, 16
     n = 125  # 2,000 tokens
@@ -166,9 +222,10 @@ def transfer_rates(reps: int = 9) -> dict:
     try:
         for name in rates:
             src, dst = caches(), caches()
-            prod = KVTransferAgent(KVTransferConfig("kv_producer", kv_port=free_port()), {}, src, bs)
+            prod = KVTransferAgent(KVTransferConfig("kv_producer", kv_port=free_port()), {},
+                                   PagedKV([KVShard(0, src)]), bs)
             cons = KVTransferAgent(KVTransferConfig("kv_consumer", kv_use_shm=name == "shm"), {},
-                                   dst, bs)
+                                   PagedKV([KVShard(0, dst)]), bs)
             pairs[name] = (prod, cons, src, dst)
         for i in range(reps):
             for name, (prod, cons, src, dst) in pairs.items():
@@ -185,7 +242,7 @@ def transfer_rates(reps: int = 9) -> dict:
                               None)
                 assert ev.kind == "loaded", ev.error
                 assert (len(ev.frames) == 1) == (name == "shm")
-                write_blocks(dst, ev)
+                write_blocks(cons.kv, ev)
                 cons.release_remote(p, done=True)
                 rates[name].append(ev.num_bytes / (time.perf_counter() - t0))
                 while not any(e.kind == "released" for e in prod.drain_events()):
@@ -216,8 +273,11 @@ def main() -> int:
         env = dict(os.environ, KVFLOW_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
         kvp = json.dumps({"kv_role": "kv_producer", "kv_port": free_port()})
         kvc = json.dumps({"kv_role": "kv_consumer", "kv_port": free_port()})
-        procs = [serve(["--kv-transfer-config", kvp], env), serve(["--kv-transfer-config", kvc], env),
-                 serve([], env), serve([], env)]
+        tmp = tempfile.mkdtemp(prefix="kvflow-pd-bench-")
+        traces = [os.path.join(tmp, f"{i}.jsonl") for i in range(4)]
+        procs = [serve(["--kv-transfer-config", kvp], env, traces[0]),
+                 serve(["--kv-transfer-config", kvc], env, traces[1]),
+                 serve([], env, traces[2]), serve([], env, traces[3])]
         routers = []
         try:
             for p in procs:
@@ -231,16 +291,20 @@ def main() -> int:
                 asyncio.run(run_round(url, [(0.0, list(range(100, 164)), 8, False),
                                             (0.0, list(range(200, 200 + args.long_len)), 2, True)]))
             rounds = {k: [] for k in setups}
+            _, offset = read_pulls(traces[1], 0)  # the warm-up's pulls are not counted
             for i in range(args.rounds):
                 items = workload(args, seed=i)
                 for name, url in setups.items():
                     res = run_round_sync(url, items)
+                    if name == "pd":
+                        pulls, offset = read_pulls(traces[1], offset)
+                        res |= pull_figures(pulls, args.long_len)
                     rounds[name].append(res)
                     print(f"round {i} {name}: {json.dumps(res)}", flush=True)
             report["rounds"] = rounds
             report["median"] = {
                 name: {k: statistics.median(r[k] for r in rs)
-                       for k in rs[0] if isinstance(rs[0][k], float)}
+                       for k in rs[0] if all(isinstance(r.get(k), float) for r in rs)}
                 for name, rs in rounds.items()}
             m = httpx.get(procs[1].url + "/metrics").text
             report["decode_metrics"] = {line.split("{")[0]: float(line.split()[-1])
@@ -250,6 +314,10 @@ def main() -> int:
         finally:
             for p in routers + procs:
                 p.stop()
+            for t in traces:
+                if os.path.exists(t):
+                    os.unlink(t)
+            os.rmdir(tmp)
     report["transfer"] = transfer_rates()
     report["load_after"] = os.getloadavg()
     print(json.dumps({k: v for k, v in report.items() if k != "rounds"}, indent=2))

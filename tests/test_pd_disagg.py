@@ -3,8 +3,8 @@
 
 Greedy outputs through the router equal a single engine's; the traces show that the prefill
 instance never decodes and the decode instance computes one prompt token per transferred
-request; and each fault (an abort while the K/V is pulled, a router that never comes back after
-the prefill, a compatibility mismatch, a killed decode instance, a killed prefill instance, 64
+request; and each fault (an abort while the K/V is pulled, a router process SIGKILLed after the
+prefill, a compatibility mismatch, a killed decode instance, a killed prefill instance, 64
 concurrent requests with failing transfers) ends with every block free again on both sides and
 /health 200. Faults are timed by the fault-injection hook (tests/fault_injection), not by luck.
 Time limits here are hang guards."""
@@ -141,6 +141,10 @@ BASE = prompts_of(LENGTHS)
 SHARED = [BASE[-1][:96] + p for p in prompts_of([20, 40], seed=1)]  # a 96-token prefix hit
 MAX_TOKENS = 12
 FRESH = prompts_of([120], seed=9)[0]
+# for a TP=2 instance on either side: fresh prompts (no prefix hit skips the pull), around
+# block multiples and past the chunk
+TP_LENGTHS = [15, 16, 17, 48, 49, 150]
+TP_PREFILL, TP_DECODE = prompts_of(TP_LENGTHS, seed=21), prompts_of(TP_LENGTHS, seed=22)
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +156,8 @@ def reference(tiny_model):
               max_num_batched_tokens=CHUNK, num_threads=1)
     try:
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-        prompts = BASE + SHARED + prompts_of([24] * 64, seed=2) + [FRESH]
+        prompts = (BASE + SHARED + prompts_of([24] * 64, seed=2) + [FRESH] + TP_PREFILL
+                   + TP_DECODE)
         outs = llm.generate(prompts, params, use_tqdm=False)
         return {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)}
     finally:
@@ -286,6 +291,34 @@ def test_lease_expires_when_nobody_comes_after_the_prefill(cluster):
     assert metric_value(cluster.prefill.url, "kvflow:kv_transfer_leases_expired_total") == 1
 
 
+def test_router_killed_after_the_prefill_leaves_a_lease_that_expires(cluster):
+    """A real router process, SIGKILLed as soon as the prefill instance has answered it: the
+    decode instance's HTTP server is stopped (SIGSTOP) meanwhile, so the router's call to it hangs
+    and nobody ever pulls. The prefill side's lease expires, its blocks come back, and once the
+    decode instance runs again (it may still read the dead router's request) both are healthy."""
+    expired = metric_value(cluster.prefill.url, "kvflow:kv_transfer_leases_expired_total")
+    proc, url = start_router("--prefill", cluster.prefill.url, "--decode", cluster.decode.url)
+    frontend = cluster.decode.proc.pid
+    os.kill(frontend, signal.SIGSTOP)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(complete, url, prompts_of([70], seed=31)[0])
+            wait_until(lambda: metric_value(url, "kvflow_router:prefill_seconds_count") == 1,
+                       "the prefill instance answered the router")
+            assert metric_value(cluster.prefill.url, "kvflow:kv_transfer_leases_active") == 1
+            proc.kill()
+            proc.wait(10)
+            with pytest.raises(httpx.HTTPError):  # the client sees the router vanish
+                fut.result(GUARD_S)
+        wait_until(lambda: metric_value(cluster.prefill.url,
+                                        "kvflow:kv_transfer_leases_expired_total") == expired + 1,
+                   "lease expired", timeout=LEASE_S + 5)
+        assert_clean(cluster.prefill)
+    finally:
+        os.kill(frontend, signal.SIGCONT)
+    assert_clean(cluster.prefill, cluster.decode)
+
+
 def test_what_an_instance_cannot_do_is_a_400_naming_it(cluster):
     prompt = prompts_of([10], seed=12)[0]
     resp = complete(cluster.decode.url, prompt, max_tokens=1,
@@ -348,6 +381,38 @@ def test_64_concurrent_requests_with_failing_transfers(cluster, reference, defau
     assert texts == [ref_text(reference, p, default_tokenizer) for p in prompts]
     assert metric_value(cluster.decode.url, "kvflow:kv_transfer_loads_failed_total") >= failed + 15
     assert_clean(cluster.prefill, cluster.decode)
+
+
+def test_tensor_parallel_instance_with_larger_blocks_lends_and_pulls(cluster, reference,
+                                                                   default_tokenizer):
+    """TP=2 on one side, TP=1 on the other, both ways: one kv_both instance over two ranks (each
+    holding half the KV heads) is the prefill instance for the TP=1 decode instance, then the
+    decode instance for the TP=1 prefill instance. Whole blocks travel; each side assembles or
+    splits them by head range. Its blocks are twice the others' size: the consumer re-tiles
+    what it receives token by token."""
+    tp2 = ServerProcess("--model", cluster.model, *COMMON, "--quantization", "none",
+                        "--block-size", str(2 * BLOCK), "--tensor-parallel-size", "2",
+                        "--kv-transfer-config", kv_config("kv_both"))
+    try:
+        for prefill, decode, prompts, counter in (
+                (tp2, cluster.decode, TP_PREFILL, "kvflow:kv_transfer_pulls_served_total"),
+                (cluster.prefill, tp2, TP_DECODE, "kvflow:kv_transfer_loads_done_total")):
+            before = metric_value(tp2.url, counter)
+            proc, url = start_router("--prefill", prefill.url, "--decode", decode.url)
+            try:
+                for p in prompts:
+                    resp = complete(url, p)
+                    assert resp.status_code == 200, resp.text
+                    assert resp.json()["choices"][0]["text"] == ref_text(
+                        reference, p, default_tokenizer), (len(p), prefill is tp2)
+                    assert float(resp.headers["x-kvflow-prefill-ms"]) > 0  # the prefill hop
+            finally:
+                proc.terminate()
+                proc.wait(10)
+            assert metric_value(tp2.url, counter) == before + len(prompts), counter
+        assert_clean(tp2, cluster.prefill, cluster.decode)
+    finally:
+        tp2.close()
 
 
 def start_router(*args: str, ready: str = "/health") -> tuple[subprocess.Popen, str]:

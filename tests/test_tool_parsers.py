@@ -96,6 +96,13 @@ def test_llama3_json_calls_and_content(text, content, expected):
     assert message["content"] == content
 
 
+def test_auto_mode_without_parallel_tool_calls_keeps_the_first_call():
+    text = '<|python_tag|>{"name": "a", "parameters": {"n": 1}}; {"name": "b", "arguments": {"s": "x"}}'
+    message = check_streamed_equals_whole(
+        lambda: MessageParser(None, make_tool_parser("llama3_json"), max_calls=1), text)
+    assert calls(message) == [("a", {"n": 1})] and message["called"]
+
+
 def test_required_array_and_named_choice():
     text = ' [ {"name": "a", "arguments": {"x": 1}} , {"name": "b", "arguments": {"y": ["]"]}} ] '
     message = check_streamed_equals_whole(lambda: MessageParser(None, JsonArrayToolParser()), text)

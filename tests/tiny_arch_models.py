@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from conftest_model_helpers import _save_random, save_byte_tokenizer
+from gguf_test_writer import add_hparams, head_dim, permute_rope_rows
 
 VOCAB = 320
 _BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -132,11 +133,6 @@ _GGUF_ARCH = {"Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Qwen3MoeF
               "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe"}
 
 
-def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's LlamaModel.permute: HF's half-split RoPE rows -> interleaved pairs."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def write_gguf(hf_dir: str, out_path: str, quant: str = "F32", legacy_experts: bool = False) -> str:
     """Convert the tiny HF folder to a GGUF file; `quant` "F32" or "Q8_0" (the 2-D and 3-D
     projections quantised, norms and small tensors kept in F32, as llama.cpp does).
@@ -151,20 +147,9 @@ def write_gguf(hf_dir: str, out_path: str, quant: str = "F32", legacy_experts: b
     arch = _GGUF_ARCH[hf_arch]
     t = load_file(os.path.join(hf_dir, "model.safetensors"))
     n_layer, n_head, n_kv = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
     rope = cfg.get("rope_parameters") or {}
     w = gguf.GGUFWriter(out_path, arch)
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_block_count(n_layer)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_kv)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_vocab_size(cfg["vocab_size"])
+    add_hparams(w, cfg)
     _add_tokenizer(w, hf_dir)
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
     if experts:
@@ -188,7 +173,7 @@ def write_gguf(hf_dir: str, out_path: str, quant: str = "F32", legacy_experts: b
     if "lm_head.weight" in t:
         add("output.weight", t["lm_head.weight"])
     if arch == "phi3":
-        rot = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+        rot = int(head_dim(cfg) * rope.get("partial_rotary_factor", 1.0))
         w.add_rope_dimension_count(rot)
         if rope.get("rope_type") == "longrope":
             orig = rope["original_max_position_embeddings"]
@@ -208,7 +193,7 @@ def write_gguf(hf_dir: str, out_path: str, quant: str = "F32", legacy_experts: b
         else:
             q, k = t[a + "q_proj.weight"], t[a + "k_proj.weight"]
             if arch == "llama":
-                q, k = _permute(q, n_head), _permute(k, n_kv)
+                q, k = permute_rope_rows(q, n_head), permute_rope_rows(k, n_kv)
             add(b + "attn_q.weight", q)
             add(b + "attn_k.weight", k)
             add(b + "attn_v.weight", t[a + "v_proj.weight"])

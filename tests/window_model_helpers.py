@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from conftest_model_helpers import TINY, _save_random
+from gguf_test_writer import add_hparams, permute_rope_rows
 from kvflow.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from kvflow.core.kv_cache_groups import layer_slots, make_kv_cache_groups
 from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
@@ -72,20 +73,9 @@ def save_tiny_gguf(hf_path: str, out_file: str) -> str:
     arch = _GGUF_ARCH[cfg["model_type"]]
     gemma = arch == "gemma3"
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = cfg.get("rope_parameters") or {}
     w = GGUFWriter(out_file, arch)
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_vocab_size(cfg["vocab_size"])
-    w.add_rope_freq_base((rope.get("full_attention") or rope).get("rope_theta", 10000.0))
+    add_hparams(w, cfg)
     if cfg.get("sliding_window"):
         w.add_sliding_window(cfg["sliding_window"])
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]]
@@ -94,9 +84,6 @@ def save_tiny_gguf(hf_path: str, out_file: str) -> str:
         w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
         if cfg.get("final_logit_softcapping"):
             w.add_float32("gemma3.final_logit_softcapping", cfg["final_logit_softcapping"])
-
-    def permute(x: np.ndarray, n: int) -> np.ndarray:  # llama.cpp's, for llama's q and k
-        return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
     def norm(x: np.ndarray) -> np.ndarray:
         return x + 1.0 if gemma else x
@@ -118,7 +105,7 @@ def save_tiny_gguf(hf_path: str, out_file: str) -> str:
                 if x is None:
                     continue
                 if arch == "llama" and part in ("attn_q", "attn_k"):
-                    x = permute(x, heads if part == "attn_q" else kv_heads)
+                    x = permute_rope_rows(x, heads if part == "attn_q" else kv_heads)
                 w.add_tensor(f"blk.{i}.{part}.{kind}", norm(x) if "norm" in part else x)
     w.write_header_to_file()
     w.write_kv_data_to_file()

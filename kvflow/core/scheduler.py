@@ -8,11 +8,10 @@ from dataclasses import dataclass
 from kvflow.config import CacheConfig, SchedulerConfig
 from kvflow.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from kvflow.core.kv_cache_groups import make_kv_cache_groups
-from kvflow.core.kv_cache_manager import KVCacheManager, cdiv
+from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.request_queue import RequestQueue
-from kvflow.core.scheduler_output import (AdmissionStop, BlockCheck, KVLoad, NewRequestData,
-                                          SchedulerOutput)
-from kvflow.kv_transfer.params import KVTransferParams
+from kvflow.core.remote_kv import RemoteKVMixin
+from kvflow.core.scheduler_output import AdmissionStop, BlockCheck, NewRequestData, SchedulerOutput
 from kvflow.core.spec_decode import SpecDecodeStats
 from kvflow.logger import init_logger
 from kvflow.request import InvalidRequestError, FinishReason, Request, RequestStatus, check_request_fits
@@ -33,7 +32,7 @@ class RequestUpdate:
     num_accepted_tokens: int = 0  # of which accepted (new_token_ids holds one more, or is cut)
 
 
-class Scheduler:
+class Scheduler(RemoteKVMixin):
     """Running requests first, in admission order (decode = 1 token, an ongoing prefill takes
     what budget is left), then waiting requests first-come-first-served while the token budget,
     `max_num_seqs` and free blocks allow. When a running request cannot get a block, the most
@@ -64,16 +63,7 @@ class Scheduler:
         # k steps (it writes its K/V at the same positions of its own pool); 0 otherwise
         self.num_lookahead_tokens = 0
         self.spec_stats = SpecDecodeStats()
-        # prefill/decode disaggregation (docs/disaggregation.md)
-        self.loading: dict[str, Request] = {}  # pulls in flight: id -> request (in `waiting`)
-        # ended while waiting for remote KV (pulled or not yet): the engine tells the producer
-        self.cancelled_loads: list[tuple[str, KVTransferParams]] = []
-        self._kv_failed: dict[str, Request] = {}  # failed pulls (policy `fail`), reported next
-        self._kv_errors: dict[str, str] = {}
-        # finished requests whose blocks are lent to a decode instance: id -> (block ids, tokens);
-        # the blocks stay in the KV manager under the id until release_lease()
-        self.leases: dict[str, tuple[list[int], int]] = {}
-        self.new_leases: dict[str, tuple[list[int], int]] = {}  # lent since the engine last looked
+        self.init_remote_kv()  # prefill/decode disaggregation (remote_kv.py)
 
     # -- requests in and out -------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -279,75 +269,6 @@ class Scheduler:
             self._grammar_failed[req.request_id] = req
         return budget
 
-    # -- KV transfer: pulling a prompt's K/V (decode side) -------------------------------
-    def _start_load(self, req: Request, out: SchedulerOutput, pending: int) -> None:
-        """Give a remote-prefilled request its blocks (its own prefix-cache hit first) and plan the
-        pull of the rest of its prompt but the last token; it waits in the queue meanwhile. Its
-        new blocks are not findable in the prefix cache until the pull has succeeded."""
-        rid = req.request_id
-        if rid in self.loading:
-            out.waiting_for_remote_kv_ids.append(rid)
-            return
-        kv = self.kv_cache_manager
-        computed, num_cached = kv.get_computed_blocks(req)
-        need = (kv.num_blocks_needed(req, req.num_tokens) - len(computed)
-                + kv.num_evictable(computed))
-        check = out.block_checks[rid] = BlockCheck(need, kv.num_free_blocks, pending)
-        if not check.fits:
-            out.skipped_req_ids.append(rid)
-            return
-        req.num_computed_tokens = num_cached
-        new = kv.allocate_slots(req, req.num_tokens - num_cached, computed, cache=False)
-        assert new is not None, "the block check passed"
-        kv.prefix_queries += req.num_tokens
-        kv.prefix_hits += num_cached
-        if req.num_cached_tokens < 0:
-            req.num_cached_tokens = num_cached
-        if req.first_scheduled_time is None:
-            req.first_scheduled_time = time.time()
-        last = req.num_prompt_tokens - 1  # recomputed here, for the first token's logits
-        first, end = num_cached // self.block_size, cdiv(last, self.block_size)
-        p = req.sampling_params.kv_transfer_params
-        blocks = kv.get_block_ids(rid)
-        out.kv_loads.append(KVLoad(rid, p, blocks[first:end], p.remote_block_ids[first:end],
-                                   num_cached, last))
-        self.loading[rid] = req
-        out.waiting_for_remote_kv_ids.append(rid)
-
-    def finish_load(self, request_id: str, ok: bool, recompute: bool = True,
-                    error: str = "") -> bool:
-        """A pull ended. Success: the prompt but its last token counts as computed and its full
-        blocks become findable; the request is admitted like any other. Failure: its blocks go
-        back unfound by the prefix cache, and it either computes its prompt here (`recompute`)
-        or ends, aborted, with `error`. False if the request is gone (aborted meanwhile)."""
-        req = self.loading.pop(request_id, None)
-        if req is None:
-            return False
-        kv = self.kv_cache_manager
-        if ok:
-            req.num_computed_tokens = req.num_prompt_tokens - 1
-            kv.cache_blocks(req, req.num_computed_tokens)
-            req.status = RequestStatus.WAITING
-        elif recompute:
-            kv.free(req)
-            req.num_computed_tokens = 0
-            req.status = RequestStatus.WAITING
-        else:
-            self.waiting.remove(req)
-            req.stop_reason = f"kv_load_failed: {error}"
-            self._finish(req, RequestStatus.FINISHED_ABORTED)
-            self._kv_failed[request_id] = req
-            self._kv_errors[request_id] = error
-        return True
-
-    # -- KV transfer: lending a prompt's K/V (prefill side) ------------------------------
-    def release_lease(self, request_id: str) -> bool:
-        """The decode side has the blocks (or the lease expired): they return to the pool."""
-        if self.leases.pop(request_id, None) is None:
-            return False
-        self.kv_cache_manager.free_request_id(request_id)
-        return True
-
     def _pick_victim(self) -> Request:
         """fcfs: the most recently admitted; priority: the lowest priority, latest arrival."""
         if self.config.policy == "priority":
@@ -523,17 +444,7 @@ class Scheduler:
         req.status = status
         if req.structured_output is not None:
             req.structured_output.close()  # a compile still queued is cancelled
-        rid = req.request_id
-        p = req.sampling_params.kv_transfer_params
-        if was_waiting_for_kv:
-            self.loading.pop(rid, None)
-            self.cancelled_loads.append((rid, p))  # the engine stops the pull, the producer is told
-        if (p is not None and p.do_remote_decode and status != RequestStatus.FINISHED_ABORTED
-                and rid in self.kv_cache_manager.req_to_blocks):
-            # its prompt's blocks are lent to a decode instance, not freed
-            lease = (self.kv_cache_manager.get_block_ids(rid), req.num_prompt_tokens)
-            self.leases[rid] = self.new_leases[rid] = lease
-        else:
+        if not self.end_remote_kv(req, status, was_waiting_for_kv):  # lent blocks stay held
             self.kv_cache_manager.free(req)
         self.kv_cache_manager.forget(req)
         self._finished_ids.add(req.request_id)

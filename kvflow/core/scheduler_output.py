@@ -23,8 +23,9 @@ class NewRequestData:
 @dataclass(slots=True)
 class KVLoad:
     """A pull the engine starts this step: the K/V of the prompt's tokens
-    `[first_token, num_tokens)` from the remote blocks into the local ones (block for block, the
-    same block size on both sides)."""
+    `[first_token, num_tokens)` from the remote blocks that hold them into the local ones (block
+    for block when both sides' block sizes agree; else token by token, kv_transfer/blocks.py).
+    The first local block starts at `first_token`, the first remote one at or before it."""
 
     req_id: str
     params: KVTransferParams

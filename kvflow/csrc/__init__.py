@@ -19,6 +19,7 @@ from functools import lru_cache
 import numpy as np
 
 from kvflow import envs
+from kvflow.utils.cpuinfo import read_cpuinfo
 from kvflow.utils.files import publish
 
 logger = logging.getLogger("kvflow")
@@ -74,12 +75,8 @@ _SIGNATURES = {
 
 def _cpu_id() -> str:
     """What the compiled code depends on: -march=native ties a build to this CPU."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
-    except OSError:
-        lines = []
-    return platform.machine() + "".join(lines)
+    info = read_cpuinfo()
+    return platform.machine() + info.model_name + " ".join(sorted(info.flags))
 
 
 def _build_dir() -> str:

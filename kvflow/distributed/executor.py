@@ -17,11 +17,14 @@ from kvflow.config import EngineConfig
 from kvflow.distributed.parallel import (CollectiveError, CommStats, Rendezvous, rendezvous_timeout,
                                          TPGroup, parse_init_method, rank_device)
 from kvflow.distributed.messages import WorkerInit, encode_init, encode_step
+from kvflow.distributed.shared_kv import (SharedKVMemory, create_kv_segment, kv_segment_bytes,
+                                         sweep_orphans as sweep_kv_orphans)
 from kvflow.distributed.shm_allreduce import (MAX_SLOT_BYTES, ShmAllReduce, create_segment,
                                               shm_supported)
 from kvflow.distributed.supervisor import WorkerSupervisor, spawn_worker
 from kvflow.logger import init_logger
 from kvflow.model.arch import LlamaArchConfig
+from kvflow.model.attention import allocate_kv_caches
 from kvflow.model.executor import Executor
 from kvflow.model.loader import load_sharded_model
 from kvflow.model.runner import ModelRunner, ModelRunnerOutput
@@ -67,12 +70,25 @@ class TPExecutor(Executor):
         slot_bytes = min(config.scheduler_config.max_num_batched_tokens * arch.hidden_size * 4,
                          MAX_SLOT_BYTES)
         self._shm_path = create_segment(n, slot_bytes) if nnodes == 1 and use_shm() else None
+        # KV transfer reaches every rank's cache from here: the other ranks' live in shared files
+        shard = local_arch(arch, n)
+        self._kv_paths: list[str] = []
+        self._rank_kv = []
         try:
+            if config.kv_transfer is not None:
+                if nnodes > 1:
+                    raise ValueError("kv_transfer_config: KV transfer under tensor parallelism "
+                                     "over several machines is not implemented (one machine is)")
+                seg = kv_segment_bytes(arch.num_hidden_layers,
+                                       num_blocks * shard.num_key_value_heads * block_size
+                                       * shard.head_dim, kv_dtype)
+                sweep_kv_orphans()
+                self._kv_paths = [create_kv_segment(seg) for _ in range(1, n)]
             self.rdv.store.set("init", encode_init(WorkerInit(
                 model_path, str(dtype).removeprefix("torch."), str(kv_dtype).removeprefix("torch."),
                 num_blocks, block_size,
                 config.num_threads, eos_token_id, shm_path=self._shm_path,
-                shm_slot_bytes=slot_bytes, device=device)))
+                shm_slot_bytes=slot_bytes, device=device, kv_shm_paths=self._kv_paths or None)))
             self.supervisor = WorkerSupervisor(
                 {r: spawn_worker(self.rdv.address, r, n) for r in range(1, n // nnodes)})
             # Workers that never started are killed even if shutdown() is never called.
@@ -86,13 +102,22 @@ class TPExecutor(Executor):
             self.group = TPGroup(self.rdv, 0, n, shm=shm, device=rank0)
             self.model, _ = load_sharded_model(model_path, dtype, self.group,
                                                rank0 if rank0.type != "cpu" else None)
-            self.runner = ModelRunner(self.model, local_arch(arch, n), num_blocks, block_size,
+            self.runner = ModelRunner(self.model, shard, num_blocks, block_size,
                                       kv_dtype, eos_token_id, device=rank0)
             self._wait_for("loaded")
+            self._rank_kv = [self.runner.kv_caches] + [
+                allocate_kv_caches(shard, num_blocks, block_size, kv_dtype,
+                                   zeros=SharedKVMemory(p).zeros) for p in self._kv_paths]
+            self._unlink_kv()
         except BaseException:
             self._abort()
             raise
         self.group.stats = CommStats()  # count the serving steps only
+
+    def rank_kv_caches(self) -> list:
+        """Every rank's KV cache: rank 0's own, the others' mapped from their shared files
+        (only with KV transfer; none otherwise)."""
+        return self._rank_kv
 
     def _wait_for(self, key: str) -> None:
         """Until every worker has set `key/RANK` in the store; a worker error or death ends it."""
@@ -189,7 +214,16 @@ class TPExecutor(Executor):
             self.group.close()
             self.group = None
         self._unlink_shm()
+        self._unlink_kv()
         self.rdv.close()
+
+    def _unlink_kv(self) -> None:
+        for p in self._kv_paths:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+        self._kv_paths = []
 
     def _unlink_shm(self) -> None:
         if self._shm_path is not None:

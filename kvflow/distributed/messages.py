@@ -29,6 +29,8 @@ class WorkerInit:
     shm_path: str | None = None  # the shared-memory all-reduce segment (single machine)
     shm_slot_bytes: int = 0
     device: str = "cpu"  # cpu, or cuda: each rank on GPU `rank % device_count`, NCCL collectives
+    # with KV transfer: rank r (r >= 1) keeps its KV cache in kv_shm_paths[r - 1] (shared_kv.py)
+    kv_shm_paths: list[str] | None = None
 
 
 class StepMessage(msgspec.Struct, array_like=True):

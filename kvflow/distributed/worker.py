@@ -30,6 +30,7 @@ def run_worker(rendezvous: str, rank: int, world_size: int, parent_pid: int | No
     import torch
 
     from kvflow.distributed.parallel import CollectiveError, Rendezvous, TPGroup, rank_device
+    from kvflow.distributed.shared_kv import SharedKVMemory
     from kvflow.distributed.shm_allreduce import ShmAllReduce
     from kvflow.model.loader import load_sharded_model
     from kvflow.model.runner import ModelRunner
@@ -56,8 +57,11 @@ def run_worker(rendezvous: str, rank: int, world_size: int, parent_pid: int | No
         dtype = getattr(torch, init.dtype)
         model, arch = load_sharded_model(init.model_path, dtype, group,
                                          device if device.type != "cpu" else None)
+        kv_memory = (SharedKVMemory(init.kv_shm_paths[rank - 1]).zeros if init.kv_shm_paths
+                     else None)  # the driver reads and writes it for KV transfer
         runner = ModelRunner(model, local_arch(arch, world_size), init.num_blocks, init.block_size,
-                             getattr(torch, init.kv_dtype), init.eos_token_id, device=device)
+                             getattr(torch, init.kv_dtype), init.eos_token_id, device=device,
+                             kv_memory=kv_memory)
     except Exception as e:  # noqa: BLE001 - the driver reports it
         store.set(f"error/{rank}", f"{type(e).__name__}: {e}")
         return EXIT_LOAD_FAILED

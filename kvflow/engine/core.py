@@ -12,12 +12,12 @@ from kvflow.core.kv_cache_groups import make_kv_cache_groups
 from kvflow.core.scheduler import Scheduler, SchedulerOutput
 from kvflow.distributed.executor import TPExecutor
 from kvflow.engine.kv_sizing import max_concurrency, num_kv_blocks
-from kvflow.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
-                                    KVTransferStats, SchedulerStats)
+from kvflow.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from kvflow.engine.remote_kv import EngineKVTransferMixin
 from kvflow.engine.speculator import build_speculator
 from kvflow.engine.step_trace import StepTrace
 from kvflow.engine.warmup import warmup_outputs
-from kvflow.kv_transfer.agent import KVTransferAgent, write_blocks
+from kvflow.kv_transfer.agent import KVTransferAgent
 from kvflow.logger import init_logger
 from kvflow.model.arch import load_arch_config
 from kvflow.model.executor import Executor, UniProcExecutor
@@ -35,7 +35,7 @@ from kvflow.tokenizer import get_tokenizer, tokenizer_source
 logger = init_logger("kvflow.engine")
 
 
-class EngineCore:
+class EngineCore(EngineKVTransferMixin):
     """The busy part of the engine. Used in-process by LLMEngine and in its own process by
     `kvflow serve`."""
 
@@ -103,6 +103,8 @@ class EngineCore:
                                          self.kv_dtype, cc, self.max_model_len)
             self.scheduler.num_lookahead_tokens = self.spec.num_lookahead_tokens
         self.kv_agent: KVTransferAgent | None = None
+        if config.kv_transfer is not None:  # refused before any worker starts
+            self._check_kv_transfer_config(cc)
         self._kv_trace: list[dict] = []  # transfers that ended since the last traced step
         # runs each step: in this process, or over tensor_parallel_size ranks
         self.executor: Executor = (
@@ -117,19 +119,9 @@ class EngineCore:
                                  # an expert block groups tokens on the host (moe.py): no graph
                                  if on_gpu and not self.arch.num_experts else None))
         try:
-            kt = config.kv_transfer
-            if kt is not None:
-                if self.tp_size > 1:
-                    raise ValueError("kv_transfer_config: KV transfer under tensor parallelism "
-                                     "is not implemented yet")
-                if any(w is not None for w in cc.layer_windows):
-                    raise ValueError("kv_transfer_config: KV transfer of a model with sliding-window "
-                                     "layers (one block table per KV cache group) is not implemented yet")
-                if self.device.type != "cpu":
-                    raise ValueError("kv_transfer_config: KV transfer moves CPU caches only; "
-                                     f"this engine's cache is on {self.device.type}")
-                self.kv_agent = KVTransferAgent(kt, self.kv_compat(),
-                                                self.executor.runner.kv_caches, cc.block_size)
+            if config.kv_transfer is not None:
+                self.kv_agent = KVTransferAgent(config.kv_transfer, self.kv_compat(),
+                                                self._paged_kv(), cc.block_size)
             self.trace = StepTrace(config.trace, sc.max_num_batched_tokens, cc.block_size,
                                    cc.num_blocks) if config.trace else None
             if config.warmup:
@@ -244,93 +236,9 @@ class EngineCore:
         if req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
             self.kv_agent.watch(params.kv_transfer_params)  # heartbeats until its pull starts
 
-    def _check_kv_transfer(self, r: EngineCoreRequest) -> None:
-        """ValueError (a 400) if this engine cannot do what the request's kv_transfer_params
-        ask (add_request then releases the producer's lease at once)."""
-        p = r.sampling_params.kv_transfer_params
-        kt = self.config.kv_transfer
-        if p.do_remote_decode and (kt is None or not kt.is_producer):
-            raise ValueError("kv_transfer_params.do_remote_decode: this instance lends no KV "
-                             "blocks (start it with --kv-transfer-config '{\"kv_role\": "
-                             "\"kv_producer\"}' or kv_both)")
-        if not p.do_remote_prefill:
-            return
-        if kt is None or not kt.is_consumer:
-            raise ValueError("kv_transfer_params.do_remote_prefill: this instance pulls no KV "
-                             "blocks (start it with --kv-transfer-config '{\"kv_role\": "
-                             "\"kv_consumer\"}' or kv_both)")
-        self.kv_agent.check_compatible(p)
-        if p.remote_num_tokens != len(r.prompt_token_ids):
-            raise ValueError(f"kv_transfer_params: the prefill instance computed "
-                             f"{p.remote_num_tokens} prompt tokens, this prompt has "
-                             f"{len(r.prompt_token_ids)}")
-        if r.sampling_params.structured_outputs is not None:
-            raise ValueError("kv_transfer_params.do_remote_prefill with structured_outputs "
-                             "is not implemented")
-
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)  # one pass, however many
         self._cancel_loads()
-
-    def _cancel_loads(self) -> None:
-        cancelled, self.scheduler.cancelled_loads = self.scheduler.cancelled_loads, []
-        for rid, params in cancelled:
-            self.kv_agent.cancel(rid, params)
-            self._kv_trace.append({"id": rid, "event": "load_cancelled"})
-
-    # -- KV transfer -----------------------------------------------------------------------
-    def _kv_events(self) -> None:
-        """Apply what the agent reports: leases to free, pulls done (their bytes go into the
-        cache here, on the engine's thread) or failed."""
-        agent, s = self.kv_agent, self.scheduler
-        recompute = self.config.kv_transfer.kv_load_failure_policy == "recompute"
-        for ev in agent.drain_events():
-            if ev.kind == "released":
-                s.release_lease(ev.req_id)
-                self._kv_trace.append({"id": ev.req_id, "event": f"lease_{ev.error}"})
-                continue
-            if ev.req_id not in s.loading:  # aborted meanwhile: its blocks are gone already
-                if ev.kind == "loaded":
-                    agent.release_remote(ev.load.params)
-                continue
-            error = ev.error
-            if ev.kind == "loaded":
-                try:
-                    write_blocks(self.executor.runner.kv_caches, ev)
-                except ValueError as e:
-                    error = str(e)
-                    agent.stats.loads_failed += 1
-                    agent.release_remote(ev.load.params)
-                else:
-                    agent.release_remote(ev.load.params, done=True)
-                    st = agent.stats
-                    st.loads_done += 1
-                    st.bytes_received += ev.num_bytes
-                    st.blocks_received += len(ev.load.local_block_ids)
-                    st.load_seconds += ev.seconds
-                    s.finish_load(ev.req_id, True)
-                    self._kv_trace.append({"id": ev.req_id, "event": "loaded",
-                                           "blocks": len(ev.load.local_block_ids),
-                                           "bytes": ev.num_bytes,
-                                           "seconds": round(ev.seconds, 6),
-                                           "shm": len(ev.frames) == 1})
-                    continue
-            logger.warning("kvflow: request %s: KV pull failed (%s); %s", ev.req_id, error,
-                           "computing its prompt here" if recompute else "it ends")
-            s.finish_load(ev.req_id, False, recompute, error)
-            self._kv_trace.append({"id": ev.req_id, "event": "load_failed", "error": error,
-                                   "recompute": recompute})
-
-    def _start_loads(self, sched_out: SchedulerOutput) -> None:
-        for load in sched_out.kv_loads:
-            # traced as an event: the step that plans a pull often runs nothing (and is not traced)
-            self._kv_trace.append({"id": load.req_id, "event": "pulling",
-                                   "blocks": len(load.local_block_ids)})
-            if load.local_block_ids:
-                self.kv_agent.load(load)
-            else:  # its prompt but the last token was in the local prefix cache already
-                self.kv_agent.release_remote(load.params)
-                self.scheduler.finish_load(load.req_id, True)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -371,15 +279,7 @@ class EngineCore:
             self.scheduler.update_draft_token_ids(self.spec.propose(
                 sched_out, updates, len(self.scheduler.running),
                 self.scheduler.kv_cache_manager.get_block_ids))
-        lent = {}
-        if self.scheduler.new_leases:  # prompts computed for a decode instance: lend the blocks
-            for rid, (blocks, n) in self.scheduler.new_leases.items():
-                self.kv_agent.offer(rid, blocks, n)
-                # the prompt's blocks (a request that also decoded here holds more, all lent)
-                prompt_blocks = blocks[:-(-n // self.cache_config.block_size)]
-                lent[rid] = self.kv_agent.params_for(rid, prompt_blocks, n)
-                self._kv_trace.append({"id": rid, "event": "lent", "blocks": len(blocks)})
-            self.scheduler.new_leases = {}
+        lent = self._lend() if self.scheduler.new_leases else {}
         outputs = []
         for u in updates:
             rid = u.request.request_id
@@ -414,20 +314,6 @@ class EngineCore:
             spec_decode_num_draft_tokens=s.spec_stats.num_draft_tokens,
             spec_decode_num_accepted_tokens=s.spec_stats.num_accepted_tokens,
             kv_transfer=self._transfer_stats())
-
-    def _transfer_stats(self) -> KVTransferStats | None:
-        a = self.kv_agent
-        if a is None:
-            return None
-        st = a.stats
-        return KVTransferStats(
-            leases_active=len(self.scheduler.leases), loads_active=len(self.scheduler.loading),
-            leases_granted=st.leases_granted, leases_released=st.leases_released,
-            leases_expired=st.leases_expired, pulls_served=st.pulls_served,
-            bytes_sent=st.bytes_sent, blocks_sent=st.blocks_sent, loads_done=st.loads_done,
-            loads_failed=st.loads_failed, bytes_received=st.bytes_received,
-            blocks_received=st.blocks_received, load_seconds=st.load_seconds,
-            late_frames=st.late_frames)
 
     def check_health(self) -> None:
         """WorkerFailedError if a tensor-parallel worker has died (checked while idle, so that

@@ -22,6 +22,7 @@ import time
 import msgspec
 
 from kvflow.kv_transfer.params import KVTransferParams
+from kvflow.kv_transfer.stats import KVTransferStats  # noqa: F401 - part of the protocol
 from kvflow.outputs import TokenLogprobs
 from kvflow.sampling_params import SamplingParams
 
@@ -89,25 +90,6 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None  # when the request first left the waiting queue
     kv_transfer_params: KVTransferParams | None = None  # its prompt's blocks, lent: where to pull
-
-
-class KVTransferStats(msgspec.Struct, array_like=True, omit_defaults=True):
-    """Prefill/decode transfers: counts since start, and what is in flight now."""
-
-    leases_active: int = 0  # lent block sets not yet released (prefill side)
-    loads_active: int = 0  # pulls in flight (decode side)
-    leases_granted: int = 0
-    leases_released: int = 0  # by the decode side (done, or will not pull)
-    leases_expired: int = 0
-    pulls_served: int = 0
-    bytes_sent: int = 0
-    blocks_sent: int = 0
-    loads_done: int = 0
-    loads_failed: int = 0
-    bytes_received: int = 0
-    blocks_received: int = 0
-    load_seconds: float = 0.0  # summed over finished pulls
-    late_frames: int = 0  # answers that came after their pull ended: dropped
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):

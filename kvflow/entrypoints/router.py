@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 AFFINITY_SLACK = 1  # a backend at most this many requests above the least loaded may win by prefix
 MAX_BODY_BYTES = 32 * 2**20
+PREFILL_HEADER = "x-kvflow-prefill-ms"  # on a disaggregated answer: the prefill hop's time
 
 
 @dataclass(eq=False)
@@ -102,9 +103,11 @@ class Router:
             self.metrics.inflight.labels(b.url).set(b.inflight)
 
     async def _forward(self, pool: list[Backend], path: str, body: dict, headers: dict,
-                       key: str, mode: str, retry: bool) -> Response:
+                       key: str, mode: str, retry: bool, reply_headers: dict | None = None
+                       ) -> Response:
         """Send `body` to an instance of `pool` and hand its answer (JSON, or the SSE stream)
-        back; before any byte reached the client, a failed instance is retried on another."""
+        back, with `reply_headers` added; before any byte reached the client, a failed instance
+        is retried on another."""
         tried: set = set()
         while True:
             b = self.pick(pool, key, tried)
@@ -137,9 +140,10 @@ class Router:
                 finally:
                     await resp.aclose()
                     self._done(b)
-                return Response(data, status_code=resp.status_code, media_type=ctype)
+                return Response(data, status_code=resp.status_code, media_type=ctype,
+                                headers=reply_headers)
             return StreamingResponse(self._relay(b, resp), status_code=resp.status_code,
-                                     media_type=ctype)
+                                     media_type=ctype, headers=reply_headers)
 
     async def _relay(self, b: Backend, resp: httpx.Response):
         try:
@@ -207,7 +211,8 @@ class Router:
             b.healthy = resp is not None and b.healthy
             self.metrics.backend_errors.labels(b.url).inc()
             self.metrics.prefill_retries.inc()
-        self.metrics.prefill_seconds.observe(time.perf_counter() - t0)
+        prefill_s = time.perf_counter() - t0
+        self.metrics.prefill_seconds.observe(prefill_s)
         if resp.status_code != 200:  # the client's error (a 4xx): as the instance said it
             self.metrics.requests.labels("pd", "error").inc()
             return Response(resp.content, status_code=resp.status_code,
@@ -217,8 +222,11 @@ class Router:
             self.metrics.requests.labels("pd", "error").inc()
             return error(502, f"router: prefill instance {b.url} returned no kv_transfer_params "
                               "(is it started with --kv-transfer-config kv_producer?)")
+        # the prefill hop (queue and prompt on the prefill instance, until its kv_transfer_params
+        # came back), for clients that break their TTFT down
         return await self._forward(self.decode, path, dict(body, kv_transfer_params=params),
-                                   headers, key, "pd", False)
+                                   headers, key, "pd", False,
+                                   {PREFILL_HEADER: f"{prefill_s * 1e3:.3f}"})
 
     async def health(self) -> Response:
         async def probe(b: Backend) -> None:

@@ -24,10 +24,12 @@ import zmq
 from kvflow.config import KVTransferConfig
 from kvflow.core.scheduler_output import KVLoad
 from kvflow.kv_transfer import messages as m
-from kvflow.kv_transfer.blocks import gather_frames, gather_into, scatter, transfer_bytes
+from kvflow.kv_transfer.blocks import (PagedKV, gather_frames, gather_into, scatter, scatter_tokens,
+                                      transfer_bytes)
 from kvflow.kv_transfer.lease import LeaseTable
 from kvflow.kv_transfer.params import KVTransferParams, compat_mismatch
 from kvflow.kv_transfer.shm import MappingCache, StagingPool, available, is_staging_path
+from kvflow.kv_transfer.stats import KVTransferStats
 from kvflow.logger import init_logger
 
 logger = init_logger("kvflow.kv_transfer")
@@ -47,24 +49,6 @@ def host_id() -> str:
 
 def compat_hash(compat: dict) -> str:
     return hashlib.sha256(json.dumps(compat, sort_keys=True).encode()).hexdigest()[:16]
-
-
-@dataclass
-class TransferStats:
-    """Cumulative counts since start (read by the engine's stats; ints written by one thread)."""
-
-    leases_granted: int = 0
-    leases_released: int = 0
-    leases_expired: int = 0
-    pulls_served: int = 0
-    bytes_sent: int = 0
-    blocks_sent: int = 0
-    loads_done: int = 0
-    loads_failed: int = 0
-    bytes_received: int = 0
-    blocks_received: int = 0
-    load_seconds: float = 0.0
-    late_frames: int = 0
 
 
 @dataclass
@@ -89,15 +73,15 @@ class Event:
 
 
 class KVTransferAgent:
-    def __init__(self, config: KVTransferConfig, compat: dict, kv_caches, block_size: int) -> None:
+    def __init__(self, config: KVTransferConfig, compat: dict, kv: PagedKV, block_size: int) -> None:
         self.config = config
         self.engine_id = config.engine_id or uuid.uuid4().hex[:12]
         self.host_id = host_id()
         self.compat = dict(compat)
         self.compat_hash = compat_hash(self.compat)
-        self.kv_caches = kv_caches
+        self.kv = kv  # every KV head, over the tensor-parallel ranks that hold them
         self.block_size = block_size
-        self.stats = TransferStats()
+        self.stats = KVTransferStats()  # the counts; the engine fills the gauges
         self.leases = LeaseTable(config.kv_lease_timeout_s)  # the agent thread's alone
         self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -140,10 +124,9 @@ class KVTransferAgent:
 
     def check_compatible(self, p: KVTransferParams) -> None:
         """ValueError naming what differs, if `p`'s blocks cannot be used here as they are."""
-        if p.remote_block_size != self.block_size:
-            raise ValueError(f"kv_transfer_params: the prefill instance's block size is "
-                             f"{p.remote_block_size}, this one's {self.block_size}; kvflow "
-                             "moves blocks only between equal block sizes")
+        if p.remote_block_size % 2:  # a cache tile pairs keys (kv_layout.py): never odd
+            raise ValueError(f"kv_transfer_params.remote_block_size {p.remote_block_size} is odd; "
+                             "a kvflow cache's block size is even")
         diff = compat_mismatch(self.compat, p.compat)
         if diff is not None or p.compat_hash != self.compat_hash:
             raise ValueError(f"kv_transfer_params: incompatible KV cache: {diff or 'hash differs'}")
@@ -406,17 +389,17 @@ class KVTransferAgent:
         if not all(b in held for b in req.block_ids):
             return refuse("block ids outside the lease")
         self.leases.extend(req.transfer_id, time.monotonic())
-        _, total = transfer_bytes(self.kv_caches, len(req.block_ids))
+        _, total = transfer_bytes(self.kv, len(req.block_ids))
         staging = None
         if (req.use_shm and req.host_id == self.host_id and self._staging is not None
                 and req.transfer_id not in self._staging.in_use):
             staging = self._staging.take(req.transfer_id, total)
         if staging is not None:
-            gather_into(self.kv_caches, req.block_ids, staging.tensor)
+            gather_into(self.kv, req.block_ids, staging.tensor)
             header = m.KVHeader(req.transfer_id, shm_path=staging.path, num_bytes=total)
             router.send_multipart([ident, m.KV, m.encoder.encode(header)])
         else:
-            parts = gather_frames(self.kv_caches, req.block_ids)
+            parts = gather_frames(self.kv, req.block_ids)
             header = m.KVHeader(req.transfer_id, num_bytes=total)
             router.send_multipart([ident, m.KV, m.encoder.encode(header), *parts], copy=False)
         self.stats.pulls_served += 1
@@ -424,6 +407,13 @@ class KVTransferAgent:
         self.stats.blocks_sent += len(req.block_ids)
 
 
-def write_blocks(kv_caches, event: Event) -> None:
-    """Copy a finished pull's bytes into this engine's cache blocks (the engine thread)."""
-    scatter(kv_caches, event.load.local_block_ids, event.frames)
+def write_blocks(kv: PagedKV, event: Event) -> None:
+    """Copy a finished pull's bytes into this engine's cache blocks (the engine thread, between
+    steps: no rank is running, so none reads or writes the cache meanwhile): block for block,
+    or token by token where the prefill instance's block size is not this one's."""
+    ld = event.load
+    if ld.params.remote_block_size == kv.block_shape[1]:
+        scatter(kv, ld.local_block_ids, event.frames)
+    else:
+        scatter_tokens(kv, event.frames, ld.params.remote_block_size, len(ld.remote_block_ids),
+                       ld.local_block_ids, ld.first_token, ld.num_tokens)

@@ -1,9 +1,11 @@
-"""What the CPU offers the kernels, read once from /proc/cpuinfo: the instruction sets that
+"""What the CPU offers the kernels, read once from /proc/cpuinfo (kvflow/utils/cpuinfo.py): the instruction sets that
 decide which GEMM, attention and dtype serve best (kvflow/model/kernels.py)."""
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+
+from kvflow.utils.cpuinfo import read_cpuinfo
 
 
 @dataclass(frozen=True)
@@ -45,9 +47,4 @@ class CpuFeatures:
 @functools.cache
 def cpu_features() -> CpuFeatures:
     """This machine's features (none where /proc/cpuinfo cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        line = ""
-    return CpuFeatures(frozenset(line.partition(":")[2].split()))
+    return CpuFeatures(read_cpuinfo().flags)

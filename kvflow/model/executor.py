@@ -32,6 +32,11 @@ class Executor(ABC):
     def shutdown(self) -> None:
         """Stop what the executor started; safe to call twice."""
 
+    def rank_kv_caches(self) -> list:
+        """Each rank's KV cache (rank order, in this process's memory): what KV transfer
+        reads and writes. One process holds one, all heads."""
+        return [self.runner.kv_caches]
+
     # Time in collectives, for benchmarks; a single process has none.
     def reset_comm_stats(self) -> None:
         """Count collectives from here on (e.g. after warm-up)."""

@@ -56,7 +56,9 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, arch: LlamaArchConfig, num_blocks: int,
                  block_size: int, kv_dtype: torch.dtype,
                  eos_token_id: int | Sequence[int] | None, *, device: torch.device | str = "cpu",
-                 graphs: DecodeGraphs | None = None) -> None:
+                 graphs: DecodeGraphs | None = None, kv_memory=None) -> None:
+        # kv_memory: where the CPU KV cache lives (allocate_kv_caches's `zeros`); a shared file
+        # when the tensor-parallel driver moves this rank's blocks (distributed/shared_kv.py)
         self.model = model
         self.arch = arch
         self.block_size = block_size
@@ -72,7 +74,7 @@ class ModelRunner:
         self.layer_group, tensor_of = layer_slots(self.groups, arch.num_hidden_layers)
         tensors = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype,
                                      None if on_cpu else self.device,
-                                     num_layers=len(self.groups[0].layers))
+                                     num_layers=len(self.groups[0].layers), zeros=kv_memory)
         self.kv_caches = [tensors[j] for j in tensor_of]
         model.kernels = model.kernels.with_kv_dtype(kv_dtype)  # attention chosen for this cache
         k0 = self.kv_caches[0][0]

@@ -14,8 +14,11 @@ def tool_call_id() -> str:
 
 
 class MessageParser:
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None) -> None:
-        self.reasoning, self.tools = reasoning, tools
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None,
+                 max_calls: int | None = None) -> None:
+        """`max_calls`: calls past this many are dropped (1 for `parallel_tool_calls: false`
+        under tool_choice "auto", where no grammar holds the model to one call)."""
+        self.reasoning, self.tools, self.max_calls = reasoning, tools, max_calls
 
     @property
     def called(self) -> bool:
@@ -43,6 +46,8 @@ class MessageParser:
             delta["content"] = text_out
         calls: list[dict] = []
         for event in events:
+            if event[0] in ("call", "args") and self.max_calls is not None and event[1] >= self.max_calls:
+                continue
             if event[0] == "call":
                 calls.append({"index": event[1], "id": tool_call_id(), "type": "function",
                               "function": {"name": event[2], "arguments": ""}})

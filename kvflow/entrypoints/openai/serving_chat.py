@@ -41,6 +41,7 @@ class ChatJob:
     tool_name: str | None = None  # the named tool_choice
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    parallel_tool_calls: bool = True
 
     def message_parser(self) -> MessageParser:
         tools = (make_tool_parser(self.tool_call_parser) if self.tool_mode == "auto" else
@@ -48,7 +49,8 @@ class ChatJob:
                  NamedToolParser(self.tool_name) if self.tool_mode == "named" else None)
         reasoning = (make_reasoning_parser(self.reasoning_parser, self.prompt)
                      if self.reasoning_parser else None)
-        return MessageParser(reasoning, tools)
+        one_call = self.tool_mode == "auto" and not self.parallel_tool_calls
+        return MessageParser(reasoning, tools, max_calls=1 if one_call else None)
 
 
 def _entry(lp: Logprob) -> dict:
@@ -207,7 +209,8 @@ class OpenAIServingChat(OpenAIServing):
         return ChatJob(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.settings.model_name,
                        prompt, ids, params, req.top_logprobs or 0, req.include_usage,
                        req.priority, req.cache_salt, tool_mode, tool_name,
-                       self.settings.tool_call_parser, self.settings.reasoning_parser)
+                       self.settings.tool_call_parser, self.settings.reasoning_parser,
+                       req.parallel_tool_calls)
 
     async def chunks(self, job: ChatJob) -> AsyncIterator[dict]:
         head = {"id": job.request_id, "object": "chat.completion.chunk", "created": job.created,
