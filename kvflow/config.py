@@ -60,8 +60,10 @@ class ModelConfig:
     quantization: str | None = option(
         None, "weights served quantized: `gguf` keeps a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 blocks "
         "(other types as 8-bit blocks) and multiplies them in int8, `int8` quantizes a float "
-        "model to W8A8 at load, `none` dequantises (default: `gguf` for a quantized GGUF file, "
-        "else `none`)", choices=("gguf", "int8", "none"))
+        "model to W8A8 at load, `compressed-tensors` serves an int8 W8A8 checkpoint as stored, "
+        "`none` dequantises (default: `gguf` for a quantized GGUF file, `compressed-tensors` "
+        "for an HF folder whose config.json says so, else `none`)",
+        choices=("gguf", "int8", "compressed-tensors", "none"))
     max_model_len: int | None = option(
         None, "longest sequence (prompt + output) served (default: the model's context length)")
     seed: int = option(
@@ -77,8 +79,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         self.dtype = dtype_name(self.dtype, "dtype")
-        if self.quantization not in (None, "gguf", "int8", "none"):
-            raise ValueError(f"quantization must be gguf, int8 or none, got {self.quantization!r}")
+        if self.quantization not in (None, "gguf", "int8", "compressed-tensors", "none"):
+            raise ValueError("quantization must be gguf, int8, compressed-tensors or none, got "
+                             f"{self.quantization!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:

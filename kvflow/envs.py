@@ -53,6 +53,11 @@ _VARS = [
     EnvVar("KVFLOW_NO_ONEDNN", bool, False, "1: projections through plain F.linear, not oneDNN"),
     EnvVar("KVFLOW_NO_PANEL_GEMM", bool, False,
            "1: bf16 projections through oneDNN instead of kvflow's panel GEMM"),
+    EnvVar("KVFLOW_NO_GEMV", bool, False,
+           "1: fp32 decode-sized batches through oneDNN instead of kvflow's fp32 GEMV"),
+    EnvVar("KVFLOW_GEMV_ISA", str, None,
+           "avx2: the fp32 GEMV takes its AVX2 path even on an AVX-512 CPU (to measure "
+           "that path where no AVX2-only CPU is at hand)"),
     EnvVar("KVFLOW_HUGEPAGES", bool, True, "0: the KV cache on ordinary pages, not 2 MiB pages"),
     EnvVar("KVFLOW_KV_POPULATE", bool, True,
            "0: no idle thread faulting the KV cache's pages in ahead of the writes"),

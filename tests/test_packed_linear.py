@@ -31,7 +31,7 @@ def test_row_buckets_cover_every_count_with_few_shapes():
 @pytest.mark.parametrize("m", [1, 3, 16, 17, 100, 256, 300, 1000])
 def test_padded_linear_matches_f_linear(m):
     assert onednn_available()  # the pinned CPU torch ships oneDNN
-    assert select_kernels(torch.float32, options=DEFAULTS).names["linear"] == "onednn"
+    assert select_kernels(torch.float32, options=DEFAULTS).names["linear"].endswith("onednn")
     g = torch.Generator().manual_seed(m)
     w = torch.randn(96, 64, generator=g)
     bias = torch.randn(96, generator=g)

@@ -18,7 +18,7 @@ from gguf.quants import dequantize, quantize
 
 import kvflow.csrc
 from kvflow.model.quant.gguf_blocks import decode
-from kvflow.model.quant.int8 import quantize_int8
+from kvflow.model.quant.int8 import int8_from_channels, quantize_int8
 from kvflow.model.quant.packing import dequantize_rows, pack
 from kvflow.model.quant.qlinear import (NEVER, WIDE_ROWS, QuantizedWeight, available_isas,
                                         quant_linear, quantize_activations)
@@ -94,6 +94,30 @@ def test_int8_w8a8_matches_dequantise_then_matmul(isa, m, n, k):
     ref_w = dequantize_rows("q8", w.packed, w.kb * 32, torch.arange(n), torch.float32)[:, :k]
     assert (ref_w - w_float).abs().max() <= w_float.abs().amax(1).max() / 127 * 0.51
     x = torch.randn(m, k, generator=g)
+    got = quant_linear(x, w, threads=2, wide_rows=NEVER)
+    ref = reference(x, ref_w, w.kb, per_row=True)
+    assert (got.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+def checkpoint_int8(n: int, k: int, isa: str, seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:
+    """A compressed-tensors-style weight: int8 values over the whole -128..127 range (every
+    row has -128 and 127 in it), one scale per channel; and its floats."""
+    g = np.random.default_rng(seed)
+    q = g.integers(-128, 128, size=(n, k)).astype(np.int8)
+    q[:, 0], q[:, -1] = -128, 127
+    scale = (g.random(n) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
+    w = int8_from_channels(q, scale, isa, source="compressed-tensors")
+    return w, torch.from_numpy(q.astype(np.float32) * scale[:, None])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m,n,k", [(1, 33, 96), (7, 40, 200), (64, 16, 256)])
+def test_checkpoint_int8_with_minus_128_matches_dequantise_then_matmul(isa, m, n, k):
+    """A checkpoint's own int8 values (down to -128, which kvflow's own quantizers never write)
+    are read back exactly and multiplied exactly on every path."""
+    w, ref_w = checkpoint_int8(n, k, isa)
+    assert torch.equal(dequantize_rows("q8", w.packed, w.kb * 32, torch.arange(n), torch.float32)[:, :k], ref_w)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
     got = quant_linear(x, w, threads=2, wide_rows=NEVER)
     ref = reference(x, ref_w, w.kb, per_row=True)
     assert (got.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
@@ -188,12 +212,17 @@ def test_avx2_path_from_a_build_without_avx512(tmp_path):
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.gemm_quant_panels.argtypes = [ptr, ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64,
                                       i64, i64, i64]
-    # M = 1: the decode kernel (Kb = 3: two blocks at a time and one over); M = 7: the tiles
-    for type_name, m, k in (("Q4_1", 7, 256), ("Q8_0", 7, 256), ("Q4_1", 1, 96), ("Q8_0", 1, 96),
-                            ("Q4_0", 1, 256)):
-        w, _ = quantized(type_name, 40, k, "scalar")
+    # M = 1: the decode kernel (Kb = 3: two blocks at a time and one over); M = 7: the tiles;
+    # the checkpoint int8 rows have -128 weights
+    for type_name, m, k in (("Q4_1", 7, 256), ("Q8_0", 7, 256), ("checkpoint int8", 7, 256),
+                            ("Q4_1", 1, 96), ("Q8_0", 1, 96), ("Q4_0", 1, 256),
+                            ("checkpoint int8", 1, 96)):
+        if type_name == "checkpoint int8":
+            w, _ = checkpoint_int8(40, k, "scalar")
+        else:
+            w, _ = quantized(type_name, 40, k, "scalar")
         x = torch.randn(m, k)
-        qx, dx, dxs = quantize_activations(x, w.kb, False, 1)
+        qx, dx, dxs = quantize_activations(x, w.kb, w.per_row, 1)
         outs = []
         for isa in (0, 1):
             out = torch.zeros(m, 40)

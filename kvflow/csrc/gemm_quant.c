@@ -10,7 +10,8 @@
  *   q4 record (320 B): 4 vectors, vector v holds quad v in its low nibbles and quad v + 4 in
  *       its high ones (values 0..15, unsigned); then fp16 scale d[16] and fp16 min m[16]:
  *       weight = d * q + m (Q4_0: m = -8 d; Q4_K: its sub-block's scale and min).
- *   q8 record (608 B): 8 vectors of signed int8 (-127..127), fp16 scale d[16], then
+ *   q8 record (608 B): 8 vectors of signed int8 (-128..127: GGUF's Q8_0 and kvflow's own
+ *       stop at -127, compressed-tensors checkpoints reach -128), fp16 scale d[16], then
  *       int32 bias[16] = -128 * (the sum of the output's 32 weights): `vpdpbusd` takes its
  *       first operand unsigned, so the VNNI path multiplies x + 128 and starts from the bias.
  *
@@ -273,11 +274,12 @@ tile_avx2(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb, int r
             for (int r = 0; r < rows; r++) {
                 const int8_t *xq = qx + r * Kp + b * QB;
                 __m256i sum;
-                if (q8) { /* |x| * (w with x's sign): both under 128, no saturation */
+                if (q8) { /* |w| * (x with w's sign): |w| <= 128 (a checkpoint's -128 too) and
+                           * |x| <= 127, so a pair stays under 2^15 */
                     sum = _mm256_setzero_si256();
                     for (int j = 0; j < 8; j++) {
                         const __m256i xb = bcast4(xq + 4 * j);
-                        const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(xb), _mm256_sign_epi8(w[j], xb));
+                        const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(w[j]), _mm256_sign_epi8(xb, w[j]));
                         sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, ones));
                     }
                 } else { /* 8 pairs of 15 * 127 stay under 2^15 in int16 */
@@ -321,13 +323,14 @@ gemv_avx2_block(const uint8_t *rec, const int8_t *xq, float dxb, float dxsb, int
     for (int h = 0; h < 2; h++) {
         __m256i sum;
         if (q8) {
+            /* |w| * (x with w's sign), as tile_avx2: a checkpoint's -128 weights too */
             __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
             for (int j = 0; j < 8; j += 2) {
                 const __m256i w0 = _mm256_loadu_si256((const __m256i *)(rec + 64 * j + 32 * h));
                 const __m256i w1 = _mm256_loadu_si256((const __m256i *)(rec + 64 * j + 64 + 32 * h));
                 const __m256i x0 = bcast4(xq + 4 * j), x1 = bcast4(xq + 4 * j + 4);
-                s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(x0), _mm256_sign_epi8(w0, x0)), ones));
-                s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(x1), _mm256_sign_epi8(w1, x1)), ones));
+                s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w0), _mm256_sign_epi8(x0, w0)), ones));
+                s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w1), _mm256_sign_epi8(x1, w1)), ones));
             }
             sum = _mm256_add_epi32(s0, s1);
         } else {

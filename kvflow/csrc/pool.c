@@ -114,12 +114,18 @@ static void k_qgemm_wide(const int64_t *a, double f, int64_t b, int64_t e) {
                         a[12], a[13], b, e) != 0)
         *(int64_t *)a[14] = 1; /* only ever set to 1: no race that matters */
 }
+/* x, x_stride, M, K, packed, bias, out, out_stride, N, isa: the ranges are panels of 16
+ * outputs, every thread takes all M rows */
+static void k_gemv_f32(const int64_t *a, double f, int64_t b, int64_t e) {
+    (void)f;
+    gemv_f32_panels(P(0), a[1], a[2], a[3], P(4), P(5), P(6), a[7], a[8], a[9], b, e);
+}
 #undef P
 
 static const range_fn KERNELS[] = {
     k_decode_f32, k_decode_bf16, k_prefill_bf16, k_norm_f32, k_norm_bf16, k_rope_f32,
     k_rope_bf16, k_silu_f32, k_silu_bf16, k_gemm_rows, k_gemm_panels, k_quantize_q8,
-    k_qgemm_rows, k_qgemm_panels, k_qgemm_wide,
+    k_qgemm_rows, k_qgemm_panels, k_qgemm_wide, k_gemv_f32,
 };
 #define NUM_KERNELS ((int64_t)(sizeof KERNELS / sizeof KERNELS[0]))
 

@@ -9,6 +9,8 @@ What serves here, and why:
 - projections: kvflow's bf16 panel GEMM where the CPU has AVX512-BF16 (faster than oneDNN on
   decode-sized batches, level on long prefills: packed_linear.py), else oneDNN's prepacked
   GEMM (fp32; bf16 only on CPUs with native bf16, elsewhere oneDNN emulates it), else F.linear;
+  in fp32, batches of up to GEMV_MAX_ROWS rows take kvflow's fp32 GEMV (AVX-512 or AVX2:
+  csrc/gemv_f32.c), which streams a decode step's weights faster than oneDNN;
 - attention, norm, RoPE, SiLU, KV write, argmax: the C kernels (kvflow/csrc) where they built,
   else PyTorch; attention's prompt kernel exists only where the CPU has AVX512-BF16, elsewhere
   prompt tokens run as rows of the decode kernel.
@@ -33,6 +35,7 @@ import torch
 
 from kvflow import envs
 from kvflow.csrc import library, ops
+from kvflow.csrc.gemv import GEMV_MAX_ROWS, best_gemv_isa
 from kvflow.model import attention, packed_linear
 from kvflow.model.cpu_features import CpuFeatures, cpu_features
 from kvflow.model.kv_layout import write_rows
@@ -40,16 +43,24 @@ from kvflow.model.kv_layout import write_rows
 
 @dataclass(frozen=True)
 class KernelOptions:
-    """The user's opt-outs (KVFLOW_NO_KERNELS, KVFLOW_NO_ONEDNN, KVFLOW_NO_PANEL_GEMM)."""
+    """The user's opt-outs (KVFLOW_NO_KERNELS, KVFLOW_NO_ONEDNN, KVFLOW_NO_PANEL_GEMM,
+    KVFLOW_NO_GEMV) and a narrower fp32 GEMV path to measure (KVFLOW_GEMV_ISA)."""
 
     c_kernels: bool = True
     onednn: bool = True
     panel_gemm: bool = True
+    gemv: bool = True
+    gemv_isa: str | None = None  # None: the widest this CPU and build have
+
+    def __post_init__(self):
+        if self.gemv_isa not in (None, "avx2"):
+            raise ValueError(f"KVFLOW_GEMV_ISA must be avx2 (or unset), got {self.gemv_isa!r}")
 
     @classmethod
     def from_env(cls) -> "KernelOptions":
         return cls(c_kernels=not envs.KVFLOW_NO_KERNELS, onednn=not envs.KVFLOW_NO_ONEDNN,
-                   panel_gemm=not envs.KVFLOW_NO_PANEL_GEMM)
+                   panel_gemm=not envs.KVFLOW_NO_PANEL_GEMM, gemv=not envs.KVFLOW_NO_GEMV,
+                   gemv_isa=envs.KVFLOW_GEMV_ISA)
 
 
 @dataclass(frozen=True)
@@ -105,6 +116,13 @@ class Kernels:
         return select_kernels(self.dtype, kv_dtype, self.device_type, self.features, self.options)
 
 
+def _gemv_isa(features: CpuFeatures, options: KernelOptions) -> str | None:
+    """The fp32 GEMV's path here: the widest vector one, or AVX2 where options force it (and
+    the CPU has a vector path); None: no GEMV."""
+    best = best_gemv_isa(features) if options.gemv else None
+    return best if best is None or options.gemv_isa is None else options.gemv_isa
+
+
 def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
                    device: torch.device | str | None = None, features: CpuFeatures | None = None,
                    options: KernelOptions | None = None) -> Kernels:
@@ -133,8 +151,11 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
     onednn = (on_cpu and options.onednn and packed_linear.onednn_available()
               and (dtype == torch.float32 or (dtype == bf16 and features.native_bf16
                                               and packed_linear.onednn_bf16_available())))
+    gemv_isa = _gemv_isa(features, options) if c and dtype == torch.float32 else None
     silu_mul = ops.silu_mul if c else ops.silu_mul_torch
     linear_name = "panel-bf16" if panels else "onednn" if onednn else "torch"
+    if gemv_isa is not None:  # decode-sized batches: the GEMV; longer ones as above
+        linear_name = f"gemv-{gemv_isa}+{linear_name}"
     # attention: the prompt kernel's shape check answers 0 for every shape where it was not built
     prompt_kernel = c and features.avx512_bf16 and bool(lib.paged_prefill_bf16_supported(1, 1, 32, 16))
     if c:
@@ -147,7 +168,9 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
              "gate_up": "panel-bf16-silu" if panels else f"{linear_name}+{c_name}-silu",
              "attention": attention_name, "norm": c_name, "rope": c_name, "kv_write": c_name,
              "argmax": "c" if c and dtype == bf16 else "torch"}
-    pack = partial(packed_linear.pack_weight, panels=panels, onednn=onednn) if panels or onednn else None
+    pack = (partial(packed_linear.pack_weight, panels=panels, onednn=onednn, gemv_isa=gemv_isa,
+                    gemv_rows=GEMV_MAX_ROWS.get(gemv_isa, 0))
+            if panels or onednn or gemv_isa else None)
     return Kernels(
         dtype=dtype, kv_dtype=kv_dtype, device_type=device_type, features=features,
         options=options, names=names, pack=pack,

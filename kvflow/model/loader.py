@@ -12,6 +12,8 @@ from kvflow.model.cpu_features import cpu_features
 from kvflow.model.kernels import Kernels, select_kernels
 from kvflow.model.gemma3 import Gemma3ForCausalLM
 from kvflow.model.llama import LlamaForCausalLM
+from kvflow.model.quant.compressed_tensors import METHOD, checkpoint_method, dequantized, read_raw
+from kvflow.model.quant.load import resolve_quantization
 from kvflow.model.sharding import load_shard
 from kvflow.model.weights import fuse_weights, load_gguf, read_hf_folder
 from kvflow.model_path import is_gguf
@@ -51,13 +53,16 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None 
                ) -> tuple[LlamaForCausalLM, LlamaArchConfig]:
     """Load the model at `path` (HF folder or .gguf) in `dtype`, weights fused for inference;
     `kernels` (default: chosen for `dtype` and `device`) serve its operations. `quantization`
-    gguf or int8 (kvflow/model/quant/load.py) keeps the weights quantized, on the CPU."""
-    if quantization != "none" and load_arch_config(path).architecture == "Gemma3ForCausalLM":
+    gguf, int8 or compressed-tensors (kvflow/model/quant/load.py) keeps the weights quantized,
+    on the CPU; a compressed-tensors checkpoint must be loaded as one."""
+    if quantization != METHOD and checkpoint_method(path) is not None:
+        resolve_quantization(quantization, path)  # raises: the checkpoint says how it is quantized
+    if quantization not in ("none", METHOD) and load_arch_config(path).architecture == "Gemma3ForCausalLM":
         # the quantized path builds the Llama class: Gemma 3 loads dequantised instead
         logger.warning("kvflow: quantization %r does not serve Gemma 3 yet; its weights "
                        "are dequantised at load", quantization)
         quantization = "none"
-    if quantization != "none":
+    if quantization != "none" and load_arch_config(path).architecture != "Gemma3ForCausalLM":
         from kvflow.model.quant.load import load_quantized_model
 
         loaded = load_quantized_model(path, dtype, quantization, kernels)
@@ -65,6 +70,10 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None 
             return loaded
     if is_gguf(path):
         arch, weights = load_gguf(path, dtype)
+    elif quantization == METHOD:  # no int8 kernels here (or this architecture): as floats
+        logger.warning("kvflow: %s int8 weights dequantised to %s at load", METHOD, dtype)
+        arch = load_arch_config(path)
+        weights = fuse_weights(dequantized(read_raw(path), dtype), arch, dtype)
     else:
         arch = load_arch_config(path)
         weights = fuse_weights(read_hf_folder(path, dtype), arch, dtype)
@@ -85,6 +94,8 @@ def load_sharded_model(path: str, dtype: torch.dtype, tp,
                        device: torch.device | str | None = None) -> tuple[LlamaForCausalLM, LlamaArchConfig]:
     """Rank `tp.rank`'s LlamaForCausalLM shard (built on the meta device, then given its slices;
     moved to `device` when given) and the full model's arch."""
+    if checkpoint_method(path) is not None:  # raises: quantized checkpoints are not sharded
+        resolve_quantization(None, path, tp_size=tp.world_size)
     arch = load_arch_config(path)
     weights = load_shard(path, arch, dtype, tp.rank, tp.world_size)
     kernels = select_kernels(dtype, device=device) if device is not None else None

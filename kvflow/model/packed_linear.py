@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from kvflow.csrc import ops
 from kvflow.csrc.gemm import GATE_UP_ALIGN, pack_panels, panel_gemm
+from kvflow.csrc.gemv import gemv_f32, pack_gemv
 from kvflow.model.quant.qlinear import QuantizedWeight, norm_quant_linear, quant_linear
 
 
@@ -35,9 +36,13 @@ FUSED_ROWS = 16
 
 @dataclass
 class PackedWeight:
-    """One projection's weight in the layout its GEMM reads (exactly one is set)."""
+    """One projection's weight in the layout its GEMM reads (exactly one is set, but `gemv`
+    may sit beside `onednn`)."""
     panels: torch.Tensor | None = None  # kvflow's bf16 panels (kvflow/csrc/gemm.py)
     onednn: torch.Tensor | None = None  # oneDNN's blocked copy
+    gemv: torch.Tensor | None = None  # fp32 GEMV panels for up to gemv_rows rows (csrc/gemv.py)
+    gemv_isa: str = "scalar"
+    gemv_rows: int = 0
     gate_up: bool = False  # panels of an MLP's [gate; up], for the GEMM with SiLU fused
     quant: QuantizedWeight | None = None  # quantized weights (kvflow/model/quant): the only copy
 
@@ -59,16 +64,24 @@ def panels_take(w: torch.Tensor) -> bool:
 
 
 def pack_weight(w: torch.Tensor, gate_up: bool = False, *, panels: bool,
-                onednn: bool) -> PackedWeight | None:
+                onednn: bool, gemv_isa: str | None = None, gemv_rows: int = 0) -> PackedWeight | None:
     """An (out, in) weight packed for `linear`: bf16 panels where `panels` and the kernel takes
     it, else oneDNN's layout where `onednn`; None: plain F.linear. `gate_up`: w is an MLP's
-    [gate; up], for `linear_silu_mul`. (kernels.py decides `panels` and `onednn` once.)"""
+    [gate; up], for `linear_silu_mul`. An fp32 weight also gets the GEMV's panels when
+    `gemv_isa` is given: batches of up to `gemv_rows` rows read those instead (a decode step
+    streams the weights at close to the memory's rate there; oneDNN's copy serves longer
+    batches). (kernels.py decides all of these once.)"""
     if panels and panels_take(w):
         if gate_up and w.shape[0] % GATE_UP_ALIGN == 0:
             return PackedWeight(panels=pack_panels(w.detach(), gate_up=True), gate_up=True)
         return PackedWeight(panels=pack_panels(w.detach()))
-    if onednn:  # 64: a decode-sized batch hint
-        return PackedWeight(onednn=torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64))
+    gemv = (gemv_isa is not None and gemv_rows > 0 and w.dtype == torch.float32
+            and w.device.type == "cpu" and w.dim() == 2)
+    if onednn or gemv:  # 64: a decode-sized batch hint
+        return PackedWeight(
+            onednn=torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64) if onednn else None,
+            gemv=pack_gemv(w.detach()) if gemv else None, gemv_isa=gemv_isa if gemv else "scalar",
+            gemv_rows=gemv_rows if gemv else 0)
     return None
 
 
@@ -106,6 +119,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, packed: PackedWeight | None,
     if packed.panels is not None:
         return panel_gemm(x, packed.panels, w.shape[0], bias, torch.get_num_threads())
     m = x.shape[0]
+    if packed.gemv is not None and m <= packed.gemv_rows and x.dtype == torch.float32:
+        return gemv_f32(x, packed.gemv, w.shape[0], bias, packed.gemv_isa, torch.get_num_threads())
+    if packed.onednn is None:
+        return F.linear(x, w, bias)
     rows = row_bucket(m)
     if rows != m:
         padded = x.new_empty(rows, x.shape[1])

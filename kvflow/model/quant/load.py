@@ -17,32 +17,62 @@ from kvflow.model.arch import load_arch_config
 from kvflow.model.kernels import Kernels, select_kernels
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.model.packed_linear import PackedWeight
+from kvflow.model.quant.compressed_tensors import (METHOD, SUPPORTED, check_scheme,
+                                                   checkpoint_method, quantization_config)
 from kvflow.model.quant.packing import dequantize_rows
 from kvflow.model.quant.qlinear import QuantizedWeight, best_isa
 from kvflow.model_path import is_gguf
 
 logger = logging.getLogger("kvflow")
-QUANTIZATIONS = ("gguf", "int8", "none")
+QUANTIZATIONS = ("gguf", "int8", "compressed-tensors", "none")
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def resolve_quantization(requested: str | None, path: str, tp_size: int = 1,
                          on_gpu: bool = False) -> str:
     """The option's value -> what serves: default `gguf` for a GGUF file (a float GGUF then
-    loads as floats), else `none`. Quantized weights are the CPU kernels', and not sharded
-    across ranks yet: there the default is `none` and an explicit choice is refused."""
+    loads as floats), `compressed-tensors` for an HF folder whose config.json says so (as
+    vLLM reads it; an explicit other choice is refused), else `none`. Quantized weights are
+    the CPU kernels', and not sharded across ranks yet: there the default is `none` and an
+    explicit choice is refused (a quantized checkpoint cannot fall back, so it is refused)."""
+    method = checkpoint_method(path)
+    if method is not None:
+        return _checkpoint_quantization(method, requested, path, tp_size, on_gpu)
     if requested is None:
         return "gguf" if is_gguf(path) and tp_size == 1 and not on_gpu else "none"
     if requested not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {requested!r}")
     if requested == "gguf" and not is_gguf(path):
         raise ValueError("quantization gguf needs a .gguf model file")
+    if requested == METHOD:
+        raise ValueError("quantization compressed-tensors needs an HF folder whose config.json has "
+                         "quantization_config with quant_method compressed-tensors")
     if requested != "none" and tp_size > 1:
         raise ValueError(f"quantization {requested} is not supported with tensor_parallel_size > 1")
     if requested != "none" and on_gpu:
         raise ValueError(f"quantization {requested} runs on the CPU only (device cuda: pass "
                          "--quantization none)")
     return requested
+
+
+def _checkpoint_quantization(method: str, requested: str | None, path: str, tp_size: int,
+                             on_gpu: bool) -> str:
+    """A checkpoint quantized by its maker: its own method or a ValueError saying why not."""
+    if method != METHOD:
+        raise ValueError(f"config.json: quantization_config quant_method {method!r} is not "
+                         f"supported. {SUPPORTED}")
+    if requested not in (None, METHOD):
+        raise ValueError(f"quantization method specified in the model config ({METHOD}) does "
+                         f"not match the quantization argument ({requested}): omit "
+                         f"--quantization or pass {METHOD}")
+    check_scheme(quantization_config(path))
+    if tp_size > 1:
+        raise ValueError(f"quantization {METHOD}: int8 checkpoints are not sharded across ranks "
+                         "yet; pass tensor_parallel_size 1")
+    if on_gpu:
+        raise ValueError(f"quantization {METHOD}: int8 checkpoints run on the CPU only "
+                         "(pass --device cpu)")
+    return METHOD
 
 
 def rss_bytes() -> int:
@@ -92,6 +122,12 @@ def load_quantized_model(path: str, dtype: torch.dtype, quantization: str,
                 raise _FloatFile
             return load_gguf_native(path, dtype, isa)[1:]
         source_bytes = os.path.getsize(path)
+    elif quantization == METHOD:
+        from kvflow.model.quant.compressed_tensors import load_int8
+
+        def build():
+            return load_int8(path, dtype, isa)[1:]
+        source_bytes = _float_bytes(path)
     else:
         def build():
             return _int8_weights(path, dtype, isa)[1:]
@@ -108,15 +144,21 @@ def load_quantized_model(path: str, dtype: torch.dtype, quantization: str,
     arch = load_arch_config(path)
     model = LlamaForCausalLM(arch, dtype, device="meta", kernels=kernels)
     missing, unexpected = model.load_state_dict(plain, strict=False, assign=True)
-    left = set(missing) - {f"layers.{i}.{p}" for i in range(arch.num_hidden_layers) for p in _PROJECTIONS}
-    left -= {"embed_tokens", "lm_head"}
+    left = set(missing) - set(quant)
     if left or unexpected:
         raise ValueError(f"quantized load: missing {sorted(left)}, unexpected {sorted(unexpected)}")
     model.eval()
-    for i, layer in enumerate(model.layers):
-        layer.packed = {p: PackedWeight(quant=quant[f"layers.{i}.{p}"]) for p in _PROJECTIONS}
-    model.packed_lm_head = PackedWeight(quant=quant["lm_head"])
-    model.quantized_embedding = QuantizedEmbedding(quant["embed_tokens"], dtype)
+    pack = kernels.pack or (lambda w, gate_up=False: None)
+    for i, layer in enumerate(model.layers):  # a float projection (a checkpoint's ignored one)
+        layer.packed = {p: PackedWeight(quant=quant[f"layers.{i}.{p}"])  # is packed as usual
+                        if f"layers.{i}.{p}" in quant else pack(getattr(layer, p), gate_up=p == "gate_up_proj")
+                        for p in _PROJECTIONS}
+    if "lm_head" in quant:
+        model.packed_lm_head = PackedWeight(quant=quant["lm_head"])
+    else:
+        model.packed_lm_head = pack(model.embed_tokens if model.lm_head is None else model.lm_head)
+    if "embed_tokens" in quant:
+        model.quantized_embedding = QuantizedEmbedding(quant["embed_tokens"], dtype)
     weight_bytes = sum(w.nbytes for w in {id(w): w for w in quant.values()}.values())
     weight_bytes += sum(t.numel() * t.element_size() for t in plain.values())
     from kvflow.model.quant.gguf_native import describe

@@ -4,7 +4,8 @@ A quantized (N, K) weight is given as integer values q (N, K) with a scale d and
 output and block of 32 inputs: weight = d * q + m. Two kinds:
 
 - q4: q in 0..15, any d and m (GGUF Q4_0 has m = -8 d, Q4_1 and Q4_K their own mins);
-- q8: q in -127..127 and m = 0 (GGUF Q8_0, everything requantized to it, int8 W8A8).
+- q8: q in -128..127 and m = 0 (GGUF Q8_0, everything requantized to it, int8 W8A8; only
+  compressed-tensors checkpoints reach -128).
 
 Outputs go in panels of 16; each panel is one run of records, one per block of 32 inputs
 (the C file's header has the bytes). N is padded to whole panels with zero weights."""

@@ -1,0 +1,58 @@
+"""Tensor-level entry of the fp32 decode GEMV (gemv_f32.c): the weight packing it reads, its
+instruction sets, and the call, split over the kernel pool by panels of outputs."""
+from __future__ import annotations
+
+import torch
+
+from kvflow.csrc import library, run_kernel
+
+GEMV_PANEL = 16  # outputs per packed panel (gemv_f32.c)
+GEMV_ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}  # gemv_f32.c's `isa` codes
+# The most rows the GEMV serves per instruction set, by measurement (benchmarks/gemv_f32.py,
+# the default model's projections and LM head, one thread, the Zen 4 here; README "fp32
+# decode GEMV"): AVX-512 beat oneDNN at every M up to 8 (its tile), AVX2 (forced) up to 4 and
+# was level at 6, behind at 8. A Zen 3's oneDNN is an AVX2 one: measure there before trusting
+# the AVX2 figure.
+GEMV_MAX_ROWS = {"avx2": 4, "avx512": 8}
+
+
+def gemv_isas() -> list[str]:
+    """The paths the kernel library was built with, narrowest first."""
+    lib = library()
+    if lib is None:
+        return []
+    bits = int(lib.gemv_f32_isas())
+    return [name for name, code in GEMV_ISAS.items() if bits >> code & 1]
+
+
+def best_gemv_isa(features) -> str | None:
+    """The widest vector path that both the build and the CPU offer (None: no vector path,
+    oneDNN serves every row count)."""
+    built = gemv_isas()
+    if "avx512" in built and features.avx512:
+        return "avx512"
+    if "avx2" in built and {"avx2", "fma"} <= features.flags:
+        return "avx2"
+    return None
+
+
+def pack_gemv(w: torch.Tensor) -> torch.Tensor:
+    """(N, K) fp32 -> [ceil(N/16), K, 16]: per panel of 16 outputs, input k's 16 weights in
+    one 64-byte line, so a panel is one sequential stream (outputs past N are zero weights)."""
+    n, k = w.shape
+    padded = w.new_zeros(-(-n // GEMV_PANEL) * GEMV_PANEL, k)
+    padded[:n] = w
+    return padded.view(-1, GEMV_PANEL, k).transpose(1, 2).contiguous()
+
+
+def gemv_f32(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+             isa: str = "avx512", threads: int = 1) -> torch.Tensor:
+    """x [M, K] fp32 @ w.T (+ bias) -> [M, n] fp32, w given as pack_gemv(w)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    out = x.new_empty(m, n)
+    words = [x.data_ptr(), x.stride(0), m, k, packed.data_ptr(),
+             bias.data_ptr() if bias is not None else None, out.data_ptr(), n, n, GEMV_ISAS[isa]]
+    run_kernel("gemv_f32", words, packed.shape[0], threads)
+    return out

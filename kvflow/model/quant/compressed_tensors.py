@@ -1,0 +1,252 @@
+"""compressed-tensors int8 W8A8 checkpoints (what llm-compressor's W8A8 recipes write and vLLM
+serves): an HF folder whose config.json carries `quantization_config` with
+`quant_method: compressed-tensors`, each quantized Linear stored as `<module>.weight` (int8) and
+`<module>.weight_scale` (one float per output channel, or one per tensor), weight = scale * q.
+
+Detected from config.json, as vLLM does. Served by the same q8 panels and kernels as
+`--quantization int8`, from the checkpoint's own int8 values (nothing is requantized; the
+scales are held in fp16 as the panels store them: exact for bf16/fp16 scales in fp16's normal
+range, within 2^-11 relative for fp32 ones). The one scheme served is vLLM's W8A8Int8 with
+dynamic activations: weights int8, symmetric, per channel (or per tensor), activations int8,
+symmetric, dynamic, per token. Anything else is refused by name (SUPPORTED says what runs)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+
+import numpy as np
+import torch
+
+from kvflow.model_path import is_gguf
+
+logger = logging.getLogger("kvflow")
+
+METHOD = "compressed-tensors"
+FORMATS = ("int-quantized", "naive-quantized")
+SUPPORTED = ("kvflow serves compressed-tensors int8 W8A8 only: format int-quantized or "
+             "naive-quantized; weights num_bits 8, type int, symmetric, strategy channel or "
+             "tensor; input_activations num_bits 8, type int, symmetric, dynamic, strategy token")
+# kvflow's fused projection -> the HF Linear modules it is made of (checkpoints that ship them
+# fused, like Phi-3, name the fused module itself)
+FUSED = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "o_proj": ("self_attn.o_proj",),
+         "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+         "down_proj": ("mlp.down_proj",)}
+_CHECKPOINT_FUSED = {"qkv_proj": "self_attn.qkv_proj", "gate_up_proj": "mlp.gate_up_proj"}
+
+
+def quantization_config(path: str) -> dict | None:
+    """config.json's `quantization_config` of an HF folder (None: a GGUF file, or none)."""
+    if is_gguf(path):
+        return None
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return None
+    with open(config) as f:
+        qc = json.load(f).get("quantization_config")
+    if qc is not None and not isinstance(qc, dict):
+        raise ValueError("config.json: quantization_config must be an object")
+    return qc
+
+
+def checkpoint_method(path: str) -> str | None:
+    """The checkpoint's own quantization (quant_method, lower case), or None for floats."""
+    qc = quantization_config(path)
+    if qc is None:
+        return None
+    return str(qc.get("quant_method", "")).lower() or "unknown"
+
+
+def _refuse(what: str) -> ValueError:
+    return ValueError(f"compressed-tensors checkpoint: {what} is not supported. {SUPPORTED}")
+
+
+def check_scheme(qc: dict) -> None:
+    """ValueError naming the first thing in `qc` that kvflow does not run."""
+    fmt = qc.get("format")
+    if fmt not in FORMATS:
+        raise _refuse(f"format {fmt!r}")
+    if qc.get("sparsity_config"):
+        raise _refuse("sparsity_config (sparse weights)")
+    if qc.get("transform_config"):
+        raise _refuse("transform_config (rotated weights)")
+    if qc.get("kv_cache_scheme"):
+        raise _refuse("kv_cache_scheme (a quantized KV cache)")
+    status = qc.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise _refuse(f"quantization_status {status!r} (weights not stored as int8)")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise _refuse("a quantization_config without config_groups")
+    for name, g in groups.items():
+        if not isinstance(g, dict):
+            raise _refuse(f"config group {name!r} that is not an object")
+        if g.get("format") not in (None, *FORMATS):
+            raise _refuse(f"group {name}: format {g.get('format')!r}")
+        if g.get("output_activations"):
+            raise _refuse(f"group {name}: output_activations")
+        w, a = g.get("weights"), g.get("input_activations")
+        if not isinstance(w, dict):
+            raise _refuse(f"group {name}: no weights scheme")
+        if not isinstance(a, dict):
+            raise _refuse(f"group {name}: weight-only quantization (no input_activations)")
+        _check_args(f"group {name}: weights", w, strategies=("channel", "tensor"), dynamic=False)
+        _check_args(f"group {name}: input_activations", a, strategies=("token",), dynamic=True)
+
+
+def _check_args(where: str, args: dict, strategies: tuple[str, ...], dynamic: bool) -> None:
+    if args.get("num_bits") != 8:
+        raise _refuse(f"{where} num_bits {args.get('num_bits')!r}")
+    if args.get("type") != "int":
+        raise _refuse(f"{where} type {args.get('type')!r}")
+    if args.get("symmetric") is not True:
+        raise _refuse(f"{where} symmetric {args.get('symmetric')!r} (asymmetric zero points)")
+    if bool(args.get("dynamic", False)) != dynamic:
+        raise _refuse(f"{where} dynamic {args.get('dynamic')!r} "
+                      f"({'static activation scales' if not dynamic else 'dynamic weights'})")
+    if args.get("strategy") not in strategies:
+        raise _refuse(f"{where} strategy {args.get('strategy')!r}")
+    if args.get("group_size") is not None or args.get("block_structure") is not None:
+        raise _refuse(f"{where} group_size/block_structure")
+    if args.get("actorder") is not None:
+        raise _refuse(f"{where} actorder {args.get('actorder')!r}")
+
+
+def _matches(name: str, target: str) -> bool:
+    """compressed-tensors' rule: `re:<pattern>` is re.match on the module's name, `Linear` (a
+    class name) every Linear module, anything else the exact module name."""
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == "Linear" or target == name
+
+
+def is_quantized(module: str, qc: dict) -> bool:
+    """The HF Linear module `module` (e.g. model.layers.0.mlp.up_proj, lm_head) is int8 in
+    this checkpoint: some group targets it and `ignore` does not name it."""
+    if any(_matches(module, t) for t in qc.get("ignore") or ()):
+        return False
+    return any(_matches(module, t) for g in qc["config_groups"].values()
+               for t in g.get("targets") or ())
+
+
+def read_raw(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder under its HF name, in its stored dtype."""
+    from safetensors import safe_open
+
+    from kvflow.model.weights import hf_weight_files
+
+    files, bin_path = hf_weight_files(path)
+    if bin_path is not None:
+        raise ValueError("compressed-tensors checkpoint: weights must be in safetensors files")
+    tensors = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def int8_weight(raw: dict[str, torch.Tensor], module: str) -> tuple[np.ndarray, np.ndarray]:
+    """(q int8 (N, K), per-channel scale float32 (N,)) of a quantized module, popped from
+    `raw`; ValueError for anything but int8 weights with one scale per channel or tensor."""
+    w, s = raw.pop(module + ".weight", None), raw.pop(module + ".weight_scale", None)
+    if w is None or s is None:
+        raise ValueError(f"compressed-tensors checkpoint: {module}.weight and .weight_scale "
+                         "must both be present")
+    zp = raw.pop(module + ".weight_zero_point", None)
+    if zp is not None and bool(zp.ne(0).any()):
+        raise _refuse(f"{module}: non-zero weight_zero_point")
+    for extra in ("input_scale", "input_zero_point", "weight_g_idx", "weight_shape", "weight_packed"):
+        if module + "." + extra in raw:
+            raise _refuse(f"{module}.{extra}")
+    if w.dtype != torch.int8 or w.dim() != 2:
+        raise ValueError(f"compressed-tensors checkpoint: {module}.weight is {w.dtype} "
+                         f"{tuple(w.shape)}, expected a 2-D int8 tensor")
+    n = w.shape[0]
+    if s.numel() == 1:
+        s = s.reshape(1).expand(n)
+    elif s.numel() == n:
+        s = s.reshape(n)
+    else:
+        raise ValueError(f"compressed-tensors checkpoint: {module}.weight_scale has shape "
+                         f"{tuple(s.shape)}, expected ({n}, 1) or (1,)")
+    scale = s.float().numpy().astype(np.float32)
+    if not np.all(np.isfinite(scale)) or np.any(scale < 0):
+        raise ValueError(f"compressed-tensors checkpoint: {module}.weight_scale must be finite "
+                         "and non-negative")
+    return w.numpy(), scale
+
+
+def _modules(raw: dict, layer: int, fused: str) -> list[str]:
+    p = f"model.layers.{layer}."
+    own = _CHECKPOINT_FUSED.get(fused)
+    if own is not None and p + own + ".weight" in raw:
+        return [p + own]
+    return [p + m for m in FUSED[fused]]
+
+
+def dequantized(raw: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The checkpoint as floats under HF names: every int8 module's weight = scale * q (the
+    reference the int8 path is tested against, and the load where C kernels are missing)."""
+    raw = dict(raw)
+    out = {}
+    for module in [n.removesuffix(".weight_scale") for n in raw if n.endswith(".weight_scale")]:
+        q, scale = int8_weight(raw, module)
+        out[module + ".weight"] = torch.from_numpy(q.astype(np.float32) * scale[:, None]).to(dtype)
+    out.update({name: t.to(dtype) for name, t in raw.items()})
+    return out
+
+
+def load_int8(path: str, dtype: torch.dtype, isa: str):
+    """(arch, float tensors under kvflow's names, QuantizedWeights under kvflow's names) of a
+    compressed-tensors W8A8 folder. A fused projection's parts must all be int8 or all float;
+    float ones (ignored modules: the LM head, usually) stay in the float dict."""
+    from kvflow.model.arch import load_arch_config
+    from kvflow.model.weights import fuse_weights
+
+    qc = quantization_config(path)
+    check_scheme(qc)
+    arch = load_arch_config(path)
+    raw = read_raw(path)
+    quant, rounded = {}, 0
+    for i in range(arch.num_hidden_layers):
+        for fused in FUSED:
+            modules = _modules(raw, i, fused)
+            flags = {is_quantized(m, qc) for m in modules}
+            if len(flags) > 1:
+                raise _refuse(f"layer {i} {fused}: some of {modules} quantized, some not")
+            if flags == {True}:
+                quant[f"layers.{i}.{fused}"], r = _fused(raw, modules, isa)
+                rounded += r
+                for m in modules:  # what fuse_weights looks for: a shape, no memory
+                    raw[m + ".weight"] = torch.empty(0, device="meta")
+    if not arch.tie_word_embeddings and is_quantized("lm_head", qc):
+        quant["lm_head"], r = _fused(raw, ["lm_head"], isa)
+        rounded += r
+        raw["lm_head.weight"] = torch.empty(0, device="meta")
+    elif arch.tie_word_embeddings and "lm_head.weight_scale" in raw:
+        raise _refuse("an int8 lm_head tied to the float embedding")
+    left = sorted(n for n in raw if n.endswith(".weight_scale"))
+    if left:
+        raise ValueError(f"compressed-tensors checkpoint: int8 weights kvflow does not know: {left[:3]}")
+    if rounded:
+        logger.info("kvflow: %d weight scales of %s rounded to fp16 (relative error < 2^-11)",
+                    rounded, path)
+    weights = fuse_weights(raw, arch, dtype)
+    plain = {k: v for k, v in weights.items() if v.device.type != "meta"}
+    return arch, plain, quant
+
+
+def _fused(raw: dict, modules: list[str], isa: str):
+    from kvflow.model.quant.int8 import int8_from_channels
+
+    parts = [int8_weight(raw, m) for m in modules]
+    q = np.concatenate([p[0] for p in parts])
+    scale = np.concatenate([p[1] for p in parts])
+    if scale.max(initial=0.0) > 65504.0:  # the panels hold fp16 scales
+        raise ValueError(f"compressed-tensors checkpoint: {modules[0]}.weight_scale exceeds "
+                         "fp16's range (65504)")
+    rounded = int(np.count_nonzero(scale.astype(np.float16).astype(np.float32) != scale))
+    return int8_from_channels(q, scale, isa, source="compressed-tensors"), rounded
