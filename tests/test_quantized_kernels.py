@@ -124,6 +124,58 @@ def test_checkpoint_int8_with_minus_128_matches_dequantise_then_matmul(isa, m, n
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("k", [32, 96, 1024])
+def test_one_row_with_an_odd_number_of_blocks(isa, type_name, k):
+    """The decode kernel (M = 1) takes blocks two at a time: an odd count leaves one over."""
+    w, ref_w = quantized(type_name, 56, k, isa)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(k))
+    got = quant_linear(x, w, threads=2)
+    ref = reference(x, ref_w, w.kb, per_row=False)
+    assert (got.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m", [1, 7, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gate_up_with_silu_mul_fused_is_the_two_steps(isa, m, dtype):
+    """silu_mul=True: one call gives silu(gate) * up of the [gate; up] product, exactly what
+    the product followed by the SiLU kernel gives."""
+    from kvflow.csrc import ops
+
+    w, _ = quantized("Q4_1", 96, 256, isa)
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).to(dtype)
+    fused = quant_linear(x, w, silu_mul=True)
+    assert fused.shape == (m, 48) and fused.dtype == dtype
+    torch.testing.assert_close(fused, ops.silu_mul(quant_linear(x, w)), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m", [1, 7, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_then_projection_in_one_call_is_the_two_steps(isa, m, dtype):
+    """norm_quant_linear: residual += delta in place and the projection of its RMSNorm, exactly
+    what ops.add_rms_norm then quant_linear give (with and without a delta, with SiLU * up)."""
+    from kvflow.csrc import ops
+    from kvflow.model.quant.qlinear import norm_quant_linear
+
+    w, _ = quantized("Q4_0", 64, 256, isa)
+    g = torch.Generator().manual_seed(m)
+    x, delta = torch.randn(m, 256, generator=g).to(dtype), torch.randn(m, 256, generator=g).to(dtype)
+    norm_w = (1 + 0.1 * torch.randn(256, generator=g)).to(dtype)
+    bias = torch.randn(64, generator=g)
+    for d, silu in ((delta, False), (None, False), (delta, True)):
+        r_fused, r_ref = x.clone(), x.clone()
+        fused = norm_quant_linear(r_fused, d, norm_w, 1e-5, w, None if silu else bias, silu_mul=silu)
+        h = ops.add_rms_norm(r_ref, d, norm_w, 1e-5)
+        ref = quant_linear(h, w, silu_mul=True) if silu else quant_linear(h, w, bias)
+        torch.testing.assert_close(fused, ref, rtol=0, atol=0)
+        torch.testing.assert_close(r_fused, r_ref, rtol=0, atol=0)
+        if d is not None:
+            assert not torch.equal(r_fused, x)  # the residual took the delta
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_bf16_activations_bias_and_output(isa):
     w, ref_w = quantized("Q4_1", 40, 64, isa)
     x = torch.randn(5, 64).bfloat16()
@@ -160,17 +212,21 @@ def test_avx2_path_from_a_build_without_avx512(tmp_path):
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.gemm_quant_panels.argtypes = [ptr, ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64,
                                       i64, i64, i64]
-    for type_name in ("Q4_1", "Q8_0", "checkpoint int8"):  # the last with -128 weights
+    # M = 1: the decode kernel (Kb = 3: two blocks at a time and one over); M = 7: the tiles;
+    # the checkpoint int8 rows have -128 weights
+    for type_name, m, k in (("Q4_1", 7, 256), ("Q8_0", 7, 256), ("checkpoint int8", 7, 256),
+                            ("Q4_1", 1, 96), ("Q8_0", 1, 96), ("Q4_0", 1, 256),
+                            ("checkpoint int8", 1, 96)):
         if type_name == "checkpoint int8":
-            w, _ = checkpoint_int8(40, 256, "scalar")
+            w, _ = checkpoint_int8(40, k, "scalar")
         else:
-            w, _ = quantized(type_name, 40, 256, "scalar")
-        x = torch.randn(7, 256)
+            w, _ = quantized(type_name, 40, k, "scalar")
+        x = torch.randn(m, k)
         qx, dx, dxs = quantize_activations(x, w.kb, w.per_row, 1)
         outs = []
         for isa in (0, 1):
-            out = torch.zeros(7, 40)
-            lib.gemm_quant_panels(qx.data_ptr(), dx.data_ptr(), dxs.data_ptr(), w.kb, 7,
+            out = torch.zeros(m, 40)
+            lib.gemm_quant_panels(qx.data_ptr(), dx.data_ptr(), dxs.data_ptr(), w.kb, m,
                                   w.packed.data_ptr(), int(w.kind == "q8"), isa, None,
                                   out.data_ptr(), 40, 40, 0, 0, 3)
             outs.append(out)

@@ -131,10 +131,15 @@ def library() -> ctypes.CDLL | None:
     lib.gemm_quant_wide_isas.restype, lib.gemm_quant_wide_isas.argtypes = _i64, []
     lib.gemv_f32_isas.restype, lib.gemv_f32_isas.argtypes = _i64, []
     # x, x_stride, K, Kb, x_bf16, per_row, packed, kind, isa, bias, out, N, out_bf16, M, threads,
-    # wide_rows
+    # wide_rows, silu_mul
     lib.quant_linear.restype = _i64
     lib.quant_linear.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr,
-                                 _i64, _i64, _i64, _i64, _i64]
+                                 _i64, _i64, _i64, _i64, _i64, _i64]
+    # residual, delta, norm_weight, eps, then quant_linear's words from K on
+    lib.quant_linear_normed.restype = _i64
+    lib.quant_linear_normed.argtypes = [_ptr, _ptr, _ptr, ctypes.c_double, _i64, _i64, _i64, _i64,
+                                        _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
+                                        _i64]
     lib.gemm_bf16_available.restype, lib.gemm_bf16_available.argtypes = ctypes.c_int, []
     lib.paged_prefill_bf16_supported.restype = ctypes.c_int
     lib.paged_prefill_bf16_supported.argtypes = [_i64, _i64, _i64, _i64]

@@ -21,9 +21,10 @@
  * `per_row` gives a whole row one scale (int8 W8A8's per-token scales).
  *
  * Paths (chosen at load, passed as `isa`): 0 scalar (the tests' reference), 1 AVX2,
- * 2 AVX-512 VNNI. Rows go in tiles (the unpacked block of weights is reused by every row of
- * the tile); threads split panels (few rows: each streams its share of the weights) or rows
- * (many rows). */
+ * 2 AVX-512 VNNI. One row (batch-1 decode) has its own loop per path (gemv_*: the weights
+ * streamed once, independent sums per block); more rows go in tiles (the unpacked block of
+ * weights is reused by every row of the tile); threads split panels (few rows: each streams
+ * its share of the weights) or rows (many rows). */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -36,6 +37,7 @@
 #define Q4_REC 320
 #define Q8_REC 608
 #define PANEL_BLOCK_BYTES (128 * 1024)
+#define GEMV_MAX_K 65536 /* one row's x + 128 on the stack (q8, VNNI) */
 
 static inline float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -308,6 +310,63 @@ AVX2_FN(1, 0) AVX2_FN(2, 0) AVX2_FN(3, 0) AVX2_FN(4, 0)
 AVX2_FN(1, 1) AVX2_FN(2, 1) AVX2_FN(3, 1) AVX2_FN(4, 1)
 static const qtile_fn AVX2_TILES[2][AVX2_TILE + 1] = {
     {0, avx2_1_0, avx2_2_0, avx2_3_0, avx2_4_0}, {0, avx2_1_1, avx2_2_1, avx2_3_1, avx2_4_1}};
+
+/* AVX2, one row (decode): each record read once, both halves of the panel from it, and the
+ * sums kept in separate chains (low and high quads; weights and mins) so that consecutive
+ * blocks overlap instead of waiting on one accumulator. */
+static inline __attribute__((always_inline)) void
+gemv_avx2_block(const uint8_t *rec, const int8_t *xq, float dxb, float dxsb, int q8,
+                __m256 acc[2], __m256 accm[2])
+{
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
+    const __m256 vdx = _mm256_set1_ps(dxb);
+    for (int h = 0; h < 2; h++) {
+        __m256i sum;
+        if (q8) {
+            /* |w| * (x with w's sign), as tile_avx2: a checkpoint's -128 weights too */
+            __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j += 2) {
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(rec + 64 * j + 32 * h));
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(rec + 64 * j + 64 + 32 * h));
+                const __m256i x0 = bcast4(xq + 4 * j), x1 = bcast4(xq + 4 * j + 4);
+                s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w0), _mm256_sign_epi8(x0, w0)), ones));
+                s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w1), _mm256_sign_epi8(x1, w1)), ones));
+            }
+            sum = _mm256_add_epi32(s0, s1);
+        } else {
+            __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(rec + 64 * j + 32 * h));
+                lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(_mm256_and_si256(v, low), bcast4(xq + 4 * j)));
+                hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                                               bcast4(xq + 16 + 4 * j)));
+            }
+            sum = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 288 + 16 * h)));
+            accm[h] = _mm256_fmadd_ps(m, _mm256_set1_ps(dxsb), accm[h]);
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + (q8 ? 512 : 256) + 16 * h)));
+        acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, vdx), acc[h]);
+    }
+}
+
+static void gemv_avx2(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb,
+                      const uint8_t *panel, int q8, float *res)
+{
+    const int rec_bytes = q8 ? Q8_REC : Q4_REC;
+    __m256 a0[2], a1[2], m0[2], m1[2];
+    for (int h = 0; h < 2; h++)
+        a0[h] = a1[h] = m0[h] = m1[h] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= Kb; b += 2) { /* two blocks in flight: independent accumulators */
+        gemv_avx2_block(panel + b * rec_bytes, qx + b * QB, dx[b], dxs[b], q8, a0, m0);
+        gemv_avx2_block(panel + (b + 1) * rec_bytes, qx + (b + 1) * QB, dx[b + 1], dxs[b + 1], q8, a1, m1);
+    }
+    if (b < Kb)
+        gemv_avx2_block(panel + b * rec_bytes, qx + b * QB, dx[b], dxs[b], q8, a0, m0);
+    for (int h = 0; h < 2; h++)
+        _mm256_storeu_ps(res + 8 * h, _mm256_add_ps(_mm256_add_ps(a0[h], a1[h]), _mm256_add_ps(m0[h], m1[h])));
+}
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -369,6 +428,62 @@ VNNI_FN(1, 1) VNNI_FN(2, 1) VNNI_FN(3, 1) VNNI_FN(4, 1) VNNI_FN(5, 1) VNNI_FN(6,
 static const qtile_fn VNNI_TILES[2][VNNI_TILE + 1] = {
     {0, vnni_1_0, vnni_2_0, vnni_3_0, vnni_4_0, vnni_5_0, vnni_6_0, vnni_7_0, vnni_8_0},
     {0, vnni_1_1, vnni_2_1, vnni_3_1, vnni_4_1, vnni_5_1, vnni_6_1, vnni_7_1, vnni_8_1}};
+
+/* AVX-512 VNNI, one row (decode): the same records, streamed with more independent work per
+ * block. A q4 record's high nibbles are masked in place (v & 0xf0: 16x the value, still exact in
+ * int32) and summed in their own chain, shifted down once; q8 sums even and odd quads apart and
+ * reads x + 128 from `xu`, made once per call (not once per panel). Two blocks in flight, each
+ * with its own accumulators: the tile loop's one chain of 8 `vpdpbusd` per block and one
+ * accumulator for weights and mins made each block wait on the last. */
+static inline __attribute__((always_inline)) void
+gemv_vnni_block(const uint8_t *rec, const int8_t *xq, const uint8_t *xu, float dxb, float dxsb,
+                int q8, __m512 *acc, __m512 *accm)
+{
+    __m512i sum;
+    if (q8) {
+        __m512i s0 = _mm512_loadu_si512(rec + 544), s1 = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j += 2) {
+            int32_t v0, v1;
+            memcpy(&v0, xu + 4 * j, 4);
+            memcpy(&v1, xu + 4 * j + 4, 4);
+            s0 = _mm512_dpbusd_epi32(s0, _mm512_set1_epi32(v0), _mm512_loadu_si512(rec + 64 * j));
+            s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(v1), _mm512_loadu_si512(rec + 64 * j + 64));
+        }
+        sum = _mm512_add_epi32(s0, s1);
+    } else {
+        const __m512i low = _mm512_set1_epi8(0x0f), high = _mm512_set1_epi8((char)0xf0);
+        __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+            int32_t x0, x1;
+            memcpy(&x0, xq + 4 * j, 4);
+            memcpy(&x1, xq + 16 + 4 * j, 4);
+            const __m512i v = _mm512_loadu_si512(rec + 64 * j);
+            lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(v, low), _mm512_set1_epi32(x0));
+            hi = _mm512_dpbusd_epi32(hi, _mm512_and_si512(v, high), _mm512_set1_epi32(x1));
+        }
+        sum = _mm512_add_epi32(lo, _mm512_srai_epi32(hi, 4));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 288)));
+        *accm = _mm512_fmadd_ps(m, _mm512_set1_ps(dxsb), *accm);
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + (q8 ? 512 : 256))));
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(dxb)), *acc);
+}
+
+static void gemv_vnni(const int8_t *qx, const uint8_t *xu, const float *dx, const float *dxs,
+                      int64_t Kb, const uint8_t *panel, int q8, float *res)
+{
+    const int rec_bytes = q8 ? Q8_REC : Q4_REC;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, m0 = a0, m1 = a0;
+    int64_t b = 0;
+    for (; b + 2 <= Kb; b += 2) {
+        gemv_vnni_block(panel + b * rec_bytes, qx + b * QB, xu + b * QB, dx[b], dxs[b], q8, &a0, &m0);
+        gemv_vnni_block(panel + (b + 1) * rec_bytes, qx + (b + 1) * QB, xu + (b + 1) * QB, dx[b + 1],
+                        dxs[b + 1], q8, &a1, &m1);
+    }
+    if (b < Kb)
+        gemv_vnni_block(panel + b * rec_bytes, qx + b * QB, xu + b * QB, dx[b], dxs[b], q8, &a0, &m0);
+    _mm512_storeu_ps(res, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(m0, m1)));
+}
 #endif
 
 /* finish_row for a whole panel in vector code (a wide, shallow projection like an LM head
@@ -442,6 +557,32 @@ void gemm_quant_panels(const int8_t *qx, const float *dx, const float *dxs, int6
             const int64_t n0 = p * QP, nv = N - n0 < QP ? N - n0 : QP;
             panel_scalar(qx, dx, dxs, Kb, M, packed + p * panel_bytes, q8, bias, n0, nv, out,
                          out_stride, bf16);
+        }
+        return;
+    }
+    if (M == 1 && Kp <= GEMV_MAX_K) { /* decode: one row, its own loop */
+        uint8_t xu[GEMV_MAX_K];
+        (void)xu;
+#ifdef QUANT_VNNI
+        if (isa == 2 && q8)
+            for (int64_t k = 0; k < Kp; k++)
+                xu[k] = (uint8_t)(qx[k] ^ (int8_t)0x80);
+#endif
+        for (int64_t p = p_begin; p < p_end; p++) {
+            const int64_t n0 = p * QP, nv = N - n0 < QP ? N - n0 : QP;
+            float res[QP];
+#ifdef QUANT_VNNI
+            if (isa == 2)
+                gemv_vnni(qx, xu, dx, dxs, Kb, packed + p * panel_bytes, q8, res);
+#endif
+#ifdef QUANT_AVX2
+            if (isa == 1)
+                gemv_avx2(qx, dx, dxs, Kb, packed + p * panel_bytes, q8, res);
+#endif
+            if (nv == QP)
+                finish_row16(res, bias, n0, out, 0, bf16);
+            else
+                finish_row(res, bias, n0, nv, out, 0, bf16);
         }
         return;
     }

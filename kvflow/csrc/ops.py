@@ -94,6 +94,11 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: tor
     return out
 
 
+def c_norm_takes(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> bool:
+    """add_rms_norm's C kernel takes these tensors (else it hands them to PyTorch)."""
+    return _kernel_suffix(residual, weight, *([delta] if delta is not None else [])) is not None
+
+
 def add_rms_norm_fp32_weight(residual: torch.Tensor, delta: torch.Tensor | None,
                              weight: torch.Tensor, eps: float) -> torch.Tensor:
     """add_rms_norm_fp32_weight_torch; for fp32 activations that is exactly add_rms_norm, so

@@ -270,12 +270,39 @@ void kernel_pool_run(int64_t kernel, const int64_t *args, double farg, int64_t n
 #define K_QGEMM_WIDE 14
 #define QUANT_ROW_SPLIT 32
 static __thread struct { void *buf; size_t cap; } scratch;
+/* the [M, N] product of a gate_up projection whose SiLU * up is the output (`silu_mul`): one
+ * call from Python for the MLP's first half, as the bf16 panel GEMM fuses it */
+static __thread struct { void *buf; size_t cap; } act_scratch;
+#define K_SILU_F32 7
+#define K_SILU_BF16 8
+#define K_NORM_F32 3
+#define K_NORM_BF16 4
+#define PARALLEL_VALUES (1 << 13) /* ops.py's MIN_PARALLEL_VALUES */
+static __thread struct { void *buf; size_t cap; } norm_scratch;
 
 int64_t quant_linear(const void *x, int64_t x_stride, int64_t K, int64_t Kb, int64_t x_bf16,
                      int64_t per_row, const uint8_t *packed, int64_t kind, int64_t isa,
                      const float *bias, void *out, int64_t N, int64_t out_bf16, int64_t M,
-                     int64_t threads, int64_t wide_rows)
+                     int64_t threads, int64_t wide_rows, int64_t silu_mul)
 {
+    if (silu_mul) { /* out [M, N/2] = silu(gate) * up of the [M, N] product, kept in scratch */
+        const size_t bytes = (size_t)(M * N) * (out_bf16 ? 2 : 4);
+        if (bytes > act_scratch.cap) {
+            free(act_scratch.buf);
+            act_scratch.buf = malloc(bytes);
+            act_scratch.cap = act_scratch.buf ? bytes : 0;
+            if (!act_scratch.buf)
+                return -1;
+        }
+        const int64_t rc = quant_linear(x, x_stride, K, Kb, x_bf16, per_row, packed, kind, isa, bias,
+                                        act_scratch.buf, N, out_bf16, M, threads, wide_rows, 0);
+        if (rc != 0)
+            return rc;
+        const int64_t sargs[3] = {(int64_t)act_scratch.buf, (int64_t)out, N / 2};
+        kernel_pool_run(out_bf16 ? K_SILU_BF16 : K_SILU_F32, sargs, 0.0, M, NULL,
+                        M * (N / 2) >= PARALLEL_VALUES ? threads : 1);
+        return 0;
+    }
     if (M >= wide_rows && gemm_quant_wide_takes(isa, K, x_bf16, out_bf16)) {
         int64_t failed = 0;
         const int64_t wargs[15] = {(int64_t)x, x_stride, K, Kb, x_bf16, M, (int64_t)packed, kind,
@@ -305,4 +332,29 @@ int64_t quant_linear(const void *x, int64_t x_stride, int64_t K, int64_t Kb, int
     else
         kernel_pool_run(K_QGEMM_PANELS, gargs, 0.0, (N + 15) / 16, NULL, threads);
     return 0;
+}
+
+/* quant_linear of RMSNorm(residual += delta) * norm_weight (add_rms_norm's kernel and numbers;
+ * residual updated in place, delta may be NULL): the normed rows live only in this thread's
+ * scratch, so a decode step's norm and the projection after it are one call from Python. */
+int64_t quant_linear_normed(void *residual, const void *delta, const void *norm_weight, double eps,
+                            int64_t K, int64_t Kb, int64_t x_bf16, int64_t per_row,
+                            const uint8_t *packed, int64_t kind, int64_t isa, const float *bias,
+                            void *out, int64_t N, int64_t out_bf16, int64_t M, int64_t threads,
+                            int64_t wide_rows, int64_t silu_mul)
+{
+    const size_t bytes = (size_t)(M * K) * (x_bf16 ? 2 : 4);
+    if (bytes > norm_scratch.cap) {
+        free(norm_scratch.buf);
+        norm_scratch.buf = malloc(bytes);
+        norm_scratch.cap = norm_scratch.buf ? bytes : 0;
+        if (!norm_scratch.buf)
+            return -1;
+    }
+    const int64_t nargs[5] = {(int64_t)residual, (int64_t)delta, (int64_t)norm_weight,
+                              (int64_t)norm_scratch.buf, K};
+    kernel_pool_run(x_bf16 ? K_NORM_BF16 : K_NORM_F32, nargs, eps, M, NULL,
+                    M * K >= PARALLEL_VALUES ? threads : 1);
+    return quant_linear(norm_scratch.buf, K, K, Kb, x_bf16, per_row, packed, kind, isa, bias, out,
+                        N, out_bf16, M, threads, wide_rows, silu_mul);
 }

@@ -90,6 +90,20 @@ class Kernels:
     attention: Callable[..., torch.Tensor]
     argmax: Callable[[torch.Tensor], list[int]]
 
+    def norm_linear(self, x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,
+                    eps: float, w: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """linear(add_rms_norm(x, delta, norm_weight, eps), w, packed, bias), fused where the
+        weight is quantized (packed_linear.norm_linear)."""
+        return packed_linear.norm_linear(x, delta, norm_weight, eps, w, packed, bias,
+                                         add_rms_norm=self.add_rms_norm, linear=self.linear)
+
+    def norm_linear_silu_mul(self, x: torch.Tensor, delta: torch.Tensor | None,
+                             norm_weight: torch.Tensor, eps: float, w: torch.Tensor, packed) -> torch.Tensor:
+        """linear_silu_mul(add_rms_norm(x, delta, norm_weight, eps), w, packed), likewise."""
+        return packed_linear.norm_linear(x, delta, norm_weight, eps, w, packed, None,
+                                         add_rms_norm=self.add_rms_norm,
+                                         linear=self.linear_silu_mul, silu_mul=self.silu_mul)
+
     def describe(self) -> str:
         """One line for the start-up report: `kernels [avx512-bf16]: linear=panel-bf16, ...`."""
         where = self.features.isa if self.device_type == "cpu" else self.device_type

@@ -131,9 +131,9 @@ class LlamaDecoderLayer(nn.Module):
         """x is the residual stream, `residual_delta` the previous layer's MLP output, not yet
         added (the add is fused into this layer's first norm). Returns (x, this MLP's output)."""
         t = x.shape[0]
-        h = kernels.add_rms_norm(x, residual_delta, self.input_layernorm, self.eps)
         pk = self.packed
-        qkv = kernels.linear(h, self.qkv_proj, pk.get("qkv_proj"), self.qkv_bias)
+        qkv = kernels.norm_linear(x, residual_delta, self.input_layernorm, self.eps, self.qkv_proj,
+                                  pk.get("qkv_proj"), self.qkv_bias)
         if self.q_norm is not None:
             self._qk_norm(qkv, kernels)
         # RoPE on the q and k heads together, in place in the fused projection's output
@@ -149,13 +149,13 @@ class LlamaDecoderLayer(nn.Module):
         o = kernels.linear(attn, self.o_proj, pk.get("o_proj"))
         if self.tp is not None:
             self.tp.all_reduce(o)  # row-parallel: each rank holds a partial sum
-        h = kernels.add_rms_norm(x, o, self.post_attention_layernorm, self.eps)
         if self.moe is not None:  # under tensor parallelism each rank holds a slice of every expert
-            down = self.moe(h, kernels)
+            down = self.moe(kernels.add_rms_norm(x, o, self.post_attention_layernorm, self.eps), kernels)
             if self.tp is not None:
                 self.tp.all_reduce(down)
             return x, down
-        act = kernels.linear_silu_mul(h, self.gate_up_proj, pk.get("gate_up_proj"))
+        act = kernels.norm_linear_silu_mul(x, o, self.post_attention_layernorm, self.eps,
+                                           self.gate_up_proj, pk.get("gate_up_proj"))
         down = kernels.linear(act, self.down_proj, pk.get("down_proj"))
         if self.tp is not None:
             self.tp.all_reduce(down)

@@ -21,9 +21,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvflow.csrc import ops
 from kvflow.csrc.gemm import GATE_UP_ALIGN, pack_panels, panel_gemm
 from kvflow.csrc.gemv import gemv_f32, pack_gemv
-from kvflow.model.quant.qlinear import QuantizedWeight, quant_linear
+from kvflow.model.quant.qlinear import QuantizedWeight, norm_quant_linear, quant_linear
+
+
+# Rows up to which a quantized projection takes its norm or SiLU inside its own C call: there
+# the calls from Python cost as much as the work; the C side keeps each intermediate in a
+# per-thread scratch of the largest size it has seen, so prefill-sized rows (2048 x an 8B
+# model's gate_up: 117 MB) stay on the two-step path and its short-lived tensors.
+FUSED_ROWS = 16
 
 
 @dataclass
@@ -93,6 +101,9 @@ def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, packed: PackedWeight | Non
     W1), else `linear` then `silu_mul` (the chosen one). The same numbers either way."""
     if packed is not None and packed.gate_up:
         return panel_gemm(x, packed.panels, w.shape[0], None, torch.get_num_threads(), silu_mul=True)
+    if (packed is not None and packed.quant is not None and silu_mul is ops.silu_mul
+            and x.shape[0] <= FUSED_ROWS):
+        return quant_linear(x, packed.quant, silu_mul=True)  # the C kernel's numbers, one call
     return silu_mul(linear(x, w, packed))
 
 
@@ -119,3 +130,20 @@ def linear(x: torch.Tensor, w: torch.Tensor, packed: PackedWeight | None,
         padded[m:].zero_()
         return torch.ops.mkldnn._linear_pointwise(padded, packed.onednn, bias, "none", [], "")[:m]
     return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
+
+
+def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                w: torch.Tensor, packed: PackedWeight | None, bias: torch.Tensor | None, *,
+                add_rms_norm, linear, silu_mul=None) -> torch.Tensor:
+    """linear(add_rms_norm(x, delta, norm_weight, eps), w, packed, bias), or with `silu_mul`
+    (then `linear` is linear_silu_mul) the MLP's first half. A quantized weight under the C norm
+    takes both in one C call (the same numbers): at batch 1 a call from Python costs about as
+    much as the norm itself, and a decode step of the default model makes 60 of them."""
+    if (packed is not None and packed.quant is not None and add_rms_norm is ops.add_rms_norm
+            and x.shape[0] <= FUSED_ROWS and (silu_mul is None or silu_mul is ops.silu_mul)
+            and ops.c_norm_takes(x, delta, norm_weight)):
+        return norm_quant_linear(x, delta, norm_weight, eps, packed.quant, bias, silu_mul is not None)
+    h = add_rms_norm(x, delta, norm_weight, eps)
+    if silu_mul is None:
+        return linear(h, w, packed, bias)
+    return linear(h, w, packed)

@@ -82,28 +82,55 @@ def quantize_activations(x: torch.Tensor, kb: int, per_row: bool, threads: int
 
 def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
                  threads: int | None = None, isa: str | None = None,
-                 wide_rows: int | None = None) -> torch.Tensor:
+                 wide_rows: int | None = None, silu_mul: bool = False) -> torch.Tensor:
     """x [M, K] @ w.T (+ bias) -> [M, N] in x's dtype (bf16, else fp32): one C call
     (pool.c's quant_linear) over the kernel pool: from `wide_rows` rows (default: WIDE_ROWS for
     the weight's kind) the widened float GEMM where the ISA has one, else the rows quantized to
-    int8 and the int8 GEMM."""
-    threads = torch.get_num_threads() if threads is None else threads
-    if x.dtype not in (torch.bfloat16, torch.float32):
+    int8 and the int8 GEMM. `silu_mul`: w is an MLP's [gate; up] and the result is
+    silu(gate) * up [M, N/2], in the same call.
+
+    Kept lean: a decode step of the default model makes 121 of these calls, and at one row
+    each costs about as much in Python as in the kernel."""
+    if x.dtype is not torch.bfloat16 and x.dtype is not torch.float32:
         x = x.float()
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
     assert k == w.k, (x.shape, w.k)
-    out = torch.empty(m, w.n, dtype=x.dtype)
+    out = torch.empty(m, w.n // 2 if silu_mul else w.n, dtype=x.dtype)
     if bias is not None:
         bias = bias.float().contiguous()
-    bf16 = int(x.dtype == torch.bfloat16)
+    bf16 = int(x.dtype is torch.bfloat16)
     if wide_rows is None:
         wide_rows = WIDE_ROWS.get(w.kind, NEVER)
     rc = _lib().quant_linear(x.data_ptr(), x.stride(0), k, w.kb, bf16, int(w.per_row),
                              w.packed.data_ptr(), int(w.kind == "q8"), ISA_CODES[isa or w.isa],
                              None if bias is None else bias.data_ptr(), out.data_ptr(), w.n, bf16,
-                             m, threads, wide_rows)
+                             m, torch.get_num_threads() if threads is None else threads, wide_rows,
+                             int(silu_mul))
+    if rc != 0:
+        raise MemoryError("quant_linear: no memory for its scratch")
+    return out
+
+
+def norm_quant_linear(residual: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,
+                      eps: float, w: QuantizedWeight, bias: torch.Tensor | None = None,
+                      silu_mul: bool = False) -> torch.Tensor:
+    """quant_linear(ops.add_rms_norm(residual, delta, norm_weight, eps), w, bias, silu_mul=...)
+    in one C call, with the same numbers: residual += delta in place, the normed rows only in
+    the kernel's scratch. The caller checks that the C norm takes these tensors (one dtype,
+    bf16 or fp32, contiguous; ops.add_rms_norm's condition)."""
+    m, k = residual.shape
+    assert k == w.k, (residual.shape, w.k)
+    out = torch.empty(m, w.n // 2 if silu_mul else w.n, dtype=residual.dtype)
+    if bias is not None:
+        bias = bias.float().contiguous()
+    bf16 = int(residual.dtype is torch.bfloat16)
+    rc = _lib().quant_linear_normed(
+        residual.data_ptr(), None if delta is None else delta.data_ptr(), norm_weight.data_ptr(), eps,
+        k, w.kb, bf16, int(w.per_row), w.packed.data_ptr(), int(w.kind == "q8"), ISA_CODES[w.isa],
+        None if bias is None else bias.data_ptr(), out.data_ptr(), w.n, bf16, m,
+        torch.get_num_threads(), WIDE_ROWS.get(w.kind, NEVER), int(silu_mul))
     if rc != 0:
         raise MemoryError("quant_linear: no memory for its scratch")
     return out
