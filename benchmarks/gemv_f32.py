@@ -116,8 +116,9 @@ def main() -> None:
                     continue
                 fn(m)  # warm (caches of small shapes, oneDNN primitives)
                 results.setdefault((name, m), []).append(pass_time(lambda: fn(m)))
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), "?")
+    from kvflow.utils.cpuinfo import read_cpuinfo
+
+    cpu = read_cpuinfo().model_name
     print(f"CPU: {cpu}; "
           f"isa {f.isa}; threads {threads}; fp32 weights {nbytes / 1e6:.0f} MB "
           f"({len(ws)} matrices); medians of {args.rounds} rounds; load {os.getloadavg()[0]:.2f}")

@@ -32,7 +32,6 @@ import asyncio
 import contextvars
 import json
 import os
-import platform
 import random
 import signal
 import socket
@@ -50,6 +49,7 @@ sys.path.insert(0, REPO)
 
 from kvflow.entrypoints.bench_serve import stream_one  # noqa: E402
 from kvflow.entrypoints.router import PREFILL_HEADER  # noqa: E402
+from kvflow.utils.cpuinfo import read_cpuinfo  # noqa: E402
 
 # each request's task holds a dict that the response hook fills with the router's prefill time
 _reply = contextvars.ContextVar("reply")
@@ -68,14 +68,7 @@ def free_port() -> int:
 
 
 def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+    return read_cpuinfo().model_name
 
 
 class Proc:

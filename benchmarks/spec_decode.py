@@ -80,13 +80,9 @@ OUTPUT_LEN = 256
 
 
 def machine() -> str:
-    model = "?"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return f"{os.cpu_count()} vCPU {model}"
+    from kvflow.utils.cpuinfo import read_cpuinfo
+
+    return f"{os.cpu_count()} vCPU {read_cpuinfo().model_name}"
 
 
 def prompt_ids(tokenizer) -> list[list[int]]:
