@@ -18,8 +18,9 @@ import tempfile
 import numpy as np
 import torch
 
+from kvflow.utils.shm_files import SHM_DIR, sweep_dead_owners
+
 _ALIGN = 4096  # each tensor starts on its own page
-SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"^kvflow-tpkv-(\d+)-")
 
 
@@ -49,17 +50,7 @@ def create_kv_segment(nbytes: int) -> str:
 
 def sweep_orphans() -> None:
     """Remove segments of drivers that are gone (killed between creating and unlinking them)."""
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return
-    for name in names:
-        mt = _NAME.match(name)
-        if mt and not os.path.exists(f"/proc/{mt.group(1)}"):
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-            except OSError:
-                pass
+    sweep_dead_owners(_NAME)
 
 
 class SharedKVMemory:

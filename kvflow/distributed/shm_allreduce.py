@@ -15,6 +15,7 @@ from __future__ import annotations
 import mmap
 import os
 import platform
+import re
 import tempfile
 import time
 from collections.abc import Callable
@@ -23,21 +24,26 @@ import numpy as np
 import torch
 
 from kvflow import envs
+from kvflow.utils.shm_files import SHM_DIR, sweep_dead_owners
 
 _LINE = 64  # one sequence counter per cache line (no false sharing)
 MAX_SLOT_BYTES = 8 << 20  # larger tensors (long prefill chunks) go through gloo
 _CHECK_S = 0.01
+_NAME = re.compile(r"^kvflow-tp-(\d+)-")
 
 
 def shm_supported() -> bool:
     """x86's memory order keeps 'write the slot, then the counter' visible in that order."""
-    return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm")
+    return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir(SHM_DIR)
 
 
 def create_segment(world_size: int, slot_bytes: int) -> str | None:
     """A zeroed shared file for `world_size` slots in two banks; its path, or None when /dev/shm
-    has no room for it (the space is reserved now: a full tmpfs would otherwise SIGBUS later)."""
-    fd, path = tempfile.mkstemp(prefix="kvflow-tp-", dir="/dev/shm")
+    has no room for it (the space is reserved now: a full tmpfs would otherwise SIGBUS later). Its
+name carries this process's id: a start removes the segments of drivers killed before every
+rank had mapped it (and it was unlinked)."""
+    sweep_dead_owners(_NAME)
+    fd, path = tempfile.mkstemp(prefix=f"kvflow-tp-{os.getpid()}-", dir=SHM_DIR)
     try:
         os.posix_fallocate(fd, 0, _size(world_size, slot_bytes))
     except OSError:

@@ -15,7 +15,8 @@ import uuid
 
 import torch
 
-SHM_DIR = "/dev/shm"
+from kvflow.utils.shm_files import SHM_DIR, sweep_dead_owners
+
 _NAME = re.compile(r"^kvflow-kv-(\d+)-[0-9a-f]{32}$")
 MAX_FILES = 32  # staging files per producer; more concurrent pulls go over the socket
 
@@ -30,17 +31,7 @@ def available() -> bool:
 
 def sweep_orphans() -> None:
     """Remove staging files of producers that are gone (killed before they could clean up)."""
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return
-    for name in names:
-        mt = _NAME.match(name)
-        if mt and not os.path.exists(f"/proc/{mt.group(1)}"):
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-            except OSError:
-                pass
+    sweep_dead_owners(_NAME)
 
 
 class Mapping:
