@@ -136,6 +136,19 @@ def test_one_row_with_an_odd_number_of_blocks(isa, type_name, k):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q4_K"])
+def test_a_row_alone_gives_the_numbers_it_gives_in_a_batch(isa, type_name):
+    """The decode kernel (M = 1) and the tiles sum in the same order: a row's output does not
+    depend on the rows beside it, so greedy tokens are the same alone, batched or verifying
+    drafts (fp32)."""
+    w, _ = quantized(type_name, 56, 96 if type_name != "Q4_K" else 512, isa)
+    x = torch.randn(9, w.k, generator=torch.Generator().manual_seed(3))
+    batch = quant_linear(x, w, threads=2, wide_rows=NEVER)
+    for i in range(x.shape[0]):
+        assert torch.equal(quant_linear(x[i:i + 1], w, threads=2, wide_rows=NEVER)[0], batch[i])
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("m", [1, 7, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gate_up_with_silu_mul_fused_is_the_two_steps(isa, m, dtype):
@@ -232,6 +245,14 @@ def test_avx2_path_from_a_build_without_avx512(tmp_path):
             outs.append(out)
         torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(outs[1], quant_linear(x, w), rtol=1e-5, atol=1e-5)
+        if m == 1:  # the decode kernel gives the tiles' numbers (the row inside a batch of 2)
+            out2 = torch.zeros(2, 40)
+            x2 = torch.cat([x, torch.randn(1, k)])
+            qx2, dx2, dxs2 = quantize_activations(x2, w.kb, w.per_row, 1)
+            lib.gemm_quant_panels(qx2.data_ptr(), dx2.data_ptr(), dxs2.data_ptr(), w.kb, 2,
+                                  w.packed.data_ptr(), int(w.kind == "q8"), 1, None,
+                                  out2.data_ptr(), 40, 40, 0, 0, 3)
+            assert torch.equal(out2[0], outs[1][0])
 
 
 def test_this_machine_builds_every_path_its_cpu_has():

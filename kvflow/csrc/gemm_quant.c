@@ -312,11 +312,13 @@ static const qtile_fn AVX2_TILES[2][AVX2_TILE + 1] = {
     {0, avx2_1_0, avx2_2_0, avx2_3_0, avx2_4_0}, {0, avx2_1_1, avx2_2_1, avx2_3_1, avx2_4_1}};
 
 /* AVX2, one row (decode): each record read once, both halves of the panel from it, and the
- * sums kept in separate chains (low and high quads; weights and mins) so that consecutive
- * blocks overlap instead of waiting on one accumulator. */
+ * integer sums kept in separate chains (low and high quads) so that consecutive blocks'
+ * integer work overlaps. The float sums are the tile loop's, in its order (weights, then mins,
+ * block after block, one accumulator): a row's numbers do not depend on how many rows share
+ * its batch, so greedy tokens stay the same alone, batched or verifying drafts. */
 static inline __attribute__((always_inline)) void
 gemv_avx2_block(const uint8_t *rec, const int8_t *xq, float dxb, float dxsb, int q8,
-                __m256 acc[2], __m256 accm[2])
+                __m256 acc[2])
 {
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
     const __m256 vdx = _mm256_set1_ps(dxb);
@@ -342,11 +344,13 @@ gemv_avx2_block(const uint8_t *rec, const int8_t *xq, float dxb, float dxsb, int
                                                                bcast4(xq + 16 + 4 * j)));
             }
             sum = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
-            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 288 + 16 * h)));
-            accm[h] = _mm256_fmadd_ps(m, _mm256_set1_ps(dxsb), accm[h]);
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + (q8 ? 512 : 256) + 16 * h)));
         acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, vdx), acc[h]);
+        if (!q8) {
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 288 + 16 * h)));
+            acc[h] = _mm256_fmadd_ps(m, _mm256_set1_ps(dxsb), acc[h]);
+        }
     }
 }
 
@@ -354,18 +358,11 @@ static void gemv_avx2(const int8_t *qx, const float *dx, const float *dxs, int64
                       const uint8_t *panel, int q8, float *res)
 {
     const int rec_bytes = q8 ? Q8_REC : Q4_REC;
-    __m256 a0[2], a1[2], m0[2], m1[2];
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < Kb; b++)
+        gemv_avx2_block(panel + b * rec_bytes, qx + b * QB, dx[b], dxs[b], q8, acc);
     for (int h = 0; h < 2; h++)
-        a0[h] = a1[h] = m0[h] = m1[h] = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 2 <= Kb; b += 2) { /* two blocks in flight: independent accumulators */
-        gemv_avx2_block(panel + b * rec_bytes, qx + b * QB, dx[b], dxs[b], q8, a0, m0);
-        gemv_avx2_block(panel + (b + 1) * rec_bytes, qx + (b + 1) * QB, dx[b + 1], dxs[b + 1], q8, a1, m1);
-    }
-    if (b < Kb)
-        gemv_avx2_block(panel + b * rec_bytes, qx + b * QB, dx[b], dxs[b], q8, a0, m0);
-    for (int h = 0; h < 2; h++)
-        _mm256_storeu_ps(res + 8 * h, _mm256_add_ps(_mm256_add_ps(a0[h], a1[h]), _mm256_add_ps(m0[h], m1[h])));
+        _mm256_storeu_ps(res + 8 * h, acc[h]);
 }
 #endif
 
@@ -432,12 +429,12 @@ static const qtile_fn VNNI_TILES[2][VNNI_TILE + 1] = {
 /* AVX-512 VNNI, one row (decode): the same records, streamed with more independent work per
  * block. A q4 record's high nibbles are masked in place (v & 0xf0: 16x the value, still exact in
  * int32) and summed in their own chain, shifted down once; q8 sums even and odd quads apart and
- * reads x + 128 from `xu`, made once per call (not once per panel). Two blocks in flight, each
- * with its own accumulators: the tile loop's one chain of 8 `vpdpbusd` per block and one
- * accumulator for weights and mins made each block wait on the last. */
+ * reads x + 128 from `xu`, made once per call (not once per panel): the tile loop's one chain
+ * of 8 `vpdpbusd` per block made each block wait on the last. The float sums stay the tile
+ * loop's, in its order (see gemv_avx2_block): a row's numbers do not depend on its batch. */
 static inline __attribute__((always_inline)) void
 gemv_vnni_block(const uint8_t *rec, const int8_t *xq, const uint8_t *xu, float dxb, float dxsb,
-                int q8, __m512 *acc, __m512 *accm)
+                int q8, __m512 *acc)
 {
     __m512i sum;
     if (q8) {
@@ -462,27 +459,23 @@ gemv_vnni_block(const uint8_t *rec, const int8_t *xq, const uint8_t *xu, float d
             hi = _mm512_dpbusd_epi32(hi, _mm512_and_si512(v, high), _mm512_set1_epi32(x1));
         }
         sum = _mm512_add_epi32(lo, _mm512_srai_epi32(hi, 4));
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 288)));
-        *accm = _mm512_fmadd_ps(m, _mm512_set1_ps(dxsb), *accm);
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + (q8 ? 512 : 256))));
     *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(dxb)), *acc);
+    if (!q8) {
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 288)));
+        *acc = _mm512_fmadd_ps(m, _mm512_set1_ps(dxsb), *acc);
+    }
 }
 
 static void gemv_vnni(const int8_t *qx, const uint8_t *xu, const float *dx, const float *dxs,
                       int64_t Kb, const uint8_t *panel, int q8, float *res)
 {
     const int rec_bytes = q8 ? Q8_REC : Q4_REC;
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, m0 = a0, m1 = a0;
-    int64_t b = 0;
-    for (; b + 2 <= Kb; b += 2) {
-        gemv_vnni_block(panel + b * rec_bytes, qx + b * QB, xu + b * QB, dx[b], dxs[b], q8, &a0, &m0);
-        gemv_vnni_block(panel + (b + 1) * rec_bytes, qx + (b + 1) * QB, xu + (b + 1) * QB, dx[b + 1],
-                        dxs[b + 1], q8, &a1, &m1);
-    }
-    if (b < Kb)
-        gemv_vnni_block(panel + b * rec_bytes, qx + b * QB, xu + b * QB, dx[b], dxs[b], q8, &a0, &m0);
-    _mm512_storeu_ps(res, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(m0, m1)));
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < Kb; b++)
+        gemv_vnni_block(panel + b * rec_bytes, qx + b * QB, xu + b * QB, dx[b], dxs[b], q8, &acc);
+    _mm512_storeu_ps(res, acc);
 }
 #endif
 
