@@ -369,11 +369,9 @@ static void gemv_avx2(const int8_t *qx, const float *dx, const float *dxs, int64
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define QUANT_VNNI 1
 
-/* Weights and (q4_1's) mins sum in two accumulators per row, added at the end: two float
- * chains, and the one-row loop below sums in exactly this order. */
 static inline __attribute__((always_inline)) void
 tile_vnni(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb, int rows,
-          const uint8_t *panel, int q8, __m512 *acc, __m512 *accm)
+          const uint8_t *panel, int q8, __m512 *acc)
 {
     const int64_t Kp = Kb * QB;
     const __m512i low = _mm512_set1_epi8(0x0f);
@@ -410,7 +408,7 @@ tile_vnni(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb, int r
             const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[r * Kb + b]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r]);
             if (!q8)
-                accm[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(dxs[r * Kb + b]), accm[r]);
+                acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(dxs[r * Kb + b]), acc[r]);
         }
     }
 }
@@ -418,10 +416,10 @@ tile_vnni(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb, int r
 #define VNNI_TILE 8
 #define VNNI_FN(R, Q) static void vnni_##R##_##Q(const int8_t *qx, const float *dx,            \
         const float *dxs, int64_t Kb, const uint8_t *panel, float *res) {                      \
-    __m512 acc[R], accm[R];                                                                   \
-    for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm512_setzero_ps();                       \
-    tile_vnni(qx, dx, dxs, Kb, R, panel, Q, acc, accm);                                       \
-    for (int r = 0; r < R; r++) _mm512_storeu_ps(res + r * QP, _mm512_add_ps(acc[r], accm[r])); }
+    __m512 acc[R];                                                                            \
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                                 \
+    tile_vnni(qx, dx, dxs, Kb, R, panel, Q, acc);                                             \
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(res + r * QP, acc[r]); }
 VNNI_FN(1, 0) VNNI_FN(2, 0) VNNI_FN(3, 0) VNNI_FN(4, 0) VNNI_FN(5, 0) VNNI_FN(6, 0) VNNI_FN(7, 0) VNNI_FN(8, 0)
 VNNI_FN(1, 1) VNNI_FN(2, 1) VNNI_FN(3, 1) VNNI_FN(4, 1) VNNI_FN(5, 1) VNNI_FN(6, 1) VNNI_FN(7, 1) VNNI_FN(8, 1)
 static const qtile_fn VNNI_TILES[2][VNNI_TILE + 1] = {
@@ -433,11 +431,10 @@ static const qtile_fn VNNI_TILES[2][VNNI_TILE + 1] = {
  * int32) and summed in their own chain, shifted down once; q8 sums even and odd quads apart and
  * reads x + 128 from `xu`, made once per call (not once per panel): the tile loop's one chain
  * of 8 `vpdpbusd` per block made each block wait on the last. The float sums stay the tile
- * loop's, in its order (weights and mins in their own chains; see gemv_avx2_block): a row's
- * numbers do not depend on its batch. */
+ * loop's, in its order (see gemv_avx2_block): a row's numbers do not depend on its batch. */
 static inline __attribute__((always_inline)) void
 gemv_vnni_block(const uint8_t *rec, const int8_t *xq, const uint8_t *xu, float dxb, float dxsb,
-                int q8, __m512 *acc, __m512 *accm)
+                int q8, __m512 *acc)
 {
     __m512i sum;
     if (q8) {
@@ -467,7 +464,7 @@ gemv_vnni_block(const uint8_t *rec, const int8_t *xq, const uint8_t *xu, float d
     *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(dxb)), *acc);
     if (!q8) {
         const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 288)));
-        *accm = _mm512_fmadd_ps(m, _mm512_set1_ps(dxsb), *accm);
+        *acc = _mm512_fmadd_ps(m, _mm512_set1_ps(dxsb), *acc);
     }
 }
 
@@ -475,10 +472,10 @@ static void gemv_vnni(const int8_t *qx, const uint8_t *xu, const float *dx, cons
                       int64_t Kb, const uint8_t *panel, int q8, float *res)
 {
     const int rec_bytes = q8 ? Q8_REC : Q4_REC;
-    __m512 acc = _mm512_setzero_ps(), accm = acc;
+    __m512 acc = _mm512_setzero_ps();
     for (int64_t b = 0; b < Kb; b++)
-        gemv_vnni_block(panel + b * rec_bytes, qx + b * QB, xu + b * QB, dx[b], dxs[b], q8, &acc, &accm);
-    _mm512_storeu_ps(res, _mm512_add_ps(acc, accm));
+        gemv_vnni_block(panel + b * rec_bytes, qx + b * QB, xu + b * QB, dx[b], dxs[b], q8, &acc);
+    _mm512_storeu_ps(res, acc);
 }
 #endif
 
