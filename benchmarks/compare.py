@@ -114,16 +114,14 @@ def thread_env(engine: str, threads: int) -> dict:
     return env
 
 
-def run_one(engine: str, cfg: dict, timeout: float) -> dict:
-    py = VENV_PY.get(engine, MAIN_PY)
-    cmd = [py, os.path.join(HERE, "w1_workers.py"), engine, json.dumps(cfg)]
-    t0 = time.perf_counter()
-    # Output goes to files and the run gets its own process group: engines leave helper
-    # processes behind (vLLM's engine core, multiprocessing trackers) that would hold a pipe
-    # open; they are ended with the group once the worker itself has exited.
+def run_worker(cmd: list[str], env: dict, timeout: float) -> tuple[str, str, str | None, int]:
+    """Run `cmd` to its end or `timeout`: (stdout, stderr, timeout error or None, exit code).
+    Output goes to files and the run gets its own process group: engines leave helper
+    processes behind (vLLM's engine core, multiprocessing trackers) that would hold a pipe
+    open; they are ended with the group once the worker itself has exited."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=ROOT,
-                                env=thread_env(engine, cfg["threads"]), start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=ROOT, env=env,
+                                start_new_session=True)
         try:
             proc.wait(timeout=timeout)
             error = None
@@ -136,11 +134,18 @@ def run_one(engine: str, cfg: dict, timeout: float) -> dict:
         proc.wait()
         out.seek(0)
         err.seek(0)
-        stdout, stderr = out.read(), err.read()
+        return out.read(), err.read(), error, proc.returncode
+
+
+def run_one(engine: str, cfg: dict, timeout: float) -> dict:
+    py = VENV_PY.get(engine, MAIN_PY)
+    cmd = [py, os.path.join(HERE, "w1_workers.py"), engine, json.dumps(cfg)]
+    t0 = time.perf_counter()
+    stdout, stderr, error, returncode = run_worker(cmd, thread_env(engine, cfg["threads"]), timeout)
     lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
     if not lines:
         tail = (stderr or stdout)[-1500:]
-        return {"engine": engine, "error": error or f"exit {proc.returncode}: {tail.strip()}"}
+        return {"engine": engine, "error": error or f"exit {returncode}: {tail.strip()}"}
     result = json.loads(lines[-1][7:])
     result["process_s"] = time.perf_counter() - t0
     return result

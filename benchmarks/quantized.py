@@ -20,14 +20,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from compare import VENV_PY, fmt_check, host_sharing_check, machine_summary, thread_env  # noqa: E402
+from compare import (VENV_PY, fmt_check, host_sharing_check, machine_summary, run_worker,  # noqa: E402
+                     thread_env)
 
 PROMPT_LEN, NEW_TOKENS = 64, 128
 
@@ -152,29 +152,11 @@ def worker_w1(cfg: dict) -> dict:
 
 
 def _run(py: str, args: list[str], env: dict, timeout: float) -> dict:
-    """One worker in its own process group, its output in files: vLLM leaves its engine core
-    process behind, which would hold a pipe open; the group is ended once the worker is done."""
-    import signal
-    import tempfile
-
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([py, *args], cwd=ROOT, env=env, stdout=out, stderr=err, text=True,
-                                start_new_session=True)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
+    """One worker to its end (compare.run_worker: its own process group, output in files)."""
+    stdout, stderr, error, _ = run_worker([py, *args], env, timeout)
     lines = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
     if not lines:
-        return {"error": (stderr or stdout)[-800:]}
+        return {"error": error or (stderr or stdout)[-800:]}
     return json.loads(lines[-1][7:])
 
 
