@@ -38,6 +38,12 @@
 #define Q8_REC 608
 #define PANEL_BLOCK_BYTES (128 * 1024)
 #define GEMV_MAX_K 65536 /* one row's x + 128 on the stack (q8, VNNI) */
+/* How far ahead (bytes) the one-row loops ask for the weights. The hardware prefetcher stops at
+ * each 4 KiB page, so a row streaming a projection waited on DRAM at every page start (~26 GB/s
+ * of ~38 one thread can read); asking 8 KiB ahead, one prefetch per cache line of each record,
+ * keeps the stream going across pages (panels are contiguous: past a panel's end is the next
+ * one). 2-4 KiB was too close to help, 16-32 KiB no better (benchmarks/quant_gemv_stream.py). */
+#define GEMV_PREFETCH 8192
 
 static inline float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -240,6 +246,12 @@ static void panel_scalar(const int8_t *qx, const float *dx, const float *dxs, in
 #include <immintrin.h>
 #define QUANT_AVX2 1
 
+/* one record's cache lines (a q8 record's last line may be the next record's first) */
+static inline void prefetch_record(const uint8_t *p, int rec_bytes) {
+    for (int l = 0; l < rec_bytes; l += 64)
+        _mm_prefetch((const char *)p + l, _MM_HINT_T0);
+}
+
 static inline __m256i bcast4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
@@ -359,8 +371,10 @@ static void gemv_avx2(const int8_t *qx, const float *dx, const float *dxs, int64
 {
     const int rec_bytes = q8 ? Q8_REC : Q4_REC;
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t b = 0; b < Kb; b++)
+    for (int64_t b = 0; b < Kb; b++) {
+        prefetch_record(panel + b * rec_bytes + GEMV_PREFETCH, rec_bytes);
         gemv_avx2_block(panel + b * rec_bytes, qx + b * QB, dx[b], dxs[b], q8, acc);
+    }
     for (int h = 0; h < 2; h++)
         _mm256_storeu_ps(res + 8 * h, acc[h]);
 }
@@ -473,8 +487,10 @@ static void gemv_vnni(const int8_t *qx, const uint8_t *xu, const float *dx, cons
 {
     const int rec_bytes = q8 ? Q8_REC : Q4_REC;
     __m512 acc = _mm512_setzero_ps();
-    for (int64_t b = 0; b < Kb; b++)
+    for (int64_t b = 0; b < Kb; b++) {
+        prefetch_record(panel + b * rec_bytes + GEMV_PREFETCH, rec_bytes);
         gemv_vnni_block(panel + b * rec_bytes, qx + b * QB, xu + b * QB, dx[b], dxs[b], q8, &acc);
+    }
     _mm512_storeu_ps(res, acc);
 }
 #endif
