@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from kvflow.model import hugepages
 from kvflow.model.quant.qlinear import QuantizedWeight
 from kvflow.model.weights import _conversion_lock, cache_file_is_complete, dtype_name
 from kvflow.model_path import cache_dir_for
@@ -91,16 +92,23 @@ _TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
 def _load(cached: str, isa: str) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
     """Read with plain reads into fresh tensors, not through a mapping of the file: a mapped
     file's pages count in RSS beside any copy of them, and under memory pressure the kernel
-    drops and refaults them (a mapped 8B cache read 3x slower and showed 10 GB of RSS)."""
+    drops and refaults them (a mapped 8B cache read 3x slower and showed 10 GB of RSS).
+
+    The tensors are views of one buffer on 2 MiB pages where the OS grants them: a decode step
+    streams every panel once, and on 4 KiB pages the 8B shapes' one-row GEMM read ~10% slower
+    (benchmarks/quant_gemv_stream.py --hugepages). One buffer, not one per tensor: a model's
+    hundreds of small tensors would each round up to a huge page."""
     with open(cached, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(n))
         base = 8 + n
         meta = json.loads(header.pop("__metadata__")[_META_KEY])
+        arena = hugepages.zeros(max((i["data_offsets"][1] for i in header.values()), default=0), torch.uint8)
         tensors = {}
         for name, info in header.items():
             begin, end = info["data_offsets"]
-            t = torch.empty(end - begin, dtype=torch.uint8)
+            aligned = begin % _TORCH_DTYPES[info["dtype"]].itemsize == 0
+            t = arena[begin:end] if aligned else torch.empty(end - begin, dtype=torch.uint8)
             f.seek(base + begin)
             f.readinto(memoryview(t.numpy()))
             tensors[name] = t.view(_TORCH_DTYPES[info["dtype"]]).reshape(info["shape"])
