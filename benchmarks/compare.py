@@ -320,6 +320,10 @@ def main() -> None:
                    help="instead of W1: one request at a time, --single-len-token prompts, "
                         "--single-output-len greedy tokens; TTFT, decode step, and the step "
                         "against the time one thread takes to stream the fp32 weights")
+    p.add_argument("--checkpoint-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the HF folder every engine loads: bfloat16 is the shape of most HF "
+                        "checkpoints (engines computing in fp32 widen it exactly); pair it with "
+                        "--kvflow-args '{\"weight_dtype\": \"bfloat16\"}'")
     p.add_argument("--single-len", type=int, default=128)
     p.add_argument("--single-output-len", type=int, default=256)
     p.add_argument("--single-requests", type=int, default=3, help="requests of each kind per run")
@@ -333,7 +337,7 @@ def main() -> None:
 
     started = datetime.datetime.now().astimezone()
     engines = [e for e in args.engines.split(",") if e]
-    hf_dir = export_hf_folder()
+    hf_dir = export_hf_folder(dtype=args.checkpoint_dtype)
     ggufs: dict[str, str] = {}
     if "llamacpp" in engines and anchor_status("llamacpp", True) is None:
         for dt, outtype in (("float32", "f32"), ("bfloat16", "bf16")):
