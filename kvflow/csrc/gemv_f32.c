@@ -90,8 +90,21 @@ static void panel_scalar(const float *x, int64_t x_stride, int rows, int64_t K,
 /* one line of 16 weights as two ymm of fp32, from each storage type */
 #define LINE_AVX2_F32(p, w0, w1) \
     const __m256 w0 = _mm256_loadu_ps((const float *)(p)), w1 = _mm256_loadu_ps((const float *)(p) + 8)
-#define LINE_AVX2_BF16(p, w0, w1) \
-    const __m256 w0 = load8_bf16((const uint16_t *)(p)), w1 = load8_bf16((const uint16_t *)(p) + 8)
+/* bf16 in one 32-byte load: each 32-bit lane holds outputs 2i (low half) and 2i + 1 (high
+ * half), so a shift gives the even outputs' floats and a mask the odd ones' (two ops, where
+ * zero-extending each half takes four). w0/w1 then hold outputs 0,2,..,14 / 1,3,..,15: every
+ * output still sums in the same order; ORDER_AVX2_BF16 puts them back in place at the end. */
+#define LINE_AVX2_BF16(p, w0, w1)                                                    \
+    const __m256i w0##i = _mm256_loadu_si256((const __m256i *)(p));                     \
+    const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0##i, 16)),                \
+                 w1 = _mm256_castsi256_ps(_mm256_and_si256(w0##i, _mm256_set1_epi32((int)0xffff0000u)))
+/* even outputs in a0, odd in a1 -> outputs 0..7 in a0, 8..15 in a1 */
+#define ORDER_AVX2_BF16(a0, a1) do {                                                 \
+        const __m256 lo = _mm256_unpacklo_ps(a0, a1), hi = _mm256_unpackhi_ps(a0, a1);  \
+        a0 = _mm256_permute2f128_ps(lo, hi, 0x20);                                      \
+        a1 = _mm256_permute2f128_ps(lo, hi, 0x31);                                      \
+    } while (0)
+#define ORDER_NONE(a0, a1) do { } while (0)
 #define LINE_AVX2_F16(p, w0, w1)                                                     \
     const __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p))),           \
                  w1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p) + 1))
@@ -100,7 +113,7 @@ static void panel_scalar(const float *x, int64_t x_stride, int rows, int64_t K,
  * (ROWS * U * 2 ymm, at most 8). A macro, not an inlined function: accumulator arrays of
  * exactly this size stay in registers (a larger array, partly used, went to the stack on
  * every step). */
-#define TILE_AVX2(T, WT, LINE, ROWS, U)                                                      \
+#define TILE_AVX2(T, WT, LINE, ORDER, ROWS, U)                                                    \
 static void tile_avx2_##T##_##ROWS(const float *x, int64_t xs, int64_t K, const WT *w, float *res) \
 {                                                                                            \
     __m256 acc[ROWS][U][2];                                                                  \
@@ -134,17 +147,18 @@ static void tile_avx2_##T##_##ROWS(const float *x, int64_t xs, int64_t K, const 
             a0 = _mm256_add_ps(a0, acc[r][u][0]);                                            \
             a1 = _mm256_add_ps(a1, acc[r][u][1]);                                            \
         }                                                                                    \
+        ORDER(a0, a1);                                                                       \
         _mm256_storeu_ps(res + r * GP, a0);                                                  \
         _mm256_storeu_ps(res + r * GP + 8, a1);                                              \
     }                                                                                        \
 }                                                                                            \
 
 /* the tiles of one storage type, and the panel that picks one by row count */
-#define PANEL_AVX2(T, WT, LINE)                                                              \
-TILE_AVX2(T, WT, LINE, 1, 4)                                                                 \
-TILE_AVX2(T, WT, LINE, 2, 2)                                                                 \
-TILE_AVX2(T, WT, LINE, 3, 1)                                                                 \
-TILE_AVX2(T, WT, LINE, 4, 1)                                                                 \
+#define PANEL_AVX2(T, WT, LINE, ORDER)                                                       \
+TILE_AVX2(T, WT, LINE, ORDER, 1, 4)                                                          \
+TILE_AVX2(T, WT, LINE, ORDER, 2, 2)                                                          \
+TILE_AVX2(T, WT, LINE, ORDER, 3, 1)                                                          \
+TILE_AVX2(T, WT, LINE, ORDER, 4, 1)                                                          \
 static void panel_avx2_##T(const float *x, int64_t xs, int rows, int64_t K, const void *w, float *res) \
 {                                                                                            \
     switch (rows) {                                                                          \
@@ -154,9 +168,9 @@ static void panel_avx2_##T(const float *x, int64_t xs, int rows, int64_t K, cons
     default: tile_avx2_##T##_4(x, xs, K, (const WT *)w, res); break;                         \
     }                                                                                        \
 }
-PANEL_AVX2(f32, float, LINE_AVX2_F32)
-PANEL_AVX2(bf16, uint16_t, LINE_AVX2_BF16)
-PANEL_AVX2(f16, uint16_t, LINE_AVX2_F16)
+PANEL_AVX2(f32, float, LINE_AVX2_F32, ORDER_NONE)
+PANEL_AVX2(bf16, uint16_t, LINE_AVX2_BF16, ORDER_AVX2_BF16)
+PANEL_AVX2(f16, uint16_t, LINE_AVX2_F16, ORDER_NONE)
 #endif
 
 #ifdef __AVX512F__
