@@ -264,13 +264,17 @@ def single_table(results: list[dict], threads: int, dtype: str, stream: dict) ->
         out += [f"Weight stream ({threads} thread(s), {stream['weight_mb']:.0f} MB of fp32 weights): "
                 f"C read loop {floor:.1f} ms ({stream['read_loop_gb_s']:.1f} GB/s), `F.linear` at "
                 f"M = 1 {stream['f_linear_ms']:.1f} ms; kvflow's fp32 GEMV at M = 1 "
-                f"{stream['gemv_ms']:.1f} ms.", ""]
-    out += ["| engine | decode tok/s | step ms | step / weight stream | TTFT ms | start-up s | "
-            "kvflow decode / engine | runs |", "|---|---|---|---|---|---|---|---|"]
+                f"{stream['gemv_ms']:.1f} ms; their bf16 copy ({stream['weight_mb'] / 2:.0f} MB): "
+                f"read loop {stream.get('read_loop_half_ms', 0):.1f} ms, GEMV from bf16 panels "
+                f"{stream.get('gemv_bf16_ms') or 0:.1f} ms.", ""]
+    half = stream.get("read_loop_half_ms")
+    out += ["| engine | decode tok/s | step ms | step / weight stream | step / bf16 stream | TTFT ms | "
+            "start-up s | kvflow decode / engine | runs |", "|---|---|---|---|---|---|---|---|---|"]
     for e, m in sorted(med.items(), key=lambda kv_: kv_[1]["step_ms"]):
         ratio = f"{m['step_ms'] / kv:.2f}x" if kv else "-"
         vs_floor = f"{m['step_ms'] / floor:.2f}x" if floor else "-"
-        out.append(f"| {e} | {1e3 / m['step_ms']:.1f} | {m['step_ms']:.1f} | {vs_floor} | "
+        vs_half = f"{m['step_ms'] / half:.2f}x" if half else "-"
+        out.append(f"| {e} | {1e3 / m['step_ms']:.1f} | {m['step_ms']:.1f} | {vs_floor} | {vs_half} | "
                    f"{m['ttft_ms']:.0f} | {m['startup_s']:.1f} | {ratio} | {m['n']} |")
     return out
 

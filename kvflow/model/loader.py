@@ -59,8 +59,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None 
     on the CPU; a compressed-tensors checkpoint must be loaded as one. `weight_dtype` (bf16 or
     fp16, for an fp32 model on the CPU: model/weight_dtype.storage_dtype) rounds the weights to
     it and stores the decode GEMV's panels in it."""
-    if weight_dtype is not None:
-        check_checkpoint(path, weight_dtype)
+    exact = weight_dtype is not None and check_checkpoint(path, weight_dtype)
     if quantization != METHOD and checkpoint_method(path) is not None:
         resolve_quantization(quantization, path)  # raises: the checkpoint says how it is quantized
     if quantization not in ("none", METHOD) and load_arch_config(path).architecture == "Gemma3ForCausalLM":
@@ -83,7 +82,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None 
     else:
         arch = load_arch_config(path)
         weights = fuse_weights(read_hf_folder(path, dtype), arch, dtype)
-    if weight_dtype is not None:
+    if weight_dtype is not None and not exact:  # a checkpoint in that dtype needs no rounding
         round_weights(weights, weight_dtype)
     # build on the meta device, then adopt the loaded tensors without a second copy
     if kernels is None:

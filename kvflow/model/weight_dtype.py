@@ -79,13 +79,16 @@ def checkpoint_dtypes(path: str) -> set[torch.dtype]:
     return found
 
 
-def check_checkpoint(path: str, storage: torch.dtype) -> None:
-    """Refuse a half-precision storage that would lose bits of a half-precision checkpoint."""
+def check_checkpoint(path: str, storage: torch.dtype) -> bool:
+    """Refuse a half-precision storage that would lose bits of a half-precision checkpoint;
+    True where every float tensor of the checkpoint is already in `storage` (nothing to round)."""
     other = {torch.bfloat16: torch.float16, torch.float16: torch.bfloat16}[storage]
-    if other in checkpoint_dtypes(path):
+    found = checkpoint_dtypes(path)
+    if other in found:
         have, want = (str(d).removeprefix("torch.") for d in (other, storage))
         raise ValueError(f"weight_dtype {want} would lose bits of this {have} checkpoint "
                          f"({path}); use weight_dtype {have}")
+    return found == {storage}
 
 
 def round_weights(weights: dict[str, torch.Tensor], storage: torch.dtype) -> int:
