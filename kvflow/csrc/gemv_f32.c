@@ -16,12 +16,13 @@
  * Threads split panels (kvflow/csrc/gemv.py: gemv_f32), each streaming its own share.
  *
  * Weights in half precision (`wdt`: 1 bf16, 2 fp16; 0 is fp32): the same panels of 16-bit
- * values, widened to fp32 in registers as each line is loaded (bf16: zero-extend and shift left
- * by 16; fp16: F16C's vcvtph2ps), then the same FMAs in the same order. Both widenings are
+ * values, widened to fp32 in registers as each line is loaded (bf16: its 16 bits become a
+ * float's top half, by a shift or a mask; fp16: F16C's vcvtph2ps), then the same FMAs in the
+ * same order. Both widenings are
  * exact, so the result is bit for bit the fp32 GEMV's over the widened weights, while a decode
  * step streams half the bytes. (A batch-1 step is bound by that stream, not by the FMAs.)
  *
- * Software prefetch: a line GEMV_PF lines ahead is requested per line read, for CPUs whose
+ * Software prefetch: a line GEMV_PF fp32 lines (2 KiB) ahead is requested per line read, for CPUs whose
  * L2 streamer stops at 4 KiB page boundaries. On the shared Zen 4 here, A/B runs of 0, 16, 32
  * and 64 lines could not be told apart (run-to-run spread ~30%); measure again on a quiet host.
  */
