@@ -91,7 +91,8 @@ def _assert_near_reference(got, x, w, bias):
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_half_panels_give_the_fp32_gemv_of_the_widened_weights(isa, dtype, n, k):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_half_panels_give_the_fp32_gemv_of_the_widened_weights(isa, dtype, n, k, threads):
     if isa not in _isas_here():
         pytest.skip(f"this CPU has no {isa}")
     g = torch.Generator().manual_seed(n + k)
@@ -104,7 +105,7 @@ def test_half_panels_give_the_fp32_gemv_of_the_widened_weights(isa, dtype, n, k)
         if dtype == torch.bfloat16:
             x[:, :7] = 0  # the bf16 edge columns hold 3e38: keep the sums finite
         for b in (bias, None):
-            got = gemv_f32(x, half, n, b, isa)
+            got = gemv_f32(x, half, n, b, isa, threads)
             assert torch.equal(got, gemv_f32(x, full, n, b, isa)), (isa, dtype, m)
             _assert_near_reference(got, x, w, b)
 
