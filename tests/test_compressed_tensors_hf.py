@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-T = 48  # tokens per teacher-forced forward: fewer than WIDE_ROWS, so kvflow's int8 GEMM runs
+T = 48  # tokens per teacher-forced forward
 PROJECTIONS = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                "o_proj": ("self_attn.o_proj",), "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
                "down_proj": ("mlp.down_proj",)}
@@ -54,12 +54,12 @@ def test_w8a8_checkpoint_against_hugging_face_compressed_tensors(tmp_path):
     from kvflow.model.loader import load_model
     from kvflow.model.quant.compressed_tensors_export import export
     from kvflow.model.quant.packing import dequantize_rows
-    from kvflow.model.quant.qlinear import WIDE_ROWS
-
-    assert T < WIDE_ROWS["q8"]
+    from kvflow.model.quant.qlinear import NEVER, widen_from
     ct = export(save_tiny_llama3(str(tmp_path / "float")), str(tmp_path / "ct"), dtype=torch.bfloat16)
     hf = AutoModelForCausalLM.from_pretrained(ct, dtype=torch.float32).eval()
     model, _ = load_model(ct, torch.float32, quantization="compressed-tensors")
+    qkv = model.layers[0].packed["qkv_proj"].quant  # fp32 rows are never widened to floats:
+    assert widen_from(qkv.kind, qkv.per_row, qkv.k, qkv.isa, False) == NEVER  # all run as W8A8
     quantized = [m for m in hf.modules() if getattr(m, "quantization_scheme", None) is not None]
     assert len(quantized) == 3 * 7 and hf.lm_head not in quantized  # the LM head is ignored
 
