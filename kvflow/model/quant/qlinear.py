@@ -14,22 +14,29 @@ from kvflow.model.quant.packing import BLOCK, PANEL
 
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512-vnni": 2}
 # Rows from which 8-bit weights are widened to bf16 (benchmarks/README.md, "Quantized GEMM by
-# rows", Zen 4, one thread), by (kind, per_row): the int8 GEMM of 8-bit weights runs 25-30%
-# behind the bf16 GEMM from ~100 rows (its records are twice a 4-bit one's) and the widened path
-# within 5% of it; level at 32-48 rows. Activations quantized per row (int8 W8A8) cost the int8
-# GEMM more (their row scale is found in scalar code), so it falls behind from ~16 rows. 4-bit
-# weights' int8 GEMM is level with bf16 or ahead at every row count: never widened. Nor is any
-# weight where the widened path would be the fp32-FMA one (AVX2, fp32 activations, odd K): the
-# int8 GEMM ran 1.5-3.7x faster than it at 8-512 rows.
-WIDE_ROWS = {("q8", False): 64, ("q8", True): 16}
+# rows", Zen 4, one thread): the int8 GEMM of 8-bit weights runs 25-30% behind the bf16 GEMM from
+# ~100 rows (its records are twice a 4-bit one's) and the widened path within 5% of it; level at
+# 48-64 rows, the LM head's shape included. 4-bit weights' int8 GEMM is level with bf16 or ahead
+# at every row count: never widened. Nor is any weight where the widened path would be the
+# fp32-FMA one (AVX2, fp32 activations, odd K): the int8 GEMM ran 1.5-3.7x faster than it at
+# 8-512 rows.
+WIDE_ROWS = {"q8": 64}
+# Activations quantized per row (int8 W8A8) cost the int8 GEMM more: their row scale is found
+# in scalar code, ~M*K work that the fewer outputs share it, the more it weighs. Up to N outputs,
+# from rows: measured level at ~8-16 rows for N = 576-960, ~24 for 3072, 64 for 49152.
+PER_ROW_WIDE_ROWS = ((1024, 16), (4096, 32))
 NEVER = 1 << 62
 
 
-def widen_from(kind: str, per_row: bool, k: int, isa: str, bf16: bool) -> int:
+def widen_from(kind: str, per_row: bool, n: int, k: int, isa: str, bf16: bool) -> int:
     """The rows from which quant_linear widens such a weight (NEVER: it does not)."""
-    if not bf16 or isa != "avx512-vnni" or k % 2:
+    if kind not in WIDE_ROWS or not bf16 or isa != "avx512-vnni" or k % 2:
         return NEVER
-    return WIDE_ROWS.get((kind, per_row), NEVER)
+    if per_row:
+        for most, rows in PER_ROW_WIDE_ROWS:
+            if n <= most:
+                return rows
+    return WIDE_ROWS[kind]
 
 
 @dataclass
@@ -47,7 +54,7 @@ class QuantizedWeight:
     wide_rows: int = field(init=False, repr=False)  # with bf16 activations (widen_from)
 
     def __post_init__(self) -> None:
-        self.wide_rows = widen_from(self.kind, self.per_row, self.k, self.isa, True)
+        self.wide_rows = widen_from(self.kind, self.per_row, self.n, self.k, self.isa, True)
 
     @property
     def kb(self) -> int:
@@ -116,7 +123,7 @@ def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
         bias = bias.float().contiguous()
     bf16 = int(x.dtype is torch.bfloat16)
     if wide_rows is None:
-        wide_rows = (w.wide_rows if isa is None else widen_from(w.kind, w.per_row, k, isa, True)) \
+        wide_rows = (w.wide_rows if isa is None else widen_from(w.kind, w.per_row, w.n, k, isa, True)) \
             if bf16 else NEVER
     rc = _lib().quant_linear(x.data_ptr(), x.stride(0), k, w.kb, bf16, int(w.per_row),
                              w.packed.data_ptr(), int(w.kind == "q8"), ISA_CODES[isa or w.isa],
