@@ -13,8 +13,8 @@ from kvflow.csrc import library, run_kernel
 from kvflow.model.quant.packing import BLOCK, PANEL
 
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512-vnni": 2}
-# Rows from which 8-bit weights are widened to bf16 (benchmarks/README.md, "Quantized GEMM by
-# rows", Zen 4, one thread): the int8 GEMM of 8-bit weights runs 25-30% behind the bf16 GEMM from
+# Rows from which 8-bit weights are widened to bf16 (benchmarks/README.md, "The quantized linear
+# at batch sizes" and "8-bit weights at decode-sized batches", Zen 4, one thread): the int8 GEMM of 8-bit weights runs 25-30% behind the bf16 GEMM from
 # ~100 rows (its records are twice a 4-bit one's) and the widened path within 5% of it; level at
 # 48-64 rows, the LM head's shape included. 4-bit weights' int8 GEMM is level with bf16 or ahead
 # at every row count: never widened. Nor is any weight where the widened path would be the
@@ -107,8 +107,8 @@ def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
     """x [M, K] @ w.T (+ bias) -> [M, N] in x's dtype (bf16, else fp32): one C call
     (pool.c's quant_linear) over the kernel pool: from `wide_rows` rows (default: widen_from's
     for the weight, the activations' dtype and the ISA) the widened float GEMM where the ISA has
-    one, else the rows quantized to int8 and the int8 GEMM. `silu_mul`: w is an MLP's [gate; up] and the result is
-    silu(gate) * up [M, N/2], in the same call.
+    one, else the rows quantized to int8 and the int8 GEMM. `silu_mul`: w is an MLP's [gate; up]
+    and the result is silu(gate) * up [M, N/2], in the same call.
 
     Kept lean: a decode step of the default model makes 121 of these calls, and at one row
     each costs about as much in Python as in the kernel."""
