@@ -264,13 +264,17 @@ def single_table(results: list[dict], threads: int, dtype: str, stream: dict) ->
         out += [f"Weight stream ({threads} thread(s), {stream['weight_mb']:.0f} MB of fp32 weights): "
                 f"C read loop {floor:.1f} ms ({stream['read_loop_gb_s']:.1f} GB/s), `F.linear` at "
                 f"M = 1 {stream['f_linear_ms']:.1f} ms; kvflow's fp32 GEMV at M = 1 "
-                f"{stream['gemv_ms']:.1f} ms.", ""]
-    out += ["| engine | decode tok/s | step ms | step / weight stream | TTFT ms | start-up s | "
-            "kvflow decode / engine | runs |", "|---|---|---|---|---|---|---|---|"]
+                f"{stream['gemv_ms']:.1f} ms; their bf16 copy ({stream['weight_mb'] / 2:.0f} MB): "
+                f"read loop {stream.get('read_loop_half_ms', 0):.1f} ms, GEMV from bf16 panels "
+                f"{stream.get('gemv_bf16_ms') or 0:.1f} ms.", ""]
+    half = stream.get("read_loop_half_ms")
+    out += ["| engine | decode tok/s | step ms | step / weight stream | step / bf16 stream | TTFT ms | "
+            "start-up s | kvflow decode / engine | runs |", "|---|---|---|---|---|---|---|---|---|"]
     for e, m in sorted(med.items(), key=lambda kv_: kv_[1]["step_ms"]):
         ratio = f"{m['step_ms'] / kv:.2f}x" if kv else "-"
         vs_floor = f"{m['step_ms'] / floor:.2f}x" if floor else "-"
-        out.append(f"| {e} | {1e3 / m['step_ms']:.1f} | {m['step_ms']:.1f} | {vs_floor} | "
+        vs_half = f"{m['step_ms'] / half:.2f}x" if half else "-"
+        out.append(f"| {e} | {1e3 / m['step_ms']:.1f} | {m['step_ms']:.1f} | {vs_floor} | {vs_half} | "
                    f"{m['ttft_ms']:.0f} | {m['startup_s']:.1f} | {ratio} | {m['n']} |")
     return out
 
@@ -320,6 +324,10 @@ def main() -> None:
                    help="instead of W1: one request at a time, --single-len-token prompts, "
                         "--single-output-len greedy tokens; TTFT, decode step, and the step "
                         "against the time one thread takes to stream the fp32 weights")
+    p.add_argument("--checkpoint-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the HF folder every engine loads: bfloat16 is the shape of most HF "
+                        "checkpoints (engines computing in fp32 widen it exactly); pair it with "
+                        "--kvflow-args '{\"weight_dtype\": \"bfloat16\"}'")
     p.add_argument("--single-len", type=int, default=128)
     p.add_argument("--single-output-len", type=int, default=256)
     p.add_argument("--single-requests", type=int, default=3, help="requests of each kind per run")
@@ -333,7 +341,7 @@ def main() -> None:
 
     started = datetime.datetime.now().astimezone()
     engines = [e for e in args.engines.split(",") if e]
-    hf_dir = export_hf_folder()
+    hf_dir = export_hf_folder(dtype=args.checkpoint_dtype)
     ggufs: dict[str, str] = {}
     if "llamacpp" in engines and anchor_status("llamacpp", True) is None:
         for dt, outtype in (("float32", "f32"), ("bfloat16", "bf16")):

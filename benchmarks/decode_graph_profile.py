@@ -21,7 +21,7 @@ def projections_ms(model, threads: int, reps: int = 50) -> float:
     import torch
 
     from kvflow.csrc import library
-    from kvflow.model.quant.qlinear import ISA_CODES, NEVER, WIDE_ROWS
+    from kvflow.model.quant.qlinear import ISA_CODES, NEVER
 
     lib, dtype = library(), model.dtype
     bf16 = int(dtype == torch.bfloat16)
@@ -35,7 +35,7 @@ def projections_ms(model, threads: int, reps: int = 50) -> float:
             inp, out = torch.randn(1, w.k).to(dtype), torch.empty(1, n_out, dtype=dtype)
             common = (w.kb, bf16, int(w.per_row), w.packed.data_ptr(), int(w.kind == "q8"),
                       ISA_CODES[w.isa], None, out.data_ptr(), w.n, bf16, 1, threads,
-                      WIDE_ROWS.get(w.kind, NEVER), int(name == "gate_up_proj"))
+                      w.wide_rows if bf16 else NEVER, int(name == "gate_up_proj"))
             if name in ("qkv_proj", "gate_up_proj"):
                 norm = layer.input_layernorm if name == "qkv_proj" else layer.post_attention_layernorm
                 calls.append((lib.quant_linear_normed, (x.data_ptr(), None, norm.data_ptr(), layer.eps,

@@ -25,8 +25,14 @@ HF_DIR = os.path.join(RESULTS, "smollm2-135m-instruct-hf")
 LLAMACPP_VENV = os.path.join(HERE, ".venv-llamacpp")
 
 
-def export_hf_folder(out_dir: str = HF_DIR) -> str:
-    """Write the default GGUF model as an HF folder (fp32 safetensors + tokenizer)."""
+def export_hf_folder(out_dir: str | None = None, dtype: str = "float32") -> str:
+    """Write the default GGUF model as an HF folder (safetensors in `dtype`, float32 or
+    bfloat16, + tokenizer). The bf16 folder is what most HF checkpoints are (SmolLM2's own is
+    bf16): every engine then reads the same bf16 values, widened exactly where it computes in
+    fp32, and kvflow's weight_dtype=bfloat16 stores them as they are."""
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"the HF folder is exported in float32 or bfloat16, not {dtype!r}")
+    out_dir = out_dir or (HF_DIR if dtype == "float32" else HF_DIR + "-bf16")
     if os.path.isfile(os.path.join(out_dir, ".complete")):
         return out_dir
     sys.path.insert(0, ROOT)
@@ -41,12 +47,13 @@ def export_hf_folder(out_dir: str = HF_DIR) -> str:
     folder, fname = os.path.split(gguf)
     os.makedirs(out_dir, exist_ok=True)
     arch, arrays = read_gguf(gguf)
-    tensors = {k: torch.from_numpy(v.copy()).contiguous() for k, v in arrays.items()}
+    tensors = {k: torch.from_numpy(v.copy()).to(getattr(torch, dtype)).contiguous()
+               for k, v in arrays.items()}
     if arch.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     config = AutoConfig.from_pretrained(folder, gguf_file=fname)
-    config.dtype = "float32"
+    config.dtype = dtype
     config.architectures = [arch.architecture]  # converters pick the model class from this
     config.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(folder, gguf_file=fname).save_pretrained(out_dir)
@@ -82,8 +89,10 @@ def convert_script() -> str | None:
 
 
 def export_gguf(outtype: str = "f32", hf_dir: str = HF_DIR) -> str:
-    """llama.cpp's GGUF of the HF folder (outtype f32 | bf16 | f16), converted once."""
-    out = os.path.join(RESULTS, f"smollm2-135m-instruct-{outtype}.gguf")
+    """llama.cpp's GGUF of the HF folder (outtype f32 | bf16 | f16), converted once (per
+    folder: the bf16 folder's f32 GGUF holds the bf16 values, widened)."""
+    tag = "" if os.path.normpath(hf_dir) == os.path.normpath(HF_DIR) else "-from-" + os.path.basename(os.path.normpath(hf_dir))
+    out = os.path.join(RESULTS, f"smollm2-135m-instruct-{outtype}{tag}.gguf")
     if os.path.isfile(out):
         return out
     script = convert_script()

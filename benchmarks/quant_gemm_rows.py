@@ -5,6 +5,12 @@ quant_linear's `wide_rows`; the three alternate inside each round and the median
 This is how kvflow/model/quant/qlinear.py's WIDE_ROWS was chosen.
 
     python benchmarks/quant_gemm_rows.py [--rows 1,8,32,128,512] [--rounds 9] [--threads 1]
+        [--isa avx2 --dtype float32] [--kinds q8] [--per-row]
+
+--isa forces one of the build's paths (avx2 on an AVX-512 machine runs the Zen 3 code: there the
+widened path is the fp32 FMA one and the model's dtype fp32, so pair it with --dtype float32,
+whose float column is then F.linear in fp32). --per-row quantizes the int8 column's
+activations per row (int8 W8A8) instead of per block of 32 (GGUF).
 
 Shapes: SmolLM2-135M's qkv (960 x 576), o (576 x 576), gate/up (3072 x 576), down (576 x 1536)
 as 4-bit (its file is Q4_1) and 8-bit, and its tied LM head (49152 x 576, Q8_0). Random weights:
@@ -31,12 +37,17 @@ SHAPES = [("qkv", 960, 576, "q4"), ("o", 576, 576, "q4"), ("gate/up", 3072, 576,
           ("down", 576, 1536, "q8"), ("lm_head", 49152, 576, "q8")]
 
 
-def weight(kind: str, n: int, k: int, isa: str, rng) -> QuantizedWeight:
+def weight(kind: str, n: int, k: int, isa: str, rng, per_row: bool = False) -> QuantizedWeight:
     d = (rng.random((n, k // 32)) * 0.01).astype(np.float32)
     if kind == "q4":
         return QuantizedWeight(kind, n, k, pack(kind, rng.integers(0, 16, (n, k)).astype(np.uint8), d, -8 * d),
                                isa, "Q4_1")
-    return QuantizedWeight(kind, n, k, pack(kind, rng.integers(-127, 128, (n, k)).astype(np.int8), d), isa, "Q8_0")
+    return QuantizedWeight(kind, n, k, pack(kind, rng.integers(-127, 128, (n, k)).astype(np.int8), d), isa,
+                           "int8" if per_row else "Q8_0", per_row=per_row)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return "bf16" if dtype == torch.bfloat16 else "fp32"
 
 
 def main() -> None:
@@ -44,22 +55,34 @@ def main() -> None:
     p.add_argument("--rows", default="1,8,32,128,512")
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--isa", help="a path the build has (default: the CPU's best)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="the activations' (and the float GEMM's) dtype")
+    p.add_argument("--kinds", default="q4,q8", help="weight kinds to run")
+    p.add_argument("--per-row", action="store_true", help="int8 W8A8's per-row activation scales")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    isa = best_isa(cpu_features())
-    print(f"{os.uname().machine}, quantized path {isa}, bf16 panel GEMM: {panel_gemm_built()}, "
-          f"{a.threads} thread(s), {a.rounds} rounds, load average {os.getloadavg()[0]:.1f}")
-    print("| shape | kind | rows | int8 ms | widened ms | bf16 ms |\n|---|---|---|---|---|---|")
+    isa = a.isa or best_isa(cpu_features())
+    dtype = getattr(torch, a.dtype)
+    print(f"{os.uname().machine}, quantized path {isa}, {a.dtype} activations, float column: "
+          f"{'bf16 panel GEMM' if dtype == torch.bfloat16 else 'F.linear fp32'}, {a.threads} thread(s), {a.rounds} rounds, per-row {a.per_row}, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print(f"| shape | kind | rows | int8 ms | widened ms | {dtype_name(dtype)} ms |\n|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)
     for name, n, k, kind in SHAPES:
-        w = weight(kind, n, k, isa, rng)
-        panels = pack_panels(torch.randn(n, k).bfloat16()) if panel_gemm_built() else None
+        if kind not in a.kinds.split(","):
+            continue
+        w = weight(kind, n, k, isa, rng, per_row=a.per_row)
+        wf = torch.randn(n, k).to(dtype)
+        panels = pack_panels(wf) if panel_gemm_built() and dtype == torch.bfloat16 else None
         for m in (int(r) for r in a.rows.split(",")):
-            x = torch.randn(m, k).bfloat16()
+            x = torch.randn(m, k).to(dtype)
             fns = [lambda: quant_linear(x, w, threads=a.threads, wide_rows=NEVER),
                    lambda: quant_linear(x, w, threads=a.threads, wide_rows=1)]
             if panels is not None:
                 fns.append(lambda: panel_gemm(x, panels, n, None, a.threads))
+            elif dtype == torch.float32:
+                fns.append(lambda: torch.nn.functional.linear(x, wf))
             times = [[] for _ in fns]
             for f in fns:
                 f()

@@ -40,6 +40,7 @@ def option(default=None, help: str = "", *, choices: tuple[str, ...] | None = No
 
 
 DTYPES = ("auto", "bfloat16", "float32")
+WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -57,6 +58,12 @@ class ModelConfig:
         "(AVX512-BF16/AMX), else float32; in bf16 a request's tokens can change with the batch "
         "around it, pass float32 where outputs must not depend on other requests",
         choices=DTYPES)
+    weight_dtype: str = option(
+        "auto", "how an fp32 model on the CPU stores its projections for decode-sized batches: "
+        "`bfloat16`/`float16` halve the bytes a decode step streams (the GEMV widens them to "
+        "fp32 exactly; the weights are rounded to that dtype at load, so a bf16 checkpoint "
+        "computes exactly as in fp32; fp16 storage of a bf16 checkpoint is refused); `auto` and "
+        "`float32` keep fp32", choices=WEIGHT_DTYPES)
     quantization: str | None = option(
         None, "weights served quantized: `gguf` keeps a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 blocks "
         "(other types as 8-bit blocks) and multiplies them in int8, `int8` quantizes a float "
@@ -79,6 +86,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         self.dtype = dtype_name(self.dtype, "dtype")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got "
+                             f"{self.weight_dtype!r}")
         if self.quantization not in (None, "gguf", "int8", "compressed-tensors", "none"):
             raise ValueError("quantization must be gguf, int8, compressed-tensors or none, got "
                              f"{self.quantization!r}")

@@ -47,8 +47,10 @@ def prompt_ids(default_tokenizer) -> list[list[int]]:
     return [default_tokenizer.encode(p) for p in PROMPTS]
 
 
-def hf_greedy_reference(model_path: str, prompt_ids: list[list[int]], dtype) -> list:
-    """HF transformers on the same GGUF in `dtype`: greedy tokens and top-3 ids per position."""
+def hf_greedy_reference(model_path: str, prompt_ids: list[list[int]], dtype, round_to=None) -> list:
+    """HF transformers on the same GGUF in `dtype`: greedy tokens and top-3 ids per position;
+    `round_to`: the matrices' values rounded to that dtype first (what kvflow's weight_dtype
+    does at load)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -56,6 +58,11 @@ def hf_greedy_reference(model_path: str, prompt_ids: list[list[int]], dtype) -> 
     folder, fname = os.path.split(model_path)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=dtype)
     model.eval()
+    if round_to is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.copy_(p.to(round_to).to(dtype))
     refs = []
     with torch.inference_mode():
         for ids in prompt_ids:

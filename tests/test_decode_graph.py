@@ -67,7 +67,7 @@ class Driver:
     """Steps a model over its own paged cache (shuffled blocks, one table per sequence), with
     one metadata for all layers or, with `windows`, one per layer (a window per layer)."""
 
-    def __init__(self, model, kv_dtype=None, windows=None, num_blocks: int = 48, seed: int = 0):
+    def __init__(self, model, kv_dtype=None, windows=None, num_blocks: int = 192, seed: int = 0):
         self.model, self.windows = model, windows
         self.kv_caches = allocate_kv_caches(model.arch, num_blocks, BLOCK, kv_dtype or model.dtype)
         self.free = [int(b) for b in np.random.default_rng(seed).permutation(num_blocks)]
@@ -168,6 +168,14 @@ def test_rows_split_over_two_threads():
     finally:
         torch.set_num_threads(old)
     assert taken == [True] * 4
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_sixteen_rows_of_int8_take_the_widened_gemm():
+    """At MAX_ROWS rows int8 W8A8 projections of few outputs widen their weights (bf16
+    activations on AVX512-BF16: qlinear.widen_from); the one call passes the same threshold."""
+    got, want, taken = run_both("int8", torch.bfloat16, ISAS[-1], MAX_ROWS, decode_steps=3)
+    assert taken == [True] * 3
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 

@@ -70,6 +70,22 @@ def test_bf16_kv_cache_stays_within_hf_top3(kvflow_llm_factory, prompt_ids, hf_r
     assert_follow_reference(outs, hf_reference, len(prompt_ids) // 2, "HF")
 
 
+def test_bf16_stored_weights_match_hf_on_the_same_rounded_weights(kvflow_llm_factory, prompt_ids):
+    """weight_dtype="bfloat16" on the fp32 model of a file whose weights are not all bf16
+    values (the GGUF file dequantised): they are rounded to bf16 at load and decode rows read
+    bf16 panels; the greedy tokens equal HF's fp32 model with the same rounding, batched with
+    chunked prefill. (On a bf16 checkpoint nothing is rounded: tests/test_weight_dtype.py.)"""
+    llm = kvflow_llm_factory(num_blocks=256, max_num_batched_tokens=64, weight_dtype="bfloat16")
+    model = llm.engine.core.executor.runner.model
+    assert model.layers[0].packed["down_proj"].gemv.dtype == torch.bfloat16
+    assert torch.equal(model.layers[0].down_proj, model.layers[0].down_proj.bfloat16().float())
+    outs = llm.generate(prompt_ids, GREEDY, use_tqdm=False)
+    refs = hf_greedy_reference(llm.engine.core.model_path, prompt_ids, torch.float32,
+                               round_to=torch.bfloat16)
+    for i, out in enumerate(outs):
+        assert_matches_reference(out.outputs[0].token_ids, refs[i], f"prompt {i}")
+
+
 @pytest.fixture(scope="module")
 def hf_bf16_reference(default_model_path, prompt_ids):
     return hf_greedy_reference(default_model_path, prompt_ids, torch.bfloat16)

@@ -1,6 +1,7 @@
 """The fp32 decode GEMV (kvflow/csrc/gemv_f32.c) gives torch's matmul on every instruction set
 (AVX-512, AVX2 from a build without AVX-512, scalar), for odd shapes and every row tile, and
-serves exactly the decode-sized fp32 batches it was chosen for."""
+serves exactly the decode-sized fp32 batches it was chosen for. From bf16 or fp16 panels it
+gives bit for bit what it gives from fp32 panels of the widened weights."""
 from __future__ import annotations
 
 import ctypes
@@ -21,6 +22,7 @@ from kvflow.model.packed_linear import linear
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler")
 
 AVX2 = CpuFeatures.from_names("avx2", "fma", "f16c")
+HALF = [torch.bfloat16, torch.float16]
 ZEN4 = CpuFeatures.from_names("avx2", "fma", "avx512f", "avx512_bf16")
 # (N, K): ragged last panels (37, 100), K not a multiple of any unroll (13, 577), the model's
 SHAPES = [(37, 13), (100, 577), (64, 576)]
@@ -33,14 +35,14 @@ def _reference(x, w, bias):
 
 def _isas_here() -> list[str]:
     f = cpu_features()
-    runs = {"scalar": True, "avx2": {"avx2", "fma"} <= f.flags, "avx512": f.avx512}
+    runs = {"scalar": True, "avx2": {"avx2", "fma", "f16c"} <= f.flags, "avx512": f.avx512}
     return [i for i in gemv_isas() if runs[i]]
 
 
 def test_this_build_has_every_path_its_cpu_runs():
     f = cpu_features()
     assert "scalar" in gemv_isas()
-    assert ("avx2" in gemv_isas()) == ({"avx2", "fma"} <= f.flags)
+    assert ("avx2" in gemv_isas()) == ({"avx2", "fma", "f16c"} <= f.flags)
     assert ("avx512" in gemv_isas()) == f.avx512
 
 
@@ -68,29 +70,98 @@ def test_gemv_reads_strided_rows():
                                _reference(x, w, None), rtol=1e-5, atol=1e-4)
 
 
-def test_avx2_path_from_a_build_without_avx512(tmp_path):
-    """gemv_f32.c compiled for an AVX2-only CPU (Zen 3: AVX-512 off) has the scalar and AVX2
-    paths only, and its AVX2 path gives torch's numbers."""
+def _half_weights(n: int, k: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    """(n, k) fp32 weights whose values are all exactly `dtype`'s, with a few of its edge values
+    (fp16 subnormals and its largest finite value, bf16's smallest normals, signed zeros)."""
+    w = torch.randn(n, k, generator=g).to(dtype)
+    edges = torch.tensor([0.0, -0.0, 6e-8, -6e-8, 3e-5, 65504.0, -65504.0] if dtype == torch.float16
+                         else [0.0, -0.0, 1.2e-38, -1.2e-38, 3e38, 1e-3, -1e-3], dtype=dtype)
+    w.view(-1)[:edges.numel()] = edges
+    return w.float()
+
+
+def _assert_near_reference(got, x, w, bias):
+    """Within fp32 rounding of the float64 product: sums with large terms that cancel (the
+    edge values) are bounded by the sum of the terms' magnitudes, not by the result's."""
+    scale = x.abs().double() @ w.abs().double().T
+    err = (got.double() - _reference(x, w, bias).double()).abs()
+    assert bool((err <= 1e-5 * scale + 1e-5).all()), float((err - 1e-5 * scale).max())
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_half_panels_give_the_fp32_gemv_of_the_widened_weights(isa, dtype, n, k, threads):
+    if isa not in _isas_here():
+        pytest.skip(f"this CPU has no {isa}")
+    g = torch.Generator().manual_seed(n + k)
+    w, bias = _half_weights(n, k, dtype, g), torch.randn(n, generator=g)
+    half, full = pack_gemv(w, dtype), pack_gemv(w)
+    assert half.dtype == dtype and half.shape == full.shape
+    assert torch.equal(half.float(), full)  # the same panels, half the bytes
+    for m in range(1, GEMV_MAX_ROWS.get(isa, 8) + 2):  # every tile size, then two tiles
+        x = torch.randn(m, k, generator=g)
+        if dtype == torch.bfloat16:
+            x[:, :7] = 0  # the bf16 edge columns hold 3e38: keep the sums finite
+        for b in (bias, None):
+            got = gemv_f32(x, half, n, b, isa, threads)
+            assert torch.equal(got, gemv_f32(x, full, n, b, isa)), (isa, dtype, m)
+            _assert_near_reference(got, x, w, b)
+
+
+def test_half_panels_round_to_nearest_even():
+    w = torch.randn(20, 33)
+    for dtype in HALF:
+        assert torch.equal(pack_gemv(w, dtype).float(), pack_gemv(w.to(dtype).float()))
+    with pytest.raises(ValueError, match="fp32, bf16 or fp16"):
+        pack_gemv(w, torch.float64)
+
+
+def _avx2_only_build(tmp_path):
+    """gemv_f32.c compiled for an AVX2-only CPU (Zen 3: AVX2, FMA, F16C; AVX-512 off)."""
     src = os.path.join(os.path.dirname(kvflow.csrc.__file__), "gemv_f32.c")
     so = tmp_path / "gemv_f32_avx2.so"
     subprocess.run(["cc", "-O3", "-march=x86-64-v3", "-mno-avx512f", "-shared", "-fPIC", "-std=c11",
                     src, "-o", str(so)], check=True, capture_output=True)
     lib = ctypes.CDLL(str(so))
     lib.gemv_f32_isas.restype = ctypes.c_int64
-    assert lib.gemv_f32_isas() == 0b011  # scalar + AVX2, no AVX-512
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.gemv_f32_panels.restype = None
-    lib.gemv_f32_panels.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+    lib.gemv_f32_panels.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
+    return lib
+
+
+def _call(lib, x, packed, n, bias, isa):
+    m, k = x.shape
+    wdt = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[packed.dtype]
+    out = torch.full((m, n), float("nan"))
+    lib.gemv_f32_panels(x.data_ptr(), k, m, k, packed.data_ptr(), bias.data_ptr(), out.data_ptr(),
+                        n, n, GEMV_ISAS[isa], wdt, 0, packed.shape[0])
+    return out
+
+
+def test_avx2_path_from_a_build_without_avx512(tmp_path):
+    """The AVX2-only build has the scalar and AVX2 paths only; its AVX2 path gives torch's
+    numbers from fp32 panels, and the same bits from bf16 and fp16 panels of those weights."""
+    lib = _avx2_only_build(tmp_path)
+    assert lib.gemv_f32_isas() == 0b011  # scalar + AVX2, no AVX-512
     g = torch.Generator().manual_seed(0)
     for n, k in SHAPES:
         w, bias = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
         packed = pack_gemv(w)
         for m in (1, 2, 3, 4, 7):
             x = torch.randn(m, k, generator=g)
-            out = torch.full((m, n), float("nan"))
-            lib.gemv_f32_panels(x.data_ptr(), k, m, k, packed.data_ptr(), bias.data_ptr(),
-                                out.data_ptr(), n, n, GEMV_ISAS["avx2"], 0, packed.shape[0])
+            out = _call(lib, x, packed, n, bias, "avx2")
             torch.testing.assert_close(out, _reference(x, w, bias), rtol=1e-5, atol=2e-5 * k ** 0.5)
+        for dtype in HALF:
+            wh = _half_weights(n, k, dtype, g)
+            for m in (1, 2, 3, 4, 5, 9):
+                x = torch.randn(m, k, generator=g)
+                x[:, :7] = 0
+                got = _call(lib, x, pack_gemv(wh, dtype), n, bias, "avx2")
+                assert torch.equal(got, _call(lib, x, pack_gemv(wh), n, bias, "avx2")), (dtype, m)
+                _assert_near_reference(got, x, wh, bias)
 
 
 def test_fp32_decode_batches_take_the_gemv_and_longer_ones_onednn():

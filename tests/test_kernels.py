@@ -15,7 +15,7 @@ from kvflow.model.kv_layout import write_rows
 from kvflow.model.loader import load_model
 
 ZEN4 = CpuFeatures.from_names("avx2", "avx512f", "avx512_bf16")
-AVX2 = CpuFeatures.from_names("avx2", "fma")
+AVX2 = CpuFeatures.from_names("avx2", "fma", "f16c")  # a Zen 3
 ALL_ON = KernelOptions()
 BUILT = library() is not None  # the C kernels compile here (gcc is part of the setup)
 PANELS_BUILT = BUILT and bool(library().gemm_bf16_available())

@@ -30,7 +30,7 @@ def _block(arch: LlamaArchConfig, dtype: torch.dtype, seed: int = 0) -> SparseMo
     return block
 
 
-AVX2 = CpuFeatures.from_names("avx2", "fma")  # a Zen 3: no panel GEMM, oneDNN for fp32 only
+AVX2 = CpuFeatures.from_names("avx2", "fma", "f16c")  # a Zen 3: no panel GEMM, oneDNN for fp32 only
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -20,7 +20,7 @@ import kvflow.csrc
 from kvflow.model.quant.gguf_blocks import decode
 from kvflow.model.quant.int8 import int8_from_channels, quantize_int8
 from kvflow.model.quant.packing import dequantize_rows, pack
-from kvflow.model.quant.qlinear import (NEVER, WIDE_ROWS, QuantizedWeight, available_isas,
+from kvflow.model.quant.qlinear import (NEVER, QuantizedWeight, available_isas,
                                         quant_linear, quantize_activations)
 
 ISAS = available_isas()
@@ -350,21 +350,31 @@ def test_widened_int8_w8a8_with_k_off_the_block(isa, k):
     assert (got.double() - ref).abs().max().item() <= 8e-3 * ref.abs().max().item()
 
 
-def test_which_rows_take_the_widened_path():
-    """8-bit weights widen from WIDE_ROWS["q8"] rows (the float activations as they are: the
-    exact product, not the int8 activations'); 4-bit weights never do."""
-    if "avx512-vnni" not in ISAS and "avx2" not in ISAS:
-        pytest.skip("no vector path in this build")  # the scalar build has no widened path
-    isa = "avx512-vnni" if "avx512-vnni" in ISAS else "avx2"
-    rows = WIDE_ROWS["q8"]
-    for type_name, widened in (("Q8_0", True), ("Q4_1", False)):
-        w, ref_w = quantized(type_name, 48, 128, isa)
-        for m in (rows - 1, rows):
-            x = torch.randn(m, 128, generator=torch.Generator().manual_seed(m))
-            got = quant_linear(x, w, threads=1).double()
-            exact = x.double() @ ref_w.double().T
-            err = (got - exact).abs().max().item() / exact.abs().max().item()
-            assert (err <= 1e-5) == (widened and m >= rows), (type_name, m, err)
+@pytest.mark.parametrize("isa", WIDE_ISAS)
+def test_which_rows_take_the_widened_path(isa):
+    """8-bit weights are widened only where the widened path is the bf16 one (AVX512-BF16, bf16
+    activations): from 64 rows with per-block activation scales (GGUF Q8_0); with per-row ones
+    (int8 W8A8, whose row scales cost the int8 GEMM more, the more the fewer outputs) from 16
+    rows up to 1024 outputs, 32 up to 4096, 64 beyond. Never with fp32 activations or on AVX2,
+    where the widened path is the fp32-FMA one and the int8 GEMM beat it at every row count
+    measured; never 4-bit weights."""
+    g = torch.Generator().manual_seed(0)
+    weights = {("Q8_0", 48): quantized("Q8_0", 48, 128, isa)[0],
+               ("Q4_1", 48): quantized("Q4_1", 48, 128, isa)[0]}
+    for n in (48, 1040, 4112):
+        weights["int8", n] = quantize_int8(torch.randn(n, 128, generator=g), isa)
+    widen_from = {("Q8_0", 48): 64, ("int8", 48): 16, ("int8", 1040): 32, ("int8", 4112): 64}
+    for (name, n), w in weights.items():
+        for dtype in (torch.bfloat16, torch.float32):
+            vnni_bf16 = isa == "avx512-vnni" and dtype == torch.bfloat16
+            rows = widen_from.get((name, n)) if vnni_bf16 else None
+            for m in (15, 16, 31, 32, 63, 64):
+                x = torch.randn(m, 128, generator=g).to(dtype)
+                int8 = quant_linear(x, w, threads=1, wide_rows=NEVER)
+                wide = quant_linear(x, w, threads=1, wide_rows=1)
+                assert not torch.equal(int8, wide)  # the two paths tell themselves apart
+                want = wide if rows is not None and m >= rows else int8
+                assert torch.equal(quant_linear(x, w, threads=1), want), (name, n, dtype, m)
 
 
 def test_widened_avx2_path_from_a_build_without_avx512(tmp_path):

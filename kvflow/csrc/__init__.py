@@ -68,8 +68,9 @@ _SIGNATURES = {
     # qx, dx, dxs, Kb, M, packed, kind, isa, bias, out, out_stride, N, out_bf16, p_begin, p_end
     "gemm_quant_panels": [_ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64,
                           _i64, _i64, _i64],
-    # x, x_stride, M, K, packed, bias, out, out_stride, N, isa, p_begin, p_end
-    "gemv_f32_panels": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64],
+    # x, x_stride, M, K, packed, bias, out, out_stride, N, isa, wdt, p_begin, p_end
+    "gemv_f32_panels": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
+                        _i64],
     # buffer, bytes, page size
     "populate_pages": [_ptr, _i64, _i64],
 }

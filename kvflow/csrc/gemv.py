@@ -1,5 +1,6 @@
-"""Tensor-level entry of the fp32 decode GEMV (gemv_f32.c): the weight packing it reads, its
-instruction sets, and the call, split over the kernel pool by panels of outputs."""
+"""Tensor-level entry of the fp32 decode GEMV (gemv_f32.c): the weight packing it reads (fp32,
+or bf16 / fp16 widened to fp32 in registers), its instruction sets, and the call, split over
+the kernel pool by panels of outputs."""
 from __future__ import annotations
 
 import torch
@@ -8,6 +9,8 @@ from kvflow.csrc import library, run_kernel
 
 GEMV_PANEL = 16  # outputs per packed panel (gemv_f32.c)
 GEMV_ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}  # gemv_f32.c's `isa` codes
+# the weight storage types it widens, as gemv_f32.c's `wdt` codes
+GEMV_WEIGHT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # The most rows the GEMV serves per instruction set, by measurement (benchmarks/gemv_f32.py,
 # the default model's projections and LM head, one thread, the Zen 4 here; README "fp32
 # decode GEMV"): AVX-512 beat oneDNN at every M up to 8 (its tile), AVX2 (forced) up to 4 and
@@ -31,28 +34,35 @@ def best_gemv_isa(features) -> str | None:
     built = gemv_isas()
     if "avx512" in built and features.avx512:
         return "avx512"
-    if "avx2" in built and {"avx2", "fma"} <= features.flags:
+    if "avx2" in built and {"avx2", "fma", "f16c"} <= features.flags:
         return "avx2"
     return None
 
 
-def pack_gemv(w: torch.Tensor) -> torch.Tensor:
-    """(N, K) fp32 -> [ceil(N/16), K, 16]: per panel of 16 outputs, input k's 16 weights in
-    one 64-byte line, so a panel is one sequential stream (outputs past N are zero weights)."""
+def pack_gemv(w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(N, K) -> [ceil(N/16), K, 16] in `dtype` (default: w's; fp32, bf16 or fp16): per panel
+    of 16 outputs, input k's 16 weights in one line (64 bytes in fp32, 32 in half precision),
+    so a panel is one sequential stream (outputs past N are zero weights). Converting to a half
+    dtype rounds to nearest even: exact where w's values are representable in it."""
+    dtype = w.dtype if dtype is None else dtype
+    if dtype not in GEMV_WEIGHT_DTYPES:
+        raise ValueError(f"the GEMV reads fp32, bf16 or fp16 weights, not {dtype}")
     n, k = w.shape
-    padded = w.new_zeros(-(-n // GEMV_PANEL) * GEMV_PANEL, k)
+    padded = w.new_zeros(-(-n // GEMV_PANEL) * GEMV_PANEL, k, dtype=dtype)
     padded[:n] = w
     return padded.view(-1, GEMV_PANEL, k).transpose(1, 2).contiguous()
 
 
 def gemv_f32(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
              isa: str = "avx512", threads: int = 1) -> torch.Tensor:
-    """x [M, K] fp32 @ w.T (+ bias) -> [M, n] fp32, w given as pack_gemv(w)."""
+    """x [M, K] fp32 @ w.T (+ bias) -> [M, n] fp32, w given as pack_gemv(w) in any of its
+    storage dtypes (the arithmetic is fp32 in every case)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
     out = x.new_empty(m, n)
     words = [x.data_ptr(), x.stride(0), m, k, packed.data_ptr(),
-             bias.data_ptr() if bias is not None else None, out.data_ptr(), n, n, GEMV_ISAS[isa]]
+             bias.data_ptr() if bias is not None else None, out.data_ptr(), n, n, GEMV_ISAS[isa],
+             GEMV_WEIGHT_DTYPES[packed.dtype]]
     run_kernel("gemv_f32", words, packed.shape[0], threads)
     return out

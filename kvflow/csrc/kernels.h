@@ -46,9 +46,9 @@ int64_t gemm_quant_wide(const void *x, int64_t x_stride, int64_t K, int64_t Kb, 
                         int64_t M, const uint8_t *packed, int64_t kind, int64_t isa,
                         const float *bias, void *out, int64_t out_stride, int64_t N,
                         int64_t out_bf16, int64_t g_begin, int64_t g_end);
-void gemv_f32_panels(const float *x, int64_t x_stride, int64_t M, int64_t K, const float *packed,
+void gemv_f32_panels(const float *x, int64_t x_stride, int64_t M, int64_t K, const void *packed,
                      const float *bias, float *out, int64_t out_stride, int64_t N, int64_t isa,
-                     int64_t p_begin, int64_t p_end);
+                     int64_t wdt, int64_t p_begin, int64_t p_end);
 void write_kv_f32(const float *k, const float *v, int64_t src_stride, const int64_t *slots,
                   float *k_cache, float *v_cache, int64_t begin, int64_t end, int64_t KVH, int64_t D,
                   int64_t bs);

@@ -114,11 +114,11 @@ static void k_qgemm_wide(const int64_t *a, double f, int64_t b, int64_t e) {
                         a[12], a[13], b, e) != 0)
         *(int64_t *)a[14] = 1; /* only ever set to 1: no race that matters */
 }
-/* x, x_stride, M, K, packed, bias, out, out_stride, N, isa: the ranges are panels of 16
- * outputs, every thread takes all M rows */
+/* x, x_stride, M, K, packed, bias, out, out_stride, N, isa, wdt (the weights' storage: 0
+ * fp32, 1 bf16, 2 fp16): the ranges are panels of 16 outputs, every thread takes all M rows */
 static void k_gemv_f32(const int64_t *a, double f, int64_t b, int64_t e) {
     (void)f;
-    gemv_f32_panels(P(0), a[1], a[2], a[3], P(4), P(5), P(6), a[7], a[8], a[9], b, e);
+    gemv_f32_panels(P(0), a[1], a[2], a[3], P(4), P(5), P(6), a[7], a[8], a[9], a[10], b, e);
 }
 #undef P
 

@@ -26,6 +26,7 @@ from kvflow.model.cuda_graphs import decode_graphs_for
 from kvflow.model.loader import load_model, resolve_device, resolve_dtype
 from kvflow.model.quant.load import resolve_quantization
 from kvflow.model.sharding import kv_bytes_per_token_per_rank
+from kvflow.model.weight_dtype import storage_dtype
 from kvflow.model_path import resolve_model_path
 from kvflow.request import Request, RequestStatus, check_request_fits
 from kvflow.sampling_params import check_token_ids
@@ -61,12 +62,14 @@ class EngineCore(EngineKVTransferMixin):
         free_at_start = torch.cuda.mem_get_info(self.device)[0] if on_gpu else 0
         # quantized weights are the CPU's, one process's (refused here, before anything loads)
         quantization = resolve_quantization(mc.quantization, self.model_path, self.tp_size, on_gpu)
+        weight_dtype = storage_dtype(mc.weight_dtype, self.dtype, not on_gpu, quantization,
+                                     self.tp_size)
         if self.tp_size > 1:  # the executor's ranks load their shards; never the whole model here
             model, self.arch = None, load_arch_config(self.model_path)
         else:
             model, self.arch = load_model(self.model_path, self.dtype,
                                           device=self.device if on_gpu else None,
-                                          quantization=quantization)
+                                          quantization=quantization, weight_dtype=weight_dtype)
         self.max_model_len = mc.max_model_len or self.arch.max_position_embeddings
         sc = replace(config.scheduler_config, max_model_len=self.max_model_len)
         # under tensor parallelism each rank holds its KV heads' share of every block

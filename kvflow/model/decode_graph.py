@@ -28,7 +28,7 @@ from kvflow import envs
 from kvflow.csrc import library, ops
 from kvflow.model import attention
 from kvflow.model.packed_linear import FUSED_ROWS
-from kvflow.model.quant.qlinear import ISA_CODES, NEVER, WIDE_ROWS, QuantizedWeight
+from kvflow.model.quant.qlinear import ISA_CODES, NEVER, QuantizedWeight
 
 logger = logging.getLogger("kvflow")
 
@@ -49,9 +49,10 @@ def _double_bits(value: float) -> int:
     return int(np.array([value], dtype=np.float64).view(np.int64)[0])
 
 
-def _projection_words(w: QuantizedWeight) -> list[int]:
+def _projection_words(w: QuantizedWeight, bf16: bool) -> list[int]:
+    """quant_linear's words for `w`, with the rows from which it widens as qlinear.py passes them."""
     return [w.packed.data_ptr(), int(w.kind == "q8"), ISA_CODES[w.isa], int(w.per_row), w.n, w.k,
-            w.kb, WIDE_ROWS.get(w.kind, NEVER)]
+            w.kb, w.wide_rows if bf16 else NEVER]
 
 
 def why_not(model) -> str | None:
@@ -117,7 +118,7 @@ class DecodeGraph:
                      0 if bias is None else bias.data_ptr(), 0, 0, layer.num_heads,
                      layer.num_kv_heads, layer.head_dim]
             for name in PROJECTIONS:
-                words += _projection_words(layer.packed[name].quant)
+                words += _projection_words(layer.packed[name].quant, model.dtype == torch.bfloat16)
             rows.append(words)
         return cls(model, model.kernels, np.array(rows, dtype=np.int64), biases)
 

@@ -10,7 +10,8 @@ What serves here, and why:
   decode-sized batches, level on long prefills: packed_linear.py), else oneDNN's prepacked
   GEMM (fp32; bf16 only on CPUs with native bf16, elsewhere oneDNN emulates it), else F.linear;
   in fp32, batches of up to GEMV_MAX_ROWS rows take kvflow's fp32 GEMV (AVX-512 or AVX2:
-  csrc/gemv_f32.c), which streams a decode step's weights faster than oneDNN;
+  csrc/gemv_f32.c), which streams a decode step's weights faster than oneDNN, from fp32
+  panels or, with `weight_dtype` bfloat16/float16, from half-precision ones (half the bytes);
 - attention, norm, RoPE, SiLU, KV write, argmax: the C kernels (kvflow/csrc) where they built,
   else PyTorch; attention's prompt kernel exists only where the CPU has AVX512-BF16, elsewhere
   prompt tokens run as rows of the decode kernel.
@@ -44,17 +45,23 @@ from kvflow.model.kv_layout import write_rows
 @dataclass(frozen=True)
 class KernelOptions:
     """The user's opt-outs (KVFLOW_NO_KERNELS, KVFLOW_NO_ONEDNN, KVFLOW_NO_PANEL_GEMM,
-    KVFLOW_NO_GEMV) and a narrower fp32 GEMV path to measure (KVFLOW_GEMV_ISA)."""
+    KVFLOW_NO_GEMV), a narrower fp32 GEMV path to measure (KVFLOW_GEMV_ISA), and the storage
+    dtype of the GEMV's weights (the `weight_dtype` option: None is fp32; bf16 or fp16 are
+    widened to fp32 in the kernel, model/weight_dtype.py)."""
 
     c_kernels: bool = True
     onednn: bool = True
     panel_gemm: bool = True
     gemv: bool = True
     gemv_isa: str | None = None  # None: the widest this CPU and build have
+    gemv_dtype: torch.dtype | None = None
 
     def __post_init__(self):
         if self.gemv_isa not in (None, "avx2"):
             raise ValueError(f"KVFLOW_GEMV_ISA must be avx2 (or unset), got {self.gemv_isa!r}")
+        if self.gemv_dtype not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"the GEMV stores weights in bf16 or fp16 (or fp32: None), not "
+                             f"{self.gemv_dtype}")
 
     @classmethod
     def from_env(cls) -> "KernelOptions":
@@ -154,8 +161,10 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
     gemv_isa = _gemv_isa(features, options) if c and dtype == torch.float32 else None
     silu_mul = ops.silu_mul if c else ops.silu_mul_torch
     linear_name = "panel-bf16" if panels else "onednn" if onednn else "torch"
+    gemv_dtype = options.gemv_dtype if gemv_isa is not None else None
     if gemv_isa is not None:  # decode-sized batches: the GEMV; longer ones as above
-        linear_name = f"gemv-{gemv_isa}+{linear_name}"
+        stored = {torch.bfloat16: "-bf16", torch.float16: "-fp16"}.get(gemv_dtype, "")
+        linear_name = f"gemv-{gemv_isa}{stored}+{linear_name}"
     # attention: the prompt kernel's shape check answers 0 for every shape where it was not built
     prompt_kernel = c and features.avx512_bf16 and bool(lib.paged_prefill_bf16_supported(1, 1, 32, 16))
     if c:
@@ -169,7 +178,7 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
              "attention": attention_name, "norm": c_name, "rope": c_name, "kv_write": c_name,
              "argmax": "c" if c and dtype == bf16 else "torch"}
     pack = (partial(packed_linear.pack_weight, panels=panels, onednn=onednn, gemv_isa=gemv_isa,
-                    gemv_rows=GEMV_MAX_ROWS.get(gemv_isa, 0))
+                    gemv_rows=GEMV_MAX_ROWS.get(gemv_isa, 0), gemv_dtype=gemv_dtype)
             if panels or onednn or gemv_isa else None)
     return Kernels(
         dtype=dtype, kv_dtype=kv_dtype, device_type=device_type, features=features,

@@ -4,17 +4,19 @@ job; which slices a rank owns, kvflow.model.sharding's."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 
 from kvflow.model.arch import LlamaArchConfig, load_arch_config
 from kvflow.model.cpu_features import cpu_features
-from kvflow.model.kernels import Kernels, select_kernels
+from kvflow.model.kernels import KernelOptions, Kernels, select_kernels
 from kvflow.model.gemma3 import Gemma3ForCausalLM
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.model.quant.compressed_tensors import METHOD, checkpoint_method, dequantized, read_raw
 from kvflow.model.quant.load import resolve_quantization
 from kvflow.model.sharding import load_shard
+from kvflow.model.weight_dtype import check_checkpoint, round_weights
 from kvflow.model.weights import fuse_weights, load_gguf, read_hf_folder
 from kvflow.model_path import is_gguf
 
@@ -49,12 +51,15 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None = None,
-               kernels: Kernels | None = None, quantization: str = "none"
-               ) -> tuple[LlamaForCausalLM, LlamaArchConfig]:
+               kernels: Kernels | None = None, quantization: str = "none",
+               weight_dtype: torch.dtype | None = None) -> tuple[LlamaForCausalLM, LlamaArchConfig]:
     """Load the model at `path` (HF folder or .gguf) in `dtype`, weights fused for inference;
     `kernels` (default: chosen for `dtype` and `device`) serve its operations. `quantization`
     gguf, int8 or compressed-tensors (kvflow/model/quant/load.py) keeps the weights quantized,
-    on the CPU; a compressed-tensors checkpoint must be loaded as one."""
+    on the CPU; a compressed-tensors checkpoint must be loaded as one. `weight_dtype` (bf16 or
+    fp16, for an fp32 model on the CPU: model/weight_dtype.storage_dtype) rounds the weights to
+    it and stores the decode GEMV's panels in it."""
+    exact = weight_dtype is not None and check_checkpoint(path, weight_dtype)
     if quantization != METHOD and checkpoint_method(path) is not None:
         resolve_quantization(quantization, path)  # raises: the checkpoint says how it is quantized
     if quantization not in ("none", METHOD) and load_arch_config(path).architecture == "Gemma3ForCausalLM":
@@ -77,9 +82,12 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None 
     else:
         arch = load_arch_config(path)
         weights = fuse_weights(read_hf_folder(path, dtype), arch, dtype)
+    if weight_dtype is not None and not exact:  # a checkpoint in that dtype needs no rounding
+        round_weights(weights, weight_dtype)
     # build on the meta device, then adopt the loaded tensors without a second copy
     if kernels is None:
-        kernels = select_kernels(dtype, device=device)
+        options = replace(KernelOptions.from_env(), gemv_dtype=weight_dtype)
+        kernels = select_kernels(dtype, device=device, options=options)
     model_class = Gemma3ForCausalLM if arch.architecture == "Gemma3ForCausalLM" else LlamaForCausalLM
     model = model_class(arch, dtype, device="meta", kernels=kernels)
     model.load_state_dict(weights, strict=True, assign=True)

@@ -40,7 +40,7 @@ class PackedWeight:
     may sit beside `onednn`)."""
     panels: torch.Tensor | None = None  # kvflow's bf16 panels (kvflow/csrc/gemm.py)
     onednn: torch.Tensor | None = None  # oneDNN's blocked copy
-    gemv: torch.Tensor | None = None  # fp32 GEMV panels for up to gemv_rows rows (csrc/gemv.py)
+    gemv: torch.Tensor | None = None  # GEMV panels (fp32, bf16 or fp16) for up to gemv_rows rows
     gemv_isa: str = "scalar"
     gemv_rows: int = 0
     gate_up: bool = False  # panels of an MLP's [gate; up], for the GEMM with SiLU fused
@@ -64,13 +64,15 @@ def panels_take(w: torch.Tensor) -> bool:
 
 
 def pack_weight(w: torch.Tensor, gate_up: bool = False, *, panels: bool,
-                onednn: bool, gemv_isa: str | None = None, gemv_rows: int = 0) -> PackedWeight | None:
+                onednn: bool, gemv_isa: str | None = None, gemv_rows: int = 0,
+                gemv_dtype: torch.dtype | None = None) -> PackedWeight | None:
     """An (out, in) weight packed for `linear`: bf16 panels where `panels` and the kernel takes
     it, else oneDNN's layout where `onednn`; None: plain F.linear. `gate_up`: w is an MLP's
     [gate; up], for `linear_silu_mul`. An fp32 weight also gets the GEMV's panels when
     `gemv_isa` is given: batches of up to `gemv_rows` rows read those instead (a decode step
     streams the weights at close to the memory's rate there; oneDNN's copy serves longer
-    batches). (kernels.py decides all of these once.)"""
+    batches), stored in `gemv_dtype` (None: fp32; bf16/fp16 round w, model/weight_dtype.py).
+    (kernels.py decides all of these once.)"""
     if panels and panels_take(w):
         if gate_up and w.shape[0] % GATE_UP_ALIGN == 0:
             return PackedWeight(panels=pack_panels(w.detach(), gate_up=True), gate_up=True)
@@ -80,7 +82,7 @@ def pack_weight(w: torch.Tensor, gate_up: bool = False, *, panels: bool,
     if onednn or gemv:  # 64: a decode-sized batch hint
         return PackedWeight(
             onednn=torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64) if onednn else None,
-            gemv=pack_gemv(w.detach()) if gemv else None, gemv_isa=gemv_isa if gemv else "scalar",
+            gemv=pack_gemv(w.detach(), gemv_dtype) if gemv else None, gemv_isa=gemv_isa if gemv else "scalar",
             gemv_rows=gemv_rows if gemv else 0)
     return None
 

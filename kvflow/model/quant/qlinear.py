@@ -1,11 +1,11 @@
 """x @ w.T for a quantized weight. Few rows (decode): the activations are quantized to int8 (per
 block of 32, or per row for int8 W8A8), then kvflow/csrc/gemm_quant.c multiplies them with the
-packed weight, both split over the kernel pool. 8-bit weights from WIDE_ROWS rows (prefill,
-batches): kvflow/csrc/gemm_quant_wide.c widens them to floats per thread, once per call, and
-multiplies the float activations at the float GEMM's speed."""
+packed weight, both split over the kernel pool. 8-bit weights with bf16 activations on
+AVX512-BF16, from WIDE_ROWS rows (prefill, batches): kvflow/csrc/gemm_quant_wide.c widens them to
+bf16 per thread, once per call, and multiplies the activations at the bf16 GEMM's speed."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,13 +13,30 @@ from kvflow.csrc import library, run_kernel
 from kvflow.model.quant.packing import BLOCK, PANEL
 
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512-vnni": 2}
-# Rows from which a kind's weights are widened to floats (benchmarks/README.md, "Quantized GEMM
-# by rows", Zen 4, one thread): 8-bit weights' int8 GEMM runs 25-30% behind the bf16 GEMM from
+# Rows from which 8-bit weights are widened to bf16 (benchmarks/README.md, "The quantized linear
+# at batch sizes" and "8-bit weights at decode-sized batches", Zen 4, one thread): the int8 GEMM of 8-bit weights runs 25-30% behind the bf16 GEMM from
 # ~100 rows (its records are twice a 4-bit one's) and the widened path within 5% of it; level at
-# 32 rows. 4-bit weights' int8 GEMM is level with bf16 or ahead at every row count, and widening
-# them only adds its cost, so they are never widened.
+# 48-64 rows, the LM head's shape included. 4-bit weights' int8 GEMM is level with bf16 or ahead
+# at every row count: never widened. Nor is any weight where the widened path would be the
+# fp32-FMA one (AVX2, fp32 activations, odd K): the int8 GEMM ran 1.5-3.7x faster than it at
+# 8-512 rows.
 WIDE_ROWS = {"q8": 64}
+# Activations quantized per row (int8 W8A8) cost the int8 GEMM more: their row scale is found
+# in scalar code, ~M*K work that the fewer outputs share it, the more it weighs. Up to N outputs,
+# from rows: measured level at ~8-16 rows for N = 576-960, ~24 for 3072, 64 for 49152.
+PER_ROW_WIDE_ROWS = ((1024, 16), (4096, 32))
 NEVER = 1 << 62
+
+
+def widen_from(kind: str, per_row: bool, n: int, k: int, isa: str, bf16: bool) -> int:
+    """The rows from which quant_linear widens such a weight (NEVER: it does not)."""
+    if kind not in WIDE_ROWS or not bf16 or isa != "avx512-vnni" or k % 2:
+        return NEVER
+    if per_row:
+        for most, rows in PER_ROW_WIDE_ROWS:
+            if n <= most:
+                return rows
+    return WIDE_ROWS[kind]
 
 
 @dataclass
@@ -34,6 +51,10 @@ class QuantizedWeight:
     isa: str
     source: str
     per_row: bool = False
+    wide_rows: int = field(init=False, repr=False)  # with bf16 activations (widen_from)
+
+    def __post_init__(self) -> None:
+        self.wide_rows = widen_from(self.kind, self.per_row, self.n, self.k, self.isa, True)
 
     @property
     def kb(self) -> int:
@@ -84,10 +105,10 @@ def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
                  threads: int | None = None, isa: str | None = None,
                  wide_rows: int | None = None, silu_mul: bool = False) -> torch.Tensor:
     """x [M, K] @ w.T (+ bias) -> [M, N] in x's dtype (bf16, else fp32): one C call
-    (pool.c's quant_linear) over the kernel pool: from `wide_rows` rows (default: WIDE_ROWS for
-    the weight's kind) the widened float GEMM where the ISA has one, else the rows quantized to
-    int8 and the int8 GEMM. `silu_mul`: w is an MLP's [gate; up] and the result is
-    silu(gate) * up [M, N/2], in the same call.
+    (pool.c's quant_linear) over the kernel pool: from `wide_rows` rows (default: widen_from's
+    for the weight, the activations' dtype and the ISA) the widened float GEMM where the ISA has
+    one, else the rows quantized to int8 and the int8 GEMM. `silu_mul`: w is an MLP's [gate; up]
+    and the result is silu(gate) * up [M, N/2], in the same call.
 
     Kept lean: a decode step of the default model makes 121 of these calls, and at one row
     each costs about as much in Python as in the kernel."""
@@ -102,7 +123,8 @@ def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
         bias = bias.float().contiguous()
     bf16 = int(x.dtype is torch.bfloat16)
     if wide_rows is None:
-        wide_rows = WIDE_ROWS.get(w.kind, NEVER)
+        wide_rows = (w.wide_rows if isa is None else widen_from(w.kind, w.per_row, w.n, k, isa, True)) \
+            if bf16 else NEVER
     rc = _lib().quant_linear(x.data_ptr(), x.stride(0), k, w.kb, bf16, int(w.per_row),
                              w.packed.data_ptr(), int(w.kind == "q8"), ISA_CODES[isa or w.isa],
                              None if bias is None else bias.data_ptr(), out.data_ptr(), w.n, bf16,
@@ -130,7 +152,7 @@ def norm_quant_linear(residual: torch.Tensor, delta: torch.Tensor | None, norm_w
         residual.data_ptr(), None if delta is None else delta.data_ptr(), norm_weight.data_ptr(), eps,
         k, w.kb, bf16, int(w.per_row), w.packed.data_ptr(), int(w.kind == "q8"), ISA_CODES[w.isa],
         None if bias is None else bias.data_ptr(), out.data_ptr(), w.n, bf16, m,
-        torch.get_num_threads(), WIDE_ROWS.get(w.kind, NEVER), int(silu_mul))
+        torch.get_num_threads(), w.wide_rows if bf16 else NEVER, int(silu_mul))
     if rc != 0:
         raise MemoryError("quant_linear: no memory for its scratch")
     return out
