@@ -92,13 +92,12 @@ def worker_b1(cfg: dict) -> dict:
 
 
 def w1_prompts(cfg: dict, vocab: int) -> list[list[int]]:
-    """W1's prompts (kvflow/entrypoints/bench_throughput.make_w1's recipe, restated here: this
-    file also runs in llama.cpp's venv, which cannot import kvflow)."""
-    import random
+    """W1's prompts (kvflow/utils/w1_prompts.py: standard library only, so llama.cpp's and
+    vLLM's venvs import it too)."""
+    sys.path.insert(0, ROOT)
+    from kvflow.utils.w1_prompts import make_w1
 
-    rng = random.Random(cfg["seed"])
-    return [[rng.randrange(100, vocab - 100) for _ in range(rng.randint(cfg["min_len"], cfg["max_len"]))]
-            for _ in range(cfg["num_prompts"])]
+    return make_w1(cfg["num_prompts"], cfg["min_len"], cfg["max_len"], vocab, cfg["seed"])
 
 
 def _vllm(cfg: dict, max_model_len: int):

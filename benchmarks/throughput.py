@@ -24,7 +24,7 @@ def run_hf(args) -> dict:
     from transformers import AutoModelForCausalLM
 
     from kvflow.model.loader import resolve_dtype
-    from kvflow.entrypoints.bench_throughput import make_w1
+    from kvflow.utils.w1_prompts import make_w1
     from kvflow.model_path import default_model_path
 
     torch.set_num_threads(args.threads)

@@ -18,7 +18,7 @@ T_START = time.perf_counter()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from kvflow.entrypoints.bench_throughput import make_w1  # noqa: E402  (stdlib only)
+from kvflow.utils.w1_prompts import make_w1  # noqa: E402  (stdlib only)
 
 
 def _result(engine: str, cfg: dict, prompts, n_out: int, wall: float, startup: float, **extra) -> dict:

@@ -6,16 +6,21 @@ import os
 # scheduler need (spin-waiting made small ops up to 50x slower there). Set it to ACTIVE in
 # the environment to opt out; it has no effect if torch was imported before kvflow.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-from kvflow.outputs import CompletionOutput, RequestOutput
-from kvflow.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
 
+# Imported when first asked for: LLM pulls in torch (the frontend process stays light), and
+# the rest msgspec, so a standard-library module of the package (kvflow/utils/w1_prompts.py)
+# also imports in another engine's venv.
+_LAZY = {"LLM": "kvflow.entrypoints.llm", "SamplingParams": "kvflow.sampling_params",
+         "RequestOutput": "kvflow.outputs", "CompletionOutput": "kvflow.outputs"}
+
 
 def __getattr__(name: str):
-    # LLM pulls in torch; import it only when asked for, so the frontend process stays light.
-    if name == "LLM":
-        from kvflow.entrypoints.llm import LLM
-        return LLM
-    raise AttributeError(name)
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(name)
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -179,3 +179,17 @@ def test_frontend_modules_do_not_load_torch(module):
     code = f"import sys, {module}\nassert 'torch' not in sys.modules\n"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_benchmark_prompts_import_in_another_engines_venv():
+    """benchmarks/ workers run in llama.cpp's and vLLM's venvs, which lack kvflow's packages:
+    W1's prompts and the package's __init__ import the standard library only."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    code = ("import sys\n"
+            "for name in ('msgspec', 'numpy', 'torch', 'pydantic', 'zmq'):\n"
+            "    sys.modules[name] = None  # importing any of these now fails\n"
+            "from kvflow.utils.w1_prompts import make_w1\n"
+            "prompts = make_w1(4, 2, 5, 1000, 0)\n"
+            "assert len(prompts) == 4 and all(2 <= len(p) <= 5 for p in prompts), prompts\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr

@@ -2,18 +2,11 @@
 from __future__ import annotations
 
 import json
-import random
 import time
 
 from kvflow.entrypoints.worker_node import worker_node_status
 from kvflow.options import add_engine_args, engine_kwargs
-
-
-def make_w1(num_prompts: int, min_len: int, max_len: int, vocab_size: int, seed: int) -> list[list[int]]:
-    """Seeded prompts of random token ids with lengths uniform in [min_len, max_len]."""
-    rng = random.Random(seed)
-    return [[rng.randrange(100, vocab_size - 100) for _ in range(rng.randint(min_len, max_len))]
-            for _ in range(num_prompts)]
+from kvflow.utils.w1_prompts import make_w1
 
 
 def run_throughput(engine_kwargs: dict, num_prompts: int = 128, min_len: int = 32,
