@@ -27,7 +27,7 @@ logger = logging.getLogger("kvflow")
 _DIR = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [os.path.join(_DIR, f) for f in ("paged_attention.c", "prefill_attention.c", "fused_ops.c", "gemm_bf16.c",
                                               "gemm_quant.c", "gemm_quant_wide.c", "gemv_f32.c",
-                                              "pool.c", "populate.c")]
+                                              "pool.c", "populate.c", "decode_step.c")]
 _HEADERS = [os.path.join(_DIR, f) for f in ("simd.h", "kernels.h", "tiles.h")]  # part of the build key, not of the command line
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC", "-std=c11",
           "-pthread"]
@@ -141,6 +141,9 @@ def library() -> ctypes.CDLL | None:
     lib.quant_linear_normed.argtypes = [_ptr, _ptr, _ptr, ctypes.c_double, _i64, _i64, _i64, _i64,
                                         _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
                                         _i64]
+    # step words, layer records, number of layers (decode_step.c; kvflow/model/decode_graph.py)
+    lib.decode_layers.restype, lib.decode_layers.argtypes = _i64, [_ptr, _ptr, _i64]
+    lib.decode_step_layout.restype, lib.decode_step_layout.argtypes = _i64, [_i64]
     lib.gemm_bf16_available.restype, lib.gemm_bf16_available.argtypes = ctypes.c_int, []
     lib.paged_prefill_bf16_supported.restype = ctypes.c_int
     lib.paged_prefill_bf16_supported.argtypes = [_i64, _i64, _i64, _i64]

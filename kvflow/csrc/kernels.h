@@ -49,4 +49,33 @@ int64_t gemm_quant_wide(const void *x, int64_t x_stride, int64_t K, int64_t Kb, 
 void gemv_f32_panels(const float *x, int64_t x_stride, int64_t M, int64_t K, const void *packed,
                      const float *bias, float *out, int64_t out_stride, int64_t N, int64_t isa,
                      int64_t wdt, int64_t p_begin, int64_t p_end);
+void write_kv_f32(const float *k, const float *v, int64_t src_stride, const int64_t *slots,
+                  float *k_cache, float *v_cache, int64_t begin, int64_t end, int64_t KVH, int64_t D,
+                  int64_t bs);
+void write_kv_bf16(const float *k, const float *v, int64_t src_stride, const int64_t *slots,
+                   uint16_t *k_cache, uint16_t *v_cache, int64_t begin, int64_t end, int64_t KVH,
+                   int64_t D, int64_t bs);
+void copy_kv_bf16(const uint16_t *k, const uint16_t *v, int64_t src_stride, const int64_t *slots,
+                  uint16_t *k_cache, uint16_t *v_cache, int64_t begin, int64_t end, int64_t KVH,
+                  int64_t D, int64_t bs);
+
+/* pool.c: its kernels' indices (the order of its KERNELS table), the split runner, and the
+ * quantized projections in one call each (decode_step.c chains them) */
+enum pool_kernel {
+    POOL_DECODE_F32, POOL_DECODE_BF16, POOL_PREFILL_BF16, POOL_NORM_F32, POOL_NORM_BF16,
+    POOL_ROPE_F32, POOL_ROPE_BF16, POOL_SILU_F32, POOL_SILU_BF16, POOL_GEMM_ROWS,
+    POOL_GEMM_PANELS, POOL_QUANTIZE_Q8, POOL_QGEMM_ROWS, POOL_QGEMM_PANELS, POOL_QGEMM_WIDE,
+    POOL_GEMV_F32
+};
+void kernel_pool_run(int64_t kernel, const int64_t *args, double farg, int64_t n,
+                     const int64_t *weights, int64_t threads);
+int64_t quant_linear(const void *x, int64_t x_stride, int64_t K, int64_t Kb, int64_t x_bf16,
+                     int64_t per_row, const uint8_t *packed, int64_t kind, int64_t isa,
+                     const float *bias, void *out, int64_t N, int64_t out_bf16, int64_t M,
+                     int64_t threads, int64_t wide_rows, int64_t silu_mul);
+int64_t quant_linear_normed(void *residual, const void *delta, const void *norm_weight, double eps,
+                            int64_t K, int64_t Kb, int64_t x_bf16, int64_t per_row,
+                            const uint8_t *packed, int64_t kind, int64_t isa, const float *bias,
+                            void *out, int64_t N, int64_t out_bf16, int64_t M, int64_t threads,
+                            int64_t wide_rows, int64_t silu_mul);
 #endif

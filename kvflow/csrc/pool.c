@@ -122,6 +122,7 @@ static void k_gemv_f32(const int64_t *a, double f, int64_t b, int64_t e) {
 }
 #undef P
 
+/* in enum pool_kernel's order (kernels.h) */
 static const range_fn KERNELS[] = {
     k_decode_f32, k_decode_bf16, k_prefill_bf16, k_norm_f32, k_norm_bf16, k_rope_f32,
     k_rope_bf16, k_silu_f32, k_silu_bf16, k_gemm_rows, k_gemm_panels, k_quantize_q8,
@@ -264,19 +265,11 @@ void kernel_pool_run(int64_t kernel, const int64_t *args, double farg, int64_t n
  * GEMM runs, each split over `threads` (by rows from QUANT_ROW_SPLIT rows, else by panels of
  * 16 outputs). One call from Python per projection: two pool jobs through ctypes cost more
  * than the GEMM of a decode step. */
-#define K_QUANTIZE 11
-#define K_QGEMM_ROWS 12
-#define K_QGEMM_PANELS 13
-#define K_QGEMM_WIDE 14
 #define QUANT_ROW_SPLIT 32
 static __thread struct { void *buf; size_t cap; } scratch;
 /* the [M, N] product of a gate_up projection whose SiLU * up is the output (`silu_mul`): one
  * call from Python for the MLP's first half, as the bf16 panel GEMM fuses it */
 static __thread struct { void *buf; size_t cap; } act_scratch;
-#define K_SILU_F32 7
-#define K_SILU_BF16 8
-#define K_NORM_F32 3
-#define K_NORM_BF16 4
 #define PARALLEL_VALUES (1 << 13) /* ops.py's MIN_PARALLEL_VALUES */
 static __thread struct { void *buf; size_t cap; } norm_scratch;
 
@@ -299,7 +292,7 @@ int64_t quant_linear(const void *x, int64_t x_stride, int64_t K, int64_t Kb, int
         if (rc != 0)
             return rc;
         const int64_t sargs[3] = {(int64_t)act_scratch.buf, (int64_t)out, N / 2};
-        kernel_pool_run(out_bf16 ? K_SILU_BF16 : K_SILU_F32, sargs, 0.0, M, NULL,
+        kernel_pool_run(out_bf16 ? POOL_SILU_BF16 : POOL_SILU_F32, sargs, 0.0, M, NULL,
                         M * (N / 2) >= PARALLEL_VALUES ? threads : 1);
         return 0;
     }
@@ -308,7 +301,7 @@ int64_t quant_linear(const void *x, int64_t x_stride, int64_t K, int64_t Kb, int
         const int64_t wargs[15] = {(int64_t)x, x_stride, K, Kb, x_bf16, M, (int64_t)packed, kind,
                                    isa, (int64_t)bias, (int64_t)out, N, N, out_bf16,
                                    (int64_t)&failed};
-        kernel_pool_run(K_QGEMM_WIDE, wargs, 0.0, (N + 63) / 64, NULL, threads);
+        kernel_pool_run(POOL_QGEMM_WIDE, wargs, 0.0, (N + 63) / 64, NULL, threads);
         return failed ? -1 : 0;
     }
     const size_t q_bytes = ((size_t)(M * Kb * 32) + 63) & ~(size_t)63, f_bytes = (size_t)(M * Kb) * 4;
@@ -324,13 +317,13 @@ int64_t quant_linear(const void *x, int64_t x_stride, int64_t K, int64_t Kb, int
     float *dx = (float *)((char *)scratch.buf + q_bytes), *dxs = dx + M * Kb;
     const int64_t qargs[9] = {(int64_t)x, x_stride, K, Kb, x_bf16, per_row, (int64_t)qx,
                               (int64_t)dx, (int64_t)dxs};
-    kernel_pool_run(K_QUANTIZE, qargs, 0.0, M, NULL, M >= 4 * threads ? threads : 1);
+    kernel_pool_run(POOL_QUANTIZE_Q8, qargs, 0.0, M, NULL, M >= 4 * threads ? threads : 1);
     const int64_t gargs[13] = {(int64_t)qx, (int64_t)dx, (int64_t)dxs, Kb, (int64_t)packed, kind,
                                isa, (int64_t)bias, (int64_t)out, N, N, out_bf16, M};
     if (M >= QUANT_ROW_SPLIT)
-        kernel_pool_run(K_QGEMM_ROWS, gargs, 0.0, M, NULL, threads);
+        kernel_pool_run(POOL_QGEMM_ROWS, gargs, 0.0, M, NULL, threads);
     else
-        kernel_pool_run(K_QGEMM_PANELS, gargs, 0.0, (N + 15) / 16, NULL, threads);
+        kernel_pool_run(POOL_QGEMM_PANELS, gargs, 0.0, (N + 15) / 16, NULL, threads);
     return 0;
 }
 
@@ -353,7 +346,7 @@ int64_t quant_linear_normed(void *residual, const void *delta, const void *norm_
     }
     const int64_t nargs[5] = {(int64_t)residual, (int64_t)delta, (int64_t)norm_weight,
                               (int64_t)norm_scratch.buf, K};
-    kernel_pool_run(x_bf16 ? K_NORM_BF16 : K_NORM_F32, nargs, eps, M, NULL,
+    kernel_pool_run(x_bf16 ? POOL_NORM_BF16 : POOL_NORM_F32, nargs, eps, M, NULL,
                     M * K >= PARALLEL_VALUES ? threads : 1);
     return quant_linear(norm_scratch.buf, K, K, Kb, x_bf16, per_row, packed, kind, isa, bias, out,
                         N, out_bf16, M, threads, wide_rows, silu_mul);

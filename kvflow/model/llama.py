@@ -23,6 +23,7 @@ from torch import nn
 
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.attention import AttentionMetadata
+from kvflow.model.decode_graph import DecodeGraph
 from kvflow.model.kernels import Kernels, select_kernels
 from kvflow.model.moe import SparseMoeBlock
 from kvflow.model.packed_linear import PackedWeight
@@ -199,6 +200,9 @@ class LlamaForCausalLM(nn.Module):
         self.packed_lm_head: PackedWeight | None = None
         # a quantized model's embedding: token ids -> rows in `dtype` (kvflow/model/quant)
         self.quantized_embedding = None
+        # decode steps' layers in one C call (decode_graph.py): built on the first step, for
+        # the kernels of that moment (None: this model's steps run layer by layer)
+        self._decode_graph: tuple = (None, None)
 
     def pack_weights(self) -> bool:
         """Keep prepacked copies of the projections and the LM head beside the weights
@@ -233,11 +237,26 @@ class LlamaForCausalLM(nn.Module):
         else:
             pos = positions if isinstance(positions, np.ndarray) else positions.numpy()
             rope = (np.ascontiguousarray(pos, dtype=np.int64), self.rope_cos, self.rope_sin)
-        delta, kernels = None, self.kernels
+        kernels = self.kernels
+        if first.device_positions is None and first.num_decodes == first.num_tokens:
+            delta = self._run_decode_graph(x, rope[0], kv_caches, attn_metadata)
+            if delta is not None:
+                return kernels.add_rms_norm(x, delta, self.norm, self.arch.rms_norm_eps)
+        delta = None
         metas = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata] * len(self.layers)
         for layer, kv_cache, meta in zip(self.layers, kv_caches, metas):
             x, delta = layer(x, delta, rope, kv_cache, meta, kernels)
         return kernels.add_rms_norm(x, delta, self.norm, self.arch.rms_norm_eps)
+
+    def _run_decode_graph(self, x: torch.Tensor, positions: np.ndarray, kv_caches: list,
+                          attn_metadata) -> torch.Tensor | None:
+        """Every layer of a decode step in one C call where this model and step qualify: the
+        last MLP output, not yet added to x; None: run the layers one by one."""
+        kernels, graph = self._decode_graph
+        if kernels is not self.kernels:
+            graph = DecodeGraph.build(self)
+            self._decode_graph = (self.kernels, graph)
+        return None if graph is None else graph.run(x, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor, as_float: bool = True) -> torch.Tensor | None:
         """Logits [S, vocab] for the rows that sample, in fp32 (as_float=False: in the model's

@@ -1,0 +1,130 @@
+/* A decode step's decoder layers in one call from Python, the way a CUDA graph replays a step.
+ *
+ * At batch 1 each of a layer's seven kernels (norm + qkv, RoPE, KV write, decode attention,
+ * o_proj, norm + gate_up + SiLU, down) costs ~10-17 us of Python, torch.empty and ctypes
+ * around it: over 30 layers, about as long as the projections themselves. Here the same C
+ * functions run in the same order, split over the same pool (pool.c) with the same thresholds,
+ * so the numbers are bit-identical to the per-layer path (kvflow/model/llama.py); only the
+ * Python between them is gone. kvflow/model/decode_graph.py builds the words and decides
+ * which steps come here (decode-only, few rows, every projection quantized).
+ *
+ * `step` (per call) and `layers` (num_layers records of LAYER_WORDS, built once at load) are
+ * int64 words: pointers, sizes and two doubles stored as their bits. */
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels.h"
+
+/* a quantized projection's words, as quant_linear takes them */
+enum { P_PACKED, P_KIND, P_ISA, P_PER_ROW, P_N, P_K, P_KB, P_WIDE_ROWS, PROJ_WORDS };
+
+enum {
+    L_IN_NORM, L_POST_NORM, L_EPS, L_SCALE, L_QKV_BIAS, L_K_CACHE, L_V_CACHE, L_HEADS,
+    L_KV_HEADS, L_HEAD_DIM, L_QKV, L_O = L_QKV + PROJ_WORDS, L_GATE_UP = L_O + PROJ_WORDS,
+    L_DOWN = L_GATE_UP + PROJ_WORDS, LAYER_WORDS = L_DOWN + PROJ_WORDS
+};
+
+/* per step: rows, the residual stream x [M, hidden] (updated in place), whether activations
+ * are bf16, whether the KV cache is bf16, threads, positions, cos/sin tables, the scratch
+ * outputs (qkv [M, qkv_n], attention [M, H * D], o [M, hidden], act [M, I], down
+ * [M, hidden]: down is the last layer's MLP output, not yet added to x), the attention
+ * groups (GROUP_WORDS each) and each layer's group (NULL: group 0 for all) */
+enum {
+    S_M, S_X, S_X_BF16, S_KV_BF16, S_THREADS, S_POSITIONS, S_COS, S_SIN, S_QKV, S_ATTN, S_O,
+    S_ACT, S_DOWN, S_GROUPS, S_LAYER_GROUP, STEP_WORDS
+};
+/* one KV cache group's metadata: slot mapping, decode block tables and their row stride,
+ * seq_lens, rows, block size, sliding window (0: none) */
+enum { G_SLOTS, G_TABLES, G_BT_STRIDE, G_SEQ_LENS, G_ROWS, G_BLOCK_SIZE, G_WINDOW, GROUP_WORDS };
+
+#define PARALLEL_VALUES (1 << 13) /* ops.py's MIN_PARALLEL_VALUES */
+#define PARALLEL_HEAD_KEYS 256    /* attention.py's MIN_PARALLEL_HEAD_KEYS */
+
+/* the record sizes, for decode_graph.py to check its word lists against: 0 a projection's,
+ * 1 a layer's, 2 a step's, 3 a group's */
+int64_t decode_step_layout(int64_t which) {
+    const int64_t sizes[4] = {PROJ_WORDS, LAYER_WORDS, STEP_WORDS, GROUP_WORDS};
+    return which >= 0 && which < 4 ? sizes[which] : -1;
+}
+
+static double as_double(int64_t bits) {
+    double d;
+    memcpy(&d, &bits, sizeof d);
+    return d;
+}
+
+static int64_t project(const int64_t *p, const void *x, const float *bias, void *out, int64_t M,
+                       int64_t bf16, int64_t threads, int64_t silu_mul) {
+    return quant_linear(x, p[P_K], p[P_K], p[P_KB], bf16, p[P_PER_ROW], (const uint8_t *)p[P_PACKED],
+                        p[P_KIND], p[P_ISA], bias, out, p[P_N], bf16, M, threads, p[P_WIDE_ROWS],
+                        silu_mul);
+}
+
+static int64_t project_normed(const int64_t *p, void *residual, const void *delta,
+                              const void *norm_weight, double eps, const float *bias, void *out,
+                              int64_t M, int64_t bf16, int64_t threads, int64_t silu_mul) {
+    return quant_linear_normed(residual, delta, norm_weight, eps, p[P_K], p[P_KB], bf16,
+                               p[P_PER_ROW], (const uint8_t *)p[P_PACKED], p[P_KIND], p[P_ISA],
+                               bias, out, p[P_N], bf16, M, threads, p[P_WIDE_ROWS], silu_mul);
+}
+
+/* The decoder layers of one decode-only step; 0, or the first failing kernel's code. */
+int64_t decode_layers(const int64_t *step, const int64_t *layers, int64_t num_layers) {
+    const int64_t M = step[S_M], bf16 = step[S_X_BF16], kv_bf16 = step[S_KV_BF16];
+    const int64_t threads = step[S_THREADS];
+    const int64_t *groups = (const int64_t *)step[S_GROUPS];
+    const int64_t *layer_group = (const int64_t *)step[S_LAYER_GROUP];
+    void *x = (void *)step[S_X], *qkv = (void *)step[S_QKV], *attn = (void *)step[S_ATTN];
+    void *o = (void *)step[S_O], *act = (void *)step[S_ACT], *down = (void *)step[S_DOWN];
+    const size_t esize = bf16 ? 2 : 4;
+    for (int64_t i = 0; i < num_layers; i++) {
+        const int64_t *l = layers + i * LAYER_WORDS;
+        const int64_t *g = groups + (layer_group ? layer_group[i] : 0) * GROUP_WORDS;
+        const int64_t H = l[L_HEADS], KVH = l[L_KV_HEADS], D = l[L_HEAD_DIM];
+        const int64_t qkv_n = l[L_QKV + P_N];
+        const double eps = as_double(l[L_EPS]);
+        /* the first layer has no MLP output to add yet */
+        int64_t rc = project_normed(l + L_QKV, x, i ? down : NULL, (const void *)l[L_IN_NORM], eps,
+                                    (const float *)l[L_QKV_BIAS], qkv, M, bf16, threads, 0);
+        if (rc != 0)
+            return rc;
+
+        /* RoPE on the q and k heads, in place (ops.rope_) */
+        const int64_t rargs[7] = {(int64_t)qkv, qkv_n, step[S_POSITIONS], step[S_COS], step[S_SIN],
+                                  H + KVH, D};
+        kernel_pool_run(bf16 ? POOL_ROPE_BF16 : POOL_ROPE_F32, rargs, 0.0, M, NULL,
+                        M * (H + KVH) * D >= PARALLEL_VALUES ? threads : 1);
+
+        /* this step's K/V into the cache (attention.write_kv_with_kernel) */
+        const void *k = (const char *)qkv + H * D * esize, *v = (const char *)k + KVH * D * esize;
+        const int64_t *slots = (const int64_t *)g[G_SLOTS];
+        void *k_cache = (void *)l[L_K_CACHE], *v_cache = (void *)l[L_V_CACHE];
+        if (bf16)
+            copy_kv_bf16(k, v, qkv_n, slots, k_cache, v_cache, 0, M, KVH, D, g[G_BLOCK_SIZE]);
+        else if (kv_bf16)
+            write_kv_bf16(k, v, qkv_n, slots, k_cache, v_cache, 0, M, KVH, D, g[G_BLOCK_SIZE]);
+        else
+            write_kv_f32(k, v, qkv_n, slots, k_cache, v_cache, 0, M, KVH, D, g[G_BLOCK_SIZE]);
+
+        /* decode attention, rows split by key count (attention._decode_with_kernel) */
+        const int64_t *seq_lens = (const int64_t *)g[G_SEQ_LENS];
+        int64_t keys = 0;
+        for (int64_t r = 0; r < M; r++)
+            keys += seq_lens[r];
+        const int64_t aargs[16] = {(int64_t)qkv, qkv_n, (int64_t)k_cache, (int64_t)v_cache,
+                                   g[G_TABLES], g[G_BT_STRIDE], g[G_SEQ_LENS], g[G_ROWS], H, KVH, D,
+                                   g[G_BLOCK_SIZE], (int64_t)attn, H * D, bf16 ? 3 : 0, g[G_WINDOW]};
+        kernel_pool_run(kv_bf16 ? POOL_DECODE_BF16 : POOL_DECODE_F32, aargs, as_double(l[L_SCALE]),
+                        M, seq_lens, keys * H >= PARALLEL_HEAD_KEYS ? threads : 1);
+
+        rc = project(l + L_O, attn, NULL, o, M, bf16, threads, 0);
+        if (rc == 0)
+            rc = project_normed(l + L_GATE_UP, x, o, (const void *)l[L_POST_NORM], eps, NULL, act, M,
+                                bf16, threads, 1);
+        if (rc == 0)
+            rc = project(l + L_DOWN, act, NULL, down, M, bf16, threads, 0);
+        if (rc != 0)
+            return rc;
+    }
+    return 0;
+}

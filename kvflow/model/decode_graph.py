@@ -1,0 +1,187 @@
+"""A decode step's decoder layers in one C call (kvflow/csrc/decode_step.c), the way a CUDA
+graph replays a step: at batch 1 the ~7 kernels of each layer cost ~10-17 us of Python each
+around them (torch.empty, ctypes), 30 layers over, about what the projections cost. The words
+the C side reads are built once per model (the layers') and per step (rows, buffers, the
+attention metadata); the numbers are the per-layer path's, bit for bit (the same kernels in
+the same order with the same splits).
+
+Which models: Llama-family dense layers on the CPU with every projection quantized
+(kvflow/model/quant), served by the C kernels, without QK-norm, partial RoPE, experts or
+tensor parallelism; bf16 or fp32 activations with a KV cache the C writer takes. Which steps:
+decode-only with up to MAX_ROWS rows (where the quantized projections fuse their norm and
+SiLU: packed_linear.FUSED_ROWS). Everything else takes the per-layer path, as does every step
+under KVFLOW_NO_DECODE_GRAPH=1. The embedding, the final norm and the LM head stay as they are.
+
+The same chaining would serve the bf16 panel GEMM (gemm_bf16_panels, its SiLU fused) and the
+fp32 GEMV (gemv_f32_panels) with one more word per projection naming the GEMM, once their
+norms run in C before them as the quantized ones' do."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from functools import partial
+
+import numpy as np
+import torch
+
+from kvflow import envs
+from kvflow.csrc import library, ops
+from kvflow.model import attention
+from kvflow.model.packed_linear import FUSED_ROWS
+from kvflow.model.quant.qlinear import ISA_CODES, NEVER, QuantizedWeight
+
+logger = logging.getLogger("kvflow")
+
+MAX_ROWS = FUSED_ROWS
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# decode_step.c's records, in its order
+PROJ_WORDS = ("packed", "kind", "isa", "per_row", "n", "k", "kb", "wide_rows")
+LAYER_HEAD = ("in_norm", "post_norm", "eps", "scale", "qkv_bias", "k_cache", "v_cache", "heads",
+              "kv_heads", "head_dim")
+LAYER_WORDS = len(LAYER_HEAD) + len(PROJECTIONS) * len(PROJ_WORDS)
+STEP_WORDS = ("m", "x", "x_bf16", "kv_bf16", "threads", "positions", "cos", "sin", "qkv", "attn",
+              "o", "act", "down", "groups", "layer_group")
+GROUP_WORDS = ("slots", "tables", "bt_stride", "seq_lens", "rows", "block_size", "window")
+_K_CACHE = LAYER_HEAD.index("k_cache")
+
+
+def _double_bits(value: float) -> int:
+    return int(np.array([value], dtype=np.float64).view(np.int64)[0])
+
+
+def _projection_words(w: QuantizedWeight, bf16: bool) -> list[int]:
+    """quant_linear's words for `w`, with the rows from which it widens as qlinear.py passes them."""
+    return [w.packed.data_ptr(), int(w.kind == "q8"), ISA_CODES[w.isa], int(w.per_row), w.n, w.k,
+            w.kb, w.wide_rows if bf16 else NEVER]
+
+
+def why_not(model) -> str | None:
+    """Why `model` (a LlamaForCausalLM, whose layers are LlamaDecoderLayers) cannot take its
+    decode steps in one call; None: it can."""
+    k = model.kernels
+    if envs.KVFLOW_NO_DECODE_GRAPH:
+        return "KVFLOW_NO_DECODE_GRAPH=1"
+    if model.tp is not None or k.device_type != "cpu" or model.rope_cos.device.type != "cpu":
+        return "not a one-rank CPU model"
+    if model.dtype not in (torch.bfloat16, torch.float32):
+        return f"activations in {model.dtype}"
+    lib = library()
+    if lib is None or k.add_rms_norm is not ops.add_rms_norm or k.rope is not ops.rope_ \
+            or k.silu_mul is not ops.silu_mul or k.write_kv is not attention.write_kv_with_kernel \
+            or not (isinstance(k.attention, partial)
+                    and k.attention.func is attention.attention_with_kernels):
+        return "not every operation is a C kernel"
+    for layer in model.layers:
+        if layer.moe is not None or layer.q_norm is not None or layer.partial_rope:
+            return "a layer with experts, QK-norm or partial RoPE"
+        for name in PROJECTIONS:
+            p = layer.packed.get(name)
+            if p is None or p.quant is None:
+                return f"{name} is not quantized"
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if norm.dtype != model.dtype or not norm.is_contiguous():
+                return "a norm weight the C norm does not take"
+    if ops._kernel_suffix(model.rope_cos, model.rope_sin) != "f32":
+        return "RoPE tables the C kernel does not take"
+    return None
+
+
+@dataclass
+class DecodeGraph:
+    """The layer records of one model and the per-step words; `run` takes a step or declines."""
+
+    model: object
+    kernels: object  # the model's Kernels when this was built: another set rebuilds it
+    layers: np.ndarray  # [L, LAYER_WORDS] int64, the caches' pointers filled per cache list
+    biases: list  # the fp32 qkv biases the records point at (kept alive here)
+    step: np.ndarray = field(default_factory=lambda: np.zeros(len(STEP_WORDS), dtype=np.int64))
+    scratch: dict = field(default_factory=dict)  # rows -> (qkv, attn, o, act, down)
+    caches: list | None = None  # the cache list whose pointers `layers` holds
+    cache_ptr: int = 0
+
+    @classmethod
+    def build(cls, model) -> "DecodeGraph | None":
+        """The graph for `model`, or None (the reason logged at debug level)."""
+        reason = why_not(model)
+        if reason is not None:
+            logger.debug("kvflow: decode steps layer by layer: %s", reason)
+            return None
+        lib = library()
+        sizes = [len(PROJ_WORDS), LAYER_WORDS, len(STEP_WORDS), len(GROUP_WORDS)]
+        assert [lib.decode_step_layout(i) for i in range(4)] == sizes, "decode_step.c's records moved"
+        rows, biases = [], []
+        for layer in model.layers:
+            bias = None if layer.qkv_bias is None else layer.qkv_bias.detach().float().contiguous()
+            biases.append(bias)
+            words = [layer.input_layernorm.data_ptr(), layer.post_attention_layernorm.data_ptr(),
+                     _double_bits(layer.eps), _double_bits(layer.scale),
+                     0 if bias is None else bias.data_ptr(), 0, 0, layer.num_heads,
+                     layer.num_kv_heads, layer.head_dim]
+            for name in PROJECTIONS:
+                words += _projection_words(layer.packed[name].quant, model.dtype == torch.bfloat16)
+            rows.append(words)
+        return cls(model, model.kernels, np.array(rows, dtype=np.int64), biases)
+
+    def _caches_taken(self, kv_caches: list) -> bool:
+        """Fill in the caches' pointers (once per cache list); False: caches the C writer and
+        decode kernel do not take with these activations."""
+        if kv_caches is self.caches and kv_caches[0][0].data_ptr() == self.cache_ptr:
+            return True
+        if len(kv_caches) != len(self.layers):
+            return False
+        kv_dtype = kv_caches[0][0].dtype
+        if kv_dtype not in (torch.float32, torch.bfloat16) or (
+                self.model.dtype == torch.bfloat16 and kv_dtype != torch.bfloat16):
+            return False
+        for i, (kc, vc) in enumerate(kv_caches):
+            if kc.dtype != kv_dtype or vc.dtype != kv_dtype or kc.device.type != "cpu" \
+                    or not (kc.is_contiguous() and vc.is_contiguous()):
+                return False
+            self.layers[i, _K_CACHE:_K_CACHE + 2] = (kc.data_ptr(), vc.data_ptr())
+        self.caches, self.cache_ptr = kv_caches, kv_caches[0][0].data_ptr()
+        return True
+
+    def _buffers(self, m: int) -> tuple[torch.Tensor, ...]:
+        bufs = self.scratch.get(m)
+        if bufs is None:
+            first = self.model.layers[0]
+            q = first.packed
+            widths = (q["qkv_proj"].quant.n, first.q_size, q["o_proj"].quant.n,
+                      q["gate_up_proj"].quant.n // 2, q["down_proj"].quant.n)
+            bufs = self.scratch[m] = tuple(torch.empty(m, n, dtype=self.model.dtype) for n in widths)
+        return bufs
+
+    def run(self, x: torch.Tensor, positions: np.ndarray, kv_caches: list, metas) -> torch.Tensor | None:
+        """Run every decoder layer on the residual stream x [M, hidden] (updated in place) and
+        return the last MLP's output (not yet added to x, as the per-layer path leaves it);
+        None: this step is not one the graph takes (nothing was touched)."""
+        m = x.shape[0]
+        group_of = None
+        if isinstance(metas, list):
+            distinct = list({id(meta): meta for meta in metas}.values())
+            if len(distinct) > 1:
+                index = {id(meta): g for g, meta in enumerate(distinct)}
+                group_of = np.fromiter((index[id(meta)] for meta in metas), dtype=np.int64,
+                                       count=len(metas))
+            metas = distinct
+        else:
+            metas = [metas]
+        if m > MAX_ROWS or not all(meta.num_decodes == meta.num_tokens == m for meta in metas) \
+                or x.dtype != self.model.dtype or not x.is_contiguous() \
+                or not self._caches_taken(kv_caches):
+            return None
+        groups = np.array([[meta.slot_mapping.data_ptr(), meta.decode_block_tables.ctypes.data,
+                            meta.decode_block_tables.shape[1], meta.decode_seq_lens.ctypes.data,
+                            meta.decode_rows.ctypes.data, meta.block_size, meta.sliding_window or 0]
+                           for meta in metas], dtype=np.int64)
+        qkv, attn, o, act, down = self._buffers(m)
+        rope_cos, rope_sin = self.model.rope_cos, self.model.rope_sin
+        self.step[:] = (m, x.data_ptr(), int(x.dtype == torch.bfloat16),
+                        int(kv_caches[0][0].dtype == torch.bfloat16), torch.get_num_threads(),
+                        positions.ctypes.data, rope_cos.data_ptr(), rope_sin.data_ptr(),
+                        qkv.data_ptr(), attn.data_ptr(), o.data_ptr(), act.data_ptr(), down.data_ptr(),
+                        groups.ctypes.data, 0 if group_of is None else group_of.ctypes.data)
+        rc = library().decode_layers(self.step.ctypes.data, self.layers.ctypes.data, len(self.layers))
+        if rc != 0:
+            raise MemoryError("decode_layers: no memory for a kernel's scratch")
+        return down

@@ -1,0 +1,292 @@
+"""A decode step's decoder layers in one C call (kvflow/model/decode_graph.py) give the per-layer
+path's numbers bit for bit, for every quantized format, both activation dtypes, several rows,
+sliding windows and both instruction sets, over decode steps that cross block boundaries; and
+the steps and models it does not take run layer by layer."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType
+from gguf.quants import quantize
+
+from kvflow.model.arch import LlamaArchConfig
+from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
+from kvflow.model.decode_graph import MAX_ROWS, DecodeGraph, why_not
+from kvflow.model.llama import LlamaForCausalLM
+from kvflow.model.packed_linear import PackedWeight
+from kvflow.model.quant.gguf_blocks import decode
+from kvflow.model.quant.int8 import quantize_int8
+from kvflow.model.quant.packing import pack
+from kvflow.model.quant.qlinear import QuantizedWeight, available_isas
+
+# head_dim 64 as the default model's (the decode kernel's vector rows), GQA 4/2, q_size != hidden
+ARCH = LlamaArchConfig(
+    architecture="LlamaForCausalLM", vocab_size=96, hidden_size=128, intermediate_size=192,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+    rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=256,
+    tie_word_embeddings=True, attention_bias=False, bos_token_id=None, eos_token_id=None)
+FORMATS = ("Q4_1", "Q4_0", "Q8_0", "int8")
+ISAS = [isa for isa in available_isas() if isa != "scalar"] or ["scalar"]
+BLOCK = 4
+torch.set_num_threads(1)  # one test below splits over two
+
+
+def _quantized(w: torch.Tensor, fmt: str, isa: str) -> QuantizedWeight:
+    if fmt == "int8":
+        return quantize_int8(w, isa)
+    n, k = w.shape
+    raw = quantize(w.float().numpy(), GGMLQuantizationType[fmt])
+    kind, q, d, m = decode(raw, fmt, n, k)
+    return QuantizedWeight(kind=kind, n=n, k=k, packed=pack(kind, q, d, m), isa=isa, source=fmt)
+
+
+def tiny_model(fmt: str, dtype: torch.dtype, isa: str, arch: LlamaArchConfig = ARCH,
+               seed: int = 0) -> LlamaForCausalLM:
+    """A random Llama whose projections are quantized to `fmt` (the LM head stays float)."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(arch, dtype).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p, dtype=torch.float32) if "norm" in name or "layernorm" in name
+                    else 0.05 * torch.randn_like(p, dtype=torch.float32))
+    model.pack_weights()
+    for layer in model.layers:
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            layer.packed[name] = PackedWeight(quant=_quantized(getattr(layer, name).detach(), fmt, isa))
+    return model
+
+
+class Driver:
+    """Steps a model over its own paged cache (shuffled blocks, one table per sequence), with
+    one metadata for all layers or, with `windows`, one per layer (a window per layer)."""
+
+    def __init__(self, model, kv_dtype=None, windows=None, num_blocks: int = 192, seed: int = 0):
+        self.model, self.windows = model, windows
+        self.kv_caches = allocate_kv_caches(model.arch, num_blocks, BLOCK, kv_dtype or model.dtype)
+        self.free = [int(b) for b in np.random.default_rng(seed).permutation(num_blocks)]
+        self.tables: dict[int, list[int]] = {}
+        self.lens: dict[int, int] = {}
+
+    def step(self, plan: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """plan: (sequence, its new tokens) -> final-normed hidden states [T, hidden]."""
+        qlens, slens, tables, ids = [], [], [], []
+        for sid, tokens in plan:
+            end = self.lens.get(sid, 0) + len(tokens)
+            table = self.tables.setdefault(sid, [])
+            while len(table) * BLOCK < end:
+                table.append(self.free.pop())
+            qlens.append(len(tokens))
+            slens.append(end)
+            tables.append(list(table))
+            ids += tokens
+            self.lens[sid] = end
+        if self.windows is None:
+            meta = build_attention_metadata(np.array(qlens), np.array(slens), tables, BLOCK)
+        else:
+            by_window = {w: build_attention_metadata(np.array(qlens), np.array(slens), tables, BLOCK,
+                                                     sliding_window=w) for w in set(self.windows)}
+            meta = [by_window[w] for w in self.windows]
+        first = meta if self.windows is None else meta[0]
+        with torch.no_grad():
+            return self.model(torch.tensor(ids), torch.from_numpy(first.positions), self.kv_caches, meta)
+
+
+def count_graph_steps(model) -> list:
+    """Build the model's graph now and record what each of its `run` calls returned."""
+    graph = DecodeGraph.build(model)
+    assert graph is not None, why_not(model)
+    model._decode_graph = (model.kernels, graph)
+    taken = []
+    run = graph.run
+
+    def counting(*args):
+        out = run(*args)
+        taken.append(out is not None)
+        return out
+    graph.run = counting
+    return taken
+
+
+def layer_by_layer(model) -> None:
+    model._decode_graph = (model.kernels, None)
+
+
+def run_both(fmt, dtype, isa, rows, decode_steps=9, kv_dtype=None, windows=None, arch=ARCH):
+    """The same schedule on two copies of one model, one with the graph: prompts of different
+    lengths in one step, then `decode_steps` decode-only steps of `rows` rows (context growing
+    across 4-token blocks). Returns (hidden states with, without, which steps the graph took)."""
+    with_graph, without = tiny_model(fmt, dtype, isa, arch), tiny_model(fmt, dtype, isa, arch)
+    taken = count_graph_steps(with_graph)
+    layer_by_layer(without)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, ARCH.vocab_size, 2 + 3 * i).tolist() for i in range(rows)]
+    drivers = [Driver(m, kv_dtype, windows) for m in (with_graph, without)]
+    outs = [[], []]
+    last = [p[-1] for p in prompts]
+    plans = [[(i, p) for i, p in enumerate(prompts)]]
+    for s in range(decode_steps):
+        plans.append([(i, [(t * 7 + s) % ARCH.vocab_size]) for i, t in enumerate(last)])
+    for plan in plans:
+        for d, out in zip(drivers, outs):
+            out.append(d.step(plan))
+    return outs[0], outs[1], taken
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_one_call_step_gives_the_per_layer_numbers(fmt, dtype, rows):
+    got, want, taken = run_both(fmt, dtype, ISAS[-1], rows)
+    assert taken == [True] * 9  # every decode step (the prompt step never asks)
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == dtype and torch.equal(g, w), (fmt, dtype, rows, step)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_isa_of_this_build(fmt, isa):
+    """The quantized GEMM's narrower path of this build (AVX2 beside AVX-512 VNNI)."""
+    got, want, taken = run_both(fmt, torch.bfloat16, isa, 3, decode_steps=5)
+    assert taken == [True] * 5
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_rows_split_over_two_threads():
+    """The kernels split over the pool from inside the one call (attention by key count,
+    projections by panels), as they do from Python."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got, want, taken = run_both("Q4_1", torch.bfloat16, ISAS[-1], 8, decode_steps=4)
+    finally:
+        torch.set_num_threads(old)
+    assert taken == [True] * 4
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_sixteen_rows_of_int8_take_the_widened_gemm():
+    """At MAX_ROWS rows int8 W8A8 projections of few outputs widen their weights (bf16
+    activations on AVX512-BF16: qlinear.widen_from); the one call passes the same threshold."""
+    got, want, taken = run_both("int8", torch.bfloat16, ISAS[-1], MAX_ROWS, decode_steps=3)
+    assert taken == [True] * 3
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_fp32_activations_into_a_bf16_cache_and_a_bias():
+    """fp32 activations written into a bf16 KV cache (rounded by the C writer), and Qwen2's
+    qkv bias."""
+    arch = dataclasses.replace(ARCH, attention_bias=True)
+    got, want, taken = run_both("Q4_1", torch.float32, ISAS[-1], 3, kv_dtype=torch.bfloat16, arch=arch)
+    assert taken and all(taken)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_sliding_windows_one_per_layer():
+    """Layers with different windows (one metadata each: a hybrid model's KV cache groups), and
+    windows shorter than the context, over 14 decode steps."""
+    got, want, taken = run_both("Q4_0", torch.bfloat16, ISAS[-1], 3, decode_steps=14,
+                                windows=[6, None, 6])
+    assert taken and all(taken)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    got, want, taken = run_both("Q8_0", torch.float32, ISAS[-1], 2, decode_steps=14, windows=[5, 5, 5])
+    assert taken and all(taken)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_mixed_and_wide_steps_run_layer_by_layer():
+    model = tiny_model("Q4_1", torch.bfloat16, ISAS[-1])
+    taken = count_graph_steps(model)
+    d = Driver(model)
+    d.step([(i, [1, 2]) for i in range(MAX_ROWS + 1)])  # prompts
+    d.step([(i, [3]) for i in range(MAX_ROWS + 1)])  # decode-only, but more rows than MAX_ROWS
+    d.step([(0, [4]), (MAX_ROWS + 2, [5, 6, 7])])  # a decode beside a prompt
+    d.step([(0, [5]), (1, [5])])
+    assert taken == [False, True]  # asked only at the decode-only steps
+
+
+def test_models_the_graph_does_not_take():
+    assert why_not(tiny_model("Q4_1", torch.bfloat16, ISAS[-1])) is None
+    qk = tiny_model("Q4_1", torch.bfloat16, ISAS[-1], dataclasses.replace(ARCH, qk_norm=True))
+    assert "QK-norm" in why_not(qk)
+    moe = dataclasses.replace(ARCH, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+    model = LlamaForCausalLM(moe, torch.float32)
+    model.pack_weights()
+    assert "experts" in why_not(model)
+    float_model = LlamaForCausalLM(ARCH, torch.float32)
+    float_model.pack_weights()
+    assert "not quantized" in why_not(float_model)
+    # bf16 activations with an fp32 cache: the C writer does not take it
+    model = tiny_model("Q4_1", torch.bfloat16, ISAS[-1])
+    taken = count_graph_steps(model)
+    d = Driver(model, kv_dtype=torch.float32)
+    d.step([(0, [1, 2])])
+    d.step([(0, [3])])
+    assert taken == [False]
+
+
+def test_kill_switch(monkeypatch):
+    monkeypatch.setenv("KVFLOW_NO_DECODE_GRAPH", "1")
+    assert why_not(tiny_model("Q4_1", torch.bfloat16, ISAS[-1])) == "KVFLOW_NO_DECODE_GRAPH=1"
+
+
+AVX2_CHECK = """
+import json, sys
+import kvflow.csrc as c
+c._FLAGS = [f for f in c._FLAGS if f != "-march=native"] + ["-march=x86-64-v3", "-mno-avx512f"]
+sys.path.insert(0, sys.argv[1])
+import torch
+from kvflow.model.quant.qlinear import available_isas
+from test_decode_graph import run_both
+res = {"isas": available_isas()}
+for fmt, dtype, rows in (("Q4_1", torch.bfloat16, 1), ("Q8_0", torch.float32, 3), ("int8", torch.bfloat16, 8)):
+    got, want, taken = run_both(fmt, dtype, "avx2", rows, decode_steps=6)
+    res[fmt] = len(taken) == 6 and all(taken) and all(torch.equal(g, w) for g, w in zip(got, want))
+print(json.dumps(res))
+"""
+
+
+@pytest.mark.slow  # builds the whole kernel library again (~12 s)
+def test_avx2_build_gives_the_per_layer_numbers(tmp_path):
+    """The whole kernel library built for an AVX2-only CPU (Zen 3: AVX-512 off): its one-call
+    step gives its per-layer path's numbers."""
+    env = {**os.environ, "KVFLOW_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", AVX2_CHECK, os.path.dirname(__file__)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res.pop("isas") == ["scalar", "avx2"]
+    assert res == {"Q4_1": True, "Q8_0": True, "int8": True}
+
+
+@pytest.mark.slow  # builds two engines
+def test_engine_greedy_tokens_with_and_without_the_graph(tmp_path, monkeypatch):
+    """LLM on a tiny Llama quantized to int8 at load (its weights on the meta device until
+    loaded, as every quantized load): the same greedy tokens with the kill switch as without,
+    and without it the decode steps took the one call."""
+    from conftest_model_helpers import save_byte_tokenizer, save_tiny_llama3
+
+    from kvflow import LLM, SamplingParams
+
+    path = save_byte_tokenizer(save_tiny_llama3(str(tmp_path / "tiny")))
+    prompts = [np.random.default_rng(i).integers(4, 320, n).tolist() for i, n in enumerate((9, 3, 17))]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv("KVFLOW_NO_DECODE_GRAPH", switch)
+        llm = LLM(path, dtype="bfloat16", quantization="int8", max_model_len=64, num_blocks=32,
+                  max_num_batched_tokens=16)
+        model = llm.engine.core.executor.runner.model
+        outs[switch] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert (model._decode_graph[1] is None) == (switch == "1")
+        if switch == "0":
+            taken = count_graph_steps(model)
+            llm.generate(prompts[:1], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+            assert taken == [True, True]
+    assert outs["0"] == outs["1"] and all(len(t) == 12 for t in outs["0"])
