@@ -34,11 +34,13 @@ MAX_NUM_SEQS = 3  # four requests: one of them must wait
 PREFIX = ("You are a storyteller. Every story you tell is set in a small harbour town, has a "
           "lighthouse keeper in it, and ends with the sea. ")
 # (prompt, max_tokens): the short one finishes first and makes room for the one that waits.
-# It must outlast the page seeing three running and the fourth arriving (seconds, at ~26 ms a
-# token in bf16 on a CPU with native bf16: 16 tokens were too few there), and the long ones
-# run over a hundred steps past it.
-REQUESTS = [("Tell the one about the storm.", 96), ("Tell the one about the lost cat.", 224),
-            ("Tell the one about the festival.", 224), ("Tell the one about the old map.", 224)]
+# It must outlast the page seeing three running and the fourth arriving (about a second: the
+# page gets a state every 0.25 s) however fast the engine decodes: 96 tokens lasted 2.5 s at
+# ~26 ms a token, but only ~0.5 s once a batch-3 step took ~5 ms (the one-call decode step),
+# and the fourth then never waited. 400 tokens last 2 s even at 5 ms; the long ones run
+# hundreds of steps past it.
+REQUESTS = [("Tell the one about the storm.", 400), ("Tell the one about the lost cat.", 900),
+            ("Tell the one about the festival.", 900), ("Tell the one about the old map.", 900)]
 
 
 def ensure_chromium() -> None:
@@ -55,7 +57,7 @@ def ensure_chromium() -> None:
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--num-blocks", "96", "--block-size", "16", "--max-model-len", "512",
+    srv = ServerProcess("--num-blocks", "256", "--block-size", "16", "--max-model-len", "1024",
                         "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", "128")
     try:
         yield srv.url
