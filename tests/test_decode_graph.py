@@ -1,7 +1,8 @@
 """A decode step's decoder layers in one C call (kvflow/model/decode_graph.py) give the per-layer
 path's numbers bit for bit, for every quantized format, both activation dtypes, several rows,
-sliding windows and both instruction sets, over decode steps that cross block boundaries; and
-the steps and models it does not take run layer by layer."""
+sliding windows and both instruction sets, over decode steps that cross block boundaries, and
+for fp32 models on the fp32 GEMV (fp32, bf16 and fp16 panels, both its vector paths); and the
+steps and models it does not take run layer by layer."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,8 +18,11 @@ from gguf.constants import GGMLQuantizationType
 from gguf.quants import quantize
 
 from kvflow.model.arch import LlamaArchConfig
+from kvflow.csrc.gemv import GEMV_MAX_ROWS, gemv_isas
 from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
+from kvflow.model.cpu_features import cpu_features
 from kvflow.model.decode_graph import MAX_ROWS, DecodeGraph, why_not
+from kvflow.model.kernels import KernelOptions, select_kernels
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.model.packed_linear import PackedWeight
 from kvflow.model.quant.gguf_blocks import decode
@@ -34,6 +38,10 @@ ARCH = LlamaArchConfig(
     tie_word_embeddings=True, attention_bias=False, bos_token_id=None, eos_token_id=None)
 FORMATS = ("Q4_1", "Q4_0", "Q8_0", "int8")
 ISAS = [isa for isa in available_isas() if isa != "scalar"] or ["scalar"]
+# the fp32 GEMV's vector paths this build and CPU have ("gemv-<isa>" models below)
+GEMV_PATHS = [isa for isa in ("avx2", "avx512") if isa in gemv_isas()
+              and (isa == "avx2" or cpu_features().avx512)]
+GEMV_STORAGE = {"": None, "-bf16": torch.bfloat16, "-fp16": torch.float16}
 BLOCK = 4
 torch.set_num_threads(1)  # one test below splits over two
 
@@ -49,14 +57,23 @@ def _quantized(w: torch.Tensor, fmt: str, isa: str) -> QuantizedWeight:
 
 def tiny_model(fmt: str, dtype: torch.dtype, isa: str, arch: LlamaArchConfig = ARCH,
                seed: int = 0) -> LlamaForCausalLM:
-    """A random Llama whose projections are quantized to `fmt` (the LM head stays float)."""
+    """A random Llama whose projections are quantized to `fmt` (the LM head stays float); fmt
+    "gemv", "gemv-bf16" or "gemv-fp16": an fp32 one on the fp32 GEMV's `isa` path, its panels
+    stored in fp32, bf16 or fp16 (the `weight_dtype` option)."""
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(arch, dtype).eval()
+    kernels = None
+    if fmt.startswith("gemv"):
+        kernels = select_kernels(dtype, options=KernelOptions(
+            gemv_isa=isa if isa == "avx2" else None, gemv_dtype=GEMV_STORAGE[fmt[4:]]))
+    model = LlamaForCausalLM(arch, dtype, kernels=kernels).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p, dtype=torch.float32) if "norm" in name or "layernorm" in name
                     else 0.05 * torch.randn_like(p, dtype=torch.float32))
     model.pack_weights()
+    if kernels is not None:
+        assert model.layers[0].packed["qkv_proj"].gemv_isa == isa
+        return model
     for layer in model.layers:
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             layer.packed[name] = PackedWeight(quant=_quantized(getattr(layer, name).detach(), fmt, isa))
@@ -219,9 +236,14 @@ def test_models_the_graph_does_not_take():
     model = LlamaForCausalLM(moe, torch.float32)
     model.pack_weights()
     assert "experts" in why_not(model)
-    float_model = LlamaForCausalLM(ARCH, torch.float32)
+    # fp32 weights where no GEMV serves (oneDNN from Python), and bf16 ones (the panel GEMM)
+    float_model = LlamaForCausalLM(ARCH, torch.float32, kernels=select_kernels(
+        torch.float32, options=KernelOptions(gemv=False)))
     float_model.pack_weights()
-    assert "not quantized" in why_not(float_model)
+    assert "neither quantized nor on the fp32 GEMV" in why_not(float_model)
+    bf16_model = LlamaForCausalLM(ARCH, torch.bfloat16)
+    bf16_model.pack_weights()
+    assert "neither quantized nor on the fp32 GEMV" in why_not(bf16_model)
     # bf16 activations with an fp32 cache: the C writer does not take it
     model = tiny_model("Q4_1", torch.bfloat16, ISAS[-1])
     taken = count_graph_steps(model)
@@ -229,6 +251,49 @@ def test_models_the_graph_does_not_take():
     d.step([(0, [1, 2])])
     d.step([(0, [3])])
     assert taken == [False]
+
+
+@pytest.mark.skipif(not GEMV_PATHS, reason="no vector fp32 GEMV on this CPU")
+@pytest.mark.parametrize("isa", GEMV_PATHS)
+@pytest.mark.parametrize("storage", list(GEMV_STORAGE))
+def test_fp32_gemv_steps_give_the_per_layer_numbers(isa, storage):
+    """fp32 models whose projections the fp32 GEMV serves (fp32, bf16- or fp16-stored panels,
+    the AVX-512 path and AVX2 forced): their norms, GEMVs and SiLU in the one call, the same
+    numbers at 1, 3 and the GEMV's most rows."""
+    for rows in sorted({1, 3, GEMV_MAX_ROWS[isa]}):
+        got, want, taken = run_both("gemv" + storage, torch.float32, isa, rows, decode_steps=4)
+        assert taken == [True] * 4, (isa, storage, rows)
+        for step, (g, w) in enumerate(zip(got, want)):
+            assert g.dtype == torch.float32 and torch.equal(g, w), (isa, storage, rows, step)
+
+
+@pytest.mark.skipif(not GEMV_PATHS, reason="no vector fp32 GEMV on this CPU")
+@pytest.mark.parametrize("isa", GEMV_PATHS)
+def test_fp32_gemv_steps_above_its_rows_run_layer_by_layer(isa):
+    """Above GEMV_MAX_ROWS oneDNN serves the projections: the graph declines those steps (and
+    the numbers are the per-layer path's, which alone ran)."""
+    model = tiny_model("gemv-bf16", torch.float32, isa)
+    assert DecodeGraph.build(model).max_rows == GEMV_MAX_ROWS[isa]
+    got, want, taken = run_both("gemv-bf16", torch.float32, isa, GEMV_MAX_ROWS[isa] + 1,
+                                decode_steps=2)
+    assert taken == [False, False]
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.skipif(not GEMV_PATHS, reason="no vector fp32 GEMV on this CPU")
+def test_fp32_gemv_with_a_bias_a_bf16_cache_and_two_threads():
+    """Qwen2's qkv bias added by the GEMV, K/V rounded into a bf16 cache, the GEMV's panels and
+    the attention split over two threads from inside the call."""
+    arch = dataclasses.replace(ARCH, attention_bias=True)
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got, want, taken = run_both("gemv-fp16", torch.float32, GEMV_PATHS[-1], 3, decode_steps=4,
+                                    kv_dtype=torch.bfloat16, arch=arch)
+    finally:
+        torch.set_num_threads(old)
+    assert taken == [True] * 4
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 def test_kill_switch(monkeypatch):
@@ -248,6 +313,9 @@ res = {"isas": available_isas()}
 for fmt, dtype, rows in (("Q4_1", torch.bfloat16, 1), ("Q8_0", torch.float32, 3), ("int8", torch.bfloat16, 8)):
     got, want, taken = run_both(fmt, dtype, "avx2", rows, decode_steps=6)
     res[fmt] = len(taken) == 6 and all(taken) and all(torch.equal(g, w) for g, w in zip(got, want))
+for fmt in ("gemv", "gemv-bf16", "gemv-fp16"):  # the fp32 GEMV's AVX2 path, its most rows
+    got, want, taken = run_both(fmt, torch.float32, "avx2", 4, decode_steps=3)
+    res[fmt] = len(taken) == 3 and all(taken) and all(torch.equal(g, w) for g, w in zip(got, want))
 print(json.dumps(res))
 """
 
@@ -255,14 +323,15 @@ print(json.dumps(res))
 @pytest.mark.slow  # builds the whole kernel library again (~12 s)
 def test_avx2_build_gives_the_per_layer_numbers(tmp_path):
     """The whole kernel library built for an AVX2-only CPU (Zen 3: AVX-512 off): its one-call
-    step gives its per-layer path's numbers."""
+    step gives its per-layer path's numbers, quantized and on the fp32 GEMV."""
     env = {**os.environ, "KVFLOW_CACHE_DIR": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", AVX2_CHECK, os.path.dirname(__file__)], env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res.pop("isas") == ["scalar", "avx2"]
-    assert res == {"Q4_1": True, "Q8_0": True, "int8": True}
+    assert res == {"Q4_1": True, "Q8_0": True, "int8": True, "gemv": True, "gemv-bf16": True,
+                   "gemv-fp16": True}
 
 
 @pytest.mark.slow  # builds two engines
@@ -286,6 +355,33 @@ def test_engine_greedy_tokens_with_and_without_the_graph(tmp_path, monkeypatch):
         outs[switch] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert (model._decode_graph[1] is None) == (switch == "1")
         if switch == "0":
+            taken = count_graph_steps(model)
+            llm.generate(prompts[:1], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+            assert taken == [True, True]
+    assert outs["0"] == outs["1"] and all(len(t) == 12 for t in outs["0"])
+
+
+@pytest.mark.slow  # builds two engines
+def test_fp32_engine_greedy_tokens_with_and_without_the_graph(tmp_path, monkeypatch):
+    """LLM on a tiny fp32 Llama with bf16-stored GEMV panels (`weight_dtype`): the same greedy
+    tokens with the kill switch as without, and without it the decode steps took the one call."""
+    from conftest_model_helpers import save_byte_tokenizer, save_tiny_llama3
+
+    from kvflow import LLM, SamplingParams
+
+    path = save_byte_tokenizer(save_tiny_llama3(str(tmp_path / "tiny")))
+    prompts = [np.random.default_rng(i).integers(4, 320, n).tolist() for i, n in enumerate((9, 3, 17))]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv("KVFLOW_NO_DECODE_GRAPH", switch)
+        llm = LLM(path, dtype="float32", weight_dtype="bfloat16", max_model_len=64, num_blocks=32,
+                  max_num_batched_tokens=16)
+        model = llm.engine.core.executor.runner.model
+        outs[switch] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert (model._decode_graph[1] is None) == (switch == "1")
+        if switch == "0":
+            assert model.layers[0].packed["qkv_proj"].gemv.dtype == torch.bfloat16
             taken = count_graph_steps(model)
             llm.generate(prompts[:1], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
             assert taken == [True, True]

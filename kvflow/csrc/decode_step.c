@@ -6,7 +6,8 @@
  * functions run in the same order, split over the same pool (pool.c) with the same thresholds,
  * so the numbers are bit-identical to the per-layer path (kvflow/model/llama.py); only the
  * Python between them is gone. kvflow/model/decode_graph.py builds the words and decides
- * which steps come here (decode-only, few rows, every projection quantized).
+ * which steps come here (decode-only, few rows, every projection quantized or on the fp32
+ * GEMV).
  *
  * `step` (per call) and `layers` (num_layers records of LAYER_WORDS, built once at load) are
  * int64 words: pointers, sizes and two doubles stored as their bits. */
@@ -15,8 +16,11 @@
 
 #include "kernels.h"
 
-/* a quantized projection's words, as quant_linear takes them */
-enum { P_PACKED, P_KIND, P_ISA, P_PER_ROW, P_N, P_K, P_KB, P_WIDE_ROWS, PROJ_WORDS };
+/* a projection's words: for a quantized one (P_GEMM 0) as quant_linear takes them; for the
+ * fp32 GEMV (P_GEMM 1) its panels, weight storage code (gemv_f32.c's `wdt`) in P_KIND, its
+ * instruction set code in P_ISA, N and K (the others unused) */
+enum { P_PACKED, P_KIND, P_ISA, P_PER_ROW, P_N, P_K, P_KB, P_WIDE_ROWS, P_GEMM, PROJ_WORDS };
+enum { GEMM_QUANT, GEMM_GEMV_F32 };
 
 enum {
     L_IN_NORM, L_POST_NORM, L_EPS, L_SCALE, L_QKV_BIAS, L_K_CACHE, L_V_CACHE, L_HEADS,
@@ -28,10 +32,12 @@ enum {
  * are bf16, whether the KV cache is bf16, threads, positions, cos/sin tables, the scratch
  * outputs (qkv [M, qkv_n], attention [M, H * D], o [M, hidden], act [M, I], down
  * [M, hidden]: down is the last layer's MLP output, not yet added to x), the attention
- * groups (GROUP_WORDS each) and each layer's group (NULL: group 0 for all) */
+ * groups (GROUP_WORDS each), each layer's group (NULL: group 0 for all), and for the GEMV's
+ * projections the normed rows [M, hidden] and the gate_up product [M, 2I] before its SiLU
+ * (where the per-layer path keeps them in tensors; NULL where every projection is quantized) */
 enum {
     S_M, S_X, S_X_BF16, S_KV_BF16, S_THREADS, S_POSITIONS, S_COS, S_SIN, S_QKV, S_ATTN, S_O,
-    S_ACT, S_DOWN, S_GROUPS, S_LAYER_GROUP, STEP_WORDS
+    S_ACT, S_DOWN, S_GROUPS, S_LAYER_GROUP, S_NORMED, S_GATE_UP, STEP_WORDS
 };
 /* one KV cache group's metadata: slot mapping, decode block tables and their row stride,
  * seq_lens, rows, block size, sliding window (0: none) */
@@ -53,19 +59,51 @@ static double as_double(int64_t bits) {
     return d;
 }
 
-static int64_t project(const int64_t *p, const void *x, const float *bias, void *out, int64_t M,
-                       int64_t bf16, int64_t threads, int64_t silu_mul) {
-    return quant_linear(x, p[P_K], p[P_K], p[P_KB], bf16, p[P_PER_ROW], (const uint8_t *)p[P_PACKED],
-                        p[P_KIND], p[P_ISA], bias, out, p[P_N], bf16, M, threads, p[P_WIDE_ROWS],
-                        silu_mul);
+/* gemv.py's gemv_f32: out [M, N] = x [M, K] @ w.T (+ bias), the pool splitting panels */
+static void gemv(const int64_t *p, const void *x, const float *bias, void *out, int64_t M,
+                 int64_t threads) {
+    const int64_t N = p[P_N];
+    const int64_t gargs[11] = {(int64_t)x, p[P_K], M, p[P_K], p[P_PACKED], (int64_t)bias,
+                               (int64_t)out, N, N, p[P_ISA], p[P_KIND]};
+    kernel_pool_run(POOL_GEMV_F32, gargs, 0.0, (N + 15) / 16, NULL, threads);
 }
 
+/* packed_linear.linear, or with `silu_mul` linear_silu_mul (its SiLU * up into out [M, N/2]:
+ * the GEMV's product goes through `gate_up` first, then ops.silu_mul's kernel and split) */
+static int64_t project(const int64_t *p, const void *x, const float *bias, void *out, int64_t M,
+                       int64_t bf16, int64_t threads, int64_t silu_mul, void *gate_up) {
+    if (p[P_GEMM] == GEMM_QUANT)
+        return quant_linear(x, p[P_K], p[P_K], p[P_KB], bf16, p[P_PER_ROW],
+                            (const uint8_t *)p[P_PACKED], p[P_KIND], p[P_ISA], bias, out, p[P_N],
+                            bf16, M, threads, p[P_WIDE_ROWS], silu_mul);
+    if (!silu_mul) {
+        gemv(p, x, bias, out, M, threads);
+        return 0;
+    }
+    const int64_t half = p[P_N] / 2;
+    gemv(p, x, bias, gate_up, M, threads);
+    const int64_t sargs[3] = {(int64_t)gate_up, (int64_t)out, half};
+    kernel_pool_run(POOL_SILU_F32, sargs, 0.0, M, NULL, M * half >= PARALLEL_VALUES ? threads : 1);
+    return 0;
+}
+
+/* packed_linear.norm_linear: RMSNorm(residual += delta) * norm_weight, then the projection;
+ * a quantized one takes both in one kernel call, the GEMV reads the normed rows from `normed`
+ * (ops.add_rms_norm's kernel and split) */
 static int64_t project_normed(const int64_t *p, void *residual, const void *delta,
                               const void *norm_weight, double eps, const float *bias, void *out,
-                              int64_t M, int64_t bf16, int64_t threads, int64_t silu_mul) {
-    return quant_linear_normed(residual, delta, norm_weight, eps, p[P_K], p[P_KB], bf16,
-                               p[P_PER_ROW], (const uint8_t *)p[P_PACKED], p[P_KIND], p[P_ISA],
-                               bias, out, p[P_N], bf16, M, threads, p[P_WIDE_ROWS], silu_mul);
+                              int64_t M, int64_t bf16, int64_t threads, int64_t silu_mul,
+                              void *normed, void *gate_up) {
+    if (p[P_GEMM] == GEMM_QUANT)
+        return quant_linear_normed(residual, delta, norm_weight, eps, p[P_K], p[P_KB], bf16,
+                                   p[P_PER_ROW], (const uint8_t *)p[P_PACKED], p[P_KIND],
+                                   p[P_ISA], bias, out, p[P_N], bf16, M, threads,
+                                   p[P_WIDE_ROWS], silu_mul);
+    const int64_t K = p[P_K];
+    const int64_t nargs[5] = {(int64_t)residual, (int64_t)delta, (int64_t)norm_weight,
+                              (int64_t)normed, K};
+    kernel_pool_run(POOL_NORM_F32, nargs, eps, M, NULL, M * K >= PARALLEL_VALUES ? threads : 1);
+    return project(p, normed, bias, out, M, bf16, threads, silu_mul, gate_up);
 }
 
 /* The decoder layers of one decode-only step; 0, or the first failing kernel's code. */
@@ -76,6 +114,7 @@ int64_t decode_layers(const int64_t *step, const int64_t *layers, int64_t num_la
     const int64_t *layer_group = (const int64_t *)step[S_LAYER_GROUP];
     void *x = (void *)step[S_X], *qkv = (void *)step[S_QKV], *attn = (void *)step[S_ATTN];
     void *o = (void *)step[S_O], *act = (void *)step[S_ACT], *down = (void *)step[S_DOWN];
+    void *normed = (void *)step[S_NORMED], *gate_up = (void *)step[S_GATE_UP];
     const size_t esize = bf16 ? 2 : 4;
     for (int64_t i = 0; i < num_layers; i++) {
         const int64_t *l = layers + i * LAYER_WORDS;
@@ -85,7 +124,8 @@ int64_t decode_layers(const int64_t *step, const int64_t *layers, int64_t num_la
         const double eps = as_double(l[L_EPS]);
         /* the first layer has no MLP output to add yet */
         int64_t rc = project_normed(l + L_QKV, x, i ? down : NULL, (const void *)l[L_IN_NORM], eps,
-                                    (const float *)l[L_QKV_BIAS], qkv, M, bf16, threads, 0);
+                                    (const float *)l[L_QKV_BIAS], qkv, M, bf16, threads, 0,
+                                    normed, gate_up);
         if (rc != 0)
             return rc;
 
@@ -117,12 +157,12 @@ int64_t decode_layers(const int64_t *step, const int64_t *layers, int64_t num_la
         kernel_pool_run(kv_bf16 ? POOL_DECODE_BF16 : POOL_DECODE_F32, aargs, as_double(l[L_SCALE]),
                         M, seq_lens, keys * H >= PARALLEL_HEAD_KEYS ? threads : 1);
 
-        rc = project(l + L_O, attn, NULL, o, M, bf16, threads, 0);
+        rc = project(l + L_O, attn, NULL, o, M, bf16, threads, 0, NULL);
         if (rc == 0)
             rc = project_normed(l + L_GATE_UP, x, o, (const void *)l[L_POST_NORM], eps, NULL, act, M,
-                                bf16, threads, 1);
+                                bf16, threads, 1, normed, gate_up);
         if (rc == 0)
-            rc = project(l + L_DOWN, act, NULL, down, M, bf16, threads, 0);
+            rc = project(l + L_DOWN, act, NULL, down, M, bf16, threads, 0, NULL);
         if (rc != 0)
             return rc;
     }

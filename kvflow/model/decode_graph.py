@@ -6,15 +6,17 @@ attention metadata); the numbers are the per-layer path's, bit for bit (the same
 the same order with the same splits).
 
 Which models: Llama-family dense layers on the CPU with every projection quantized
-(kvflow/model/quant), served by the C kernels, without QK-norm, partial RoPE, experts or
+(kvflow/model/quant) or, with fp32 activations, on the fp32 GEMV (csrc/gemv_f32.c, its
+panels in fp32, bf16 or fp16), served by the C kernels, without QK-norm, partial RoPE, experts or
 tensor parallelism; bf16 or fp32 activations with a KV cache the C writer takes. Which steps:
 decode-only with up to MAX_ROWS rows (where the quantized projections fuse their norm and
-SiLU: packed_linear.FUSED_ROWS). Everything else takes the per-layer path, as does every step
+SiLU: packed_linear.FUSED_ROWS), and with the GEMV no more than its rows (GEMV_MAX_ROWS: above
+them oneDNN serves, from Python). Everything else takes the per-layer path, as does every step
 under KVFLOW_NO_DECODE_GRAPH=1. The embedding, the final norm and the LM head stay as they are.
 
-The same chaining would serve the bf16 panel GEMM (gemm_bf16_panels, its SiLU fused) and the
-fp32 GEMV (gemv_f32_panels) with one more word per projection naming the GEMM, once their
-norms run in C before them as the quantized ones' do."""
+A GEMV projection runs as the per-layer path runs it: the norm as its own kernel (into a
+scratch row block), the GEMV, then the SiLU * up kernel for gate_up. The same chaining would
+serve the bf16 panel GEMM (gemm_bf16_panels, its SiLU fused) with one more `gemm` code."""
 from __future__ import annotations
 
 import logging
@@ -27,20 +29,22 @@ import torch
 from kvflow import envs
 from kvflow.csrc import library, ops
 from kvflow.model import attention
-from kvflow.model.packed_linear import FUSED_ROWS
-from kvflow.model.quant.qlinear import ISA_CODES, NEVER, QuantizedWeight
+from kvflow.csrc.gemv import GEMV_ISAS, GEMV_WEIGHT_DTYPES
+from kvflow.model.packed_linear import FUSED_ROWS, PackedWeight
+from kvflow.model.quant.qlinear import ISA_CODES, NEVER
 
 logger = logging.getLogger("kvflow")
 
 MAX_ROWS = FUSED_ROWS
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # decode_step.c's records, in its order
-PROJ_WORDS = ("packed", "kind", "isa", "per_row", "n", "k", "kb", "wide_rows")
+PROJ_WORDS = ("packed", "kind", "isa", "per_row", "n", "k", "kb", "wide_rows", "gemm")
+GEMM_QUANT, GEMM_GEMV_F32 = 0, 1  # decode_step.c's `gemm` codes
 LAYER_HEAD = ("in_norm", "post_norm", "eps", "scale", "qkv_bias", "k_cache", "v_cache", "heads",
               "kv_heads", "head_dim")
 LAYER_WORDS = len(LAYER_HEAD) + len(PROJECTIONS) * len(PROJ_WORDS)
 STEP_WORDS = ("m", "x", "x_bf16", "kv_bf16", "threads", "positions", "cos", "sin", "qkv", "attn",
-              "o", "act", "down", "groups", "layer_group")
+              "o", "act", "down", "groups", "layer_group", "normed", "gate_up")
 GROUP_WORDS = ("slots", "tables", "bt_stride", "seq_lens", "rows", "block_size", "window")
 _K_CACHE = LAYER_HEAD.index("k_cache")
 
@@ -49,10 +53,29 @@ def _double_bits(value: float) -> int:
     return int(np.array([value], dtype=np.float64).view(np.int64)[0])
 
 
-def _projection_words(w: QuantizedWeight, bf16: bool) -> list[int]:
-    """quant_linear's words for `w`, with the rows from which it widens as qlinear.py passes them."""
+def _projection_words(p: PackedWeight, n: int, k: int, bf16: bool) -> list[int]:
+    """A quantized weight: quant_linear's words, with the rows from which it widens as
+    qlinear.py passes them; else the GEMV's (its panels, storage and instruction set codes)."""
+    w = p.quant
+    if w is None:
+        return [p.gemv.data_ptr(), GEMV_WEIGHT_DTYPES[p.gemv.dtype], GEMV_ISAS[p.gemv_isa], 0, n, k,
+                0, 0, GEMM_GEMV_F32]
     return [w.packed.data_ptr(), int(w.kind == "q8"), ISA_CODES[w.isa], int(w.per_row), w.n, w.k,
-            w.kb, w.wide_rows if bf16 else NEVER]
+            w.kb, w.wide_rows if bf16 else NEVER, GEMM_QUANT]
+
+
+def _on_gemv(p: PackedWeight | None, model) -> bool:
+    """packed_linear.linear serves `p` with the fp32 GEMV at decode rows (up to p.gemv_rows)."""
+    return (p is not None and p.quant is None and p.gemv is not None and not p.gate_up
+            and p.panels is None and p.gemv_rows > 0 and model.dtype == torch.float32)
+
+
+def max_rows(model) -> int:
+    """The most rows of a step the graph takes for `model` (one why_not passed): MAX_ROWS, or the
+    GEMV's rows where a projection is on it."""
+    rows = [layer.packed[name].gemv_rows for layer in model.layers for name in PROJECTIONS
+            if layer.packed[name].quant is None]
+    return min([MAX_ROWS, *rows])
 
 
 def why_not(model) -> str | None:
@@ -76,8 +99,8 @@ def why_not(model) -> str | None:
             return "a layer with experts, QK-norm or partial RoPE"
         for name in PROJECTIONS:
             p = layer.packed.get(name)
-            if p is None or p.quant is None:
-                return f"{name} is not quantized"
+            if p is None or (p.quant is None and not _on_gemv(p, model)):
+                return f"{name} is neither quantized nor on the fp32 GEMV"
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             if norm.dtype != model.dtype or not norm.is_contiguous():
                 return "a norm weight the C norm does not take"
@@ -94,8 +117,9 @@ class DecodeGraph:
     kernels: object  # the model's Kernels when this was built: another set rebuilds it
     layers: np.ndarray  # [L, LAYER_WORDS] int64, the caches' pointers filled per cache list
     biases: list  # the fp32 qkv biases the records point at (kept alive here)
+    max_rows: int  # the most rows a step may have here (max_rows(model))
     step: np.ndarray = field(default_factory=lambda: np.zeros(len(STEP_WORDS), dtype=np.int64))
-    scratch: dict = field(default_factory=dict)  # rows -> (qkv, attn, o, act, down)
+    scratch: dict = field(default_factory=dict)  # rows -> (qkv, attn, o, act, down, normed, gate_up)
     caches: list | None = None  # the cache list whose pointers `layers` holds
     cache_ptr: int = 0
 
@@ -118,9 +142,10 @@ class DecodeGraph:
                      0 if bias is None else bias.data_ptr(), 0, 0, layer.num_heads,
                      layer.num_kv_heads, layer.head_dim]
             for name in PROJECTIONS:
-                words += _projection_words(layer.packed[name].quant, model.dtype == torch.bfloat16)
+                n, k = getattr(layer, name).shape
+                words += _projection_words(layer.packed[name], n, k, model.dtype == torch.bfloat16)
             rows.append(words)
-        return cls(model, model.kernels, np.array(rows, dtype=np.int64), biases)
+        return cls(model, model.kernels, np.array(rows, dtype=np.int64), biases, max_rows(model))
 
     def _caches_taken(self, kv_caches: list) -> bool:
         """Fill in the caches' pointers (once per cache list); False: caches the C writer and
@@ -145,10 +170,14 @@ class DecodeGraph:
         bufs = self.scratch.get(m)
         if bufs is None:
             first = self.model.layers[0]
-            q = first.packed
-            widths = (q["qkv_proj"].quant.n, first.q_size, q["o_proj"].quant.n,
-                      q["gate_up_proj"].quant.n // 2, q["down_proj"].quant.n)
-            bufs = self.scratch[m] = tuple(torch.empty(m, n, dtype=self.model.dtype) for n in widths)
+            n = {name: getattr(first, name).shape[0] for name in PROJECTIONS}
+            widths = (n["qkv_proj"], first.q_size, n["o_proj"], n["gate_up_proj"] // 2,
+                      n["down_proj"], first.qkv_proj.shape[1], n["gate_up_proj"])
+            if self.layers[:, len(LAYER_HEAD) + PROJ_WORDS.index("gemm")::len(PROJ_WORDS)].any():
+                bufs = tuple(torch.empty(m, w, dtype=self.model.dtype) for w in widths)
+            else:  # every projection quantized: no normed rows or gate_up product outside C
+                bufs = (*(torch.empty(m, w, dtype=self.model.dtype) for w in widths[:5]), None, None)
+            self.scratch[m] = bufs
         return bufs
 
     def run(self, x: torch.Tensor, positions: np.ndarray, kv_caches: list, metas) -> torch.Tensor | None:
@@ -166,7 +195,7 @@ class DecodeGraph:
             metas = distinct
         else:
             metas = [metas]
-        if m > MAX_ROWS or not all(meta.num_decodes == meta.num_tokens == m for meta in metas) \
+        if m > self.max_rows or not all(meta.num_decodes == meta.num_tokens == m for meta in metas) \
                 or x.dtype != self.model.dtype or not x.is_contiguous() \
                 or not self._caches_taken(kv_caches):
             return None
@@ -174,13 +203,15 @@ class DecodeGraph:
                             meta.decode_block_tables.shape[1], meta.decode_seq_lens.ctypes.data,
                             meta.decode_rows.ctypes.data, meta.block_size, meta.sliding_window or 0]
                            for meta in metas], dtype=np.int64)
-        qkv, attn, o, act, down = self._buffers(m)
+        qkv, attn, o, act, down, normed, gate_up = self._buffers(m)
         rope_cos, rope_sin = self.model.rope_cos, self.model.rope_sin
         self.step[:] = (m, x.data_ptr(), int(x.dtype == torch.bfloat16),
                         int(kv_caches[0][0].dtype == torch.bfloat16), torch.get_num_threads(),
                         positions.ctypes.data, rope_cos.data_ptr(), rope_sin.data_ptr(),
                         qkv.data_ptr(), attn.data_ptr(), o.data_ptr(), act.data_ptr(), down.data_ptr(),
-                        groups.ctypes.data, 0 if group_of is None else group_of.ctypes.data)
+                        groups.ctypes.data, 0 if group_of is None else group_of.ctypes.data,
+                        0 if normed is None else normed.data_ptr(),
+                        0 if gate_up is None else gate_up.data_ptr())
         rc = library().decode_layers(self.step.ctypes.data, self.layers.ctypes.data, len(self.layers))
         if rc != 0:
             raise MemoryError("decode_layers: no memory for a kernel's scratch")
