@@ -1,8 +1,8 @@
 """A decode step's decoder layers in one C call (kvflow/model/decode_graph.py) give the per-layer
 path's numbers bit for bit, for every quantized format, both activation dtypes, several rows,
 sliding windows and both instruction sets, over decode steps that cross block boundaries, and
-for fp32 models on the fp32 GEMV (fp32, bf16 and fp16 panels, both its vector paths); and the
-steps and models it does not take run layer by layer."""
+for fp32 models on the fp32 GEMV (fp32, bf16 and fp16 panels, both its vector paths) and bf16
+ones on the bf16 panel GEMM; and the steps and models it does not take run layer by layer."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,6 +18,7 @@ from gguf.constants import GGMLQuantizationType
 from gguf.quants import quantize
 
 from kvflow.model.arch import LlamaArchConfig
+from kvflow.csrc.gemm import panel_gemm_built
 from kvflow.csrc.gemv import GEMV_MAX_ROWS, gemv_isas
 from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
 from kvflow.model.cpu_features import cpu_features
@@ -59,10 +60,13 @@ def tiny_model(fmt: str, dtype: torch.dtype, isa: str, arch: LlamaArchConfig = A
                seed: int = 0) -> LlamaForCausalLM:
     """A random Llama whose projections are quantized to `fmt` (the LM head stays float); fmt
     "gemv", "gemv-bf16" or "gemv-fp16": an fp32 one on the fp32 GEMV's `isa` path, its panels
-    stored in fp32, bf16 or fp16 (the `weight_dtype` option)."""
+    stored in fp32, bf16 or fp16 (the `weight_dtype` option); "panels": a bf16 one on the bf16
+    panel GEMM."""
     torch.manual_seed(seed)
     kernels = None
-    if fmt.startswith("gemv"):
+    if fmt == "panels":
+        kernels = select_kernels(dtype)
+    elif fmt.startswith("gemv"):
         kernels = select_kernels(dtype, options=KernelOptions(
             gemv_isa=isa if isa == "avx2" else None, gemv_dtype=GEMV_STORAGE[fmt[4:]]))
     model = LlamaForCausalLM(arch, dtype, kernels=kernels).eval()
@@ -72,7 +76,8 @@ def tiny_model(fmt: str, dtype: torch.dtype, isa: str, arch: LlamaArchConfig = A
                     else 0.05 * torch.randn_like(p, dtype=torch.float32))
     model.pack_weights()
     if kernels is not None:
-        assert model.layers[0].packed["qkv_proj"].gemv_isa == isa
+        packed = model.layers[0].packed["qkv_proj"]
+        assert packed.panels is not None if fmt == "panels" else packed.gemv_isa == isa
         return model
     for layer in model.layers:
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
@@ -236,14 +241,12 @@ def test_models_the_graph_does_not_take():
     model = LlamaForCausalLM(moe, torch.float32)
     model.pack_weights()
     assert "experts" in why_not(model)
-    # fp32 weights where no GEMV serves (oneDNN from Python), and bf16 ones (the panel GEMM)
-    float_model = LlamaForCausalLM(ARCH, torch.float32, kernels=select_kernels(
-        torch.float32, options=KernelOptions(gemv=False)))
-    float_model.pack_weights()
-    assert "neither quantized nor on the fp32 GEMV" in why_not(float_model)
-    bf16_model = LlamaForCausalLM(ARCH, torch.bfloat16)
-    bf16_model.pack_weights()
-    assert "neither quantized nor on the fp32 GEMV" in why_not(bf16_model)
+    # fp32 weights where no GEMV serves, bf16 ones where no panel GEMM does (oneDNN, from Python)
+    for dtype, options in ((torch.float32, KernelOptions(gemv=False)),
+                           (torch.bfloat16, KernelOptions(panel_gemm=False))):
+        float_model = LlamaForCausalLM(ARCH, dtype, kernels=select_kernels(dtype, options=options))
+        float_model.pack_weights()
+        assert "neither quantized nor on the fp32 GEMV or the bf16 panels" in why_not(float_model)
     # bf16 activations with an fp32 cache: the C writer does not take it
     model = tiny_model("Q4_1", torch.bfloat16, ISAS[-1])
     taken = count_graph_steps(model)
@@ -290,6 +293,32 @@ def test_fp32_gemv_with_a_bias_a_bf16_cache_and_two_threads():
     try:
         got, want, taken = run_both("gemv-fp16", torch.float32, GEMV_PATHS[-1], 3, decode_steps=4,
                                     kv_dtype=torch.bfloat16, arch=arch)
+    finally:
+        torch.set_num_threads(old)
+    assert taken == [True] * 4
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.skipif(not panel_gemm_built(), reason="no AVX512-BF16 panel GEMM here")
+@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
+def test_bf16_panel_steps_give_the_per_layer_numbers(rows):
+    """bf16 models on the panel GEMM (gate_up with SiLU * up fused): the same numbers at 1, 3
+    and MAX_ROWS rows."""
+    got, want, taken = run_both("panels", torch.bfloat16, "avx512", rows, decode_steps=4)
+    assert taken == [True] * 4
+    assert all(g.dtype == torch.bfloat16 and torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.skipif(not panel_gemm_built(), reason="no AVX512-BF16 panel GEMM here")
+def test_bf16_panels_unfused_gate_up_a_bias_and_two_threads():
+    """An intermediate size whose gate and up do not come in whole panels (SiLU * up as its own
+    kernel after the GEMM), Qwen2's bf16 qkv bias, the panels split over two threads."""
+    arch = dataclasses.replace(ARCH, attention_bias=True, intermediate_size=176)
+    assert not tiny_model("panels", torch.bfloat16, "avx512", arch).layers[0].packed["gate_up_proj"].gate_up
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got, want, taken = run_both("panels", torch.bfloat16, "avx512", 5, decode_steps=4, arch=arch)
     finally:
         torch.set_num_threads(old)
     assert taken == [True] * 4

@@ -18,9 +18,10 @@
 
 /* a projection's words: for a quantized one (P_GEMM 0) as quant_linear takes them; for the
  * fp32 GEMV (P_GEMM 1) its panels, weight storage code (gemv_f32.c's `wdt`) in P_KIND, its
- * instruction set code in P_ISA, N and K (the others unused) */
+ * instruction set code in P_ISA, N and K; for the bf16 panel GEMM (P_GEMM 2) its panels,
+ * whether they are a gate_up pack with SiLU * up fused (P_KIND), N and K (the others unused) */
 enum { P_PACKED, P_KIND, P_ISA, P_PER_ROW, P_N, P_K, P_KB, P_WIDE_ROWS, P_GEMM, PROJ_WORDS };
-enum { GEMM_QUANT, GEMM_GEMV_F32 };
+enum { GEMM_QUANT, GEMM_GEMV_F32, GEMM_PANELS_BF16 };
 
 enum {
     L_IN_NORM, L_POST_NORM, L_EPS, L_SCALE, L_QKV_BIAS, L_K_CACHE, L_V_CACHE, L_HEADS,
@@ -34,7 +35,8 @@ enum {
  * [M, hidden]: down is the last layer's MLP output, not yet added to x), the attention
  * groups (GROUP_WORDS each), each layer's group (NULL: group 0 for all), and for the GEMV's
  * projections the normed rows [M, hidden] and the gate_up product [M, 2I] before its SiLU
- * (where the per-layer path keeps them in tensors; NULL where every projection is quantized) */
+ * (where the per-layer path keeps them in tensors; NULL where every projection is quantized);
+ * the qkv bias is fp32 for a quantized qkv or the GEMV, bf16 for the panels (as each reads it) */
 enum {
     S_M, S_X, S_X_BF16, S_KV_BF16, S_THREADS, S_POSITIONS, S_COS, S_SIN, S_QKV, S_ATTN, S_O,
     S_ACT, S_DOWN, S_GROUPS, S_LAYER_GROUP, S_NORMED, S_GATE_UP, STEP_WORDS
@@ -68,41 +70,62 @@ static void gemv(const int64_t *p, const void *x, const float *bias, void *out, 
     kernel_pool_run(POOL_GEMV_F32, gargs, 0.0, (N + 15) / 16, NULL, threads);
 }
 
+/* gemm.py's panel_gemm at decode rows (under its ROW_SPLIT_ROWS): out [M, N] bf16 = x @ w.T
+ * (+ bf16 bias), or with a gate_up pack SiLU * up [M, N/2]; the pool splits panels of 64 */
+static void panels_bf16(const int64_t *p, const void *x, const void *bias, void *out, int64_t M,
+                        int64_t threads) {
+    const int64_t N = p[P_N], fused = p[P_KIND];
+    const int64_t gargs[10] = {(int64_t)x, p[P_K], p[P_K], p[P_PACKED], (int64_t)bias,
+                               (int64_t)out, fused ? N / 2 : N, N, M, fused};
+    kernel_pool_run(POOL_GEMM_PANELS, gargs, 0.0, (N + 63) / 64, NULL, threads);
+}
+
 /* packed_linear.linear, or with `silu_mul` linear_silu_mul (its SiLU * up into out [M, N/2]:
- * the GEMV's product goes through `gate_up` first, then ops.silu_mul's kernel and split) */
-static int64_t project(const int64_t *p, const void *x, const float *bias, void *out, int64_t M,
+ * the product goes through `gate_up` first, then ops.silu_mul's kernel and split, unless the
+ * panels fuse it) */
+static int64_t project(const int64_t *p, const void *x, const void *bias, void *out, int64_t M,
                        int64_t bf16, int64_t threads, int64_t silu_mul, void *gate_up) {
     if (p[P_GEMM] == GEMM_QUANT)
         return quant_linear(x, p[P_K], p[P_K], p[P_KB], bf16, p[P_PER_ROW],
-                            (const uint8_t *)p[P_PACKED], p[P_KIND], p[P_ISA], bias, out, p[P_N],
+                            (const uint8_t *)p[P_PACKED], p[P_KIND], p[P_ISA],
+                            (const float *)bias, out, p[P_N],
                             bf16, M, threads, p[P_WIDE_ROWS], silu_mul);
-    if (!silu_mul) {
-        gemv(p, x, bias, out, M, threads);
+    const int64_t panels = p[P_GEMM] == GEMM_PANELS_BF16;
+    if (!silu_mul || (panels && p[P_KIND])) {
+        if (panels)
+            panels_bf16(p, x, bias, out, M, threads);
+        else
+            gemv(p, x, bias, out, M, threads);
         return 0;
     }
     const int64_t half = p[P_N] / 2;
-    gemv(p, x, bias, gate_up, M, threads);
+    if (panels)
+        panels_bf16(p, x, bias, gate_up, M, threads);
+    else
+        gemv(p, x, bias, gate_up, M, threads);
     const int64_t sargs[3] = {(int64_t)gate_up, (int64_t)out, half};
-    kernel_pool_run(POOL_SILU_F32, sargs, 0.0, M, NULL, M * half >= PARALLEL_VALUES ? threads : 1);
+    kernel_pool_run(bf16 ? POOL_SILU_BF16 : POOL_SILU_F32, sargs, 0.0, M, NULL,
+                    M * half >= PARALLEL_VALUES ? threads : 1);
     return 0;
 }
 
 /* packed_linear.norm_linear: RMSNorm(residual += delta) * norm_weight, then the projection;
- * a quantized one takes both in one kernel call, the GEMV reads the normed rows from `normed`
- * (ops.add_rms_norm's kernel and split) */
+ * a quantized one takes both in one kernel call, the GEMV and the panels read the normed rows
+ * from `normed` (ops.add_rms_norm's kernel and split) */
 static int64_t project_normed(const int64_t *p, void *residual, const void *delta,
-                              const void *norm_weight, double eps, const float *bias, void *out,
+                              const void *norm_weight, double eps, const void *bias, void *out,
                               int64_t M, int64_t bf16, int64_t threads, int64_t silu_mul,
                               void *normed, void *gate_up) {
     if (p[P_GEMM] == GEMM_QUANT)
         return quant_linear_normed(residual, delta, norm_weight, eps, p[P_K], p[P_KB], bf16,
                                    p[P_PER_ROW], (const uint8_t *)p[P_PACKED], p[P_KIND],
-                                   p[P_ISA], bias, out, p[P_N], bf16, M, threads,
+                                   p[P_ISA], (const float *)bias, out, p[P_N], bf16, M, threads,
                                    p[P_WIDE_ROWS], silu_mul);
     const int64_t K = p[P_K];
     const int64_t nargs[5] = {(int64_t)residual, (int64_t)delta, (int64_t)norm_weight,
                               (int64_t)normed, K};
-    kernel_pool_run(POOL_NORM_F32, nargs, eps, M, NULL, M * K >= PARALLEL_VALUES ? threads : 1);
+    kernel_pool_run(bf16 ? POOL_NORM_BF16 : POOL_NORM_F32, nargs, eps, M, NULL,
+                    M * K >= PARALLEL_VALUES ? threads : 1);
     return project(p, normed, bias, out, M, bf16, threads, silu_mul, gate_up);
 }
 
@@ -124,7 +147,7 @@ int64_t decode_layers(const int64_t *step, const int64_t *layers, int64_t num_la
         const double eps = as_double(l[L_EPS]);
         /* the first layer has no MLP output to add yet */
         int64_t rc = project_normed(l + L_QKV, x, i ? down : NULL, (const void *)l[L_IN_NORM], eps,
-                                    (const float *)l[L_QKV_BIAS], qkv, M, bf16, threads, 0,
+                                    (const void *)l[L_QKV_BIAS], qkv, M, bf16, threads, 0,
                                     normed, gate_up);
         if (rc != 0)
             return rc;

@@ -6,17 +6,18 @@ attention metadata); the numbers are the per-layer path's, bit for bit (the same
 the same order with the same splits).
 
 Which models: Llama-family dense layers on the CPU with every projection quantized
-(kvflow/model/quant) or, with fp32 activations, on the fp32 GEMV (csrc/gemv_f32.c, its
-panels in fp32, bf16 or fp16), served by the C kernels, without QK-norm, partial RoPE, experts or
+(kvflow/model/quant), or with fp32 activations on the fp32 GEMV (csrc/gemv_f32.c, its
+panels in fp32, bf16 or fp16), or with bf16 ones on the bf16 panel GEMM (csrc/gemm_bf16.c),
+served by the C kernels, without QK-norm, partial RoPE, experts or
 tensor parallelism; bf16 or fp32 activations with a KV cache the C writer takes. Which steps:
 decode-only with up to MAX_ROWS rows (where the quantized projections fuse their norm and
 SiLU: packed_linear.FUSED_ROWS), and with the GEMV no more than its rows (GEMV_MAX_ROWS: above
 them oneDNN serves, from Python). Everything else takes the per-layer path, as does every step
 under KVFLOW_NO_DECODE_GRAPH=1. The embedding, the final norm and the LM head stay as they are.
 
-A GEMV projection runs as the per-layer path runs it: the norm as its own kernel (into a
-scratch row block), the GEMV, then the SiLU * up kernel for gate_up. The same chaining would
-serve the bf16 panel GEMM (gemm_bf16_panels, its SiLU fused) with one more `gemm` code."""
+A GEMV or panel projection runs as the per-layer path runs it: the norm as its own kernel
+(into a scratch row block), the GEMM, then for gate_up the SiLU * up kernel (the GEMV's) or
+none (the panels fuse it where gate and up come in whole panels)."""
 from __future__ import annotations
 
 import logging
@@ -39,7 +40,7 @@ MAX_ROWS = FUSED_ROWS
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # decode_step.c's records, in its order
 PROJ_WORDS = ("packed", "kind", "isa", "per_row", "n", "k", "kb", "wide_rows", "gemm")
-GEMM_QUANT, GEMM_GEMV_F32 = 0, 1  # decode_step.c's `gemm` codes
+GEMM_QUANT, GEMM_GEMV_F32, GEMM_PANELS_BF16 = 0, 1, 2  # decode_step.c's `gemm` codes
 LAYER_HEAD = ("in_norm", "post_norm", "eps", "scale", "qkv_bias", "k_cache", "v_cache", "heads",
               "kv_heads", "head_dim")
 LAYER_WORDS = len(LAYER_HEAD) + len(PROJECTIONS) * len(PROJ_WORDS)
@@ -55,8 +56,11 @@ def _double_bits(value: float) -> int:
 
 def _projection_words(p: PackedWeight, n: int, k: int, bf16: bool) -> list[int]:
     """A quantized weight: quant_linear's words, with the rows from which it widens as
-    qlinear.py passes them; else the GEMV's (its panels, storage and instruction set codes)."""
+    qlinear.py passes them; the bf16 panel GEMM's (its panels, whether SiLU * up is fused);
+    else the GEMV's (its panels, storage and instruction set codes)."""
     w = p.quant
+    if w is None and p.panels is not None:
+        return [p.panels.data_ptr(), int(p.gate_up), 0, 0, n, k, 0, 0, GEMM_PANELS_BF16]
     if w is None:
         return [p.gemv.data_ptr(), GEMV_WEIGHT_DTYPES[p.gemv.dtype], GEMV_ISAS[p.gemv_isa], 0, n, k,
                 0, 0, GEMM_GEMV_F32]
@@ -70,11 +74,18 @@ def _on_gemv(p: PackedWeight | None, model) -> bool:
             and p.panels is None and p.gemv_rows > 0 and model.dtype == torch.float32)
 
 
+def _on_panels(p: PackedWeight | None, model) -> bool:
+    """packed_linear.linear (or linear_silu_mul) serves `p` with the bf16 panel GEMM, split by
+    panels at decode rows (MAX_ROWS is under gemm.ROW_SPLIT_ROWS)."""
+    return (p is not None and p.quant is None and p.panels is not None
+            and model.dtype == torch.bfloat16)
+
+
 def max_rows(model) -> int:
     """The most rows of a step the graph takes for `model` (one why_not passed): MAX_ROWS, or the
     GEMV's rows where a projection is on it."""
     rows = [layer.packed[name].gemv_rows for layer in model.layers for name in PROJECTIONS
-            if layer.packed[name].quant is None]
+            if layer.packed[name].gemv is not None and layer.packed[name].quant is None]
     return min([MAX_ROWS, *rows])
 
 
@@ -99,8 +110,8 @@ def why_not(model) -> str | None:
             return "a layer with experts, QK-norm or partial RoPE"
         for name in PROJECTIONS:
             p = layer.packed.get(name)
-            if p is None or (p.quant is None and not _on_gemv(p, model)):
-                return f"{name} is neither quantized nor on the fp32 GEMV"
+            if p is None or (p.quant is None and not _on_gemv(p, model) and not _on_panels(p, model)):
+                return f"{name} is neither quantized nor on the fp32 GEMV or the bf16 panels"
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             if norm.dtype != model.dtype or not norm.is_contiguous():
                 return "a norm weight the C norm does not take"
@@ -116,7 +127,7 @@ class DecodeGraph:
     model: object
     kernels: object  # the model's Kernels when this was built: another set rebuilds it
     layers: np.ndarray  # [L, LAYER_WORDS] int64, the caches' pointers filled per cache list
-    biases: list  # the fp32 qkv biases the records point at (kept alive here)
+    biases: list  # the qkv biases the records point at (kept alive here)
     max_rows: int  # the most rows a step may have here (max_rows(model))
     step: np.ndarray = field(default_factory=lambda: np.zeros(len(STEP_WORDS), dtype=np.int64))
     scratch: dict = field(default_factory=dict)  # rows -> (qkv, attn, o, act, down, normed, gate_up)
@@ -135,7 +146,10 @@ class DecodeGraph:
         assert [lib.decode_step_layout(i) for i in range(4)] == sizes, "decode_step.c's records moved"
         rows, biases = [], []
         for layer in model.layers:
-            bias = None if layer.qkv_bias is None else layer.qkv_bias.detach().float().contiguous()
+            bias = layer.qkv_bias
+            if bias is not None:  # fp32 for quant_linear and the GEMV; the panels' own (bf16)
+                bias = bias.detach().contiguous()
+                bias = bias if layer.packed["qkv_proj"].panels is not None else bias.float()
             biases.append(bias)
             words = [layer.input_layernorm.data_ptr(), layer.post_attention_layernorm.data_ptr(),
                      _double_bits(layer.eps), _double_bits(layer.scale),
