@@ -59,8 +59,8 @@ _VARS = [
            "avx2: the fp32 GEMV takes its AVX2 path even on an AVX-512 CPU (to measure "
            "that path where no AVX2-only CPU is at hand)"),
     EnvVar("KVFLOW_NO_DECODE_GRAPH", bool, False,
-           "1: decode steps of quantized models run layer by layer from Python, not all "
-           "decoder layers in one C call (kvflow/model/decode_graph.py)"),
+           "1: decode steps run layer by layer from Python, not all decoder layers in one "
+           "C call (kvflow/model/decode_graph.py)"),
     EnvVar("KVFLOW_HUGEPAGES", bool, True, "0: the KV cache on ordinary pages, not 2 MiB pages"),
     EnvVar("KVFLOW_KV_POPULATE", bool, True,
            "0: no idle thread faulting the KV cache's pages in ahead of the writes"),
