@@ -193,9 +193,10 @@ def test_rows_split_over_two_threads():
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
-def test_sixteen_rows_of_int8_take_the_widened_gemm():
-    """At MAX_ROWS rows int8 W8A8 projections of few outputs widen their weights (bf16
-    activations on AVX512-BF16: qlinear.widen_from); the one call passes the same threshold."""
+def test_sixteen_rows_of_int8():
+    """At MAX_ROWS rows, int8 W8A8 with bf16 activations (per-row scales over every row of the
+    step); the one call passes each projection's widening threshold (qlinear.widen_from) as
+    the per-layer path does."""
     got, want, taken = run_both("int8", torch.bfloat16, ISAS[-1], MAX_ROWS, decode_steps=3)
     assert taken == [True] * 3
     assert all(torch.equal(g, w) for g, w in zip(got, want))

@@ -274,21 +274,25 @@ def _build(tmp_path, name: str, flags: list[str]) -> ctypes.CDLL:
     return ctypes.CDLL(str(so))
 
 
-def _quantize_with(lib, x: torch.Tensor, kb: int) -> tuple[torch.Tensor, ...]:
+def _quantize_with(lib, x: torch.Tensor, kb: int, per_row: bool = False) -> tuple[torch.Tensor, ...]:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.quantize_rows_q8.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64]
     m, k = x.shape
     qx = torch.empty(m, kb * 32, dtype=torch.int8)
     dx, dxs = torch.empty(m, kb), torch.empty(m, kb)
-    lib.quantize_rows_q8(x.data_ptr(), k, k, kb, int(x.dtype == torch.bfloat16), 0, qx.data_ptr(),
+    lib.quantize_rows_q8(x.data_ptr(), k, k, kb, int(x.dtype == torch.bfloat16), int(per_row), qx.data_ptr(),
                          dx.data_ptr(), dxs.data_ptr(), 0, m)
     return qx, dx, dxs
 
 
-def test_vector_activation_quantization_gives_the_scalar_bytes(tmp_path):
+@pytest.mark.parametrize("per_row", [False, True], ids=["per-block", "per-row"])
+def test_vector_activation_quantization_gives_the_scalar_bytes(tmp_path, per_row):
     """quantize_rows_q8's AVX-512 and AVX2 block code (whole blocks) and its scalar code (every
     block, in a build without AVX2) round the same products the same way: identical bytes,
-    scales and sums, for bf16 and fp32 rows, a partial last block and an all-zero block."""
+    scales and sums, for bf16 and fp32 rows, a partial last block and an all-zero block, with
+    per-block scales (GGUF) and the row's scale (int8 W8A8: its largest |x| found in vector
+    code too; a row of all zeros, and an outlier in the last value, past the AVX-512 loop's
+    last whole 16)."""
     scalar = _build(tmp_path, "scalar", ["-march=x86-64"])
     avx2 = _build(tmp_path, "avx2", ["-march=x86-64-v3", "-mno-avx512f"])
     g = torch.Generator().manual_seed(3)
@@ -296,8 +300,10 @@ def test_vector_activation_quantization_gives_the_scalar_bytes(tmp_path):
         x = (torch.randn(9, 200, generator=g) * torch.rand(9, 1, generator=g) * 4).to(dtype)
         x[0, :32] = 0
         x[1, 40] = 1e4  # one outlier: the rest of its block rounds to small values
-        ref = _quantize_with(scalar, x, 7)
-        for got in (_quantize_with(avx2, x, 7), quantize_activations(x, 7, False, 1)):
+        x[2] = 0
+        x[3, 199] = -300.0  # in the AVX-512 row maximum's scalar tail
+        ref = _quantize_with(scalar, x, 7, per_row)
+        for got in (_quantize_with(avx2, x, 7, per_row), quantize_activations(x, 7, per_row, 1)):
             for a, b in zip(got, ref):
                 assert torch.equal(a, b)
 
@@ -353,9 +359,8 @@ def test_widened_int8_w8a8_with_k_off_the_block(isa, k):
 @pytest.mark.parametrize("isa", WIDE_ISAS)
 def test_which_rows_take_the_widened_path(isa):
     """8-bit weights are widened only where the widened path is the bf16 one (AVX512-BF16, bf16
-    activations): from 64 rows with per-block activation scales (GGUF Q8_0); with per-row ones
-    (int8 W8A8, whose row scales cost the int8 GEMM more, the more the fewer outputs) from 16
-    rows up to 1024 outputs, 32 up to 4096, 64 beyond. Never with fp32 activations or on AVX2,
+    activations): from 64 rows, with per-block activation scales (GGUF Q8_0) and per-row ones
+    (int8 W8A8), whatever the number of outputs. Never with fp32 activations or on AVX2,
     where the widened path is the fp32-FMA one and the int8 GEMM beat it at every row count
     measured; never 4-bit weights."""
     g = torch.Generator().manual_seed(0)
@@ -363,7 +368,7 @@ def test_which_rows_take_the_widened_path(isa):
                ("Q4_1", 48): quantized("Q4_1", 48, 128, isa)[0]}
     for n in (48, 1040, 4112):
         weights["int8", n] = quantize_int8(torch.randn(n, 128, generator=g), isa)
-    widen_from = {("Q8_0", 48): 64, ("int8", 48): 16, ("int8", 1040): 32, ("int8", 4112): 64}
+    widen_from = {("Q8_0", 48): 64, ("int8", 48): 64, ("int8", 1040): 64, ("int8", 4112): 64}
     for (name, n), w in weights.items():
         for dtype in (torch.bfloat16, torch.float32):
             vnni_bf16 = isa == "avx512-vnni" and dtype == torch.bfloat16

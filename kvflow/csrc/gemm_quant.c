@@ -92,8 +92,10 @@ static inline void quant_block_scalar(const float *vals, float amax, int8_t *q, 
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define QUANT_ACT_512 1
-/* a whole block of 32 (k0 + 32 <= K), per-block scale */
-static inline void quant_block_vec(const char *xr, int64_t k0, int bf16, int8_t *q, float *d, float *ds)
+/* a whole block of 32 (k0 + 32 <= K); its scale from `row_amax` (the row's largest |x|, per-row
+ * scales) or, when that is negative, from the block's own largest |x| */
+static inline void quant_block_vec(const char *xr, int64_t k0, int bf16, float row_amax, int8_t *q,
+                                   float *d, float *ds)
 {
     __m512 v0, v1;
     if (bf16) {
@@ -103,7 +105,8 @@ static inline void quant_block_vec(const char *xr, int64_t k0, int bf16, int8_t 
         v0 = _mm512_loadu_ps((const float *)xr + k0);
         v1 = _mm512_loadu_ps((const float *)xr + k0 + 16);
     }
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float amax = row_amax >= 0.f ? row_amax
+        : _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
     const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
     const __m512 vinv = _mm512_set1_ps(inv);
     const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
@@ -116,19 +119,24 @@ static inline void quant_block_vec(const char *xr, int64_t k0, int bf16, int8_t 
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 #define QUANT_ACT_256 1
-static inline void quant_block_vec(const char *xr, int64_t k0, int bf16, int8_t *q, float *d, float *ds)
+static inline float hmax8(__m256 a) {
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    return _mm_cvtss_f32(m4);
+}
+
+static inline void quant_block_vec(const char *xr, int64_t k0, int bf16, float row_amax, int8_t *q,
+                                   float *d, float *ds)
 {
     __m256 v[4];
     for (int i = 0; i < 4; i++)
         v[i] = bf16 ? load8_bf16((const uint16_t *)xr + k0 + 8 * i)
                     : _mm256_loadu_ps((const float *)xr + k0 + 8 * i);
     const __m256 sign = _mm256_set1_ps(-0.f);
-    __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                             _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-    const float amax = _mm_cvtss_f32(m4);
+    const float amax = row_amax >= 0.f ? row_amax : hmax8(
+        _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                      _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]))));
     const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
     const __m256 vinv = _mm256_set1_ps(inv);
     const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
@@ -150,9 +158,35 @@ static inline void quant_block_vec(const char *xr, int64_t k0, int bf16, int8_t 
 }
 #endif
 
+/* The largest |x| of a row of K activations (a max: the same value in any order; a NaN is
+ * passed over, as fmaxf does: the max takes its second operand when the first is NaN) */
+static float row_abs_max(const char *xr, int64_t K, int bf16)
+{
+    int64_t k = 0;
+    float amax = 0.f;
+#if defined(QUANT_ACT_512)
+    __m512 a = _mm512_setzero_ps();
+    for (; k + 16 <= K; k += 16)
+        a = _mm512_max_ps(_mm512_abs_ps(bf16 ? load16_bf16((const uint16_t *)xr + k)
+                                             : _mm512_loadu_ps((const float *)xr + k)), a);
+    amax = _mm512_reduce_max_ps(a);
+#elif defined(QUANT_ACT_256)
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 a = _mm256_setzero_ps();
+    for (; k + 8 <= K; k += 8)
+        a = _mm256_max_ps(_mm256_andnot_ps(sign, bf16 ? load8_bf16((const uint16_t *)xr + k)
+                                                       : _mm256_loadu_ps((const float *)xr + k)), a);
+    amax = hmax8(a);
+#endif
+    for (; k < K; k++)
+        amax = fmaxf(amax, fabsf(load_act(xr, k, bf16)));
+    return amax;
+}
+
 /* Rows [begin, end) of x [M, K] (bf16 or fp32) -> qx [M, Kb * 32] int8, dx and dxs [M, Kb];
- * inputs past K are zeros. Whole blocks with per-block scales go through the vector code
- * where the build has it (prefill quantizes M x K values per projection). */
+ * inputs past K are zeros. Whole blocks go through the vector code where the build has it,
+ * with per-block scales or with the row's (int8 W8A8: its largest |x|, found in vector code
+ * too), since prefill quantizes M x K values per projection. */
 void quantize_rows_q8(const void *x, int64_t x_stride, int64_t K, int64_t Kb, int64_t bf16,
                       int64_t per_row, int8_t *qx, float *dx, float *dxs, int64_t begin,
                       int64_t end)
@@ -162,14 +196,11 @@ void quantize_rows_q8(const void *x, int64_t x_stride, int64_t K, int64_t Kb, in
         const char *xr = (const char *)x + r * x_stride * (bf16 ? 2 : 4);
         int8_t *q = qx + r * Kp;
         float *d = dx + r * Kb, *ds = dxs + r * Kb;
-        float row_amax = 0.f;
-        if (per_row)
-            for (int64_t k = 0; k < K; k++)
-                row_amax = fmaxf(row_amax, fabsf(load_act(xr, k, (int)bf16)));
+        const float row_amax = per_row ? row_abs_max(xr, K, (int)bf16) : -1.f;
         for (int64_t b = 0; b < Kb; b++) {
 #if defined(QUANT_ACT_512) || defined(QUANT_ACT_256)
-            if (!per_row && (b + 1) * QB <= K) {
-                quant_block_vec(xr, b * QB, (int)bf16, q + b * QB, d + b, ds + b);
+            if ((b + 1) * QB <= K) {
+                quant_block_vec(xr, b * QB, (int)bf16, row_amax, q + b * QB, d + b, ds + b);
                 continue;
             }
 #endif

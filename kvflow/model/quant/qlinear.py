@@ -20,11 +20,9 @@ ISA_CODES = {"scalar": 0, "avx2": 1, "avx512-vnni": 2}
 # at every row count: never widened. Nor is any weight where the widened path would be the
 # fp32-FMA one (AVX2, fp32 activations, odd K): the int8 GEMM ran 1.5-3.7x faster than it at
 # 8-512 rows.
+# Per-row activation scales (int8 W8A8) take the same threshold: their row maximum is found in
+# vector code like the per-block ones (it was scalar, and then widening from 16-32 rows paid).
 WIDE_ROWS = {"q8": 64}
-# Activations quantized per row (int8 W8A8) cost the int8 GEMM more: their row scale is found
-# in scalar code, ~M*K work that the fewer outputs share it, the more it weighs. Up to N outputs,
-# from rows: measured level at ~8-16 rows for N = 576-960, ~24 for 3072, 64 for 49152.
-PER_ROW_WIDE_ROWS = ((1024, 16), (4096, 32))
 NEVER = 1 << 62
 
 
@@ -32,10 +30,6 @@ def widen_from(kind: str, per_row: bool, n: int, k: int, isa: str, bf16: bool) -
     """The rows from which quant_linear widens such a weight (NEVER: it does not)."""
     if kind not in WIDE_ROWS or not bf16 or isa != "avx512-vnni" or k % 2:
         return NEVER
-    if per_row:
-        for most, rows in PER_ROW_WIDE_ROWS:
-            if n <= most:
-                return rows
     return WIDE_ROWS[kind]
 
 
