@@ -364,11 +364,15 @@ def test_avx2_build_gives_the_per_layer_numbers(tmp_path):
                    "gemv-fp16": True}
 
 
-@pytest.mark.slow  # builds two engines
-def test_engine_greedy_tokens_with_and_without_the_graph(tmp_path, monkeypatch):
-    """LLM on a tiny Llama quantized to int8 at load (its weights on the meta device until
-    loaded, as every quantized load): the same greedy tokens with the kill switch as without,
-    and without it the decode steps took the one call."""
+@pytest.mark.slow  # builds two engines each
+@pytest.mark.parametrize("engine_args", [
+    {"dtype": "bfloat16", "quantization": "int8"},  # weights on the meta device until loaded
+    {"dtype": "float32", "weight_dtype": "bfloat16"},  # the fp32 GEMV on bf16-stored panels
+], ids=["int8", "fp32-gemv-bf16"])
+def test_engine_greedy_tokens_with_and_without_the_graph(tmp_path, monkeypatch, engine_args):
+    """LLM on a tiny Llama (quantized to int8 at load; or fp32 with bf16-stored GEMV panels):
+    the same greedy tokens with the kill switch as without, and without it the decode steps
+    took the one call."""
     from conftest_model_helpers import save_byte_tokenizer, save_tiny_llama3
 
     from kvflow import LLM, SamplingParams
@@ -379,39 +383,13 @@ def test_engine_greedy_tokens_with_and_without_the_graph(tmp_path, monkeypatch):
     outs = {}
     for switch in ("0", "1"):
         monkeypatch.setenv("KVFLOW_NO_DECODE_GRAPH", switch)
-        llm = LLM(path, dtype="bfloat16", quantization="int8", max_model_len=64, num_blocks=32,
-                  max_num_batched_tokens=16)
+        llm = LLM(path, max_model_len=64, num_blocks=32, max_num_batched_tokens=16, **engine_args)
         model = llm.engine.core.executor.runner.model
         outs[switch] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert (model._decode_graph[1] is None) == (switch == "1")
         if switch == "0":
-            taken = count_graph_steps(model)
-            llm.generate(prompts[:1], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
-            assert taken == [True, True]
-    assert outs["0"] == outs["1"] and all(len(t) == 12 for t in outs["0"])
-
-
-@pytest.mark.slow  # builds two engines
-def test_fp32_engine_greedy_tokens_with_and_without_the_graph(tmp_path, monkeypatch):
-    """LLM on a tiny fp32 Llama with bf16-stored GEMV panels (`weight_dtype`): the same greedy
-    tokens with the kill switch as without, and without it the decode steps took the one call."""
-    from conftest_model_helpers import save_byte_tokenizer, save_tiny_llama3
-
-    from kvflow import LLM, SamplingParams
-
-    path = save_byte_tokenizer(save_tiny_llama3(str(tmp_path / "tiny")))
-    prompts = [np.random.default_rng(i).integers(4, 320, n).tolist() for i, n in enumerate((9, 3, 17))]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    outs = {}
-    for switch in ("0", "1"):
-        monkeypatch.setenv("KVFLOW_NO_DECODE_GRAPH", switch)
-        llm = LLM(path, dtype="float32", weight_dtype="bfloat16", max_model_len=64, num_blocks=32,
-                  max_num_batched_tokens=16)
-        model = llm.engine.core.executor.runner.model
-        outs[switch] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert (model._decode_graph[1] is None) == (switch == "1")
-        if switch == "0":
-            assert model.layers[0].packed["qkv_proj"].gemv.dtype == torch.bfloat16
+            if "weight_dtype" in engine_args:
+                assert model.layers[0].packed["qkv_proj"].gemv.dtype == torch.bfloat16
             taken = count_graph_steps(model)
             llm.generate(prompts[:1], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
             assert taken == [True, True]
