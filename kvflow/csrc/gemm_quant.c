@@ -45,26 +45,6 @@
  * one). 2-4 KiB was too close to help, 16-32 KiB no better (benchmarks/quant_gemv_stream.py). */
 #define GEMV_PREFETCH 8192
 
-static inline float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else { /* subnormal */
-            float f = (float)man * (1.0f / 16777216.0f);
-            memcpy(&bits, &f, 4);
-            bits |= sign;
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 static inline float load_act(const void *x, int64_t i, int bf16) {
     if (bf16) {
         union { uint32_t u; float f; } v = { (uint32_t)((const uint16_t *)x)[i] << 16 };
@@ -264,9 +244,9 @@ static void panel_scalar(const int8_t *qx, const float *dx, const float *dxs, in
                             w = j < 4 ? rec[64 * j + 4 * o + t] & 0x0f : rec[64 * (j - 4) + 4 * o + t] >> 4;
                         dot += w * xq[4 * j + t];
                     }
-                acc[o] += dx[r * Kb + b] * half_to_float(d16[o]) * (float)dot;
+                acc[o] += dx[r * Kb + b] * f16_to_float(d16[o]) * (float)dot;
                 if (!q8)
-                    acc[o] += dxs[r * Kb + b] * half_to_float(d16[QP + o]);
+                    acc[o] += dxs[r * Kb + b] * f16_to_float(d16[QP + o]);
             }
         }
         finish_row(acc, bias, n0, nv, out, r * out_stride, bf16);

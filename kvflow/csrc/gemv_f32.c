@@ -46,22 +46,6 @@ static void finish(const float *res, int rows, const float *bias, int64_t n0, in
             out[r * out_stride + n0 + j] = res[r * GP + j] + (bias ? bias[n0 + j] : 0.0f);
 }
 
-/* IEEE half -> float, exact (subnormals, infinities and NaNs included) */
-static inline float f16_to_float(uint16_t h)
-{
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-    union { uint32_t u; float f; } x;
-    if (e == 0) {
-        x.f = (float)m * 0x1p-24f;  /* zero or subnormal: exact in float */
-        x.u |= sign;
-    } else if (e == 31) {
-        x.u = sign | 0x7f800000u | (m << 13);
-    } else {
-        x.u = sign | ((e + 112u) << 23) | (m << 13);
-    }
-    return x.f;
-}
-
 static inline float widen(const void *w, int wdt, int64_t i)
 {
     if (wdt == 1) return bf16_to_float(((const uint16_t *)w)[i]);
@@ -179,8 +163,7 @@ PANEL_AVX2(f16, uint16_t, LINE_AVX2_F16, ORDER_NONE)
 #define AVX512_TILE 8
 
 #define LINE_AVX512_F32(p) _mm512_loadu_ps((const float *)(p))
-#define LINE_AVX512_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(                            \
-    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define LINE_AVX512_BF16(p) load16_bf16((const uint16_t *)(p))
 #define LINE_AVX512_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 
 /* as TILE_AVX2 with one zmm per line: ROWS * U accumulators, at most 16 */

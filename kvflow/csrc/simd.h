@@ -1,4 +1,4 @@
-/* What the kernel files share: bf16 widening and rounding, the AVX2 switch and vectorised exps. */
+/* What the kernel files share: bf16 and fp16 widening, bf16 rounding, the AVX2 switch and vectorised exps. */
 #ifndef KVFLOW_SIMD_H
 #define KVFLOW_SIMD_H
 #include <stdint.h>
@@ -7,6 +7,21 @@
 /* bf16 -> fp32 is exact: the 16 bits become the top half of the float */
 static inline float bf16_to_float(uint16_t v) {
     union { uint32_t u; float f; } x = { (uint32_t)v << 16 };
+    return x.f;
+}
+
+/* IEEE half -> fp32, exact (subnormals, infinities and NaNs included) */
+static inline float f16_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    union { uint32_t u; float f; } x;
+    if (e == 0) {
+        x.f = (float)m * 0x1p-24f; /* zero or subnormal: exact in float */
+        x.u |= sign;
+    } else if (e == 31) {
+        x.u = sign | 0x7f800000u | (m << 13);
+    } else {
+        x.u = sign | ((e + 112u) << 23) | (m << 13);
+    }
     return x.f;
 }
 
