@@ -33,9 +33,8 @@ enum {
  * are bf16, whether the KV cache is bf16, threads, positions, cos/sin tables, the scratch
  * outputs (qkv [M, qkv_n], attention [M, H * D], o [M, hidden], act [M, I], down
  * [M, hidden]: down is the last layer's MLP output, not yet added to x), the attention
- * groups (GROUP_WORDS each), each layer's group (NULL: group 0 for all), and for the GEMV's
- * projections the normed rows [M, hidden] and the gate_up product [M, 2I] before its SiLU
- * (where the per-layer path keeps them in tensors; NULL where every projection is quantized);
+ * groups (GROUP_WORDS each), each layer's group (NULL: group 0 for all), the normed rows
+ * [M, hidden] and, for a float gate_up whose SiLU is not fused, its product [M, 2I];
  * the qkv bias is fp32 for a quantized qkv or the GEMV, bf16 for the panels (as each reads it) */
 enum {
     S_M, S_X, S_X_BF16, S_KV_BF16, S_THREADS, S_POSITIONS, S_COS, S_SIN, S_QKV, S_ATTN, S_O,
@@ -80,9 +79,18 @@ static void panels_bf16(const int64_t *p, const void *x, const void *bias, void 
     kernel_pool_run(POOL_GEMM_PANELS, gargs, 0.0, (N + 63) / 64, NULL, threads);
 }
 
+/* the float GEMMs: the bf16 panels or the fp32 GEMV */
+static void float_gemm(const int64_t *p, const void *x, const void *bias, void *out, int64_t M,
+                       int64_t threads) {
+    if (p[P_GEMM] == GEMM_PANELS_BF16)
+        panels_bf16(p, x, bias, out, M, threads);
+    else
+        gemv(p, x, bias, out, M, threads);
+}
+
 /* packed_linear.linear, or with `silu_mul` linear_silu_mul (its SiLU * up into out [M, N/2]:
- * the product goes through `gate_up` first, then ops.silu_mul's kernel and split, unless the
- * panels fuse it) */
+ * quant_linear and a gate_up pack of panels fuse it; else the product goes through `gate_up`,
+ * then ops.silu_mul's kernel and split) */
 static int64_t project(const int64_t *p, const void *x, const void *bias, void *out, int64_t M,
                        int64_t bf16, int64_t threads, int64_t silu_mul, void *gate_up) {
     if (p[P_GEMM] == GEMM_QUANT)
@@ -90,37 +98,25 @@ static int64_t project(const int64_t *p, const void *x, const void *bias, void *
                             (const uint8_t *)p[P_PACKED], p[P_KIND], p[P_ISA],
                             (const float *)bias, out, p[P_N],
                             bf16, M, threads, p[P_WIDE_ROWS], silu_mul);
-    const int64_t panels = p[P_GEMM] == GEMM_PANELS_BF16;
-    if (!silu_mul || (panels && p[P_KIND])) {
-        if (panels)
-            panels_bf16(p, x, bias, out, M, threads);
-        else
-            gemv(p, x, bias, out, M, threads);
+    if (!silu_mul || (p[P_GEMM] == GEMM_PANELS_BF16 && p[P_KIND])) {
+        float_gemm(p, x, bias, out, M, threads);
         return 0;
     }
     const int64_t half = p[P_N] / 2;
-    if (panels)
-        panels_bf16(p, x, bias, gate_up, M, threads);
-    else
-        gemv(p, x, bias, gate_up, M, threads);
+    float_gemm(p, x, bias, gate_up, M, threads);
     const int64_t sargs[3] = {(int64_t)gate_up, (int64_t)out, half};
     kernel_pool_run(bf16 ? POOL_SILU_BF16 : POOL_SILU_F32, sargs, 0.0, M, NULL,
                     M * half >= PARALLEL_VALUES ? threads : 1);
     return 0;
 }
 
-/* packed_linear.norm_linear: RMSNorm(residual += delta) * norm_weight, then the projection;
- * a quantized one takes both in one kernel call, the GEMV and the panels read the normed rows
- * from `normed` (ops.add_rms_norm's kernel and split) */
+/* packed_linear.norm_linear: RMSNorm(residual += delta) * norm_weight into `normed`
+ * (ops.add_rms_norm's kernel and split, as quant_linear_normed runs it too), then the
+ * projection */
 static int64_t project_normed(const int64_t *p, void *residual, const void *delta,
                               const void *norm_weight, double eps, const void *bias, void *out,
                               int64_t M, int64_t bf16, int64_t threads, int64_t silu_mul,
                               void *normed, void *gate_up) {
-    if (p[P_GEMM] == GEMM_QUANT)
-        return quant_linear_normed(residual, delta, norm_weight, eps, p[P_K], p[P_KB], bf16,
-                                   p[P_PER_ROW], (const uint8_t *)p[P_PACKED], p[P_KIND],
-                                   p[P_ISA], (const float *)bias, out, p[P_N], bf16, M, threads,
-                                   p[P_WIDE_ROWS], silu_mul);
     const int64_t K = p[P_K];
     const int64_t nargs[5] = {(int64_t)residual, (int64_t)delta, (int64_t)norm_weight,
                               (int64_t)normed, K};

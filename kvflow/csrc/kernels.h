@@ -73,9 +73,4 @@ int64_t quant_linear(const void *x, int64_t x_stride, int64_t K, int64_t Kb, int
                      int64_t per_row, const uint8_t *packed, int64_t kind, int64_t isa,
                      const float *bias, void *out, int64_t N, int64_t out_bf16, int64_t M,
                      int64_t threads, int64_t wide_rows, int64_t silu_mul);
-int64_t quant_linear_normed(void *residual, const void *delta, const void *norm_weight, double eps,
-                            int64_t K, int64_t Kb, int64_t x_bf16, int64_t per_row,
-                            const uint8_t *packed, int64_t kind, int64_t isa, const float *bias,
-                            void *out, int64_t N, int64_t out_bf16, int64_t M, int64_t threads,
-                            int64_t wide_rows, int64_t silu_mul);
 #endif

@@ -15,9 +15,9 @@ SiLU: packed_linear.FUSED_ROWS), and with the GEMV no more than its rows (GEMV_M
 them oneDNN serves, from Python). Everything else takes the per-layer path, as does every step
 under KVFLOW_NO_DECODE_GRAPH=1. The embedding, the final norm and the LM head stay as they are.
 
-A GEMV or panel projection runs as the per-layer path runs it: the norm as its own kernel
-(into a scratch row block), the GEMM, then for gate_up the SiLU * up kernel (the GEMV's) or
-none (the panels fuse it where gate and up come in whole panels)."""
+Each projection runs as the per-layer path runs it: the norm kernel into a scratch row block
+(where quant_linear_normed puts it too), the GEMM, then for gate_up the SiLU * up kernel where
+the GEMM does not fuse it (the GEMV; the panels where gate and up do not come in whole panels)."""
 from __future__ import annotations
 
 import logging
@@ -187,11 +187,7 @@ class DecodeGraph:
             n = {name: getattr(first, name).shape[0] for name in PROJECTIONS}
             widths = (n["qkv_proj"], first.q_size, n["o_proj"], n["gate_up_proj"] // 2,
                       n["down_proj"], first.qkv_proj.shape[1], n["gate_up_proj"])
-            if self.layers[:, len(LAYER_HEAD) + PROJ_WORDS.index("gemm")::len(PROJ_WORDS)].any():
-                bufs = tuple(torch.empty(m, w, dtype=self.model.dtype) for w in widths)
-            else:  # every projection quantized: no normed rows or gate_up product outside C
-                bufs = (*(torch.empty(m, w, dtype=self.model.dtype) for w in widths[:5]), None, None)
-            self.scratch[m] = bufs
+            bufs = self.scratch[m] = tuple(torch.empty(m, w, dtype=self.model.dtype) for w in widths)
         return bufs
 
     def run(self, x: torch.Tensor, positions: np.ndarray, kv_caches: list, metas) -> torch.Tensor | None:
@@ -224,8 +220,7 @@ class DecodeGraph:
                         positions.ctypes.data, rope_cos.data_ptr(), rope_sin.data_ptr(),
                         qkv.data_ptr(), attn.data_ptr(), o.data_ptr(), act.data_ptr(), down.data_ptr(),
                         groups.ctypes.data, 0 if group_of is None else group_of.ctypes.data,
-                        0 if normed is None else normed.data_ptr(),
-                        0 if gate_up is None else gate_up.data_ptr())
+                        normed.data_ptr(), gate_up.data_ptr())
         rc = library().decode_layers(self.step.ctypes.data, self.layers.ctypes.data, len(self.layers))
         if rc != 0:
             raise MemoryError("decode_layers: no memory for a kernel's scratch")
