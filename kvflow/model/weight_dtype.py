@@ -23,8 +23,6 @@ import logging
 
 import torch
 
-from kvflow.config import WEIGHT_DTYPES
-
 logger = logging.getLogger("kvflow")
 
 _TORCH = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -35,9 +33,8 @@ def storage_dtype(name: str, dtype: torch.dtype, on_cpu: bool = True, quantizati
                   tp_size: int = 1) -> torch.dtype | None:
     """ModelConfig.weight_dtype -> the dtype the GEMV's panels are stored in, for a model
     computing in `dtype`: None for `auto` / `float32` (fp32 panels, as before), torch.bfloat16
-    or torch.float16 where that makes sense; ValueError naming the option otherwise."""
-    if name not in WEIGHT_DTYPES:
-        raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {name!r}")
+    or torch.float16 where that makes sense; ValueError naming the option otherwise. (`name`
+    is one of config.WEIGHT_DTYPES: ModelConfig checks it where the option is declared.)"""
     if name == "auto":
         return None
     if name == "float32":
