@@ -59,7 +59,7 @@ def test_w8a8_checkpoint_against_hugging_face_compressed_tensors(tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(ct, dtype=torch.float32).eval()
     model, _ = load_model(ct, torch.float32, quantization="compressed-tensors")
     qkv = model.layers[0].packed["qkv_proj"].quant  # fp32 rows are never widened to floats:
-    assert widen_from(qkv.kind, qkv.per_row, qkv.n, qkv.k, qkv.isa, False) == NEVER  # all run as W8A8
+    assert widen_from(qkv.kind, qkv.k, qkv.isa, False) == NEVER  # all run as W8A8
     quantized = [m for m in hf.modules() if getattr(m, "quantization_scheme", None) is not None]
     assert len(quantized) == 3 * 7 and hf.lm_head not in quantized  # the LM head is ignored
 

@@ -26,7 +26,7 @@ WIDE_ROWS = {"q8": 64}
 NEVER = 1 << 62
 
 
-def widen_from(kind: str, per_row: bool, n: int, k: int, isa: str, bf16: bool) -> int:
+def widen_from(kind: str, k: int, isa: str, bf16: bool) -> int:
     """The rows from which quant_linear widens such a weight (NEVER: it does not)."""
     if kind not in WIDE_ROWS or not bf16 or isa != "avx512-vnni" or k % 2:
         return NEVER
@@ -48,7 +48,7 @@ class QuantizedWeight:
     wide_rows: int = field(init=False, repr=False)  # with bf16 activations (widen_from)
 
     def __post_init__(self) -> None:
-        self.wide_rows = widen_from(self.kind, self.per_row, self.n, self.k, self.isa, True)
+        self.wide_rows = widen_from(self.kind, self.k, self.isa, True)
 
     @property
     def kb(self) -> int:
@@ -117,7 +117,7 @@ def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
         bias = bias.float().contiguous()
     bf16 = int(x.dtype is torch.bfloat16)
     if wide_rows is None:
-        wide_rows = (w.wide_rows if isa is None else widen_from(w.kind, w.per_row, w.n, k, isa, True)) \
+        wide_rows = (w.wide_rows if isa is None else widen_from(w.kind, k, isa, True)) \
             if bf16 else NEVER
     rc = _lib().quant_linear(x.data_ptr(), x.stride(0), k, w.kb, bf16, int(w.per_row),
                              w.packed.data_ptr(), int(w.kind == "q8"), ISA_CODES[isa or w.isa],
