@@ -112,5 +112,6 @@ if __name__ == "__main__":
         path = os.path.join(ROOT, page)
         with open(path) as f:
             text = f.read()
+        new = render(text, page)  # before opening for writing: a page without markers stays whole
         with open(path, "w") as f:
-            f.write(render(text, page))
+            f.write(new)

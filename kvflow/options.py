@@ -182,5 +182,6 @@ if __name__ == "__main__":  # python -m kvflow.options [PAGE]: rewrite the optio
     path = sys.argv[1] if len(sys.argv) > 1 else DOCS_PAGE
     with open(path) as f:
         text = f.read()
+    new = render_table_into(text)  # before opening for writing: a page without markers stays whole
     with open(path, "w") as f:
-        f.write(render_table_into(text))
+        f.write(new)
