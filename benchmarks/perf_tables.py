@@ -89,7 +89,9 @@ def block(page: str) -> str:
             continue
         when = run["date"].replace("T", " ").replace("Z", " UTC")
         out += [f"{run['cpu']['model']}, flags {', '.join(run['cpu']['flags'])}; {run['dtype']}; "
-                f"kvflow at commit `{run['commit']}`; {when}; {_host(run['host_check'])}; "
+                f"kvflow at commit `{run['commit']}`"
+                + (f" ({run['commit_note']})" if run.get("commit_note") else "")
+                + f"; {when}; {_host(run['host_check'])}; "
                 f"{_link(run['file'], page)}.", "",
                 f"`{run['command']}`", ""]
         out += w1_table(run) + [""]

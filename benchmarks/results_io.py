@@ -5,6 +5,7 @@ Every measured run that the docs quote is one JSON file here, committed with the
     {"schema": "kvflow-bench/1",
      "kind": "compare" | "table",   # compare.py's W1/W2 run, or any other measured table
      "title": ..., "date": "2026-12-01T09:24Z", "end": ..., "commit": "efcdee8",
+     "commit_note": only where the commit was not recorded by the run itself,
      "command": "make bench ...",
      "cpu": {"model": ..., "kind": "avx512-bf16", "flags": [...], "vcpus": 2},
      "host_check": {"before": ..., "after": ...}, "source": where the figures came from,
