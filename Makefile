@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast serve bench clean browser
+.PHONY: install test test-fast serve bench docs clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -41,5 +41,11 @@ bench: $(STAMP)
 	PY=$(PY) benchmarks/setup_anchors.sh || true
 	$(BIN)/python benchmarks/compare.py $(BENCH_ARGS)
 
+# The manual (docs/, mkdocs.yml) into site/; --strict fails on a link to a page, file or
+# section that does not exist. Installs the `docs` extra into .venv when mkdocs is missing.
+docs: $(STAMP)
+	$(BIN)/python -c "import mkdocs, material" 2>/dev/null || $(BIN)/pip install -e '.[docs]'
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site

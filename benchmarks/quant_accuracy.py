@@ -1,4 +1,4 @@
-"""Accuracy of quantized serving (issue 23): next-token agreement and mean KL divergence
+"""Accuracy of quantized serving: next-token agreement and mean KL divergence
 against the fp32 model, over the fixed corpus benchmarks/data/quant_corpus.txt (~2,800 tokens
 in windows of 512, every position scored), for kvflow's quantized modes and llama.cpp's own
 on the same files.

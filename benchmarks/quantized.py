@@ -1,4 +1,4 @@
-"""Speed of quantized serving (issue 23): batch-1 decode tok/s, time to first token and a W1
+"""Speed of quantized serving: batch-1 decode tok/s, time to first token and a W1
 run's output tok/s (and RSS), for kvflow's native GGUF Q4_1 / Q8_0 and int8 W8A8, kvflow fp32 / bf16
 (`--quantization none`), and llama.cpp (llama-cpp-python, benchmarks/.venv-llamacpp) on the
 same GGUF files; and kvflow against vLLM's CPU build (benchmarks/.venv-vllm) on one

@@ -1,4 +1,4 @@
-"""Structured outputs' cost on the batched path (issue 19): a W1-style batch of 64 chat requests
+"""Structured outputs' cost on the batched path: a W1-style batch of 64 chat requests
 asking for JSON, run twice on one engine, alternating: all unconstrained, then the same batch with
 half of it constrained by the suite's JSON schemas (tests/structured_schemas.py). Both runs
 generate `--output-len` tokens per request (ignore_eos; a constrained request's schema is "a

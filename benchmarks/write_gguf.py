@@ -1,4 +1,4 @@
-"""GGUF files for the quantized-weights benchmarks (issue 23), written tensor by tensor (the
+"""GGUF files for the quantized-weights benchmarks, written tensor by tensor (the
 writer gets every tensor's shape first, then each tensor's bytes in turn, so the model is
 never in memory at once). Files go where you say (not the repository: they are large).
 

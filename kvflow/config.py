@@ -32,8 +32,8 @@ def option(default=None, help: str = "", *, choices: tuple[str, ...] | None = No
            name: str | None = None, short: str | None = None, cli_default: str | None = None):
     """A config field that is also an engine option: `name` is its flat name in `LLM(**kwargs)`
     and on the command line (default: the field's own), `help` its one-line meaning for
-    --help and the README (kvflow/options.py reads these); `cli_default` says what the
-    README's table shows as the default when the commands differ."""
+    --help and the options table of docs/configuration.md (kvflow/options.py reads these);
+    `cli_default` says what that table shows as the default when the commands differ."""
     meta = {"help": help, "choices": choices, "name": name, "short": short,
             "cli_default": cli_default}
     return field(default=default, metadata=meta)

@@ -105,7 +105,7 @@ DOCS_HEADER = """# Environment variables
 
 Every variable kvflow reads (declared in `kvflow/envs.py`; this page is generated from it by
 `python -m kvflow.envs docs/environment.md`). Options of the engine are flags and `LLM`
-keywords instead (README, "Options").
+keywords instead ([configuration.md](configuration.md)).
 
 """
 

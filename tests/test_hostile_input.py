@@ -1,4 +1,4 @@
-"""Hostile input against one real `kvflow serve` (issue 17): every case gets a clear 4xx (or an
+"""Hostile input against one real `kvflow serve`: every case gets a clear 4xx (or an
 `error` frame on /v1/ws for that request only), and after each one the server is clean: /health
 200, nothing waiting or running, every KV block free, and an ordinary completion works.
 

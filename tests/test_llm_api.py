@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow  # loads a model (make test-fast leaves it out)
 @pytest.fixture(scope="module")
 def llm(default_model_path):
     # fp32 on every machine ("auto" is bf16 where the CPU has native bf16): in bf16 a request's
-    # tokens can change with the batch around it (README, "Options that matter"), which the
+    # tokens can change with the batch around it (docs/configuration.md, "Dtype and kernels"), which the
     # batch-composition checks below would then see
     return LLM(default_model_path, dtype="float32", max_model_len=512, num_blocks=256)
 

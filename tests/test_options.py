@@ -121,10 +121,10 @@ def test_server_options_and_served_names_come_from_their_fields(monkeypatch):
     assert server_settings(args, engine_config(**engine_kwargs(args))).enable_prompt_tokens_details
 
 
-def test_readme_options_table_is_the_generated_one():
-    with open(os.path.join(ROOT, "README.md")) as f:
+def test_configuration_page_options_table_is_the_generated_one():
+    with open(os.path.join(ROOT, options.DOCS_PAGE)) as f:
         text = f.read()
-    assert options.render_readme(text) == text, "run `python -m kvflow.options README.md`"
+    assert options.render_table_into(text) == text, "run `python -m kvflow.options`"
 
 
 def test_environment_page_is_the_generated_one():

@@ -226,7 +226,7 @@ def test_a_websocket_caps_its_requests_in_flight_and_survives_bad_frames():
     assert cancelled == {"type": "cancelled", "id": "r0"}
 
 
-# -- constraints (issue 19) ------------------------------------------------------------
+# -- constraints -----------------------------------------------------------------------
 @pytest.mark.parametrize("field, value, names", [
     ("guided_json", {"type": "object"}, 'structured_outputs: {"json"'),
     ("guided_regex", "[a-z]+", 'structured_outputs: {"regex"'),

@@ -1,4 +1,4 @@
-"""Safety cases of issue 17 that belong to the engine: a model with several EOS ids stops on
+"""Safety cases that belong to the engine: a model with several EOS ids stops on
 each of them, survives `min_tokens` and runs to `max_tokens` with `ignore_eos` (offline with
 `LLM`, and through a real `kvflow serve`); the server reports prefix-cache hits
 (`usage.prompt_tokens_details`) only with --enable-prompt-tokens-details.

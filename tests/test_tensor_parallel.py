@@ -1,4 +1,4 @@
-"""Tensor parallelism (issue 7): with the model split over N processes, greedy outputs equal a
+"""Tensor parallelism: with the model split over N processes, greedy outputs equal a
 single process's, through `LLM` and `kvflow serve`; chunked prefill and preemption still happen
 (the step trace shows them); a worker that dies stops the engine with a clear error and leaves no
 process behind; two "nodes" meet over tcp:// on loopback."""

@@ -12,8 +12,8 @@ GEMV_ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}  # gemv_f32.c's `isa` codes
 # the weight storage types it widens, as gemv_f32.c's `wdt` codes
 GEMV_WEIGHT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # The most rows the GEMV serves per instruction set, by measurement (benchmarks/gemv_f32.py,
-# the default model's projections and LM head, one thread, the Zen 4 here; README "fp32
-# decode GEMV"): AVX-512 beat oneDNN at every M up to 8 (its tile), AVX2 (forced) up to 4 and
+# the default model's projections and LM head, one thread, the Zen 4 here; docs/performance.md,
+# "Single stream"): AVX-512 beat oneDNN at every M up to 8 (its tile), AVX2 (forced) up to 4 and
 # was level at 6, behind at 8. A Zen 3's oneDNN is an AVX2 one: measure there before trusting
 # the AVX2 figure.
 GEMV_MAX_ROWS = {"avx2": 4, "avx512": 8}

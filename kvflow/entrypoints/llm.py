@@ -20,7 +20,7 @@ Message = dict[str, str]
 
 class LLM:
     """Generate offline with continuous batching. `model=None` loads the default
-    SmolLM2-135M-Instruct; every other keyword is an engine option (the README's table, or
+    SmolLM2-135M-Instruct; every other keyword is an engine option (docs/configuration.md's table, or
     `kvflow.options.OPTIONS`), e.g. `dtype`, `max_num_seqs`, `kv_cache_memory`, `seed`,
     `trace=PATH` (one JSON line per engine step), `tensor_parallel_size=N` (this process is
     rank 0; `llm.engine.shutdown()` stops the others). An unknown keyword is a TypeError naming
