@@ -332,8 +332,10 @@ class EngineCore(EngineKVTransferMixin):
                 handle = CompletedStep(self.executor.execute(sched_out, grammar))
             finally:
                 grammar.wait()  # no matcher advances while the fill may still read it
+        elif self.executor.max_concurrent_batches > 1:
+            handle = self.executor.execute_async(sched_out)  # returns while the pipeline works
         else:
-            handle = self.executor.execute_async(sched_out)
+            handle = CompletedStep(self.executor.execute(sched_out))
         return _StartedStep(sched_out, handle, start, t0)
 
     def _finish_step(self, started: "_StartedStep") -> EngineCoreOutputs:
