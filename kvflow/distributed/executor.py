@@ -1,10 +1,14 @@
-"""Driver side of tensor parallelism: rank 0 runs in the engine's own process and samples;
-ranks 1..N-1 run in worker processes that this executor starts (those of node 0) and watches.
+"""Driver side of tensor and pipeline parallelism: rank 0 runs in the engine's own process;
+ranks 1..N-1 run in worker processes that this executor starts and watches: subprocesses (the
+`mp` backend, supervisor.py; those of node 0) or Ray actors (the `ray` backend, ray_workers.py).
 
 Each step the driver broadcasts (SchedulerOutput, tokens sampled last step), then every rank
-runs the same forward over its shard; the scheduler stays single, on the driver. TPExecutor is
-the tensor-parallel Executor (kvflow.model.executor), so EngineCore uses it or the
-single-process one without knowing which."""
+runs the same forward over its shard and the driver samples; the scheduler stays single, on
+the driver. Under pipeline parallelism (pipeline.py) the driver is the first stage: it sends
+the step to every rank point to point, runs its stage and returns while the later stages work
+(`execute_async`); the last stage samples and sends the tokens back. TPExecutor is the
+multi-process Executor (kvflow.model.executor), so EngineCore uses it or the single-process
+one without knowing which."""
 from __future__ import annotations
 
 import os
@@ -69,6 +73,11 @@ class TPExecutor(Executor):
         if pp > 1 and device != "cpu":
             raise ValueError("pipeline parallelism runs on the CPU only for now (device cpu)")
         on_ray = pc.distributed_executor_backend == "ray"
+        if on_ray and device != "cpu":
+            # the engine's own rank would take a GPU outside the placement group, which Ray
+            # may also hand to a worker on the same node
+            raise ValueError("distributed_executor_backend ray runs on the CPU only for now "
+                             "(device cpu); on GPUs use the mp backend")
         self.world_size, self.tp, self.pp, self.failed, self.closed = n, tp, pp, None, False
         self.group: TPGroup | None = None
         self.pipe: PipelineGroup | None = None
@@ -84,7 +93,7 @@ class TPExecutor(Executor):
         try:
             if on_ray:
                 started, host = ray_workers.connect(pc.ray_address, n)
-                bundle = {"GPU": 1.0, "CPU": 1.0} if device == "cuda" else {"CPU": 1.0}
+                bundle = {"CPU": 1.0}
                 self.supervisor = ray_workers.RayWorkers(list(range(1, n)),
                                                          pc.placement_group_strategy, bundle, started)
                 self._finalizer = weakref.finalize(self, self.supervisor.kill)
