@@ -46,10 +46,10 @@ def cpu_name() -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
-    p.add_argument("--variants", default="pp1,pp1-2t,pp2,pp2-ray")
+    p.add_argument("--variants", default="pp1,pp1-2t,pp2,pp2-ray,tp3,tp3-ray")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=12)
+    p.add_argument("--output-len", type=int, default=48)
     p.add_argument("--max-input-len", type=int, default=512)
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
@@ -69,9 +69,10 @@ def main() -> int:
     print(f"\n{cpu_name()}, {time.strftime('%Y-%m-%d')}, W1 {args.num_prompts} prompts "
           f"U[32,{args.max_input_len}], {args.output_len} output tokens, fp32, medians of "
           f"{args.repeats}:\n")
-    print("| variant | total tok/s | output tok/s | vs " + first + " | steps | bytes/step between "
-          "stages | at 1 Gbit/s | at 10 Gbit/s | driver waits for the last stage |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| variant | total tok/s | output tok/s | vs " + first + " | steps | ms/step | driver in "
+          "collectives | bytes/step between stages | at 1 Gbit/s | at 10 Gbit/s | driver waits "
+          "for the last stage |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     summary = {}
     for name in names:
         rs = runs[name]
@@ -83,7 +84,11 @@ def main() -> int:
         wait = statistics.median(r.get("pp_driver_recv_wait_ms_per_step", 0.0) for r in rs)
         link = (f"{hb / 1e3:.1f} kB | {hb * 8 / 1e9 * 1e3:.2f} ms | {hb * 8 / 1e10 * 1e3:.3f} ms"
                 if hb else "- | - | -")
-        print(f"| {name} | {tps:.1f} | {ops:.1f} | {tps / base_tps:.2f}x | {steps or '-'} | {link} | "
+        wall = statistics.median(r["wall_s"] for r in rs)
+        comm = statistics.median(r.get("comm_ms_per_step", 0.0) for r in rs)
+        print(f"| {name} | {tps:.1f} | {ops:.1f} | {tps / base_tps:.2f}x | {steps or '-'} | "
+              + (f"{wall * 1e3 / steps:.1f} | " if steps else "- | ")
+              + (f"{comm:.1f} ms | " if comm else "- | ") + f"{link} | "
               + (f"{wait:.1f} ms/step |" if wait else "- |"))
         summary[name] = row
     if args.output_json:
