@@ -8,11 +8,15 @@ from __future__ import annotations
 import os
 import random
 import signal
+import time
+
+import httpx
 
 import psutil
 import pytest
 
 from conftest_model_helpers import _save_random
+from server_helpers import ServerProcess
 
 from kvflow.config import CacheConfig, ParallelConfig, SchedulerConfig
 from kvflow.core.scheduler import Scheduler
@@ -239,3 +243,36 @@ def test_a_dead_ray_worker_stops_the_engine_and_leaves_nothing_behind(ray_cluste
     finally:
         llm.engine.shutdown()
     assert not psutil.pid_exists(pid)
+
+
+@pytest.mark.slow
+def test_kvflow_serve_on_ray_answers_503_when_a_worker_dies(ray_cluster, tiny_model):
+    address = ray_cluster.get_runtime_context().gcs_address  # the module's cluster
+    srv = ServerProcess(tiny_model, "-pp", "2", "--distributed-executor-backend", "ray",
+                        "--ray-address", address, "--dtype", "float32", "--max-model-len", "512",
+                        "--num-blocks", "64")
+    try:
+        (actor,) = alive_actors(ray_cluster)
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            resp = http.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8,
+                                                      "temperature": 0, "ignore_eos": True})
+            assert resp.status_code == 200, resp.text
+            os.kill(actor["Pid"], signal.SIGKILL)  # no request in flight: the idle engine notices
+            deadline = time.monotonic() + 60  # a hang guard, not a speed target
+            codes = []
+            while not codes or codes[-1] == 200:
+                assert time.monotonic() < deadline, "/health still OK 60 s after a worker died"
+                try:
+                    codes.append(http.get("/health", timeout=5).status_code)
+                except httpx.TransportError:  # the server has already gone
+                    codes.append(None)
+                time.sleep(0.1)
+        assert 503 in codes  # before the server goes, its /health says the engine is down
+        assert srv.proc.wait(60) != 0
+        assert "WorkerFailedError: tensor-parallel worker rank 1 (Ray actor" in srv.output()
+        assert alive_actors(ray_cluster) == []
+        assert all(pg["state"] == "REMOVED"
+                   for pg in ray_cluster.util.placement_group_table().values())
+        assert srv.leftover_children() == []
+    finally:
+        srv.close()
