@@ -162,6 +162,8 @@ def test_tp2_by_pp2_equals_tp1(tiny_model, reference):
     assert out == reference
     assert seen["in_flight"] == 2
     assert len(worker_pids(seen["executor"])) == 3
+    # each stage's two ranks all-reduce through their own shared-memory segment
+    assert "all_reduce_shm" in seen["comm"]["comm_ms_per_step_by_op"]
 
 
 @pytest.mark.slow

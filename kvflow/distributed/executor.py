@@ -86,7 +86,7 @@ class TPExecutor(Executor):
         self._in_flight = 0  # pipeline steps sent whose result has not come back
         self.num_steps = 0
         self.hidden_bytes = 0  # pipeline: bytes across each stage boundary, summed over steps
-        self._shm_path = None
+        self._shm_paths: list[str] = []
         self._kv_paths: list[str] = []
         self._rank_kv = []
         self.rdv = None
@@ -111,8 +111,9 @@ class TPExecutor(Executor):
             # step ([max_num_batched_tokens, hidden] in fp32) up to a cap.
             slot_bytes = min(config.scheduler_config.max_num_batched_tokens * arch.hidden_size * 4,
                              MAX_SLOT_BYTES)
-            self._shm_path = (create_segment(n, slot_bytes)
-                              if one_machine and pp == 1 and use_shm() else None)
+            # (under pipeline parallelism: one segment per stage, for its tp ranks)
+            self._shm_paths = ([create_segment(tp, slot_bytes) for _ in range(pp)]
+                               if one_machine and tp > 1 and use_shm() else [])
             # KV transfer reaches every rank's cache from here: the other ranks' live in shared files
             shard = local_arch(arch, tp)
             if config.kv_transfer is not None:
@@ -127,7 +128,9 @@ class TPExecutor(Executor):
             self.rdv.store.set("init", encode_init(WorkerInit(
                 model_path, str(dtype).removeprefix("torch."), str(kv_dtype).removeprefix("torch."),
                 num_blocks, block_size,
-                config.num_threads, eos_token_id, shm_path=self._shm_path,
+                config.num_threads, eos_token_id,
+                shm_path=self._shm_paths[0] if self._shm_paths and pp == 1 else None,
+                stage_shm_paths=self._shm_paths if pp > 1 and self._shm_paths else None,
                 shm_slot_bytes=slot_bytes, device=device, kv_shm_paths=self._kv_paths or None,
                 tp_size=tp, pp_size=pp, driver_pid=os.getpid())))
             if on_ray:
@@ -139,14 +142,15 @@ class TPExecutor(Executor):
                 self._finalizer = weakref.finalize(self, WorkerSupervisor.kill, self.supervisor)
             self._wait_for("joined")
             sup = self.supervisor  # not `self`: no reference cycle keeps the executor alive
-            shm = (ShmAllReduce(self._shm_path, 0, n, slot_bytes, lambda: sup.failure)
-                   if self._shm_path else None)
+            shm = (ShmAllReduce(self._shm_paths[0], 0, tp, slot_bytes, lambda: sup.failure)
+                   if self._shm_paths else None)
             self._unlink_shm()  # every rank has it mapped: nothing is left in /dev/shm
             rank0 = rank_device(device, 0)
             layers = None
             if pp > 1:  # the world group first (every rank does the same), then stage 0's TP
                 self.pipe = PipelineGroup(self.rdv, 0, n, tp, pp)
-                self.group = TPGroup(self.rdv, 0, tp, device=rank0, prefix="tp0") if tp > 1 else None
+                self.group = (TPGroup(self.rdv, 0, tp, shm=shm, device=rank0, prefix="tp0")
+                              if tp > 1 else None)
                 layers = stage_layers(arch.num_hidden_layers, pp, 0)
                 shard = stage_arch(shard if tp > 1 else arch, layers)
             else:
@@ -349,12 +353,12 @@ class TPExecutor(Executor):
         self._kv_paths = []
 
     def _unlink_shm(self) -> None:
-        if self._shm_path is not None:
+        for p in self._shm_paths:
             try:
-                os.unlink(self._shm_path)
+                os.unlink(p)
             except FileNotFoundError:
                 pass
-            self._shm_path = None
+        self._shm_paths = []
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Tell every rank to exit, wait for the local ones, then kill stragglers."""

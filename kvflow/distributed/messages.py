@@ -37,6 +37,8 @@ class WorkerInit:
     tp_size: int = 0  # ranks per pipeline stage (0: all of them, one stage)
     pp_size: int = 1  # pipeline stages
     driver_pid: int | None = None  # for a worker that is not the driver's child (a Ray actor)
+    # pipeline parallel on one machine: stage s's tp ranks all-reduce in stage_shm_paths[s]
+    stage_shm_paths: list[str] | None = None
 
 
 class StepMessage(msgspec.Struct, array_like=True):

@@ -52,11 +52,12 @@ def run_worker(rendezvous: str, rank: int, world_size: int, parent_pid: int | No
     torch.set_num_threads(init.num_threads)
     tp = init.tp_size or world_size
     shm = None
-    if init.shm_path:
+    shm_path = init.stage_shm_paths[rank // tp] if init.stage_shm_paths else init.shm_path
+    if shm_path:
         def driver_gone() -> str | None:
             alive = parent_alive(parent_pid) if parent_pid is not None else pid_alive(init.driver_pid)
             return None if alive else "the driver is gone"
-        shm = ShmAllReduce(init.shm_path, rank, tp, init.shm_slot_bytes, driver_gone)
+        shm = ShmAllReduce(shm_path, rank % tp, tp, init.shm_slot_bytes, driver_gone)
     store.set(f"joined/{rank}", str(os.getpid()))  # the driver unlinks the segment after this
     device = rank_device(init.device, rank)
     pipe = None
