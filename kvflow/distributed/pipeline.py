@@ -20,7 +20,6 @@ from kvflow.distributed.parallel import CollectiveError, Rendezvous, gloo_group
 from kvflow.model.arch import LlamaArchConfig
 
 TAG_STEP, TAG_HIDDEN, TAG_RESULT = 0, 1, 2
-_MAX_PENDING = 64  # unwaited sends kept (with their tensors) before the oldest are waited on
 
 
 def check_pp_size(arch: LlamaArchConfig, pp: int) -> None:
@@ -63,6 +62,9 @@ class PipelineGroup:
         self.sampler_rank = (pp - 1) * tp  # the last stage's tp_rank 0
         self.pg = gloo_group(rdv, "pp", rank, world_size)
         self._pending: list = []  # (work, tensor) of sends gloo may still be reading
+        # unwaited sends kept before the oldest half are waited on: those are then some 2 x pp
+        # steps old (the driver sends 2 tensors to every rank each step), long received
+        self._max_pending = 8 * world_size * pp
         self.hidden_bytes_sent = 0
         self.message_bytes_sent = 0
         self.recv_wait_s = 0.0
@@ -74,10 +76,11 @@ class PipelineGroup:
             raise CollectiveError(str(e).split(". ")[0]) from None
 
     def _isend(self, t: torch.Tensor, dst: int, tag: int) -> None:
-        if len(self._pending) >= _MAX_PENDING:
+        if len(self._pending) >= self._max_pending:
             # gloo marks a send complete only once it is waited on: wait for the oldest ones,
             # which the (at most pp steps behind) receivers have long taken
-            old, self._pending = self._pending[:_MAX_PENDING // 2], self._pending[_MAX_PENDING // 2:]
+            half = self._max_pending // 2
+            old, self._pending = self._pending[:half], self._pending[half:]
             for w, _ in old:
                 self._wait(w)
         try:
