@@ -34,9 +34,9 @@ def run_worker(rendezvous: str, rank: int, world_size: int, parent_pid: int | No
 
     from kvflow.distributed.parallel import CollectiveError, Rendezvous, TPGroup, rank_device
     from kvflow.distributed.pipeline import PipelineGroup, stage_arch, stage_layers
-    from kvflow.model.arch import load_arch_config
     from kvflow.distributed.shared_kv import SharedKVMemory
     from kvflow.distributed.shm_allreduce import ShmAllReduce
+    from kvflow.model.arch import load_arch_config
     from kvflow.model.loader import load_sharded_model
     from kvflow.model.runner import ModelRunner
     from kvflow.model.sharding import local_arch
