@@ -262,11 +262,17 @@ def parse_init_method(init_method: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+EXECUTOR_BACKENDS = ("mp", "ray")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
 @dataclass
 class ParallelConfig:
-    """Tensor parallelism: `tensor_parallel_size` ranks spread evenly over `nnodes` machines,
-    this one being `node_rank` (0 runs the engine). The ranks meet at `distributed_init_method`
-    (tcp://HOST:PORT of node 0; None: a free loopback port, for a single machine)."""
+    """Tensor and pipeline parallelism: `tensor_parallel_size` x `pipeline_parallel_size`
+    ranks. With the `mp` backend they are spread evenly over `nnodes` machines, this one being
+    `node_rank` (0 runs the engine), and meet at `distributed_init_method` (tcp://HOST:PORT of
+    node 0; None: a free loopback port, for a single machine). With the `ray` backend Ray
+    places the workers (docs/ray.md)."""
 
     tensor_parallel_size: int = option(
         1, "split the model over this many processes (ranks); docs/tensor_parallel.md", short="-tp")
@@ -274,11 +280,43 @@ class ParallelConfig:
         None, "where the ranks meet, tcp://HOST:PORT of node 0 (default: a free loopback port)")
     nnodes: int = option(1, "machines the ranks are spread over")
     node_rank: int = option(0, "this machine's index; a node other than 0 only runs its workers")
+    pipeline_parallel_size: int = option(
+        1, "split the decoder layers into this many pipeline stages, each run by "
+        "tensor_parallel_size ranks; docs/ray.md", short="-pp")
+    distributed_executor_backend: str = option(
+        "mp", "who starts the workers: `mp` (kvflow's own processes) or `ray` (Ray actors in a "
+        "placement group; `pip install kvflow[ray]`); docs/ray.md", choices=EXECUTOR_BACKENDS)
+    placement_group_strategy: str = option(
+        "PACK", "with the ray backend: how the placement group spreads the workers' bundles "
+        "over the cluster's nodes (Ray's strategies)", choices=PLACEMENT_STRATEGIES)
+    ray_address: str | None = option(
+        None, "with the ray backend: the cluster to join (`ray start --head`'s address, or "
+        "`auto`); default: RAY_ADDRESS, else a local one-machine cluster started for the engine")
+
+    @property
+    def world_size(self) -> int:
+        """Every rank: tensor_parallel_size in each of pipeline_parallel_size stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def __post_init__(self) -> None:
         tp, nnodes = self.tensor_parallel_size, self.nnodes
         if tp < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of "
+                             f"{', '.join(EXECUTOR_BACKENDS)}, got {self.distributed_executor_backend!r}")
+        if self.placement_group_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(f"placement_group_strategy must be one of "
+                             f"{', '.join(PLACEMENT_STRATEGIES)}, got {self.placement_group_strategy!r}")
+        if self.distributed_executor_backend == "ray" and nnodes > 1:
+            raise ValueError("with distributed_executor_backend ray, Ray places the workers on "
+                             "its nodes: drop --nnodes/--node-rank")
+        if self.pipeline_parallel_size > 1 and nnodes > 1:
+            raise ValueError("pipeline parallelism over several machines runs on the ray backend "
+                             "(--distributed-executor-backend ray); the mp backend's --nnodes is "
+                             "tensor-parallel only")
         if nnodes < 1:
             raise ValueError(f"nnodes must be >= 1, got {nnodes}")
         if not 0 <= self.node_rank < nnodes:

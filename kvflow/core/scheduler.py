@@ -57,6 +57,10 @@ class Scheduler(RemoteKVMixin):
         self.waiting = RequestQueue()  # O(1) removal: aborting many requests stays linear
         self.running: list[Request] = []
         self.step_index = 0
+        # pipeline parallelism: up to this many steps in flight at once (vLLM's batch queue);
+        # a request in a step that has not come back is not scheduled again (nor preempted)
+        self.max_concurrent_batches = 1
+        self.in_flight: set[str] = set()
         self._finished_ids: set[str] = set()
         self._grammar_failed: dict[str, Request] = {}  # reported by the next update_from_output
         # speculative decoding: slots reserved past a sampling step for a draft model's own
@@ -143,9 +147,13 @@ class Scheduler(RemoteKVMixin):
         kv = self.kv_cache_manager
 
         cap = self.config.long_prefill_token_threshold
+        in_flight = self.in_flight
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.request_id in in_flight:  # its previous step is still in the pipeline
+                i += 1
+                continue
             n = min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, budget)
             if 0 < cap < n:
                 n = cap
@@ -181,6 +189,8 @@ class Scheduler(RemoteKVMixin):
         else:
             budget = self._admit(budget, out)
 
+        if self.max_concurrent_batches > 1:
+            in_flight.update(out.num_scheduled_tokens)
         self.step_index += 1
         return out
 
@@ -271,9 +281,11 @@ class Scheduler(RemoteKVMixin):
 
     def _pick_victim(self) -> Request:
         """fcfs: the most recently admitted; priority: the lowest priority, latest arrival."""
+        running = ([r for r in self.running if r.request_id not in self.in_flight]
+                   if self.in_flight else self.running)  # never one whose step is in flight
         if self.config.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
+            return max(running, key=lambda r: (r.priority, r.arrival_time))
+        return running[-1]
 
     def _schedule(self, req: Request, n: int, out: SchedulerOutput, num_spec: int = 0) -> None:
         computed = req.num_computed_tokens
@@ -339,6 +351,8 @@ class Scheduler(RemoteKVMixin):
         updates += [RequestUpdate(self._kv_failed.pop(rid), [], FinishReason.ABORT)
                     for rid in sched_out.kv_load_errors if rid in self._kv_failed]
         finished: set[str] = set()
+        if self.in_flight:
+            self.in_flight.difference_update(sched_out.num_scheduled_tokens)
         for req_id, n in sched_out.num_scheduled_tokens.items():
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:

@@ -1,10 +1,14 @@
-"""Driver side of tensor parallelism: rank 0 runs in the engine's own process and samples;
-ranks 1..N-1 run in worker processes that this executor starts (those of node 0) and watches.
+"""Driver side of tensor and pipeline parallelism: rank 0 runs in the engine's own process;
+ranks 1..N-1 run in worker processes that this executor starts and watches: subprocesses (the
+`mp` backend, supervisor.py; those of node 0) or Ray actors (the `ray` backend, ray_workers.py).
 
 Each step the driver broadcasts (SchedulerOutput, tokens sampled last step), then every rank
-runs the same forward over its shard; the scheduler stays single, on the driver. TPExecutor is
-the tensor-parallel Executor (kvflow.model.executor), so EngineCore uses it or the
-single-process one without knowing which."""
+runs the same forward over its shard and the driver samples; the scheduler stays single, on
+the driver. Under pipeline parallelism (pipeline.py) the driver is the first stage: it sends
+the step to every rank point to point, runs its stage and returns while the later stages work
+(`execute_async`); the last stage samples and sends the tokens back. TPExecutor is the
+multi-process Executor (kvflow.model.executor), so EngineCore uses it or the single-process
+one without knowing which."""
 from __future__ import annotations
 
 import os
@@ -16,12 +20,15 @@ import torch
 from kvflow.config import EngineConfig
 from kvflow.distributed.parallel import (CollectiveError, CommStats, Rendezvous, rendezvous_timeout,
                                          TPGroup, parse_init_method, rank_device)
-from kvflow.distributed.messages import WorkerInit, encode_init, encode_step
+from kvflow.distributed.messages import WorkerInit, decode_result, encode_init, encode_step
 from kvflow.distributed.shared_kv import (SharedKVMemory, create_kv_segment, kv_segment_bytes,
                                          sweep_orphans as sweep_kv_orphans)
 from kvflow.distributed.shm_allreduce import (MAX_SLOT_BYTES, ShmAllReduce, create_segment,
                                               shm_supported)
+from kvflow.distributed.pipeline import (PipelineGroup, TAG_RESULT, TAG_STEP, check_pp_size,
+                                         stage_arch, stage_layers)
 from kvflow.distributed.supervisor import WorkerSupervisor, spawn_worker
+from kvflow.distributed import ray_workers
 from kvflow.logger import init_logger
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.attention import allocate_kv_caches
@@ -46,37 +53,71 @@ class WorkerFailedError(RuntimeError):
 
 
 class TPExecutor(Executor):
-    """Runs the model over `tensor_parallel_size` ranks (see the module docstring)."""
+    """Runs the model over `tensor_parallel_size` x `pipeline_parallel_size` ranks (see the
+    module docstring), their workers started as processes (`mp`) or Ray actors (`ray`)."""
 
     def __init__(self, config: EngineConfig, model_path: str, arch: LlamaArchConfig,
                  dtype: torch.dtype, kv_dtype: torch.dtype, num_blocks: int, block_size: int,
                  eos_token_id: int | list[int] | None, device: str = "cpu") -> None:
         pc = config.parallel_config
-        n, nnodes = pc.tensor_parallel_size, pc.nnodes
-        check_tp_size(arch, n)
+        tp, pp, nnodes = pc.tensor_parallel_size, pc.pipeline_parallel_size, pc.nnodes
+        n = tp * pp
+        check_tp_size(arch, tp)
+        check_pp_size(arch, pp)
         if pc.node_rank != 0:
             raise ValueError("the engine runs on node 0; start the other nodes as workers "
                              "(the same command with --node-rank K)")
-        host, port = (parse_init_method(pc.distributed_init_method) if pc.distributed_init_method
-                      else ("127.0.0.1", 0))
-        self.world_size, self.failed, self.closed = n, None, False
+        if pp > 1 and config.kv_transfer is not None:
+            raise ValueError("kv_transfer_config: KV transfer with pipeline parallelism is not "
+                             "implemented (pipeline_parallel_size 1)")
+        if pp > 1 and device != "cpu":
+            raise ValueError("pipeline parallelism runs on the CPU only for now (device cpu)")
+        on_ray = pc.distributed_executor_backend == "ray"
+        if on_ray and device != "cpu":
+            # the engine's own rank would take a GPU outside the placement group, which Ray
+            # may also hand to a worker on the same node
+            raise ValueError("distributed_executor_backend ray runs on the CPU only for now "
+                             "(device cpu); on GPUs use the mp backend")
+        self.world_size, self.tp, self.pp, self.failed, self.closed = n, tp, pp, None, False
         self.group: TPGroup | None = None
-        self.supervisor: WorkerSupervisor | None = None
+        self.pipe: PipelineGroup | None = None
+        self.supervisor = None  # WorkerSupervisor (mp) or RayWorkers (ray)
         self._sampled: dict[str, list[int]] = {}
+        self._in_flight = 0  # pipeline steps sent whose result has not come back
         self.num_steps = 0
-        self.rdv = Rendezvous(host, port, n, is_master=True)
-        # All ranks on this machine: all-reduce through shared memory, sized for the largest
-        # step ([max_num_batched_tokens, hidden] in fp32) up to a cap.
-        slot_bytes = min(config.scheduler_config.max_num_batched_tokens * arch.hidden_size * 4,
-                         MAX_SLOT_BYTES)
-        self._shm_path = create_segment(n, slot_bytes) if nnodes == 1 and use_shm() else None
-        # KV transfer reaches every rank's cache from here: the other ranks' live in shared files
-        shard = local_arch(arch, n)
+        self.hidden_bytes = 0  # pipeline: bytes across each stage boundary, summed over steps
+        self._shm_paths: list[str] = []
         self._kv_paths: list[str] = []
         self._rank_kv = []
+        self.rdv = None
         try:
+            if on_ray:
+                started, host = ray_workers.connect(pc.ray_address, n)
+                bundle = {"CPU": 1.0}
+                self.supervisor = ray_workers.RayWorkers(list(range(1, n)),
+                                                         pc.placement_group_strategy, bundle, started)
+                self._finalizer = weakref.finalize(self, self.supervisor.kill)
+                port = 0
+                if pc.distributed_init_method:
+                    host, port = parse_init_method(pc.distributed_init_method)
+                me = ray_workers.node_id()
+                one_machine = all(w[0] == me for w in self.supervisor.where.values())
+            else:
+                host, port = (parse_init_method(pc.distributed_init_method)
+                              if pc.distributed_init_method else ("127.0.0.1", 0))
+                one_machine = nnodes == 1
+            self.rdv = Rendezvous(host, port, n, is_master=True)
+            # All ranks on this machine: all-reduce through shared memory, sized for the largest
+            # step ([max_num_batched_tokens, hidden] in fp32) up to a cap.
+            slot_bytes = min(config.scheduler_config.max_num_batched_tokens * arch.hidden_size * 4,
+                             MAX_SLOT_BYTES)
+            # (under pipeline parallelism: one segment per stage, for its tp ranks)
+            self._shm_paths = ([create_segment(tp, slot_bytes) for _ in range(pp)]
+                               if one_machine and tp > 1 and use_shm() else [])
+            # KV transfer reaches every rank's cache from here: the other ranks' live in shared files
+            shard = local_arch(arch, tp)
             if config.kv_transfer is not None:
-                if nnodes > 1:
+                if not one_machine:
                     raise ValueError("kv_transfer_config: KV transfer under tensor parallelism "
                                      "over several machines is not implemented (one machine is)")
                 seg = kv_segment_bytes(arch.num_hidden_layers,
@@ -87,23 +128,37 @@ class TPExecutor(Executor):
             self.rdv.store.set("init", encode_init(WorkerInit(
                 model_path, str(dtype).removeprefix("torch."), str(kv_dtype).removeprefix("torch."),
                 num_blocks, block_size,
-                config.num_threads, eos_token_id, shm_path=self._shm_path,
-                shm_slot_bytes=slot_bytes, device=device, kv_shm_paths=self._kv_paths or None)))
-            self.supervisor = WorkerSupervisor(
-                {r: spawn_worker(self.rdv.address, r, n) for r in range(1, n // nnodes)})
-            # Workers that never started are killed even if shutdown() is never called.
-            self._finalizer = weakref.finalize(self, WorkerSupervisor.kill, self.supervisor)
+                config.num_threads, eos_token_id,
+                shm_path=self._shm_paths[0] if self._shm_paths and pp == 1 else None,
+                stage_shm_paths=self._shm_paths if pp > 1 and self._shm_paths else None,
+                shm_slot_bytes=slot_bytes, device=device, kv_shm_paths=self._kv_paths or None,
+                tp_size=tp, pp_size=pp, driver_pid=os.getpid())))
+            if on_ray:
+                self.supervisor.start(self.rdv.address, n)
+            else:
+                self.supervisor = WorkerSupervisor(
+                    {r: spawn_worker(self.rdv.address, r, n) for r in range(1, n // nnodes)})
+                # Workers that never started are killed even if shutdown() is never called.
+                self._finalizer = weakref.finalize(self, WorkerSupervisor.kill, self.supervisor)
             self._wait_for("joined")
             sup = self.supervisor  # not `self`: no reference cycle keeps the executor alive
-            shm = (ShmAllReduce(self._shm_path, 0, n, slot_bytes, lambda: sup.failure)
-                   if self._shm_path else None)
+            shm = (ShmAllReduce(self._shm_paths[0], 0, tp, slot_bytes, lambda: sup.failure)
+                   if self._shm_paths else None)
             self._unlink_shm()  # every rank has it mapped: nothing is left in /dev/shm
             rank0 = rank_device(device, 0)
-            self.group = TPGroup(self.rdv, 0, n, shm=shm, device=rank0)
+            layers = None
+            if pp > 1:  # the world group first (every rank does the same), then stage 0's TP
+                self.pipe = PipelineGroup(self.rdv, 0, n, tp, pp)
+                self.group = (TPGroup(self.rdv, 0, tp, shm=shm, device=rank0, prefix="tp0")
+                              if tp > 1 else None)
+                layers = stage_layers(arch.num_hidden_layers, pp, 0)
+                shard = stage_arch(shard if tp > 1 else arch, layers)
+            else:
+                self.group = TPGroup(self.rdv, 0, n, shm=shm, device=rank0)
             self.model, _ = load_sharded_model(model_path, dtype, self.group,
-                                               rank0 if rank0.type != "cpu" else None)
+                                               rank0 if rank0.type != "cpu" else None, layers=layers)
             self.runner = ModelRunner(self.model, shard, num_blocks, block_size,
-                                      kv_dtype, eos_token_id, device=rank0)
+                                      kv_dtype, eos_token_id, device=rank0, pp=self.pipe)
             self._wait_for("loaded")
             self._rank_kv = [self.runner.kv_caches] + [
                 allocate_kv_caches(shard, num_blocks, block_size, kv_dtype,
@@ -112,7 +167,13 @@ class TPExecutor(Executor):
         except BaseException:
             self._abort()
             raise
-        self.group.stats = CommStats()  # count the serving steps only
+        if self.group is not None:
+            self.group.stats = CommStats()  # count the serving steps only
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps the engine may keep in flight: one per pipeline stage."""
+        return self.pp
 
     def rank_kv_caches(self) -> list:
         """Every rank's KV cache: rank 0's own, the others' mapped from their shared files
@@ -148,21 +209,72 @@ class TPExecutor(Executor):
     def execute(self, sched_out, grammar=None) -> ModelRunnerOutput:
         """One step on every rank; the driver's sampled tokens come back. Only the driver
         samples, so only it applies the grammar masks; the other ranks never see them."""
+        if self.pipe is not None:
+            return self.execute_async(sched_out, grammar).result()
         self.check_health()
         try:
             self.group.broadcast_bytes(encode_step(sched_out, self._sampled))
             out = self.runner.execute(sched_out, grammar)
         except CollectiveError as e:
-            blame = self.supervisor.wait_failure(BLAME_WAIT_S)
-            self._fail(blame or f"a tensor-parallel rank left the group ({e})")
+            self._lost_rank(e)
         except BaseException as e:
-            # the ranks are out of step now: no further step could be trusted
-            self.failed = f"a step failed on the driver ({type(e).__name__}: {e}); the engine has stopped"
-            self._abort()
+            self._driver_failed(e)
             raise
         self._sampled = out.sampled
         self.num_steps += 1
         return out
+
+    def execute_async(self, sched_out, grammar=None):
+        """Start one step and return its handle (`.result()`: the sampled tokens). Under
+        pipeline parallelism the driver sends the step to every rank and runs the first stage
+        here, then returns while the later stages work; results come back in the order the
+        steps were started, so the handles must be waited on in that order."""
+        if self.pipe is None:
+            return super().execute_async(sched_out, grammar)
+        if grammar is not None:  # refused when the request comes in; this is the backstop
+            raise ValueError("structured outputs are not supported with pipeline parallelism")
+        self.check_health()
+        try:
+            data = encode_step(sched_out, self._sampled)
+            self._sampled = {}  # every rank gets them with this step
+            for r in range(1, self.world_size):
+                self.pipe.send_bytes(data, r, TAG_STEP)
+            self._in_flight += 1
+            self.runner.execute(sched_out)  # stage 0: its hidden states go on to stage 1
+        except CollectiveError as e:
+            self._lost_rank(e)
+        except BaseException as e:
+            self._driver_failed(e)
+            raise
+        self.num_steps += 1
+        self.hidden_bytes += (2 * sched_out.total_num_scheduled_tokens * self.runner.arch.hidden_size
+                              * self.model.dtype.itemsize * self.tp)
+        return _PipelineStep(self)
+
+    def _receive_result(self) -> ModelRunnerOutput:
+        """The oldest step's result from the last stage (it sampled); the driver's runner and
+        the next step's message take its tokens."""
+        self.check_health()
+        try:
+            res = decode_result(self.pipe.recv_bytes(self.pipe.sampler_rank, TAG_RESULT))
+        except CollectiveError as e:
+            self._lost_rank(e)
+        except BaseException as e:
+            self._driver_failed(e)
+            raise
+        self._in_flight -= 1
+        self.runner.append_sampled(res.sampled)
+        self._sampled.update(res.sampled)  # steps in flight hold different requests
+        return ModelRunnerOutput(res.sampled, res.logprobs)
+
+    def _lost_rank(self, e: Exception) -> None:
+        blame = self.supervisor.wait_failure(BLAME_WAIT_S)
+        self._fail(blame or f"a tensor-parallel rank left the group ({e})")
+
+    def _driver_failed(self, e: BaseException) -> None:
+        # the ranks are out of step now: no further step could be trusted
+        self.failed = f"a step failed on the driver ({type(e).__name__}: {e}); the engine has stopped"
+        self._abort()
 
     def check_health(self) -> None:
         """WorkerFailedError if a rank has died (or the engine stopped after a failure)."""
@@ -180,14 +292,25 @@ class TPExecutor(Executor):
         """Count collectives from here on (e.g. after warm-up)."""
         if self.group is not None:
             self.group.stats = CommStats()
+        if self.pipe is not None:
+            self.pipe.message_bytes_sent = self.pipe.hidden_bytes_sent = 0
+            self.pipe.recv_wait_s = 0.0
+        self.hidden_bytes = 0
         self.num_steps = 0
 
     def comm_summary(self) -> dict:
-        """The driver's time in collectives per step, as numbers (see comm_report)."""
+        """The driver's time in collectives per step, as numbers (see comm_report); under
+        pipeline parallelism also the bytes per step between stages."""
         s, n = self.group.stats if self.group is not None else None, self.num_steps
+        pipe = {} if self.pipe is None or not n else {
+            "pp_steps": n,
+            # what each stage boundary carries per step, over all its TP ranks' links
+            "pp_hidden_bytes_per_step": self.hidden_bytes / n,
+            "pp_step_message_bytes_per_step": self.pipe.message_bytes_sent / n,
+            "pp_driver_recv_wait_ms_per_step": self.pipe.recv_wait_s / n * 1e3}
         if s is None or not n:
-            return {"tp_steps": n}
-        return {"tp_steps": n, "comm_ms_per_step": s.seconds / n * 1e3,
+            return {"tp_steps": n, **pipe}
+        return {"tp_steps": n, **pipe, "comm_ms_per_step": s.seconds / n * 1e3,
                 "collectives_per_step": s.calls / n,
                 "comm_ms_per_step_by_op": {op: t / n * 1e3 for op, t in sorted(s.seconds_by_op.items())},
                 "comm_report": self.comm_report()}
@@ -213,9 +336,13 @@ class TPExecutor(Executor):
         if self.group is not None:
             self.group.close()
             self.group = None
+        if self.pipe is not None:
+            self.pipe.close()
+            self.pipe = None
         self._unlink_shm()
         self._unlink_kv()
-        self.rdv.close()
+        if self.rdv is not None:
+            self.rdv.close()
 
     def _unlink_kv(self) -> None:
         for p in self._kv_paths:
@@ -226,19 +353,28 @@ class TPExecutor(Executor):
         self._kv_paths = []
 
     def _unlink_shm(self) -> None:
-        if self._shm_path is not None:
+        for p in self._shm_paths:
             try:
-                os.unlink(self._shm_path)
+                os.unlink(p)
             except FileNotFoundError:
                 pass
-            self._shm_path = None
+        self._shm_paths = []
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Tell every rank to exit, wait for the local ones, then kill stragglers."""
         if self.closed:
             return
         self.closed = True
-        if self.failed is None and self.group is not None:
+        if self.failed is None and self.pipe is not None:
+            try:
+                while self._in_flight:  # the last stage answers every step before it stops
+                    self._receive_result()
+                for r in range(1, self.world_size):
+                    self.pipe.send_bytes(encode_step(None, {}), r, TAG_STEP)
+                self.pipe.flush(timeout)
+            except (CollectiveError, WorkerFailedError):
+                pass
+        elif self.failed is None and self.group is not None:
             logger.debug("kvflow tensor parallel: %s", self.comm_report())
             try:
                 self.group.broadcast_bytes(encode_step(None, {}))
@@ -247,3 +383,15 @@ class TPExecutor(Executor):
         if self.supervisor is not None:
             self.supervisor.stop(timeout)
         self._close_group()
+
+
+class _PipelineStep:
+    """A step in the pipeline: `result()` waits for what the last stage sampled."""
+
+    def __init__(self, executor: TPExecutor) -> None:
+        self._executor, self._out = executor, None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._out is None:
+            self._out = self._executor._receive_result()
+        return self._out

@@ -5,6 +5,8 @@ reaches those ports decodes into these types or fails; it cannot run code.
     store "init"       WorkerInit      what to load (once)
     step broadcast     StepMessage     the step's SchedulerOutput and last step's sampled tokens
                        nil             stop
+    (pipeline parallel: the same step messages go to each rank point to point, and the last
+    stage answers each with a StepResult)
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass, replace
 import msgspec
 
 from kvflow.core.scheduler_output import SchedulerOutput
+from kvflow.outputs import TokenLogprobs
 
 
 @dataclass
@@ -31,6 +34,11 @@ class WorkerInit:
     device: str = "cpu"  # cpu, or cuda: each rank on GPU `rank % device_count`, NCCL collectives
     # with KV transfer: rank r (r >= 1) keeps its KV cache in kv_shm_paths[r - 1] (shared_kv.py)
     kv_shm_paths: list[str] | None = None
+    tp_size: int = 0  # ranks per pipeline stage (0: all of them, one stage)
+    pp_size: int = 1  # pipeline stages
+    driver_pid: int | None = None  # for a worker that is not the driver's child (a Ray actor)
+    # pipeline parallel on one machine: stage s's tp ranks all-reduce in stage_shm_paths[s]
+    stage_shm_paths: list[str] | None = None
 
 
 class StepMessage(msgspec.Struct, array_like=True):
@@ -38,7 +46,15 @@ class StepMessage(msgspec.Struct, array_like=True):
     sampled: dict[str, list[int]]  # what the driver sampled in the previous step
 
 
+class StepResult(msgspec.Struct, array_like=True):
+    """What the last pipeline stage sampled in one step, for the driver."""
+
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]]
+
+
 _encoder = msgspec.msgpack.Encoder()
+_result_decoder = msgspec.msgpack.Decoder(StepResult)
 _step_decoder = msgspec.msgpack.Decoder(StepMessage | None)
 _init_decoder = msgspec.msgpack.Decoder(WorkerInit)
 
@@ -77,3 +93,14 @@ def decode_init(data: bytes) -> WorkerInit:
         return _init_decoder.decode(data)
     except (msgspec.DecodeError, ValueError, TypeError) as e:
         raise BadMessageError(f"the store's init entry is not a WorkerInit: {e}") from None
+
+
+def encode_result(sampled: dict[str, list[int]], logprobs: dict[str, list[TokenLogprobs]]) -> bytes:
+    return _encoder.encode(StepResult(sampled, logprobs))
+
+
+def decode_result(data: bytes) -> StepResult:
+    try:
+        return _result_decoder.decode(data)
+    except (msgspec.DecodeError, ValueError, TypeError) as e:
+        raise BadMessageError(f"a pipeline result is not a kvflow StepResult: {e}") from None

@@ -100,13 +100,25 @@ class CommStats:
     seconds_by_op: dict[str, float] = field(default_factory=dict)
 
 
+def gloo_group(rdv: Rendezvous, prefix: str, rank: int, world_size: int) -> dist.ProcessGroupGloo:
+    """A gloo group of `world_size` ranks meeting under `prefix` in the rendezvous store."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = COLLECTIVE_TIMEOUT
+    # Listen where the other ranks can reach us (loopback stays loopback), unless the user
+    # picked an interface with GLOO_SOCKET_IFNAME.
+    opts._devices = [dist.ProcessGroupGloo.create_default_device()
+                     if os.environ.get("GLOO_SOCKET_IFNAME") else
+                     dist.ProcessGroupGloo.create_device(hostname=local_address_towards(rdv.host))]
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, rdv.store), rank, world_size, opts)
+
+
 class TPGroup:
     """This process's rank in the tensor-parallel group, with the few collectives TP needs:
     all-reduce (row-parallel layers), gather to the driver (vocab-parallel logits) and the
     driver's per-step object broadcast."""
 
     def __init__(self, rdv: Rendezvous, rank: int, world_size: int, shm=None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", prefix: str = "tp") -> None:
         self.rank, self.world_size = rank, world_size
         self.shm = shm  # a ShmAllReduce when every rank is on this machine
         # gloo carries the step broadcast (host bytes) always, and the collectives on a CPU;
@@ -114,15 +126,9 @@ class TPGroup:
         self.device = torch.device(device)
         self.nccl = None
         if self.device.type == "cuda":
-            self.nccl = dist.ProcessGroupNCCL(dist.PrefixStore("tp-nccl", rdv.store), rank, world_size)
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = COLLECTIVE_TIMEOUT
-        # Listen where the other ranks can reach us (loopback stays loopback), unless the user
-        # picked an interface with GLOO_SOCKET_IFNAME.
-        opts._devices = [dist.ProcessGroupGloo.create_default_device()
-                         if os.environ.get("GLOO_SOCKET_IFNAME") else
-                         dist.ProcessGroupGloo.create_device(hostname=local_address_towards(rdv.host))]
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("tp", rdv.store), rank, world_size, opts)
+            self.nccl = dist.ProcessGroupNCCL(dist.PrefixStore(prefix + "-nccl", rdv.store), rank,
+                                              world_size)
+        self.pg = gloo_group(rdv, prefix, rank, world_size)
         self.stats = CommStats()
         self._frame = torch.empty(_FRAME_BYTES, dtype=torch.uint8)
 

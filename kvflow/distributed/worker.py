@@ -1,10 +1,13 @@
-"""A tensor-parallel worker process: one rank other than the driver.
+"""A tensor- or pipeline-parallel worker process: one rank other than the driver (started by
+the supervisor as a subprocess, or by kvflow.distributed.ray_workers as a Ray actor).
 
 It joins the rendezvous, reads what to load from the store (so that every rank uses the
 driver's block count), loads its shard and its share of the KV cache, then follows the driver
 step by step: each broadcast carries the step's SchedulerOutput and the tokens the driver
 sampled in the previous step; the worker runs the same forward (taking part in the
-all-reduces and the logits gather) and never samples. `None` ends the loop.
+all-reduces and the logits gather) and never samples. `None` ends the loop. Under pipeline
+parallelism (kvflow/distributed/pipeline.py) it runs its stage's layers and the last stage's
+tp_rank 0 samples.
 
 Run as `python -m kvflow.distributed.worker --rendezvous HOST:PORT --rank R --world-size N`."""
 from __future__ import annotations
@@ -15,7 +18,7 @@ import os
 import sys
 
 from kvflow.distributed.messages import BadMessageError, decode_init, decode_step
-from kvflow.utils.process import parent_alive, start_child_process
+from kvflow.utils.process import parent_alive, pid_alive, start_child_process
 
 # Exit codes the supervisor tells apart.
 EXIT_LOAD_FAILED = 2
@@ -30,8 +33,10 @@ def run_worker(rendezvous: str, rank: int, world_size: int, parent_pid: int | No
     import torch
 
     from kvflow.distributed.parallel import CollectiveError, Rendezvous, TPGroup, rank_device
+    from kvflow.distributed.pipeline import PipelineGroup, stage_arch, stage_layers
     from kvflow.distributed.shared_kv import SharedKVMemory
     from kvflow.distributed.shm_allreduce import ShmAllReduce
+    from kvflow.model.arch import load_arch_config
     from kvflow.model.loader import load_sharded_model
     from kvflow.model.runner import ModelRunner
     from kvflow.model.sharding import local_arch
@@ -45,28 +50,50 @@ def run_worker(rendezvous: str, rank: int, world_size: int, parent_pid: int | No
         store.set(f"error/{rank}", str(e))
         return EXIT_LOAD_FAILED
     torch.set_num_threads(init.num_threads)
+    tp = init.tp_size or world_size
     shm = None
-    if init.shm_path:
+    shm_path = init.stage_shm_paths[rank // tp] if init.stage_shm_paths else init.shm_path
+    if shm_path:
         def driver_gone() -> str | None:
-            return None if parent_alive(parent_pid) else "the driver is gone"
-        shm = ShmAllReduce(init.shm_path, rank, world_size, init.shm_slot_bytes, driver_gone)
+            alive = parent_alive(parent_pid) if parent_pid is not None else pid_alive(init.driver_pid)
+            return None if alive else "the driver is gone"
+        shm = ShmAllReduce(shm_path, rank % tp, tp, init.shm_slot_bytes, driver_gone)
     store.set(f"joined/{rank}", str(os.getpid()))  # the driver unlinks the segment after this
     device = rank_device(init.device, rank)
-    group = TPGroup(rdv, rank, world_size, shm, device)
+    pipe = None
+    try:
+        if init.pp_size > 1:  # the world group first, on every rank, then this stage's TP group
+            pipe = PipelineGroup(rdv, rank, world_size, tp, init.pp_size)
+            group = (TPGroup(rdv, pipe.tp_rank, tp, shm, device, prefix=f"tp{pipe.stage}")
+                     if tp > 1 else None)
+        else:
+            group = TPGroup(rdv, rank, world_size, shm, device)
+    except CollectiveError as e:
+        logger.error("kvflow worker rank %d: could not join the group (%s)", rank, e)
+        return EXIT_PEER_LOST
     try:
         dtype = getattr(torch, init.dtype)
+        layers = None
+        if pipe is not None:
+            full = load_arch_config(init.model_path)
+            layers = stage_layers(full.num_hidden_layers, init.pp_size, pipe.stage)
         model, arch = load_sharded_model(init.model_path, dtype, group,
-                                         device if device.type != "cpu" else None)
+                                         device if device.type != "cpu" else None, layers=layers)
         kv_memory = (SharedKVMemory(init.kv_shm_paths[rank - 1]).zeros if init.kv_shm_paths
                      else None)  # the driver reads and writes it for KV transfer
-        runner = ModelRunner(model, local_arch(arch, world_size), init.num_blocks, init.block_size,
+        shard = local_arch(arch, tp) if tp > 1 else arch
+        if layers is not None:
+            shard = stage_arch(shard, layers)
+        runner = ModelRunner(model, shard, init.num_blocks, init.block_size,
                              getattr(torch, init.kv_dtype), init.eos_token_id, device=device,
-                             kv_memory=kv_memory)
+                             kv_memory=kv_memory, pp=pipe)
     except Exception as e:  # noqa: BLE001 - the driver reports it
         store.set(f"error/{rank}", f"{type(e).__name__}: {e}")
         return EXIT_LOAD_FAILED
     store.set(f"loaded/{rank}", "1")
     try:
+        if pipe is not None:
+            return _follow_pipeline(pipe, runner)
         while True:
             msg = decode_step(group.broadcast_bytes())
             if msg is None:
@@ -79,6 +106,25 @@ def run_worker(rendezvous: str, rank: int, world_size: int, parent_pid: int | No
     except CollectiveError as e:  # a peer closed its connection: it died or the driver left
         logger.error("kvflow tensor-parallel worker rank %d: lost the group (%s)", rank, e)
         return EXIT_PEER_LOST
+
+
+def _follow_pipeline(pipe, runner) -> int:
+    """A pipeline rank's loop: each step message from the driver, in order; the last stage's
+    tp_rank 0 samples and answers each one with what it sampled."""
+    from kvflow.distributed.messages import encode_result
+    from kvflow.distributed.pipeline import TAG_RESULT, TAG_STEP
+
+    samples = pipe.rank == pipe.sampler_rank
+    while True:
+        msg = decode_step(pipe.recv_bytes(0, TAG_STEP))
+        if msg is None:
+            pipe.flush()
+            return 0
+        if not samples:  # the sampler appended its own tokens when it sampled them
+            runner.append_sampled(msg.sampled)
+        out = runner.execute(msg.sched_out)
+        if samples:
+            pipe.send_bytes(encode_result(out.sampled, out.logprobs), 0, TAG_RESULT)
 
 
 def main(argv: list[str] | None = None) -> int:

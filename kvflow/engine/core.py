@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import replace
+from collections import deque
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -11,6 +12,7 @@ from kvflow.config import EngineConfig
 from kvflow.core.kv_cache_groups import make_kv_cache_groups
 from kvflow.core.scheduler import Scheduler, SchedulerOutput
 from kvflow.distributed.executor import TPExecutor
+from kvflow.distributed.pipeline import stage_layers
 from kvflow.engine.kv_sizing import max_concurrency, num_kv_blocks
 from kvflow.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kvflow.engine.remote_kv import EngineKVTransferMixin
@@ -20,7 +22,7 @@ from kvflow.engine.warmup import warmup_outputs
 from kvflow.kv_transfer.agent import KVTransferAgent
 from kvflow.logger import init_logger
 from kvflow.model.arch import load_arch_config
-from kvflow.model.executor import Executor, UniProcExecutor
+from kvflow.model.executor import CompletedStep, Executor, UniProcExecutor
 from kvflow.model import gpu_memory
 from kvflow.model.cuda_graphs import decode_graphs_for
 from kvflow.model.loader import load_model, resolve_device, resolve_dtype
@@ -34,6 +36,16 @@ from kvflow.structured import StructuredOutputManager, validate_structured_outpu
 from kvflow.tokenizer import get_tokenizer, tokenizer_source
 
 logger = init_logger("kvflow.engine")
+
+
+@dataclass(slots=True)
+class _StartedStep:
+    """A step scheduled and handed to the executor, its tokens not applied yet."""
+
+    sched_out: SchedulerOutput
+    handle: object  # .result() -> ModelRunnerOutput
+    start: float  # wall clock, for the trace
+    t0: float  # perf_counter, for the step time
 
 
 class EngineCore(EngineKVTransferMixin):
@@ -54,17 +66,22 @@ class EngineCore(EngineKVTransferMixin):
         self.dtype = resolve_dtype(mc.dtype, self.device)
         cache_dtype = config.cache_config.cache_dtype
         self.kv_dtype = self.dtype if cache_dtype == "auto" else resolve_dtype(cache_dtype)
-        self.tp_size = config.parallel_config.tensor_parallel_size
+        pc = config.parallel_config
+        self.tp_size, self.pp_size = pc.tensor_parallel_size, pc.pipeline_parallel_size
+        self.num_ranks = pc.world_size
+        if self.pp_size > 1 and config.speculative_config is not None:
+            raise ValueError("speculative_config is not supported with pipeline parallelism "
+                             "yet (pipeline_parallel_size 1)")
         if on_gpu and self.tp_size > 1 and config.cache_config.num_blocks is None:
             # the profile run that sizes the pool by --gpu-memory-utilization is one process's
             raise ValueError("tensor parallelism on cuda needs --num-blocks: the KV pool is not "
                              "sized from --gpu-memory-utilization across ranks yet")
         free_at_start = torch.cuda.mem_get_info(self.device)[0] if on_gpu else 0
         # quantized weights are the CPU's, one process's (refused here, before anything loads)
-        quantization = resolve_quantization(mc.quantization, self.model_path, self.tp_size, on_gpu)
+        quantization = resolve_quantization(mc.quantization, self.model_path, self.num_ranks, on_gpu)
         weight_dtype = storage_dtype(mc.weight_dtype, self.dtype, not on_gpu, quantization,
-                                     self.tp_size)
-        if self.tp_size > 1:  # the executor's ranks load their shards; never the whole model here
+                                     self.num_ranks)
+        if self.num_ranks > 1:  # the executor's ranks load their shards; never the whole model here
             model, self.arch = None, load_arch_config(self.model_path)
         else:
             model, self.arch = load_model(self.model_path, self.dtype,
@@ -75,10 +92,14 @@ class EngineCore(EngineKVTransferMixin):
         # under tensor parallelism each rank holds its KV heads' share of every block
         self.kv_bytes_per_token = kv_bytes_per_token_per_rank(self.arch, self.tp_size,
                                                               self.kv_dtype.itemsize)
+        if self.pp_size > 1:  # a stage holds its layers' KV only; the largest stage decides
+            self.kv_bytes_per_token = (self.kv_bytes_per_token * len(stage_layers(
+                self.arch.num_hidden_layers, self.pp_size, 0)) // self.arch.num_hidden_layers)
         # with sliding windows a block spans one KV cache group's layers, not all of them
         windows = tuple(self.arch.layer_windows())
         group_layers = len(make_kv_cache_groups(windows)[0].layers)
-        block_bytes_per_token = self.kv_bytes_per_token * group_layers // self.arch.num_hidden_layers
+        block_bytes_per_token = (self.kv_bytes_per_token * group_layers // self.arch.num_hidden_layers
+                                 if self.pp_size == 1 else self.kv_bytes_per_token)
         self.gpu_memory = None
         if on_gpu and config.cache_config.num_blocks is None:
             # weights, a profile run of the largest step, then the KV pool gets what is left
@@ -115,11 +136,12 @@ class EngineCore(EngineKVTransferMixin):
         if config.kv_transfer is not None:  # refused before any worker starts
             self._check_kv_transfer_config(cc)
         self._kv_trace: list[dict] = []  # transfers that ended since the last traced step
+        self._batch_queue: deque[_StartedStep] = deque()  # steps started, not yet finished
         # runs each step: in this process, or over tensor_parallel_size ranks
         self.executor: Executor = (
             TPExecutor(config, self.model_path, self.arch, self.dtype, self.kv_dtype,
                        cc.num_blocks, cc.block_size, self.arch.eos_token_ids,
-                       self.device.type) if self.tp_size > 1
+                       self.device.type) if self.num_ranks > 1
             else UniProcExecutor(model, self.arch, cc.num_blocks, cc.block_size, self.kv_dtype,
                                  self.arch.eos_token_ids, self.device,
                                  decode_graphs_for(self.arch, cc.block_size, sc.max_num_seqs,
@@ -127,6 +149,7 @@ class EngineCore(EngineKVTransferMixin):
                                                    capture=not mc.enforce_eager)
                                  # an expert block groups tokens on the host (moe.py): no graph
                                  if on_gpu and not self.arch.num_experts else None))
+        self.scheduler.max_concurrent_batches = self.executor.max_concurrent_batches
         try:
             if config.kv_transfer is not None:
                 self.kv_agent = KVTransferAgent(config.kv_transfer, self.kv_compat(),
@@ -177,6 +200,10 @@ class EngineCore(EngineKVTransferMixin):
                 f"{self.max_model_len}: {max_concurrency(cc.num_blocks // len(groups), cc.block_size, self.max_model_len):.2f}; "
                 f"threads {torch.get_num_threads()}; "
                 + (f"tensor-parallel size {self.tp_size} (KV per rank); " if self.tp_size > 1 else "")
+                + (f"pipeline-parallel size {self.pp_size} (KV per stage, up to "
+                   f"{self.pp_size} steps in flight); " if self.pp_size > 1 else "")
+                + (f"{self.config.parallel_config.distributed_executor_backend} executor; "
+                   if self.num_ranks > 1 else "")
                 + (self._gpu_report() if self.device.type == "cuda" else "")
                 + f"{self.executor.runner.model.kernels.describe()}; "
                 + (f"{self.spec.describe()}; " if self.spec is not None else "")
@@ -228,6 +255,9 @@ class EngineCore(EngineKVTransferMixin):
         if params.kv_transfer_params is not None:
             self._check_kv_transfer(r)
         so = params.structured_outputs
+        if so is not None and self.pp_size > 1:
+            raise ValueError("structured_outputs: not supported with pipeline parallelism yet "
+                             "(pipeline_parallel_size 1)")
         if so is not None:  # a 400 naming the problem, never unconstrained output
             validate_structured_outputs(so, self.config.structured_outputs_backend)
         eos = r.eos_token_ids if r.eos_token_ids is not None else self.arch.eos_token_ids
@@ -250,7 +280,7 @@ class EngineCore(EngineKVTransferMixin):
         self._cancel_loads()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._batch_queue)
 
     def reset_prefix_cache(self) -> bool:
         """Clear the prefix cache; refused (False) while requests are running."""
@@ -258,6 +288,27 @@ class EngineCore(EngineKVTransferMixin):
 
     # -- the loop ------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
+        """One turn of the loop: schedule a step and start it, then finish the oldest step in
+        flight. With one step in flight at most (no pipeline) that is the step just started;
+        under pipeline parallelism (vLLM's batch queue) up to `max_concurrent_batches` steps
+        are in the pipeline, a new one is scheduled while the older ones run, and a step is
+        finished only when the queue is full or nothing new could be scheduled."""
+        queue = self._batch_queue
+        started = None
+        if len(queue) < self.executor.max_concurrent_batches:
+            started = self._start_step()
+            if not isinstance(started, _StartedStep):
+                if not queue:
+                    return started  # nothing ran (its stats only)
+                started = None
+            else:
+                queue.append(started)
+        if queue and (started is None or len(queue) >= self.executor.max_concurrent_batches):
+            return self._finish_step(queue.popleft())
+        return EngineCoreOutputs(scheduler_stats=self.stats(started.sched_out, 0.0))
+
+    def _start_step(self):
+        """Schedule and start a step: its _StartedStep, or the outputs of an empty one."""
         start = time.time()
         t0 = time.perf_counter()
         if self.kv_agent is not None:
@@ -278,11 +329,19 @@ class EngineCore(EngineKVTransferMixin):
                 also_allowed=sched_out.structured_output_also_allowed,
                 drafts=sched_out.scheduled_spec_decode_tokens)
             try:
-                runner_out = self.executor.execute(sched_out, grammar)
+                handle = CompletedStep(self.executor.execute(sched_out, grammar))
             finally:
                 grammar.wait()  # no matcher advances while the fill may still read it
+        elif self.executor.max_concurrent_batches > 1:
+            handle = self.executor.execute_async(sched_out)  # returns while the pipeline works
         else:
-            runner_out = self.executor.execute(sched_out)
+            handle = CompletedStep(self.executor.execute(sched_out))
+        return _StartedStep(sched_out, handle, start, t0)
+
+    def _finish_step(self, started: "_StartedStep") -> EngineCoreOutputs:
+        """Wait for a started step's tokens and apply them: stops, drafts, outputs."""
+        sched_out, start, t0 = started.sched_out, started.start, started.t0
+        runner_out = started.handle.result()
         updates = self.scheduler.update_from_output(sched_out, runner_out.sampled)
         if self.spec is not None:  # drafts for the next step, from this step's outcome
             self.scheduler.update_draft_token_ids(self.spec.propose(

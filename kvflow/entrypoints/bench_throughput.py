@@ -30,7 +30,8 @@ def run_throughput(engine_kwargs: dict, num_prompts: int = 128, min_len: int = 3
               "output_tokens": n_out, "wall_s": wall, "output_tok_s": n_out / wall,
               "total_tok_s": (n_in + n_out) / wall, "startup_s": startup,
               "dtype": str(core.dtype).removeprefix("torch."), "threads": core.config.num_threads,
-              "tensor_parallel_size": core.tp_size}
+              "tensor_parallel_size": core.tp_size, "pipeline_parallel_size": core.pp_size,
+              "distributed_executor_backend": core.config.parallel_config.distributed_executor_backend}
     result.update(core.executor.comm_summary())
     llm.engine.shutdown()
     return result

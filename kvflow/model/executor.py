@@ -13,6 +13,18 @@ from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.runner import ModelRunner, ModelRunnerOutput
 
 
+class CompletedStep:
+    """A step that has finished already."""
+
+    __slots__ = ("_out",)
+
+    def __init__(self, out: ModelRunnerOutput) -> None:
+        self._out = out
+
+    def result(self) -> ModelRunnerOutput:
+        return self._out
+
+
 class Executor(ABC):
     """Runs each step's forward and sampling. `runner` is this process's ModelRunner (the
     driver rank's under tensor parallelism)."""
@@ -23,6 +35,16 @@ class Executor(ABC):
     def execute(self, sched_out: SchedulerOutput, grammar=None) -> ModelRunnerOutput:
         """One step: the forward over the scheduled tokens, then the sampled token ids;
         `grammar` masks the constrained rows' logits (ModelRunner.execute)."""
+
+    def execute_async(self, sched_out: SchedulerOutput, grammar=None):
+        """Start one step; `.result()` of what it returns is `execute`'s output. Only a
+        pipeline-parallel executor returns before the step is done (max_concurrent_batches)."""
+        return CompletedStep(self.execute(sched_out, grammar))
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """How many steps the engine may keep in flight (pipeline stages; 1 otherwise)."""
+        return 1
 
     @abstractmethod
     def check_health(self) -> None:

@@ -178,17 +178,24 @@ class LlamaForCausalLM(nn.Module):
     operation (default: chosen here for `dtype` on the CPU, or on `device`)."""
 
     def __init__(self, arch: LlamaArchConfig, dtype: torch.dtype, device=None,
-                 max_position: int | None = None, tp=None, kernels: Kernels | None = None):
+                 max_position: int | None = None, tp=None, kernels: Kernels | None = None,
+                 layers: range | None = None):
         super().__init__()
         self.arch, self.dtype, self.tp = arch, dtype, tp
         shard = arch if tp is None else local_arch(arch, tp.world_size)
         h = arch.hidden_size
-        self.embed_tokens = _weight(shard.vocab_size, h, dtype=dtype, device=device)
+        # a pipeline stage holds `layers` (global indices) only: the embedding on the first
+        # stage, the final norm and the LM head on the last (a tied head: the embedding there)
+        layers = range(arch.num_hidden_layers) if layers is None else layers
+        self.pp_first, self.pp_last = layers.start == 0, layers.stop == arch.num_hidden_layers
+        needs_embedding = self.pp_first or (self.pp_last and arch.tie_word_embeddings)
+        self.embed_tokens = (_weight(shard.vocab_size, h, dtype=dtype, device=device)
+                             if needs_embedding else None)
         self.layers = nn.ModuleList(LlamaDecoderLayer(shard, dtype, device, tp, layer_idx=i)
-                                    for i in range(arch.num_hidden_layers))
-        self.norm = _weight(h, dtype=dtype, device=device)
+                                    for i in layers)
+        self.norm = _weight(h, dtype=dtype, device=device) if self.pp_last else None
         # tied models read the embedding matrix directly (no second parameter to keep in sync)
-        self.lm_head = (None if arch.tie_word_embeddings
+        self.lm_head = (None if arch.tie_word_embeddings or not self.pp_last
                         else _weight(shard.vocab_size, h, dtype=dtype, device=device))
         # cos/sin in fp32 like HF; on the CPU even when the weights start on the meta device
         rope_device = None if device is None or torch.device(device).type == "meta" else device
@@ -208,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
         """Keep prepacked copies of the projections and the LM head beside the weights
         (which stay as they are for state_dict and the embedding). False: not usable here."""
         pack = self.kernels.pack
-        if self.embed_tokens.device.type != "cpu" or pack is None:
+        if self.layers[0].input_layernorm.device.type != "cpu" or pack is None:
             return False
         for layer in self.layers:
             layer.packed = {name: pack(getattr(layer, name), gate_up=name == "gate_up_proj")
@@ -216,16 +223,22 @@ class LlamaForCausalLM(nn.Module):
                             if getattr(layer, name) is not None}
             if layer.moe is not None:
                 layer.moe.pack_weights(pack)
-        self.packed_lm_head = pack(self.embed_tokens if self.lm_head is None else self.lm_head)
+        if self.pp_last:
+            self.packed_lm_head = pack(self.embed_tokens if self.lm_head is None else self.lm_head)
         return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | np.ndarray,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                attn_metadata: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
+                attn_metadata: AttentionMetadata | list[AttentionMetadata],
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] for the flat batch; K/V land in `kv_caches`.
         `attn_metadata`: one for all layers, or one per layer (its KV cache group's, which
-        carries a sliding window where the layer has one)."""
-        if self.quantized_embedding is not None:
+        carries a sliding window where the layer has one). A pipeline stage other than the
+        first takes `hidden` = the previous stage's [2, T, hidden] (the residual stream and the
+        last MLP output not yet added); one other than the last returns that pair, not normed."""
+        if hidden is not None:
+            x, delta = hidden[0], hidden[1]
+        elif self.quantized_embedding is not None:
             x = self.quantized_embedding(input_ids)
         elif self.tp is None:
             x = F.embedding(input_ids, self.embed_tokens)
@@ -238,14 +251,18 @@ class LlamaForCausalLM(nn.Module):
             pos = positions if isinstance(positions, np.ndarray) else positions.numpy()
             rope = (np.ascontiguousarray(pos, dtype=np.int64), self.rope_cos, self.rope_sin)
         kernels = self.kernels
-        if first.device_positions is None and first.num_decodes == first.num_tokens:
+        whole = self.pp_first and self.pp_last
+        if whole and first.device_positions is None and first.num_decodes == first.num_tokens:
             delta = self._run_decode_graph(x, rope[0], kv_caches, attn_metadata)
             if delta is not None:
                 return kernels.add_rms_norm(x, delta, self.norm, self.arch.rms_norm_eps)
-        delta = None
+        if hidden is None:
+            delta = None
         metas = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata] * len(self.layers)
         for layer, kv_cache, meta in zip(self.layers, kv_caches, metas):
             x, delta = layer(x, delta, rope, kv_cache, meta, kernels)
+        if not self.pp_last:
+            return torch.stack((x, delta))
         return kernels.add_rms_norm(x, delta, self.norm, self.arch.rms_norm_eps)
 
     def _run_decode_graph(self, x: torch.Tensor, positions: np.ndarray, kv_caches: list,

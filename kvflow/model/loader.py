@@ -99,15 +99,21 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None 
 
 
 def load_sharded_model(path: str, dtype: torch.dtype, tp,
-                       device: torch.device | str | None = None) -> tuple[LlamaForCausalLM, LlamaArchConfig]:
+                       device: torch.device | str | None = None,
+                       layers: range | None = None) -> tuple[LlamaForCausalLM, LlamaArchConfig]:
     """Rank `tp.rank`'s LlamaForCausalLM shard (built on the meta device, then given its slices;
-    moved to `device` when given) and the full model's arch."""
+    moved to `device` when given) and the full model's arch. `tp` None: one rank, all heads;
+    `layers`: a pipeline stage's decoder layers only (default: all)."""
+    rank, size = (0, 1) if tp is None else (tp.rank, tp.world_size)
     if checkpoint_method(path) is not None:  # raises: quantized checkpoints are not sharded
-        resolve_quantization(None, path, tp_size=tp.world_size)
+        resolve_quantization(None, path, tp_size=max(size, 2))
     arch = load_arch_config(path)
-    weights = load_shard(path, arch, dtype, tp.rank, tp.world_size)
+    if arch.architecture == "Gemma3ForCausalLM":
+        raise ValueError("Gemma 3 does not run tensor- or pipeline-parallel yet; use "
+                         "tensor_parallel_size=1 and pipeline_parallel_size=1")
+    weights = load_shard(path, arch, dtype, rank, size, layers)
     kernels = select_kernels(dtype, device=device) if device is not None else None
-    model = LlamaForCausalLM(arch, dtype, device="meta", tp=tp, kernels=kernels)
+    model = LlamaForCausalLM(arch, dtype, device="meta", tp=tp, kernels=kernels, layers=layers)
     model.load_state_dict(weights, strict=True, assign=True)
     model.eval()
     if device is not None:

@@ -56,10 +56,14 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, arch: LlamaArchConfig, num_blocks: int,
                  block_size: int, kv_dtype: torch.dtype,
                  eos_token_id: int | Sequence[int] | None, *, device: torch.device | str = "cpu",
-                 graphs: DecodeGraphs | None = None, kv_memory=None) -> None:
+                 graphs: DecodeGraphs | None = None, kv_memory=None, pp=None) -> None:
         # kv_memory: where the CPU KV cache lives (allocate_kv_caches's `zeros`); a shared file
         # when the tensor-parallel driver moves this rank's blocks (distributed/shared_kv.py)
+        # pp: this rank's pipeline stage (kvflow.distributed.pipeline.PipelineGroup): a stage
+        # other than the first receives the previous one's hidden states instead of embedding
+        # the tokens, one other than the last sends its own on and samples nothing
         self.model = model
+        self.pp = pp
         self.arch = arch
         self.block_size = block_size
         self.eos_token_ids = eos_ids(eos_token_id)  # the model's, all of them
@@ -173,7 +177,7 @@ class ModelRunner:
             hidden = self._forward(torch.tensor(input_ids, dtype=torch.long).to(self.device), layer_metas)
 
         result = ModelRunnerOutput()
-        if len(rows) == 0:
+        if len(rows) == 0 or (self.pp is not None and not self.pp.is_last):
             return result
         if spec:
             return self._verify(hidden, meta.query_start_loc, rows, states, spec, grammar)
@@ -260,7 +264,15 @@ class ModelRunner:
     def _forward(self, input_ids: torch.Tensor, meta) -> torch.Tensor:
         """`meta`: one AttentionMetadata, or one per layer (its KV cache group's)."""
         positions = (meta[0] if isinstance(meta, list) else meta).positions
-        return self.model(input_ids, positions, self.kv_caches, meta)
+        pp = self.pp
+        if pp is None:
+            return self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = (None if pp.is_first else
+                  pp.recv_hidden(input_ids.shape[0], self.arch.hidden_size, self.model.dtype))
+        out = self.model(input_ids, positions, self.kv_caches, meta, hidden=hidden)
+        if not pp.is_last:
+            pp.send_hidden(out)
+        return out
 
     def _sampling_row(self, s: CachedRequestState) -> SamplingRow:
         # token histories are copied only for requests whose sampling reads them

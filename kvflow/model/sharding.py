@@ -201,8 +201,12 @@ def _expert_shard(ckpt: "_Checkpoint", arch: LlamaArchConfig, i: int, fused: boo
 
 
 def load_shard(path: str, arch: LlamaArchConfig, dtype: torch.dtype, rank: int,
-               size: int) -> dict[str, torch.Tensor]:
-    """Rank `rank`'s weights under kvflow's fused names, read slice by slice."""
+               size: int, layers: range | None = None) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s weights under kvflow's fused names, read slice by slice. `layers`: a
+    pipeline stage's decoder layers only (numbered from 0 in the result), with the embedding
+    on the first stage and the final norm and LM head on the last."""
+    layers = range(arch.num_hidden_layers) if layers is None else layers
+    first, last = layers.start == 0, layers.stop == arch.num_hidden_layers
     lay = shard_layout(arch, rank, size)
     if is_gguf(path):
         ckpt, fused = _Checkpoint([ensure_gguf_cache(path, dtype)]), True
@@ -222,14 +226,17 @@ def load_shard(path: str, arch: LlamaArchConfig, dtype: torch.dtype, rank: int,
         out[:lay.vocab_end - lay.vocab_start] = ckpt.read(name, rows=(lay.vocab_start, lay.vocab_end))
         return out
 
-    out = {"embed_tokens": vocab_rows(glob_names["embed"]),
-           "norm": ckpt.read(glob_names["norm"]).to(dtype)}
-    if not arch.tie_word_embeddings:
-        out["lm_head"] = vocab_rows(glob_names["lm_head"])
+    out = {}
+    if first or (last and arch.tie_word_embeddings):
+        out["embed_tokens"] = vocab_rows(glob_names["embed"])
+    if last:
+        out["norm"] = ckpt.read(glob_names["norm"]).to(dtype)
+        if not arch.tie_word_embeddings:
+            out["lm_head"] = vocab_rows(glob_names["lm_head"])
     q0, nq = lay.q_head_start * d, lay.num_heads * d
     k0, nk = lay.kv_head_start * d, lay.num_kv_heads * d
     i0, ni = lay.inter_start, lay.intermediate_size
-    for i in range(arch.num_hidden_layers):
+    for i in layers:
         names = (_fused_names(i, arch) if fused else _phi3_names(i, arch)
                  if arch.architecture == "Phi3ForCausalLM" else _hf_names(i))
         p = f"layers.{i}."
@@ -248,7 +255,16 @@ def load_shard(path: str, arch: LlamaArchConfig, dtype: torch.dtype, rank: int,
             continue
         out[p + "gate_up_proj"] = torch.cat([rows(names, "gate", i0, ni), rows(names, "up", i0, ni)])
         out[p + "down_proj"] = ckpt.read(names["down"][0], cols=(i0, i0 + ni)).to(dtype)
+    if layers.start:  # a later stage: its first layer is the module's layers.0
+        out = {_renumber(k, layers.start): v for k, v in out.items()}
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _renumber(name: str, offset: int) -> str:
+    if not name.startswith("layers."):
+        return name
+    i, rest = name[len("layers."):].split(".", 1)
+    return f"layers.{int(i) - offset}.{rest}"
 
 
 def _open_hf_folder(path: str) -> _Checkpoint:

@@ -35,3 +35,16 @@ def start_child_process(parent_pid: int | None) -> bool:
         return True
     die_with_parent()
     return parent_alive(parent_pid)
+
+
+def pid_alive(pid: int | None) -> bool:
+    """Whether a process `pid` exists on this machine (None: unknown, taken as alive)."""
+    if pid is None:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
