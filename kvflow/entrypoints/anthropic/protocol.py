@@ -5,7 +5,7 @@ and string is bounded. Content blocks are read one by one (`blocks_of`) so that 
 `messages[i].content[j]`."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -44,7 +44,7 @@ class ToolUseBlock(OpenAIBaseModel):
 class ToolResultBlock(OpenAIBaseModel):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
-    content: str | list[TextBlock] = Field("", max_length=MAX_BLOCKS)
+    content: str | Annotated[list[TextBlock], Field(max_length=MAX_BLOCKS)] = ""
     is_error: bool = False
 
     def text(self) -> str:
@@ -95,7 +95,7 @@ def blocks_of(content: str | list[dict], where: str) -> list:
 
 class MessageParam(OpenAIBaseModel):
     role: Literal["user", "assistant"]
-    content: str | list[dict[str, Any]] = Field(max_length=MAX_BLOCKS)
+    content: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_BLOCKS)]
 
 
 class Tool(OpenAIBaseModel):
@@ -146,7 +146,7 @@ class Metadata(OpenAIBaseModel):
 class _Request(OpenAIBaseModel):
     model: str = Field(max_length=MAX_ID_CHARS)
     messages: list[MessageParam] = Field(max_length=MAX_MESSAGES)
-    system: str | list[TextBlock] | None = Field(None, max_length=MAX_BLOCKS)
+    system: str | Annotated[list[TextBlock], Field(max_length=MAX_BLOCKS)] | None = None
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
 

@@ -21,7 +21,7 @@ from kvflow.entrypoints.anthropic.errors import (AnthropicRoute, anthropic_error
 from kvflow.entrypoints.anthropic.protocol import (CountTokensRequest, MessagesRequest, TextBlock,
                                                    ToolResultBlock, ToolUseBlock, _Request,
                                                    blocks_of)
-from kvflow.entrypoints.openai.errors import APIError, validation_message
+from kvflow.entrypoints.openai.errors import APIError, renamed, validation_message
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest
 from kvflow.entrypoints.openai.serving_chat import OpenAIServingChat, tool_dicts
 from kvflow.entrypoints.openai.serving_engine import STREAM_ERRORS, until_disconnected
@@ -105,7 +105,7 @@ def validated(body: dict) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
         message, param = validation_message(e.errors())
-        raise APIError(400, message, _PARAMS.get(param, param), "invalid_value") from None
+        raise renamed(APIError(400, message, param, "invalid_value"), _PARAMS) from None
 
 
 def stop_reason_of(finish_reason: str | None, matched, stop_sequences: list[str] | None):
@@ -224,8 +224,7 @@ class AnthropicServingMessages:
         try:
             job = await self.chat.prepare(chat_req)
         except APIError as e:
-            raise APIError(e.status, e.message, _PARAMS.get(e.param, e.param), e.code,
-                           e.headers) from None
+            raise renamed(e, _PARAMS) from None
         job.include_usage = True
         stream = MessageStream(req.model, len(job.prompt_ids), req.stop_sequences)
         events = self.events(job, stream)

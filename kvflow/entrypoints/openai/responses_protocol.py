@@ -4,7 +4,7 @@ are ignored, a field OpenAI defines and kvflow does not implement (`background`,
 Input items are checked one by one (`input_messages`) so that an error names `input[i]`."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
@@ -46,10 +46,11 @@ class InputText(OpenAIBaseModel):
         return (self.refusal if self.type == "refusal" else self.text) or ""
 
 
+# (a count on `str | list` is given to the list alone: on the union it would cap the string)
 class MessageItem(OpenAIBaseModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputText] = Field(max_length=MAX_CONTENT_PARTS)
+    content: str | Annotated[list[InputText], Field(max_length=MAX_CONTENT_PARTS)]
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -68,7 +69,7 @@ class FunctionCallItem(OpenAIBaseModel):
 class FunctionCallOutputItem(OpenAIBaseModel):
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
-    output: str | list[InputText] = Field(max_length=MAX_CONTENT_PARTS)
+    output: str | Annotated[list[InputText], Field(max_length=MAX_CONTENT_PARTS)]
 
     def text(self) -> str:
         if isinstance(self.output, str):
@@ -158,7 +159,7 @@ class FunctionToolChoice(OpenAIBaseModel):
 
 class ResponsesRequest(OpenAIBaseModel):
     model: str | None = None
-    input: str | list[dict[str, Any]] = Field(max_length=MAX_INPUT_ITEMS)
+    input: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_INPUT_ITEMS)]
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None

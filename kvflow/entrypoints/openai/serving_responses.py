@@ -7,7 +7,6 @@ reasoning; `ResponseStream` turns its chunks into the Responses API's output ite
 The non-streamed response is the same events' final state."""
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,7 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from kvflow.entrypoints.openai.errors import APIError, validation_message
+from kvflow.entrypoints.openai.errors import APIError, renamed, validation_message
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest
 from kvflow.entrypoints.openai.response_store import ResponseStore
 from kvflow.entrypoints.openai.responses_protocol import (FunctionCallItem, FunctionCallOutputItem,
@@ -31,15 +30,6 @@ from kvflow.entrypoints.openai.serving_engine import (STREAM_ERRORS, stream_erro
 _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
            "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
            "structured_outputs": "text.format"}
-_PARAM_PREFIX = re.compile(r"^(" + "|".join(_PARAMS) + r")\b")
-
-
-def renamed(e: APIError) -> APIError:
-    """A chat-path error, naming the Responses API's field instead of the chat field."""
-    if e.param not in _PARAMS:
-        return e
-    message = _PARAM_PREFIX.sub(lambda m: _PARAMS[m.group(1)], e.message)
-    return APIError(e.status, message, _PARAMS[e.param], e.code, e.headers)
 
 
 def _hex(prefix: str) -> str:
@@ -90,7 +80,7 @@ def chat_request(req: ResponsesRequest, messages: list[dict]) -> ChatCompletionR
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
         message, param = validation_message(e.errors())
-        raise renamed(APIError(400, message, param, "invalid_value")) from None
+        raise renamed(APIError(400, message, param, "invalid_value"), _PARAMS) from None
 
 
 def usage_of(chat_usage: dict | None, reasoning_tokens: int) -> dict:
@@ -294,7 +284,7 @@ class OpenAIServingResponses:
         try:
             job = await self.chat.prepare(chat_request(req, system + history + turn))
         except APIError as e:
-            raise renamed(e) from None
+            raise renamed(e, _PARAMS) from None
         job.include_usage = True
         stream = ResponseStream(response_skeleton(req, job.model), self._count_tokens)
         events = self.events(job, stream, history + turn if req.store else None)
