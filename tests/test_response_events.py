@@ -3,18 +3,22 @@ objects out; input items and content blocks to chat messages; the bounded respon
 the API key in either header."""
 from __future__ import annotations
 
+import asyncio
+import json
+
 import pytest
 
+from kvflow.engine.core_client import EngineDeadError
 from kvflow.entrypoints.anthropic.protocol import MessagesRequest
-from kvflow.entrypoints.anthropic.serving_messages import MessageStream
+from kvflow.entrypoints.anthropic.serving_messages import AnthropicServingMessages, MessageStream
 from kvflow.entrypoints.anthropic.serving_messages import chat_messages as anthropic_messages
 from kvflow.entrypoints.openai.api_server import Gate
 from kvflow.entrypoints.openai.errors import APIError
 from kvflow.entrypoints.openai.response_store import ResponseStore
 from kvflow.entrypoints.openai.responses_protocol import ResponsesRequest, input_items
 from kvflow.entrypoints.openai.server_settings import ServerSettings
-from kvflow.entrypoints.openai.serving_responses import (ResponseStream, chat_messages,
-                                                         response_skeleton)
+from kvflow.entrypoints.openai.serving_responses import (OpenAIServingResponses, ResponseStream,
+                                                         chat_messages, response_skeleton)
 
 
 def chunk(delta: dict, finish: str | None = None, stop_reason=None) -> dict:
@@ -249,3 +253,41 @@ def test_the_api_key_comes_as_a_bearer_token_or_as_x_api_key():
     assert not gate._authorized(scope((b"x-api-key", b"wrong")))
     assert not gate._authorized(scope((b"authorization", b"Bearer wrong"), (b"x-api-key", b"s3cret")))
     assert not gate._authorized(scope())
+
+
+async def failing(events: list[dict], error: BaseException):
+    for e in events:
+        yield e
+    raise error
+
+
+def frames(raw: list[bytes]) -> list[tuple[str, dict]]:
+    out = []
+    for frame in raw:
+        event, data = frame.decode().rstrip("\n").split("\n")
+        out.append((event.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return out
+
+
+async def collect(agen) -> list[bytes]:
+    return [b async for b in agen]
+
+
+def test_an_error_in_a_begun_responses_stream_is_an_error_event():
+    req = ResponsesRequest.model_validate({"input": "hi"})
+    stream = ResponseStream(response_skeleton(req, "m"))
+    gen = failing(stream.begin(), APIError(400, "prompt: too long", "prompt", "invalid_value"))
+    got = frames(asyncio.run(collect(OpenAIServingResponses.sse(gen, stream))))
+    assert [name for name, _ in got] == ["response.created", "response.in_progress", "error"]
+    assert got[-1][1] == {"type": "error", "code": "invalid_value", "message": "prompt: too long",
+                          "param": "prompt", "sequence_number": 2}
+
+
+def test_an_error_in_a_begun_messages_stream_is_an_anthropic_error_event():
+    stream = MessageStream("m", 3, None)
+    gen = failing(stream.begin(), EngineDeadError("the engine core process exited"))
+    got = frames(asyncio.run(collect(AnthropicServingMessages.sse(gen))))
+    assert [name for name, _ in got] == ["message_start", "ping", "error"]
+    assert got[-1][1]["type"] == "error"
+    assert got[-1][1]["error"]["type"] == "overloaded_error"
+    assert "engine" in got[-1][1]["error"]["message"]

@@ -200,6 +200,7 @@ def openai_error(resp: httpx.Response, status: int = 400) -> dict:
 
 LONE = r"\ud800"  # a JSON escape: the parsed string holds a lone surrogate
 NESTED = {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}
+DEEP = json.loads("[" * 900 + "]" * 900)  # parses, but no schema or template can go so deep
 
 
 def responses_cases() -> list[tuple[dict | bytes, str]]:
@@ -231,6 +232,10 @@ def responses_cases() -> list[tuple[dict | bytes, str]]:
         ({**hi, "tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "tools": []}},
          "tool_choice"),
         ({**hi, "tools": [{**WEATHER, "parameters": NESTED}], "tool_choice": "required"}, "tools"),
+        ({**hi, "tools": [{**WEATHER, "parameters": {"type": "object", "x": DEEP}}],
+          "tool_choice": "required"}, "tools"),
+        ({**hi, "text": {"format": {"type": "json_schema", "name": "x",
+                                    "schema": {"type": "object", "x": DEEP}}}}, "text.format"),
         ({**hi, "previous_response_id": "r" * 1000}, "previous_response_id"),
         ({**hi, "max_output_tokens": 2**70}, "max_output_tokens"),
         ({**hi, "max_output_tokens": MAX_MODEL_LEN}, "max_output_tokens"),
@@ -434,6 +439,10 @@ def messages_cases() -> list[tuple[dict | bytes, str]]:
         ({**hi, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search"),
         ({**hi, "tools": [ANTHROPIC_WEATHER] * 129}, "tools"),
         ({**hi, "tools": [ANTHROPIC_WEATHER], "tool_choice": {"type": "tool"}}, "tool_choice"),
+        ({**hi, "tools": [{**ANTHROPIC_WEATHER, "input_schema": {"type": "object", "x": DEEP}}],
+          "tool_choice": {"type": "any"}}, "tools"),
+        ({**hi, "messages": [{"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t", "name": "f", "input": {"x": DEEP}}]}]}, "messages"),
         ({**hi, "tools": [ANTHROPIC_WEATHER], "tool_choice": {"type": "tool", "name": "nope"}},
          "tool_choice"),
         ({**hi, "tool_choice": {"type": "any"}}, "tool_choice"),
