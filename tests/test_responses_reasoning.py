@@ -1,7 +1,8 @@
-"""`--reasoning-parser` through the Responses and Messages APIs: one real `kvflow serve` of the
-default model with `deepseek_r1`, under which every output begins in reasoning (the tiny model
-never writes `</think>`, so all it says is reasoning): a `reasoning` output item, a `thinking`
-block, streamed as their own events and equal to the chat API's `reasoning_content`."""
+"""`--reasoning-parser` and `--tool-call-parser` through the Responses and Messages APIs: one
+real `kvflow serve` of the default model with `deepseek_r1`, under which every output begins in
+reasoning (the tiny model never writes `</think>`, so all it says is reasoning): a `reasoning`
+output item, a `thinking` block, streamed as their own events and equal to the chat API's
+`reasoning_content`; and with `hermes`, tool_choice auto is served."""
 from __future__ import annotations
 
 import anthropic
@@ -19,7 +20,7 @@ ASK = [{"role": "user", "content": "Name three fruits."}]
 @pytest.fixture(scope="module")
 def server():
     srv = ServerProcess("--max-model-len", "256", "--num-blocks", "64",
-                        "--reasoning-parser", "deepseek_r1")
+                        "--reasoning-parser", "deepseek_r1", "--tool-call-parser", "hermes")
     yield srv
     srv.close()
 
@@ -70,3 +71,16 @@ def test_the_reasoning_is_a_thinking_block(server, chat_reasoning):
                                    extra_body={"temperature": 0})
     assert again.usage.input_tokens == client.messages.count_tokens(
         model=MODEL, messages=later("")).input_tokens
+
+
+def test_tool_choice_auto_is_served_with_a_tool_call_parser(server):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    r = oai.responses.create(model=MODEL, input=ASK, max_output_tokens=8, temperature=0,
+                             tools=[{"type": "function", "name": "get_weather",
+                                     "parameters": schema}])
+    assert r.tool_choice == "auto" and r.output[0].type == "reasoning"
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    m = claude.messages.create(model=MODEL, max_tokens=8, messages=ASK, extra_body={"temperature": 0},
+                               tools=[{"name": "get_weather", "input_schema": schema}])
+    assert m.content[0].type == "thinking"
