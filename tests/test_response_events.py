@@ -13,12 +13,14 @@ from kvflow.entrypoints.anthropic.protocol import MessagesRequest
 from kvflow.entrypoints.anthropic.serving_messages import AnthropicServingMessages, MessageStream
 from kvflow.entrypoints.anthropic.serving_messages import chat_messages as anthropic_messages
 from kvflow.entrypoints.openai.api_server import Gate
+from kvflow.entrypoints.openai.chat_output import MessageParser
 from kvflow.entrypoints.openai.errors import APIError
 from kvflow.entrypoints.openai.response_store import ResponseStore
 from kvflow.entrypoints.openai.responses_protocol import ResponsesRequest, input_items
 from kvflow.entrypoints.openai.server_settings import ServerSettings
 from kvflow.entrypoints.openai.serving_responses import (OpenAIServingResponses, ResponseStream,
                                                          chat_messages, response_skeleton)
+from kvflow.entrypoints.openai.tool_parsers import HermesToolParser
 
 
 def chunk(delta: dict, finish: str | None = None, stop_reason=None) -> dict:
@@ -291,3 +293,38 @@ def test_an_error_in_a_begun_messages_stream_is_an_anthropic_error_event():
     assert got[-1][1]["type"] == "error"
     assert got[-1][1]["error"]["type"] == "overloaded_error"
     assert "engine" in got[-1][1]["error"]["message"]
+
+
+def hermes_chunks(text: str) -> list[dict]:
+    """The chat path's chunks for `text`, fed a few characters at a time through its parser."""
+    parser = MessageParser(None, HermesToolParser())
+    pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+    out = []
+    for i, piece in enumerate(pieces):
+        final = i == len(pieces) - 1
+        delta = parser.feed(piece, final=final)
+        if delta or final:
+            out.append(chunk(delta, finish=("tool_calls" if parser.called else "stop")
+                             if final else None))
+    return out + [usage(10, 20)]
+
+
+CALL_TEXT = 'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+def test_a_model_s_own_tool_call_read_by_its_parser_is_a_function_call_item_and_a_tool_use():
+    events, stream = run_response(hermes_chunks(CALL_TEXT))
+    out = stream.response["output"]
+    assert [i["type"] for i in out] == ["message", "function_call"]
+    assert out[0]["content"][0]["text"] == "Sure. "
+    assert out[1]["name"] == "get_weather" and json.loads(out[1]["arguments"]) == {"city": "Paris"}
+    deltas = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
+    assert "".join(deltas) == out[1]["arguments"]
+
+    messages = MessageStream("m", 10, None)
+    for c in hermes_chunks(CALL_TEXT):
+        messages.feed(c)
+    messages.finish()
+    content = messages.message["content"]
+    assert [b["type"] for b in content] == ["text", "tool_use"]
+    assert content[1]["input"] == {"city": "Paris"} and messages.message["stop_reason"] == "tool_use"
