@@ -464,3 +464,32 @@ def test_hostile_or_unimplemented_messages_requests_are_a_400_in_anthropics_shap
                                                   {"model": MODEL, "messages": ask() * 5000}))
     anthropic_error(post(server, "/v1/messages", {"model": "nope", "max_tokens": 2,
                                                   "messages": ask()}), 404)
+
+
+def nested_bodies(depth: int) -> list[tuple[str, str]]:
+    deep = "[" * depth + "]" * depth
+    ask_ = '"messages": [{"role": "user", "content": "hi"}]'
+    model = f'"model": "{MODEL}", "max_tokens": 2'
+    return [
+        ("/v1/chat/completions", '{%s, "max_tokens": 2, "tool_choice": "none", "tools": [{"type": '
+         '"function", "function": {"name": "f", "parameters": {"a": %s}}}]}' % (ask_, deep)),
+        ("/v1/chat/completions", '{"max_tokens": 2, "messages": [{"role": "assistant", "content": "", '
+         '"tool_calls": [{"id": "c", "function": {"name": "f", "arguments": {"a": %s}}}]}]}' % deep),
+        ("/v1/responses", '{"max_output_tokens": 2, "input": [{"role": "user", "content": "hi", '
+         '"x": %s}]}' % deep),
+        ("/v1/responses", '{"max_output_tokens": 2, "input": "hi", "tool_choice": "none", "tools": '
+         '[{"type": "function", "name": "f", "parameters": {"a": %s}}]}' % deep),
+        ("/v1/messages", '{%s, "messages": [{"role": "assistant", "content": [{"type": "tool_use", '
+         '"id": "t", "name": "f", "input": {"a": %s}}]}]}' % (model, deep)),
+        ("/v1/messages", '{%s, %s, "tool_choice": {"type": "none"}, "tools": [{"name": "f", '
+         '"input_schema": {"a": %s}}]}' % (model, ask_, deep)),
+    ]
+
+
+def test_json_nested_up_to_what_the_parser_allows_is_a_400_not_a_500(server, clean):
+    """The body parser allows a depth that writing the value back (as JSON, or walking it for
+    lone surrogates) cannot reach: such a request is refused by name, never a 500."""
+    for depth in range(930, 1000, 5):
+        for path, body in nested_bodies(depth):
+            resp = post(server, path, body.encode())
+            assert resp.status_code in (200, 400), (depth, path, resp.text[:300])
