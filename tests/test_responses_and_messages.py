@@ -410,6 +410,8 @@ def messages_cases() -> list[tuple[dict | bytes, str]]:
         ({**hi, "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 300}]},
          "messages.0.content"),
         ({**hi, "messages": [{"role": "system", "content": "hi"}]}, "role"),
+        ({**hi, "messages": [*ask(), {"role": "assistant", "content": "1. Apples"}]},
+         "messages[1]: a final assistant message (a prefill"),
         ({**hi, "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
          "'document'"),
         ({**hi, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
@@ -442,7 +444,8 @@ def messages_cases() -> list[tuple[dict | bytes, str]]:
         ({**hi, "tools": [{**ANTHROPIC_WEATHER, "input_schema": {"type": "object", "x": DEEP}}],
           "tool_choice": {"type": "any"}}, "tools"),
         ({**hi, "messages": [{"role": "assistant", "content": [
-            {"type": "tool_use", "id": "t", "name": "f", "input": {"x": DEEP}}]}]}, "messages"),
+            {"type": "tool_use", "id": "t", "name": "f", "input": {"x": DEEP}}]}, *ask()]},
+         "messages: "),  # the template, or the count of its JSON, cannot go so deep
         ({**hi, "tools": [ANTHROPIC_WEATHER], "tool_choice": {"type": "tool", "name": "nope"}},
          "tool_choice"),
         ({**hi, "tool_choice": {"type": "any"}}, "tool_choice"),
@@ -480,7 +483,8 @@ def nested_bodies(depth: int) -> list[tuple[str, str]]:
         ("/v1/responses", '{"max_output_tokens": 2, "input": "hi", "tool_choice": "none", "tools": '
          '[{"type": "function", "name": "f", "parameters": {"a": %s}}]}' % deep),
         ("/v1/messages", '{%s, "messages": [{"role": "assistant", "content": [{"type": "tool_use", '
-         '"id": "t", "name": "f", "input": {"a": %s}}]}]}' % (model, deep)),
+         '"id": "t", "name": "f", "input": {"a": %s}}]}, {"role": "user", "content": "hi"}]}'
+         % (model, deep)),
         ("/v1/messages", '{%s, %s, "tool_choice": {"type": "none"}, "tools": [{"name": "f", '
          '"input_schema": {"a": %s}}]}' % (model, ask_, deep)),
     ]

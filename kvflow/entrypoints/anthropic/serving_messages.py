@@ -85,6 +85,11 @@ def _tools_and_choice(req: _Request) -> dict:
 def chat_request(req: MessagesRequest, auto_tools: bool) -> ChatCompletionRequest:
     """The chat completion that serves `req`; `auto_tools`: the server reads the model's own
     tool calls (--tool-call-parser), which tool_choice auto needs."""
+    if req.messages and req.messages[-1].role == "assistant":
+        at = f"messages[{len(req.messages) - 1}]"
+        raise APIError(400, f"{at}: a final assistant message (a prefill for the model to "
+                            "continue) is not supported; end with a user message",
+                       param=at, code="unsupported_value")
     body = {"model": None, "messages": chat_messages(req), "max_tokens": req.max_tokens,
             "stop": req.stop_sequences, "temperature": req.temperature, "top_p": req.top_p,
             "top_k": req.top_k, "user": req.metadata.user_id if req.metadata else None,
