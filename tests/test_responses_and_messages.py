@@ -147,6 +147,19 @@ def test_a_function_call_and_its_follow_up_through_previous_response_id(server, 
     assert handed.output_text == follow.output_text
 
 
+def test_input_items_are_listed_a_page_at_a_time(server, oai, clean):
+    turn = [{"role": "user", "content": f"Say {word}."} for word in ("one", "two", "three")]
+    r = oai.responses.create(model=MODEL, input=turn, max_output_tokens=2)
+    newest_first = oai.responses.input_items.list(r.id)
+    assert [i.content[0].text for i in newest_first.data] == ["Say three.", "Say two.", "Say one."]
+    page = oai.responses.input_items.list(r.id, order="asc", limit=2)
+    assert [i.content[0].text for i in page.data] == ["Say one.", "Say two."] and page.has_more
+    rest = oai.responses.input_items.list(r.id, order="asc", after=page.last_id)
+    assert [i.content[0].text for i in rest.data] == ["Say three."] and not rest.has_more
+    resp = httpx.get(f"{server.url}/v1/responses/{r.id}/input_items?limit=1000", headers=HEADERS)
+    assert openai_error(resp)["param"] == "limit"
+
+
 def test_a_streamed_function_call(oai, clean):
     events = list(oai.responses.create(
         model=MODEL, input="What is the weather in Paris?", tools=[WEATHER], tool_choice="required",
@@ -175,6 +188,8 @@ def test_store_false_get_and_delete(oai, clean):
     kept = oai.responses.create(model=MODEL, input=QUESTION, max_output_tokens=4, **GREEDY)
     got = oai.responses.retrieve(kept.id)
     assert got.id == kept.id and got.output_text == kept.output_text and got.status == kept.status
+    [item] = oai.responses.input_items.list(kept.id).data
+    assert item.type == "message" and item.role == "user" and item.content[0].text == QUESTION
     oai.responses.delete(kept.id)
     with pytest.raises(openai.NotFoundError):
         oai.responses.retrieve(kept.id)

@@ -75,7 +75,7 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     """pydantic's errors as one message and the field named first (OpenAI's `param`)."""
     parts, param = [], None
     for err in errors:
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        loc = [str(x) for x in err.get("loc", ()) if x not in ("body", "query", "path")]
         if err.get("type") == "json_invalid":
             parts.append(f"request body is not valid JSON: {err.get('msg')}")
             continue

@@ -4,7 +4,7 @@ by count and by bytes; a server restart forgets them."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -16,6 +16,7 @@ MAX_STORED_BYTES = 64 * 2**20
 class StoredResponse:
     response: dict  # the Response object, as sent
     history: list[dict]  # the conversation after it, chat messages, without instructions
+    input_items: list[dict] = field(default_factory=list)  # this turn's input, each with an id
     size: int = 0
 
 
@@ -29,10 +30,10 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, response: dict, history: list[dict]) -> None:
+    def put(self, response: dict, history: list[dict], input_items: list[dict] = ()) -> None:
         """Keep `response`; one too big for the whole store is not kept."""
-        entry = StoredResponse(response, history)
-        entry.size = len(msgspec.json.encode(response)) + len(msgspec.json.encode(history))
+        entry = StoredResponse(response, history, list(input_items))
+        entry.size = sum(len(msgspec.json.encode(x)) for x in (response, history, entry.input_items))
         self.delete(response["id"])
         if entry.size > self.max_bytes:
             return

@@ -1,4 +1,5 @@
-"""POST /v1/responses (OpenAI's Responses API), GET and DELETE /v1/responses/{id}.
+"""POST /v1/responses (OpenAI's Responses API), GET and DELETE /v1/responses/{id}, and
+GET /v1/responses/{id}/input_items.
 
 A response is a chat completion underneath: its input items become chat messages (after the
 stored conversation of `previous_response_id`, behind `instructions`), the chat path templates,
@@ -10,18 +11,19 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Literal
 
 import msgspec
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from kvflow.entrypoints.openai.errors import APIError, renamed, validation_message
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest
 from kvflow.entrypoints.openai.response_store import ResponseStore
-from kvflow.entrypoints.openai.responses_protocol import (FunctionCallItem, FunctionCallOutputItem,
-                                                          MessageItem, ResponsesRequest,
-                                                          input_items)
+from kvflow.entrypoints.openai.responses_protocol import (MAX_ID_CHARS, FunctionCallItem,
+                                                          FunctionCallOutputItem, MessageItem,
+                                                          ResponsesRequest, input_items)
 from kvflow.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvflow.entrypoints.openai.serving_engine import (STREAM_ERRORS, stream_error,
                                                       until_disconnected)
@@ -238,6 +240,27 @@ class ResponseStream:
         return message
 
 
+_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                "reasoning": "rs"}
+
+
+def listed_items(raw: str | list[dict], items: list) -> list[dict]:
+    """This turn's input items as `input_items` lists them: as given, each with an id."""
+    if isinstance(raw, str):
+        return [{"id": _hex("msg"), "type": "message", "role": "user", "status": "completed",
+                 "content": [{"type": "input_text", "text": raw}]}]
+    out = []
+    for given, item in zip(raw, items):
+        listed = {"type": item.type, **given}
+        if not isinstance(listed.get("id"), str):
+            listed["id"] = _hex(_ITEM_PREFIX[item.type])
+        if item.type == "message" and isinstance(item.content, str):
+            kind = "output_text" if item.role == "assistant" else "input_text"
+            listed["content"] = [{"type": kind, "text": item.content}]
+        out.append(listed)
+    return out
+
+
 def response_skeleton(req: ResponsesRequest, model: str) -> dict:
     fmt = req.text.format if req.text is not None and req.text.format is not None else None
     choice = req.tool_choice
@@ -279,7 +302,8 @@ class OpenAIServingResponses:
                                     "store: false are not kept, nor are deleted or evicted "
                                     "ones)", param="previous_response_id", code="not_found")
             history = previous.history
-        turn = chat_messages(input_items(req.input))
+        items = input_items(req.input)
+        turn = chat_messages(items)
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         try:
             job = await self.chat.prepare(chat_request(req, system + history + turn))
@@ -287,7 +311,8 @@ class OpenAIServingResponses:
             raise renamed(e, _PARAMS) from None
         job.include_usage = True
         stream = ResponseStream(response_skeleton(req, job.model), self._count_tokens)
-        events = self.events(job, stream, history + turn if req.store else None)
+        stored = (history + turn, listed_items(req.input, items)) if req.store else None
+        events = self.events(job, stream, stored)
         if req.stream:
             return StreamingResponse(self.sse(events, stream), media_type="text/event-stream")
         result = await until_disconnected(raw, self._collect(events, stream))
@@ -297,7 +322,9 @@ class OpenAIServingResponses:
         return len(self.chat.tokenizer.encode(text, add_special_tokens=False))
 
     async def events(self, job, stream: ResponseStream,
-                     history: list[dict] | None) -> AsyncIterator[dict]:
+                     stored: tuple[list[dict], list[dict]] | None) -> AsyncIterator[dict]:
+        """The response's events; once it is complete, it is stored (unless `store: false`)
+        with the conversation so far (`stored`: its messages and this turn's input items)."""
         for event in stream.begin():
             yield event
         async for chunk in self.chat.chunks(job):
@@ -305,8 +332,9 @@ class OpenAIServingResponses:
                 yield event
         for event in stream.finish():
             yield event
-        if history is not None:
-            self.store.put(stream.response, history + [stream.history_message()])
+        if stored is not None:
+            history, items = stored
+            self.store.put(stream.response, history + [stream.history_message()], items)
 
     @staticmethod
     async def _collect(events: AsyncIterator[dict], stream: ResponseStream) -> dict:
@@ -331,6 +359,23 @@ class OpenAIServingResponses:
                            code="not_found")
         return entry.response
 
+    def input_items(self, response_id: str, limit: int, order: str, after: str | None) -> dict:
+        """`GET /v1/responses/{id}/input_items`: this response's input, a page at a time."""
+        entry = self.store.get(response_id)
+        if entry is None:
+            raise APIError(404, f"no stored response {response_id!r}", param="response_id",
+                           code="not_found")
+        items = entry.input_items if order == "asc" else entry.input_items[::-1]
+        if after is not None:
+            at = next((i for i, item in enumerate(items) if item["id"] == after), None)
+            if at is None:
+                raise APIError(400, f"after: no input item {after!r} in this response",
+                               param="after", code="invalid_value")
+            items = items[at + 1:]
+        page = items[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
     def delete(self, response_id: str) -> dict:
         if not self.store.delete(response_id):
             raise APIError(404, f"no stored response {response_id!r}", param="response_id",
@@ -350,6 +395,12 @@ def responses_router(chat: OpenAIServingChat) -> APIRouter:
     @router.get("/v1/responses/{response_id}")
     async def get_response(response_id: str):
         return serving.get(response_id)
+
+    @router.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, limit: int = Query(20, ge=1, le=100),
+                               order: Literal["asc", "desc"] = "desc",
+                               after: str | None = Query(None, max_length=MAX_ID_CHARS)):
+        return serving.input_items(response_id, limit, order, after)
 
     @router.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):
