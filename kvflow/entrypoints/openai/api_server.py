@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import re
@@ -18,6 +19,8 @@ from kvflow.config import EngineConfig
 from kvflow.engine.async_engine import AsyncLLM
 from kvflow.engine.core_client import EngineDeadError, EngineStartupError
 from kvflow.engine.kv_sizing import max_concurrency
+from kvflow.entrypoints.anthropic.errors import anthropic_error_response
+from kvflow.entrypoints.anthropic.serving_messages import messages_router
 from kvflow.entrypoints.openai.dashboard import DASHBOARD_PATHS, dashboard_router
 from kvflow.entrypoints.openai.errors import error_response, install_error_handlers
 from kvflow.entrypoints.openai.metrics import ServerMetrics
@@ -25,6 +28,7 @@ from kvflow.entrypoints.openai.protocol import (ChatCompletionRequest, Completio
                                                 DetokenizeRequest, TokenizeRequest)
 from kvflow.entrypoints.openai.serving_chat import OpenAIServingChat, tool_dicts
 from kvflow.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from kvflow.entrypoints.openai.serving_responses import responses_router
 from kvflow.entrypoints.openai.server_settings import ServerSettings
 from kvflow.entrypoints.openai.serving_engine import MAX_REQUEST_TOKENS, ShuttingDownError, off_loop
 from kvflow.entrypoints.openai.serving_ws import WebSocketSession
@@ -34,6 +38,7 @@ from kvflow.sampling_params import check_token_ids
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", *DASHBOARD_PATHS})
 ENGINE_DEATH_GRACE_S = 3.0  # time for in-flight clients to read their error before exit
 WS_AUTH_PENDING = "kvflow.ws_auth_pending"  # scope key: the key must come in the first message
+ANTHROPIC_PREFIX = "/v1/messages"  # Anthropic's API: its clients read its own error shape
 
 
 class RedactSecrets(logging.Filter):
@@ -58,9 +63,16 @@ def install_log_redaction() -> None:
             logger.addFilter(RedactSecrets())
 
 
+def gate_error(path: str, status: int, message: str, code: str) -> Response:
+    if path.startswith(ANTHROPIC_PREFIX):
+        return anthropic_error_response(status, message)
+    return error_response(status, message, code=code)
+
+
 class Gate:
-    """ASGI middleware in front of every route: 503 while shutting down, the bearer key,
-    and the request body size limit (413)."""
+    """ASGI middleware in front of every route: 503 while shutting down, the API key
+    (`Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY`), and the request body size
+    limit (413)."""
 
     def __init__(self, app, settings: ServerSettings) -> None:
         self.app, self.settings = app, settings
@@ -70,28 +82,29 @@ class Gate:
         if kind not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         path = scope["path"]
+        refuse = functools.partial(gate_error, path)
         if path not in OPEN_PATHS:
             if kind == "http" and self.settings.shutting_down:
-                return await error_response(503, "the server is shutting down",
-                                            code="shutting_down")(scope, receive, send)
+                return await refuse(503, "the server is shutting down",
+                                    code="shutting_down")(scope, receive, send)
             if self.settings.api_key and not self._authorized(scope):
                 if kind == "websocket" and path == "/v1/ws":
                     # Browsers cannot set headers on a WebSocket: the key may come as the
                     # first message instead (never in the URL, which servers log).
                     scope[WS_AUTH_PENDING] = True
                     return await self.app(scope, receive, send)
-                return await error_response(401, "invalid or missing API key (expected "
-                                                  "'Authorization: Bearer KEY')",
-                                            code="invalid_api_key")(scope, receive, send)
+                return await refuse(401, "invalid or missing API key (expected "
+                                         "'Authorization: Bearer KEY' or 'x-api-key: KEY')",
+                                    code="invalid_api_key")(scope, receive, send)
         if kind == "http":
             length = dict(scope["headers"]).get(b"content-length")
             limit = self.settings.max_body_size
             if length is not None and length.isdigit() and int(length) > limit:
-                return await error_response(413, f"request body of {int(length)} bytes is over the "
-                                                 f"limit of {limit} bytes",
-                                            code="request_too_large")(scope, receive, send)
+                return await refuse(413, f"request body of {int(length)} bytes is over the "
+                                         f"limit of {limit} bytes",
+                                    code="request_too_large")(scope, receive, send)
             if length is None and scope["method"] in ("POST", "PUT", "PATCH"):
-                receive = await self._buffered(receive, limit, scope, send)
+                receive = await self._buffered(receive, limit, scope, send, refuse)
                 if receive is None:
                     return
         return await self.app(scope, receive, send)
@@ -100,10 +113,12 @@ class Gate:
         headers = dict(scope["headers"])
         given = headers.get(b"authorization", b"").decode("latin-1")
         token = given[7:] if given[:7].lower() == "bearer " else None
+        if token is None and b"x-api-key" in headers:
+            token = headers[b"x-api-key"].decode("latin-1")
         return token is not None and hmac.compare_digest(token.encode(), self.settings.api_key.encode())
 
     @staticmethod
-    async def _buffered(receive, limit: int, scope, send):
+    async def _buffered(receive, limit: int, scope, send, refuse):
         """Read a body of unknown length (chunked) up to the limit, then replay it."""
         body, more = [], True
         size = 0
@@ -115,8 +130,8 @@ class Gate:
             size += len(body[-1])
             more = msg.get("more_body", False)
             if size > limit:
-                await error_response(413, f"request body is over the limit of {limit} bytes",
-                                     code="request_too_large")(scope, receive, send)
+                await refuse(413, f"request body is over the limit of {limit} bytes",
+                             code="request_too_large")(scope, receive, send)
                 return None
         replayed = False
 
@@ -224,6 +239,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
         key = settings.api_key if ws.scope.get(WS_AUTH_PENDING) else None
         await WebSocketSession(ws, completions, chat, api_key=key).run()
 
+    app.include_router(responses_router(chat))
+    app.include_router(messages_router(chat))
     app.include_router(dashboard_router(engine, metrics.recent, settings))
     app.add_middleware(Gate, settings=settings)
     return app

@@ -60,11 +60,22 @@ def bad_request(error: ValueError | str) -> APIError:
     return APIError(400, message, param=m.group(1) if m else None, code="invalid_value")
 
 
+def renamed(error: APIError, names: dict[str, str]) -> APIError:
+    """`error` from the chat path, naming another API's fields (`names`: chat field -> its
+    name there) in its `param` and at the head of its message."""
+    if error.param not in names:
+        return error
+    message = error.message
+    if message.startswith(error.param):
+        message = names[error.param] + message[len(error.param):]
+    return APIError(error.status, message, names[error.param], error.code, error.headers)
+
+
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     """pydantic's errors as one message and the field named first (OpenAI's `param`)."""
     parts, param = [], None
     for err in errors:
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        loc = [str(x) for x in err.get("loc", ()) if x not in ("body", "query", "path")]
         if err.get("type") == "json_invalid":
             parts.append(f"request body is not valid JSON: {err.get('msg')}")
             continue

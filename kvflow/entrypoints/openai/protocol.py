@@ -123,7 +123,10 @@ class OpenAIBaseModel(BaseModel):
     @field_validator("*", mode="after")
     @classmethod
     def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
-        _check_strings(value, info.field_name)
+        try:
+            _check_strings(value, info.field_name)
+        except RecursionError:  # a free-form field (a dict, a list of dicts) the parser let by
+            raise ValueError(f"{info.field_name} is nested too deeply") from None
         return value
 
 

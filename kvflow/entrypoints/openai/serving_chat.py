@@ -104,6 +104,16 @@ def _template_message(m: ChatMessage) -> dict:
     return out
 
 
+def json_chars(value, param: str) -> int:
+    """The length of `value` as JSON; a 400 naming `param` when it is nested too deeply to
+    write (the body parser allows a little more depth than writing it back needs)."""
+    try:
+        return len(json.dumps(value))
+    except RecursionError:
+        raise APIError(400, f"{param}: nested too deeply", param=param,
+                       code="invalid_value") from None
+
+
 def tool_dicts(tools: list[ChatTool] | None) -> list[dict] | None:
     """The tools as transformers' `apply_chat_template(tools=...)` takes them."""
     if not tools:
@@ -138,8 +148,10 @@ class OpenAIServingChat(OpenAIServing):
         """Template and tokenize, with the input bounded first and big work off the loop."""
         convo = conversation(messages)
         chars = sum(len(m["content"]) + len(m["role"]) for m in convo)
+        # tool calls' arguments and the tools are templated too (as JSON)
+        chars += sum(json_chars(m["tool_calls"], "messages") for m in convo if "tool_calls" in m)
         if tools:
-            chars += len(json.dumps(tools))
+            chars += json_chars(tools, "tools")
         self.check_text_size(chars, "messages")
         return await off_loop(render_and_encode, self.tokenizer, convo, add_generation_prompt,
                               tools, size=chars + 16 * len(convo))
