@@ -33,6 +33,10 @@ from kvflow.model.quant.qlinear import QuantizedWeight, norm_quant_linear, quant
 # model's gate_up: 117 MB) stay on the two-step path and its short-lived tensors.
 FUSED_ROWS = 16
 
+# On CPUs with AMX, bf16 batches of more than this many rows take oneDNN's AMX GEMM instead of
+# the panels (benchmarks/amx_gemm.py measures both at the default model's shapes).
+AMX_PANEL_ROWS = 8
+
 
 @dataclass
 class PackedWeight:
@@ -43,6 +47,9 @@ class PackedWeight:
     gemv: torch.Tensor | None = None  # GEMV panels (fp32, bf16 or fp16) for up to gemv_rows rows
     gemv_isa: str = "scalar"
     gemv_rows: int = 0
+    # with `onednn` beside `panels` (CPUs with AMX): batches of up to this many rows take the
+    # panels, longer ones oneDNN's AMX GEMM; None: the panels take every batch
+    panel_rows: int | None = None
     gate_up: bool = False  # panels of an MLP's [gate; up], for the GEMM with SiLU fused
     quant: QuantizedWeight | None = None  # quantized weights (kvflow/model/quant): the only copy
 
@@ -65,18 +72,24 @@ def panels_take(w: torch.Tensor) -> bool:
 
 def pack_weight(w: torch.Tensor, gate_up: bool = False, *, panels: bool,
                 onednn: bool, gemv_isa: str | None = None, gemv_rows: int = 0,
-                gemv_dtype: torch.dtype | None = None) -> PackedWeight | None:
+                gemv_dtype: torch.dtype | None = None,
+                panel_rows: int | None = None) -> PackedWeight | None:
     """An (out, in) weight packed for `linear`: bf16 panels where `panels` and the kernel takes
-    it, else oneDNN's layout where `onednn`; None: plain F.linear. `gate_up`: w is an MLP's
+    it, else oneDNN's layout where `onednn`; None: plain F.linear. With `panel_rows` (a CPU
+    with AMX) a bf16 weight gets both: batches of up to `panel_rows` rows read the panels,
+    longer ones oneDNN's copy (two copies of the weight: AMX_PANEL_ROWS). `gate_up`: w is an MLP's
     [gate; up], for `linear_silu_mul`. An fp32 weight also gets the GEMV's panels when
     `gemv_isa` is given: batches of up to `gemv_rows` rows read those instead (a decode step
     streams the weights at close to the memory's rate there; oneDNN's copy serves longer
     batches), stored in `gemv_dtype` (None: fp32; bf16/fp16 round w, model/weight_dtype.py).
     (kernels.py decides all of these once.)"""
     if panels and panels_take(w):
+        amx = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64) if onednn and panel_rows is not None else None
+        rows = panel_rows if amx is not None else None
         if gate_up and w.shape[0] % GATE_UP_ALIGN == 0:
-            return PackedWeight(panels=pack_panels(w.detach(), gate_up=True), gate_up=True)
-        return PackedWeight(panels=pack_panels(w.detach()))
+            return PackedWeight(panels=pack_panels(w.detach(), gate_up=True), gate_up=True,
+                                onednn=amx, panel_rows=rows)
+        return PackedWeight(panels=pack_panels(w.detach()), onednn=amx, panel_rows=rows)
     gemv = (gemv_isa is not None and gemv_rows > 0 and w.dtype == torch.float32
             and w.device.type == "cpu" and w.dim() == 2)
     if onednn or gemv:  # 64: a decode-sized batch hint
@@ -102,6 +115,8 @@ def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, packed: PackedWeight | Non
     gate_up=True (the [M, 2I] projection is never stored and the SiLU pass is gone: ~1% of
     W1), else `linear` then `silu_mul` (the chosen one). The same numbers either way."""
     if packed is not None and packed.gate_up:
+        if packed.panel_rows is not None and x.shape[0] > packed.panel_rows:
+            return silu_mul(_onednn_linear(x, packed.onednn, None))
         return panel_gemm(x, packed.panels, w.shape[0], None, torch.get_num_threads(), silu_mul=True)
     if (packed is not None and packed.quant is not None and silu_mul is ops.silu_mul
             and x.shape[0] <= FUSED_ROWS):
@@ -116,22 +131,30 @@ def linear(x: torch.Tensor, w: torch.Tensor, packed: PackedWeight | None,
     alone (`w` is then only its shape)."""
     if packed is not None and packed.quant is not None:
         return quant_linear(x, packed.quant, bias)
+    m = x.shape[0]
+    if packed is not None and packed.panel_rows is not None and m > packed.panel_rows:
+        return _onednn_linear(x, packed.onednn, bias)  # AMX, also for a gate_up pack
     if packed is None or packed.gate_up:
         return F.linear(x, w, bias)
     if packed.panels is not None:
         return panel_gemm(x, packed.panels, w.shape[0], bias, torch.get_num_threads())
-    m = x.shape[0]
     if packed.gemv is not None and m <= packed.gemv_rows and x.dtype == torch.float32:
         return gemv_f32(x, packed.gemv, w.shape[0], bias, packed.gemv_isa, torch.get_num_threads())
     if packed.onednn is None:
         return F.linear(x, w, bias)
+    return _onednn_linear(x, packed.onednn, bias)
+
+
+def _onednn_linear(x: torch.Tensor, onednn: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.T (+ bias) through oneDNN's prepacked copy of w, the rows padded to row_bucket."""
+    m = x.shape[0]
     rows = row_bucket(m)
     if rows != m:
         padded = x.new_empty(rows, x.shape[1])
         padded[:m] = x
         padded[m:].zero_()
-        return torch.ops.mkldnn._linear_pointwise(padded, packed.onednn, bias, "none", [], "")[:m]
-    return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(padded, onednn, bias, "none", [], "")[:m]
+    return torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], "")
 
 
 def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
