@@ -60,13 +60,16 @@ def test_bf16_on_an_avx512_bf16_cpu_takes_the_panel_gemm_and_the_prompt_kernel()
 @pytest.mark.skipif(not PANELS_BUILT, reason="the panel GEMM needs AVX512-BF16")
 def test_bf16_on_an_amx_cpu_takes_the_panels_for_few_rows_and_onednn_amx_for_more():
     k = select_kernels(torch.bfloat16, features=SAPPHIRE_RAPIDS, options=ALL_ON)
-    rows = packed_linear.AMX_PANEL_ROWS
-    assert k.names["linear"] == f"panel-bf16<={rows}+onednn-amx"
-    assert k.names["gate_up"] == f"panel-bf16-silu<={rows}+onednn-amx+c-silu"
-    assert k.describe().startswith(f"kernels [avx512-bf16]: linear=panel-bf16<={rows}+onednn-amx, ")
+    rows, large = packed_linear.AMX_PANEL_ROWS, packed_linear.AMX_PANEL_ROWS_LARGE
+    assert k.names["linear"] == f"panel-bf16<={rows},{large}+onednn-amx"
+    assert k.names["gate_up"] == f"panel-bf16-silu<={rows},{large}+onednn-amx+c-silu"
+    assert k.describe().startswith(f"kernels [avx512-bf16]: linear=panel-bf16<={rows},{large}+onednn-amx, ")
     w = torch.randn(128, 64).bfloat16()
     packed = k.pack(w, gate_up=True)
     assert packed.panels is not None and packed.onednn is not None and packed.panel_rows == rows
+    # a weight past AMX_LARGE_BYTES (an LM head) streams from memory: the panels keep more rows
+    head = torch.empty(packed_linear.AMX_LARGE_BYTES // 2 // 64 + 64, 64, dtype=torch.bfloat16)
+    assert k.pack(head).panel_rows == large
     # the Zen 4 (no AMX) keeps the panels alone, and each opt-out leaves one copy
     zen4 = select_kernels(torch.bfloat16, features=ZEN4, options=ALL_ON).pack(w)
     assert zen4.onednn is None and zen4.panel_rows is None

@@ -33,9 +33,20 @@ from kvflow.model.quant.qlinear import QuantizedWeight, norm_quant_linear, quant
 # model's gate_up: 117 MB) stay on the two-step path and its short-lived tensors.
 FUSED_ROWS = 16
 
-# On CPUs with AMX, bf16 batches of more than this many rows take oneDNN's AMX GEMM instead of
-# the panels (benchmarks/amx_gemm.py measures both at the default model's shapes).
-AMX_PANEL_ROWS = 8
+# On CPUs with AMX, bf16 batches of more than AMX_PANEL_ROWS rows take oneDNN's AMX GEMM instead
+# of the panels, more than AMX_PANEL_ROWS_LARGE for weights of over AMX_LARGE_BYTES (the LM
+# head), which stream from memory at those rows (benchmarks/amx_gemm.py, Xeon with AMX, one
+# thread: the panels ahead at 1-2 rows, AMX from 4-8 rows on the projections and 2-14x ahead
+# from 16; on the LM head the panels ahead to 4 rows and level at 8).
+AMX_PANEL_ROWS = 4
+AMX_PANEL_ROWS_LARGE = 8
+AMX_LARGE_BYTES = 16 << 20
+
+
+def amx_panel_rows(w: torch.Tensor) -> int:
+    """The most rows for which the panels serve `w` beside oneDNN's AMX copy."""
+    large = w.numel() * w.element_size() > AMX_LARGE_BYTES
+    return AMX_PANEL_ROWS_LARGE if large else AMX_PANEL_ROWS
 
 
 @dataclass
@@ -73,23 +84,23 @@ def panels_take(w: torch.Tensor) -> bool:
 def pack_weight(w: torch.Tensor, gate_up: bool = False, *, panels: bool,
                 onednn: bool, gemv_isa: str | None = None, gemv_rows: int = 0,
                 gemv_dtype: torch.dtype | None = None,
-                panel_rows: int | None = None) -> PackedWeight | None:
+                amx: bool = False) -> PackedWeight | None:
     """An (out, in) weight packed for `linear`: bf16 panels where `panels` and the kernel takes
-    it, else oneDNN's layout where `onednn`; None: plain F.linear. With `panel_rows` (a CPU
-    with AMX) a bf16 weight gets both: batches of up to `panel_rows` rows read the panels,
-    longer ones oneDNN's copy (two copies of the weight: AMX_PANEL_ROWS). `gate_up`: w is an MLP's
+    it, else oneDNN's layout where `onednn`; None: plain F.linear. With `amx` (and `onednn`:
+    a CPU with AMX) a bf16 weight gets both: batches of up to amx_panel_rows(w) rows read the
+    panels, longer ones oneDNN's copy (two copies of the weight). `gate_up`: w is an MLP's
     [gate; up], for `linear_silu_mul`. An fp32 weight also gets the GEMV's panels when
     `gemv_isa` is given: batches of up to `gemv_rows` rows read those instead (a decode step
     streams the weights at close to the memory's rate there; oneDNN's copy serves longer
     batches), stored in `gemv_dtype` (None: fp32; bf16/fp16 round w, model/weight_dtype.py).
     (kernels.py decides all of these once.)"""
     if panels and panels_take(w):
-        amx = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64) if onednn and panel_rows is not None else None
-        rows = panel_rows if amx is not None else None
+        copy = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64) if onednn and amx else None
+        rows = amx_panel_rows(w) if copy is not None else None
         if gate_up and w.shape[0] % GATE_UP_ALIGN == 0:
             return PackedWeight(panels=pack_panels(w.detach(), gate_up=True), gate_up=True,
-                                onednn=amx, panel_rows=rows)
-        return PackedWeight(panels=pack_panels(w.detach()), onednn=amx, panel_rows=rows)
+                                onednn=copy, panel_rows=rows)
+        return PackedWeight(panels=pack_panels(w.detach()), onednn=copy, panel_rows=rows)
     gemv = (gemv_isa is not None and gemv_rows > 0 and w.dtype == torch.float32
             and w.device.type == "cpu" and w.dim() == 2)
     if onednn or gemv:  # 64: a decode-sized batch hint
