@@ -41,9 +41,9 @@ from kvflow import envs
 from kvflow.csrc import library, ops
 from kvflow.csrc.gemv import GEMV_MAX_ROWS, best_gemv_isa
 from kvflow.model import attention, packed_linear
-from kvflow.model.packed_linear import AMX_PANEL_ROWS, AMX_PANEL_ROWS_LARGE
 from kvflow.model.cpu_features import CpuFeatures, cpu_features
 from kvflow.model.kv_layout import write_rows
+from kvflow.model.packed_linear import AMX_PANEL_ROWS, AMX_PANEL_ROWS_LARGE
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ def amx_panel_rows(w: torch.Tensor) -> int:
 @dataclass
 class PackedWeight:
     """One projection's weight in the layout its GEMM reads (exactly one is set, but `gemv`
-    may sit beside `onednn`)."""
+    may sit beside `onednn`, and on CPUs with AMX `onednn` beside `panels`)."""
     panels: torch.Tensor | None = None  # kvflow's bf16 panels (kvflow/csrc/gemm.py)
     onednn: torch.Tensor | None = None  # oneDNN's blocked copy
     gemv: torch.Tensor | None = None  # GEMV panels (fp32, bf16 or fp16) for up to gemv_rows rows
