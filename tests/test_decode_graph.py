@@ -21,11 +21,11 @@ from kvflow.model.arch import LlamaArchConfig
 from kvflow.csrc.gemm import panel_gemm_built
 from kvflow.csrc.gemv import GEMV_MAX_ROWS, gemv_isas
 from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
-from kvflow.model.cpu_features import cpu_features
+from kvflow.model.cpu_features import CpuFeatures, cpu_features
 from kvflow.model.decode_graph import MAX_ROWS, DecodeGraph, why_not
 from kvflow.model.kernels import KernelOptions, select_kernels
 from kvflow.model.llama import LlamaForCausalLM
-from kvflow.model.packed_linear import PackedWeight
+from kvflow.model.packed_linear import AMX_PANEL_ROWS, PackedWeight
 from kvflow.model.quant.gguf_blocks import decode
 from kvflow.model.quant.int8 import quantize_int8
 from kvflow.model.quant.packing import pack
@@ -61,11 +61,14 @@ def tiny_model(fmt: str, dtype: torch.dtype, isa: str, arch: LlamaArchConfig = A
     """A random Llama whose projections are quantized to `fmt` (the LM head stays float); fmt
     "gemv", "gemv-bf16" or "gemv-fp16": an fp32 one on the fp32 GEMV's `isa` path, its panels
     stored in fp32, bf16 or fp16 (the `weight_dtype` option); "panels": a bf16 one on the bf16
-    panel GEMM."""
+    panel GEMM alone (as on a CPU without AMX); "panels-amx": the panels beside oneDNN's copy
+    (as on a CPU with AMX, whatever this one has)."""
     torch.manual_seed(seed)
     kernels = None
     if fmt == "panels":
-        kernels = select_kernels(dtype)
+        kernels = select_kernels(dtype, options=KernelOptions(onednn=False))
+    elif fmt == "panels-amx":
+        kernels = select_kernels(dtype, features=CpuFeatures(cpu_features().flags | {"amx_bf16", "amx_tile"}))
     elif fmt.startswith("gemv"):
         kernels = select_kernels(dtype, options=KernelOptions(
             gemv_isa=isa if isa == "avx2" else None, gemv_dtype=GEMV_STORAGE[fmt[4:]]))
@@ -77,7 +80,7 @@ def tiny_model(fmt: str, dtype: torch.dtype, isa: str, arch: LlamaArchConfig = A
     model.pack_weights()
     if kernels is not None:
         packed = model.layers[0].packed["qkv_proj"]
-        assert packed.panels is not None if fmt == "panels" else packed.gemv_isa == isa
+        assert packed.panels is not None if fmt.startswith("panels") else packed.gemv_isa == isa
         return model
     for layer in model.layers:
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
@@ -308,6 +311,18 @@ def test_bf16_panel_steps_give_the_per_layer_numbers(rows):
     got, want, taken = run_both("panels", torch.bfloat16, "avx512", rows, decode_steps=4)
     assert taken == [True] * 4
     assert all(g.dtype == torch.bfloat16 and torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.skipif(not panel_gemm_built(), reason="no AVX512-BF16 panel GEMM here")
+def test_bf16_panels_beside_onednn_amx_take_steps_up_to_the_panels_rows_only():
+    """Where AMX serves longer batches (packed_linear.AMX_PANEL_ROWS), the graph takes decode
+    steps the panels serve and leaves longer ones to the per-layer path (oneDNN)."""
+    rows = AMX_PANEL_ROWS
+    assert DecodeGraph.build(tiny_model("panels-amx", torch.bfloat16, "avx512")).max_rows == rows
+    got, want, taken = run_both("panels-amx", torch.bfloat16, "avx512", rows, decode_steps=2)
+    assert taken == [True, True] and all(torch.equal(g, w) for g, w in zip(got, want))
+    got, want, taken = run_both("panels-amx", torch.bfloat16, "avx512", rows + 1, decode_steps=2)
+    assert taken == [False, False] and all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 @pytest.mark.skipif(not panel_gemm_built(), reason="no AVX512-BF16 panel GEMM here")

@@ -5,9 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest_model_helpers import PagedDriver, save_tiny_llama3
 from kvflow.csrc import library, ops
+from kvflow.csrc.gemm import panel_gemm
+from kvflow.model import packed_linear
 from kvflow.model import attention as A
 from kvflow.model.cpu_features import CpuFeatures, cpu_features
 from kvflow.model.kernels import KernelOptions, select_kernels
@@ -15,6 +18,8 @@ from kvflow.model.kv_layout import write_rows
 from kvflow.model.loader import load_model
 
 ZEN4 = CpuFeatures.from_names("avx2", "avx512f", "avx512_bf16")
+SAPPHIRE_RAPIDS = CpuFeatures.from_names("avx2", "avx512f", "avx512_bf16", "avx512_vnni",
+                                         "amx_bf16", "amx_int8", "amx_tile")
 AVX2 = CpuFeatures.from_names("avx2", "fma", "f16c")  # a Zen 3
 ALL_ON = KernelOptions()
 BUILT = library() is not None  # the C kernels compile here (gcc is part of the setup)
@@ -50,6 +55,51 @@ def test_bf16_on_an_avx512_bf16_cpu_takes_the_panel_gemm_and_the_prompt_kernel()
     assert packed.panels is not None and packed.gate_up
     # a bf16 model over an fp32 cache: the prompt kernel reads bf16 caches only
     assert k.with_kv_dtype(torch.float32).names["attention"] == "c-decode"
+
+
+@pytest.mark.skipif(not PANELS_BUILT, reason="the panel GEMM needs AVX512-BF16")
+def test_bf16_on_an_amx_cpu_takes_the_panels_for_few_rows_and_onednn_amx_for_more():
+    k = select_kernels(torch.bfloat16, features=SAPPHIRE_RAPIDS, options=ALL_ON)
+    rows, large = packed_linear.AMX_PANEL_ROWS, packed_linear.AMX_PANEL_ROWS_LARGE
+    assert k.names["linear"] == f"panel-bf16<={rows},{large}+onednn-amx"
+    assert k.names["gate_up"] == f"panel-bf16-silu<={rows},{large}+onednn-amx+c-silu"
+    assert k.describe().startswith(f"kernels [avx512-bf16]: linear=panel-bf16<={rows},{large}+onednn-amx, ")
+    w = torch.randn(128, 64).bfloat16()
+    packed = k.pack(w, gate_up=True)
+    assert packed.panels is not None and packed.onednn is not None and packed.panel_rows == rows
+    # a weight past AMX_LARGE_BYTES (an LM head) streams from memory: the panels keep more rows
+    head = torch.empty(packed_linear.AMX_LARGE_BYTES // 2 // 64 + 64, 64, dtype=torch.bfloat16)
+    assert k.pack(head).panel_rows == large
+    # the Zen 4 (no AMX) keeps the panels alone, and each opt-out leaves one copy
+    zen4 = select_kernels(torch.bfloat16, features=ZEN4, options=ALL_ON).pack(w)
+    assert zen4.onednn is None and zen4.panel_rows is None
+    no_onednn = select_kernels(torch.bfloat16, features=SAPPHIRE_RAPIDS, options=KernelOptions(onednn=False))
+    assert no_onednn.names["linear"] == "panel-bf16" and no_onednn.pack(w).onednn is None
+    no_panels = select_kernels(torch.bfloat16, features=SAPPHIRE_RAPIDS, options=KernelOptions(panel_gemm=False))
+    assert no_panels.names["linear"] == "onednn" and no_panels.pack(w).panels is None
+    # fp32 is as before (the GEMV and oneDNN)
+    assert select_kernels(torch.float32, features=SAPPHIRE_RAPIDS, options=ALL_ON).names["linear"] == "gemv-avx512+onednn"
+
+
+@pytest.mark.skipif(not PANELS_BUILT, reason="the panel GEMM needs AVX512-BF16")
+def test_the_row_threshold_picks_the_panels_or_onednn_and_both_agree():
+    torch.manual_seed(0)
+    rows = packed_linear.AMX_PANEL_ROWS
+    k = select_kernels(torch.bfloat16, features=SAPPHIRE_RAPIDS, options=ALL_ON)
+    w, bias = (torch.randn(192, 128) * 0.1).bfloat16(), torch.randn(192).bfloat16()
+    gate_up = (torch.randn(128, 128) * 0.1).bfloat16()
+    packed, packed_gu = k.pack(w), k.pack(gate_up, gate_up=True)
+    for m in (1, rows, rows + 1, 3 * rows + 5):
+        x = torch.randn(m, 128).bfloat16()
+        got = k.linear(x, w, packed, bias)
+        panels = panel_gemm(x, packed.panels, 192, bias)
+        onednn = torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
+        assert torch.equal(got, panels if m <= rows else onednn), m
+        torch.testing.assert_close(got.float(), F.linear(x.float(), w.float(), bias.float()),
+                                   atol=2e-2, rtol=2e-2)
+        want = ops.silu_mul_torch(F.linear(x.float(), gate_up.float())).bfloat16()
+        torch.testing.assert_close(k.linear_silu_mul(x, gate_up, packed_gu).float(), want.float(),
+                                   atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.skipif(not BUILT, reason="no C compiler")
@@ -130,6 +180,26 @@ def test_no_kernels_gives_the_same_tokens(tiny_path, monkeypatch):
     for got, want in zip(got_logits, want_logits):
         for sid in prompts:
             torch.testing.assert_close(got[sid], want[sid], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not PANELS_BUILT, reason="the panel GEMM needs AVX512-BF16")
+def test_the_amx_choice_gives_the_same_greedy_tokens_as_the_panels(tiny_path):
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(1)
+    # a 37-token prompt runs through oneDNN (AMX where the CPU has it), decode rows the panels
+    prompts = {"a": rng.integers(0, 320, 37).tolist(), "b": rng.integers(0, 320, 6).tolist()}
+    panels, arch = load_model(tiny_path, torch.bfloat16,
+                              kernels=select_kernels(torch.bfloat16, features=ZEN4, options=ALL_ON))
+    amx, _ = load_model(tiny_path, torch.bfloat16,
+                        kernels=select_kernels(torch.bfloat16, features=SAPPHIRE_RAPIDS, options=ALL_ON))
+    assert amx.layers[0].packed["qkv_proj"].onednn is not None
+    assert panels.layers[0].packed["qkv_proj"].onednn is None
+    want_tokens, want_logits = _greedy(panels, arch, prompts, steps=6)
+    got_tokens, got_logits = _greedy(amx, arch, prompts, steps=6)
+    assert got_tokens == want_tokens
+    for got, want in zip(got_logits, want_logits):
+        for sid in prompts:
+            torch.testing.assert_close(got[sid].float(), want[sid].float(), atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.skipif(not BUILT, reason="no C compiler")

@@ -27,6 +27,12 @@ class CpuFeatures:
         return "avx512_bf16" in self.flags
 
     @property
+    def amx_bf16(self) -> bool:
+        """AMX tiles with bf16 dot products (Intel Xeon, Sapphire Rapids and later): oneDNN's
+        bf16 GEMM runs on them."""
+        return {"amx_bf16", "amx_tile"} <= self.flags
+
+    @property
     def native_bf16(self) -> bool:
         """AVX512-BF16 or AMX: without them bf16 matmuls are emulated (several times slower
         than fp32)."""

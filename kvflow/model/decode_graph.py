@@ -83,9 +83,11 @@ def _on_panels(p: PackedWeight | None, model) -> bool:
 
 def max_rows(model) -> int:
     """The most rows of a step the graph takes for `model` (one why_not passed): MAX_ROWS, or the
-    GEMV's rows where a projection is on it."""
-    rows = [layer.packed[name].gemv_rows for layer in model.layers for name in PROJECTIONS
-            if layer.packed[name].gemv is not None and layer.packed[name].quant is None]
+    GEMV's rows where a projection is on it, or the panels' where oneDNN's AMX GEMM takes
+    longer batches (packed_linear.AMX_PANEL_ROWS)."""
+    packs = [layer.packed[name] for layer in model.layers for name in PROJECTIONS]
+    rows = [p.gemv_rows for p in packs if p.gemv is not None and p.quant is None]
+    rows += [p.panel_rows for p in packs if p.panels is not None and p.panel_rows is not None]
     return min([MAX_ROWS, *rows])
 
 

@@ -7,7 +7,10 @@ opt-outs (kernels still check the tensors they get: dtype, layout, shape).
 What serves here, and why:
 
 - projections: kvflow's bf16 panel GEMM where the CPU has AVX512-BF16 (faster than oneDNN on
-  decode-sized batches, level on long prefills: packed_linear.py), else oneDNN's prepacked
+  decode-sized batches, level on long prefills: packed_linear.py); where it also has AMX, the
+  panels serve only batches of up to AMX_PANEL_ROWS rows (AMX_PANEL_ROWS_LARGE for the LM head)
+  and oneDNN's AMX GEMM the longer ones (2-14x the panels' rate from 16 rows:
+  packed_linear.amx_panel_rows); else oneDNN's prepacked
   GEMM (fp32; bf16 only on CPUs with native bf16, elsewhere oneDNN emulates it), else F.linear;
   in fp32, batches of up to GEMV_MAX_ROWS rows take kvflow's fp32 GEMV (AVX-512 or AVX2:
   csrc/gemv_f32.c), which streams a decode step's weights faster than oneDNN, from fp32
@@ -40,6 +43,7 @@ from kvflow.csrc.gemv import GEMV_MAX_ROWS, best_gemv_isa
 from kvflow.model import attention, packed_linear
 from kvflow.model.cpu_features import CpuFeatures, cpu_features
 from kvflow.model.kv_layout import write_rows
+from kvflow.model.packed_linear import AMX_PANEL_ROWS, AMX_PANEL_ROWS_LARGE
 
 
 @dataclass(frozen=True)
@@ -160,7 +164,12 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
                                               and packed_linear.onednn_bf16_available())))
     gemv_isa = _gemv_isa(features, options) if c and dtype == torch.float32 else None
     silu_mul = ops.silu_mul if c else ops.silu_mul_torch
+    amx = panels and onednn and features.amx_bf16
+    # rows past these: oneDNN's AMX GEMM (the larger for weights over AMX_LARGE_BYTES)
+    amx_rows = f"<={AMX_PANEL_ROWS},{AMX_PANEL_ROWS_LARGE}" if amx else ""
     linear_name = "panel-bf16" if panels else "onednn" if onednn else "torch"
+    if amx:
+        linear_name = f"panel-bf16{amx_rows}+onednn-amx"
     gemv_dtype = options.gemv_dtype if gemv_isa is not None else None
     if gemv_isa is not None:  # decode-sized batches: the GEMV; longer ones as above
         stored = {torch.bfloat16: "-bf16", torch.float16: "-fp16"}.get(gemv_dtype, "")
@@ -174,11 +183,13 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
         attend, attention_name = attention.attention_with_sdpa, "sdpa"
     c_name = "c" if c else "torch"
     names = {"linear": linear_name,
-             "gate_up": "panel-bf16-silu" if panels else f"{linear_name}+{c_name}-silu",
+             "gate_up": (f"panel-bf16-silu{amx_rows}+onednn-amx+{c_name}-silu" if amx
+                         else "panel-bf16-silu" if panels else f"{linear_name}+{c_name}-silu"),
              "attention": attention_name, "norm": c_name, "rope": c_name, "kv_write": c_name,
              "argmax": "c" if c and dtype == bf16 else "torch"}
     pack = (partial(packed_linear.pack_weight, panels=panels, onednn=onednn, gemv_isa=gemv_isa,
-                    gemv_rows=GEMV_MAX_ROWS.get(gemv_isa, 0), gemv_dtype=gemv_dtype)
+                    gemv_rows=GEMV_MAX_ROWS.get(gemv_isa, 0), gemv_dtype=gemv_dtype,
+                    amx=amx)
             if panels or onednn or gemv_isa else None)
     return Kernels(
         dtype=dtype, kv_dtype=kv_dtype, device_type=device_type, features=features,
