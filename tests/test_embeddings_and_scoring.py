@@ -214,6 +214,18 @@ def test_echo_with_max_tokens_zero_scores_the_prompt(client, hf, prompts):
     assert "".join(lp.tokens) == text and lp.text_offset == sorted(lp.text_offset)
 
 
+def test_echo_scoring_streams_the_same_answer(client):
+    text = PROMPTS[SCORED[0]]
+    kw = dict(model=client.models.list().data[0].id, prompt=text, max_tokens=0, echo=True,
+              logprobs=1, temperature=0)
+    whole = client.completions.create(**kw).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**kw, stream=True) if c.choices]
+    assert "".join(c.text for c in chunks) == whole.text == text
+    assert [t for c in chunks if c.logprobs for t in c.logprobs.token_logprobs] == \
+        whole.logprobs.token_logprobs
+    assert chunks[-1].finish_reason == "length"
+
+
 def test_echo_with_logprobs_covers_prompt_then_output(client, prompts):
     text = PROMPTS[SCORED[0]]
     out = client.completions.create(model=client.models.list().data[0].id, prompt=text,
@@ -264,7 +276,7 @@ def test_bad_embedding_requests_are_400s_naming_the_field(server, body, param):
 @pytest.mark.parametrize("body, param", [
     ({"max_tokens": 0}, "max_tokens"),
     ({"prompt_logprobs": 21}, "prompt_logprobs"),
-    ({"max_tokens": 0, "echo": True, "stream": True}, "max_tokens"),
+    ({"max_tokens": 0, "echo": False, "logprobs": 1}, "max_tokens"),
 ])
 def test_bad_scoring_requests_are_400s_naming_the_field(server, body, param):
     resp = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", **body}, timeout=60)

@@ -97,9 +97,6 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.max_tokens == 0 and not req.echo:
             raise APIError(400, "max_tokens: 0 is allowed only with echo (to score the prompt); "
                                 "give at least 1", param="max_tokens", code="invalid_value")
-        if echo_only and req.stream:
-            raise APIError(400, "max_tokens: 0 with echo is not supported with stream; leave "
-                                "stream out", param="max_tokens", code="invalid_value")
         # echo with logprobs scores the prompt too (vLLM: prompt_logprobs from logprobs)
         prompt_lp = req.prompt_logprobs
         if req.echo and req.logprobs is not None:
