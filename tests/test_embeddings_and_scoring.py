@@ -308,3 +308,37 @@ def test_tiny_llama_embeddings_equal_hf(tiny_llama, pooling_type):
         with torch.no_grad():
             hidden = hf_model.model(torch.tensor([ids])).last_hidden_state[0]
         assert cosine(out.outputs.embedding, pooled(hidden, pooling_type)) >= 0.999
+
+
+def test_prompt_logprobs_survive_a_preemption_mid_prompt(tiny_llama, tmp_path):
+    """A request preempted in the middle of its prompt computes it again from the start; its
+    prompt logprobs are each position's once, and equal HF's."""
+    import json
+    from transformers import LlamaForCausalLM
+    hf_model = LlamaForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    trace = tmp_path / "trace.jsonl"
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=256, num_blocks=9, block_size=16,
+              max_num_batched_tokens=8, trace=str(trace))
+    short = [(5 * i + 3) % 300 + 5 for i in range(30)]
+    long = [(11 * i + 7) % 300 + 5 for i in range(100)]
+    outs = llm.generate([short, long], [
+        SamplingParams(max_tokens=60, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=2)],
+        use_tqdm=False)
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    computed = 0  # of the long prompt, when it was preempted
+    for s in steps:
+        if "1" in s["preempted"]:
+            break
+        computed = max([computed] + [r["num_computed_tokens"] + r["tokens"]
+                                     for r in s["requests"] if r["id"] == "1"])
+    else:
+        raise AssertionError("the small pool should preempt the long prompt")
+    assert 0 < computed < len(long), "preempted in the middle of its prompt"
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([long])).logits[0].float().log_softmax(dim=-1)
+    got = outs[1].prompt_logprobs
+    assert len(got) == len(long) and got[0] is None
+    for p in range(1, len(long)):
+        assert abs(got[p][long[p]].logprob - ref[p - 1, long[p]].item()) < 1e-4
+        assert set(got[p]) - {long[p]} <= set(ref[p - 1].topk(3).indices.tolist())

@@ -119,6 +119,8 @@ class LLM:
         vocab_size = self.engine.core.arch.vocab_size
         check_token_ids("prompt", ids, vocab_size)
         params.verify_token_ids(vocab_size)
+        if params.prompt_logprobs is not None:
+            self.engine.core.check_prompt_logprobs(params)
         if params.structured_outputs is not None:  # ValueError naming the problem
             validate_structured_outputs(params.structured_outputs,
                                         self.engine.core.config.structured_outputs_backend)
