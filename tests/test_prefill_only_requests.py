@@ -129,3 +129,22 @@ def test_prompt_logprobs_is_bounded():
     for bad in (21, -1, 1.5, True):
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
+
+
+def test_the_trace_records_the_bypass(tmp_path):
+    from kvflow.engine.step_trace import StepTrace
+    from kvflow.trace.reader import load_trace
+    sched = make_scheduler(num_blocks=64, block_size=BS, budget=256)
+    runner = FakeRunner()
+    sched.add_request(generation("first"))
+    while sched.has_unfinished_requests():
+        step(sched, runner)
+    sched.add_request(generation("again", prompt_logprobs=1))
+    out = sched.schedule()
+    updates = sched.update_from_output(out, runner.execute(out))
+    path = tmp_path / "trace.jsonl"
+    trace = StepTrace(str(path), 256, BS, 64)
+    trace.record(out, updates, 0.0, 0.01, sched.kv_cache_manager.num_free_blocks)
+    trace.close()
+    (recorded,) = load_trace(str(path)).steps
+    assert recorded.prefix_cache_bypassed == {"again": "prompt_logprobs"}
