@@ -342,3 +342,20 @@ def test_prompt_logprobs_survive_a_preemption_mid_prompt(tiny_llama, tmp_path):
     for p in range(1, len(long)):
         assert abs(got[p][long[p]].logprob - ref[p - 1, long[p]].item()) < 1e-4
         assert set(got[p]) - {long[p]} <= set(ref[p - 1].topk(3).indices.tolist())
+
+
+def test_speculative_decoding_refuses_prompt_logprobs_but_serves_embeddings(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=256, num_blocks=64,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="prompt_logprobs.*speculative"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)
+    prompt = [5, 6, 7, 8] * 6  # repeats: n-gram drafts for the decoding request
+    engine = llm.engine
+    engine.add_request("gen", prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    engine.add_pooling_request("emb", prompt, PoolingParams())
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert len(done["gen"].outputs[0].token_ids) == 12
+    alone = llm.embed(prompt, use_tqdm=False)[0].outputs.embedding
+    assert cosine(done["emb"].outputs.embedding, alone) > 0.99999
