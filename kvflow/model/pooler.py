@@ -64,16 +64,18 @@ def prompt_logprobs_chunk(compute_logits, hidden: torch.Tensor, token_ids: list[
         if logits is None:  # a tensor-parallel rank other than the driver: it still joins
             driver = False  # every slice's vocab gather, in step with the driver
             continue
-        lp = logits.log_softmax(dim=-1).clamp_min_(LOGPROB_FLOOR)
-        target = torch.tensor(token_ids[lo + 1:hi + 1], device=lp.device).unsqueeze(1)
-        chosen = lp.gather(1, target)
-        ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+        # log-softmax of the few values that leave only: logit - logsumexp, with one pass
+        # over the vocabulary for the norm, one for the rank and one for the top-N
+        lse = logits.logsumexp(dim=-1, keepdim=True)
+        target = torch.tensor(token_ids[lo + 1:hi + 1], device=logits.device).unsqueeze(1)
+        chosen = logits.gather(1, target)
+        ranks = ((logits > chosen).sum(dim=-1) + 1).tolist()
         if num:
-            top_lp, top_ids = lp.topk(num, dim=-1)
+            top, top_ids = logits.topk(num, dim=-1)
             ids = torch.cat([target, top_ids], dim=1).tolist()
-            lps = torch.cat([chosen, top_lp], dim=1).tolist()
+            lps = (torch.cat([chosen, top], dim=1) - lse).clamp_min_(LOGPROB_FLOOR).tolist()
         else:
-            ids, lps = target.tolist(), chosen.tolist()
+            ids, lps = target.tolist(), (chosen - lse).clamp_min_(LOGPROB_FLOOR).tolist()
         entries.extend(TokenLogprobs(token_ids=i, logprobs=v, sampled_rank=r)
                        for i, v, r in zip(ids, lps, ranks))
     return PromptLogprobsChunk(start=start + 1, entries=entries) if driver else None
