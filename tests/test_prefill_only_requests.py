@@ -148,3 +148,30 @@ def test_the_trace_records_the_bypass(tmp_path):
     trace.close()
     (recorded,) = load_trace(str(path)).steps
     assert recorded.prefix_cache_bypassed == {"again": "prompt_logprobs"}
+
+
+def test_output_processor_keeps_each_prompt_position_once_and_sends_them_with_the_first_token(
+        default_tokenizer):
+    from kvflow.engine.output_processor import OutputKind, OutputProcessor
+    from kvflow.engine.protocol import EngineCoreOutput
+    from kvflow.outputs import PromptLogprobsChunk, TokenLogprobs
+
+    def entry(tok):
+        return TokenLogprobs(token_ids=[tok, 9], logprobs=[-1.5, -0.5], sampled_rank=2)
+    prompt = [10, 11, 12, 13, 14]
+    proc = OutputProcessor(default_tokenizer)
+    proc.add_request("r", None, prompt, SamplingParams(max_tokens=2, prompt_logprobs=1),
+                     OutputKind.DELTA)
+    chunk = lambda start, toks: PromptLogprobsChunk(start, [entry(t) for t in toks])  # noqa: E731
+    outs, _ = proc.process_outputs([EngineCoreOutput("r", [], prompt_logprobs=chunk(1, [11, 12]))])
+    assert outs == []  # nothing to show before the first token
+    # preempted mid-prompt: its prompt is computed again from the start
+    proc.process_outputs([EngineCoreOutput("r", [], prompt_logprobs=chunk(1, [11, 12, 13]))])
+    outs, _ = proc.process_outputs([EngineCoreOutput("r", [7], prompt_logprobs=chunk(4, [14]))])
+    (out,) = outs
+    lps = out.prompt_logprobs
+    assert len(lps) == len(prompt) and lps[0] is None
+    assert [next(iter(d)) for d in lps[1:]] == prompt[1:]
+    assert lps[1][11].rank == 2 and lps[1][9].rank == 1
+    outs, _ = proc.process_outputs([EngineCoreOutput("r", [8], finish_reason="length")])
+    assert outs[0].prompt_logprobs is None  # a DELTA stream carries them once
