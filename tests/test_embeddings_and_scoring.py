@@ -359,3 +359,25 @@ def test_speculative_decoding_refuses_prompt_logprobs_but_serves_embeddings(tiny
     assert len(done["gen"].outputs[0].token_ids) == 12
     alone = llm.embed(prompt, use_tqdm=False)[0].outputs.embedding
     assert cosine(done["emb"].outputs.embedding, alone) > 0.99999
+
+
+def test_gemma3_sliding_window_embeddings_and_prompt_logprobs_equal_hf(tmp_path):
+    """A model with sliding-window layers (one block table per KV cache group) and a soft-capped
+    LM head: MEAN pooling and prompt logprobs over chunks of 8, against transformers."""
+    from transformers import Gemma3ForCausalLM
+    from window_model_helpers import save_tiny_gemma3
+    path = str(tmp_path)
+    save_tiny_gemma3(path)
+    save_byte_tokenizer(path)
+    hf_model = Gemma3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, dtype="float32", max_model_len=256, num_blocks=64, max_num_batched_tokens=8,
+              pooler_config={"pooling_type": "MEAN"})
+    ids = [(7 * i + 3) % 300 + 5 for i in range(30)]
+    with torch.no_grad():
+        hidden = hf_model.model(torch.tensor([ids])).last_hidden_state[0]
+        ref = hf_model(torch.tensor([ids])).logits[0].float().log_softmax(dim=-1)
+    emb = llm.embed(ids, use_tqdm=False)[0].outputs.embedding
+    assert cosine(emb, pooled(hidden, "MEAN")) >= 0.999
+    got = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    for p in range(1, len(ids)):
+        assert abs(got.prompt_logprobs[p][ids[p]].logprob - ref[p - 1, ids[p]].item()) < 1e-4
