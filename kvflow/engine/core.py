@@ -222,9 +222,10 @@ class EngineCore(EngineKVTransferMixin):
         if r.pooling_params is not None:  # an embedding: prefill only, nothing sampled
             check_request_fits(len(r.prompt_token_ids), 0, self.max_model_len, cc.block_size,
                                cc.num_blocks)
-            req = Request(r.request_id, r.prompt_token_ids, arrival_time=r.arrival_time or time.time(),
-                          priority=r.priority, cache_salt=r.cache_salt,
-                          pooling_params=r.pooling_params.resolved(self.config.model_config.pooler_config))
+            pooling = r.pooling_params.resolved(self.config.model_config.pooler_config)
+            req = Request(r.request_id, r.prompt_token_ids,
+                          arrival_time=r.arrival_time or time.time(), priority=r.priority,
+                          cache_salt=r.cache_salt, pooling_params=pooling)
             self.scheduler.add_request(req)
             return
         params.verify_token_ids(vocab_size)
