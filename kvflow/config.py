@@ -5,6 +5,7 @@ import json
 from dataclasses import dataclass, field
 
 from kvflow import envs
+from kvflow.pooling_params import PoolerConfig
 
 
 def parse_memory(value: int | float | str) -> int:
@@ -83,6 +84,10 @@ class ModelConfig:
     served_model_name: list[str] | None = option(
         None, "model name(s) clients pass as `model`; the first is reported (default: the "
         "model's folder or file name)")
+    pooler_config: PoolerConfig | dict | str | None = option(
+        None, "how embeddings (`/v1/embeddings`, `LLM.embed`) pool the final hidden states, as "
+        "JSON with vLLM's keys, e.g. `{\"pooling_type\": \"MEAN\", \"normalize\": true}`; "
+        "pooling_type LAST, MEAN or CLS (default: LAST, normalized; docs/embeddings_and_scoring.md)")
 
     def __post_init__(self) -> None:
         self.dtype = dtype_name(self.dtype, "dtype")
@@ -100,6 +105,23 @@ class ModelConfig:
             self.served_model_name = [self.served_model_name]
         if not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        self.pooler_config = parse_pooler_config(self.pooler_config)
+
+
+_POOLER_KEYS = ("pooling_type", "normalize")
+
+
+def parse_pooler_config(value) -> PoolerConfig:
+    """From a dict (LLM's keyword) or its JSON text (the command line); None: the defaults. An
+    unknown key is refused by name (vLLM's other keys pool in ways not implemented here)."""
+    if value is None or isinstance(value, PoolerConfig):
+        return value or PoolerConfig()
+    value = json_object_option(value, "pooler_config", '{"pooling_type": "MEAN"}')
+    unknown = sorted(set(value) - set(_POOLER_KEYS))
+    if unknown:
+        raise ValueError(f"pooler_config: unknown key(s) {', '.join(map(repr, unknown))}; "
+                         f"valid: {', '.join(_POOLER_KEYS)}")
+    return PoolerConfig(**value)
 
 
 @dataclass

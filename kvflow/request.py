@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 
 
@@ -65,6 +66,9 @@ class Request:
     arrival_time: float = field(default_factory=time.time)
     priority: int = 0
     cache_salt: str | None = None
+    # an embedding request: prefill only, it ends with its prompt (its pooled vector is the
+    # runner's); its sampling_params are not used
+    pooling_params: PoolingParams | None = None
     # its decoding constraint, when it has one: a kvflow.structured StructuredOutputRequest
     # (compiling, then the matcher). The scheduler only calls is_ready(), error, accept(token),
     # is_terminated() and close() on it, so that core/ never imports a grammar library.
@@ -122,7 +126,23 @@ class Request:
 
     @property
     def max_tokens(self) -> int:
+        if self.pooling_params is not None:
+            return 0  # prefill only: no decode slot, its blocks go when its prompt is done
         return self.sampling_params.max_tokens or 0
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
+
+    @property
+    def prefix_cache_bypass(self) -> str | None:
+        """Why this request may not start from prefix-cache hits (None: it may): its prompt
+        logprobs, or a pooling that reads every position, need each prompt position computed."""
+        if self.sampling_params.prompt_logprobs is not None and self.pooling_params is None:
+            return "prompt_logprobs"
+        if self.pooling_params is not None and self.pooling_params.needs_every_position:
+            return "pooling"
+        return None
 
     @property
     def is_finished(self) -> bool:

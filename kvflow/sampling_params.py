@@ -184,6 +184,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    # vLLM's: for each prompt position after the first, the prompt's token and the top-N
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     # a decoding constraint (JSON schema, regex, choice, grammar), compiled in the engine
@@ -246,6 +248,10 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                             f"{self.prompt_logprobs!r}")
         if self.seed is not None:
             if not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX:
                 raise ValueError(f"seed must be a 64-bit integer, got {self.seed!r}")

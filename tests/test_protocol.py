@@ -10,8 +10,10 @@ import pytest
 from kvflow.engine import protocol
 from kvflow.engine.protocol import (BLOCK_LEGEND, CoreMessage, EngineCoreOutput, EngineCoreOutputs,
                                     EngineCoreReady, EngineCoreRequest, EngineCoreRequestType,
-                                    EngineSnapshot, KVTransferStats, RequestView, SchedulerStats,
-                                    StepTokens, TokenLogprobs, UtilityCall)
+                                    EngineSnapshot, KVTransferStats, PromptLogprobsChunk,
+                                    RequestView, SchedulerStats, StepTokens, TokenLogprobs,
+                                    UtilityCall)
+from kvflow.pooling_params import PoolingParams
 from kvflow.kv_transfer.params import KVTransferParams
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -49,6 +51,12 @@ EXAMPLES = [
     # prefill/decode disaggregation: the pull's parameters in, the lent blocks' out
     EngineCoreRequest("req-3", [1, 2], SamplingParams(max_tokens=4, kv_transfer_params=KV_PARAMS)),
     EngineCoreOutput("req-4", [7], finish_reason="length", kv_transfer_params=KV_PARAMS),
+    # embeddings: a pooling request in, its vector (float32 bytes) out; prompt logprobs
+    EngineCoreRequest("req-5", [1, 2], SamplingParams(),
+                      pooling_params=PoolingParams(normalize=False, pooling_type="MEAN")),
+    EngineCoreOutput("req-5", [], finish_reason="stop", pooled=b"\x00\x00\x80?\x00\x00\x00@"),
+    PromptLogprobsChunk(start=1, entries=[LOGPROBS, LOGPROBS]),
+    EngineCoreOutput("req-6", [], prompt_logprobs=PromptLogprobsChunk(start=3, entries=[LOGPROBS])),
     SchedulerStats(num_free_blocks=3, kv_transfer=KV_STATS),
     EngineCoreOutputs([EngineCoreOutput("req-1", [5, 6]), EngineCoreOutput("req-2", [], finish_reason="abort")],
                       scheduler_stats=STATS, timestamp=1700000001.0),

@@ -143,13 +143,16 @@ def test_completion_logprobs_have_the_legacy_shape(client):
                                     logprobs=3, echo=True)
     choice, lp = out.choices[0], out.choices[0].logprobs
     n = out.usage.completion_tokens
+    p = out.usage.prompt_tokens  # echo: the prompt's tokens come first, the first one unscored
     assert choice.text.startswith(PROMPT)
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
-    assert all(x <= 0 for x in lp.token_logprobs)
-    assert all(len(top) >= 3 for top in lp.top_logprobs)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == p + n
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    assert all(len(top) >= 3 for top in lp.top_logprobs[p:])
     # Greedy: the chosen token is the most likely one.
-    assert all(abs(max(top.values()) - x) < 1e-4 for top, x in zip(lp.top_logprobs, lp.token_logprobs))
-    assert lp.text_offset[0] == len(PROMPT) and lp.text_offset == sorted(lp.text_offset)
+    assert all(abs(max(top.values()) - x) < 1e-4
+               for top, x in zip(lp.top_logprobs[p:], lp.token_logprobs[p:]))
+    assert lp.text_offset[p] == len(PROMPT) and lp.text_offset == sorted(lp.text_offset)
 
 
 def test_chat_logprobs_list_each_token_with_its_top_alternatives(client):

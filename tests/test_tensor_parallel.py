@@ -347,3 +347,26 @@ def test_two_nodes_on_loopback_equal_tp1(tiny_model, tiny_reference, tmp_path):
             node1.wait()
         log.close()
     assert got == tiny_reference
+
+
+def test_embeddings_and_prompt_logprobs_under_tp2_equal_tp1(tiny_model):
+    """The driver pools and scores; every rank joins each 128-row slice's vocab gather (the
+    130-token prompt takes two)."""
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2)
+    runs = []
+    for tp in (1, 2):
+        llm = LLM(tiny_model, **ENGINE, tensor_parallel_size=tp,
+                  pooler_config={"pooling_type": "MEAN"})
+        try:
+            embs = [o.outputs.embedding for o in llm.embed(TINY_PROMPTS, use_tqdm=False)]
+            scored = [o.prompt_logprobs for o in llm.generate(TINY_PROMPTS, params, use_tqdm=False)]
+        finally:
+            llm.engine.shutdown()
+        runs.append((embs, scored))
+    (embs1, scored1), (embs2, scored2) = runs
+    for a, b in zip(embs1, embs2):
+        assert sum(x * y for x, y in zip(a, b)) > 0.99999
+    for ids, a, b in zip(TINY_PROMPTS, scored1, scored2):
+        assert len(a) == len(b) == len(ids) and a[0] is None and b[0] is None
+        for p in range(1, len(ids)):
+            assert abs(a[p][ids[p]].logprob - b[p][ids[p]].logprob) < 1e-4

@@ -74,14 +74,18 @@ class BlockPool:
                 del self._free[block.block_id]
             block.ref_cnt += 1
 
-    def free_blocks(self, blocks: list[KVBlock]) -> None:
+    def free_blocks(self, blocks: list[KVBlock], uncached_first: bool = False) -> None:
         """Drop one reference to each block; blocks nobody holds go to the back of the queue.
-        Callers pass a request's blocks in reverse so its tail is evicted first."""
+        Callers pass a request's blocks in reverse so its tail is evicted first.
+        `uncached_first`: freed blocks that hold nothing findable go to the front instead, so
+        that they are reused before any cached block is evicted (an embedding's blocks)."""
         for block in blocks:
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, f"block {block.block_id} ref_cnt went negative"
             if block.ref_cnt == 0:
                 self._free[block.block_id] = None
+                if uncached_first and block.block_hash is None:
+                    self._free.move_to_end(block.block_id, last=False)
 
     def lookup(self, block_hash: bytes, key: BlockKey) -> KVBlock | None:
         """The cached block with this hash, if it also holds exactly `key`."""

@@ -203,7 +203,8 @@ class HybridKVCacheManager(KVCacheManager):
             blocks = self.tables[g].pop(rid, [])
             self.num_skipped[g].pop(rid, None)
             self.num_cached[g].pop(rid, None)
-            self.block_pool.free_blocks([b for b in reversed(blocks) if b is not self.null_block])
+            self.block_pool.free_blocks([b for b in reversed(blocks) if b is not self.null_block],
+                                        uncached_first=req.is_pooling)
 
     def check_invariants(self) -> None:
         """Ref counts equal holders (the null block: one, its own), no table holds a block

@@ -157,7 +157,8 @@ class KVCacheManager:
         evicted before the shared prefix)."""
         blocks = self.req_to_blocks.pop(req.request_id, [])
         self.num_cached_blocks.pop(req.request_id, None)
-        self.block_pool.free_blocks(list(reversed(blocks)))
+        # an embedding's blocks are never cached: reused first, evicting nobody's prefix
+        self.block_pool.free_blocks(list(reversed(blocks)), uncached_first=req.is_pooling)
 
     def free_request_id(self, request_id: str) -> None:
         """`free` for blocks held under an id whose request is gone (a lent prompt's)."""

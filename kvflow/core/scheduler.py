@@ -161,9 +161,11 @@ class Scheduler(RemoteKVMixin):
             # drafts the budget leaves room for; they are dropped before anyone is preempted
             num_spec = max(0, n - (req.num_tokens - req.num_computed_tokens))
             lookahead = self.num_lookahead_tokens
-            if num_spec and kv.allocate_slots(req, n, num_lookahead_tokens=lookahead) is None:
+            cache = not req.is_pooling  # an embedding's blocks are never findable
+            if num_spec and kv.allocate_slots(req, n, cache=cache,
+                                              num_lookahead_tokens=lookahead) is None:
                 n, num_spec = n - num_spec, 0
-            while kv.allocate_slots(req, n, num_lookahead_tokens=lookahead) is None:
+            while kv.allocate_slots(req, n, cache=cache, num_lookahead_tokens=lookahead) is None:
                 victim = self._pick_victim()
                 vi = self.running.index(victim)
                 del self.running[vi]
@@ -227,8 +229,17 @@ class Scheduler(RemoteKVMixin):
                 continue  # its pull runs off the loop: the requests behind it go on
             # a request whose K/V was pulled holds its blocks already: no prefix lookup
             held = req.request_id in kv.req_to_blocks
-            computed, num_cached = (([], req.num_computed_tokens) if held
-                                    else kv.get_computed_blocks(req))
+            # prompt logprobs (and a pooling over every position) read each prompt position's
+            # output, which a prefix-cache hit skips: such a request computes its whole prompt
+            # (and, prompt logprobs, still caches its blocks for others)
+            bypass = None if held or not kv.enable_caching else req.prefix_cache_bypass
+            if held:
+                computed, num_cached = [], req.num_computed_tokens
+            elif bypass is not None:
+                computed, num_cached = [], 0
+                out.prefix_cache_bypassed[req.request_id] = bypass
+            else:
+                computed, num_cached = kv.get_computed_blocks(req)
             need = (kv.num_blocks_needed(req, req.num_tokens + self.num_lookahead_tokens)
                     - len(computed)
                     + kv.num_evictable(computed))
@@ -244,10 +255,10 @@ class Scheduler(RemoteKVMixin):
             n = min(req.num_tokens - num_cached, budget)
             if 0 < cap < n:
                 n = cap
-            new = kv.allocate_slots(req, n, computed,
+            new = kv.allocate_slots(req, n, computed, cache=not req.is_pooling,
                                    num_lookahead_tokens=self.num_lookahead_tokens)
             assert new is not None, "admission checked the blocks"
-            if not held:
+            if not held and bypass is None:
                 kv.prefix_queries += req.num_tokens
                 kv.prefix_hits += num_cached
             if req.num_cached_tokens < 0:
@@ -257,7 +268,8 @@ class Scheduler(RemoteKVMixin):
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled_new_reqs.append(NewRequestData(
-                req.request_id, list(req.all_token_ids), req.num_prompt_tokens, req.sampling_params))
+                req.request_id, list(req.all_token_ids), req.num_prompt_tokens, req.sampling_params,
+                req.pooling_params))
             if resumed:
                 out.resumed_req_ids.append(req.request_id)
             out.num_cached_tokens[req.request_id] = num_cached
@@ -358,6 +370,12 @@ class Scheduler(RemoteKVMixin):
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens += n
+            if req.is_pooling:
+                if req.num_computed_tokens >= req.num_prompt_tokens:  # prefill only: done
+                    finished.add(req_id)
+                    self._finish(req, RequestStatus.FINISHED_STOPPED)
+                    updates.append(RequestUpdate(req, [], req.finish_reason))
+                continue
             new_tokens = sampled.get(req_id)
             if not new_tokens:
                 continue

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from kvflow.kv_transfer.params import KVTransferParams
+from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 
 
@@ -18,6 +19,8 @@ class NewRequestData:
     token_ids: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
+    # an embedding request: the runner pools its prompt's hidden states and samples nothing
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass(slots=True)
@@ -106,6 +109,9 @@ class SchedulerOutput:
     block_checks: dict[str, BlockCheck] = field(default_factory=dict)
     # waiting requests passed over for lack of blocks (they keep their place), in queue order
     skipped_req_ids: list[str] = field(default_factory=list)
+    # admitted id -> why it did not look up the prefix cache though caching is on
+    # ("prompt_logprobs", "pooling": it needs every prompt position computed)
+    prefix_cache_bypassed: dict[str, str] = field(default_factory=dict)
     # why admission stopped before the end of the queue (None: it saw the whole queue)
     admission_stop: AdmissionStop | None = None
     # waiting requests passed over because their grammar is still compiling, in queue order

@@ -66,6 +66,7 @@ class BadMessageError(RuntimeError):
 # What the scheduler recorded about its decisions (for the trace and stats): the workers' runners
 # never read it, and block_checks grows with the waiting queue, so it stays on the driver.
 _DECISIONS_CLEARED = dict(is_prefill={}, preempted_for={}, block_checks={}, skipped_req_ids=[],
+                          prefix_cache_bypassed={},
                           waiting_for_grammar_ids=[], admission_stop=None, grammar_errors={},
                           kv_loads=[], waiting_for_remote_kv_ids=[], kv_load_errors={})
 

@@ -25,7 +25,8 @@ from kvflow.engine.output_processor import OutputKind, OutputProcessor
 from kvflow.engine.protocol import (CoreMessage, EngineCoreOutputs, EngineCoreReady, SchedulerStats,
                                     UtilityCall)
 from kvflow.model_path import resolve_model_path
-from kvflow.outputs import RequestOutput
+from kvflow.outputs import EmbeddingRequestOutput, RequestOutput
+from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured import validate_structured_outputs
 from kvflow.tokenizer import get_tokenizer, tokenizer_source
@@ -139,6 +140,35 @@ class AsyncLLM:
             finally:
                 self._forget(request_id)
 
+    async def encode(self, prompt_token_ids: list[int], params: PoolingParams, request_id: str,
+                     prompt: str | None = None, priority: int = 0) -> EmbeddingRequestOutput:
+        """Pool one prompt into its embedding (vLLM's name); scheduled beside generation as a
+        prefill-only request."""
+        if self.dead_error is not None:
+            raise type(self.dead_error)(str(self.dead_error))
+        core_req = self.processor.add_pooling_request(request_id, prompt, prompt_token_ids,
+                                                      params, time.time(), priority)
+        finished = False
+        try:
+            queue: asyncio.Queue = asyncio.Queue()
+            if not self.has_pending_work():
+                self._last_progress = time.monotonic()
+            self.queues[request_id] = queue
+            self._core_ids[request_id] = 1
+            self.num_core_requests += 1
+            self.client.add_request(core_req)
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            finished = True
+            return item
+        finally:
+            try:
+                if not finished:
+                    self.abort(request_id)
+            finally:
+                self._forget(request_id)
+
     async def reset_prefix_cache(self) -> bool:
         """Clear the core's prefix cache; False (nothing done) while requests are running."""
         if self.dead_error is not None:
@@ -230,7 +260,8 @@ class AsyncLLM:
                 queue.put_nowait(ro)
             if ro.finished:
                 self._forget(ro.request_id)
-        self.stat_logger.record_outputs(request_outputs, time.time())
+        self.stat_logger.record_outputs(
+            [ro for ro in request_outputs if isinstance(ro, RequestOutput)], time.time())
 
     def _handle_request_error(self, core_id: str, message: str) -> None:
         entry = self.processor.core_to_sample.get(core_id)

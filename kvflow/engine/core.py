@@ -30,7 +30,7 @@ from kvflow.model.quant.load import resolve_quantization
 from kvflow.model.sharding import kv_bytes_per_token_per_rank
 from kvflow.model.weight_dtype import storage_dtype
 from kvflow.model_path import resolve_model_path
-from kvflow.request import Request, RequestStatus, check_request_fits
+from kvflow.request import InvalidRequestError, Request, RequestStatus, check_request_fits
 from kvflow.sampling_params import check_token_ids
 from kvflow.structured import StructuredOutputManager, validate_structured_outputs
 from kvflow.tokenizer import get_tokenizer, tokenizer_source
@@ -245,8 +245,19 @@ class EngineCore(EngineKVTransferMixin):
         vocab_size = self.arch.vocab_size
         check_token_ids("prompt", r.prompt_token_ids, vocab_size)
         check_token_ids("eos_token_ids", r.eos_token_ids, vocab_size)
-        params.verify_token_ids(vocab_size)
         cc = self.cache_config
+        if r.pooling_params is not None:  # an embedding: prefill only, nothing sampled
+            check_request_fits(len(r.prompt_token_ids), 0, self.max_model_len, cc.block_size,
+                               cc.num_blocks)
+            pooling = r.pooling_params.resolved(self.config.model_config.pooler_config)
+            req = Request(r.request_id, r.prompt_token_ids,
+                          arrival_time=r.arrival_time or time.time(), priority=r.priority,
+                          cache_salt=r.cache_salt, pooling_params=pooling)
+            self.scheduler.add_request(req)
+            return
+        params.verify_token_ids(vocab_size)
+        if params.prompt_logprobs is not None:
+            self.check_prompt_logprobs(params)
         max_tokens = check_request_fits(len(r.prompt_token_ids), params.max_tokens,
                                         self.max_model_len, cc.block_size, cc.num_blocks,
                                         params.min_tokens)
@@ -274,6 +285,17 @@ class EngineCore(EngineKVTransferMixin):
             raise
         if req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
             self.kv_agent.watch(params.kv_transfer_params)  # heartbeats until its pull starts
+
+    def check_prompt_logprobs(self, params) -> None:
+        """InvalidRequestError for prompt_logprobs where they cannot be computed correctly: with
+        speculative decoding (a draft model keeps its own prefix state; not verified together),
+        and with KV transfer (a pulled prompt is never computed here)."""
+        if self.config.speculative_config is not None:
+            raise InvalidRequestError("prompt_logprobs is not supported with speculative decoding "
+                                      "(speculative_config); leave it out", "prompt_logprobs")
+        if params.kv_transfer_params is not None:
+            raise InvalidRequestError("prompt_logprobs cannot be combined with kv_transfer_params",
+                                      "prompt_logprobs")
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)  # one pass, however many
@@ -349,6 +371,7 @@ class EngineCore(EngineKVTransferMixin):
                 self.scheduler.kv_cache_manager.get_block_ids))
         lent = self._lend() if self.scheduler.new_leases else {}
         outputs = []
+        prompt_lps = runner_out.prompt_logprobs
         for u in updates:
             rid = u.request.request_id
             lp = runner_out.logprobs.get(rid)
@@ -358,7 +381,11 @@ class EngineCore(EngineKVTransferMixin):
                 u.request.stop_reason if finish else None,
                 num_cached_tokens=max(u.request.num_cached_tokens, 0),
                 first_scheduled_time=u.request.first_scheduled_time,
-                kv_transfer_params=lent.get(rid)))
+                kv_transfer_params=lent.get(rid), pooled=runner_out.pooled.get(rid),
+                prompt_logprobs=prompt_lps.pop(rid, None) if prompt_lps else None))
+        for rid, chunk in prompt_lps.items():  # a prompt chunk that sampled nothing yet
+            if rid in self.scheduler.requests:
+                outputs.append(EngineCoreOutput(rid, [], prompt_logprobs=chunk))
         step_time = time.perf_counter() - t0
         if self.trace:
             kv = self.scheduler.kv_cache_manager

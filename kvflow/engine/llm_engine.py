@@ -4,7 +4,8 @@ from __future__ import annotations
 from kvflow.config import EngineConfig
 from kvflow.engine.core import EngineCore
 from kvflow.engine.output_processor import OutputKind, OutputProcessor
-from kvflow.outputs import RequestOutput
+from kvflow.outputs import EmbeddingRequestOutput, RequestOutput
+from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 from kvflow.tokenizer import get_tokenizer, tokenizer_source
 
@@ -34,13 +35,24 @@ class LLMEngine:
             self.core.abort_requests(self.output_processor.abort_request(request_id))
             raise
 
+    def add_pooling_request(self, request_id: str, prompt_token_ids: list[int],
+                            params: PoolingParams, prompt: str | None = None) -> None:
+        """Queue an embedding request (prefill only)."""
+        core_req = self.output_processor.add_pooling_request(request_id, prompt, prompt_token_ids,
+                                                             params)
+        try:
+            self.core.add_request(core_req)
+        except ValueError:
+            self.core.abort_requests(self.output_processor.abort_request(request_id))
+            raise
+
     def abort_request(self, request_id: str) -> None:
         self.core.abort_requests(self.output_processor.abort_request(request_id))
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests() or self.output_processor.has_unfinished_requests()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         core_out = self.core.step()
         outputs, to_abort = self.output_processor.process_outputs(core_out.outputs)
         if to_abort:

@@ -8,7 +8,10 @@ from dataclasses import asdict, dataclass, field, replace
 
 from kvflow.engine.detokenizer import IncrementalDetokenizer, StopStrings, decode_token
 from kvflow.engine.protocol import EngineCoreOutput, EngineCoreRequest
-from kvflow.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
+from kvflow.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob,
+                            PromptLogprobs, PromptLogprobsChunk, RequestOutput, TokenLogprobs,
+                            embedding_from_bytes)
+from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 
 
@@ -47,10 +50,26 @@ class RequestState:
     first_token_time: float | None = None
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = None
+    # with prompt_logprobs: the prompt's positions scored so far (sample 0 scores them)
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs_sent: bool = False
+    pooled: bytes | None = None  # an embedding request's vector, once its prompt is done
+    is_pooling: bool = False
 
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.samples)
+
+    def take_prompt_logprobs(self, kind: OutputKind, finished: bool) -> PromptLogprobs | None:
+        """The prompt logprobs for the output made now: a DELTA stream carries them once, on
+        the first output after the prompt is done (or at the end, whatever is there)."""
+        lps = self.prompt_logprobs
+        if lps is None or (kind == OutputKind.DELTA and self.prompt_logprobs_sent):
+            return None
+        if len(lps) < len(self.prompt_token_ids) and not finished:
+            return None
+        self.prompt_logprobs_sent = True
+        return lps
 
 
 class OutputProcessor:
@@ -73,13 +92,17 @@ class OutputProcessor:
         state = RequestState(request_id, prompt, list(prompt_token_ids), [], kind, arrival)
         core_reqs = []
         stops = StopStrings(list(params.stop or []))  # indexed once for all n samples
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]  # the first position has no logprob
         try:
             for i in range(params.n):
                 core_id = request_id if params.n == 1 else f"{request_id}#{i}"
                 p = params
                 if params.n > 1:
                     seed = None if params.seed is None else params.seed + i
-                    p = replace(params, n=1, seed=seed)
+                    # one sample scores the prompt; the others may take prefix-cache hits
+                    p = replace(params, n=1, seed=seed,
+                                prompt_logprobs=params.prompt_logprobs if i == 0 else None)
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, p, stops)
                 sample = SampleState(core_id, i, detok, p)
                 if p.logprobs is not None:
@@ -94,6 +117,22 @@ class OutputProcessor:
             raise
         self.requests[request_id] = state
         return core_reqs
+
+    def add_pooling_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                            params: PoolingParams, arrival_time: float | None = None,
+                            priority: int = 0) -> EngineCoreRequest:
+        """Register an embedding request; returns the core request to send."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        arrival = arrival_time or time.time()
+        state = RequestState(request_id, prompt, list(prompt_token_ids), [], OutputKind.FINAL,
+                             arrival, is_pooling=True)
+        sample = SampleState(request_id, 0, None, SamplingParams())
+        state.samples.append(sample)
+        self.requests[request_id] = state
+        self.core_to_sample[request_id] = (state, sample)
+        return EngineCoreRequest(request_id, list(prompt_token_ids), SamplingParams(),
+                                 arrival_time=arrival, priority=priority, pooling_params=params)
 
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a request; returns the core ids still to abort in the core."""
@@ -127,6 +166,17 @@ class OutputProcessor:
                 state.kv_transfer_params = {k: v for k, v in asdict(out.kv_transfer_params).items()
                                             if v is not None and v is not False}
             finished = out.finish_reason is not None
+            if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
+                self._add_prompt_logprobs(state.prompt_logprobs, out.prompt_logprobs)
+            if state.is_pooling:
+                if finished:
+                    state.pooled = out.pooled
+                    sample.finish_reason = out.finish_reason
+                    self.core_to_sample.pop(sample.core_id, None)
+                    touched[state.request_id] = state
+                continue
+            if not out.new_token_ids and not finished:
+                continue  # a prompt chunk's logprobs only: they go out with the first token
             new = out.new_token_ids
             if len(new) > 1:
                 # several tokens in one step (speculative decoding): each goes in alone, as it
@@ -161,8 +211,22 @@ class OutputProcessor:
                 del self.requests[state.request_id]
             if state.kind == OutputKind.FINAL and not done:
                 continue
-            results.append(self._make_output(state, done))
+            results.append(self._make_embedding(state) if state.is_pooling
+                           else self._make_output(state, done))
         return results, to_abort
+
+    def _add_prompt_logprobs(self, into: PromptLogprobs, chunk: PromptLogprobsChunk) -> None:
+        """Append the chunk's positions not already there (a recomputed prompt repeats them)."""
+        skip = len(into) - chunk.start
+        if skip < 0:  # a gap cannot happen: chunks come in order
+            raise AssertionError(f"prompt logprobs from position {chunk.start}, have {len(into)}")
+        for lp in chunk.entries[skip:]:
+            into.append(self._logprob_dict(lp))
+
+    @staticmethod
+    def _make_embedding(state: RequestState) -> EmbeddingRequestOutput:
+        return EmbeddingRequestOutput(state.request_id, EmbeddingOutput(
+            embedding_from_bytes(state.pooled)), state.prompt_token_ids, True, state.prompt)
 
     def _logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
         d: dict[int, Logprob] = {}
@@ -195,4 +259,5 @@ class OutputProcessor:
                    "first_token_time": state.first_token_time}
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
                              finished, num_cached_tokens=state.num_cached_tokens, metrics=metrics,
-                             kv_transfer_params=state.kv_transfer_params if finished else None)
+                             kv_transfer_params=state.kv_transfer_params if finished else None,
+                             prompt_logprobs=state.take_prompt_logprobs(state.kind, finished))

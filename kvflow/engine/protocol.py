@@ -23,7 +23,8 @@ import msgspec
 
 from kvflow.kv_transfer.params import KVTransferParams
 from kvflow.kv_transfer.stats import KVTransferStats  # noqa: F401 - part of the protocol
-from kvflow.outputs import TokenLogprobs
+from kvflow.outputs import PromptLogprobsChunk, TokenLogprobs
+from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 
 
@@ -65,6 +66,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
+    # an embedding request (prefill only; its sampling_params are not used)
+    pooling_params: PoolingParams | None = None
 
 
 # -- core -> frontend ------------------------------------------------------------------------
@@ -90,6 +93,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None  # when the request first left the waiting queue
     kv_transfer_params: KVTransferParams | None = None  # its prompt's blocks, lent: where to pull
+    pooled: bytes | None = None  # an embedding request's vector (float32, little-endian), at its end
+    prompt_logprobs: PromptLogprobsChunk | None = None  # what this step's prompt chunk scored
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -66,6 +66,8 @@ class StepTrace:
                                       for rid, c in out.block_checks.items()}
         if out.skipped_req_ids:
             record["skipped"] = out.skipped_req_ids
+        if out.prefix_cache_bypassed:
+            record["prefix_cache_bypassed"] = out.prefix_cache_bypassed
         if out.admission_stop is not None:
             record["admission_stop"] = out.admission_stop.value
         # prefill/decode disaggregation: pulls started, requests still waiting for their K/V,

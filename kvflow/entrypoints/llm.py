@@ -8,7 +8,8 @@ from tqdm.auto import tqdm
 
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.options import engine_config
-from kvflow.outputs import RequestOutput
+from kvflow.outputs import EmbeddingRequestOutput, RequestOutput
+from kvflow.pooling_params import PoolingParams
 from kvflow.request import check_request_fits
 from kvflow.sampling_params import SamplingParams, check_token_ids
 from kvflow.structured import validate_structured_outputs
@@ -65,6 +66,35 @@ class LLM:
             self.engine.add_request(rid, ids, p, prompt=text, priority=prio, cache_salt=cache_salt)
         return self._run(order, use_tqdm)
 
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (text or token ids), in input order: the final hidden
+        states pooled as the engine's `pooler_config` says (default: the last token's,
+        normalized); `pooling_params` may override `normalize` per prompt. The prompts run
+        through the same scheduler as generation, prefill only."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if pooling_params is None:
+            pooling_params = PoolingParams()
+        params = ([pooling_params] * len(prompts) if isinstance(pooling_params, PoolingParams)
+                  else list(pooling_params))
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} pooling params")
+        encoded = [self._encode(p) for p in prompts]
+        cc = self.engine.core.cache_config
+        for _, ids in encoded:
+            check_token_ids("prompt", ids, self.engine.core.arch.vocab_size)
+            check_request_fits(len(ids), 0, self.engine.max_model_len, cc.block_size, cc.num_blocks)
+        order = {}
+        for (text, ids), p in zip(encoded, params):
+            rid = str(next(self._ids))
+            order[rid] = len(order)
+            self.engine.add_pooling_request(rid, ids, p, prompt=text)
+        return self._run(order, use_tqdm)
+
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
@@ -89,6 +119,8 @@ class LLM:
         vocab_size = self.engine.core.arch.vocab_size
         check_token_ids("prompt", ids, vocab_size)
         params.verify_token_ids(vocab_size)
+        if params.prompt_logprobs is not None:
+            self.engine.core.check_prompt_logprobs(params)
         if params.structured_outputs is not None:  # ValueError naming the problem
             validate_structured_outputs(params.structured_outputs,
                                         self.engine.core.config.structured_outputs_backend)
@@ -96,8 +128,8 @@ class LLM:
         check_request_fits(len(ids), params.max_tokens, self.engine.max_model_len,
                            cc.block_size, cc.num_blocks, params.min_tokens)
 
-    def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
-        results: list[RequestOutput | None] = [None] * len(order)
+    def _run(self, order: dict[str, int], use_tqdm: bool) -> list:
+        results: list = [None] * len(order)
         bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm,
                    dynamic_ncols=True)
         n_in = n_out = 0
@@ -106,7 +138,8 @@ class LLM:
                 if out.finished:
                     results[order[out.request_id]] = out
                     n_in += len(out.prompt_token_ids)
-                    n_out += sum(len(c.token_ids) for c in out.outputs)
+                    if isinstance(out, RequestOutput):
+                        n_out += sum(len(c.token_ids) for c in out.outputs)
                     elapsed = bar.format_dict["elapsed"] or 1e-9
                     bar.set_postfix_str(f"input: {n_in / elapsed:.0f} tok/s, "
                                         f"output: {n_out / elapsed:.0f} tok/s", refresh=False)

@@ -14,10 +14,11 @@ from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
 from kvflow.model.cuda_graphs import DecodeGraphs
 from kvflow.model.malloc_tuning import retain_freed_memory
+from kvflow.model.pooler import PoolingState, prompt_logprobs_chunk
 from kvflow.model.rejection_sampler import rejection_sample
 from kvflow.model.sampler import (Sampler, SamplingRow, apply_grammar_bitmask,
                                   build_sampling_metadata, logit_bias_tensors)
-from kvflow.outputs import TokenLogprobs
+from kvflow.outputs import PromptLogprobsChunk, TokenLogprobs
 from kvflow.request import eos_ids
 from kvflow.sampling_params import SamplingParams
 from kvflow import envs
@@ -35,6 +36,12 @@ class CachedRequestState:
     plain_greedy: bool = False  # argmax is all its sampling needs (no penalties, bans, logprobs)
     needs_history: bool = False  # penalties / min_tokens read its prompt and output tokens
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None  # made once, used every step
+    pooling: PoolingState | None = None  # an embedding request: pooled, never sampled
+    prompt_logprobs: int | None = None  # top-N of each prompt position, while its prompt runs
+
+    @property
+    def reads_prompt_rows(self) -> bool:
+        return self.pooling is not None or self.prompt_logprobs is not None
 
 
 def _needs_history(p: SamplingParams) -> bool:
@@ -47,6 +54,10 @@ class ModelRunnerOutput:
     # request id -> its new tokens: one, or with drafts the accepted ones and the target's
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # one per new token
+    # embedding requests whose prompt finished this step: the pooled vector, float32 bytes
+    pooled: dict[str, bytes] = field(default_factory=dict)
+    # requests with prompt_logprobs: what this step's chunk of their prompt scored
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -91,23 +102,37 @@ class ModelRunner:
         self.graphs = graphs  # decode steps through CUDA graphs (cuda_graphs.py); None: eager
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
+        self._num_reading_prompt_rows = 0  # requests pooling or scoring their prompt
+
+    def _drop(self, rid: str) -> CachedRequestState | None:
+        state = self.requests.pop(rid, None)
+        if state is not None and state.reads_prompt_rows:
+            self._num_reading_prompt_rows -= 1
+        return state
 
     def _update_states(self, out: SchedulerOutput) -> None:
         for rid in out.finished_req_ids:
-            self.requests.pop(rid, None)
+            self._drop(rid)
         for rid in out.preempted_req_ids:
-            self.requests.pop(rid, None)
+            self._drop(rid)
         for new in out.scheduled_new_reqs:
-            old = self.requests.get(new.req_id)
+            old = self._drop(new.req_id)
             gen = old.generator if old is not None else None
             if gen is None and new.sampling_params.seed is not None:
                 gen = torch.Generator().manual_seed(new.sampling_params.seed)
             p = new.sampling_params
             history = _needs_history(p)
-            self.requests[new.req_id] = CachedRequestState(
+            pp = new.pooling_params
+            state = self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, p, gen,
                 plain_greedy=p.greedy and not history and p.logprobs is None and not p.logit_bias,
-                needs_history=history, logit_bias=logit_bias_tensors(p))
+                needs_history=history, logit_bias=logit_bias_tensors(p),
+                pooling=PoolingState(pp.pooling_type, pp.normalize) if pp is not None else None,
+                # resumed with outputs: its prompt's logprobs were all sent before
+                prompt_logprobs=(p.prompt_logprobs if pp is None
+                                 and len(new.token_ids) == new.num_prompt_tokens else None))
+            if state.reads_prompt_rows:
+                self._num_reading_prompt_rows += 1
 
     def append_sampled(self, sampled: dict[str, list[int]]) -> None:
         """Tokens the driver sampled last step, on a tensor-parallel rank that does not sample
@@ -177,7 +202,13 @@ class ModelRunner:
             hidden = self._forward(torch.tensor(input_ids, dtype=torch.long).to(self.device), layer_metas)
 
         result = ModelRunnerOutput()
-        if len(rows) == 0 or (self.pp is not None and not self.pp.is_last):
+        if self.pp is not None and not self.pp.is_last:
+            return result  # only the last stage holds the final hidden states
+        if self._num_reading_prompt_rows:
+            pooling = self._read_prompt_rows(hidden, meta.query_start_loc, states, starts, result)
+            if pooling is not None:
+                rows = rows[~pooling[rows]]  # an embedding request never samples
+        if len(rows) == 0:
             return result
         if spec:
             return self._verify(hidden, meta.query_start_loc, rows, states, spec, grammar)
@@ -207,6 +238,36 @@ class ModelRunner:
             if logprobs is not None and logprobs[j] is not None:
                 result.logprobs[state.req_id] = [logprobs[j]]
         return result
+
+    def _read_prompt_rows(self, hidden: torch.Tensor, query_start_loc: np.ndarray,
+                          states: list[CachedRequestState], starts: np.ndarray,
+                          result: ModelRunnerOutput) -> np.ndarray | None:
+        """Pool the embedding requests' rows and score the prompt rows of requests with
+        prompt_logprobs, chunk by chunk; returns which of the step's requests pool (None:
+        none does)."""
+        pooling = None
+        for j, s in enumerate(states):
+            if not s.reads_prompt_rows:
+                continue
+            start = int(starts[j])
+            if start >= s.num_prompt_tokens:
+                s.prompt_logprobs = None  # its prompt is done: only decodes from here
+                self._num_reading_prompt_rows -= 1
+                continue
+            rows = hidden[int(query_start_loc[j]):int(query_start_loc[j + 1])]
+            if s.pooling is not None:
+                if pooling is None:
+                    pooling = np.zeros(len(states), dtype=bool)
+                pooling[j] = True
+                vec = s.pooling.add(rows, start, s.num_prompt_tokens)
+                if vec is not None:
+                    result.pooled[s.req_id] = vec
+                continue
+            chunk = prompt_logprobs_chunk(self.model.compute_logits, rows, s.token_ids, start,
+                                          s.num_prompt_tokens, s.prompt_logprobs)
+            if chunk is not None:
+                result.prompt_logprobs[s.req_id] = chunk
+        return pooling
 
     def _verify(self, hidden: torch.Tensor, query_start_loc: np.ndarray, rows: np.ndarray,
                 states: list[CachedRequestState], spec: dict[str, list[int]],

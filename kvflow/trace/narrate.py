@@ -205,6 +205,10 @@ _STOPS = {
 }
 
 
+_BYPASS = {"prompt_logprobs": "its prompt logprobs read every prompt position",
+           "pooling": "its embedding pools every prompt position"}
+
+
 def _admission_phase(step: Step, before: Before, left: int, clauses: list[str]) -> None:
     """Then waiting requests in queue order, each as admission decided: admitted when its whole
     remaining prompt fit in the blocks nobody was promised, skipped when not, or not reached
@@ -218,7 +222,12 @@ def _admission_phase(step: Step, before: Before, left: int, clauses: list[str]) 
         came = " arrives and" if q.id in before.arrived else ""
         check = step.block_checks.get(q.id)
         if r is not None:
-            clauses.append(_admit_clause(r, q, came, check, left, bs))
+            clause = _admit_clause(r, q, came, check, left, bs)
+            why = step.prefix_cache_bypassed.get(q.id)
+            if why is not None:
+                clause += (f" ({_BYPASS.get(why, why)}: it does not look up the prefix cache and "
+                           "computes its whole prompt)")
+            clauses.append(clause)
             left -= r.tokens
             continue
         waits = f"{q.id}{came} waits"

@@ -53,6 +53,8 @@ class Step:
     block_checks: dict[str, BlockCheck] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
     admission_stop: str | None = None
+    # admitted id -> why it did not look up the prefix cache ("prompt_logprobs", "pooling")
+    prefix_cache_bypassed: dict[str, str] = field(default_factory=dict)
     # derived: id -> blocks its finish or preemption returned to the pool (shared ones stay)
     freed: dict[str, list[int]] = field(default_factory=dict)
     # prefill/decode disaggregation: pulls planned in the step, and transfers that ended (dicts
@@ -115,6 +117,8 @@ def parse_step(obj: dict) -> Step:
                 [str(i) for i in obj.get("finished", [])], reqs, obj.get("cached_free_blocks"),
                 {str(v): str(r) for v, r in obj.get("preempted_for", {}).items()}, checks,
                 [str(i) for i in obj.get("skipped", [])], obj.get("admission_stop"),
+                prefix_cache_bypassed={str(k): str(v) for k, v
+                                       in obj.get("prefix_cache_bypassed", {}).items()},
                 kv_loads=[d for d in obj.get("kv_loads", []) if isinstance(d, dict) and "id" in d],
                 kv_transfers=[d for d in obj.get("kv_transfers", [])
                               if isinstance(d, dict) and "id" in d and "event" in d])
@@ -209,5 +213,6 @@ def select(trace: Trace, requests: list[str] | None = None,
                             {k: v for k, v in s.preempted_for.items() if k in wanted},
                             {k: v for k, v in s.block_checks.items() if k in wanted},
                             [i for i in s.skipped if i in wanted], s.admission_stop,
+                            {k: v for k, v in s.prefix_cache_bypassed.items() if k in wanted},
                             freed={k: v for k, v in s.freed.items() if k in wanted}))
     return out

@@ -29,6 +29,7 @@ from kvflow.entrypoints.openai.protocol import (ChatCompletionRequest, Completio
 from kvflow.entrypoints.openai.serving_chat import OpenAIServingChat, tool_dicts
 from kvflow.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvflow.entrypoints.openai.serving_responses import responses_router
+from kvflow.entrypoints.openai.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
 from kvflow.entrypoints.openai.server_settings import ServerSettings
 from kvflow.entrypoints.openai.serving_engine import MAX_REQUEST_TOKENS, ShuttingDownError, off_loop
 from kvflow.entrypoints.openai.serving_ws import WebSocketSession
@@ -202,6 +203,12 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request):
         return await chat.create(req, raw)
+
+    embeddings = OpenAIServingEmbedding(engine, settings)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(req: EmbeddingRequest, raw: Request):
+        return await embeddings.create(req, raw)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):

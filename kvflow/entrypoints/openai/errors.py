@@ -48,7 +48,7 @@ def error_response(status: int, message: str, param: str | None = None, code=Non
 
 # Field names that SamplingParams / the engine put at the front of their messages.
 _PARAM_RE = re.compile(r"^(n|temperature|top_p|top_k|min_p|presence_penalty|frequency_penalty|"
-                       r"repetition_penalty|max_tokens|min_tokens|logprobs|top_logprobs|seed|"
+                       r"repetition_penalty|max_tokens|min_tokens|logprobs|top_logprobs|prompt_logprobs|seed|"
                        r"prompt|messages|stop|stop_token_ids|logit_bias|max_completion_tokens|structured_outputs|"
                        r"response_format|tools|tool_choice)\b")
 

@@ -53,7 +53,6 @@ _UNIMPLEMENTED_COMMON: dict[str, Any] = {
     "length_penalty": lambda v, body: v is None or v == 1 or v == 1.0,
     "allowed_token_ids": lambda v, body: v is None,
     "bad_words": lambda v, body: _absent(v),
-    "prompt_logprobs": lambda v, body: v is None,
     "truncate_prompt_tokens": lambda v, body: v is None,
     "logits_processors": lambda v, body: _absent(v),
     "return_tokens_as_token_ids": lambda v, body: _absent(v),
@@ -66,6 +65,7 @@ _UNIMPLEMENTED_COMPLETION = {
 }
 _UNIMPLEMENTED_CHAT = {
     **_UNIMPLEMENTED_COMMON,
+    "prompt_logprobs": lambda v, body: v is None,  # /v1/completions has it
     "functions": lambda v, body: _absent(v),
     "function_call": lambda v, body: v is None or v in ("none", "auto"),
     "audio": lambda v, body: v is None,
@@ -252,7 +252,8 @@ class SamplingFields(OpenAIBaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """Raises ValueError naming the field and its limit."""
         def pick(value, default):
             return default if value is None else value
@@ -265,7 +266,8 @@ class SamplingFields(OpenAIBaseModel):
             repetition_penalty=pick(self.repetition_penalty, 1.0), max_tokens=max_tokens,
             min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
-            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
             logit_bias=self.logit_bias,
             structured_outputs=constraint_of(self.response_format, self.structured_outputs),
             kv_transfer_params=self._kv_transfer_params())
@@ -281,8 +283,10 @@ class SamplingFields(OpenAIBaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # 0 only with echo: the prompt scored, nothing generated
     logprobs: int | None = None
+    # vLLM's: each choice carries `prompt_logprobs`, the prompt's tokens and their top-N
+    prompt_logprobs: int | None = None
     echo: bool = False
     add_special_tokens: bool = True  # vLLM's: BOS (and the like) before a text prompt
 

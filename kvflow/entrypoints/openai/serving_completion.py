@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kvflow.entrypoints.openai.errors import bad_request
+from kvflow.entrypoints.openai.errors import APIError, bad_request
 from kvflow.entrypoints.openai.protocol import CompletionRequest
 from kvflow.entrypoints.openai.serving_engine import (OpenAIServing, merge_streams, off_loop, sse,
                                                       until_disconnected, usage_info)
+from kvflow.engine.detokenizer import decode_token
 from kvflow.outputs import Logprob
 from kvflow.sampling_params import SamplingParams
 
@@ -31,6 +32,8 @@ class CompletionJob:
     include_usage: bool
     priority: int = 0
     cache_salt: str | None = None
+    echo_only: bool = False  # echo with max_tokens=0: the prompt and its logprobs, no output
+    prompt_logprobs: bool = False  # the choices carry vLLM's `prompt_logprobs`
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],
@@ -50,12 +53,59 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]]
              "text_offset": offsets}, offset)
 
 
+def echo_logprobs(prompt_token_ids: list[int], prompt_logprobs: list, num: int,
+                  first_text: str) -> tuple[dict, int]:
+    """The legacy shape for the prompt's tokens (echo): the first (`first_text`) has no
+    logprob (null), each other position its token's logprob and the top-`num` beside it."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    offset = 0
+    for tok, d in zip(prompt_token_ids, prompt_logprobs):
+        if d is None:  # the first position
+            text = first_text
+            tokens.append(text)
+            token_logprobs.append(None)
+            top.append(None)
+        else:
+            actual = d[tok]
+            text = actual.decoded_token or ""
+            tokens.append(text)
+            token_logprobs.append(actual.logprob)
+            top.append({(lp.decoded_token or ""): lp.logprob
+                        for t, lp in sorted(d.items(), key=lambda kv: kv[1].rank or 0)
+                        if t == tok or (lp.rank or 0) <= num})
+        offsets.append(offset)
+        offset += len(text)
+    return ({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+             "text_offset": offsets}, offset)
+
+
+def prompt_logprobs_json(prompt_logprobs: list) -> list:
+    """vLLM's `prompt_logprobs` of a choice: per position None or {token id: Logprob}."""
+    return [None if d is None else
+            {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for t, lp in d.items()} for d in prompt_logprobs]
+
+
 class OpenAIServingCompletion(OpenAIServing):
     async def prepare(self, req: CompletionRequest) -> CompletionJob:
         """Check and tokenize; raises APIError (400/404/503) before anything is streamed. Every
         cap is checked before the work it bounds, and big texts are tokenized off the loop."""
         self.check_model(req.model)
-        params = self.make_params(req, req.max_tokens, req.logprobs)
+        # OpenAI's scoring request (echo, max_tokens=0, logprobs=N): the prompt comes back with
+        # its logprobs and nothing is generated; the engine samples one token, dropped here
+        echo_only = req.echo and req.max_tokens == 0
+        if req.max_tokens == 0 and not req.echo:
+            raise APIError(400, "max_tokens: 0 is allowed only with echo (to score the prompt); "
+                                "give at least 1", param="max_tokens", code="invalid_value")
+        # echo with logprobs scores the prompt too (vLLM: prompt_logprobs from logprobs)
+        prompt_lp = req.prompt_logprobs
+        if req.echo and req.logprobs is not None:
+            prompt_lp = max(prompt_lp or 0, req.logprobs)
+        params = self.make_params(req, 1 if echo_only else req.max_tokens, req.logprobs, prompt_lp)
+        if prompt_lp is not None and self.engine.config.speculative_config is not None:
+            param = "prompt_logprobs" if req.prompt_logprobs is not None else "echo"
+            raise APIError(400, f"{param}: prompt logprobs are not supported with speculative "
+                                "decoding on this server", param=param, code="invalid_value")
         await self.check_constraint(params)
         prompts = self._prompts(req.prompt)
         self.check_choices(len(prompts), params.n)
@@ -71,7 +121,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_available(len(prompts) * params.n)
         return CompletionJob(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.settings.model_name,
                              encoded, params, req.echo, req.include_usage, req.priority,
-                             req.cache_salt)
+                             req.cache_salt, echo_only, req.prompt_logprobs is not None)
 
     @staticmethod
     def _prompts(prompt) -> list[str | list[int]]:
@@ -99,26 +149,46 @@ class OpenAIServingCompletion(OpenAIServing):
         offsets: dict[int, int] = {}
         completion_tokens = 0
         cached: dict[int, int] = {}  # prompt index -> its prompt tokens found in the prefix cache
+        prompt_lps: dict[int, list] = {}  # prompt index -> its prompt logprobs, once known
+        echo_lps = job.echo and job.params.logprobs is not None
         head = {"id": job.request_id, "object": "text_completion", "created": job.created,
                 "model": job.model}
         async for i, out in merge_streams(gens):
             cached[i] = max(cached.get(i, 0), out.num_cached_tokens)
+            if out.prompt_logprobs is not None:
+                prompt_lps[i] = out.prompt_logprobs
             for c in out.outputs:
                 index = i * n + c.index
-                text = c.text
-                if index not in started:
+                text, token_ids, lps = c.text, c.token_ids, c.logprobs
+                finish, stop_reason = c.finish_reason, c.stop_reason
+                if job.echo_only:  # the one sampled token is not part of the answer
+                    text, token_ids, lps = "", [], [] if lps is not None else None
+                    if finish is not None:
+                        finish, stop_reason = "length", None
+                first = index not in started
+                extra = {}
+                logprobs = None
+                if first:
                     started.add(index)
                     text = echo[i] + text
                     offsets[index] = len(echo[i])
-                logprobs = None
-                if job.params.logprobs is not None and c.logprobs is not None:
-                    logprobs, offsets[index] = completion_logprobs(c.token_ids, c.logprobs, offsets[index])
-                completion_tokens += len(c.token_ids)
-                if not text and c.finish_reason is None and logprobs is None:
+                    if echo_lps and i in prompt_lps:
+                        ids = job.prompts[i][1]
+                        logprobs, offsets[index] = echo_logprobs(
+                            ids, prompt_lps[i], job.params.logprobs,
+                            decode_token(self.tokenizer, ids[0]))
+                    if job.prompt_logprobs and i in prompt_lps:
+                        extra["prompt_logprobs"] = prompt_logprobs_json(prompt_lps[i])
+                if job.params.logprobs is not None and lps is not None:
+                    part, offsets[index] = completion_logprobs(token_ids, lps, offsets[index])
+                    logprobs = part if logprobs is None else {
+                        k: logprobs[k] + part[k] for k in logprobs}
+                completion_tokens += len(token_ids)
+                if not text and finish is None and logprobs is None:
                     continue  # e.g. a skipped special token or a held-back partial character
                 chunk = {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                              "finish_reason": c.finish_reason,
-                                              "stop_reason": c.stop_reason}]}
+                                              "finish_reason": finish,
+                                              "stop_reason": stop_reason, **extra}]}
                 if out.kv_transfer_params is not None:  # lent blocks: where to pull them
                     chunk["kv_transfer_params"] = out.kv_transfer_params
                 if job.include_usage:
@@ -145,6 +215,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                                          "logprobs": None, "finish_reason": None,
                                                          "stop_reason": None})
                 choice["text"] += c["text"]
+                if "prompt_logprobs" in c:
+                    choice["prompt_logprobs"] = c["prompt_logprobs"]
                 if c["logprobs"] is not None:
                     if choice["logprobs"] is None:
                         choice["logprobs"] = {k: [] for k in c["logprobs"]}

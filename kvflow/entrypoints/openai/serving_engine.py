@@ -79,10 +79,11 @@ class OpenAIServing:
                                     f"(max_waiting_requests is {limit}); retry in a moment",
                                code="server_busy", headers={"Retry-After": "1"})
 
-    def make_params(self, req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def make_params(self, req, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
         """The request's SamplingParams, every id and top_k checked against the vocabulary."""
         try:
-            params = req.sampling_params(max_tokens, logprobs)
+            params = req.sampling_params(max_tokens, logprobs, prompt_logprobs)
             params.verify_token_ids(self.engine.info.vocab_size)
         except ValueError as e:
             raise bad_request(e) from None
