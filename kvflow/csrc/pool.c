@@ -120,13 +120,24 @@ static void k_gemv_f32(const int64_t *a, double f, int64_t b, int64_t e) {
     (void)f;
     gemv_f32_panels(P(0), a[1], a[2], a[3], P(4), P(5), P(6), a[7], a[8], a[9], a[10], b, e);
 }
+/* LoRA (lora.c): the ranges are rows.
+ * shrink: x, x_stride, x_bf16, K, A, n_slices, R, ranks, slots, s, isa
+ * expand: s, n_slices, R, ranks, Bt, starts, N, slots, y, y_stride, y_bf16, isa */
+static void k_lora_shrink(const int64_t *a, double f, int64_t b, int64_t e) {
+    (void)f;
+    lora_shrink(P(0), a[1], a[2], a[3], P(4), a[5], a[6], P(7), P(8), P(9), a[10], b, e);
+}
+static void k_lora_expand(const int64_t *a, double f, int64_t b, int64_t e) {
+    (void)f;
+    lora_expand(P(0), a[1], a[2], P(3), P(4), P(5), a[6], P(7), P(8), a[9], a[10], a[11], b, e);
+}
 #undef P
 
 /* in enum pool_kernel's order (kernels.h) */
 static const range_fn KERNELS[] = {
     k_decode_f32, k_decode_bf16, k_prefill_bf16, k_norm_f32, k_norm_bf16, k_rope_f32,
     k_rope_bf16, k_silu_f32, k_silu_bf16, k_gemm_rows, k_gemm_panels, k_quantize_q8,
-    k_qgemm_rows, k_qgemm_panels, k_qgemm_wide, k_gemv_f32,
+    k_qgemm_rows, k_qgemm_panels, k_qgemm_wide, k_gemv_f32, k_lora_shrink, k_lora_expand,
 };
 #define NUM_KERNELS ((int64_t)(sizeof KERNELS / sizeof KERNELS[0]))
 
