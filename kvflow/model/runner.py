@@ -35,6 +35,7 @@ class CachedRequestState:
     plain_greedy: bool = False  # argmax is all its sampling needs (no penalties, bans, logprobs)
     needs_history: bool = False  # penalties / min_tokens read its prompt and output tokens
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None  # made once, used every step
+    lora_int_id: int = 0  # its adapter (model/lora.py); 0: the base model
 
 
 def _needs_history(p: SamplingParams) -> bool:
@@ -87,6 +88,14 @@ class ModelRunner:
         self.graphs = graphs  # decode steps through CUDA graphs (cuda_graphs.py); None: eager
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
+        self.lora = None  # LoRAManager (model/lora.py) once enable_lora(...)
+
+    def enable_lora(self, max_loras: int, max_lora_rank: int) -> None:
+        """Give the model `max_loras` adapter slots of `max_lora_rank` (ValueError where
+        adapters cannot be served: other architectures, tensor parallelism)."""
+        from kvflow.model.lora import LoRAManager
+
+        self.lora = LoRAManager(self.model, self.arch, max_loras, max_lora_rank)
 
     def _update_states(self, out: SchedulerOutput) -> None:
         for rid in out.finished_req_ids:
@@ -103,7 +112,8 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, p, gen,
                 plain_greedy=p.greedy and not history and p.logprobs is None and not p.logit_bias,
-                needs_history=history, logit_bias=logit_bias_tensors(p))
+                needs_history=history, logit_bias=logit_bias_tensors(p),
+                lora_int_id=new.lora_int_id)
 
     def append_sampled(self, sampled: dict[str, list[int]]) -> None:
         """Tokens the driver sampled last step, on a tensor-parallel rank that does not sample
@@ -163,14 +173,19 @@ class ModelRunner:
         if self.populator is not None:  # every cache's bytes up to the furthest block written
             max_slot = max(int(m.slot_mapping.max()) for m in metas)
             self.populator.need((max_slot // self.block_size + 1) * self._block_bytes)
+        # the rows of adapters: their slots (None: every row is the base model's)
+        lora = (self.lora.step([s.lora_int_id for s in states], query_lens)
+                if self.lora is not None else None)
         graphs = self.graphs
-        if (graphs is not None and len(metas) == 1 and out.total_num_scheduled_tokens == n
+        if (graphs is not None and lora is None and len(metas) == 1
+                and out.total_num_scheduled_tokens == n
                 and graphs.fits(n, meta.decode_block_tables.shape[1])):
             size, padded = graphs.prepare(meta, input_ids)
             hidden = graphs.run(size, padded, self._forward)[:n]
         else:
             layer_metas = meta if len(metas) == 1 else [metas[g] for g in self.layer_group]
-            hidden = self._forward(torch.tensor(input_ids, dtype=torch.long).to(self.device), layer_metas)
+            hidden = self._forward(torch.tensor(input_ids, dtype=torch.long).to(self.device),
+                                   layer_metas, lora)
 
         result = ModelRunnerOutput()
         if len(rows) == 0:
@@ -257,10 +272,13 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.capture_all(self._forward, self.block_size)
 
-    def _forward(self, input_ids: torch.Tensor, meta) -> torch.Tensor:
-        """`meta`: one AttentionMetadata, or one per layer (its KV cache group's)."""
+    def _forward(self, input_ids: torch.Tensor, meta, lora=None) -> torch.Tensor:
+        """`meta`: one AttentionMetadata, or one per layer (its KV cache group's); `lora`: the
+        step's adapter rows (model/lora.py), if any."""
         positions = (meta[0] if isinstance(meta, list) else meta).positions
-        return self.model(input_ids, positions, self.kv_caches, meta)
+        if lora is None:
+            return self.model(input_ids, positions, self.kv_caches, meta)
+        return self.model(input_ids, positions, self.kv_caches, meta, lora=lora)
 
     def _sampling_row(self, s: CachedRequestState) -> SamplingRow:
         # token histories are copied only for requests whose sampling reads them

@@ -1,0 +1,48 @@
+"""Random PEFT LoRA adapters for tests, and Hugging Face's reference for them: the adapter
+merged into the base model (`merge_and_unload`), greedy."""
+from __future__ import annotations
+
+import torch
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def save_random_adapter(base, path: str, seed: int, r: int = 8, alpha: float = 16,
+                        targets: list[str] | None = None, rslora: bool = False,
+                        b_scale: float = 0.05) -> str:
+    """A PEFT LoRA adapter of `base` (an HF model, left unchanged) with random A and B (PEFT
+    starts B at zero, which would change nothing), saved as adapter_config.json +
+    adapter_model.safetensors."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets or ALL_TARGETS,
+                        lora_dropout=0.0, use_rslora=rslora, task_type="CAUSAL_LM")
+    peft_model = get_peft_model(base, config)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn_like(p) * b_scale)
+    peft_model.save_pretrained(path)
+    peft_model.unload()  # the base model's modules back as they were
+    return path
+
+
+def merged_greedy(load_base, adapter_path: str | None, prompts: list[list[int]],
+                  max_new_tokens: int) -> list[list[int]]:
+    """Greedy tokens of HF's base model with the adapter merged in (None: the base alone);
+    `load_base()` builds a fresh fp32 base model."""
+    from peft import PeftModel
+
+    model = load_base()
+    if adapter_path is not None:
+        model = PeftModel.from_pretrained(model, adapter_path).merge_and_unload()
+    model.eval()
+    out = []
+    with torch.inference_mode():
+        for ids in prompts:
+            seq = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+                                 eos_token_id=None)
+            out.append(seq[0, len(ids):].tolist())
+    return out
