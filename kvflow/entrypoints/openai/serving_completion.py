@@ -16,6 +16,7 @@ from kvflow.entrypoints.openai.errors import bad_request
 from kvflow.entrypoints.openai.protocol import CompletionRequest
 from kvflow.entrypoints.openai.serving_engine import (OpenAIServing, merge_streams, off_loop, sse,
                                                       until_disconnected, usage_info)
+from kvflow.lora_request import LoRARequest
 from kvflow.outputs import Logprob
 from kvflow.sampling_params import SamplingParams
 
@@ -31,6 +32,7 @@ class CompletionJob:
     include_usage: bool
     priority: int = 0
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None  # the adapter `model` named; None: the base model
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],
@@ -54,7 +56,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def prepare(self, req: CompletionRequest) -> CompletionJob:
         """Check and tokenize; raises APIError (400/404/503) before anything is streamed. Every
         cap is checked before the work it bounds, and big texts are tokenized off the loop."""
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         params = self.make_params(req, req.max_tokens, req.logprobs)
         await self.check_constraint(params)
         prompts = self._prompts(req.prompt)
@@ -69,9 +71,10 @@ class OpenAIServingCompletion(OpenAIServing):
             self.check_prompt(ids, params)
         self.check_request_tokens(sum(len(ids) for _, ids in encoded), params.n)
         self.check_available(len(prompts) * params.n)
-        return CompletionJob(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.settings.model_name,
+        return CompletionJob(f"cmpl-{uuid.uuid4().hex}", int(time.time()),
+                             lora.lora_name if lora is not None else self.settings.model_name,
                              encoded, params, req.echo, req.include_usage, req.priority,
-                             req.cache_salt)
+                             req.cache_salt, lora)
 
     @staticmethod
     def _prompts(prompt) -> list[str | list[int]]:
@@ -91,7 +94,8 @@ class OpenAIServingCompletion(OpenAIServing):
     async def chunks(self, job: CompletionJob) -> AsyncIterator[dict]:
         n = job.params.n
         gens = [self.engine.generate(ids, job.params, f"{job.request_id}-{i}", prompt=text,
-                                     priority=job.priority, cache_salt=job.cache_salt)
+                                     priority=job.priority, cache_salt=job.cache_salt,
+                                     lora_request=job.lora_request)
                 for i, (text, ids) in enumerate(job.prompts)]
         echo = [(text if text is not None else self.tokenizer.decode(ids)) if job.echo else ""
                 for text, ids in job.prompts]
