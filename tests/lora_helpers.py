@@ -28,21 +28,25 @@ def save_random_adapter(base, path: str, seed: int, r: int = 8, alpha: float = 1
     return path
 
 
-def merged_greedy(load_base, adapter_path: str | None, prompts: list[list[int]],
-                  max_new_tokens: int) -> list[list[int]]:
-    """Greedy tokens of HF's base model with the adapter merged in (None: the base alone);
-    `load_base()` builds a fresh fp32 base model."""
+def merged_greedy(base, adapter_path: str | None, prompts: list[list[int]],
+                  max_new_tokens: int) -> list[tuple[list[int], list[list[int]]]]:
+    """HF's greedy tokens and top-3 ids per position (tests/conftest.py's reference shape) for
+    a copy of the fp32 model `base` with the adapter merged in (None: the base alone)."""
+    import copy
+
     from peft import PeftModel
 
-    model = load_base()
+    model = copy.deepcopy(base)
     if adapter_path is not None:
         model = PeftModel.from_pretrained(model, adapter_path).merge_and_unload()
     model.eval()
     out = []
     with torch.inference_mode():
         for ids in prompts:
-            seq = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                  max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
-                                 eos_token_id=None)
-            out.append(seq[0, len(ids):].tolist())
+                                 eos_token_id=None, output_scores=True, return_dict_in_generate=True)
+            tokens = gen.sequences[0, len(ids):].tolist()
+            out.append((tokens, [s[0].topk(3).indices.tolist() for s in gen.scores]))
+    del model
     return out

@@ -49,6 +49,10 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor
         raise ValueError(f"lora: activations must be fp32 or bf16, got {x.dtype} / {y.dtype}")
     if y.stride(1) != 1:
         raise ValueError("lora: the output's rows must be contiguous")
+    if any(t.device.type != "cpu" for t in (y, x, a, bt, ranks, starts, slots)):
+        raise ValueError("lora: the C kernel takes CPU tensors")
+    if ranks.dtype != torch.int64 or starts.dtype != torch.int64 or slots.dtype != torch.int64:
+        raise ValueError("lora: ranks, starts and slots must be int64")
     if x.stride(1) != 1:
         x = x.contiguous()
     a, bt = a.contiguous(), bt.contiguous()

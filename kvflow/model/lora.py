@@ -179,6 +179,11 @@ def load_adapter(request: LoRARequest, arch: LlamaArchConfig, max_lora_rank: int
     return LoRAAdapter(request.lora_name, request.lora_int_id, path, r, scaling, weights)
 
 
+def lora_device(model) -> torch.device:
+    """Where the model computes (a quantized model's float embedding may be on `meta`)."""
+    return model.rope_cos.device
+
+
 @dataclass
 class LoRAProjection:
     """One projection's slots (lora.c's layouts): a [S, n_slices * R, K], bt [S, R, N] (fp32),
@@ -204,7 +209,7 @@ class LoRASlots:
 
     def __init__(self, model, arch: LlamaArchConfig, max_loras: int, max_rank: int) -> None:
         shapes = module_shapes(arch)
-        device = model.embed_tokens.device
+        device = lora_device(model)
         self.max_loras, self.max_rank, self.arch = max_loras, max_rank, arch
         self.layers: list[dict[str, LoRAProjection]] = []
         for i, layer in enumerate(model.layers):
@@ -287,7 +292,7 @@ class LoRAManager:
         self.arch, self.max_lora_rank = arch, max_lora_rank
         self.adapters: dict[int, LoRAAdapter] = {}
         self.slots = LoRASlots(model, arch, max_loras, max_lora_rank)
-        self.device = model.embed_tokens.device
+        self.device = lora_device(model)
 
     def add(self, request: LoRARequest) -> bool:
         """Register an adapter (False: that id is registered already with this path);
