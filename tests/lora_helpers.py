@@ -50,3 +50,37 @@ def merged_greedy(base, adapter_path: str | None, prompts: list[list[int]],
             out.append((tokens, [s[0].topk(3).indices.tolist() for s in gen.scores]))
     del model
     return out
+
+
+def write_adapter(path: str, model_path: str, seed: int, r: int = 8, alpha: float = 16,
+                  targets: list[str] | None = None, b_scale: float = 0.05, **config) -> str:
+    """A PEFT-format LoRA adapter for the model at `model_path` written directly (the keys and
+    config PEFT's save_pretrained writes), without building the model in transformers: for
+    tests that only serve it. `config` adds or overrides adapter_config.json keys."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    from kvflow.model.arch import load_arch_config
+    from kvflow.model.lora import module_shapes
+
+    arch = load_arch_config(model_path)
+    shapes = module_shapes(arch)
+    g = torch.Generator().manual_seed(seed)
+    targets = targets or ALL_TARGETS
+    tensors = {}
+    for i in range(arch.num_hidden_layers):
+        for m in targets:
+            block = "mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            key = f"base_model.model.model.layers.{i}.{block}.{m}"
+            k, n = shapes[m]
+            tensors[f"{key}.lora_A.weight"] = torch.randn(r, k, generator=g) / k ** 0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(n, r, generator=g) * b_scale
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": targets,
+                   "bias": "none", "use_dora": False, "use_rslora": False,
+                   "task_type": "CAUSAL_LM", **config}, f)
+    return path
