@@ -200,10 +200,9 @@ class EngineCore(EngineKVTransferMixin):
         if lora is None:
             return ""
         lc = self.config.lora_config
-        isa = self.executor.runner.model.kernels.lora
-        kernel = getattr(isa, "keywords", {}).get("isa", "torch" if self.device.type == "cpu" else "triton")
         return (f"LoRA {lc.max_loras} slots of rank {lc.max_lora_rank} "
-                f"({lora.slots.nbytes / 2**20:.0f} MiB, kernel {kernel}), "
+                f"({lora.slots.nbytes / 2**20:.0f} MiB, kernel "
+                f"{self.executor.runner.model.kernels.lora_name}), "
                 f"{len(lora.adapters)} adapters loaded; ")
 
     def _gpu_report(self) -> str:

@@ -30,4 +30,5 @@ def gpu_implementations() -> tuple[dict[str, str], dict]:
         attention=attention_with_triton,
         argmax=ops.argmax_rows_torch,
         lora=lambda y, x, p, step: lora_add(y, x, p.a, p.bt, p.ranks, p.starts, step.slots, p.bounds),
+        lora_name="triton",
     )

@@ -100,6 +100,7 @@ class Kernels:
     # LoRA's batched shrink + expand into a projection's output: lora(y, x, projection's
     # slots, step) (model/lora.py's LoRAProjection and LoRAStep)
     lora: Callable[..., None] | None = None
+    lora_name: str = "torch"  # what serves it, for the start-up line's LoRA part
 
     def norm_linear(self, x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,
                     eps: float, w: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -208,5 +209,6 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
         attention=attend,
         argmax=ops.argmax_rows if c else ops.argmax_rows_torch,
         lora=partial(_lora_c, isa=lora_isa) if lora_isa else _lora_torch,
+        lora_name=f"c-{lora_isa}" if lora_isa else "torch",
     )
 
