@@ -198,9 +198,11 @@ class LoRAConfig:
                              f"{self.max_lora_rank}")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora")
-        for name, _ in self.modules():
-            if not name:
-                raise ValueError("lora_modules: an empty adapter name")
+        names = [name for name, _ in self.modules()]
+        if "" in names:
+            raise ValueError("lora_modules: an empty adapter name")
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules: an adapter name given twice ({', '.join(names)})")
 
     def modules(self) -> list[tuple[str, str]]:
         """lora_modules as (name, path) pairs; ValueError for an entry without `=`."""

@@ -171,6 +171,11 @@ def test_lora_config_is_checked():
     with pytest.raises(ValueError, match="not name=path"):
         LoRAConfig(enable_lora=True, lora_modules=["just-a-path"])
     assert LoRAConfig(enable_lora=True, lora_modules=["sql = /a/b"]).modules() == [("sql", "/a/b")]
+    with pytest.raises(ValueError, match="given twice"):
+        LoRAConfig(enable_lora=True, lora_modules=["a=/x", "a=/y"])
+    from kvflow.entrypoints.openai.server_settings import ServerSettings
+    with pytest.raises(ValueError, match="the base model's served name"):
+        ServerSettings(served_model_names=["m"], lora_modules=[("m", "/x")])
     with pytest.raises(ValueError, match="lora_int_id"):
         LoRARequest("a", 0, "/x")
 

@@ -52,6 +52,10 @@ class ServerSettings:
             raise ValueError(f"engine_stall_timeout must be >= 0, got {self.engine_stall_timeout}")
         if self.api_key is None:
             self.api_key = envs.KVFLOW_API_KEY or None
+        clash = {name for name, _ in self.lora_modules} & set(self.served_model_names)
+        if clash:
+            raise ValueError(f"lora_modules: {', '.join(sorted(clash))} is the base model's served "
+                             f"name; give the adapter another")
 
     @property
     def model_name(self) -> str:
