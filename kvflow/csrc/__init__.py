@@ -160,7 +160,7 @@ POOL_KERNELS = {name: i for i, name in enumerate((
     "paged_decode_f32", "paged_decode_bf16", "paged_prefill_bf16", "add_rms_norm_f32",
     "add_rms_norm_bf16", "rope_f32", "rope_bf16", "silu_mul_f32", "silu_mul_bf16",
     "gemm_rows", "gemm_panels", "quantize_q8", "qgemm_rows", "qgemm_panels",
-    "qgemm_wide", "gemv_f32", "lora_shrink", "lora_expand"))}
+    "qgemm_wide", "gemv_f32", "lora"))}
 
 
 def run_kernel(name: str, words: list, num_rows: int, threads: int, farg: float = 0.0,

@@ -16,7 +16,8 @@
  * Rows come grouped by adapter (a request's tokens are contiguous in the batch): up to TILE
  * consecutive rows of one slot share every weight load. x and y are fp32 or bf16 (the bf16
  * output is rounded once, after the fp32 add). Paths (chosen at load, passed as `isa`):
- * 0 scalar (the tests' reference), 1 AVX2 + FMA, 2 AVX-512. Threads split rows. */
+ * 0 scalar (the tests' reference), 1 AVX2 + FMA, 2 AVX-512. Threads split rows: lora_apply
+ * runs both halves over a thread's rows in one pool job (one call per projection). */
 #include <stdint.h>
 #include <string.h>
 
@@ -245,4 +246,13 @@ void lora_expand(const float *s, int64_t n_slices, int64_t R, const int64_t *ran
         }
         t += n;
     }
+}
+
+void lora_apply(const void *x, int64_t x_stride, int64_t x_bf16, int64_t K, const float *A,
+                const float *Bt, int64_t n_slices, int64_t R, const int64_t *ranks,
+                const int64_t *starts, int64_t N, const int64_t *slots, float *s, void *y,
+                int64_t y_stride, int64_t y_bf16, int64_t isa, int64_t begin, int64_t end)
+{
+    lora_shrink(x, x_stride, x_bf16, K, A, n_slices, R, ranks, slots, s, isa, begin, end);
+    lora_expand(s, n_slices, R, ranks, Bt, starts, N, slots, y, y_stride, y_bf16, isa, begin, end);
 }

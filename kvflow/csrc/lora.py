@@ -53,18 +53,17 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor
         raise ValueError("lora: the C kernel takes CPU tensors")
     if ranks.dtype != torch.int64 or starts.dtype != torch.int64 or slots.dtype != torch.int64:
         raise ValueError("lora: ranks, starts and slots must be int64")
+    if not (a.is_contiguous() and bt.is_contiguous() and slots.is_contiguous()):
+        raise ValueError("lora: the slots' weights and the rows' slots must be contiguous")
     if x.stride(1) != 1:
         x = x.contiguous()
-    a, bt = a.contiguous(), bt.contiguous()
     t, n_slices, r = x.shape[0], starts.numel() - 1, bt.shape[1]
-    s = torch.empty(t, n_slices * r, dtype=torch.float32)
-    code = LORA_ISAS[isa]
-    run_kernel("lora_shrink", [x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), x.shape[1],
-                               a.data_ptr(), n_slices, r, ranks.data_ptr(), slots.data_ptr(),
-                               s.data_ptr(), code], t, threads)
-    run_kernel("lora_expand", [s.data_ptr(), n_slices, r, ranks.data_ptr(), bt.data_ptr(),
-                               starts.data_ptr(), y.shape[1], slots.data_ptr(), y.data_ptr(),
-                               y.stride(0), int(y.dtype == torch.bfloat16), code], t, threads)
+    s = torch.empty(t, n_slices * r, dtype=torch.float32)  # each thread's rows: its own part
+    run_kernel("lora", [x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), x.shape[1],
+                        a.data_ptr(), bt.data_ptr(), n_slices, r, ranks.data_ptr(),
+                        starts.data_ptr(), y.shape[1], slots.data_ptr(), s.data_ptr(),
+                        y.data_ptr(), y.stride(0), int(y.dtype == torch.bfloat16), LORA_ISAS[isa]],
+               t, threads)
 
 
 def lora_add_torch(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,

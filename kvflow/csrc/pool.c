@@ -120,16 +120,12 @@ static void k_gemv_f32(const int64_t *a, double f, int64_t b, int64_t e) {
     (void)f;
     gemv_f32_panels(P(0), a[1], a[2], a[3], P(4), P(5), P(6), a[7], a[8], a[9], a[10], b, e);
 }
-/* LoRA (lora.c): the ranges are rows.
- * shrink: x, x_stride, x_bf16, K, A, n_slices, R, ranks, slots, s, isa
- * expand: s, n_slices, R, ranks, Bt, starts, N, slots, y, y_stride, y_bf16, isa */
-static void k_lora_shrink(const int64_t *a, double f, int64_t b, int64_t e) {
+/* LoRA's shrink + expand (lora.c): x, x_stride, x_bf16, K, A, Bt, n_slices, R, ranks, starts,
+ * N, slots, s, y, y_stride, y_bf16, isa; the ranges are rows */
+static void k_lora(const int64_t *a, double f, int64_t b, int64_t e) {
     (void)f;
-    lora_shrink(P(0), a[1], a[2], a[3], P(4), a[5], a[6], P(7), P(8), P(9), a[10], b, e);
-}
-static void k_lora_expand(const int64_t *a, double f, int64_t b, int64_t e) {
-    (void)f;
-    lora_expand(P(0), a[1], a[2], P(3), P(4), P(5), a[6], P(7), P(8), a[9], a[10], a[11], b, e);
+    lora_apply(P(0), a[1], a[2], a[3], P(4), P(5), a[6], a[7], P(8), P(9), a[10], P(11), P(12),
+               P(13), a[14], a[15], a[16], b, e);
 }
 #undef P
 
@@ -137,7 +133,7 @@ static void k_lora_expand(const int64_t *a, double f, int64_t b, int64_t e) {
 static const range_fn KERNELS[] = {
     k_decode_f32, k_decode_bf16, k_prefill_bf16, k_norm_f32, k_norm_bf16, k_rope_f32,
     k_rope_bf16, k_silu_f32, k_silu_bf16, k_gemm_rows, k_gemm_panels, k_quantize_q8,
-    k_qgemm_rows, k_qgemm_panels, k_qgemm_wide, k_gemv_f32, k_lora_shrink, k_lora_expand,
+    k_qgemm_rows, k_qgemm_panels, k_qgemm_wide, k_gemv_f32, k_lora,
 };
 #define NUM_KERNELS ((int64_t)(sizeof KERNELS / sizeof KERNELS[0]))
 
