@@ -127,3 +127,28 @@ def test_runtime_loads_need_an_allowed_root(tmp_path):
     for bad in (str(tmp_path / "escape"), str(tmp_path / ".." / "x"), "/etc"):
         with pytest.raises(APIError, match="outside --lora-allowed-root"):
             inside._check_path(bad)
+
+
+@pytest.mark.parametrize("allowed", ["0", "1"])
+def test_runtime_endpoints_exist_only_when_allowed(monkeypatch, allowed):
+    """Without KVFLOW_ALLOW_RUNTIME_LORA_UPDATING=1 the endpoints are absent (404), as in vLLM;
+    the start-up adapters are listed either way."""
+    import types
+
+    from fastapi.testclient import TestClient
+
+    from kvflow.entrypoints.openai.api_server import build_app
+    from kvflow.entrypoints.openai.metrics import ServerMetrics
+    from kvflow.entrypoints.openai.server_settings import ServerSettings
+
+    monkeypatch.setenv("KVFLOW_ALLOW_RUNTIME_LORA_UPDATING", allowed)
+    engine = types.SimpleNamespace(model_path="/m", max_model_len=512, is_dead=False)
+    settings = ServerSettings(served_model_names=["base"], lora_modules=[("sql", "/a/sql")])
+    client = TestClient(build_app(engine, settings, ServerMetrics("base")))
+    cards = client.get("/v1/models").json()["data"]
+    assert [(c["id"], c.get("parent")) for c in cards] == [("base", None), ("sql", "base")]
+    r = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/y"})
+    # allowed: refused for want of --lora-allowed-root, before the engine is asked
+    assert r.status_code == (400 if allowed == "1" else 404)
+    if allowed == "1":
+        assert "--lora-allowed-root" in r.json()["error"]["message"]
