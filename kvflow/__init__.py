@@ -8,13 +8,14 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
            "EmbeddingRequestOutput", "__version__"]
 
 # Imported when first asked for: LLM pulls in torch (the frontend process stays light), and
 # the rest msgspec, so a standard-library module of the package (kvflow/utils/w1_prompts.py)
 # also imports in another engine's venv.
 _LAZY = {"LLM": "kvflow.entrypoints.llm", "SamplingParams": "kvflow.sampling_params",
+         "LoRARequest": "kvflow.lora_request",
          "RequestOutput": "kvflow.outputs", "CompletionOutput": "kvflow.outputs",
          "PoolingParams": "kvflow.pooling_params", "EmbeddingRequestOutput": "kvflow.outputs"}
 

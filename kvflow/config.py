@@ -195,6 +195,48 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 
 
+@dataclass
+class LoRAConfig:
+    """Serving LoRA adapters (fine-tunes of the base model) beside it, in one batch
+    (docs/lora.md): vLLM's flags."""
+
+    enable_lora: bool = option(False, "serve LoRA adapters (PEFT format) beside the base model")
+    max_loras: int = option(
+        1, "adapters resident at once (their slots); requests of more adapters wait their turn, "
+        "an idle adapter's slot is reused least recently used first")
+    max_lora_rank: int = option(
+        16, "largest adapter rank `r` accepted (the slots' rank; a power of two)")
+    lora_modules: list[str] | None = option(
+        None, "adapters loaded at start as name=path (a PEFT folder); `kvflow serve` lists "
+        "each as a model whose `parent` is the base model")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora_modules, str):
+            self.lora_modules = [self.lora_modules]
+        if not 1 <= self.max_loras <= 64:
+            raise ValueError(f"max_loras must be in [1, 64], got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 256 or self.max_lora_rank & (self.max_lora_rank - 1):
+            raise ValueError(f"max_lora_rank must be a power of two up to 256, got "
+                             f"{self.max_lora_rank}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+        names = [name for name, _ in self.modules()]
+        if "" in names:
+            raise ValueError("lora_modules: an empty adapter name")
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules: an adapter name given twice ({', '.join(names)})")
+
+    def modules(self) -> list[tuple[str, str]]:
+        """lora_modules as (name, path) pairs; ValueError for an entry without `=`."""
+        out = []
+        for item in self.lora_modules or ():
+            name, sep, path = item.partition("=")
+            if not sep or not path:
+                raise ValueError(f"lora_modules: {item!r} is not name=path")
+            out.append((name.strip(), path.strip()))
+        return out
+
+
 SPEC_METHODS = ("ngram", "draft_model")
 _SPEC_KEYS = {
     "ngram": {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
@@ -423,6 +465,7 @@ class EngineConfig:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    lora_config: LoRAConfig = field(default_factory=LoRAConfig)
     num_threads: int | None = option(
         None, "compute threads: torch's and kvflow's kernel pool (default: KVFLOW_NUM_THREADS, "
         "else 1, which leaves the second core to the server's frontend)")

@@ -48,6 +48,9 @@ _VARS = [
            "compute threads when --num-threads is not given (default 1)"),
     EnvVar("KVFLOW_LOG_LEVEL", str, "INFO", "log level of the kvflow loggers"),
     EnvVar("KVFLOW_API_KEY", str, None, "the server's API key when --api-key is not given"),
+    EnvVar("KVFLOW_ALLOW_RUNTIME_LORA_UPDATING", bool, False,
+           "the server accepts POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+           "VLLM_ALLOW_RUNTIME_LORA_UPDATING; docs/lora.md)"),
     EnvVar("KVFLOW_NO_KERNELS", bool, False,
            "1: never build or load the C kernels (PyTorch paths everywhere)"),
     EnvVar("KVFLOW_NO_ONEDNN", bool, False, "1: projections through plain F.linear, not oneDNN"),

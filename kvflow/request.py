@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvflow.lora_request import LoRARequest
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 
@@ -69,6 +70,7 @@ class Request:
     # an embedding request: prefill only, it ends with its prompt (its pooled vector is the
     # runner's); its sampling_params are not used
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs under; None: the base model
     # its decoding constraint, when it has one: a kvflow.structured StructuredOutputRequest
     # (compiling, then the matcher). The scheduler only calls is_ready(), error, accept(token),
     # is_terminated() and close() on it, so that core/ never imports a grammar library.
@@ -111,6 +113,29 @@ class Request:
         self.reasoning_undecided = bool(self._reasoning_start)
         for i in range(len(self.output_token_ids)):  # outputs given up front: replay them
             self._track_reasoning(i + 1)
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id; 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
+
+    @property
+    def block_salt(self) -> str | tuple[str | None, int] | None:
+        """What its first prefix-cache block's key holds besides tokens: the cache salt, and
+        its adapter's id (a block computed under one adapter holds that adapter's K/V: never
+        served to another, nor to the base model)."""
+        if self.lora_request is None:
+            return self.cache_salt
+        return (self.cache_salt, self.lora_request.lora_int_id)
+
+    @property
+    def salt_bytes(self) -> bytes:
+        """block_salt as its blocks' hashes take it: the salt's UTF-8, then 0xff (a byte that
+        UTF-8 never holds, so no salt can pose as an adapter) and the adapter's id."""
+        salt = self.cache_salt.encode("utf-8", "surrogatepass") if self.cache_salt else b""
+        if self.lora_request is None:
+            return salt
+        return salt + b"\xff" + self.lora_request.lora_int_id.to_bytes(8, "little")
 
     @property
     def num_prompt_tokens(self) -> int:

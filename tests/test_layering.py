@@ -4,8 +4,8 @@ imports inside functions included; `kvflow.core` never loads torch.
 The layers, bottom to top:
 
     leaf         config, options, envs, logger, sampling_params, pooling_params, request,
-                 outputs, model_path, utils/ and the package's __init__: plain types and
-                 settings, no torch
+                 outputs, model_path, utils/, lora_request and the package's __init__: plain
+                 types and settings, no torch
     core/        scheduling bookkeeping; no torch (checked below), testable without a model
     csrc/        the compiled kernels and their torch wrappers
     model/       torch: weights, the model, attention, sampling, the runner and executor
@@ -36,7 +36,8 @@ PACKAGE = ROOT / "kvflow"
 LAYERS = [
     ("leaf", ["kvflow", "kvflow.config", "kvflow.options", "kvflow.envs", "kvflow.logger",
               "kvflow.sampling_params", "kvflow.request", "kvflow.outputs", "kvflow.model_path",
-              "kvflow.utils", "kvflow.kv_transfer.params", "kvflow.pooling_params"]),
+              "kvflow.utils", "kvflow.kv_transfer.params", "kvflow.pooling_params",
+              "kvflow.lora_request"]),
     ("core", ["kvflow.core"]),
     ("csrc", ["kvflow.csrc"]),
     ("model", ["kvflow.model"]),

@@ -10,11 +10,12 @@ import pytest
 from kvflow.engine import protocol
 from kvflow.engine.protocol import (BLOCK_LEGEND, CoreMessage, EngineCoreOutput, EngineCoreOutputs,
                                     EngineCoreReady, EngineCoreRequest, EngineCoreRequestType,
-                                    EngineSnapshot, KVTransferStats, PromptLogprobsChunk,
-                                    RequestView, SchedulerStats, StepTokens, TokenLogprobs,
-                                    UtilityCall)
+                                    EngineSnapshot, KVTransferStats, LoRAResult,
+                                    PromptLogprobsChunk, RequestView, SchedulerStats, StepTokens,
+                                    TokenLogprobs, UtilityCall)
 from kvflow.pooling_params import PoolingParams
 from kvflow.kv_transfer.params import KVTransferParams
+from kvflow.lora_request import LoRARequest
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 
 LOGPROBS = TokenLogprobs(token_ids=[5, 9, 2], logprobs=[-0.1, -2.5, -3.0], sampled_rank=1)
@@ -41,6 +42,12 @@ EXAMPLES = [
     EngineCoreRequest("req-2", [1, 2], SamplingParams(max_tokens=8, structured_outputs=(
         StructuredOutputsParams(json={"type": "object"}, reasoning_end_token_ids=[151668],
                                 reasoning_start_token_ids=[151667])))),
+    # a request under a LoRA adapter, and the core's answers to adding / removing one
+    EngineCoreRequest("req-5", [1, 2], SamplingParams(max_tokens=4),
+                      lora_request=LoRARequest("sql-lora", 3, "/adapters/sql")),
+    LoRAResult("add", 3),
+    LoRAResult("add", 4, error="LoRA adapter '/x': rank 64 is over max_lora_rank 16"),
+    LoRAResult("remove", 3, found=False),
     EngineCoreReady(pid=123, model_path="/models/x.gguf", max_model_len=2048, num_blocks=512,
                     block_size=16, max_num_seqs=128, vocab_size=49152, startup_report="ready"),
     LOGPROBS,
@@ -109,6 +116,6 @@ def test_frames_and_utility_names_are_distinct():
     requests = [t.value for t in EngineCoreRequestType]
     core = [v for k, v in vars(CoreMessage).items() if not k.startswith("_")]
     calls = [v for k, v in vars(UtilityCall).items() if not k.startswith("_")]
-    assert len(set(requests)) == len(requests) == 3
-    assert len(set(core)) == len(core) == 6 and all(isinstance(v, bytes) for v in core)
+    assert len(set(requests)) == len(requests) == 5
+    assert len(set(core)) == len(core) == 7 and all(isinstance(v, bytes) for v in core)
     assert len(set(calls)) == len(calls) == 4 and all(isinstance(v, str) for v in calls)

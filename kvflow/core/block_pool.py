@@ -10,11 +10,12 @@ from typing import NamedTuple
 class BlockKey(NamedTuple):
     """What a cached block holds, compared on every hit so that even a hash collision can
     never serve another prompt's K/V: the cache id of the block before it (0 for a first
-    block), its token ids, and the salt (first blocks only; later ones inherit it)."""
+    block), its token ids, and the salt (first blocks only; later ones inherit it): the cache
+    salt, or with a LoRA adapter (cache salt, adapter id)."""
 
     parent_id: int
     token_ids: tuple[int, ...]
-    salt: str | None
+    salt: str | tuple[str | None, int] | None
 
 
 @dataclass(slots=True)

@@ -97,7 +97,7 @@ class HybridKVCacheManager(KVCacheManager):
         # a window's earlier blocks may be gone: the chained hash stands for the prefix
         bs = self.block_size
         return BlockKey(0, tuple(req.all_token_ids[i * bs:(i + 1) * bs]),
-                        req.cache_salt if i == 0 else None)
+                        req.block_salt if i == 0 else None)
 
     def _lookup_group(self, g: int, req: Request, hashes: list[bytes], n: int) -> list[KVBlock | None]:
         """Group g's cached block for each of the first n blocks (None where it has none);

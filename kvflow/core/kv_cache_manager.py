@@ -67,7 +67,7 @@ class KVCacheManager:
         if sys.byteorder == "big":
             ids.byteswap()  # the hash of a prompt is the same on every machine
         data = ids.tobytes()
-        salt = req.cache_salt.encode("utf-8", "surrogatepass") if req.cache_salt else b""
+        salt = req.salt_bytes
         parent = hashes[-1] if hashes else None
         for i in range(num_full_blocks - start):
             parent = hash_block(parent, data[i * n:(i + 1) * n], salt)
@@ -80,7 +80,7 @@ class KVCacheManager:
         bs = self.block_size
         return BlockKey(parent.cache_id if parent is not None else 0,
                         tuple(req.all_token_ids[i * bs:(i + 1) * bs]),
-                        req.cache_salt if parent is None else None)
+                        req.block_salt if parent is None else None)
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """The longest run of cached full blocks at the start of `req`'s tokens, never covering

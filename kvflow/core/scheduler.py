@@ -66,6 +66,8 @@ class Scheduler(RemoteKVMixin):
         # speculative decoding: slots reserved past a sampling step for a draft model's own
         # k steps (it writes its K/V at the same positions of its own pool); 0 otherwise
         self.num_lookahead_tokens = 0
+        # with LoRA adapters: how many distinct ones may run at once (0: no adapters)
+        self.max_loras = 0
         self.spec_stats = SpecDecodeStats()
         self.init_remote_kv()  # prefill/decode disaggregation (remote_kv.py)
 
@@ -208,6 +210,8 @@ class Scheduler(RemoteKVMixin):
                       < r.num_tokens)
         admitted, failed = [], []
         now = time.time()
+        # adapters running: a step holds at most max_loras of them (their slots)
+        loras = {r.lora_int_id for r in self.running if r.lora_int_id} if self.max_loras else set()
         for req in self.waiting:
             if budget <= 0:
                 out.admission_stop = AdmissionStop.BUDGET
@@ -227,6 +231,10 @@ class Scheduler(RemoteKVMixin):
             if req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
                 self._start_load(req, out, pending)
                 continue  # its pull runs off the loop: the requests behind it go on
+            lid = req.lora_int_id
+            if lid and self.max_loras and lid not in loras and len(loras) >= self.max_loras:
+                out.waiting_for_lora_ids.append(req.request_id)
+                continue  # its adapter waits for a slot: requests of running adapters go on
             # a request whose K/V was pulled holds its blocks already: no prefix lookup
             held = req.request_id in kv.req_to_blocks
             # prompt logprobs (and a pooling over every position) read each prompt position's
@@ -264,12 +272,14 @@ class Scheduler(RemoteKVMixin):
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
             admitted.append(req)
+            if lid:
+                loras.add(lid)
             resumed = req.status == RequestStatus.PREEMPTED
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled_new_reqs.append(NewRequestData(
                 req.request_id, list(req.all_token_ids), req.num_prompt_tokens, req.sampling_params,
-                req.pooling_params))
+                req.pooling_params, req.lora_int_id))
             if resumed:
                 out.resumed_req_ids.append(req.request_id)
             out.num_cached_tokens[req.request_id] = num_cached

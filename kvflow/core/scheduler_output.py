@@ -21,6 +21,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     # an embedding request: the runner pools its prompt's hidden states and samples nothing
     pooling_params: PoolingParams | None = None
+    lora_int_id: int = 0  # its LoRA adapter's id; 0: the base model
 
 
 @dataclass(slots=True)
@@ -116,6 +117,8 @@ class SchedulerOutput:
     admission_stop: AdmissionStop | None = None
     # waiting requests passed over because their grammar is still compiling, in queue order
     waiting_for_grammar_ids: list[str] = field(default_factory=list)
+    # waiting requests passed over because max_loras other adapters run (they keep their place)
+    waiting_for_lora_ids: list[str] = field(default_factory=list)
     # -- KV transfer (prefill/decode disaggregation) -------------------------------------
     # pulls to start: their requests got their blocks this step and wait for the K/V
     kv_loads: list[KVLoad] = field(default_factory=list)

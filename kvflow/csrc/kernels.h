@@ -58,6 +58,16 @@ void write_kv_bf16(const float *k, const float *v, int64_t src_stride, const int
 void copy_kv_bf16(const uint16_t *k, const uint16_t *v, int64_t src_stride, const int64_t *slots,
                   uint16_t *k_cache, uint16_t *v_cache, int64_t begin, int64_t end, int64_t KVH,
                   int64_t D, int64_t bs);
+void lora_shrink(const void *x, int64_t x_stride, int64_t x_bf16, int64_t K, const float *A,
+                 int64_t n_slices, int64_t R, const int64_t *ranks, const int64_t *slots,
+                 float *s, int64_t isa, int64_t begin, int64_t end);
+void lora_expand(const float *s, int64_t n_slices, int64_t R, const int64_t *ranks,
+                 const float *Bt, const int64_t *starts, int64_t N, const int64_t *slots, void *y,
+                 int64_t y_stride, int64_t y_bf16, int64_t isa, int64_t begin, int64_t end);
+void lora_apply(const void *x, int64_t x_stride, int64_t x_bf16, int64_t K, const float *A,
+                const float *Bt, int64_t n_slices, int64_t R, const int64_t *ranks,
+                const int64_t *starts, int64_t N, const int64_t *slots, float *s, void *y,
+                int64_t y_stride, int64_t y_bf16, int64_t isa, int64_t begin, int64_t end);
 
 /* pool.c: its kernels' indices (the order of its KERNELS table), the split runner, and the
  * quantized projections in one call each (decode_step.c chains them) */
@@ -65,7 +75,7 @@ enum pool_kernel {
     POOL_DECODE_F32, POOL_DECODE_BF16, POOL_PREFILL_BF16, POOL_NORM_F32, POOL_NORM_BF16,
     POOL_ROPE_F32, POOL_ROPE_BF16, POOL_SILU_F32, POOL_SILU_BF16, POOL_GEMM_ROWS,
     POOL_GEMM_PANELS, POOL_QUANTIZE_Q8, POOL_QGEMM_ROWS, POOL_QGEMM_PANELS, POOL_QGEMM_WIDE,
-    POOL_GEMV_F32
+    POOL_GEMV_F32, POOL_LORA
 };
 void kernel_pool_run(int64_t kernel, const int64_t *args, double farg, int64_t n,
                      const int64_t *weights, int64_t threads);

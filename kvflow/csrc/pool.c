@@ -120,13 +120,20 @@ static void k_gemv_f32(const int64_t *a, double f, int64_t b, int64_t e) {
     (void)f;
     gemv_f32_panels(P(0), a[1], a[2], a[3], P(4), P(5), P(6), a[7], a[8], a[9], a[10], b, e);
 }
+/* LoRA's shrink + expand (lora.c): x, x_stride, x_bf16, K, A, Bt, n_slices, R, ranks, starts,
+ * N, slots, s, y, y_stride, y_bf16, isa; the ranges are rows */
+static void k_lora(const int64_t *a, double f, int64_t b, int64_t e) {
+    (void)f;
+    lora_apply(P(0), a[1], a[2], a[3], P(4), P(5), a[6], a[7], P(8), P(9), a[10], P(11), P(12),
+               P(13), a[14], a[15], a[16], b, e);
+}
 #undef P
 
 /* in enum pool_kernel's order (kernels.h) */
 static const range_fn KERNELS[] = {
     k_decode_f32, k_decode_bf16, k_prefill_bf16, k_norm_f32, k_norm_bf16, k_rope_f32,
     k_rope_bf16, k_silu_f32, k_silu_bf16, k_gemm_rows, k_gemm_panels, k_quantize_q8,
-    k_qgemm_rows, k_qgemm_panels, k_qgemm_wide, k_gemv_f32,
+    k_qgemm_rows, k_qgemm_panels, k_qgemm_wide, k_gemv_f32, k_lora,
 };
 #define NUM_KERNELS ((int64_t)(sizeof KERNELS / sizeof KERNELS[0]))
 

@@ -68,7 +68,8 @@ class BadMessageError(RuntimeError):
 _DECISIONS_CLEARED = dict(is_prefill={}, preempted_for={}, block_checks={}, skipped_req_ids=[],
                           prefix_cache_bypassed={},
                           waiting_for_grammar_ids=[], admission_stop=None, grammar_errors={},
-                          kv_loads=[], waiting_for_remote_kv_ids=[], kv_load_errors={})
+                          waiting_for_lora_ids=[], kv_loads=[], waiting_for_remote_kv_ids=[],
+                          kv_load_errors={})
 
 
 def encode_step(sched_out: SchedulerOutput | None, sampled: dict[str, list[int]]) -> bytes:

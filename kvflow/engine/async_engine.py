@@ -22,8 +22,9 @@ import zmq
 
 from kvflow.engine.core_client import EngineCoreClient, EngineDeadError, EngineStalledError
 from kvflow.engine.output_processor import OutputKind, OutputProcessor
-from kvflow.engine.protocol import (CoreMessage, EngineCoreOutputs, EngineCoreReady, SchedulerStats,
-                                    UtilityCall)
+from kvflow.engine.protocol import (CoreMessage, EngineCoreOutputs, EngineCoreReady,
+                                    EngineCoreRequestType, SchedulerStats, UtilityCall)
+from kvflow.lora_request import LoRARequest
 from kvflow.model_path import resolve_model_path
 from kvflow.outputs import EmbeddingRequestOutput, RequestOutput
 from kvflow.pooling_params import PoolingParams
@@ -103,6 +104,7 @@ class AsyncLLM:
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                        prompt: str | None = None, arrival_time: float | None = None,
                        priority: int = 0, cache_salt: str | None = None,
+                       lora_request: LoRARequest | None = None,
                        ) -> AsyncIterator[RequestOutput]:
         """Stream DELTA RequestOutputs for one request (all its `n` samples) until finished."""
         if self.dead_error is not None:
@@ -112,7 +114,8 @@ class AsyncLLM:
                                         self.config.structured_outputs_backend)
         core_reqs = self.processor.add_request(
             request_id, prompt, prompt_token_ids, params, OutputKind.DELTA,
-            arrival_time=arrival_time or time.time(), priority=priority, cache_salt=cache_salt)
+            arrival_time=arrival_time or time.time(), priority=priority, cache_salt=cache_salt,
+            lora_request=lora_request)
         finished = False
         # From here on the request is counted; every way out (an encode or send error, a
         # cancelled task, an error from the output path) passes the `finally` that uncounts it.
@@ -183,6 +186,33 @@ class AsyncLLM:
             raise
         return await fut
 
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and register an adapter in the core; ValueError (nothing loaded) if refused."""
+        result = await self._lora_call(EngineCoreRequestType.ADD_LORA, lora_request)
+        if result.error is not None:
+            raise ValueError(result.error)
+
+    async def remove_lora(self, lora_request: LoRARequest) -> bool:
+        """Unregister an adapter (by lora_int_id); False if the core did not have it,
+        ValueError while requests use it."""
+        result = await self._lora_call(EngineCoreRequestType.REMOVE_LORA, lora_request)
+        if result.error is not None:
+            raise ValueError(result.error)
+        return result.found
+
+    async def _lora_call(self, kind: EngineCoreRequestType, lora_request: LoRARequest):
+        if self.dead_error is not None:
+            raise type(self.dead_error)(str(self.dead_error))  # keeps its code
+        fut = asyncio.get_running_loop().create_future()
+        waiters = self._utility_waiters.setdefault("lora", [])
+        waiters.append(fut)
+        try:
+            self.client.send_lora(kind, lora_request)
+        except BaseException:
+            waiters.remove(fut)
+            raise
+        return await fut
+
     def abort(self, request_id: str) -> None:
         """Drop a request here and in the core (its blocks return at the core's next step)."""
         if self.processor is None:
@@ -230,8 +260,8 @@ class AsyncLLM:
                     self.snapshot = msg
                 elif kind == CoreMessage.REQ_ERROR:
                     self._handle_request_error(*msg)
-                elif kind == CoreMessage.UTILITY:
-                    name, result = msg
+                elif kind in (CoreMessage.UTILITY, CoreMessage.LORA):
+                    name, result = (msg if kind == CoreMessage.UTILITY else ("lora", msg))
                     waiters = self._utility_waiters.get(name)
                     if waiters:  # the core answers calls in the order they were sent
                         fut = waiters.pop(0)

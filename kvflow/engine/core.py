@@ -21,6 +21,7 @@ from kvflow.engine.step_trace import StepTrace
 from kvflow.engine.warmup import warmup_outputs
 from kvflow.kv_transfer.agent import KVTransferAgent
 from kvflow.logger import init_logger
+from kvflow.lora_request import LoRARequest
 from kvflow.model.arch import load_arch_config
 from kvflow.model.executor import CompletedStep, Executor, UniProcExecutor
 from kvflow.model import gpu_memory
@@ -76,6 +77,9 @@ class EngineCore(EngineKVTransferMixin):
             # the profile run that sizes the pool by --gpu-memory-utilization is one process's
             raise ValueError("tensor parallelism on cuda needs --num-blocks: the KV pool is not "
                              "sized from --gpu-memory-utilization across ranks yet")
+        if config.lora_config.enable_lora and self.num_ranks > 1:
+            raise ValueError("enable_lora with tensor or pipeline parallelism (tensor_parallel_size or "
+                             "pipeline_parallel_size > 1) is not supported yet")
         free_at_start = torch.cuda.mem_get_info(self.device)[0] if on_gpu else 0
         # quantized weights are the CPU's, one process's (refused here, before anything loads)
         quantization = resolve_quantization(mc.quantization, self.model_path, self.num_ranks, on_gpu)
@@ -150,7 +154,13 @@ class EngineCore(EngineKVTransferMixin):
                                  # an expert block groups tokens on the host (moe.py): no graph
                                  if on_gpu and not self.arch.num_experts else None))
         self.scheduler.max_concurrent_batches = self.executor.max_concurrent_batches
+        lc = config.lora_config
         try:
+            if lc.enable_lora:  # slots in every projection, then the adapters named at start
+                self.executor.runner.enable_lora(lc.max_loras, lc.max_lora_rank)
+                self.scheduler.max_loras = lc.max_loras
+                for i, (name, path) in enumerate(lc.modules(), start=1):
+                    self.add_lora(LoRARequest(name, i, path))
             if config.kv_transfer is not None:
                 self.kv_agent = KVTransferAgent(config.kv_transfer, self.kv_compat(),
                                                 self._paged_kv(), cc.block_size)
@@ -206,11 +216,22 @@ class EngineCore(EngineKVTransferMixin):
                    if self.num_ranks > 1 else "")
                 + (self._gpu_report() if self.device.type == "cuda" else "")
                 + f"{self.executor.runner.model.kernels.describe()}; "
+                + self._lora_report()
                 + (f"{self.spec.describe()}; " if self.spec is not None else "")
                 + (f"KV transfer {self.config.kv_transfer.kv_role} engine "
                    f"{self.kv_agent.engine_id} on {self.config.kv_transfer.kv_ip}:"
                    f"{self.config.kv_transfer.kv_port}; " if self.kv_agent is not None else "")
                 + f"ready in {self.startup_time:.1f}s")
+
+    def _lora_report(self) -> str:
+        lora = self.executor.runner.lora
+        if lora is None:
+            return ""
+        lc = self.config.lora_config
+        return (f"LoRA {lc.max_loras} slots of rank {lc.max_lora_rank} "
+                f"({lora.slots.nbytes / 2**20:.0f} MiB, kernel "
+                f"{self.executor.runner.model.kernels.lora_name}), "
+                f"{len(lora.adapters)} adapters loaded; ")
 
     def _gpu_report(self) -> str:
         name = torch.cuda.get_device_name(self.device)
@@ -242,6 +263,8 @@ class EngineCore(EngineKVTransferMixin):
 
     def _add_request(self, r: EngineCoreRequest) -> None:
         params = r.sampling_params
+        if r.lora_request is not None:  # refused before anything else is queued
+            self.add_lora(r.lora_request)
         vocab_size = self.arch.vocab_size
         check_token_ids("prompt", r.prompt_token_ids, vocab_size)
         check_token_ids("eos_token_ids", r.eos_token_ids, vocab_size)
@@ -274,7 +297,7 @@ class EngineCore(EngineKVTransferMixin):
         eos = r.eos_token_ids if r.eos_token_ids is not None else self.arch.eos_token_ids
         req = Request(r.request_id, r.prompt_token_ids, params, eos_token_id=eos,
                       arrival_time=r.arrival_time or time.time(), priority=r.priority,
-                      cache_salt=r.cache_salt)
+                      cache_salt=r.cache_salt, lora_request=r.lora_request)
         if so is not None:
             req.structured_output = self.structured.request(so)  # compiles off the loop
         try:
@@ -296,6 +319,35 @@ class EngineCore(EngineKVTransferMixin):
         if params.kv_transfer_params is not None:
             raise InvalidRequestError("prompt_logprobs cannot be combined with kv_transfer_params",
                                       "prompt_logprobs")
+    # -- LoRA adapters ---------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load, check and register an adapter (False: this id is registered already with this
+        path). ValueError naming the problem, nothing loaded, if it cannot be served."""
+        lora = self.executor.runner.lora
+        if lora is None:
+            raise ValueError(f"model {lora_request.lora_name!r} is a LoRA adapter: the engine "
+                             f"serves adapters only with enable_lora (--enable-lora)")
+        added = lora.add(lora_request)
+        if added:
+            logger.info("kvflow: LoRA adapter %s (id %d, rank %d) from %s", lora_request.lora_name,
+                        lora_request.lora_int_id, lora.adapters[lora_request.lora_int_id].rank,
+                        lora_request.lora_path)
+        return added
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unregister an adapter (False: not registered); ValueError while requests use it."""
+        lora = self.executor.runner.lora
+        if lora is None:
+            return False
+        users = sum(1 for r in self.scheduler.requests.values()
+                    if r.lora_int_id == lora_int_id and not r.is_finished)
+        if users:
+            raise ValueError(f"LoRA adapter {lora_int_id} is in use by {users} unfinished requests")
+        return lora.remove(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        lora = self.executor.runner.lora
+        return sorted(lora.adapters) if lora is not None else []
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)  # one pass, however many

@@ -15,7 +15,7 @@ from kvflow.config import EngineConfig
 from kvflow.engine.core_proc import run_engine_core
 from kvflow.engine.protocol import (CoreMessage, EngineCoreOutputs, EngineCoreReady,
                                     EngineCoreRequest, EngineCoreRequestType, EngineSnapshot,
-                                    UtilityCall)
+                                    LoRAResult, UtilityCall)
 
 # How often the output reader checks that the core process still lives while no message comes.
 DEATH_POLL_S = 0.25
@@ -131,6 +131,10 @@ class EngineCoreClient:
             raise ValueError(f"the request cannot be sent to the engine: {e}") from None
         self.input_sock.send_multipart([EngineCoreRequestType.ADD.value, payload], copy=False)
 
+    def send_lora(self, kind: EngineCoreRequestType, lora_request) -> None:
+        """ADD_LORA or REMOVE_LORA; the core answers with a LORA message (LoRAResult)."""
+        self._send(kind, lora_request)
+
     def kill(self) -> None:
         """SIGKILL the core now (it stalled: a stopped process may not handle SIGTERM)."""
         if self.proc is not None and self.proc.is_alive():
@@ -164,6 +168,8 @@ class EngineCoreClient:
                     return kind, msgspec.msgpack.decode(payload, type=tuple[str, str])
                 if kind == CoreMessage.UTILITY:
                     return kind, msgspec.msgpack.decode(payload, type=tuple[str, bool])
+                if kind == CoreMessage.LORA:
+                    return kind, msgspec.msgpack.decode(payload, type=LoRAResult)
                 if kind == CoreMessage.FAILED:
                     # the full report (maybe a traceback) is for the server log; the error,
                     # which /health and 503 bodies show, names only the exception

@@ -22,7 +22,8 @@ import zmq
 from kvflow.config import EngineConfig
 from kvflow.engine.protocol import (CoreMessage, EngineCoreOutputs, EngineCoreReady,
                                     EngineCoreRequest, EngineCoreRequestType, EngineSnapshot,
-                                    UtilityCall)
+                                    LoRAResult, UtilityCall)
+from kvflow.lora_request import LoRARequest
 from kvflow.engine.snapshot import SnapshotSource
 from kvflow.utils.process import parent_alive, start_child_process
 
@@ -89,6 +90,7 @@ class EngineCoreLoop:
         self.encoder = msgspec.msgpack.Encoder()
         self.add_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
         self.ids_decoder = msgspec.msgpack.Decoder(list[str])
+        self.lora_decoder = msgspec.msgpack.Decoder(LoRARequest)
         self.running = True
         self.snapshots = SnapshotSource(core.scheduler)
 
@@ -135,6 +137,8 @@ class EngineCoreLoop:
                     [CoreMessage.REQ_ERROR, self.encoder.encode([req.request_id, str(e)])])
         elif kind == EngineCoreRequestType.ABORT.value:
             self.core.abort_requests(self.ids_decoder.decode(payload))
+        elif kind in (EngineCoreRequestType.ADD_LORA.value, EngineCoreRequestType.REMOVE_LORA.value):
+            self.send_lora_result(kind == EngineCoreRequestType.ADD_LORA.value, payload)
         elif kind == EngineCoreRequestType.UTILITY.value:
             call = self.ids_decoder.decode(payload)[:1]
             if call == [UtilityCall.SHUTDOWN]:
@@ -145,6 +149,25 @@ class EngineCoreLoop:
                 done = self.core.reset_prefix_cache()
                 self.out_sock.send_multipart([CoreMessage.UTILITY, self.encoder.encode(
                     [UtilityCall.RESET_PREFIX_CACHE, done])])
+
+    def send_lora_result(self, add: bool, payload) -> None:
+        """Add or remove an adapter and answer: a refusal (a bad adapter, one in use) is a
+        LoRAResult with its error; the loop goes on."""
+        op = "add" if add else "remove"
+        try:
+            lr = self.lora_decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+            result = LoRAResult(op, 0, error=f"bad LoRA request: {e}")
+        else:
+            try:
+                if add:
+                    self.core.add_lora(lr)
+                    result = LoRAResult(op, lr.lora_int_id)
+                else:
+                    result = LoRAResult(op, lr.lora_int_id, found=self.core.remove_lora(lr.lora_int_id))
+            except ValueError as e:
+                result = LoRAResult(op, lr.lora_int_id, error=str(e))
+        self.out_sock.send_multipart([CoreMessage.LORA, self.encoder.encode(result)])
 
     def send_snapshot(self, snap: EngineSnapshot | None) -> None:
         if snap is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from kvflow.config import EngineConfig
 from kvflow.engine.core import EngineCore
 from kvflow.engine.output_processor import OutputKind, OutputProcessor
+from kvflow.lora_request import LoRARequest
 from kvflow.outputs import EmbeddingRequestOutput, RequestOutput
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
@@ -24,10 +25,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, kind: OutputKind = OutputKind.FINAL,
-                    priority: int = 0, cache_salt: str | None = None) -> None:
+                    priority: int = 0, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
+        if lora_request is not None:  # loaded (and checked) on first use, as vLLM does
+            self.core.add_lora(lora_request)
         core_reqs = self.output_processor.add_request(
             request_id, prompt, prompt_token_ids, params, kind, self.eos_token_ids,
-            priority=priority, cache_salt=cache_salt)
+            priority=priority, cache_salt=cache_salt, lora_request=lora_request)
         try:
             for r in core_reqs:
                 self.core.add_request(r)
@@ -45,6 +49,12 @@ class LLMEngine:
         except ValueError:
             self.core.abort_requests(self.output_processor.abort_request(request_id))
             raise
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and register an adapter (False: registered already); ValueError if refused."""
+        return self.core.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.core.remove_lora(lora_int_id)
 
     def abort_request(self, request_id: str) -> None:
         self.core.abort_requests(self.output_processor.abort_request(request_id))

@@ -84,7 +84,8 @@ class OutputProcessor:
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, kind: OutputKind = OutputKind.FINAL,
                     eos_token_ids: list[int] | None = None, arrival_time: float | None = None,
-                    priority: int = 0, cache_salt: str | None = None) -> list[EngineCoreRequest]:
+                    priority: int = 0, cache_salt: str | None = None,
+                    lora_request=None) -> list[EngineCoreRequest]:
         """Register a request; returns the core requests to send (one per sample)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -110,7 +111,7 @@ class OutputProcessor:
                 state.samples.append(sample)
                 self.core_to_sample[core_id] = (state, sample)
                 core_reqs.append(EngineCoreRequest(core_id, list(prompt_token_ids), p, eos_token_ids,
-                                                   arrival, priority, cache_salt))
+                                                   arrival, priority, cache_salt, lora_request))
         except BaseException:
             for sample in state.samples:  # all or nothing: no half-registered request
                 self.core_to_sample.pop(sample.core_id, None)

@@ -5,6 +5,8 @@ the wire), and the frame that says which one follows.
         ADD      EngineCoreRequest
         ABORT    list[str]             core request ids
         UTILITY  [UtilityCall name]    answered (where it has an answer) by a UTILITY message
+        ADD_LORA     LoRARequest       load and register an adapter; answered by LORA
+        REMOVE_LORA  LoRARequest       unregister it (by lora_int_id); answered by LORA
     core -> frontend:  [CoreMessage, payload]
         READY      EngineCoreReady      once, after the model is loaded
         OUTPUTS    EngineCoreOutputs    after every step
@@ -12,6 +14,7 @@ the wire), and the frame that says which one follows.
         FAILED     str                  start-up failed or the loop crashed; the process exits
         SNAPSHOT   EngineSnapshot       at most every 250 ms while a dashboard watches
         UTILITY    [call name, result]  the answer to a utility call
+        LORA       LoRAResult           the answer to ADD_LORA / REMOVE_LORA
 
 KV-transfer messages between instances are in kvflow.kv_transfer.messages."""
 from __future__ import annotations
@@ -23,6 +26,7 @@ import msgspec
 
 from kvflow.kv_transfer.params import KVTransferParams
 from kvflow.kv_transfer.stats import KVTransferStats  # noqa: F401 - part of the protocol
+from kvflow.lora_request import LoRARequest
 from kvflow.outputs import PromptLogprobsChunk, TokenLogprobs
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
@@ -35,6 +39,8 @@ class EngineCoreRequestType(bytes, enum.Enum):
     ADD = b"\x00"
     ABORT = b"\x01"
     UTILITY = b"\x02"
+    ADD_LORA = b"\x03"
+    REMOVE_LORA = b"\x04"
 
 
 class CoreMessage:
@@ -46,6 +52,7 @@ class CoreMessage:
     FAILED = b"F"     # str: startup failed or the loop crashed; the process then exits
     SNAPSHOT = b"S"   # EngineSnapshot, at most every 250 ms while a dashboard watches
     UTILITY = b"U"    # [call name, result]: the answer to a utility call
+    LORA = b"L"       # LoRAResult: the answer to ADD_LORA / REMOVE_LORA
 
 
 class UtilityCall:
@@ -68,6 +75,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     cache_salt: str | None = None
     # an embedding request (prefill only; its sampling_params are not used)
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs under; None: the base model
 
 
 # -- core -> frontend ------------------------------------------------------------------------
@@ -82,6 +90,16 @@ class EngineCoreReady(msgspec.Struct, array_like=True):
     max_num_seqs: int
     vocab_size: int
     startup_report: str
+
+
+class LoRAResult(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The core's answer to ADD_LORA / REMOVE_LORA: `error` says why it refused (nothing
+    changed then); `found` whether REMOVE_LORA found the adapter."""
+
+    op: str  # "add" | "remove"
+    lora_int_id: int
+    error: str | None = None
+    found: bool = True
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

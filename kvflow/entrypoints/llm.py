@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from kvflow.engine.llm_engine import LLMEngine
+from kvflow.lora_request import LoRARequest
 from kvflow.options import engine_config
 from kvflow.outputs import EmbeddingRequestOutput, RequestOutput
 from kvflow.pooling_params import PoolingParams
@@ -37,10 +38,14 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None,
                  cache_salt: str | None = None,
-                 prompt_texts: Sequence[str] | None = None) -> list[RequestOutput]:
+                 prompt_texts: Sequence[str] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 ) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids); outputs come back in input order.
         `priority` (lower first) applies with scheduling_policy="priority"; requests with
-        different `cache_salt` never share prefix-cache blocks."""
+        different `cache_salt` never share prefix-cache blocks. `lora_request`: the LoRA
+        adapter all prompts run under, or one per prompt (None: the base model); needs
+        enable_lora, and an adapter is loaded on its first use."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -54,16 +59,23 @@ class LLM:
         priority = list(priority) if priority is not None else [0] * len(prompts)
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} lora requests")
+        for lr in dict.fromkeys(lr for lr in loras if lr is not None):
+            self.engine.add_lora(lr)  # every adapter checked before any prompt is queued
         encoded = [self._encode(p) for p in prompts]
         if prompt_texts is not None:
             encoded = [(text, ids) for text, (_, ids) in zip(prompt_texts, encoded)]
         for (_, ids), p in zip(encoded, params):
             self._check_fits(ids, p)
         order = {}
-        for (text, ids), p, prio in zip(encoded, params, priority):
+        for (text, ids), p, prio, lr in zip(encoded, params, priority, loras):
             rid = str(next(self._ids))
             order[rid] = len(order)
-            self.engine.add_request(rid, ids, p, prompt=text, priority=prio, cache_salt=cache_salt)
+            self.engine.add_request(rid, ids, p, prompt=text, priority=prio, cache_salt=cache_salt,
+                                    lora_request=lr)
         return self._run(order, use_tqdm)
 
     def embed(self, prompts: Prompt | Sequence[Prompt],
@@ -97,12 +109,14 @@ class LLM:
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             ) -> list[RequestOutput]:
         """Chat through the model's chat template; one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         rendered = [render_chat(self.tokenizer, c, add_generation_prompt) for c in conversations]
         return self.generate([ids for _, ids in rendered], sampling_params, use_tqdm,
-                             prompt_texts=[text for text, _ in rendered])
+                             prompt_texts=[text for text, _ in rendered], lora_request=lora_request)
 
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -27,7 +27,7 @@ def server_settings(args: argparse.Namespace, config: EngineConfig) -> ServerSet
     """The server's options from its flags; the served names from the model options."""
     names = config.model_config.served_model_name or [served_name(config.model_config.model)]
     return ServerSettings(**{o.field: getattr(args, o.name) for o in SERVER_OPTIONS},
-                          served_model_names=names)
+                          served_model_names=names, lora_modules=config.lora_config.modules())
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

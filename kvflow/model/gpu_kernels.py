@@ -16,6 +16,7 @@ def gpu_implementations() -> tuple[dict[str, str], dict]:
     from kvflow.model.triton import fused_ops
     from kvflow.model.triton.attention import attention_with_triton
     from kvflow.model.triton.kv_write import write_kv
+    from kvflow.model.triton.lora import lora_add
 
     names = {"linear": "torch", "gate_up": "torch+triton-silu", "attention": "triton-paged",
              "norm": "triton", "rope": "triton", "kv_write": "triton", "argmax": "torch"}
@@ -28,4 +29,6 @@ def gpu_implementations() -> tuple[dict[str, str], dict]:
         write_kv=write_kv,
         attention=attention_with_triton,
         argmax=ops.argmax_rows_torch,
+        lora=lambda y, x, p, step: lora_add(y, x, p.a, p.bt, p.ranks, p.starts, step.slots, p.bounds),
+        lora_name="triton",
     )

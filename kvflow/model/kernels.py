@@ -40,6 +40,7 @@ import torch
 from kvflow import envs
 from kvflow.csrc import library, ops
 from kvflow.csrc.gemv import GEMV_MAX_ROWS, best_gemv_isa
+from kvflow.csrc.lora import best_lora_isa, lora_add, lora_add_torch
 from kvflow.model import attention, packed_linear
 from kvflow.model.cpu_features import CpuFeatures, cpu_features
 from kvflow.model.kv_layout import write_rows
@@ -100,6 +101,10 @@ class Kernels:
     write_kv: Callable[..., None]
     attention: Callable[..., torch.Tensor]
     argmax: Callable[[torch.Tensor], list[int]]
+    # LoRA's batched shrink + expand into a projection's output: lora(y, x, projection's
+    # slots, step) (model/lora.py's LoRAProjection and LoRAStep)
+    lora: Callable[..., None] | None = None
+    lora_name: str = "torch"  # what serves it, for the start-up line's LoRA part
 
     def norm_linear(self, x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,
                     eps: float, w: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -132,6 +137,15 @@ def _gemv_isa(features: CpuFeatures, options: KernelOptions) -> str | None:
     the CPU has a vector path); None: no GEMV."""
     best = best_gemv_isa(features) if options.gemv else None
     return best if best is None or options.gemv_isa is None else options.gemv_isa
+
+
+def _lora_c(y, x, proj, step, *, isa: str) -> None:
+    lora_add(y, x, proj.a, proj.bt, proj.ranks, proj.starts, step.slots, isa,
+             torch.get_num_threads())
+
+
+def _lora_torch(y, x, proj, step) -> None:
+    lora_add_torch(y, x, proj.a, proj.bt, proj.ranks, proj.starts, step.slots)
 
 
 def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
@@ -187,6 +201,7 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
                          else "panel-bf16-silu" if panels else f"{linear_name}+{c_name}-silu"),
              "attention": attention_name, "norm": c_name, "rope": c_name, "kv_write": c_name,
              "argmax": "c" if c and dtype == bf16 else "torch"}
+    lora_isa = best_lora_isa(features) if c else None
     pack = (partial(packed_linear.pack_weight, panels=panels, onednn=onednn, gemv_isa=gemv_isa,
                     gemv_rows=GEMV_MAX_ROWS.get(gemv_isa, 0), gemv_dtype=gemv_dtype,
                     amx=amx)
@@ -204,5 +219,7 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
         write_kv=attention.write_kv_with_kernel if c else write_rows,
         attention=attend,
         argmax=ops.argmax_rows if c else ops.argmax_rows_torch,
+        lora=partial(_lora_c, isa=lora_isa) if lora_isa else _lora_torch,
+        lora_name=f"c-{lora_isa}" if lora_isa else "torch",
     )
 

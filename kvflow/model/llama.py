@@ -125,16 +125,26 @@ class LlamaDecoderLayer(nn.Module):
         self.gate_up_proj = _weight(2 * arch.intermediate_size, h, dtype=dtype, device=device) if dense else None
         self.down_proj = _weight(h, arch.intermediate_size, dtype=dtype, device=device) if dense else None
         self.packed: dict[str, PackedWeight | None] = {}  # prepacked projections (pack_weights)
+        # adapters' slots per projection (model/lora.py's LoRASlots), with enable_lora
+        self.lora_slots: dict | None = None
 
     def forward(self, x: torch.Tensor, residual_delta: torch.Tensor | None, rope: tuple,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
+                kernels: Kernels, lora=None) -> tuple[torch.Tensor, torch.Tensor]:
         """x is the residual stream, `residual_delta` the previous layer's MLP output, not yet
-        added (the add is fused into this layer's first norm). Returns (x, this MLP's output)."""
+        added (the add is fused into this layer's first norm). Returns (x, this MLP's output).
+        `lora` (model/lora.py's LoRAStep): the step's adapter rows, added to each projection's
+        output (the norms then run apart from the projections, which need their input)."""
         t = x.shape[0]
         pk = self.packed
-        qkv = kernels.norm_linear(x, residual_delta, self.input_layernorm, self.eps, self.qkv_proj,
-                                  pk.get("qkv_proj"), self.qkv_bias)
+        slots = self.lora_slots if lora is not None else None
+        if slots is None:
+            qkv = kernels.norm_linear(x, residual_delta, self.input_layernorm, self.eps,
+                                      self.qkv_proj, pk.get("qkv_proj"), self.qkv_bias)
+        else:
+            h = kernels.add_rms_norm(x, residual_delta, self.input_layernorm, self.eps)
+            qkv = kernels.linear(h, self.qkv_proj, pk.get("qkv_proj"), self.qkv_bias)
+            kernels.lora(qkv, h, slots["qkv"], lora)
         if self.q_norm is not None:
             self._qk_norm(qkv, kernels)
         # RoPE on the q and k heads together, in place in the fused projection's output
@@ -148,6 +158,8 @@ class LlamaDecoderLayer(nn.Module):
         kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         attn = kernels.attention(q, k_cache, v_cache, meta, self.scale, self.num_kv_heads, k=k, v=v)
         o = kernels.linear(attn, self.o_proj, pk.get("o_proj"))
+        if slots is not None:
+            kernels.lora(o, attn, slots["o"], lora)
         if self.tp is not None:
             self.tp.all_reduce(o)  # row-parallel: each rank holds a partial sum
         if self.moe is not None:  # under tensor parallelism each rank holds a slice of every expert
@@ -155,9 +167,17 @@ class LlamaDecoderLayer(nn.Module):
             if self.tp is not None:
                 self.tp.all_reduce(down)
             return x, down
-        act = kernels.norm_linear_silu_mul(x, o, self.post_attention_layernorm, self.eps,
-                                           self.gate_up_proj, pk.get("gate_up_proj"))
+        if slots is None:
+            act = kernels.norm_linear_silu_mul(x, o, self.post_attention_layernorm, self.eps,
+                                               self.gate_up_proj, pk.get("gate_up_proj"))
+        else:
+            h = kernels.add_rms_norm(x, o, self.post_attention_layernorm, self.eps)
+            gate_up = kernels.linear(h, self.gate_up_proj, pk.get("gate_up_proj"))
+            kernels.lora(gate_up, h, slots["gate_up"], lora)
+            act = kernels.silu_mul(gate_up)
         down = kernels.linear(act, self.down_proj, pk.get("down_proj"))
+        if slots is not None:
+            kernels.lora(down, act, slots["down"], lora)
         if self.tp is not None:
             self.tp.all_reduce(down)
         return x, down
@@ -230,12 +250,15 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | np.ndarray,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 attn_metadata: AttentionMetadata | list[AttentionMetadata],
-                hidden: torch.Tensor | None = None) -> torch.Tensor:
+                hidden: torch.Tensor | None = None, lora=None) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] for the flat batch; K/V land in `kv_caches`.
         `attn_metadata`: one for all layers, or one per layer (its KV cache group's, which
         carries a sliding window where the layer has one). A pipeline stage other than the
         first takes `hidden` = the previous stage's [2, T, hidden] (the residual stream and the
-        last MLP output not yet added); one other than the last returns that pair, not normed."""
+        last MLP output not yet added); one other than the last returns that pair, not normed.
+        `lora`: the step's adapter rows (model/lora.py's LoRAStep; None: all rows are the base
+        model's). A step with adapter rows runs layer by layer (the one-call decode step has no
+        LoRA)."""
         if hidden is not None:
             x, delta = hidden[0], hidden[1]
         elif self.quantized_embedding is not None:
@@ -252,7 +275,8 @@ class LlamaForCausalLM(nn.Module):
             rope = (np.ascontiguousarray(pos, dtype=np.int64), self.rope_cos, self.rope_sin)
         kernels = self.kernels
         whole = self.pp_first and self.pp_last
-        if whole and first.device_positions is None and first.num_decodes == first.num_tokens:
+        if (whole and lora is None and first.device_positions is None
+                and first.num_decodes == first.num_tokens):
             delta = self._run_decode_graph(x, rope[0], kv_caches, attn_metadata)
             if delta is not None:
                 return kernels.add_rms_norm(x, delta, self.norm, self.arch.rms_norm_eps)
@@ -260,7 +284,7 @@ class LlamaForCausalLM(nn.Module):
             delta = None
         metas = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata] * len(self.layers)
         for layer, kv_cache, meta in zip(self.layers, kv_caches, metas):
-            x, delta = layer(x, delta, rope, kv_cache, meta, kernels)
+            x, delta = layer(x, delta, rope, kv_cache, meta, kernels, lora)
         if not self.pp_last:
             return torch.stack((x, delta))
         return kernels.add_rms_norm(x, delta, self.norm, self.arch.rms_norm_eps)

@@ -42,6 +42,7 @@ class CachedRequestState:
     @property
     def reads_prompt_rows(self) -> bool:
         return self.pooling is not None or self.prompt_logprobs is not None
+    lora_int_id: int = 0  # its adapter (model/lora.py); 0: the base model
 
 
 def _needs_history(p: SamplingParams) -> bool:
@@ -109,6 +110,14 @@ class ModelRunner:
         if state is not None and state.reads_prompt_rows:
             self._num_reading_prompt_rows -= 1
         return state
+        self.lora = None  # LoRAManager (model/lora.py) once enable_lora(...)
+
+    def enable_lora(self, max_loras: int, max_lora_rank: int) -> None:
+        """Give the model `max_loras` adapter slots of `max_lora_rank` (ValueError where
+        adapters cannot be served: other architectures, tensor parallelism)."""
+        from kvflow.model.lora import LoRAManager
+
+        self.lora = LoRAManager(self.model, self.arch, max_loras, max_lora_rank)
 
     def _update_states(self, out: SchedulerOutput) -> None:
         for rid in out.finished_req_ids:
@@ -130,7 +139,8 @@ class ModelRunner:
                 pooling=PoolingState(pp.pooling_type, pp.normalize) if pp is not None else None,
                 # resumed with outputs: its prompt's logprobs were all sent before
                 prompt_logprobs=(p.prompt_logprobs if pp is None
-                                 and len(new.token_ids) == new.num_prompt_tokens else None))
+                                 and len(new.token_ids) == new.num_prompt_tokens else None),
+                lora_int_id=new.lora_int_id)
             if state.reads_prompt_rows:
                 self._num_reading_prompt_rows += 1
 
@@ -192,14 +202,19 @@ class ModelRunner:
         if self.populator is not None:  # every cache's bytes up to the furthest block written
             max_slot = max(int(m.slot_mapping.max()) for m in metas)
             self.populator.need((max_slot // self.block_size + 1) * self._block_bytes)
+        # the rows of adapters: their slots (None: every row is the base model's)
+        lora = (self.lora.step([s.lora_int_id for s in states], query_lens)
+                if self.lora is not None else None)
         graphs = self.graphs
-        if (graphs is not None and len(metas) == 1 and out.total_num_scheduled_tokens == n
+        if (graphs is not None and lora is None and len(metas) == 1
+                and out.total_num_scheduled_tokens == n
                 and graphs.fits(n, meta.decode_block_tables.shape[1])):
             size, padded = graphs.prepare(meta, input_ids)
             hidden = graphs.run(size, padded, self._forward)[:n]
         else:
             layer_metas = meta if len(metas) == 1 else [metas[g] for g in self.layer_group]
-            hidden = self._forward(torch.tensor(input_ids, dtype=torch.long).to(self.device), layer_metas)
+            hidden = self._forward(torch.tensor(input_ids, dtype=torch.long).to(self.device),
+                                   layer_metas, lora)
 
         result = ModelRunnerOutput()
         if self.pp is not None and not self.pp.is_last:
@@ -322,15 +337,17 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.capture_all(self._forward, self.block_size)
 
-    def _forward(self, input_ids: torch.Tensor, meta) -> torch.Tensor:
-        """`meta`: one AttentionMetadata, or one per layer (its KV cache group's)."""
+    def _forward(self, input_ids: torch.Tensor, meta, lora=None) -> torch.Tensor:
+        """`meta`: one AttentionMetadata, or one per layer (its KV cache group's); `lora`: the
+        step's adapter rows (model/lora.py), if any."""
         positions = (meta[0] if isinstance(meta, list) else meta).positions
         pp = self.pp
+        extra = {} if lora is None else {"lora": lora}
         if pp is None:
-            return self.model(input_ids, positions, self.kv_caches, meta)
+            return self.model(input_ids, positions, self.kv_caches, meta, **extra)
         hidden = (None if pp.is_first else
                   pp.recv_hidden(input_ids.shape[0], self.arch.hidden_size, self.model.dtype))
-        out = self.model(input_ids, positions, self.kv_caches, meta, hidden=hidden)
+        out = self.model(input_ids, positions, self.kv_caches, meta, hidden=hidden, **extra)
         if not pp.is_last:
             pp.send_hidden(out)
         return out

@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import Response
 
 import kvflow
+from kvflow import envs
 from kvflow.config import EngineConfig
 from kvflow.engine.async_engine import AsyncLLM
 from kvflow.engine.core_client import EngineDeadError, EngineStartupError
@@ -32,6 +33,8 @@ from kvflow.entrypoints.openai.serving_responses import responses_router
 from kvflow.entrypoints.openai.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
 from kvflow.entrypoints.openai.server_settings import ServerSettings
 from kvflow.entrypoints.openai.serving_engine import MAX_REQUEST_TOKENS, ShuttingDownError, off_loop
+from kvflow.entrypoints.openai.serving_lora import (LoadLoRAAdapterRequest, LoRAAdapters,
+                                                   UnloadLoRAAdapterRequest)
 from kvflow.entrypoints.openai.serving_ws import WebSocketSession
 from kvflow.sampling_params import check_token_ids
 
@@ -148,8 +151,10 @@ class Gate:
 def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics) -> FastAPI:
     app = FastAPI(title="kvflow", version=kvflow.__version__)
     install_error_handlers(app)
-    completions = OpenAIServingCompletion(engine, settings)
-    chat = OpenAIServingChat(engine, settings)
+    loras = LoRAAdapters(settings.lora_modules, settings.served_model_names,
+                         settings.lora_allowed_root)
+    completions = OpenAIServingCompletion(engine, settings, loras)
+    chat = OpenAIServingChat(engine, settings, loras)
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError):
@@ -194,7 +199,16 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": started, "owned_by": "kvflow",
              "root": engine.model_path, "max_model_len": engine.max_model_len}
-            for name in settings.served_model_names]}
+            for name in settings.served_model_names] + loras.model_cards(started)}
+
+    if envs.KVFLOW_ALLOW_RUNTIME_LORA_UPDATING:  # vLLM's endpoints, off unless asked for
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(req: LoadLoRAAdapterRequest):
+            return Response(await loras.load(engine, req), media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):
+            return Response(await loras.unload(engine, req), media_type="text/plain")
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw: Request):

@@ -34,7 +34,12 @@ class ServerSettings:
         None, "split <think>...</think> into message.reasoning_content: qwen3 (only when the "
         "output begins with <think>) or deepseek_r1 (the output begins in reasoning)",
         choices=("qwen3", "deepseek_r1"))
+    lora_allowed_root: str | None = option(
+        None, "the folder under which POST /v1/load_lora_adapter may load adapters (with "
+        "KVFLOW_ALLOW_RUNTIME_LORA_UPDATING=1; without this option run-time loads are refused)")
     served_model_names: list[str] = field(default_factory=lambda: ["kvflow"])
+    # the adapters given by --lora-modules (name, path), in order; the server adds its own later
+    lora_modules: list[tuple[str, str]] = field(default_factory=list)
     shutting_down: bool = field(default=False)
 
     def __post_init__(self) -> None:
@@ -47,6 +52,10 @@ class ServerSettings:
             raise ValueError(f"engine_stall_timeout must be >= 0, got {self.engine_stall_timeout}")
         if self.api_key is None:
             self.api_key = envs.KVFLOW_API_KEY or None
+        clash = {name for name, _ in self.lora_modules} & set(self.served_model_names)
+        if clash:
+            raise ValueError(f"lora_modules: {', '.join(sorted(clash))} is the base model's served "
+                             f"name; give the adapter another")
 
     @property
     def model_name(self) -> str:

@@ -22,6 +22,7 @@ from kvflow.entrypoints.openai.tool_parsers import (JsonArrayToolParser, NamedTo
                                                     make_tool_parser)
 from kvflow.entrypoints.openai.tool_schema import named_tool_schema, required_tools_schema
 from kvflow.outputs import Logprob
+from kvflow.lora_request import LoRARequest
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -42,6 +43,7 @@ class ChatJob:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     parallel_tool_calls: bool = True
+    lora_request: LoRARequest | None = None  # the adapter `model` named; None: the base model
 
     def message_parser(self) -> MessageParser:
         tools = (make_tool_parser(self.tool_call_parser) if self.tool_mode == "auto" else
@@ -192,7 +194,7 @@ class OpenAIServingChat(OpenAIServing):
         return ("named", named) if named is not None else ("required", None)
 
     async def prepare(self, req: ChatCompletionRequest) -> ChatJob:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs",
                            code="invalid_value")
@@ -218,18 +220,20 @@ class OpenAIServingChat(OpenAIServing):
         self.check_prompt(ids, params)
         self.check_request_tokens(len(ids), params.n)
         self.check_available(params.n)
-        return ChatJob(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.settings.model_name,
+        return ChatJob(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()),
+                       lora.lora_name if lora is not None else self.settings.model_name,
                        prompt, ids, params, req.top_logprobs or 0, req.include_usage,
                        req.priority, req.cache_salt, tool_mode, tool_name,
                        self.settings.tool_call_parser, self.settings.reasoning_parser,
-                       req.parallel_tool_calls)
+                       req.parallel_tool_calls, lora)
 
     async def chunks(self, job: ChatJob) -> AsyncIterator[dict]:
         head = {"id": job.request_id, "object": "chat.completion.chunk", "created": job.created,
                 "model": job.model}
         extra = {"usage": None} if job.include_usage else {}
         gen = self.engine.generate(job.prompt_ids, job.params, job.request_id, prompt=job.prompt,
-                                   priority=job.priority, cache_salt=job.cache_salt)
+                                   priority=job.priority, cache_salt=job.cache_salt,
+                                   lora_request=job.lora_request)
         for i in range(job.params.n):
             yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}], **extra}

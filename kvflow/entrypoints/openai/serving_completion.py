@@ -17,6 +17,7 @@ from kvflow.entrypoints.openai.protocol import CompletionRequest
 from kvflow.entrypoints.openai.serving_engine import (OpenAIServing, merge_streams, off_loop, sse,
                                                       until_disconnected, usage_info)
 from kvflow.engine.detokenizer import decode_token
+from kvflow.lora_request import LoRARequest
 from kvflow.outputs import Logprob
 from kvflow.sampling_params import SamplingParams
 
@@ -34,6 +35,7 @@ class CompletionJob:
     cache_salt: str | None = None
     echo_only: bool = False  # echo with max_tokens=0: the prompt and its logprobs, no output
     prompt_logprobs: bool = False  # the choices carry vLLM's `prompt_logprobs`
+    lora_request: LoRARequest | None = None  # the adapter `model` named; None: the base model
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],
@@ -90,7 +92,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def prepare(self, req: CompletionRequest) -> CompletionJob:
         """Check and tokenize; raises APIError (400/404/503) before anything is streamed. Every
         cap is checked before the work it bounds, and big texts are tokenized off the loop."""
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         # OpenAI's scoring request (echo, max_tokens=0, logprobs=N): the prompt comes back with
         # its logprobs and nothing is generated; the engine samples one token, dropped here
         echo_only = req.echo and req.max_tokens == 0
@@ -119,9 +121,10 @@ class OpenAIServingCompletion(OpenAIServing):
             self.check_prompt(ids, params)
         self.check_request_tokens(sum(len(ids) for _, ids in encoded), params.n)
         self.check_available(len(prompts) * params.n)
-        return CompletionJob(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.settings.model_name,
+        return CompletionJob(f"cmpl-{uuid.uuid4().hex}", int(time.time()),
+                             lora.lora_name if lora is not None else self.settings.model_name,
                              encoded, params, req.echo, req.include_usage, req.priority,
-                             req.cache_salt, echo_only, req.prompt_logprobs is not None)
+                             req.cache_salt, echo_only, req.prompt_logprobs is not None, lora)
 
     @staticmethod
     def _prompts(prompt) -> list[str | list[int]]:
@@ -141,7 +144,8 @@ class OpenAIServingCompletion(OpenAIServing):
     async def chunks(self, job: CompletionJob) -> AsyncIterator[dict]:
         n = job.params.n
         gens = [self.engine.generate(ids, job.params, f"{job.request_id}-{i}", prompt=text,
-                                     priority=job.priority, cache_salt=job.cache_salt)
+                                     priority=job.priority, cache_salt=job.cache_salt,
+                                     lora_request=job.lora_request)
                 for i, (text, ids) in enumerate(job.prompts)]
         echo = [(text if text is not None else self.tokenizer.decode(ids)) if job.echo else ""
                 for text, ids in job.prompts]

@@ -14,6 +14,7 @@ from kvflow.engine.async_engine import AsyncLLM
 from kvflow.engine.core_client import EngineDeadError
 from kvflow.entrypoints.openai.errors import APIError, bad_request, error_body
 from kvflow.entrypoints.openai.server_settings import ServerSettings
+from kvflow.entrypoints.openai.serving_lora import LoRAAdapters
 from kvflow.request import InvalidRequestError, check_request_fits
 from kvflow.sampling_params import SamplingParams, check_token_ids
 from kvflow.structured import validate_structured_outputs
@@ -50,19 +51,20 @@ class ShuttingDownError(RuntimeError):
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, settings: ServerSettings) -> None:
+    def __init__(self, engine: AsyncLLM, settings: ServerSettings,
+                 loras: LoRAAdapters | None = None) -> None:
         self.engine = engine
         self.settings = settings
+        self.loras = loras if loras is not None else LoRAAdapters(
+            settings.lora_modules, settings.served_model_names, settings.lora_allowed_root)
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.settings.served_model_names:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves "
-                                f"{', '.join(repr(m) for m in self.settings.served_model_names)}.",
-                           param="model", code="model_not_found")
+    def check_model(self, model: str | None):
+        """The LoRARequest of the adapter `model` names (None: the base model); 404 otherwise."""
+        return self.loras.resolve(model)
 
     def check_available(self, num_new: int) -> None:
         """503 while shutting down, once the engine died, or past --max-waiting-requests."""
