@@ -23,6 +23,7 @@ from kvflow.model.arch import load_arch_config
 from kvflow.model.executor import Executor, UniProcExecutor
 from kvflow.model import gpu_memory
 from kvflow.model.cuda_graphs import decode_graphs_for
+from kvflow.model.kv_layout import INT8_SCALE_BYTES, resolve_kv_dtype
 from kvflow.model.loader import load_model, resolve_device, resolve_dtype
 from kvflow.model.quant.load import resolve_quantization
 from kvflow.model.sharding import kv_bytes_per_token_per_rank
@@ -53,7 +54,7 @@ class EngineCore(EngineKVTransferMixin):
                              "not verified); drop it or use --device cpu")
         self.dtype = resolve_dtype(mc.dtype, self.device)
         cache_dtype = config.cache_config.cache_dtype
-        self.kv_dtype = self.dtype if cache_dtype == "auto" else resolve_dtype(cache_dtype)
+        self.kv_dtype = self.dtype if cache_dtype == "auto" else resolve_kv_dtype(cache_dtype)
         self.tp_size = config.parallel_config.tensor_parallel_size
         if on_gpu and self.tp_size > 1 and config.cache_config.num_blocks is None:
             # the profile run that sizes the pool by --gpu-memory-utilization is one process's
@@ -73,8 +74,9 @@ class EngineCore(EngineKVTransferMixin):
         self.max_model_len = mc.max_model_len or self.arch.max_position_embeddings
         sc = replace(config.scheduler_config, max_model_len=self.max_model_len)
         # under tensor parallelism each rank holds its KV heads' share of every block
-        self.kv_bytes_per_token = kv_bytes_per_token_per_rank(self.arch, self.tp_size,
-                                                              self.kv_dtype.itemsize)
+        self.kv_bytes_per_token = kv_bytes_per_token_per_rank(
+            self.arch, self.tp_size, self.kv_dtype.itemsize,
+            INT8_SCALE_BYTES if self.kv_dtype == torch.int8 else 0)
         # with sliding windows a block spans one KV cache group's layers, not all of them
         windows = tuple(self.arch.layer_windows())
         group_layers = len(make_kv_cache_groups(windows)[0].layers)
