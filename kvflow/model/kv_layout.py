@@ -124,14 +124,45 @@ def write_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v:
                slots: torch.Tensor) -> None:
     """k/v [T, kv_heads, head_dim] into the flat slots (block * block_size + offset),
     quantized as the cache's dtype says."""
+    (qk, sk), (qv, sv) = _stored(k, k_cache), _stored(v, v_cache)
+    _write_stored(k_cache, v_cache, qk, qv, sk, sv, slots)
+
+
+def _write_stored(k_cache, v_cache, qk, qv, sk, sv, slots) -> None:
     bs, kvh, d = cache_geometry(k_cache)
     blk, at = slots // bs, slots % bs
-    (qk, sk), (qv, sv) = _stored(k, k_cache), _stored(v, v_cache)
     _key_tiles(k_cache)[blk, :, :, at, :] = qk.reshape(-1, kvh, d // 2, 2)
     _value_tiles(v_cache)[blk, :, at // 2, :, at % 2] = qv
     if sk is not None:
         int8_scales(k_cache)[blk, :, at] = sk
         int8_scales(v_cache)[blk, :, at] = sv
+
+
+def read_stored_rows(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K/V rows at the flat slots as stored, [S, kv_heads, head_dim] (a one-byte cache's as
+    uint8, int8's with its 4 scale bytes after each row): moved between caches of different
+    block sizes unchanged, by write_stored_rows."""
+    bs, kvh, d = cache_geometry(k_cache)
+    blk, at = slots // bs, slots % bs
+    k = _key_tiles(k_cache)[blk, :, :, at, :].reshape(-1, kvh, d)
+    v = _value_tiles(v_cache)[blk, :, at // 2, :, at % 2]
+    if k_cache.dtype == torch.int8:
+        k, v = (torch.cat([x, int8_scales(c)[blk, :, at].unsqueeze(-1).view(torch.int8)], -1)
+                for x, c in ((k, k_cache), (v, v_cache)))
+    return k, v
+
+
+def write_stored_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Rows from read_stored_rows into the flat slots of a cache of the same dtype."""
+    d = cache_geometry(k_cache)[2]
+    if k_cache.dtype == torch.int8:
+        sk, sv = (x[..., d:].contiguous().view(torch.float32)[..., 0] for x in (k, v))
+        k, v = k[..., :d], v[..., :d]
+    else:
+        sk = sv = None
+    _write_stored(k_cache, v_cache, k, v, sk, sv, slots)
 
 
 def _dequantized(x: torch.Tensor, scales: torch.Tensor | None, cache: torch.Tensor) -> torch.Tensor:
