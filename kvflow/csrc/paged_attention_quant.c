@@ -26,12 +26,12 @@ enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 
 /* e4m3fn -> fp32, exact (0x7f/0xff are NaN) */
 static inline float fp8_to_float(uint8_t b) {
-    const int e = (b >> 3) & 15, m = b & 7;
-    float v;
-    if (e == 15 && m == 7) v = NAN;
-    else if (e == 0) v = (float)m * 0x1p-9f;
-    else v = ldexpf((float)(8 + m), e - 10);
-    return b & 0x80 ? -v : v;
+    const uint32_t e = (b >> 3) & 15, m = b & 7;
+    union { uint32_t u; float f; } x;
+    if (e == 15 && m == 7) x.f = NAN;
+    else if (e == 0) x.f = (float)m * 0x1p-9f;
+    else x.u = ((e + 120) << 23) | (m << 20);
+    return b & 0x80 ? -x.f : x.f;
 }
 
 /* fp32 -> e4m3fn, rounding to nearest even, saturating at +-448 (as torch's clamp then .to) */
@@ -222,8 +222,64 @@ static inline __m512 pair_sums16(__m512 a, __m512 b) {
     return _mm512_add_ps(_mm512_permutex2var_ps(a, ev, b), _mm512_permutex2var_ps(a, od, b));
 }
 
-/* AVX-512: scores of 16 keys per pass (two loads of 8 keys x 2 dims per dim pair), values 8
- * dims x 2 keys per load, by the broadcast pair of weights. */
+/* AVX-512, for GN (a literal, <= 4) query heads h0.. of kv head kh: each tile is widened once
+ * for all of them. Scores of 16 keys per pass (two loads of 8 keys x 2 dims per dim pair);
+ * values 8 dims x 2 keys per load, by each head's broadcast pair of weights. */
+static inline __attribute__((always_inline)) void scores16_group(
+        const q8_geom *g, const float *q, const uint8_t *k, int64_t n, const float *ks,
+        float *scores, int64_t Ls, int64_t b0, int64_t h0, const int GN) {
+    const int64_t D = g->D, bs = g->bs;
+    const int kind = g->kind;
+    for (int64_t t = 0; t < n; t += 16) {
+        __m512 lo[4], hi[4];
+        for (int i = 0; i < GN; i++) lo[i] = hi[i] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < D / 2; c++) {
+            const uint8_t *kc = k + (c * bs + t) * 2;
+            const __m512 x0 = widen16_q8(kc, kind), x1 = widen16_q8(kc + 16, kind);
+            for (int i = 0; i < GN; i++) {
+                const __m512 qq = _mm512_castpd_ps(_mm512_broadcastsd_pd(
+                    _mm_load_sd((const double *)(q + (h0 + i) * D + 2 * c))));
+                lo[i] = _mm512_fmadd_ps(qq, x0, lo[i]);
+                hi[i] = _mm512_fmadd_ps(qq, x1, hi[i]);
+            }
+        }
+        const __mmask16 live = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
+        for (int i = 0; i < GN; i++)
+            _mm512_mask_storeu_ps(scores + (h0 + i) * Ls + b0 + t, live,
+                                  _mm512_mul_ps(pair_sums16(lo[i], hi[i]), _mm512_loadu_ps(ks + t)));
+    }
+}
+
+static inline __attribute__((always_inline)) void values16_group(
+        const q8_geom *g, const uint8_t *v, int64_t n, const float *w, int64_t wstride,
+        float *out, int64_t h0, const int GN) {
+    const int64_t D = g->D;
+    const int kind = g->kind;
+    const __mmask16 even = 0x5555;
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        __m512 a0[4], a1[4];
+        for (int i = 0; i < GN; i++) a0[i] = a1[i] = _mm512_setzero_ps();
+        for (int64_t j = 0; 2 * j < n; j++) {
+            const uint8_t *vj = v + (j * D + d0) * 2;
+            __m512 x0 = widen16_q8(vj, kind), x1 = widen16_q8(vj + 16, kind);
+            if (2 * j + 1 == n) { /* no key past n */
+                x0 = _mm512_maskz_mov_ps(even, x0);
+                x1 = _mm512_maskz_mov_ps(even, x1);
+            }
+            for (int i = 0; i < GN; i++) {
+                const __m512 ww = _mm512_castpd_ps(_mm512_broadcastsd_pd(
+                    _mm_load_sd((const double *)(w + i * wstride + 2 * j))));
+                a0[i] = _mm512_fmadd_ps(ww, x0, a0[i]);
+                a1[i] = _mm512_fmadd_ps(ww, x1, a1[i]);
+            }
+        }
+        for (int i = 0; i < GN; i++) {
+            float *o = out + (h0 + i) * D + d0;
+            _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), pair_sums16(a0[i], a1[i])));
+        }
+    }
+}
+
 static void row_avx512(const q8_geom *g, const float *q, const int64_t *table, int64_t L,
                        int64_t skip, float scale, float *scores, int64_t Ls, float *out) {
     const int64_t G = g->H / g->KVH, D = g->D, bs = g->bs, nb = (L + bs - 1) / bs;
@@ -239,23 +295,12 @@ static void row_avx512(const q8_geom *g, const float *q, const int64_t *table, i
             float ks[bs];
             for (int64_t t = 0; t < bs; t++)
                 ks[t] = scale * unit * (kind == KV_FP8 ? g->k_scale : tile_scales(k, bs, D)[t]);
-            for (int64_t gi = 0; gi < G; gi++) {
-                const float *qh = q + (kh * G + gi) * D;
-                float *sh = scores + (kh * G + gi) * Ls + b0;
-                for (int64_t t = 0; t < n; t += 16) {
-                    __m512 lo0 = _mm512_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0;
-                    for (int64_t c = 0; c < D / 2; c += 2) {
-                        const __m512 q0 = _mm512_castpd_ps(_mm512_broadcastsd_pd(_mm_load_sd((const double *)(qh + 2 * c))));
-                        const __m512 q1 = _mm512_castpd_ps(_mm512_broadcastsd_pd(_mm_load_sd((const double *)(qh + 2 * c + 2))));
-                        const uint8_t *k0 = k + (c * bs + t) * 2, *k1 = k + ((c + 1) * bs + t) * 2;
-                        lo0 = _mm512_fmadd_ps(q0, widen16_q8(k0, kind), lo0);
-                        hi0 = _mm512_fmadd_ps(q0, widen16_q8(k0 + 16, kind), hi0);
-                        lo1 = _mm512_fmadd_ps(q1, widen16_q8(k1, kind), lo1);
-                        hi1 = _mm512_fmadd_ps(q1, widen16_q8(k1 + 16, kind), hi1);
-                    }
-                    const __mmask16 live = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
-                    _mm512_mask_storeu_ps(sh + t, live, _mm512_mul_ps(
-                        pair_sums16(_mm512_add_ps(lo0, lo1), _mm512_add_ps(hi0, hi1)), _mm512_loadu_ps(ks + t)));
+            for (int64_t h0 = kh * G; h0 < (kh + 1) * G; h0 += 4) {
+                switch ((kh + 1) * G - h0 < 4 ? (kh + 1) * G - h0 : 4) {
+                case 1: scores16_group(g, q, k, n, ks, scores, Ls, b0, h0, 1); break;
+                case 2: scores16_group(g, q, k, n, ks, scores, Ls, b0, h0, 2); break;
+                case 3: scores16_group(g, q, k, n, ks, scores, Ls, b0, h0, 3); break;
+                default: scores16_group(g, q, k, n, ks, scores, Ls, b0, h0, 4); break;
                 }
             }
         }
@@ -266,7 +311,6 @@ static void row_avx512(const q8_geom *g, const float *q, const int64_t *table, i
     for (int64_t h = 0; h < g->H; h++)
         inv_sum[h] = softmax_unnormalised(scores + h * Ls, L) * unit * (kind == KV_FP8 ? g->v_scale : 1.f);
     memset(out, 0, sizeof(float) * (size_t)(g->H * D));
-    const __mmask16 even = 0x5555;
     for (int64_t b = 0; b < nb; b++) {
         const int64_t b0 = b * bs, n = L - b0 < bs ? L - b0 : bs;
         for (int64_t kh = 0; kh < g->KVH; kh++) {
@@ -274,24 +318,16 @@ static void row_avx512(const q8_geom *g, const float *q, const int64_t *table, i
             if (b + 1 < nb)
                 for (int64_t i = 0; i < g->tile; i += 64)
                     __builtin_prefetch(g->v_cache + (table[b + 1] * g->KVH + kh) * g->tile + i, 0, 2);
-            for (int64_t gi = 0; gi < G; gi++) {
-                float w[bs];
-                block_weights(g, scores + (kh * G + gi) * Ls + b0, v, n, w);
-                float *o = out + (kh * G + gi) * D;
-                for (int64_t d0 = 0; d0 < D; d0 += 16) {
-                    __m512 a0 = _mm512_setzero_ps(), a1 = a0;
-                    for (int64_t j = 0; 2 * j < n; j++) {
-                        const __m512 ww = _mm512_castpd_ps(_mm512_broadcastsd_pd(_mm_load_sd((const double *)(w + 2 * j))));
-                        const uint8_t *vj = v + (j * D + d0) * 2;
-                        __m512 x0 = widen16_q8(vj, kind), x1 = widen16_q8(vj + 16, kind);
-                        if (2 * j + 1 == n) { /* no key past n */
-                            x0 = _mm512_maskz_mov_ps(even, x0);
-                            x1 = _mm512_maskz_mov_ps(even, x1);
-                        }
-                        a0 = _mm512_fmadd_ps(ww, x0, a0);
-                        a1 = _mm512_fmadd_ps(ww, x1, a1);
-                    }
-                    _mm512_storeu_ps(o + d0, _mm512_add_ps(_mm512_loadu_ps(o + d0), pair_sums16(a0, a1)));
+            for (int64_t h0 = kh * G; h0 < (kh + 1) * G; h0 += 4) {
+                const int64_t gn = (kh + 1) * G - h0 < 4 ? (kh + 1) * G - h0 : 4;
+                float w[4 * bs];
+                for (int64_t i = 0; i < gn; i++)
+                    block_weights(g, scores + (h0 + i) * Ls + b0, v, n, w + i * bs);
+                switch (gn) {
+                case 1: values16_group(g, v, n, w, bs, out, h0, 1); break;
+                case 2: values16_group(g, v, n, w, bs, out, h0, 2); break;
+                case 3: values16_group(g, v, n, w, bs, out, h0, 3); break;
+                default: values16_group(g, v, n, w, bs, out, h0, 4); break;
                 }
             }
         }
