@@ -124,78 +124,121 @@ static inline __m256 pair_sums8_q8(__m256 a, __m256 b) {
     return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(h), 0xD8));
 }
 
-/* AVX2: scores of 8 keys per pass (two loads of 4 keys x 2 dims per dim pair), values 4 dims x
- * 2 keys per load, by the broadcast pair of weights. */
-static void row_avx2(const q8_geom *g, const float *q, const int64_t *table, int64_t L,
-                     int64_t skip, float scale, float *scores, int64_t Ls, float *out) {
-    const int64_t G = g->H / g->KVH, D = g->D, bs = g->bs, nb = (L + bs - 1) / bs;
+/* AVX2, for GN (a literal, <= 4) query heads h0.. of one kv head: each tile is widened once for
+ * all of them. Scores of 8 keys per pass (two loads of 4 keys x 2 dims per dim pair); values 4
+ * dims x 2 keys per load, by each head's broadcast pair of weights. */
+static inline __attribute__((always_inline)) void scores8_group(
+        const q8_geom *g, const float *q, const uint8_t *k, int64_t n, const float *ks,
+        float *scores, int64_t Ls, int64_t b0, int64_t h0, const int GN) {
+    const int64_t D = g->D, bs = g->bs;
     const int kind = g->kind;
-    const float unit = kind == KV_FP8 ? 256.f : 1.f; /* widen8_q8's fp8 is value / 256 */
-    for (int64_t b = 0; b < nb; b++) {
-        const int64_t b0 = b * bs, n = L - b0 < bs ? L - b0 : bs;
-        for (int64_t kh = 0; kh < g->KVH; kh++) {
-            const uint8_t *k = g->k_cache + (table[b] * g->KVH + kh) * g->tile;
-            float ks[bs];
-            for (int64_t t = 0; t < bs; t++)
-                ks[t] = scale * unit * (kind == KV_FP8 ? g->k_scale : tile_scales(k, bs, D)[t]);
-            for (int64_t gi = 0; gi < G; gi++) {
-                const float *qh = q + (kh * G + gi) * D;
-                float *sh = scores + (kh * G + gi) * Ls + b0;
-                for (int64_t t = 0; t < n; t += 8) {
-                    __m256 lo0 = _mm256_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0;
-                    for (int64_t c = 0; c < D / 2; c += 2) {
-                        const __m256 q0 = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(qh + 2 * c)));
-                        const __m256 q1 = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(qh + 2 * c + 2)));
-                        const uint8_t *k0 = k + (c * bs + t) * 2, *k1 = k + ((c + 1) * bs + t) * 2;
-                        lo0 = _mm256_fmadd_ps(q0, widen8_q8(k0, kind), lo0);
-                        hi0 = _mm256_fmadd_ps(q0, widen8_q8(k0 + 8, kind), hi0);
-                        lo1 = _mm256_fmadd_ps(q1, widen8_q8(k1, kind), lo1);
-                        hi1 = _mm256_fmadd_ps(q1, widen8_q8(k1 + 8, kind), hi1);
-                    }
-                    const __m256 s = _mm256_mul_ps(pair_sums8_q8(_mm256_add_ps(lo0, lo1), _mm256_add_ps(hi0, hi1)),
-                                                   _mm256_loadu_ps(ks + t));
-                    float tmp[8];
-                    _mm256_storeu_ps(tmp, s);
-                    memcpy(sh + t, tmp, sizeof(float) * (size_t)(n - t < 8 ? n - t : 8));
-                }
+    for (int64_t t = 0; t < n; t += 8) {
+        __m256 lo[4], hi[4];
+        for (int i = 0; i < GN; i++) lo[i] = hi[i] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < D / 2; c++) {
+            const uint8_t *kc = k + (c * bs + t) * 2;
+            const __m256 x0 = widen8_q8(kc, kind), x1 = widen8_q8(kc + 8, kind);
+            for (int i = 0; i < GN; i++) {
+                const __m256 qq = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(q + (h0 + i) * D + 2 * c)));
+                lo[i] = _mm256_fmadd_ps(qq, x0, lo[i]);
+                hi[i] = _mm256_fmadd_ps(qq, x1, hi[i]);
             }
         }
-    }
-    for (int64_t h = 0; h < g->H; h++)
-        for (int64_t t = 0; t < skip; t++) scores[h * Ls + t] = -INFINITY;
-    float inv_sum[g->H];
-    for (int64_t h = 0; h < g->H; h++)
-        inv_sum[h] = softmax_unnormalised(scores + h * Ls, L) * unit * (kind == KV_FP8 ? g->v_scale : 1.f);
-    memset(out, 0, sizeof(float) * (size_t)(g->H * D));
-    const __m256 even = _mm256_castsi256_ps(_mm256_set1_epi64x(0xFFFFFFFF));
-    for (int64_t b = 0; b < nb; b++) {
-        const int64_t b0 = b * bs, n = L - b0 < bs ? L - b0 : bs;
-        for (int64_t kh = 0; kh < g->KVH; kh++) {
-            const uint8_t *v = g->v_cache + (table[b] * g->KVH + kh) * g->tile;
-            for (int64_t gi = 0; gi < G; gi++) {
-                float w[bs];
-                block_weights(g, scores + (kh * G + gi) * Ls + b0, v, n, w);
-                float *o = out + (kh * G + gi) * D;
-                for (int64_t d0 = 0; d0 < D; d0 += 16) {
-                    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-                    for (int64_t j = 0; 2 * j < n; j++) {
-                        const __m256 ww = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(w + 2 * j)));
-                        const uint8_t *vj = v + (j * D + d0) * 2;
-                        for (int i = 0; i < 4; i++) {
-                            __m256 x = widen8_q8(vj + 8 * i, kind);
-                            if (2 * j + 1 == n) x = _mm256_and_ps(x, even); /* no key past n */
-                            acc[i] = _mm256_fmadd_ps(ww, x, acc[i]);
-                        }
-                    }
-                    _mm256_storeu_ps(o + d0, _mm256_add_ps(_mm256_loadu_ps(o + d0), pair_sums8_q8(acc[0], acc[1])));
-                    _mm256_storeu_ps(o + d0 + 8, _mm256_add_ps(_mm256_loadu_ps(o + d0 + 8), pair_sums8_q8(acc[2], acc[3])));
-                }
-            }
+        for (int i = 0; i < GN; i++) {
+            float tmp[8];
+            _mm256_storeu_ps(tmp, _mm256_mul_ps(pair_sums8_q8(lo[i], hi[i]), _mm256_loadu_ps(ks + t)));
+            memcpy(scores + (h0 + i) * Ls + b0 + t, tmp, sizeof(float) * (size_t)(n - t < 8 ? n - t : 8));
         }
     }
-    for (int64_t h = 0; h < g->H; h++)
-        for (int64_t d = 0; d < D; d++) out[h * D + d] *= inv_sum[h];
 }
+
+static inline __attribute__((always_inline)) void values8_group(
+        const q8_geom *g, const uint8_t *v, int64_t n, const float *w, int64_t wstride,
+        float *out, int64_t h0, const int GN) {
+    const int64_t D = g->D;
+    const int kind = g->kind;
+    const __m256 even = _mm256_castsi256_ps(_mm256_set1_epi64x(0xFFFFFFFF));
+    for (int64_t d0 = 0; d0 < D; d0 += 8) {
+        __m256 a0[4], a1[4];
+        for (int i = 0; i < GN; i++) a0[i] = a1[i] = _mm256_setzero_ps();
+        for (int64_t j = 0; 2 * j < n; j++) {
+            const uint8_t *vj = v + (j * D + d0) * 2;
+            __m256 x0 = widen8_q8(vj, kind), x1 = widen8_q8(vj + 8, kind);
+            if (2 * j + 1 == n) { /* no key past n */
+                x0 = _mm256_and_ps(x0, even);
+                x1 = _mm256_and_ps(x1, even);
+            }
+            for (int i = 0; i < GN; i++) {
+                const __m256 ww = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(w + i * wstride + 2 * j)));
+                a0[i] = _mm256_fmadd_ps(ww, x0, a0[i]);
+                a1[i] = _mm256_fmadd_ps(ww, x1, a1[i]);
+            }
+        }
+        for (int i = 0; i < GN; i++) {
+            float *o = out + (h0 + i) * D + d0;
+            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), pair_sums8_q8(a0[i], a1[i])));
+        }
+    }
+}
+
+/* The row over GN-head groups (AVX2 or AVX-512: SCORES and VALUES are its group functions). */
+#define DEFINE_GROUPED_ROW(NAME, SCORES, VALUES)                                               \
+static void NAME(const q8_geom *g, const float *q, const int64_t *table, int64_t L,            \
+                 int64_t skip, float scale, float *scores, int64_t Ls, float *out) {           \
+    const int64_t G = g->H / g->KVH, D = g->D, bs = g->bs, nb = (L + bs - 1) / bs;            \
+    const int kind = g->kind;                                                                  \
+    const float unit = kind == KV_FP8 ? 256.f : 1.f; /* the widened fp8 is value / 256 */     \
+    for (int64_t b = 0; b < nb; b++) {                                                         \
+        const int64_t b0 = b * bs, n = L - b0 < bs ? L - b0 : bs;                              \
+        for (int64_t kh = 0; kh < g->KVH; kh++) {                                              \
+            const uint8_t *k = g->k_cache + (table[b] * g->KVH + kh) * g->tile;                \
+            if (b + 1 < nb) /* the next block's key tile, while this one is read */            \
+                for (int64_t i = 0; i < g->tile; i += 64)                                      \
+                    __builtin_prefetch(g->k_cache + (table[b + 1] * g->KVH + kh) * g->tile + i, 0, 2); \
+            float ks[bs];                                                                      \
+            for (int64_t t = 0; t < bs; t++)                                                   \
+                ks[t] = scale * unit * (kind == KV_FP8 ? g->k_scale : tile_scales(k, bs, D)[t]); \
+            for (int64_t h0 = kh * G; h0 < (kh + 1) * G; h0 += 4) {                            \
+                switch ((kh + 1) * G - h0 < 4 ? (kh + 1) * G - h0 : 4) {                       \
+                case 1: SCORES(g, q, k, n, ks, scores, Ls, b0, h0, 1); break;                  \
+                case 2: SCORES(g, q, k, n, ks, scores, Ls, b0, h0, 2); break;                  \
+                case 3: SCORES(g, q, k, n, ks, scores, Ls, b0, h0, 3); break;                  \
+                default: SCORES(g, q, k, n, ks, scores, Ls, b0, h0, 4); break;                 \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+    for (int64_t h = 0; h < g->H; h++)                                                         \
+        for (int64_t t = 0; t < skip; t++) scores[h * Ls + t] = -INFINITY;                     \
+    float inv_sum[g->H];                                                                       \
+    for (int64_t h = 0; h < g->H; h++)                                                         \
+        inv_sum[h] = softmax_unnormalised(scores + h * Ls, L) * unit * (kind == KV_FP8 ? g->v_scale : 1.f); \
+    memset(out, 0, sizeof(float) * (size_t)(g->H * D));                                       \
+    for (int64_t b = 0; b < nb; b++) {                                                         \
+        const int64_t b0 = b * bs, n = L - b0 < bs ? L - b0 : bs;                              \
+        for (int64_t kh = 0; kh < g->KVH; kh++) {                                              \
+            const uint8_t *v = g->v_cache + (table[b] * g->KVH + kh) * g->tile;                \
+            if (b + 1 < nb)                                                                    \
+                for (int64_t i = 0; i < g->tile; i += 64)                                      \
+                    __builtin_prefetch(g->v_cache + (table[b + 1] * g->KVH + kh) * g->tile + i, 0, 2); \
+            for (int64_t h0 = kh * G; h0 < (kh + 1) * G; h0 += 4) {                            \
+                const int64_t gn = (kh + 1) * G - h0 < 4 ? (kh + 1) * G - h0 : 4;              \
+                float w[4 * bs];                                                               \
+                for (int64_t i = 0; i < gn; i++)                                               \
+                    block_weights(g, scores + (h0 + i) * Ls + b0, v, n, w + i * bs);           \
+                switch (gn) {                                                                  \
+                case 1: VALUES(g, v, n, w, bs, out, h0, 1); break;                             \
+                case 2: VALUES(g, v, n, w, bs, out, h0, 2); break;                             \
+                case 3: VALUES(g, v, n, w, bs, out, h0, 3); break;                             \
+                default: VALUES(g, v, n, w, bs, out, h0, 4); break;                            \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+    for (int64_t h = 0; h < g->H; h++)                                                         \
+        for (int64_t d = 0; d < D; d++) out[h * D + d] *= inv_sum[h];                          \
+}
+DEFINE_GROUPED_ROW(row_avx2, scores8_group, values8_group)
 #define AVX2_Q8_SHAPE(D, bs) ((D) % 16 == 0 && (bs) % 8 == 0)
 #else
 #define HAVE_AVX2_Q8 0
@@ -222,8 +265,7 @@ static inline __m512 pair_sums16(__m512 a, __m512 b) {
     return _mm512_add_ps(_mm512_permutex2var_ps(a, ev, b), _mm512_permutex2var_ps(a, od, b));
 }
 
-/* AVX-512, for GN (a literal, <= 4) query heads h0.. of kv head kh: each tile is widened once
- * for all of them. Scores of 16 keys per pass (two loads of 8 keys x 2 dims per dim pair);
+/* AVX-512, likewise for GN (a literal, <= 4) query heads h0... Scores of 16 keys per pass (two loads of 8 keys x 2 dims per dim pair);
  * values 8 dims x 2 keys per load, by each head's broadcast pair of weights. */
 static inline __attribute__((always_inline)) void scores16_group(
         const q8_geom *g, const float *q, const uint8_t *k, int64_t n, const float *ks,
@@ -280,61 +322,7 @@ static inline __attribute__((always_inline)) void values16_group(
     }
 }
 
-static void row_avx512(const q8_geom *g, const float *q, const int64_t *table, int64_t L,
-                       int64_t skip, float scale, float *scores, int64_t Ls, float *out) {
-    const int64_t G = g->H / g->KVH, D = g->D, bs = g->bs, nb = (L + bs - 1) / bs;
-    const int kind = g->kind;
-    const float unit = kind == KV_FP8 ? 256.f : 1.f;
-    for (int64_t b = 0; b < nb; b++) {
-        const int64_t b0 = b * bs, n = L - b0 < bs ? L - b0 : bs;
-        for (int64_t kh = 0; kh < g->KVH; kh++) {
-            const uint8_t *k = g->k_cache + (table[b] * g->KVH + kh) * g->tile;
-            if (b + 1 < nb) /* the next block's key tile, while this one is read */
-                for (int64_t i = 0; i < g->tile; i += 64)
-                    __builtin_prefetch(g->k_cache + (table[b + 1] * g->KVH + kh) * g->tile + i, 0, 2);
-            float ks[bs];
-            for (int64_t t = 0; t < bs; t++)
-                ks[t] = scale * unit * (kind == KV_FP8 ? g->k_scale : tile_scales(k, bs, D)[t]);
-            for (int64_t h0 = kh * G; h0 < (kh + 1) * G; h0 += 4) {
-                switch ((kh + 1) * G - h0 < 4 ? (kh + 1) * G - h0 : 4) {
-                case 1: scores16_group(g, q, k, n, ks, scores, Ls, b0, h0, 1); break;
-                case 2: scores16_group(g, q, k, n, ks, scores, Ls, b0, h0, 2); break;
-                case 3: scores16_group(g, q, k, n, ks, scores, Ls, b0, h0, 3); break;
-                default: scores16_group(g, q, k, n, ks, scores, Ls, b0, h0, 4); break;
-                }
-            }
-        }
-    }
-    for (int64_t h = 0; h < g->H; h++)
-        for (int64_t t = 0; t < skip; t++) scores[h * Ls + t] = -INFINITY;
-    float inv_sum[g->H];
-    for (int64_t h = 0; h < g->H; h++)
-        inv_sum[h] = softmax_unnormalised(scores + h * Ls, L) * unit * (kind == KV_FP8 ? g->v_scale : 1.f);
-    memset(out, 0, sizeof(float) * (size_t)(g->H * D));
-    for (int64_t b = 0; b < nb; b++) {
-        const int64_t b0 = b * bs, n = L - b0 < bs ? L - b0 : bs;
-        for (int64_t kh = 0; kh < g->KVH; kh++) {
-            const uint8_t *v = g->v_cache + (table[b] * g->KVH + kh) * g->tile;
-            if (b + 1 < nb)
-                for (int64_t i = 0; i < g->tile; i += 64)
-                    __builtin_prefetch(g->v_cache + (table[b + 1] * g->KVH + kh) * g->tile + i, 0, 2);
-            for (int64_t h0 = kh * G; h0 < (kh + 1) * G; h0 += 4) {
-                const int64_t gn = (kh + 1) * G - h0 < 4 ? (kh + 1) * G - h0 : 4;
-                float w[4 * bs];
-                for (int64_t i = 0; i < gn; i++)
-                    block_weights(g, scores + (h0 + i) * Ls + b0, v, n, w + i * bs);
-                switch (gn) {
-                case 1: values16_group(g, v, n, w, bs, out, h0, 1); break;
-                case 2: values16_group(g, v, n, w, bs, out, h0, 2); break;
-                case 3: values16_group(g, v, n, w, bs, out, h0, 3); break;
-                default: values16_group(g, v, n, w, bs, out, h0, 4); break;
-                }
-            }
-        }
-    }
-    for (int64_t h = 0; h < g->H; h++)
-        for (int64_t d = 0; d < D; d++) out[h * D + d] *= inv_sum[h];
-}
+DEFINE_GROUPED_ROW(row_avx512, scores16_group, values16_group)
 #define AVX512_Q8_SHAPE(D, bs) ((D) % 16 == 0 && (bs) % 16 == 0)
 #else
 #define HAVE_AVX512_Q8 0
@@ -352,6 +340,7 @@ typedef void q8_row_fn(const q8_geom *, const float *, const int64_t *, int64_t,
 
 /* The widest of the paths up to `isa` that was built and takes this shape. */
 static q8_row_fn *pick_q8_row(int64_t isa, int64_t D, int64_t bs) {
+    (void)D, (void)bs; /* unused where no vector path was built */
     if (isa >= ISA_AVX512 && HAVE_AVX512_Q8 && AVX512_Q8_SHAPE(D, bs)) return row_avx512;
     if (isa >= ISA_AVX2 && HAVE_AVX2_Q8 && AVX2_Q8_SHAPE(D, bs)) return row_avx2;
     return row_scalar;
