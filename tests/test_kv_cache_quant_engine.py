@@ -55,3 +55,23 @@ def test_one_byte_cache_holds_twice_the_tokens_and_agrees_with_bf16(bf16, kv_cac
     # a repeated prompt is served from its cached quantized blocks with the same tokens
     again = _next_tokens(llm, histories[-3:])
     assert again == got[-3:]
+
+
+def test_hybrid_sliding_window_model_on_an_int8_cache(tmp_path):
+    """Gemma 3's local/global layers (two KV cache groups, windows) on an int8 cache: the same
+    greedy tokens as on a float32 cache, for a tiny random model."""
+    from conftest_model_helpers import save_byte_tokenizer
+    from window_model_helpers import save_tiny_gemma3
+
+    path = str(tmp_path)
+    save_tiny_gemma3(path)
+    save_byte_tokenizer(path)
+    prompts = [[5 + (i * 37 + n) % 290 for i in range(n)] for n in (9, 21, 40)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for cache in ("float32", "int8"):
+        llm = LLM(path, dtype="float32", kv_cache_dtype=cache, max_model_len=128, num_blocks=64,
+                  block_size=4, max_num_batched_tokens=16, warmup=False)
+        outs[cache] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    same = sum(a == b for x, y in zip(outs["float32"], outs["int8"]) for a, b in zip(x, y))
+    assert same >= 0.9 * 16 * len(prompts), outs
