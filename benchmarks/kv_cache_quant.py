@@ -74,12 +74,15 @@ def accuracy(threads: int) -> list[dict]:
         return torch.cat(rows)
 
     ref = logits("bfloat16")
+    ref32 = logits("float32")
     out = []
     for cache in ("float32", "fp8", "int8"):
+        got = logits(cache) if cache != "float32" else ref32  # chooses model.kernels for it
+        model.kernels = base.with_kv_dtype(resolve_kv_dtype({"fp8": "fp8_e4m3"}.get(cache, cache)))
+        vs32 = compare(ref32, got)
         out.append({"cache": cache, "model_dtype": str(model.dtype).removeprefix("torch."),
-                    "attention": model.kernels.names["attention"] if cache != "float32"
-                    else base.with_kv_dtype(torch.float32).names["attention"],
-                    **compare(ref, logits(cache))})
+                    "attention": model.kernels.names["attention"], **compare(ref, got),
+                    "vs_float32_cache": {k: vs32[k] for k in ("agreement", "mean_kl", "p99_kl")}})
     return out
 
 
@@ -183,19 +186,23 @@ def kernel_times(reps: int, batch: int = 32, context: int = 340, layers: int = 3
 def report(res: dict) -> str:
     lines = [f"# One-byte KV caches (fp8, int8) against bf16", "",
              f"CPU: {res['cpu']} ({res['cores']} cores visible, **shared machine**: other jobs "
-             f"ran beside it; timings are medians of alternating runs), {res['date']}, "
-             f"`{res['command']}`.", ""]
+             f"ran beside it; timings are medians of alternating runs), {res['date']}; "
+             + "; ".join(f"`{c}`" for c in res["commands"]) + ".", ""]
     if res.get("accuracy"):
         a = res["accuracy"]
         lines += ["## Accuracy against the bf16 cache",
                   "", f"Corpus benchmarks/data/quant_corpus.txt, windows of 512 (every position "
                   f"scored, {a[0]['positions']} positions); default model (Q4_1 GGUF), "
                   f"{a[0]['model_dtype']} activations; the reference is the same model on a bf16 "
-                  "cache.", "",
-                  "| cache | attention | next-token agreement | mean KL | p99 KL |", "|---|---|---|---|---|"]
+                  "cache (what `auto` is here); the last three columns take the float32 cache "
+                  "as the reference instead (the cache's numerics alone).", "",
+                  "| cache | attention | agreement vs bf16 | mean KL | p99 KL | agreement vs fp32 cache | mean KL | p99 KL |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in a:
+            f = r["vs_float32_cache"]
             lines.append(f"| {r['cache']} | {r['attention']} | {r['agreement'] * 100:.1f}% | "
-                         f"{r['mean_kl']:.4f} | {r['p99_kl']:.3f} |")
+                         f"{r['mean_kl']:.4f} | {r['p99_kl']:.3f} | {f['agreement'] * 100:.1f}% | "
+                         f"{f['mean_kl']:.4f} | {f['p99_kl']:.3f} |")
         lines.append("")
     if res.get("serving"):
         s = res["serving"]
@@ -233,9 +240,14 @@ def main() -> int:
     p.add_argument("--skip", nargs="*", default=[], choices=["accuracy", "serving", "kernel"])
     p.add_argument("--out", default=os.path.join(HERE, "results", "kv_cache_quant"))
     a = p.parse_args()
-    res = {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": a.threads,
-           "date": time.strftime("%Y-%m-%d", time.gmtime()),
-           "command": "python benchmarks/kv_cache_quant.py " + " ".join(sys.argv[1:])}
+    res = {}
+    if a.skip and os.path.exists(a.out + ".json"):  # a skipped part keeps its last results
+        with open(a.out + ".json") as f:
+            res = {k: v for k, v in json.load(f).items() if k in a.skip or k == "commands"}
+    commands = res.get("commands", [])
+    res.update({"cpu": cpu_name(), "cores": os.cpu_count(), "threads": a.threads,
+                "date": time.strftime("%Y-%m-%d", time.gmtime()),
+                "commands": commands + ["python benchmarks/kv_cache_quant.py " + " ".join(sys.argv[1:])]})
     if "accuracy" not in a.skip:
         res["accuracy"] = accuracy(a.threads)
         print(json.dumps(res["accuracy"], indent=1), flush=True)
