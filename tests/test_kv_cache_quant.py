@@ -293,3 +293,25 @@ def test_transfer_moves_quantized_blocks_with_their_scales(dtype):
         got = read_stored_rows(dk, dv, slots)
         assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
         assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", ONE_BYTE)
+@pytest.mark.parametrize("head_dim", [64, 24])  # 24: prompts through SDPA, decodes scalar
+def test_mixed_step_through_the_kernels_matches_the_torch_path(dtype, head_dim):
+    """A step with a prompt, a chunk of one and decodes: the C path (prompt tokens as rows of
+    the one-byte decode kernel) gives what the PyTorch path (SDPA over dequantized rows, as
+    KVFLOW_NO_KERNELS=1 runs) gives."""
+    bs, kvh, heads = 16, 2, 6
+    query_lens, seq_lens = np.array([20, 7, 1, 1]), np.array([20, 40, 9, 33])
+    tables = [[0, 1], [2, 3, 4], [5], [6, 7, 8]]
+    kc, vc = (torch.zeros(cache_shape(9, bs, kvh, head_dim, dtype), dtype=dtype) for _ in range(2))
+    meta = A.build_attention_metadata(query_lens, seq_lens, tables, bs)
+    ctx = torch.tensor([t[i // bs] * bs + i % bs for t, n, q in zip(tables, seq_lens, query_lens)
+                        for i in range(int(n - q))])
+    write_rows(kc, vc, torch.randn(len(ctx), kvh, head_dim), torch.randn(len(ctx), kvh, head_dim), ctx)
+    k, v = torch.randn(29, kvh, head_dim), torch.randn(29, kvh, head_dim)
+    A.write_kv_with_kernel(kc, vc, k, v, meta.slot_mapping)
+    q = torch.randn(29, heads, head_dim)
+    got = A.attention_with_kernels(q, kc, vc, meta, 0.125, kvh, k, v, prompt_kernel=True)
+    want = A.attention_with_sdpa(q, kc, vc, meta, 0.125, kvh)  # every key from the cache
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)

@@ -383,6 +383,8 @@ def attention_with_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
     gqa = num_heads != num_kv_heads
+    if k_cache.dtype in Q8_KINDS:  # every key as stored, the kernels' numbers on every path
+        k = v = None
     if meta.num_decodes and not (decode_kernel and _decode_with_kernel(q, k_cache, v_cache, meta, scale, out)):
         _decode_with_torch(q, k_cache, v_cache, meta, scale, out)
 
