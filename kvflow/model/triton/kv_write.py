@@ -25,10 +25,13 @@ def _store_kv(cache, scales, x, tiles, offset, at, mask, row_ok, KV_KIND: tl.con
     else:
         x = tl.where(mask, x.to(tl.float32), 0.0)
         amax = tl.max(tl.abs(x), axis=1)  # [H]
-        inv = tl.where(amax > 0.0, 127.0 / tl.where(amax > 0.0, amax, 1.0), 0.0)
+        # true divisions (IEEE, nearest), as the CPU's: a GPU's `/` may be approximate
+        full = tl.zeros_like(amax) + 127.0
+        inv = tl.where(amax > 0.0, tl.math.div_rn(full, tl.where(amax > 0.0, amax, 1.0)), 0.0)
         q = tl.minimum(tl.maximum(round_even(x * inv[:, None]), -127.0), 127.0)
         tl.store(cache + base + offset, q.to(tl.int8), mask=mask)
-        tl.store(scales + (tiles + BLOCK_SIZE * HEAD_DIM) // 4 + at, amax / 127.0, mask=row_ok)
+        tl.store(scales + (tiles + BLOCK_SIZE * HEAD_DIM) // 4 + at, tl.math.div_rn(amax, full),
+                 mask=row_ok)
 
 
 @triton.jit
