@@ -348,6 +348,7 @@ static q8_row_fn *pick_q8_row(int64_t isa, int64_t D, int64_t bs) {
 
 /* 1: the path that `isa` asks for serves this shape (else a narrower one would). */
 int64_t paged_decode_q8_serves(int64_t isa, int64_t D, int64_t bs) {
+    if ((isa == ISA_AVX512 && !HAVE_AVX512_Q8) || (isa == ISA_AVX2 && !HAVE_AVX2_Q8)) return 0;
     q8_row_fn *want = isa == ISA_AVX512 ? row_avx512 : isa == ISA_AVX2 ? row_avx2 : row_scalar;
     return pick_q8_row(isa, D, bs) == want;
 }
