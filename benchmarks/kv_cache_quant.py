@@ -248,9 +248,20 @@ def main() -> int:
     res.update({"cpu": cpu_name(), "cores": os.cpu_count(), "threads": a.threads,
                 "date": time.strftime("%Y-%m-%d", time.gmtime()),
                 "commands": commands + ["python benchmarks/kv_cache_quant.py " + " ".join(sys.argv[1:])]})
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+
+    def save():  # after each part: a run cut short keeps what it measured
+        with open(a.out + ".json", "w") as f:
+            json.dump(res, f, indent=1)
+        with open(a.out + ".md", "w") as f:
+            f.write(report(res) + "\n")
+
     if "accuracy" not in a.skip:
         res["accuracy"] = accuracy(a.threads)
-        print(json.dumps(res["accuracy"], indent=1), flush=True)
+        save()
+    if "kernel" not in a.skip:
+        res["kernel"] = kernel_times(a.reps)
+        save()
     if "serving" not in a.skip:
         runs = {c: [] for c in CACHES}
         for _ in range(a.reps):
@@ -264,14 +275,7 @@ def main() -> int:
             res["serving"].append({**med, "n": a.w2_prompts, "runs": rs,
                                    "output_tok_s": statistics.median(r["output_tok_s"] for r in rs),
                                    "total_tok_s": statistics.median(r["total_tok_s"] for r in rs)})
-    if "kernel" not in a.skip:
-        res["kernel"] = kernel_times(a.reps)
-        print(json.dumps(res["kernel"], indent=1), flush=True)
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out + ".json", "w") as f:
-        json.dump(res, f, indent=1)
-    with open(a.out + ".md", "w") as f:
-        f.write(report(res) + "\n")
+        save()
     print(report(res))
     return 0
 
