@@ -40,8 +40,11 @@ CACHES = ("bfloat16", "fp8", "int8")
 
 
 def cpu_name() -> str:
+    from kvflow.model.cpu_features import cpu_features
     from kvflow.utils.cpuinfo import read_cpuinfo
-    return read_cpuinfo().model_name or platform.processor()
+    f = cpu_features()
+    extra = ", AMX" if "amx_bf16" in f.flags else ""
+    return f"{read_cpuinfo().model_name or platform.processor()} ({f.isa}{extra})"
 
 
 def accuracy(threads: int) -> list[dict]:
@@ -204,14 +207,19 @@ def report(res: dict) -> str:
                          f"{r['mean_kl']:.4f} | {r['p99_kl']:.3f} | {f['agreement'] * 100:.1f}% | "
                          f"{f['mean_kl']:.4f} | {f['p99_kl']:.3f} |")
         lines.append("")
-    if res.get("serving"):
-        s = res["serving"]
-        lines += ["## W2-shaped load at rate inf, one memory budget",
+    for key in ("serving", "serving_unlocked"):
+        if not res.get(key):
+            continue
+        s = res[key]
+        lines += ["## W2-shaped load at rate inf, one memory budget"
+                  + (" (not under the benchmark lock)" if key == "serving_unlocked" else ""),
                   "", f"{s[0]['n']} requests of 256 random prompt tokens + 128 output tokens "
                   f"(ignore_eos), all queued at once, offline engine, `--kv-cache-memory "
                   f"{s[0]['kv_cache_memory']}`, {res['threads']} threads; medians of "
-                  f"{len(s[0]['runs'])} alternating runs.", "",
-                  "| cache | B/token | blocks | tokens in pool | preemptions | steps | output tok/s | total tok/s |",
+                  f"{len(s[0]['runs'])} alternating runs.", ""]
+        if key == "serving_unlocked":
+            lines += [res.get("serving_unlocked_note", ""), ""]
+        lines += ["| cache | B/token | blocks | tokens in pool | preemptions | steps | output tok/s | total tok/s |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in s:
             lines.append(f"| {r['cache']} | {r['kv_bytes_per_token']} | {r['num_blocks']} | "
@@ -243,7 +251,8 @@ def main() -> int:
     res = {}
     if a.skip and os.path.exists(a.out + ".json"):  # a skipped part keeps its last results
         with open(a.out + ".json") as f:
-            res = {k: v for k, v in json.load(f).items() if k in a.skip or k == "commands"}
+            res = {k: v for k, v in json.load(f).items()
+                   if k in a.skip or k in ("commands", "serving_unlocked", "serving_unlocked_note")}
     commands = res.get("commands", [])
     res.update({"cpu": cpu_name(), "cores": os.cpu_count(), "threads": a.threads,
                 "date": time.strftime("%Y-%m-%d", time.gmtime()),
