@@ -315,3 +315,22 @@ def test_mixed_step_through_the_kernels_matches_the_torch_path(dtype, head_dim):
     got = A.attention_with_kernels(q, kc, vc, meta, 0.125, kvh, k, v, prompt_kernel=True)
     want = A.attention_with_sdpa(q, kc, vc, meta, 0.125, kvh)  # every key from the cache
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", ONE_BYTE)
+def test_tensor_parallel_shards_assemble_into_whole_quantized_blocks(dtype):
+    """Two ranks holding kv heads [0, 1) and [1, 2) send whole blocks (each head's tile with its
+    own scales); a one-rank consumer gets the same bytes as a one-rank producer would send."""
+    d = 32
+    whole = [tuple(torch.zeros(cache_shape(4, 16, 2, d, dtype), dtype=dtype) for _ in range(2))]
+    x = torch.randn(30, 2, d) * 5
+    write_rows(*whole[0], x, x * 0.1, torch.arange(2, 32))
+    shards = [KVShard(h, [tuple(c[:, h:h + 1].contiguous() for c in whole[0])]) for h in (0, 1)]
+    tp, one = PagedKV(shards), PagedKV([KVShard(0, whole)])
+    bufs = [torch.empty(transfer_bytes(kv, 2)[1], dtype=torch.uint8) for kv in (tp, one)]
+    gather_into(tp, [0, 1], bufs[0])
+    gather_into(one, [0, 1], bufs[1])
+    assert torch.equal(bufs[0], bufs[1])
+    dst = [tuple(torch.zeros_like(c) for c in whole[0])]
+    scatter(PagedKV([KVShard(0, dst)]), [3, 2], [bufs[0]])
+    assert torch.equal(dst[0][0][[3, 2]].view(torch.uint8), whole[0][0][[0, 1]].view(torch.uint8))
