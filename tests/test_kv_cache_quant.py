@@ -213,7 +213,9 @@ def test_avx2_path_from_a_build_without_avx512(tmp_path, dtype):
 def test_kernel_choice_follows_the_cpu_and_names_it():
     for kv, tag in ((torch.int8, "int8"), (FP8, "fp8")):
         widest = select_kernels(torch.bfloat16, kv, features=SPR, options=KernelOptions())
-        assert widest.names["attention"] == f"c-decode-{tag}-avx512"
+        # the prompt kernel where this build has it (it widens one-byte tiles as it gathers)
+        prompt = "+c-prompt" if library().paged_prefill_bf16_supported(1, 1, 32, 16) else ""
+        assert widest.names["attention"] == f"c-decode-{tag}-avx512{prompt}"
         zen3 = select_kernels(torch.float32, kv, features=AVX2, options=KernelOptions())
         assert zen3.names["attention"] == f"c-decode-{tag}-avx2"
         plain = select_kernels(torch.float32, kv, features=CpuFeatures.from_names(),
@@ -312,9 +314,37 @@ def test_mixed_step_through_the_kernels_matches_the_torch_path(dtype, head_dim):
     k, v = torch.randn(29, kvh, head_dim), torch.randn(29, kvh, head_dim)
     A.write_kv_with_kernel(kc, vc, k, v, meta.slot_mapping)
     q = torch.randn(29, heads, head_dim)
-    got = A.attention_with_kernels(q, kc, vc, meta, 0.125, kvh, k, v, prompt_kernel=True)
     want = A.attention_with_sdpa(q, kc, vc, meta, 0.125, kvh)  # every key from the cache
+    got = A.attention_with_kernels(q, kc, vc, meta, 0.125, kvh, k, v, prompt_kernel=False)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    # the prompt kernel (AVX512-BF16): q, the widened tiles and the probabilities in bf16
+    got = A.attention_with_kernels(q, kc, vc, meta, 0.125, kvh, k, v, prompt_kernel=True)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", ONE_BYTE)
+@pytest.mark.parametrize("window", [0, 24])
+def test_prompt_kernel_widens_one_byte_tiles_as_the_reference_does(dtype, window):
+    """The prompt kernel over a one-byte cache gives what it gives over a bf16 cache holding
+    the same values widened (int8 times its token's scale, rounded to bf16; fp8 exactly)."""
+    lib = library()
+    if not lib.paged_prefill_bf16_supported(6, 2, 64, 16):
+        pytest.skip("the prompt kernel needs AVX512-BF16")
+    bs, kvh, heads, d = 16, 2, 6, 64
+    query_lens, seq_lens = np.array([40, 9]), np.array([40, 50])
+    tables = [[3, 0, 5], [1, 6, 2, 4]]
+    kc, vc = _garbage_cache(8, bs, kvh, d, dtype, tables, seq_lens, seed=5)
+    wide = [torch.zeros(cache_shape(8, bs, kvh, d, torch.bfloat16), dtype=torch.bfloat16)
+            for _ in range(2)]
+    slots = torch.tensor([t[i // bs] * bs + i % bs for t, n in zip(tables, seq_lens)
+                          for i in range(int(n))])
+    write_rows(*wide, *read_rows(kc, vc, slots), slots)  # fp32 values -> bf16, nearest even
+    meta = A.build_attention_metadata(query_lens, seq_lens, tables, bs, sliding_window=window or None)
+    q = torch.randn(int(query_lens.sum()), heads, d).bfloat16()
+    got, want = torch.empty(q.shape), torch.empty(q.shape)
+    assert A._prefill_with_kernel(q, kc, vc, meta, 0.125, got)
+    assert A._prefill_with_kernel(q, *wide, meta, 0.125, want)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", ONE_BYTE)

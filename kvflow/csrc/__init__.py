@@ -44,9 +44,10 @@ _SIGNATURES = {
                           _i64, _i64, _f32, _ptr, _i64, _i64, _i64],
     # q, q_stride, k_cache, v_cache, tables, bt_stride, token_start, query_len, seq_len,
     # work_begin, work_end, H, KVH, D, block_size, scale, out, out_stride, out_bf16, window (a
-    # query at position p sees keys p - window + 1 .. p; 0: all)
+    # query at position p sees keys p - window + 1 .. p; 0: all), kv_kind (0 bf16, 1 int8, 2
+    # fp8: a one-byte cache widened into its scratch), fp8's scale as float32 bits
     "paged_prefill_bf16": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64,
-                           _i64, _i64, _i64, _i64, _f32, _ptr, _i64, _i64, _i64],
+                           _i64, _i64, _i64, _i64, _f32, _ptr, _i64, _i64, _i64, _i64, _i64],
     # residual, delta, weight, out, begin, end, n, eps
     "add_rms_norm_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _f32],
     "add_rms_norm_bf16": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _f32],

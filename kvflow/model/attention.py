@@ -293,14 +293,16 @@ def _decode_kernel(k_cache: torch.Tensor) -> str | None:
 
 def _prefill_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          meta: AttentionMetadata, scale: float, out: torch.Tensor) -> bool:
-    """Prompt rows through the flash-style prompt kernel (prefill_attention.c: bf16 cache,
-    AVX512-BF16, 16-token blocks) into `out` (fp32 or bf16, contiguous); decode rows untouched. q is
-    read in bf16 (an fp32 q is rounded first). A sliding window is the kernel's own: it skips
-    the blocks before it. False: the kernel does not serve this here."""
+    """Prompt rows through the flash-style prompt kernel (prefill_attention.c: bf16 cache, or a
+    one-byte one widened to bf16 as it is gathered; AVX512-BF16, 16-token blocks) into `out`
+    (fp32 or bf16, contiguous); decode rows untouched. q is read in bf16 (an fp32 q is rounded
+    first). A sliding window is the kernel's own: it skips the blocks before it. False: the
+    kernel does not serve this here."""
     lib = library()
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads, _ = cache_geometry(k_cache)
-    if (k_cache.dtype != torch.bfloat16 or k_cache.device.type != "cpu"
+    kv_kind = {torch.bfloat16: 0, torch.int8: 1, FP8: 2}.get(k_cache.dtype)
+    if (kv_kind is None or k_cache.device.type != "cpu"
             or not lib.paged_prefill_bf16_supported(num_heads, num_kv_heads, head_dim, block_size)):
         return False
     if q.dtype != torch.bfloat16 or q.stride()[1:] != (head_dim, 1):
@@ -314,7 +316,7 @@ def _prefill_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                [q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.ctypes.data,
                 tables.shape[1], starts.ctypes.data, qlens.ctypes.data, slens.ctypes.data, num_heads,
                 num_kv_heads, head_dim, block_size, out.data_ptr(), out.stride(0),
-                int(out.dtype == torch.bfloat16), window],
+                int(out.dtype == torch.bfloat16), window, kv_kind, _float_bits(FP8_KV_SCALE)],
                len(qlens) * num_kv_heads, torch.get_num_threads(), farg=scale,
                weights=np.repeat(qlens * keys, num_kv_heads))
     return True

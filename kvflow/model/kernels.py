@@ -175,10 +175,13 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
     prompt_kernel = c and features.avx512_bf16 and bool(lib.paged_prefill_bf16_supported(1, 1, 32, 16))
     if c and is_quantized(kv_dtype):
         # one-byte caches: their own decode kernel (paged_attention_quant.c) on the widest path
-        # this CPU has; prompts run as its rows (the prompt kernel reads bf16 tiles only)
+        # this CPU has; prompts through the prompt kernel, which widens them as it gathers (on
+        # AVX512-BF16), else as the decode kernel's rows
         q8_isa = attention.best_q8_isa(features)
-        attend = partial(attention.attention_with_kernels, prompt_kernel=False, q8_isa=q8_isa)
-        attention_name = f"c-decode-{'fp8' if kv_dtype != torch.int8 else 'int8'}-{q8_isa}"
+        attend = partial(attention.attention_with_kernels, prompt_kernel=prompt_kernel,
+                         q8_isa=q8_isa)
+        attention_name = (f"c-decode-{'fp8' if kv_dtype != torch.int8 else 'int8'}-{q8_isa}"
+                          + ("+c-prompt" if prompt_kernel else ""))
     elif c:
         attend = partial(attention.attention_with_kernels, prompt_kernel=prompt_kernel)
         attention_name = "c-decode+c-prompt" if prompt_kernel and kv_dtype == bf16 else "c-decode"
