@@ -16,7 +16,7 @@ What serves here, and why:
   else PyTorch; attention's prompt kernel exists only where the CPU has AVX512-BF16, elsewhere
   prompt tokens run as rows of the decode kernel; a one-byte KV cache (`kv_cache_dtype` fp8 or
   int8) has its own decode kernel and writer (csrc/paged_attention_quant.c, its AVX-512, AVX2 or
-  scalar path chosen here) and runs its prompts as that kernel's rows.
+  scalar path chosen here); the prompt kernel widens its tiles to bf16 as it gathers them.
 
 On an NVIDIA GPU (device cuda) the set is gpu_kernels.py's: torch GEMMs in bf16 and the Triton
 paged attention of kvflow/model/triton.
