@@ -41,6 +41,7 @@ def option(default=None, help: str = "", *, choices: tuple[str, ...] | None = No
 
 
 DTYPES = ("auto", "bfloat16", "float32")
+KV_CACHE_DTYPES = DTYPES + ("fp8", "fp8_e4m3", "int8")
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -142,14 +143,22 @@ class CacheConfig:
         True, "reuse cached full blocks of shared prompt prefixes")
     cache_dtype: str = option(
         "auto", "KV cache storage (`auto`: the model's dtype); bfloat16 on an fp32 model halves "
-        "the cache and what decode attention reads, at a small cost in accuracy",
-        choices=DTYPES, name="kv_cache_dtype")
+        "the cache and what decode attention reads, at a small cost in accuracy; `fp8` (alias "
+        "`fp8_e4m3`) and `int8` store one byte a value (~2x bf16's tokens in the same memory): "
+        "fp8 e4m3 at a per-tensor scale of 1.0, int8 with a scale per token and kv head "
+        "(docs/kv_cache_quantization.md)", choices=KV_CACHE_DTYPES, name="kv_cache_dtype")
     # set by the engine from the model: each layer's sliding window (None: full attention);
     # any window gives the scheduler one block table per KV cache group. Not an option.
     layer_windows: tuple = ()
 
     def __post_init__(self) -> None:
-        self.cache_dtype = dtype_name(self.cache_dtype, "kv_cache_dtype")
+        if self.cache_dtype in ("fp8", "fp8_e4m3", "int8"):
+            self.cache_dtype = "fp8_e4m3" if self.cache_dtype.startswith("fp8") else "int8"
+        elif self.cache_dtype in ("auto", "bfloat16", "bf16", "float32", "fp32"):
+            self.cache_dtype = dtype_name(self.cache_dtype, "kv_cache_dtype")
+        else:
+            raise ValueError("kv_cache_dtype must be auto, bfloat16, float32, fp8 (fp8_e4m3) or "
+                             f"int8, got {self.cache_dtype!r}")
         if self.block_size <= 0 or self.block_size % 2:
             # the cache tiles pair keys (kvflow/model/kv_layout.py)
             raise ValueError(f"block_size must be positive and even, got {self.block_size}")

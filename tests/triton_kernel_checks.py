@@ -32,12 +32,13 @@ def kernels():
     return [layout, kv_write, paged_decode, paged_prefill]
 
 
-def _case(seq_lens, query_lens, heads, kv_heads, head_dim, block_size, dtype, seed):
+def _case(seq_lens, query_lens, heads, kv_heads, head_dim, block_size, dtype, seed,
+          cache_dtype=None):
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
     tables = scattered_tables(seq_lens, block_size, num_blocks, gen)
     k_cache, v_cache = filled_cache(seq_lens, tables, kv_heads, head_dim, block_size, num_blocks,
-                                    dtype, gen)
+                                    cache_dtype or dtype, gen)
     q = torch.randn(sum(query_lens), heads, head_dim, generator=gen).to(dtype)
     return q, k_cache, v_cache, tables
 
@@ -125,6 +126,60 @@ def test_write_kv_matches_write_rows(kernels, dtype, cache_dtype):
         for got, want in ((got_k, want_k), (got_v, want_v)):
             torch.testing.assert_close(got.cpu().float(), want.float(), atol=0, rtol=2 ** -7)
             assert torch.equal(got.cpu() == 0, want == 0)  # the same slots written
+
+
+# -- one-byte KV caches (kv_cache_dtype fp8 / int8) ------------------------------------------
+ONE_BYTE = [torch.float8_e4m3fn, torch.int8]
+
+
+@pytest.mark.parametrize("cache_dtype", ONE_BYTE)
+@pytest.mark.parametrize("seq_lens,heads,kv_heads,head_dim,block_size,splits", [
+    ([1, 17, 40], 6, 2, 32, 16, 1),    # GQA, partial last blocks
+    ([70, 5], 4, 4, 64, 8, 4),         # split-K
+])
+def test_paged_decode_reads_a_one_byte_cache(kernels, cache_dtype, seq_lens, heads, kv_heads,
+                                             head_dim, block_size, splits):
+    """Against the reference over the same quantized values (read_rows dequantizes them)."""
+    q, k_cache, v_cache, tables = _case(seq_lens, [1] * len(seq_lens), heads, kv_heads, head_dim,
+                                        block_size, torch.float32, seed=11,
+                                        cache_dtype=cache_dtype)
+    want = reference_attention(q, k_cache, v_cache, tables, seq_lens, [1] * len(seq_lens), 0.3)
+    qd, kd, vd, td, lens = _dev(q, k_cache, v_cache, tables, torch.tensor(seq_lens))
+    got = kernels[2].paged_decode(qd, kd, vd, td, lens, 0.3, num_splits=splits)
+    torch.testing.assert_close(got.cpu().double(), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cache_dtype", ONE_BYTE)
+def test_paged_prefill_reads_a_one_byte_cache(kernels, cache_dtype):
+    seq_lens, query_lens = [23, 40, 1], [23, 7, 1]  # a prompt, a chunk, a decode
+    q, k_cache, v_cache, tables = _case(seq_lens, query_lens, 4, 2, 32, 16, torch.float32,
+                                        seed=5, cache_dtype=cache_dtype)
+    want = reference_attention(q, k_cache, v_cache, tables, seq_lens, query_lens, 0.2)
+    qsl = torch.tensor([0] + query_lens).cumsum(0)
+    qd, kd, vd, td, lens, qsl = _dev(q, k_cache, v_cache, tables, torch.tensor(seq_lens), qsl)
+    got = kernels[3].paged_prefill(qd, kd, vd, td, lens, qsl, max(query_lens), 0.2,
+                                   block_m=16, block_n=16)
+    torch.testing.assert_close(got.cpu().double(), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cache_dtype", ONE_BYTE)
+def test_write_kv_quantizes_as_write_rows(kernels, cache_dtype):
+    """The same bytes as kv_layout.write_rows (int8: values and per-token scales; fp8: e4m3
+    rounded to nearest even, saturated), padding slots untouched."""
+    from kvflow.model.kv_layout import cache_shape, write_rows
+    gen = torch.Generator().manual_seed(8)
+    qkv = torch.randn(6, 3 * 2 * 16, generator=gen) * 40  # past fp8's 448 now and then
+    qkv[0, 32:36] = torch.tensor([0.0, 1e-3, -2.0 ** -8, 449.0])  # zero, subnormals, saturation
+    k, v = qkv[:, 32:64].view(6, 2, 16), qkv[:, 64:96].view(6, 2, 16)
+    slots = torch.tensor([13, 2, -1, 7, 0, 30])
+    want_k, want_v = (torch.zeros(cache_shape(8, 4, 2, 16, cache_dtype), dtype=cache_dtype)
+                      for _ in range(2))
+    keep = slots >= 0
+    write_rows(want_k, want_v, k[keep], v[keep], slots[keep])
+    got_k, got_v = (torch.zeros_like(want_k, device=DEVICE) for _ in range(2))
+    kernels[1].write_kv(got_k, got_v, *_dev(k, v, slots))
+    for got, want in ((got_k, want_k), (got_v, want_v)):
+        assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
 
 
 # -- the fused per-token ops against their PyTorch versions (kvflow/csrc/ops.py) --------------

@@ -29,8 +29,9 @@ def slots_of(tables: torch.Tensor, i: int, positions: torch.Tensor, block_size: 
 
 def filled_cache(seq_lens: list[int], tables: torch.Tensor, kv_heads: int, head_dim: int,
                  block_size: int, num_blocks: int, dtype: torch.dtype, gen: torch.Generator):
-    """(k_cache, v_cache) holding random K/V at every sequence's positions 0..len-1."""
-    shape = cache_shape(num_blocks, block_size, kv_heads, head_dim)
+    """(k_cache, v_cache) holding random K/V at every sequence's positions 0..len-1 (a
+    one-byte cache's quantized by write_rows)."""
+    shape = cache_shape(num_blocks, block_size, kv_heads, head_dim, dtype)
     k_cache, v_cache = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
     for i, n in enumerate(seq_lens):
         slots = slots_of(tables, i, torch.arange(n), block_size)

@@ -25,7 +25,8 @@ from kvflow.utils.files import publish
 logger = logging.getLogger("kvflow")
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
-_SOURCES = [os.path.join(_DIR, f) for f in ("paged_attention.c", "prefill_attention.c", "fused_ops.c", "gemm_bf16.c",
+_SOURCES = [os.path.join(_DIR, f) for f in ("paged_attention.c", "paged_attention_quant.c",
+                                              "prefill_attention.c", "fused_ops.c", "gemm_bf16.c",
                                               "gemm_quant.c", "gemm_quant_wide.c", "gemv_f32.c",
                                               "pool.c", "populate.c", "decode_step.c", "lora.c")]
 _HEADERS = [os.path.join(_DIR, f) for f in ("simd.h", "kernels.h", "tiles.h")]  # part of the build key, not of the command line
@@ -43,9 +44,10 @@ _SIGNATURES = {
                           _i64, _i64, _f32, _ptr, _i64, _i64, _i64],
     # q, q_stride, k_cache, v_cache, tables, bt_stride, token_start, query_len, seq_len,
     # work_begin, work_end, H, KVH, D, block_size, scale, out, out_stride, out_bf16, window (a
-    # query at position p sees keys p - window + 1 .. p; 0: all)
+    # query at position p sees keys p - window + 1 .. p; 0: all), kv_kind (0 bf16, 1 int8, 2
+    # fp8: a one-byte cache widened into its scratch), fp8's scale as float32 bits
     "paged_prefill_bf16": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64,
-                           _i64, _i64, _i64, _i64, _f32, _ptr, _i64, _i64, _i64],
+                           _i64, _i64, _i64, _i64, _f32, _ptr, _i64, _i64, _i64, _i64, _i64],
     # residual, delta, weight, out, begin, end, n, eps
     "add_rms_norm_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _f32],
     "add_rms_norm_bf16": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _f32],
@@ -68,6 +70,10 @@ _SIGNATURES = {
     # qx, dx, dxs, Kb, M, packed, kind, isa, bias, out, out_stride, N, out_bf16, p_begin, p_end
     "gemm_quant_panels": [_ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64,
                           _i64, _i64, _i64],
+    # k, v, src_stride, slots, k_cache, v_cache, begin, end, KVH, D, block_size, kind (0 int8,
+    # 1 fp8), src_bf16, k_scale bits, v_scale bits (fp8's per-tensor scales as float32 bits)
+    "write_kv_q8": [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64,
+                    _i64, _i64],
     # x, x_stride, M, K, packed, bias, out, out_stride, N, isa, wdt, p_begin, p_end
     "gemv_f32_panels": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
                         _i64],
@@ -132,6 +138,9 @@ def library() -> ctypes.CDLL | None:
     lib.gemm_quant_wide_isas.restype, lib.gemm_quant_wide_isas.argtypes = _i64, []
     lib.gemv_f32_isas.restype, lib.gemv_f32_isas.argtypes = _i64, []
     lib.lora_isas.restype, lib.lora_isas.argtypes = _i64, []
+    lib.paged_decode_q8_isas.restype, lib.paged_decode_q8_isas.argtypes = _i64, []
+    lib.paged_decode_q8_serves.restype = _i64
+    lib.paged_decode_q8_serves.argtypes = [_i64, _i64, _i64]
     # x, x_stride, K, Kb, x_bf16, per_row, packed, kind, isa, bias, out, N, out_bf16, M, threads,
     # wide_rows, silu_mul
     lib.quant_linear.restype = _i64
@@ -160,7 +169,7 @@ POOL_KERNELS = {name: i for i, name in enumerate((
     "paged_decode_f32", "paged_decode_bf16", "paged_prefill_bf16", "add_rms_norm_f32",
     "add_rms_norm_bf16", "rope_f32", "rope_bf16", "silu_mul_f32", "silu_mul_bf16",
     "gemm_rows", "gemm_panels", "quantize_q8", "qgemm_rows", "qgemm_panels",
-    "qgemm_wide", "gemv_f32", "lora"))}
+    "qgemm_wide", "gemv_f32", "lora", "paged_decode_q8"))}
 
 
 def run_kernel(name: str, words: list, num_rows: int, threads: int, farg: float = 0.0,

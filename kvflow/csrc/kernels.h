@@ -14,12 +14,18 @@ void paged_decode_bf16(const void *q, int64_t q_stride, const uint16_t *k_cache,
                        int64_t row_end, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
                        float scale, void *out, int64_t out_stride, int64_t io_bf16,
                        int64_t window);
-void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
-                        const uint16_t *v_cache, const int64_t *block_tables, int64_t bt_stride,
+void paged_decode_q8(const void *q, int64_t q_stride, const uint8_t *k_cache,
+                     const uint8_t *v_cache, const int64_t *block_tables, int64_t bt_stride,
+                     const int64_t *seq_lens, const int64_t *rows, int64_t row_begin,
+                     int64_t row_end, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
+                     float scale, void *out, int64_t out_stride, int64_t io_bf16, int64_t window,
+                     int64_t kind, int64_t isa, int64_t k_scale_bits, int64_t v_scale_bits);
+void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache,
+                        const void *v_cache, const int64_t *block_tables, int64_t bt_stride,
                         const int64_t *token_start, const int64_t *query_len, const int64_t *seq_len,
                         int64_t work_begin, int64_t work_end, int64_t H, int64_t KVH, int64_t D,
                         int64_t block_size, float scale, void *out, int64_t out_stride,
-                        int64_t out_bf16, int64_t window);
+                        int64_t out_bf16, int64_t window, int64_t kv_kind, int64_t fp8_scale_bits);
 void add_rms_norm_f32(float *residual, const float *delta, const float *weight, float *out,
                       int64_t begin, int64_t end, int64_t n, float eps);
 void add_rms_norm_bf16(uint16_t *residual, const uint16_t *delta, const uint16_t *weight,
@@ -75,7 +81,7 @@ enum pool_kernel {
     POOL_DECODE_F32, POOL_DECODE_BF16, POOL_PREFILL_BF16, POOL_NORM_F32, POOL_NORM_BF16,
     POOL_ROPE_F32, POOL_ROPE_BF16, POOL_SILU_F32, POOL_SILU_BF16, POOL_GEMM_ROWS,
     POOL_GEMM_PANELS, POOL_QUANTIZE_Q8, POOL_QGEMM_ROWS, POOL_QGEMM_PANELS, POOL_QGEMM_WIDE,
-    POOL_GEMV_F32, POOL_LORA
+    POOL_GEMV_F32, POOL_LORA, POOL_DECODE_Q8
 };
 void kernel_pool_run(int64_t kernel, const int64_t *args, double farg, int64_t n,
                      const int64_t *weights, int64_t threads);

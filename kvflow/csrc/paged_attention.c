@@ -31,41 +31,7 @@ static inline float load1_bf16(const uint16_t *p) { return bf16_to_float(*p); }
 
 #ifdef KVFLOW_AVX2
 static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 #endif
-
-/* exp(s - max) in place over n scores; returns 1 / their sum (the caller scales the output). */
-static float softmax_unnormalised(float *s, int64_t n) {
-    float m = -INFINITY, sum = 0.f;
-    int64_t t = 0;
-#ifdef KVFLOW_AVX2
-    __m256 vm = _mm256_set1_ps(-INFINITY);
-    for (; t + 8 <= n; t += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + t));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    m = _mm_cvtss_f32(m4);
-#endif
-    for (; t < n; t++) m = s[t] > m ? s[t] : m;
-    t = 0;
-#ifdef KVFLOW_AVX2
-    vm = _mm256_set1_ps(m);
-    __m256 vs = _mm256_setzero_ps();
-    for (; t + 8 <= n; t += 8) {
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
-        _mm256_storeu_ps(s + t, e);
-        vs = _mm256_add_ps(vs, e);
-    }
-    sum = hsum8(vs);
-#endif
-    for (; t < n; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
-    return 1.f / sum;
-}
 
 /* Every row function: q fp32 (and qb, the same row in bf16, or NULL), scores [H][Ls] scratch
  * (Ls >= L + 2), out [H][D] fp32. */

@@ -50,7 +50,7 @@ static void k_decode_bf16(const int64_t *a, double f, int64_t b, int64_t e) {
 }
 static void k_prefill_bf16(const int64_t *a, double f, int64_t b, int64_t e) {
     paged_prefill_bf16(P(0), a[1], P(2), P(3), P(4), a[5], P(6), P(7), P(8), b, e, a[9], a[10],
-                       a[11], a[12], (float)f, P(13), a[14], a[15], a[16]);
+                       a[11], a[12], (float)f, P(13), a[14], a[15], a[16], a[17], a[18]);
 }
 static void k_norm_f32(const int64_t *a, double f, int64_t b, int64_t e) {
     add_rms_norm_f32(P(0), P(1), P(2), P(3), b, e, a[4], (float)f);
@@ -127,13 +127,17 @@ static void k_lora(const int64_t *a, double f, int64_t b, int64_t e) {
     lora_apply(P(0), a[1], a[2], a[3], P(4), P(5), a[6], a[7], P(8), P(9), a[10], P(11), P(12),
                P(13), a[14], a[15], a[16], b, e);
 }
+static void k_decode_q8(const int64_t *a, double f, int64_t b, int64_t e) {
+    paged_decode_q8(P(0), a[1], P(2), P(3), P(4), a[5], P(6), P(7), b, e, a[8], a[9], a[10],
+                    a[11], (float)f, P(12), a[13], a[14], a[15], a[16], a[17], a[18], a[19]);
+}
 #undef P
 
 /* in enum pool_kernel's order (kernels.h) */
 static const range_fn KERNELS[] = {
     k_decode_f32, k_decode_bf16, k_prefill_bf16, k_norm_f32, k_norm_bf16, k_rope_f32,
     k_rope_bf16, k_silu_f32, k_silu_bf16, k_gemm_rows, k_gemm_panels, k_quantize_q8,
-    k_qgemm_rows, k_qgemm_panels, k_qgemm_wide, k_gemv_f32, k_lora,
+    k_qgemm_rows, k_qgemm_panels, k_qgemm_wide, k_gemv_f32, k_lora, k_decode_q8,
 };
 #define NUM_KERNELS ((int64_t)(sizeof KERNELS / sizeof KERNELS[0]))
 

@@ -21,7 +21,12 @@
  * With a sliding window (window > 0) a query at position p sees keys p - window + 1 .. p only:
  * a tile starts at the block of its first row's first key, and a sequence's blocks before the
  * window of its first query are never read (the sliding-window KV cache may have handed them
- * back: their table entries are the null block). */
+ * back: their table entries are the null block).
+ *
+ * A one-byte cache (kv_kind 1: int8 with a scale per token after each tile, 2: fp8 e4m3 at a
+ * per-tensor scale; kvflow/model/kv_layout.py) is widened as it is copied into that scratch:
+ * each value times its token's scale, rounded once to bf16 (fp8 values are bf16 numbers: exact
+ * at scale 1.0), the same tile layout, so the rest runs unchanged. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -39,14 +44,49 @@
 /* keys and values of blocks b0.. up to key n-1 of kv head kh, block after block: the cache's own tiles (tiles.h),
  * as 32-bit words kt[b][d/2][j] = k(16b + j)[d, d+1], vt[b][j/2][d] = (v(16b + j)[d],
  * v(16b + j + 1)[d]), with zeros past n (a slot not yet written may hold anything) */
-static void gather_pairs(const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table,
+/* 16 one-byte values -> fp32 (int8 as integers; fp8 through fp16 bits, value / 256) */
+static inline __m512 widen16_byte(const uint8_t *p, int kind) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    if (kind == 1) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    const __m256i w = _mm256_cvtepu8_epi16(b);
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7),
+                                      _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+    return _mm512_cvtph_ps(h);
+}
+
+/* one (block, kv head) tile of a one-byte cache into bf16 words, the same layout: key element
+ * i is token (i / 2) % 16, value element i token (i / (2D)) * 2 + i % 2 */
+static void widen_tile(const uint8_t *src, int kind, float fp8_scale, int64_t D, int is_value,
+                       uint16_t *dst) {
+    float s[KB];
+    for (int j = 0; j < KB; j++)
+        s[j] = kind == 1 ? ((const float *)(src + KB * D))[j] : fp8_scale * 256.f;
+    /* per 16 elements: keys are 8 tokens x 2 dims, values 8 dims x a key pair */
+    for (int64_t i = 0; i < KB * D; i += 16) {
+        float f[16];
+        for (int e = 0; e < 16; e++)
+            f[e] = is_value ? s[((i + e) / (2 * D)) * 2 + (e & 1)] : s[((i + e) / 2) % KB];
+        const __m512 x = _mm512_mul_ps(widen16_byte(src + i, kind), _mm512_loadu_ps(f));
+        _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)_mm512_cvtneps_pbh(x));
+    }
+}
+
+static void gather_pairs(const void *k_cache, const void *v_cache, const int64_t *table,
                          int64_t b0, int64_t n, int64_t KVH, int64_t D, int64_t kh, uint32_t *kt,
-                         uint32_t *vt) {
+                         uint32_t *vt, int kind, float fp8_scale) {
     const int64_t tile = KB * D, half = D / 2;
+    const int64_t tile_bytes = kind == 0 ? 2 * tile : kind == 1 ? KB * (D + 4) : tile;
     for (int64_t b = b0; b * KB < n; b++) { /* blocks before b0 are left as they are, unread */
         uint32_t *kd = kt + b * half * KB, *vd = vt + b * KB / 2 * D;
-        memcpy(kd, k_cache + (table[b] * KVH + kh) * tile, sizeof(uint16_t) * (size_t)tile);
-        memcpy(vd, v_cache + (table[b] * KVH + kh) * tile, sizeof(uint16_t) * (size_t)tile);
+        const uint8_t *ks = (const uint8_t *)k_cache + (table[b] * KVH + kh) * tile_bytes;
+        const uint8_t *vs = (const uint8_t *)v_cache + (table[b] * KVH + kh) * tile_bytes;
+        if (kind == 0) {
+            memcpy(kd, ks, sizeof(uint16_t) * (size_t)tile);
+            memcpy(vd, vs, sizeof(uint16_t) * (size_t)tile);
+        } else {
+            widen_tile(ks, kind, fp8_scale, D, 0, (uint16_t *)kd);
+            widen_tile(vs, kind, fp8_scale, D, 1, (uint16_t *)vd);
+        }
         const int64_t m = n - b * KB;
         if (m >= KB) continue;
         for (int64_t c = 0; c < half; c++)
@@ -175,13 +215,14 @@ int paged_prefill_bf16_supported(int64_t H, int64_t KVH, int64_t D, int64_t bloc
     return D % 32 == 0 && block_size == KB && H % KVH == 0 && TILE % (H / KVH) == 0;
 }
 
-void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
-                        const uint16_t *v_cache, const int64_t *block_tables, int64_t bt_stride,
+void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache,
+                        const void *v_cache, const int64_t *block_tables, int64_t bt_stride,
                         const int64_t *token_start, const int64_t *query_len, const int64_t *seq_len,
                         int64_t work_begin, int64_t work_end, int64_t H, int64_t KVH, int64_t D,
                         int64_t block_size, float scale, void *out, int64_t out_stride,
-                        int64_t out_bf16, int64_t window) {
+                        int64_t out_bf16, int64_t window, int64_t kv_kind, int64_t fp8_scale_bits) {
     (void)block_size;
+    union { uint32_t u; float f; } fp8_scale = { (uint32_t)fp8_scale_bits };
     const int G = (int)(H / KVH), R = TILE / G;
     int64_t max_len = 1;
     for (int64_t w = work_begin; w < work_end; w++)
@@ -195,7 +236,8 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_c
         const int64_t s = w / KVH, kh = w % KVH;
         const int64_t ql = query_len[s], first = seq_len[s] - ql;
         const int64_t b0 = window > 0 && first - window + 1 > 0 ? (first - window + 1) / KB : 0;
-        gather_pairs(k_cache, v_cache, block_tables + s * bt_stride, b0, seq_len[s], KVH, D, kh, kt, vt);
+        gather_pairs(k_cache, v_cache, block_tables + s * bt_stride, b0, seq_len[s], KVH, D, kh, kt, vt,
+                     (int)kv_kind, fp8_scale.f);
         for (int64_t r = 0; r < ql; r += R)
             tile_bf16(q, q_stride, kt, vt, token_start[s] + r, ql - r < R ? ql - r : R, first + r,
                       window, D, kh, G, scale, out, out_stride, (int)out_bf16, qp, o);
@@ -208,12 +250,13 @@ int paged_prefill_bf16_supported(int64_t H, int64_t KVH, int64_t D, int64_t bloc
     return 0;
 }
 
-void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
-                        const uint16_t *v_cache, const int64_t *block_tables, int64_t bt_stride,
+void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache,
+                        const void *v_cache, const int64_t *block_tables, int64_t bt_stride,
                         const int64_t *token_start, const int64_t *query_len, const int64_t *seq_len,
                         int64_t work_begin, int64_t work_end, int64_t H, int64_t KVH, int64_t D,
                         int64_t block_size, float scale, void *out, int64_t out_stride,
-                        int64_t out_bf16, int64_t window) {
+                        int64_t out_bf16, int64_t window, int64_t kv_kind, int64_t fp8_scale_bits) {
+    (void)kv_kind; (void)fp8_scale_bits;
     (void)q; (void)q_stride; (void)k_cache; (void)v_cache; (void)block_tables; (void)bt_stride;
     (void)token_start; (void)query_len; (void)seq_len; (void)work_begin; (void)work_end; (void)H;
     (void)KVH; (void)D; (void)block_size; (void)scale; (void)out; (void)out_stride;

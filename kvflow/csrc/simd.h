@@ -111,4 +111,43 @@ static inline __m256i silu_mul16_bf16(__m512 g, __m512 u) {
 }
 #endif
 #endif
+/* The paged attention kernels' softmax (paged_attention.c, paged_attention_quant.c). */
+#include <math.h>
+#ifdef KVFLOW_AVX2
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* exp(s - max) in place over n scores; returns 1 / their sum (the caller scales the output). */
+static inline float softmax_unnormalised(float *s, int64_t n) {
+    float m = -INFINITY, sum = 0.f;
+    int64_t t = 0;
+#ifdef KVFLOW_AVX2
+    __m256 vm = _mm256_set1_ps(-INFINITY);
+    for (; t + 8 <= n; t += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + t));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    m = _mm_cvtss_f32(m4);
+#endif
+    for (; t < n; t++) m = s[t] > m ? s[t] : m;
+    t = 0;
+#ifdef KVFLOW_AVX2
+    vm = _mm256_set1_ps(m);
+    __m256 vs = _mm256_setzero_ps();
+    for (; t + 8 <= n; t += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
+        _mm256_storeu_ps(s + t, e);
+        vs = _mm256_add_ps(vs, e);
+    }
+    sum = hsum8(vs);
+#endif
+    for (; t < n; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
+    return 1.f / sum;
+}
+
 #endif

@@ -11,6 +11,7 @@ multi-process Executor (kvflow.model.executor), so EngineCore uses it or the sin
 one without knowing which."""
 from __future__ import annotations
 
+import math
 import os
 import time
 import weakref
@@ -33,6 +34,7 @@ from kvflow.logger import init_logger
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.attention import allocate_kv_caches
 from kvflow.model.executor import Executor
+from kvflow.model.kv_layout import cache_shape
 from kvflow.model.loader import load_sharded_model
 from kvflow.model.runner import ModelRunner, ModelRunnerOutput
 from kvflow.model.sharding import check_tp_size, local_arch
@@ -120,9 +122,9 @@ class TPExecutor(Executor):
                 if not one_machine:
                     raise ValueError("kv_transfer_config: KV transfer under tensor parallelism "
                                      "over several machines is not implemented (one machine is)")
-                seg = kv_segment_bytes(arch.num_hidden_layers,
-                                       num_blocks * shard.num_key_value_heads * block_size
-                                       * shard.head_dim, kv_dtype)
+                seg = kv_segment_bytes(arch.num_hidden_layers, math.prod(cache_shape(
+                    num_blocks, block_size, shard.num_key_value_heads, shard.head_dim, kv_dtype)),
+                                       kv_dtype)
                 sweep_kv_orphans()
                 self._kv_paths = [create_kv_segment(seg) for _ in range(1, n)]
             self.rdv.store.set("init", encode_init(WorkerInit(

@@ -24,7 +24,7 @@ class WorkerInit:
 
     model_path: str
     dtype: str  # float32 | bfloat16
-    kv_dtype: str  # the KV cache's: float32 | bfloat16
+    kv_dtype: str  # the KV cache's: float32 | bfloat16 | int8 | float8_e4m3fn
     num_blocks: int
     block_size: int
     num_threads: int

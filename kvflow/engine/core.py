@@ -26,6 +26,7 @@ from kvflow.model.arch import load_arch_config
 from kvflow.model.executor import CompletedStep, Executor, UniProcExecutor
 from kvflow.model import gpu_memory
 from kvflow.model.cuda_graphs import decode_graphs_for
+from kvflow.model.kv_layout import INT8_SCALE_BYTES, resolve_kv_dtype
 from kvflow.model.loader import load_model, resolve_device, resolve_dtype
 from kvflow.model.quant.load import resolve_quantization
 from kvflow.model.sharding import kv_bytes_per_token_per_rank
@@ -66,7 +67,7 @@ class EngineCore(EngineKVTransferMixin):
                              "not verified); drop it or use --device cpu")
         self.dtype = resolve_dtype(mc.dtype, self.device)
         cache_dtype = config.cache_config.cache_dtype
-        self.kv_dtype = self.dtype if cache_dtype == "auto" else resolve_dtype(cache_dtype)
+        self.kv_dtype = self.dtype if cache_dtype == "auto" else resolve_kv_dtype(cache_dtype)
         pc = config.parallel_config
         self.tp_size, self.pp_size = pc.tensor_parallel_size, pc.pipeline_parallel_size
         self.num_ranks = pc.world_size
@@ -94,8 +95,9 @@ class EngineCore(EngineKVTransferMixin):
         self.max_model_len = mc.max_model_len or self.arch.max_position_embeddings
         sc = replace(config.scheduler_config, max_model_len=self.max_model_len)
         # under tensor parallelism each rank holds its KV heads' share of every block
-        self.kv_bytes_per_token = kv_bytes_per_token_per_rank(self.arch, self.tp_size,
-                                                              self.kv_dtype.itemsize)
+        self.kv_bytes_per_token = kv_bytes_per_token_per_rank(
+            self.arch, self.tp_size, self.kv_dtype.itemsize,
+            INT8_SCALE_BYTES if self.kv_dtype == torch.int8 else 0)
         if self.pp_size > 1:  # a stage holds its layers' KV only; the largest stage decides
             self.kv_bytes_per_token = (self.kv_bytes_per_token * len(stage_layers(
                 self.arch.num_hidden_layers, self.pp_size, 0)) // self.arch.num_hidden_layers)

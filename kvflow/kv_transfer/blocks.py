@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvflow.model.kv_layout import read_blocks, write_rows
+from kvflow.model.kv_layout import (is_quantized, read_blocks, read_stored_rows, write_rows,
+                                    write_stored_rows)
 
 
 @dataclass
@@ -43,6 +44,8 @@ class PagedKV:
         assert self.readers[0].head_start == 0 and self._heads_end(self.readers[-1]) == self.num_heads
         self.block_shape = (self.num_heads, k0.shape[2], k0.shape[3])
         self.dtype = k0.dtype
+        # what blocks move as: fp8 as its bytes (torch's index ops take no float8)
+        self.wire_dtype = torch.uint8 if k0.dtype == torch.float8_e4m3fn else k0.dtype
         self.block_bytes = self.num_heads * k0.shape[2] * k0.shape[3] * k0.element_size()
 
     @staticmethod
@@ -54,7 +57,7 @@ class PagedKV:
 
     def read(self, layer: int, j: int, idx: torch.Tensor, out: torch.Tensor | None = None):
         """Blocks `idx` of layer `layer`'s K (j=0) or V (j=1), all heads, contiguous."""
-        parts = [s.kv_caches[layer][j] for s in self.readers]
+        parts = [s.kv_caches[layer][j].view(self.wire_dtype) for s in self.readers]
         if len(parts) == 1:
             return torch.index_select(parts[0], 0, idx, out=out) if out is not None \
                 else parts[0].index_select(0, idx)
@@ -64,8 +67,8 @@ class PagedKV:
     def write(self, layer: int, j: int, idx: torch.Tensor, src: torch.Tensor) -> None:
         """`src` [n, all heads, ...] into blocks `idx` of every rank, each its heads."""
         for s in self.shards:
-            t = s.kv_caches[layer][j]
-            t.index_copy_(0, idx, src[:, s.head_start:s.head_start + t.shape[1]])
+            t = s.kv_caches[layer][j].view(self.wire_dtype)
+            t.index_copy_(0, idx, src.view(self.wire_dtype)[:, s.head_start:s.head_start + t.shape[1]])
 
 
 def transfer_bytes(kv: PagedKV, num_blocks: int) -> tuple[int, int]:
@@ -88,7 +91,7 @@ def gather_into(kv: PagedKV, block_ids: list[int], dst: torch.Tensor) -> None:
     for i in range(kv.num_layers):
         for j in (0, 1):
             off = (2 * i + j) * per_tensor
-            kv.read(i, j, idx, out=dst[off:off + per_tensor].view(kv.dtype)
+            kv.read(i, j, idx, out=dst[off:off + per_tensor].view(kv.wire_dtype)
                      .view(len(idx), *kv.block_shape))
 
 
@@ -122,7 +125,7 @@ def scatter(kv: PagedKV, block_ids: list[int], frames: list) -> None:
             src = parts[2 * i + j]
             if src.numel() != n * kv.block_bytes:
                 raise ValueError("a KV pull's tensor has the wrong size")
-            kv.write(i, j, idx, src.view(kv.dtype).view(n, *kv.block_shape))
+            kv.write(i, j, idx, src.view(kv.wire_dtype).view(n, *kv.block_shape))
 
 
 def scatter_tokens(kv: PagedKV, frames: list, remote_block_size: int, num_remote_blocks: int,
@@ -150,9 +153,13 @@ def scatter_tokens(kv: PagedKV, frames: list, remote_block_size: int, num_remote
     table = torch.arange(num_remote_blocks).view(1, -1)
     for i in range(kv.num_layers):
         k, v = (parts[2 * i + j].view(kv.dtype).view(rshape) for j in (0, 1))
-        rows_k, rows_v = read_blocks(k, v, table)  # [1, blocks * remote size, heads, dim]
-        rows_k, rows_v = (r[0, first_token - r0:num_tokens - r0] for r in (rows_k, rows_v))
+        if is_quantized(kv.dtype):  # the stored bytes (and scales) as they are: no requantizing
+            rows_k, rows_v = read_stored_rows(k, v, t - r0)
+        else:
+            rows_k, rows_v = read_blocks(k, v, table)  # [1, blocks * remote size, heads, dim]
+            rows_k, rows_v = (r[0, first_token - r0:num_tokens - r0] for r in (rows_k, rows_v))
         for s in kv.shards:
             kc, vc = s.kv_caches[i]
             h = slice(s.head_start, s.head_start + kc.shape[1])
-            write_rows(kc, vc, rows_k[:, h], rows_v[:, h], slots)
+            (write_stored_rows if is_quantized(kv.dtype) else write_rows)(
+                kc, vc, rows_k[:, h], rows_v[:, h], slots)

@@ -99,9 +99,11 @@ class LlamaArchConfig:
         """Each layer's sliding window (None: it attends to the whole context)."""
         return layer_windows(self.layer_types, self.sliding_window, self.num_hidden_layers)
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """Bytes of K and V that one token occupies across all layers."""
-        return self.num_hidden_layers * 2 * self.num_key_value_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int, scale_bytes: int = 0) -> int:
+        """Bytes of K and V that one token occupies across all layers: `dtype_bytes` a value,
+        plus `scale_bytes` per token and kv head (an int8 cache's scales, kv_layout.py)."""
+        return (self.num_hidden_layers * 2 * self.num_key_value_heads
+                * (self.head_dim * dtype_bytes + scale_bytes))
 
     @property
     def rope_dim(self) -> int:

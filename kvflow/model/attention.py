@@ -14,7 +14,9 @@ import torch.nn.functional as F
 from kvflow.csrc import library, run_kernel
 from kvflow.model import hugepages
 from kvflow.model.arch import LlamaArchConfig
-from kvflow.model.kv_layout import cache_geometry, cache_shape, read_blocks, read_rows, write_rows
+from kvflow.model.cpu_features import cpu_features
+from kvflow.model.kv_layout import (FP8, FP8_KV_SCALE, cache_geometry, cache_shape, read_blocks,
+                                    read_rows, write_rows)
 
 
 def allocate_kv_caches(arch: LlamaArchConfig, num_blocks: int, block_size: int,
@@ -26,7 +28,7 @@ def allocate_kv_caches(arch: LlamaArchConfig, num_blocks: int, block_size: int,
     On the CPU, `zeros(numel, dtype)` gives each tensor's memory (default: anonymous memory on
     huge pages; a shared file when another process must reach the cache)."""
     num_layers = arch.num_hidden_layers if num_layers is None else num_layers
-    shape = cache_shape(num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
+    shape = cache_shape(num_blocks, block_size, arch.num_key_value_heads, arch.head_dim, dtype)
     if device is not None and torch.device(device).type != "cpu":
         return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                 for _ in range(num_layers)]
@@ -179,6 +181,30 @@ def build_attention_metadata(query_lens: np.ndarray, seq_lens: np.ndarray,
 
 
 _WRITERS = {torch.float32: "write_kv_f32", torch.bfloat16: "write_kv_bf16"}
+# one-byte caches (paged_attention_quant.c): the kernels' `kind`
+Q8_KINDS = {torch.int8: 0, FP8: 1}
+Q8_ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
+
+
+def _float_bits(x: float) -> int:
+    return int(np.array(x, dtype=np.float32).view(np.uint32))
+
+
+def q8_isas() -> tuple[str, ...]:
+    """The paths of the one-byte-cache decode kernel this build has (scalar always)."""
+    lib = library()
+    bits = lib.paged_decode_q8_isas() if lib is not None else 0
+    return tuple(name for name, i in Q8_ISAS.items() if bits >> i & 1)
+
+
+def best_q8_isa(features) -> str:
+    """The widest one-byte-cache decode path both the build and the CPU have."""
+    built = q8_isas()
+    if "avx512" in built and {"avx512f", "avx512bw", "f16c"} <= features.flags:
+        return "avx512"
+    if "avx2" in built and {"avx2", "fma", "f16c"} <= features.flags:
+        return "avx2"
+    return "scalar"
 
 
 def write_kv_with_kernel(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
@@ -187,6 +213,19 @@ def write_kv_with_kernel(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.
     writer (a bf16 cache of fp32 activations gets each value rounded to nearest even), or
     kv_layout.write_rows for tensors it does not take."""
     bs, kvh, d = cache_geometry(k_cache)
+    kind = Q8_KINDS.get(k_cache.dtype)
+    if kind is not None:
+        if (k.dtype in _IO_DTYPES and k_cache.device.type == "cpu" and v.dtype == k.dtype
+                and k.stride()[1:] == (d, 1) and v.stride() == k.stride()
+                and k_cache.is_contiguous() and v_cache.is_contiguous()):
+            bits = _float_bits(FP8_KV_SCALE)
+            library().write_kv_q8(
+                k.data_ptr(), v.data_ptr(), k.stride(0), slot_mapping.data_ptr(),
+                k_cache.data_ptr(), v_cache.data_ptr(), 0, k.shape[0], kvh, d, bs, kind,
+                int(k.dtype == torch.bfloat16), bits, bits)
+            return
+        write_rows(k_cache, v_cache, k, v, slot_mapping)
+        return
     writer = _WRITERS.get(k_cache.dtype) if k.dtype == torch.float32 else (
         "copy_kv_bf16" if k.dtype == torch.bfloat16 == k_cache.dtype else None)
     if (writer is not None and k_cache.device.type == "cpu"
@@ -209,10 +248,11 @@ MIN_PARALLEL_HEAD_KEYS = 256
 
 def _decode_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, out: torch.Tensor,
-                        all_tokens: bool = False) -> bool:
+                        all_tokens: bool = False, q8_isa: str | None = None) -> bool:
     """Decode rows (or, with `all_tokens`, every token, each one query over its own causal
     prefix) through the C kernel, straight from the paged cache. False: the kernel does not
-    take this cache (another dtype or device)."""
+    take this cache (another dtype or device). A one-byte cache (fp8, int8) is read by
+    paged_decode_q8 on its `q8_isa` path (None: the widest this CPU has)."""
     kernel = _decode_kernel(k_cache)
     if kernel is None:
         return False
@@ -229,12 +269,15 @@ def _decode_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
     # rows split between threads by key count (the kernel's work is ~ keys)
     threads = torch.get_num_threads() if int(lens.sum()) * num_heads >= MIN_PARALLEL_HEAD_KEYS else 1
-    run_kernel(kernel,
-               [qf.data_ptr(), qf.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.ctypes.data,
-                tables.shape[1], lens.ctypes.data, rows.ctypes.data, num_heads, num_kv_heads,
-                head_dim, block_size, of.data_ptr(), num_heads * head_dim, io_bf16,
-                meta.sliding_window or 0],
-               len(rows), threads, farg=scale, weights=lens)
+    words = [qf.data_ptr(), qf.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.ctypes.data,
+             tables.shape[1], lens.ctypes.data, rows.ctypes.data, num_heads, num_kv_heads,
+             head_dim, block_size, of.data_ptr(), num_heads * head_dim, io_bf16,
+             meta.sliding_window or 0]
+    if kernel == "paged_decode_q8":
+        isa = q8_isa or best_q8_isa(cpu_features())
+        bits = _float_bits(FP8_KV_SCALE)
+        words += [Q8_KINDS[k_cache.dtype], Q8_ISAS[isa], bits, bits]
+    run_kernel(kernel, words, len(rows), threads, farg=scale, weights=lens)
     if of is not out:  # a caller's out in another dtype
         idx = torch.from_numpy(rows)
         out[idx] = of[idx].to(out.dtype)
@@ -245,19 +288,21 @@ def _decode_kernel(k_cache: torch.Tensor) -> str | None:
     """The decode kernel's name for this cache (None: another dtype or device)."""
     if k_cache.device.type != "cpu":
         return None
-    return _KERNELS.get(k_cache.dtype)
+    return "paged_decode_q8" if k_cache.dtype in Q8_KINDS else _KERNELS.get(k_cache.dtype)
 
 
 def _prefill_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          meta: AttentionMetadata, scale: float, out: torch.Tensor) -> bool:
-    """Prompt rows through the flash-style prompt kernel (prefill_attention.c: bf16 cache,
-    AVX512-BF16, 16-token blocks) into `out` (fp32 or bf16, contiguous); decode rows untouched. q is
-    read in bf16 (an fp32 q is rounded first). A sliding window is the kernel's own: it skips
-    the blocks before it. False: the kernel does not serve this here."""
+    """Prompt rows through the flash-style prompt kernel (prefill_attention.c: bf16 cache, or a
+    one-byte one widened to bf16 as it is gathered; AVX512-BF16, 16-token blocks) into `out`
+    (fp32 or bf16, contiguous); decode rows untouched. q is read in bf16 (an fp32 q is rounded
+    first). A sliding window is the kernel's own: it skips the blocks before it. False: the
+    kernel does not serve this here."""
     lib = library()
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads, _ = cache_geometry(k_cache)
-    if (k_cache.dtype != torch.bfloat16 or k_cache.device.type != "cpu"
+    kv_kind = {torch.bfloat16: 0, torch.int8: 1, FP8: 2}.get(k_cache.dtype)
+    if (kv_kind is None or k_cache.device.type != "cpu"
             or not lib.paged_prefill_bf16_supported(num_heads, num_kv_heads, head_dim, block_size)):
         return False
     if q.dtype != torch.bfloat16 or q.stride()[1:] != (head_dim, 1):
@@ -271,7 +316,7 @@ def _prefill_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                [q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.ctypes.data,
                 tables.shape[1], starts.ctypes.data, qlens.ctypes.data, slens.ctypes.data, num_heads,
                 num_kv_heads, head_dim, block_size, out.data_ptr(), out.stride(0),
-                int(out.dtype == torch.bfloat16), window],
+                int(out.dtype == torch.bfloat16), window, kv_kind, _float_bits(FP8_KV_SCALE)],
                len(qlens) * num_kv_heads, torch.get_num_threads(), farg=scale,
                weights=np.repeat(qlens * keys, num_kv_heads))
     return True
@@ -302,7 +347,7 @@ def _decode_with_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 def attention_with_kernels(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float, num_kv_heads: int,
                            k: torch.Tensor | None = None, v: torch.Tensor | None = None, *,
-                           prompt_kernel: bool = True) -> torch.Tensor:
+                           prompt_kernel: bool = True, q8_isa: str | None = None) -> torch.Tensor:
     """Attention of q [T, H, D] over each request's own cached K/V -> [T, H * D], through the
     C kernels: decodes through the decode kernel, prompts through the prompt kernel where
     `prompt_kernel` (it was built: AVX512-BF16) and it takes this cache, else as decode rows.
@@ -323,9 +368,9 @@ def attention_with_kernels(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if head_dim not in VECTOR_HEAD_DIMS:
             return attention_with_sdpa(q, k_cache, v_cache, meta, scale, num_kv_heads, k, v,
                                        decode_kernel=True)
-        _decode_with_kernel(q, k_cache, v_cache, meta, scale, of, all_tokens=True)
+        _decode_with_kernel(q, k_cache, v_cache, meta, scale, of, all_tokens=True, q8_isa=q8_isa)
     elif meta.num_decodes:
-        _decode_with_kernel(q, k_cache, v_cache, meta, scale, of)
+        _decode_with_kernel(q, k_cache, v_cache, meta, scale, of, q8_isa=q8_isa)
     if of is not out:
         out.copy_(of)
     return out.reshape(num_tokens, num_heads * head_dim)
@@ -340,6 +385,8 @@ def attention_with_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
     gqa = num_heads != num_kv_heads
+    if k_cache.dtype in Q8_KINDS:  # every key as stored, the kernels' numbers on every path
+        k = v = None
     if meta.num_decodes and not (decode_kernel and _decode_with_kernel(q, k_cache, v_cache, meta, scale, out)):
         _decode_with_torch(q, k_cache, v_cache, meta, scale, out)
 

@@ -171,6 +171,7 @@ class DecodeGraph:
         if len(kv_caches) != len(self.layers):
             return False
         kv_dtype = kv_caches[0][0].dtype
+        # one-byte caches (fp8, int8: paged_attention_quant.c) take the per-layer path
         if kv_dtype not in (torch.float32, torch.bfloat16) or (
                 self.model.dtype == torch.bfloat16 and kv_dtype != torch.bfloat16):
             return False

@@ -17,7 +17,9 @@ What serves here, and why:
   panels or, with `weight_dtype` bfloat16/float16, from half-precision ones (half the bytes);
 - attention, norm, RoPE, SiLU, KV write, argmax: the C kernels (kvflow/csrc) where they built,
   else PyTorch; attention's prompt kernel exists only where the CPU has AVX512-BF16, elsewhere
-  prompt tokens run as rows of the decode kernel.
+  prompt tokens run as rows of the decode kernel; a one-byte KV cache (`kv_cache_dtype` fp8 or
+  int8) has its own decode kernel and writer (csrc/paged_attention_quant.c, its AVX-512, AVX2 or
+  scalar path chosen here); the prompt kernel widens its tiles to bf16 as it gathers them.
 
 On an NVIDIA GPU (device cuda) the set is gpu_kernels.py's: torch GEMMs in bf16 and the Triton
 paged attention of kvflow/model/triton.
@@ -31,7 +33,7 @@ A new variant (sliding-window or soft-capped attention) is one more
 implementation and one more branch in `select_kernels`."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Callable
 
@@ -43,7 +45,7 @@ from kvflow.csrc.gemv import GEMV_MAX_ROWS, best_gemv_isa
 from kvflow.csrc.lora import best_lora_isa, lora_add, lora_add_torch
 from kvflow.model import attention, packed_linear
 from kvflow.model.cpu_features import CpuFeatures, cpu_features
-from kvflow.model.kv_layout import write_rows
+from kvflow.model.kv_layout import is_quantized, write_rows
 from kvflow.model.packed_linear import AMX_PANEL_ROWS, AMX_PANEL_ROWS_LARGE
 
 
@@ -126,10 +128,14 @@ class Kernels:
         return f"kernels [{where}]: " + ", ".join(f"{op}={name}" for op, name in self.names.items())
 
     def with_kv_dtype(self, kv_dtype: torch.dtype) -> "Kernels":
-        """The same choice for a KV cache of `kv_dtype` (the runner's, when it differs)."""
+        """The same choice for a KV cache of `kv_dtype` (the runner's, when it differs): its
+        attention and KV write; the projections stay as they were packed at load."""
         if kv_dtype == self.kv_dtype:
             return self
-        return select_kernels(self.dtype, kv_dtype, self.device_type, self.features, self.options)
+        new = select_kernels(self.dtype, kv_dtype, self.device_type, self.features, self.options)
+        return replace(self, kv_dtype=kv_dtype, attention=new.attention, write_kv=new.write_kv,
+                       names={**self.names, "attention": new.names["attention"],
+                              "kv_write": new.names["kv_write"]})
 
 
 def _gemv_isa(features: CpuFeatures, options: KernelOptions) -> str | None:
@@ -190,7 +196,16 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
         linear_name = f"gemv-{gemv_isa}{stored}+{linear_name}"
     # attention: the prompt kernel's shape check answers 0 for every shape where it was not built
     prompt_kernel = c and features.avx512_bf16 and bool(lib.paged_prefill_bf16_supported(1, 1, 32, 16))
-    if c:
+    if c and is_quantized(kv_dtype):
+        # one-byte caches: their own decode kernel (paged_attention_quant.c) on the widest path
+        # this CPU has; prompts through the prompt kernel, which widens them as it gathers (on
+        # AVX512-BF16), else as the decode kernel's rows
+        q8_isa = attention.best_q8_isa(features)
+        attend = partial(attention.attention_with_kernels, prompt_kernel=prompt_kernel,
+                         q8_isa=q8_isa)
+        attention_name = (f"c-decode-{'fp8' if kv_dtype != torch.int8 else 'int8'}-{q8_isa}"
+                          + ("+c-prompt" if prompt_kernel else ""))
+    elif c:
         attend = partial(attention.attention_with_kernels, prompt_kernel=prompt_kernel)
         attention_name = "c-decode+c-prompt" if prompt_kernel and kv_dtype == bf16 else "c-decode"
     else:

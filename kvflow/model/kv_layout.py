@@ -10,57 +10,194 @@ head are read as whole tiles. Inside a tile the values go in pairs:
   weighted sum takes two keys per multiply-add.
 
 Both sizes must be even. Rows here are the plain [tokens, kv_heads, head_dim] of the model.
+
+Quantized caches (the `kv_cache_dtype` fp8 and int8, docs/kv_cache_quantization.md) keep the
+same tiles, one byte a value:
+
+- fp8 (torch.float8_e4m3fn): the values themselves, per-tensor scale FP8_KV_SCALE (1.0, vLLM's
+  default for a checkpoint without k_scale/v_scale), saturated at +-448 on the write;
+- int8 (torch.int8): each token's row of each kv head quantized on its own (symmetric, absmax /
+  127), its fp32 scale stored beside the tile: a (block, kv head) is bs * head_dim int8 values
+  in the tile layout above, then bs fp32 scales, one per token, so the tensor is
+  [num_blocks, kv_heads, block_size, head_dim + 4] in size and a block's bytes still carry all of
+  it (prefix caching, KV transfer). A written token is never requantized: its scale is its own.
 """
 from __future__ import annotations
 
 import torch
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+FP8_KV_SCALE = 1.0
+INT8_SCALE_BYTES = 4  # one fp32 scale per token and kv head, after the tile
+QUANTIZED = (FP8, torch.int8)
 
-def cache_shape(num_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
+
+def is_quantized(dtype: torch.dtype) -> bool:
+    return dtype in QUANTIZED
+
+
+def resolve_kv_dtype(name: str) -> torch.dtype:
+    """CacheConfig.cache_dtype (not auto) -> the cache tensors' dtype."""
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32, "fp8_e4m3": FP8,
+            "int8": torch.int8}[name]
+
+
+def token_bytes(dtype: torch.dtype, head_dim: int) -> int:
+    """Bytes one token's K (or V) takes per kv head in a cache of `dtype` (scales included)."""
+    if dtype == torch.int8:
+        return head_dim + INT8_SCALE_BYTES
+    return head_dim * dtype.itemsize
+
+
+def cache_shape(num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                dtype: torch.dtype | None = None) -> tuple[int, ...]:
     if block_size % 2 or head_dim % 2:
         raise ValueError(f"the paged cache pairs keys and dims: block_size ({block_size}) and "
                          f"head_dim ({head_dim}) must be even")
+    if dtype == torch.int8:
+        if head_dim % 4:
+            raise ValueError(f"an int8 KV cache needs head_dim % 4 == 0 (its fp32 scales follow "
+                             f"each tile), got {head_dim}")
+        return (num_blocks, kv_heads, block_size, head_dim + INT8_SCALE_BYTES)
     return (num_blocks, kv_heads, block_size, head_dim)
 
 
 def cache_geometry(cache: torch.Tensor) -> tuple[int, int, int]:
     """(block_size, kv_heads, head_dim) of a cache made with cache_shape."""
-    return cache.shape[2], cache.shape[1], cache.shape[3]
+    d = cache.shape[3] - (INT8_SCALE_BYTES if cache.dtype == torch.int8 else 0)
+    return cache.shape[2], cache.shape[1], d
+
+
+def _tile(cache: torch.Tensor) -> torch.Tensor:
+    """The value tiles [block, head, bs * D] (an int8 cache: without its scales; fp8 as its
+    bytes, which indexing takes)."""
+    nb, kvh, bs, _ = cache.shape
+    d = cache_geometry(cache)[2]
+    flat = cache.view(torch.uint8) if cache.dtype == FP8 else cache
+    return flat.view(nb, kvh, -1)[:, :, :bs * d]
+
+
+def int8_scales(cache: torch.Tensor) -> torch.Tensor:
+    """An int8 cache's per-token scales [block, head, bs] (fp32, a view of the cache)."""
+    nb, kvh, bs, _ = cache.shape
+    d = cache_geometry(cache)[2]
+    return cache.view(nb, kvh, -1)[:, :, bs * d:].view(torch.float32)
 
 
 def _key_tiles(cache: torch.Tensor) -> torch.Tensor:
-    nb, kvh, bs, d = cache.shape
-    return cache.view(nb, kvh, d // 2, bs, 2)  # [block, head, dim pair, key, 2]
+    bs, kvh, d = cache_geometry(cache)
+    return _tile(cache).view(cache.shape[0], kvh, d // 2, bs, 2)  # [block, head, dim pair, key, 2]
 
 
 def _value_tiles(cache: torch.Tensor) -> torch.Tensor:
-    nb, kvh, bs, d = cache.shape
-    return cache.view(nb, kvh, bs // 2, d, 2)  # [block, head, key pair, dim, 2]
+    bs, kvh, d = cache_geometry(cache)
+    return _tile(cache).view(cache.shape[0], kvh, bs // 2, d, 2)  # [block, head, key pair, dim, 2]
+
+
+def quantize_fp8(x: torch.Tensor) -> torch.Tensor:
+    """Rows to e4m3 at FP8_KV_SCALE, saturating (NaN stays NaN)."""
+    return (x.float() / FP8_KV_SCALE).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows [..., D] -> (int8 values, fp32 scales [...]): scale = absmax / 127 per row,
+    values rint(x * (127 / absmax)) (an all-zero row: scale 0, values 0)."""
+    x = x.float()
+    amax = x.abs().amax(-1)
+    # a true division, as the C writer's (a Python number over a tensor is a reciprocal times it)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(x * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    return q, amax / 127.0
+
+
+def _stored(x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows as the cache stores them: (values in the tiles' dtype, int8 scales or None)."""
+    if cache.dtype == torch.int8:
+        return quantize_int8(x)
+    if cache.dtype == FP8:
+        return quantize_fp8(x).view(torch.uint8), None
+    return x.to(cache.dtype), None
 
 
 def write_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                slots: torch.Tensor) -> None:
-    """k/v [T, kv_heads, head_dim] into the flat slots (block * block_size + offset)."""
+    """k/v [T, kv_heads, head_dim] into the flat slots (block * block_size + offset),
+    quantized as the cache's dtype says."""
+    (qk, sk), (qv, sv) = _stored(k, k_cache), _stored(v, v_cache)
+    _write_stored(k_cache, v_cache, qk, qv, sk, sv, slots)
+
+
+def _write_stored(k_cache, v_cache, qk, qv, sk, sv, slots) -> None:
     bs, kvh, d = cache_geometry(k_cache)
     blk, at = slots // bs, slots % bs
-    _key_tiles(k_cache)[blk, :, :, at, :] = k.reshape(-1, kvh, d // 2, 2).to(k_cache.dtype)
-    _value_tiles(v_cache)[blk, :, at // 2, :, at % 2] = v.to(v_cache.dtype)
+    _key_tiles(k_cache)[blk, :, :, at, :] = qk.reshape(-1, kvh, d // 2, 2)
+    _value_tiles(v_cache)[blk, :, at // 2, :, at % 2] = qv
+    if sk is not None:
+        int8_scales(k_cache)[blk, :, at] = sk
+        int8_scales(v_cache)[blk, :, at] = sv
+
+
+def read_stored_rows(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K/V rows at the flat slots as stored, [S, kv_heads, head_dim] (a one-byte cache's as
+    uint8, int8's with its 4 scale bytes after each row): moved between caches of different
+    block sizes unchanged, by write_stored_rows."""
+    bs, kvh, d = cache_geometry(k_cache)
+    blk, at = slots // bs, slots % bs
+    k = _key_tiles(k_cache)[blk, :, :, at, :].reshape(-1, kvh, d)
+    v = _value_tiles(v_cache)[blk, :, at // 2, :, at % 2]
+    if k_cache.dtype == torch.int8:
+        k, v = (torch.cat([x, int8_scales(c)[blk, :, at].unsqueeze(-1).view(torch.int8)], -1)
+                for x, c in ((k, k_cache), (v, v_cache)))
+    return k, v
+
+
+def write_stored_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Rows from read_stored_rows into the flat slots of a cache of the same dtype."""
+    d = cache_geometry(k_cache)[2]
+    if k_cache.dtype == torch.int8:
+        sk, sv = (x[..., d:].contiguous().view(torch.float32)[..., 0] for x in (k, v))
+        k, v = k[..., :d], v[..., :d]
+    else:
+        sk = sv = None
+    _write_stored(k_cache, v_cache, k, v, sk, sv, slots)
+
+
+def _dequantized(x: torch.Tensor, scales: torch.Tensor | None, cache: torch.Tensor) -> torch.Tensor:
+    """Stored values back to fp32 (a float cache's: as they are)."""
+    if cache.dtype == torch.int8:
+        return x.float() * scales[..., None]
+    if cache.dtype == FP8:
+        return x.view(FP8).float() * FP8_KV_SCALE
+    return x
 
 
 def read_rows(k_cache: torch.Tensor, v_cache: torch.Tensor,
               slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The K/V rows [S, kv_heads, head_dim] at the flat slots."""
+    """The K/V rows [S, kv_heads, head_dim] at the flat slots (a quantized cache's in fp32,
+    dequantized)."""
     bs, kvh, d = cache_geometry(k_cache)
     blk, at = slots // bs, slots % bs
     k = _key_tiles(k_cache)[blk, :, :, at, :].reshape(-1, kvh, d)
-    return k, _value_tiles(v_cache)[blk, :, at // 2, :, at % 2]
+    v = _value_tiles(v_cache)[blk, :, at // 2, :, at % 2]
+    ks = int8_scales(k_cache)[blk, :, at] if k_cache.dtype == torch.int8 else None
+    vs = int8_scales(v_cache)[blk, :, at] if k_cache.dtype == torch.int8 else None
+    return _dequantized(k, ks, k_cache), _dequantized(v, vs, v_cache)
 
 
 def read_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor,
                 tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Whole blocks as rows: tables [B, n] -> K/V [B, n * block_size, kv_heads, head_dim]."""
+    """Whole blocks as rows: tables [B, n] -> K/V [B, n * block_size, kv_heads, head_dim]
+    (a quantized cache's in fp32, dequantized)."""
     bs, kvh, d = cache_geometry(k_cache)
     b, n = tables.shape
     k = _key_tiles(k_cache)[tables].permute(0, 1, 4, 2, 3, 5)  # [B, n, key, head, pair, 2]
     v = _value_tiles(v_cache)[tables].permute(0, 1, 3, 5, 2, 4)  # [B, n, pair, 2, head, dim]
-    return k.reshape(b, n * bs, kvh, d), v.reshape(b, n * bs, kvh, d)
+    k, v = k.reshape(b, n * bs, kvh, d), v.reshape(b, n * bs, kvh, d)
+    if k_cache.dtype == torch.int8:
+        ks, vs = (int8_scales(c)[tables].permute(0, 1, 3, 2).reshape(b, n * bs, kvh)
+                  for c in (k_cache, v_cache))
+        return _dequantized(k, ks, k_cache), _dequantized(v, vs, v_cache)
+    return _dequantized(k, None, k_cache), _dequantized(v, None, v_cache)

@@ -78,10 +78,12 @@ def local_arch(arch: LlamaArchConfig, size: int) -> LlamaArchConfig:
                    shared_expert_intermediate_size=arch.shared_expert_intermediate_size // size)
 
 
-def kv_bytes_per_token_per_rank(arch: LlamaArchConfig, size: int, dtype_bytes: int) -> int:
-    """KV bytes one token occupies in one rank's share of the cache."""
-    return local_arch(arch, size).kv_bytes_per_token(dtype_bytes) if size > 1 \
-        else arch.kv_bytes_per_token(dtype_bytes)
+def kv_bytes_per_token_per_rank(arch: LlamaArchConfig, size: int, dtype_bytes: int,
+                                scale_bytes: int = 0) -> int:
+    """KV bytes one token occupies in one rank's share of the cache (`scale_bytes` per token
+    and kv head: an int8 cache's scales)."""
+    return local_arch(arch, size).kv_bytes_per_token(dtype_bytes, scale_bytes) if size > 1 \
+        else arch.kv_bytes_per_token(dtype_bytes, scale_bytes)
 
 
 # -- reading slices ----------------------------------------------------------------------------

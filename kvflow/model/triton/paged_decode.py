@@ -15,16 +15,18 @@ import triton
 import triton.language as tl
 
 from kvflow.model.kv_layout import cache_geometry
-from kvflow.model.triton.layout import key_offset, soft_cap, tile_base, value_offset
+from kvflow.model.triton.layout import (key_offset, kv_kind, kv_operands, load_kv, soft_cap,
+                                        tile_base, value_offset)
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
+def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, part_out, part_lse,
                          scale, cap, window, stride_q_tok, stride_q_head, stride_bt,
                          NUM_SPLITS: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, USE_WINDOW: tl.constexpr):
+                         BLOCK_N: tl.constexpr, USE_CAP: tl.constexpr, USE_WINDOW: tl.constexpr,
+                         KV_KIND: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -50,11 +52,13 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, part_o
         t = start + tl.arange(0, BLOCK_N)
         t_ok = t < hi
         block = tl.load(block_tables + seq.to(tl.int64) * stride_bt + t // BLOCK_SIZE, mask=t_ok, other=0)
-        base = tile_base(block, kv_head, KV_HEADS, BLOCK_SIZE, HEAD_DIM)[:, None]
+        base = tile_base(block, kv_head, KV_HEADS, BLOCK_SIZE, HEAD_DIM, KV_KIND)[:, None]
         at = (t % BLOCK_SIZE)[:, None]
         kv_mask = t_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache + base + key_offset(at, d[None, :], BLOCK_SIZE), mask=kv_mask, other=0.0)
-        v = tl.load(v_cache + base + value_offset(at, d[None, :], HEAD_DIM), mask=kv_mask, other=0.0)
+        k = load_kv(k_cache, k_scales, base, key_offset(at, d[None, :], BLOCK_SIZE), at, kv_mask,
+                    t_ok[:, None], KV_KIND, BLOCK_SIZE, HEAD_DIM)
+        v = load_kv(v_cache, v_scales, base, value_offset(at, d[None, :], HEAD_DIM), at, kv_mask,
+                    t_ok[:, None], KV_KIND, BLOCK_SIZE, HEAD_DIM)
         s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale  # [G, N]
         if USE_CAP:
             s = soft_cap(s, cap)
@@ -118,14 +122,16 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         workspace = (torch.empty(batch * heads * num_splits, head_dim, dtype=torch.float32, device=q.device),
                      torch.empty(batch * heads * num_splits, dtype=torch.float32, device=q.device))
     part_out, part_lse = workspace
+    (kc, ks), (vc, vs) = kv_operands(k_cache), kv_operands(v_cache)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
+        q, kc, vc, ks, vs, block_tables, seq_lens, part_out, part_lse,
         scale, float(logits_soft_cap or 0.0), int(sliding_window or 0),
         q.stride(0), q.stride(1), block_tables.stride(0),
         NUM_SPLITS=num_splits, HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), 2),
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=max(triton.next_power_of_2(block_size), 16),
-        USE_CAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None)
+        USE_CAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
+        KV_KIND=kv_kind(k_cache))
     _merge_splits_kernel[(batch, heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, HEADS=heads, HEAD_DIM=head_dim,

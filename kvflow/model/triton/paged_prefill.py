@@ -14,17 +14,18 @@ import triton
 import triton.language as tl
 
 from kvflow.model.kv_layout import cache_geometry
-from kvflow.model.triton.layout import key_offset, soft_cap, tile_base, value_offset
+from kvflow.model.triton.layout import (key_offset, kv_kind, kv_operands, load_kv, soft_cap,
+                                        tile_base, value_offset)
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out_ptr,
+def _prefill_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, query_start_loc, out_ptr,
                     scale, cap, window, stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
                     stride_bt,
                     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, USE_CAP: tl.constexpr, USE_WINDOW: tl.constexpr,
-                    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+                    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, KV_KIND: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -60,11 +61,13 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, query_start
         t = start + tl.arange(0, BLOCK_N)
         t_ok = t < hi
         block = tl.load(block_tables + seq.to(tl.int64) * stride_bt + t // BLOCK_SIZE, mask=t_ok, other=0)
-        base = tile_base(block, kv_head, KV_HEADS, BLOCK_SIZE, HEAD_DIM)[:, None]
+        base = tile_base(block, kv_head, KV_HEADS, BLOCK_SIZE, HEAD_DIM, KV_KIND)[:, None]
         at = (t % BLOCK_SIZE)[:, None]
         kv_mask = t_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache + base + key_offset(at, d[None, :], BLOCK_SIZE), mask=kv_mask, other=0.0)
-        v = tl.load(v_cache + base + value_offset(at, d[None, :], HEAD_DIM), mask=kv_mask, other=0.0)
+        k = load_kv(k_cache, k_scales, base, key_offset(at, d[None, :], BLOCK_SIZE), at, kv_mask,
+                    t_ok[:, None], KV_KIND, BLOCK_SIZE, HEAD_DIM)
+        v = load_kv(v_cache, v_scales, base, value_offset(at, d[None, :], HEAD_DIM), at, kv_mask,
+                    t_ok[:, None], KV_KIND, BLOCK_SIZE, HEAD_DIM)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale  # [M, N]
         if USE_CAP:
             s = soft_cap(s, cap)
@@ -109,12 +112,13 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # Triton's interpreter (CPU tensors) gets bf16 dots wrong: there they run in fp32.
     dot_fp32 = q.device.type == "cpu" or q.dtype == torch.float32
     precision = "ieee" if dot_fp32 else "tf32"
+    (kc, ks), (vc, vs) = kv_operands(k_cache), kv_operands(v_cache)
     _prefill_kernel[(num_seqs, heads, triton.cdiv(max_query_len, block_m))](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        q, kc, vc, ks, vs, block_tables, seq_lens, query_start_loc, out,
         scale, float(logits_soft_cap or 0.0), int(sliding_window or 0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         KV_HEADS=kv_heads, GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
         USE_CAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
-        DOT_FP32=dot_fp32, PRECISION=precision)
+        DOT_FP32=dot_fp32, PRECISION=precision, KV_KIND=kv_kind(k_cache))
     return out
