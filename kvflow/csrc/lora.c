@@ -79,14 +79,6 @@ static inline __m256 ld8(const void *p, int bf, int64_t i)
     return bf ? load8_bf16((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
 }
 
-static inline float hsum8(__m256 v)
-{
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
-    return _mm_cvtss_f32(h);
-}
-
 static void shrink_avx2(const void *x, int64_t xs, int bf, int64_t K, const float *a, float *s,
                         int64_t n)
 {
