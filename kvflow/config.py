@@ -262,6 +262,9 @@ def parse_init_method(init_method: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+MAX_DATA_PARALLEL = 64
+
+
 @dataclass
 class ParallelConfig:
     """Tensor parallelism: `tensor_parallel_size` ranks spread evenly over `nnodes` machines,
@@ -274,9 +277,18 @@ class ParallelConfig:
         None, "where the ranks meet, tcp://HOST:PORT of node 0 (default: a free loopback port)")
     nnodes: int = option(1, "machines the ranks are spread over")
     node_rank: int = option(0, "this machine's index; a node other than 0 only runs its workers")
+    data_parallel_size: int = option(
+        1, "kvflow serve: this many engine-core replicas behind one API server, requests "
+        "balanced by load and prefix (docs/data_parallel_and_routing.md)", short="-dp")
 
     def __post_init__(self) -> None:
         tp, nnodes = self.tensor_parallel_size, self.nnodes
+        if not 1 <= self.data_parallel_size <= MAX_DATA_PARALLEL:
+            raise ValueError(f"data_parallel_size must be in 1..{MAX_DATA_PARALLEL}, got "
+                             f"{self.data_parallel_size}")
+        if self.data_parallel_size > 1 and nnodes > 1:
+            raise ValueError("data_parallel_size > 1 runs its replicas on this machine; it does "
+                             "not combine with nnodes > 1")
         if tp < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
         if nnodes < 1:
@@ -392,6 +404,13 @@ class EngineConfig:
             self.num_threads = envs.KVFLOW_NUM_THREADS or 1
         if self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.parallel_config.data_parallel_size > 1:
+            if self.kv_transfer is not None:
+                raise ValueError("data_parallel_size > 1 with kv_transfer_config is not "
+                                 "implemented (one KV port per instance): start one instance "
+                                 "per role and put `kvflow router` in front")
+            if self.trace is not None:
+                raise ValueError("trace: one file per engine; not with data_parallel_size > 1")
         if self.structured_outputs_backend not in ("auto", "llguidance", "xgrammar"):
             raise ValueError("structured_outputs_backend must be auto, llguidance or xgrammar, "
                              f"got {self.structured_outputs_backend!r}")
