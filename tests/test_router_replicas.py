@@ -78,8 +78,8 @@ class RouterProcess:
 
 @pytest.fixture(scope="module")
 def cluster():
-    a = ServerProcess(*REPLICA_ARGS)
-    b = ServerProcess(*REPLICA_ARGS)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the two start side by side
+        a, b = pool.map(lambda _: ServerProcess(*REPLICA_ARGS), range(2))
     router = None
     try:
         router = RouterProcess("--replicas", a.url, "--balance-abs-threshold", "2",
