@@ -4,7 +4,8 @@ Two `kvflow serve` replicas of the default model (one compute thread each) and t
 front of the same replicas, one per policy. A round is S chat sessions run at once, each T
 turns long: every session starts with the same system prompt, and each turn sends the whole
 conversation so far (system, then user / assistant turns, the replies as the model gave them)
-plus a new user message. Rounds alternate between the two routers; before each, both replicas'
+plus a new user message. Rounds alternate between the routers (`--variant`, the last one the
+baseline of the ratios); before each, both replicas'
 prefix caches are reset and every round's user messages are new, so that no round inherits
 another's cache (the system prompt is re-learnt every round).
 
@@ -14,7 +15,7 @@ tokens per second over the round's wall time, and where the requests went; media
 rounds of each policy, and the ratios.
 
     flock /tmp/kvflow-bench.lock .venv/bin/python benchmarks/router_cache_aware.py \\
-        [--sessions 8] [--turns 4] [--rounds 4] [--output-len 24] [--save-json PATH]
+        [--sessions 8] [--turns 4] [--rounds 3] [--output-len 24] [--save-json PATH]
 """
 from __future__ import annotations
 
@@ -183,16 +184,20 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sessions", type=int, default=8)
     p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=4, help="in all, alternating the policies")
+    p.add_argument("--rounds", type=int, default=3, help="per variant, the variants in turn")
     p.add_argument("--system-words", type=int, default=200)
     p.add_argument("--user-words", type=int, default=24)
     p.add_argument("--output-len", type=int, default=24)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--kv-cache-memory", default="256MiB", help="per replica")
-    p.add_argument("--router-args", default="", help="extra flags for both routers")
+    p.add_argument("--variant", action="append", metavar="NAME=FLAGS",
+                   help="a router to compare, e.g. 'cache_aware=--policy cache_aware' "
+                        "(repeatable; default: cache_aware and round_robin with their defaults)")
     p.add_argument("--save-json", default=os.path.join(REPO, "benchmarks", "results",
                                                        "router_cache_aware.json"))
     args = p.parse_args()
+    variants = dict(v.split("=", 1) for v in args.variant or
+                    ("cache_aware=--policy cache_aware", "round_robin=--policy round_robin"))
 
     procs = []
     try:
@@ -206,17 +211,17 @@ def main() -> None:
             wait_ready(proc, url, "/health", log)
         urls = [u for _, u, _ in replicas]
         routers = {}
-        for policy in ("cache_aware", "round_robin"):
-            proc, url, log = start(["router", "--policy", policy, "--replicas", *urls,
-                                    *args.router_args.split()], "/health")
+        for name, flags in variants.items():
+            proc, url, log = start(["router", "--replicas", *urls, *flags.split()], "/health")
             procs.append((proc, log))
             wait_ready(proc, url, "/list_workers", log)
-            routers[policy] = url
+            routers[name] = url
         system = "You are a helpful assistant. Keep these notes in mind: " + " ".join(
             sentence(random.Random(7 + i), 20) for i in range(args.system_words // 20))
         rounds = []
-        for k in range(args.rounds):
-            policy = ("cache_aware", "round_robin")[k % 2]
+        names = list(variants)
+        for k in range(args.rounds * len(names)):
+            policy = names[k % len(names)]
             r = run_round(policy, routers[policy], urls, system, seed=k, args=args)
             rounds.append(r)
             print(f"round {k} {policy:12s} hit rate {r['prefix_hit_rate']:.3f}  TTFT p50 "
@@ -238,8 +243,9 @@ def main() -> None:
         return statistics.median(r[key] for r in rounds if r["policy"] == policy)
 
     keys = ("prefix_hit_rate", "ttft_p50_s", "ttft_p99_s", "completion_tokens_per_s", "wall_s")
-    summary = {pol: {k: med(pol, k) for k in keys} for pol in ("cache_aware", "round_robin")}
-    ca, rr = summary["cache_aware"], summary["round_robin"]
+    summary = {pol: {k: med(pol, k) for k in keys} for pol in variants}
+    base = names[-1]  # the last variant is the baseline of the ratios
+    rr = summary[base]
     report = {
         "benchmark": "router_cache_aware", "date": datetime.date.today().isoformat(),
         "cpu": cpu_name(), "cores": os.cpu_count(),
@@ -247,17 +253,17 @@ def main() -> None:
         "setup": {"replicas": args.replicas, "threads_per_replica": 1,
                   "sessions": args.sessions, "turns": args.turns, "rounds": args.rounds,
                   "system_words": args.system_words, "user_words": args.user_words,
-                  "output_len": args.output_len, "router_args": args.router_args,
+                  "output_len": args.output_len, "variants": variants,
                   "model": "SmolLM2-135M-Instruct Q4_1 (default)"},
         "median": summary,
-        "ratio_cache_aware_over_round_robin": {
-            "ttft_p50": ca["ttft_p50_s"] / rr["ttft_p50_s"],
-            "ttft_p99": ca["ttft_p99_s"] / rr["ttft_p99_s"],
-            "throughput": ca["completion_tokens_per_s"] / rr["completion_tokens_per_s"]},
+        f"ratio_over_{base}": {name: {
+            "ttft_p50": v["ttft_p50_s"] / rr["ttft_p50_s"],
+            "ttft_p99": v["ttft_p99_s"] / rr["ttft_p99_s"],
+            "throughput": v["completion_tokens_per_s"] / rr["completion_tokens_per_s"]}
+            for name, v in summary.items() if name != base},
         "rounds": rounds,
     }
-    print(json.dumps({k: report[k] for k in ("cpu", "median",
-                                             "ratio_cache_aware_over_round_robin")}, indent=2))
+    print(json.dumps({k: report[k] for k in ("cpu", "median", f"ratio_over_{base}")}, indent=2))
     if args.save_json:
         os.makedirs(os.path.dirname(args.save_json), exist_ok=True)
         with open(args.save_json, "w") as f:

@@ -169,3 +169,67 @@ def test_make_policy_names_and_refusals():
         CacheAwareConfig(cache_threshold=1.5)
     with pytest.raises(ValueError, match="balance_rel_threshold"):
         CacheAwareConfig(balance_rel_threshold=0.5)
+
+
+# -- the router's pieces that need no server --------------------------------------------------
+
+def test_the_router_routes_chat_by_its_roles_and_contents_and_completions_by_the_prompt():
+    from kvflow.entrypoints.router import MAX_KEY_CHARS, prompt_text
+
+    assert prompt_text({"prompt": "abc"}) == "abc"
+    assert prompt_text({"prompt": ["first", "second"]}) == "first"
+    assert prompt_text({"prompt": [1, 2, 3]}) == "[1, 2, 3]"
+    chat = {"messages": [{"role": "system", "content": "S"},
+                         {"role": "user", "content": [{"type": "text", "text": "hi"}, 7]},
+                         "junk", {"role": "assistant"}]}
+    assert prompt_text(chat) == "<system>S<user>hi<assistant>"
+    assert len(prompt_text({"prompt": "x" * (MAX_KEY_CHARS + 10)})) == MAX_KEY_CHARS
+    assert prompt_text({"messages": "not a list"}) == ""
+
+
+@pytest.mark.parametrize("event, commits", [
+    (b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}', False),
+    (b'data: {"choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null}]}', True),
+    (b'data: {"choices":[{"index":0,"text":"","finish_reason":null}]}', False),
+    (b'data: {"choices":[{"index":0,"text":" the","finish_reason":null}]}', True),
+    (b'data: {"choices":[{"index":0,"text":"","finish_reason":"length"}]}', True),
+    (b'data: {"error":{"message":"boom"}}', True),
+    (b'data: [DONE]', True),
+    (b': keepalive', False),
+])
+def test_a_stream_is_held_back_until_its_first_token(event, commits):
+    from kvflow.entrypoints.router import first_token_seen
+
+    assert first_token_seen(event) is commits
+
+
+@pytest.mark.parametrize("url", ["ftp://h:1", "http://", "http://h:1/?q=1", "http://u:p@h:1",
+                                 "http://h:99999", 7, "", "http://h/" + "x" * 3000])
+def test_a_worker_url_must_be_plain_http(url):
+    from kvflow.entrypoints.router_workers import check_worker_url
+
+    with pytest.raises(ValueError, match="url"):
+        check_worker_url(url)
+
+
+def test_health_thresholds_take_a_worker_out_and_back():
+    from kvflow.entrypoints.router_workers import HealthConfig, Workers
+
+    policy = CacheAware()
+    workers = Workers({"replica": ["http://a:1/", "http://b:2"]}, {"replica": policy},
+                      HealthConfig(failure_threshold=2, success_threshold=2))
+    a = workers.find("http://a:1")
+    policy.routed(a, "cached prompt")
+    workers.mark(a, False)
+    assert a.healthy
+    workers.mark(a, False)
+    assert not a.healthy and policy.tree.size(a) == 0  # out, and its tree forgotten
+    workers.mark(a, True)
+    assert not a.healthy
+    workers.mark(a, True)
+    assert a.healthy
+    with pytest.raises(ValueError, match="already"):
+        workers.add("http://a:1", "replica")
+    with pytest.raises(ValueError, match="role"):
+        workers.add("http://c:3", "decode")
+    assert workers.remove("http://b:2/") is not None and workers.find("http://b:2") is None
