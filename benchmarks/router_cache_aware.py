@@ -15,7 +15,7 @@ tokens per second over the round's wall time, and where the requests went; media
 rounds of each policy, and the ratios.
 
     flock /tmp/kvflow-bench.lock .venv/bin/python benchmarks/router_cache_aware.py \\
-        [--sessions 8] [--turns 4] [--rounds 3] [--output-len 24] [--save-json PATH]
+        [--sessions 8] [--turns 5] [--rounds 3] [--output-len 24] [--save-json PATH]
 """
 from __future__ import annotations
 
@@ -183,21 +183,24 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sessions", type=int, default=8)
-    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--turns", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3, help="per variant, the variants in turn")
-    p.add_argument("--system-words", type=int, default=200)
-    p.add_argument("--user-words", type=int, default=24)
-    p.add_argument("--output-len", type=int, default=24)
+    p.add_argument("--system-words", type=int, default=120)
+    p.add_argument("--user-words", type=int, default=30)
+    p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--kv-cache-memory", default="256MiB", help="per replica")
     p.add_argument("--variant", action="append", metavar="NAME=FLAGS",
                    help="a router to compare, e.g. 'cache_aware=--policy cache_aware' "
-                        "(repeatable; default: cache_aware and round_robin with their defaults)")
+                        "(repeatable; default: cache_aware, cache_aware with SGLang's balance "
+                        "threshold of 32, and round_robin)")
     p.add_argument("--save-json", default=os.path.join(REPO, "benchmarks", "results",
                                                        "router_cache_aware.json"))
     args = p.parse_args()
     variants = dict(v.split("=", 1) for v in args.variant or
-                    ("cache_aware=--policy cache_aware", "round_robin=--policy round_robin"))
+                    ("cache_aware=--policy cache_aware",
+                     "cache_aware_abs32=--policy cache_aware --balance-abs-threshold 32",
+                     "round_robin=--policy round_robin"))
 
     procs = []
     try:

@@ -22,11 +22,14 @@ POLICIES = ("round_robin", "least_load", "power_of_two", "cache_aware")
 
 @dataclass
 class CacheAwareConfig:
-    """SGLang router's knobs (same names, same defaults, but a tree size per replica that
-    suits a CPU's cache: 2**20 elements)."""
+    """SGLang router's knobs and names. Its defaults, but for two: an imbalance of more than 2
+    requests in flight (SGLang: 32) sends a request to the least loaded replica, since a CPU
+    replica's step time grows with every request in its batch (with 32, eight chat sessions
+    sharing a system prompt all ran on one of two replicas: benchmarks/router_cache_aware.py);
+    and the tree holds 2**20 elements per replica."""
 
     cache_threshold: float = 0.5
-    balance_abs_threshold: int = 32
+    balance_abs_threshold: int = 2
     balance_rel_threshold: float = 1.0001
     max_tree_size: int = 2**20
 
