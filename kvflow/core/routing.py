@@ -37,9 +37,11 @@ class CacheAwareConfig:
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
         if self.balance_abs_threshold < 0:
-            raise ValueError(f"balance_abs_threshold must be >= 0, got {self.balance_abs_threshold}")
+            raise ValueError("balance_abs_threshold must be >= 0, got "
+                             f"{self.balance_abs_threshold}")
         if self.balance_rel_threshold < 1.0:
-            raise ValueError(f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold}")
+            raise ValueError("balance_rel_threshold must be >= 1, got "
+                             f"{self.balance_rel_threshold}")
         if self.max_tree_size < 1:
             raise ValueError(f"max_tree_size must be >= 1, got {self.max_tree_size}")
 

@@ -9,8 +9,7 @@ A call that cannot reach a worker takes it out at once. `POST /add_worker?url=` 
 from __future__ import annotations
 
 import asyncio
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httpx
@@ -28,7 +27,6 @@ class Backend:
     healthy: bool = True
     fails: int = 0  # failed probes (or calls) in a row
     oks: int = 0  # answered probes in a row
-    added: float = field(default_factory=time.time)
 
 
 @dataclass
@@ -67,7 +65,8 @@ class Workers:
     def __init__(self, pools: dict[str, list[str]], policies: dict[str, RoutingPolicy],
                  health: HealthConfig) -> None:
         self.pools: dict[str, list[Backend]] = {
-            role: [Backend(check_worker_url(u), role) for u in urls] for role, urls in pools.items()}
+            role: [Backend(check_worker_url(u), role) for u in urls]
+            for role, urls in pools.items()}
         self.policies = policies
         self.health = health
         self.client: httpx.AsyncClient | None = None

@@ -130,7 +130,8 @@ class Gate:
         return replay
 
 
-def build_app(engine: AsyncLLM | DPAsyncLLM, settings: ServerSettings, metrics: ServerMetrics) -> FastAPI:
+def build_app(engine: AsyncLLM | DPAsyncLLM, settings: ServerSettings,
+              metrics: ServerMetrics) -> FastAPI:
     app = FastAPI(title="kvflow", version=kvflow.__version__)
     install_error_handlers(app)
     completions = OpenAIServingCompletion(engine, settings)

@@ -148,7 +148,8 @@ class _EngineFamilies:
                                      "KV pulls in flight (decode side).")
         self.kv_counters = {f: counter(f"kvflow:kv_transfer_{f}", doc) for f, doc in _KV_COUNTERS}
         self.finished = counter("kvflow:engine_requests_finished",
-                                "Requests this engine core finished (a data-parallel replica's share).")
+                                "Requests this engine core finished (a data-parallel "
+                                "replica's share).")
 
 
 class EngineMetrics(StatLogger):
