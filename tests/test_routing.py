@@ -185,6 +185,7 @@ def test_the_router_routes_chat_by_its_roles_and_contents_and_completions_by_the
     assert prompt_text(chat) == "<system>S<user>hi<assistant>"
     assert len(prompt_text({"prompt": "x" * (MAX_KEY_CHARS + 10)})) == MAX_KEY_CHARS
     assert prompt_text({"messages": "not a list"}) == ""
+    assert prompt_text({"prompt": "abc", "cache_salt": "t1"}) == "t1\x00abc"
 
 
 @pytest.mark.parametrize("event, commits", [

@@ -100,10 +100,12 @@ class DPAsyncLLM:
         self.replicas[0].enable_snapshots(on)
 
     # -- requests --------------------------------------------------------------------
-    def choose(self, prompt_token_ids: list[int]) -> int:
-        loads = dict(enumerate(self.inflight))
-        i = self.policy.choose(loads, prompt_token_ids).replica
-        self.policy.routed(i, prompt_token_ids)
+    def choose(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
+        # a salted prompt shares cached blocks only with its own salt: its key starts with it
+        key = [-1 - (hash(cache_salt) & 0x7FFFFFFF), *prompt_token_ids] if cache_salt else \
+            prompt_token_ids
+        i = self.policy.choose(dict(enumerate(self.inflight)), key).replica
+        self.policy.routed(i, key)
         return i
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -111,7 +113,7 @@ class DPAsyncLLM:
         """AsyncLLM.generate on the chosen replica."""
         if self.dead_error is not None:
             raise type(self.dead_error)(str(self.dead_error))
-        i = self.choose(prompt_token_ids)
+        i = self.choose(prompt_token_ids, kwargs.get("cache_salt"))
         self.inflight[i] += 1
         self.routed[i] += 1
         try:

@@ -42,7 +42,14 @@ def error(status: int, message: str, param: str | None = None) -> JSONResponse:
 
 def prompt_text(body: dict) -> str:
     """The text the cache-aware tree routes by: the prompt, or the chat's roles and contents in
-    order (what the chat template will wrap), cut at MAX_KEY_CHARS."""
+    order (what the chat template will wrap), cut at MAX_KEY_CHARS; after the `cache_salt`, if
+    any (requests with different salts never share cached blocks)."""
+    salt = body.get("cache_salt")
+    text = _prompt_text(body)
+    return f"{salt}\x00{text}"[:MAX_KEY_CHARS] if isinstance(salt, str) and salt else text
+
+
+def _prompt_text(body: dict) -> str:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         prompt = prompt[0]  # a batch goes to one replica: route by its first prompt
