@@ -78,13 +78,15 @@ class RouterProcess:
 
 @pytest.fixture(scope="module")
 def cluster():
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the two start side by side
-        a, b = pool.map(lambda _: ServerProcess(*REPLICA_ARGS), range(2))
+    # one after the other: a child started from a pool thread would get its parent-death
+    # signal when that thread ends
+    a = ServerProcess(*REPLICA_ARGS)
+    b = ServerProcess(*REPLICA_ARGS)
     router = None
     try:
         router = RouterProcess("--replicas", a.url, "--balance-abs-threshold", "2",
                                "--health-check-interval-secs", "0.3",
-                               "--health-check-timeout-secs", "1",
+                               "--health-check-timeout-secs", "3",
                                "--health-failure-threshold", "2",
                                "--health-success-threshold", "1")
         yield router, a, b
@@ -109,8 +111,9 @@ def test_a_replica_joins_at_run_time(cluster):
     router, a, b = cluster
     assert list(router.workers()) == [a.url]
     resp = httpx.post(router.url + "/add_worker", params={"url": b.url})
-    assert resp.status_code == 200 and resp.json()["healthy"], resp.text
-    assert router.workers()[b.url]["healthy"]
+    assert resp.status_code == 200 and resp.json()["added"] == b.url, resp.text
+    # routed to once it answers a probe (at once, unless the machine is slow to answer)
+    wait_until(lambda: router.workers()[b.url]["healthy"], "added replica healthy")
     again = httpx.post(router.url + "/add_worker", params={"url": b.url})
     assert again.status_code == 400 and again.json()["error"]["param"] == "url"
     bad = httpx.post(router.url + "/add_worker", params={"url": "ftp://x"})
@@ -160,6 +163,7 @@ def test_a_removed_replica_gets_no_more_requests(cluster):
         assert delta(before, router.routed()) == {a.url: 3}
     finally:
         assert httpx.post(router.url + "/add_worker", params={"url": b.url}).status_code == 200
+        wait_until(lambda: router.workers()[b.url]["healthy"], "replica back")
 
 
 def test_a_stopped_replica_is_dropped_and_taken_back(cluster):
