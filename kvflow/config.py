@@ -337,6 +337,7 @@ def parse_init_method(init_method: str) -> tuple[str, int]:
 
 EXECUTOR_BACKENDS = ("mp", "ray")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+MAX_DATA_PARALLEL = 64
 
 
 @dataclass
@@ -370,9 +371,18 @@ class ParallelConfig:
     def world_size(self) -> int:
         """Every rank: tensor_parallel_size in each of pipeline_parallel_size stages."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+    data_parallel_size: int = option(
+        1, "kvflow serve: this many engine-core replicas behind one API server, requests "
+        "balanced by load and prefix (docs/data_parallel_and_routing.md)", short="-dp")
 
     def __post_init__(self) -> None:
         tp, nnodes = self.tensor_parallel_size, self.nnodes
+        if not 1 <= self.data_parallel_size <= MAX_DATA_PARALLEL:
+            raise ValueError(f"data_parallel_size must be in 1..{MAX_DATA_PARALLEL}, got "
+                             f"{self.data_parallel_size}")
+        if self.data_parallel_size > 1 and nnodes > 1:
+            raise ValueError("data_parallel_size > 1 runs its replicas on this machine; it does "
+                             "not combine with nnodes > 1")
         if tp < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
         if self.pipeline_parallel_size < 1:
@@ -504,6 +514,13 @@ class EngineConfig:
             self.num_threads = envs.KVFLOW_NUM_THREADS or 1
         if self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.parallel_config.data_parallel_size > 1:
+            if self.kv_transfer is not None:
+                raise ValueError("data_parallel_size > 1 with kv_transfer_config is not "
+                                 "implemented (one KV port per instance): start one instance "
+                                 "per role and put `kvflow router` in front")
+            if self.trace is not None:
+                raise ValueError("trace: one file per engine; not with data_parallel_size > 1")
         if self.structured_outputs_backend not in ("auto", "llguidance", "xgrammar"):
             raise ValueError("structured_outputs_backend must be auto, llguidance or xgrammar, "
                              f"got {self.structured_outputs_backend!r}")

@@ -69,9 +69,11 @@ class AsyncLLM:
         self._core_ids: dict[str, int] = {}  # request id -> number of unfinished core requests
         self._utility_waiters: dict[str, list[asyncio.Future]] = {}  # call name -> awaiting callers
 
-    async def start(self) -> EngineCoreReady:
-        """Load the tokenizer here while the core loads the model there."""
-        tok_task = asyncio.create_task(asyncio.to_thread(get_tokenizer, self.tokenizer_path))
+    async def start(self, tokenizer_task: asyncio.Future | None = None) -> EngineCoreReady:
+        """Load the tokenizer here while the core loads the model there (or await
+        `tokenizer_task`, one load that data-parallel replicas share)."""
+        tok_task = tokenizer_task or asyncio.create_task(
+            asyncio.to_thread(get_tokenizer, self.tokenizer_path))
         try:
             self.info = await self.client.start()
         except BaseException:

@@ -13,6 +13,10 @@ from kvflow.tokenizer import get_tokenizer, tokenizer_source
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        if config.parallel_config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 is served by `kvflow serve` (several "
+                             "engine cores behind one API server); offline, run one LLM per "
+                             "process")
         self.core = EngineCore(config)
         self.tokenizer = get_tokenizer(tokenizer_source(config.model_config.tokenizer,
                                                         self.core.model_path))

@@ -19,6 +19,7 @@ from kvflow import envs
 from kvflow.config import EngineConfig
 from kvflow.engine.async_engine import AsyncLLM
 from kvflow.engine.core_client import EngineDeadError, EngineStartupError
+from kvflow.engine.dp_engine import DPAsyncLLM
 from kvflow.engine.kv_sizing import max_concurrency
 from kvflow.entrypoints.anthropic.errors import anthropic_error_response
 from kvflow.entrypoints.anthropic.serving_messages import messages_router
@@ -148,7 +149,8 @@ class Gate:
         return replay
 
 
-def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics) -> FastAPI:
+def build_app(engine: AsyncLLM | DPAsyncLLM, settings: ServerSettings,
+              metrics: ServerMetrics) -> FastAPI:
     app = FastAPI(title="kvflow", version=kvflow.__version__)
     install_error_handlers(app)
     loras = LoRAAdapters(settings.lora_modules, settings.served_model_names,
@@ -299,10 +301,17 @@ def bind_socket(host: str, port: int) -> socket.socket:
 async def run_server(config: EngineConfig, settings: ServerSettings) -> int:
     """Start the engine process, serve until a signal (or the engine dies), stop both."""
     sock = bind_socket(settings.host, settings.port)
-    metrics = ServerMetrics(settings.model_name)
+    dp = config.parallel_config.data_parallel_size
+    metrics = ServerMetrics(settings.model_name, dp)
     install_log_redaction()
     try:
-        engine = AsyncLLM(config, metrics, stall_timeout=settings.engine_stall_timeout)
+        if dp > 1:
+            engine = DPAsyncLLM(config, [metrics.for_engine(i) for i in range(dp)],
+                                stall_timeout=settings.engine_stall_timeout,
+                                policy=settings.load_balance_method)
+        else:
+            engine = AsyncLLM(config, metrics.for_engine(0),
+                              stall_timeout=settings.engine_stall_timeout)
         info = await engine.start()
     except (EngineStartupError, ValueError, RuntimeError) as e:
         sock.close()
@@ -338,7 +347,10 @@ async def run_server(config: EngineConfig, settings: ServerSettings) -> int:
           f"max_model_len {info.max_model_len}; max concurrency at max_model_len "
           f"{max_concurrency(info.num_blocks, info.block_size, info.max_model_len):.2f}; "
           f"max_num_seqs {info.max_num_seqs}\n"
-          f"  engine core pid {info.pid}", flush=True)
+          + (f"  engine core pid {info.pid}" if dp == 1 else
+             f"  data parallel: {dp} engine cores (pids "
+             f"{', '.join(str(i.pid) for i in engine.infos)}), requests by "
+             f"{settings.load_balance_method}; the KV cache above is each one's"), flush=True)
     try:
         await server.serve(sockets=[sock])
     finally:

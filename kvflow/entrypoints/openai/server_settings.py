@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from kvflow import envs
 from kvflow.config import option, parse_memory
+from kvflow.core.routing import POLICIES
 
 
 @dataclass
@@ -37,6 +38,10 @@ class ServerSettings:
     lora_allowed_root: str | None = option(
         None, "the folder under which POST /v1/load_lora_adapter may load adapters (with "
         "KVFLOW_ALLOW_RUNTIME_LORA_UPDATING=1; without this option run-time loads are refused)")
+    load_balance_method: str = option(
+        "least_load", "with --data-parallel-size N: how a replica is chosen; least_load "
+        "(fewest requests in flight, ties to the longest cached prefix), cache_aware (SGLang's "
+        "policy), power_of_two or round_robin", choices=POLICIES)
     served_model_names: list[str] = field(default_factory=lambda: ["kvflow"])
     # the adapters given by --lora-modules (name, path), in order; the server adds its own later
     lora_modules: list[tuple[str, str]] = field(default_factory=list)
@@ -50,6 +55,9 @@ class ServerSettings:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
         if self.engine_stall_timeout < 0:
             raise ValueError(f"engine_stall_timeout must be >= 0, got {self.engine_stall_timeout}")
+        if self.load_balance_method not in POLICIES:
+            raise ValueError(f"load_balance_method must be one of {', '.join(POLICIES)}, got "
+                             f"{self.load_balance_method!r}")
         if self.api_key is None:
             self.api_key = envs.KVFLOW_API_KEY or None
         clash = {name for name, _ in self.lora_modules} & set(self.served_model_names)

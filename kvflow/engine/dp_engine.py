@@ -1,0 +1,154 @@
+"""DPAsyncLLM: `kvflow serve --data-parallel-size N`, N engine-core replicas behind one server.
+
+Each replica is an AsyncLLM (its own EngineCore process, ZeroMQ sockets, output task and
+tokenizer); this front picks one per request and otherwise looks like a single AsyncLLM to the
+server. The pick (kvflow/core/routing.py) sees each replica's requests in flight from here; the
+default, `least_load`, breaks ties by the longest prefix of the prompt's token ids that the
+replica was sent before (an approximate tree, bounded per replica), so that a shared system
+prompt meets its cached blocks. `cache_aware` (SGLang's policy) and `round_robin` are the others.
+
+Death is the engine's, as in vLLM: if one replica's core dies, the server is dead (its in-flight
+requests and the other replicas' end with the error, /health answers 503 and the server exits),
+so that a supervisor or `kvflow router` sees one failed instance rather than a degraded one."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from kvflow.config import EngineConfig
+from kvflow.core.routing import CacheAwareConfig, make_policy
+from kvflow.engine.async_engine import AsyncLLM, StatLogger
+from kvflow.engine.core_client import EngineDeadError
+from kvflow.engine.protocol import EngineCoreReady
+from kvflow.outputs import RequestOutput
+from kvflow.sampling_params import SamplingParams
+from kvflow.tokenizer import get_tokenizer
+
+
+class DPAsyncLLM:
+    """N AsyncLLM replicas, one chosen per request; the AsyncLLM surface the server uses."""
+
+    def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger],
+                 stall_timeout: float = 0.0, policy: str = "least_load",
+                 cache: CacheAwareConfig | None = None) -> None:
+        n = config.parallel_config.data_parallel_size
+        if len(stat_loggers) != n:
+            raise ValueError(f"one stat logger per replica: {n} replicas, {len(stat_loggers)}")
+        self.config = config
+        self.replicas = [AsyncLLM(config, stat_loggers[i], stall_timeout) for i in range(n)]
+        self.policy = make_policy(policy, cache, tree_ties=True)
+        self.inflight = [0] * n  # requests sent to each replica and not finished
+        self.routed = [0] * n  # requests sent to each replica since start
+        self.dead_error: EngineDeadError | None = None
+        self.on_dead = None
+        for i, r in enumerate(self.replicas):
+            r.on_dead = lambda e, i=i: self._replica_dead(i, e)
+
+    async def start(self) -> EngineCoreReady:
+        """Start every replica at once (each loads the model in its own process)."""
+        first = self.replicas[0]
+        tok = asyncio.ensure_future(asyncio.to_thread(get_tokenizer, first.tokenizer_path))
+        results = await asyncio.gather(*(r.start(tok) for r in self.replicas),
+                                       return_exceptions=True)
+        failed = next((e for e in results if isinstance(e, BaseException)), None)
+        if failed is not None:
+            await self.shutdown()
+            raise failed
+        return results[0]
+
+    # -- what the server reads (replica 0 stands for all: they load the same model) -----------
+    @property
+    def info(self) -> EngineCoreReady | None:
+        return self.replicas[0].info
+
+    @property
+    def infos(self) -> list[EngineCoreReady]:
+        return [r.info for r in self.replicas]
+
+    @property
+    def tokenizer(self):
+        return self.replicas[0].tokenizer
+
+    @property
+    def model_path(self) -> str:
+        return self.replicas[0].model_path
+
+    @property
+    def max_model_len(self) -> int:
+        return self.replicas[0].max_model_len
+
+    @property
+    def last_stats(self):
+        return self.replicas[0].last_stats
+
+    @property
+    def snapshot(self):
+        return self.replicas[0].snapshot  # the dashboard shows replica 0
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_error is not None
+
+    def num_waiting_after(self, n_new: int) -> int:
+        """Requests that would wait if `n_new` more arrived and went to the replica with the
+        fewest waiting."""
+        waiting = [r.num_waiting_after(0) for r in self.replicas]
+        best = min(range(len(waiting)), key=waiting.__getitem__)
+        return sum(waiting) - waiting[best] + self.replicas[best].num_waiting_after(n_new)
+
+    def enable_snapshots(self, on: bool) -> None:
+        self.replicas[0].enable_snapshots(on)
+
+    # -- requests --------------------------------------------------------------------
+    def choose(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
+        # a salted prompt shares cached blocks only with its own salt: its key starts with it
+        key = [-1 - (hash(cache_salt) & 0x7FFFFFFF), *prompt_token_ids] if cache_salt else \
+            prompt_token_ids
+        i = self.policy.choose(dict(enumerate(self.inflight)), key).replica
+        self.policy.routed(i, key)
+        return i
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str, **kwargs) -> AsyncIterator[RequestOutput]:
+        """AsyncLLM.generate on the chosen replica."""
+        if self.dead_error is not None:
+            raise type(self.dead_error)(str(self.dead_error))
+        i = self.choose(prompt_token_ids, kwargs.get("cache_salt"))
+        self.inflight[i] += 1
+        self.routed[i] += 1
+        try:
+            async for out in self.replicas[i].generate(prompt_token_ids, params, request_id,
+                                                       **kwargs):
+                yield out
+        finally:
+            self.inflight[i] -= 1
+
+    async def reset_prefix_cache(self) -> bool:
+        """Every replica's; True only if all were reset (none runs a request)."""
+        done = await asyncio.gather(*(r.reset_prefix_cache() for r in self.replicas))
+        if all(done):
+            for i in range(len(self.replicas)):
+                self.policy.forget(i)
+        return all(done)
+
+    def abort_all(self, error: BaseException) -> None:
+        for r in self.replicas:
+            r.abort_all(error)
+
+    def _replica_dead(self, i: int, error: EngineDeadError) -> None:
+        if self.dead_error is not None:
+            return
+        self.dead_error = type(error)(f"data-parallel replica {i}: {error}")
+        for j, r in enumerate(self.replicas):
+            if j != i:
+                r.abort_all(self.dead_error)
+        if self.on_dead is not None:
+            self.on_dead(self.dead_error)
+
+    def replica_status(self) -> list[dict]:
+        return [{"replica": i, "pid": r.info.pid if r.info else None, "inflight": self.inflight[i],
+                 "routed": self.routed[i], "dead": r.is_dead}
+                for i, r in enumerate(self.replicas)]
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(*(r.shutdown() for r in self.replicas), return_exceptions=True)
