@@ -104,13 +104,13 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self._num_reading_prompt_rows = 0  # requests pooling or scoring their prompt
+        self.lora = None  # LoRAManager (model/lora.py) once enable_lora(...)
 
     def _drop(self, rid: str) -> CachedRequestState | None:
         state = self.requests.pop(rid, None)
         if state is not None and state.reads_prompt_rows:
             self._num_reading_prompt_rows -= 1
         return state
-        self.lora = None  # LoRAManager (model/lora.py) once enable_lora(...)
 
     def enable_lora(self, max_loras: int, max_lora_rank: int) -> None:
         """Give the model `max_loras` adapter slots of `max_lora_rank` (ValueError where
