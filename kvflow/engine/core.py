@@ -272,6 +272,9 @@ class EngineCore(EngineKVTransferMixin):
         check_token_ids("eos_token_ids", r.eos_token_ids, vocab_size)
         cc = self.cache_config
         if r.pooling_params is not None:  # an embedding: prefill only, nothing sampled
+            if r.lora_request is not None:
+                raise InvalidRequestError("embeddings under a LoRA adapter are not supported; "
+                                          "use the base model", "model")
             check_request_fits(len(r.prompt_token_ids), 0, self.max_model_len, cc.block_size,
                                cc.num_blocks)
             pooling = r.pooling_params.resolved(self.config.model_config.pooler_config)

@@ -111,7 +111,8 @@ class OutputProcessor:
                 state.samples.append(sample)
                 self.core_to_sample[core_id] = (state, sample)
                 core_reqs.append(EngineCoreRequest(core_id, list(prompt_token_ids), p, eos_token_ids,
-                                                   arrival, priority, cache_salt, lora_request))
+                                                   arrival, priority, cache_salt,
+                                                   lora_request=lora_request))
         except BaseException:
             for sample in state.samples:  # all or nothing: no half-registered request
                 self.core_to_sample.pop(sample.core_id, None)
