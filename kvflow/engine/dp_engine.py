@@ -20,7 +20,9 @@ from kvflow.core.routing import CacheAwareConfig, make_policy
 from kvflow.engine.async_engine import AsyncLLM, StatLogger
 from kvflow.engine.core_client import EngineDeadError
 from kvflow.engine.protocol import EngineCoreReady
-from kvflow.outputs import RequestOutput
+from kvflow.lora_request import LoRARequest
+from kvflow.outputs import EmbeddingRequestOutput, RequestOutput
+from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 from kvflow.tokenizer import get_tokenizer
 
@@ -100,10 +102,15 @@ class DPAsyncLLM:
         self.replicas[0].enable_snapshots(on)
 
     # -- requests --------------------------------------------------------------------
-    def choose(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
-        # a salted prompt shares cached blocks only with its own salt: its key starts with it
-        key = [-1 - (hash(cache_salt) & 0x7FFFFFFF), *prompt_token_ids] if cache_salt else \
-            prompt_token_ids
+    def choose(self, prompt_token_ids: list[int], cache_salt: str | None = None,
+               lora_request: LoRARequest | None = None) -> int:
+        # a salted prompt (or an adapter's) shares cached blocks only with its own salt
+        # (adapter): its key starts with it
+        key = prompt_token_ids
+        if lora_request is not None:
+            key = [-1 - (lora_request.lora_int_id & 0x7FFFFFFF), *key]
+        if cache_salt:
+            key = [-1 - (hash(cache_salt) & 0x7FFFFFFF), *key]
         i = self.policy.choose(dict(enumerate(self.inflight)), key).replica
         self.policy.routed(i, key)
         return i
@@ -113,7 +120,7 @@ class DPAsyncLLM:
         """AsyncLLM.generate on the chosen replica."""
         if self.dead_error is not None:
             raise type(self.dead_error)(str(self.dead_error))
-        i = self.choose(prompt_token_ids, kwargs.get("cache_salt"))
+        i = self.choose(prompt_token_ids, kwargs.get("cache_salt"), kwargs.get("lora_request"))
         self.inflight[i] += 1
         self.routed[i] += 1
         try:
@@ -122,6 +129,40 @@ class DPAsyncLLM:
                 yield out
         finally:
             self.inflight[i] -= 1
+
+    async def encode(self, prompt_token_ids: list[int], params: PoolingParams, request_id: str,
+                     **kwargs) -> EmbeddingRequestOutput:
+        """AsyncLLM.encode on the chosen replica."""
+        if self.dead_error is not None:
+            raise type(self.dead_error)(str(self.dead_error))
+        i = self.choose(prompt_token_ids)
+        self.inflight[i] += 1
+        self.routed[i] += 1
+        try:
+            return await self.replicas[i].encode(prompt_token_ids, params, request_id, **kwargs)
+        finally:
+            self.inflight[i] -= 1
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load the adapter in every replica (any may be chosen for its requests); a refusal
+        unloads it from those that took it."""
+        done = []
+        try:
+            for r in self.replicas:
+                await r.add_lora(lora_request)
+                done.append(r)
+        except BaseException:
+            for r in done:
+                try:
+                    await r.remove_lora(lora_request)
+                except ValueError:
+                    pass
+            raise
+
+    async def remove_lora(self, lora_request: LoRARequest) -> bool:
+        """Unregister the adapter in every replica; True if any had it."""
+        found = [await r.remove_lora(lora_request) for r in self.replicas]
+        return any(found)
 
     async def reset_prefix_cache(self) -> bool:
         """Every replica's; True only if all were reset (none runs a request)."""
