@@ -144,16 +144,21 @@ class ModelRunner:
                 input_ids.extend(s.token_ids[start:end])
                 if spec and s.req_id in spec:  # the drafts follow its known tokens
                     input_ids.extend(spec[s.req_id])
+        # a verification step (each request its known token and its drafts) on the CPU: every
+        # token a decode row, so the one-call decode step takes it as it takes plain decodes
+        as_decodes = bool(spec) and self.device.type == "cpu" and bool((query_lens == num_spec + 1).all())
         if len(self.groups) == 1:
             meta = build_attention_metadata(query_lens, seq_lens, [out.block_ids[r] for r in req_ids],
-                                            self.block_size, sliding_window=self.groups[0].sliding_window)
+                                            self.block_size, sliding_window=self.groups[0].sliding_window,
+                                            queries_as_decodes=as_decodes)
             metas = [meta]
         else:  # one metadata per group (its block tables and window), handed to its layers
             # (a step built without groups, the warm-up's, gives every group its one table)
             tables = [out.group_block_ids.get(r) or (out.block_ids[r],) * len(self.groups)
                       for r in req_ids]
             metas = [build_attention_metadata(query_lens, seq_lens, [t[g] for t in tables],
-                                              self.block_size, sliding_window=group.sliding_window)
+                                              self.block_size, sliding_window=group.sliding_window,
+                                              queries_as_decodes=as_decodes)
                      for g, group in enumerate(self.groups)]
             meta = metas[0]
         if self.device.type != "cpu":  # the GPU kernels read these (and meta.gpu's arrays) only
