@@ -14,7 +14,7 @@ from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
 from kvflow.model.cuda_graphs import DecodeGraphs
 from kvflow.model.malloc_tuning import retain_freed_memory
-from kvflow.model.rejection_sampler import rejection_sample
+from kvflow.model.rejection_sampler import greedy_accept, rejection_sample
 from kvflow.model.sampler import (Sampler, SamplingRow, apply_grammar_bitmask,
                                   build_sampling_metadata, logit_bias_tensors)
 from kvflow.outputs import TokenLogprobs
@@ -221,10 +221,19 @@ class ModelRunner:
         first = query_start_loc[rows + 1] - counts  # each request's first row: its known token
         ends = np.cumsum(counts)
         index = np.repeat(first - (ends - counts), counts) + np.arange(int(ends[-1]))
+        # plain greedy rows need only the argmax, taken as a plain decode step takes it (the
+        # logits in the model's dtype, no fp32 copy, no sampling metadata)
+        plain = grammar is None and all(s.plain_greedy for s in sampled_states)
         logits = self.model.compute_logits(hidden[torch.from_numpy(index).to(self.device)],
-                                           as_float=True)
+                                           as_float=not plain)
         if logits is None:  # a tensor-parallel rank other than the driver
             return ModelRunnerOutput()
+        if plain:
+            result = ModelRunnerOutput()
+            for state, new in zip(sampled_states, greedy_accept(self.model.kernels.argmax(logits), drafts)):
+                state.token_ids.extend(new)
+                result.sampled[state.req_id] = new
+            return result
         if grammar is not None:  # each of a constrained request's k + 1 rows has its mask
             first_of = {s.req_id: (int(e - c), int(c))
                         for s, e, c in zip(sampled_states, ends, counts)}
