@@ -84,11 +84,11 @@ def test_drafts_are_cut_to_stay_within_the_one_call_step_rows():
     p = SpecPolicy(disable_by_batch_size=16, min_acceptance_rate=0.2, one_call_rows=4)
     assert p.step_drafts(1, 4) == 3  # AVX2's 4-row fp32 GEMV: 1 + 3 rows
     assert p.step_drafts(1, 3) == 3 and p.step_drafts(2, 1) == 1  # they fit already
-    assert p.step_drafts(2, 4) == 4  # 1 each would be under half of k: k, past the rows
+    assert p.step_drafts(2, 4) == 1 and p.step_drafts(3, 4) == 4  # none would fit: k
     p.one_call_rows = 8
-    assert p.step_drafts(2, 4) == 3 and p.step_drafts(3, 4) == 4 and p.step_drafts(8, 4) == 4
+    assert [p.step_drafts(n, 4) for n in (1, 2, 3, 4, 5, 8)] == [4, 3, 1, 1, 4, 4]
     p.one_call_rows = 16
-    assert [p.step_drafts(n, 4) for n in (1, 3, 4, 5, 6)] == [4, 4, 3, 2, 4]
+    assert [p.step_drafts(n, 4) for n in (1, 3, 4, 5, 6, 8, 9)] == [4, 4, 3, 2, 1, 1, 4]
     p.one_call_rows = 0  # no one-call step (GPU, tensor parallelism): always k
     assert p.step_drafts(1, 16) == 16
 
