@@ -12,12 +12,18 @@ this process, alternating round by round (medians):
 - 8 concurrent streams: output tok/s of the batch;
 - acceptance: drafted and accepted tokens, acceptance rate, mean acceptance length; how many
   of the 8 greedy outputs equal those without speculation.
-`--w1` also runs W1 (`kvflow bench throughput`, 128 random-token prompts) off and n-gram on,
-each in its own process, alternating. `--llamacpp` runs llama.cpp's
+`--format` picks the dtype and weight format (fp32: the default GGUF dequantised,
+`quantization="none", dtype="float32"`; fp32-bf16w: the same with `weight_dtype="bfloat16"`;
+bf16: `quantization="none", dtype="bfloat16"`; q4_1: the default, the Q4_1 file as stored;
+repeatable: each format's rows in turn, under "formats" in the JSON).
+`--w1` also runs W1 (`kvflow bench throughput`, `--w1-prompts` random-token prompts, 128 by
+default) off and n-gram on, each in its own process, alternating. `--llamacpp` runs llama.cpp's
 `LlamaPromptLookupDecoding` (llama-cpp-python in benchmarks/.venv-llamacpp, on the default
 model's file as stored, or `--llamacpp-gguf bf16`) on the same token ids, one stream, off and on.
 
     flock /tmp/kvflow-bench.lock .venv/bin/python benchmarks/spec_decode.py --rounds 3
+    flock /tmp/kvflow-bench.lock .venv/bin/python benchmarks/spec_decode.py --format fp32 \
+        --format fp32-bf16w --format bf16 --format q4_1 --w1 --w1-prompts 32
     flock /tmp/kvflow-bench.lock .venv/bin/python benchmarks/spec_decode.py --w1 --llamacpp
     flock /tmp/kvflow-bench.lock .venv/bin/python benchmarks/spec_decode.py --draft first4 --draft first8
 """
@@ -77,6 +83,22 @@ TASKS = [
     f"Rename the variable `lines` to `text_lines` in this code and return all of it:\n\n{CODE}",
 ]
 OUTPUT_LEN = 256
+# --format: LLM keywords (and `kvflow bench throughput` flags) of each dtype and weight format
+FORMATS = {"auto": {}, "q4_1": {"quantization": "gguf"},
+           "fp32": {"quantization": "none", "dtype": "float32"},
+           "fp32-bf16w": {"quantization": "none", "dtype": "float32", "weight_dtype": "bfloat16"},
+           "bf16": {"quantization": "none", "dtype": "bfloat16"}}
+
+
+def format_kwargs(args) -> dict:
+    kw = dict(FORMATS[args.format])
+    if args.dtype != "auto":
+        kw["dtype"] = args.dtype
+    return kw
+
+
+def format_flags(args) -> list[str]:
+    return [f"--{k.replace('_', '-')}={v}" for k, v in format_kwargs(args).items()]
 
 
 def machine() -> str:
@@ -144,7 +166,7 @@ def run_kvflow(args) -> dict:
         specs["on"] = json.loads(args.spec)
     for name in args.draft:
         specs[f"draft {name}"] = draft_spec(name, args)
-    kw = dict(dtype=args.dtype, num_blocks=args.num_blocks, max_model_len=2048)
+    kw = dict(format_kwargs(args), num_blocks=args.num_blocks, max_model_len=2048)
     llms = {m: LLM(**kw, speculative_config=spec) for m, spec in specs.items()}
     prompts = prompt_ids(llms["off"].tokenizer)
     params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN)
@@ -164,7 +186,8 @@ def run_kvflow(args) -> dict:
             res[mode]["acceptance_single"].append({k: after_single[k] - before[k] for k in before})
     # outputs equal (greedy): one check on the batch
     want = llms["off"].generate(prompts[:8], params, use_tqdm=False)
-    summary = {"machine": machine(), "load1": os.getloadavg()[0], "dtype": args.dtype,
+    summary = {"machine": machine(), "load1": os.getloadavg()[0], "format": args.format,
+               "llm_kwargs": format_kwargs(args),
                "served_as": {"dtype": str(llms["off"].engine.core.dtype),
                              "kernels": llms["off"].engine.core.executor.runner.model.kernels.describe()},
                "rounds": args.rounds}
@@ -203,7 +226,7 @@ def run_acceptance(args) -> dict:
     params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN)
     out = {}
     for name in args.draft:
-        llm = LLM(dtype=args.dtype, num_blocks=args.num_blocks, max_model_len=2048,
+        llm = LLM(**format_kwargs(args), num_blocks=args.num_blocks, max_model_len=2048,
                   speculative_config=draft_spec(name, args))
         try:
             llm.generate(prompt_ids(llm.tokenizer), params, use_tqdm=False)
@@ -221,7 +244,7 @@ def run_w1(args) -> dict:
     for r in range(args.w1_rounds):
         for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
             cmd = [sys.executable, "-m", "kvflow.entrypoints.cli", "bench", "throughput",
-                   "--dtype", args.dtype]
+                   "--num-prompts", str(args.w1_prompts), *format_flags(args)]
             if mode == "on":
                 cmd += ["--speculative-config", args.spec]
             p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
@@ -231,8 +254,8 @@ def run_w1(args) -> dict:
             text = p.stdout
             out[mode].append(json.loads(text[text.index("{"):])["output_tok_s"])
     off, on = statistics.median(out["off"]), statistics.median(out["on"])
-    return {"off_tok_s": off, "on_tok_s": on, "ratio": on / off, "rounds": out,
-            "load1": os.getloadavg()[0]}
+    return {"format": args.format, "num_prompts": args.w1_prompts, "off_tok_s": off,
+            "on_tok_s": on, "ratio": on / off, "rounds": out, "load1": os.getloadavg()[0]}
 
 
 LLAMACPP_WORKER = r'''
@@ -294,7 +317,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--single-prompts", type=int, default=4,
                    help="prompts run one at a time per round (of the 8)")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="auto", help="overrides the format's dtype")
+    p.add_argument("--format", action="append", choices=list(FORMATS),
+                   help="dtype and weight format (default: auto, the engine's default); repeatable")
     p.add_argument("--spec", default='{"method": "ngram", "num_speculative_tokens": 4, '
                                      '"prompt_lookup_min": 2, "prompt_lookup_max": 5}')
     p.add_argument("--no-ngram", action="store_true", help="no n-gram mode (drafts only)")
@@ -310,6 +335,7 @@ def main() -> None:
                    help="each --draft over the 8 prompts at once: acceptance only, no timing")
     p.add_argument("--w1", action="store_true", help="also W1 off and on (minutes)")
     p.add_argument("--w1-rounds", type=int, default=2)
+    p.add_argument("--w1-prompts", type=int, default=128)
     p.add_argument("--only-w1", action="store_true", help="W1 off and on, nothing else")
     p.add_argument("--llamacpp", action="store_true",
                    help="also llama.cpp's LlamaPromptLookupDecoding, one stream")
@@ -320,6 +346,22 @@ def main() -> None:
     p.add_argument("--output-json")
     args = p.parse_args()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    formats = args.format or ["auto"]
+    if len(formats) > 1:  # each format's run in turn, one JSON
+        result = {"machine": machine(), "formats": {}}
+        for f in formats:
+            args.format = f
+            result["formats"][f] = run_w1(args) if args.only_w1 else run_kvflow(args)
+            if args.w1 and not args.only_w1:
+                result["formats"][f]["w1"] = run_w1(args)
+            print(json.dumps({f: result["formats"][f]}, indent=2), flush=True)
+        text = json.dumps(result, indent=2)
+        print(text)
+        if args.output_json:
+            with open(args.output_json, "w") as f:
+                f.write(text)
+        return
+    args.format = formats[0]
     if args.acceptance_only:
         print(json.dumps({"machine": machine(), "acceptance": run_acceptance(args)}, indent=2))
         return

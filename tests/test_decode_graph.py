@@ -92,8 +92,9 @@ class Driver:
     """Steps a model over its own paged cache (shuffled blocks, one table per sequence), with
     one metadata for all layers or, with `windows`, one per layer (a window per layer)."""
 
-    def __init__(self, model, kv_dtype=None, windows=None, num_blocks: int = 192, seed: int = 0):
-        self.model, self.windows = model, windows
+    def __init__(self, model, kv_dtype=None, windows=None, num_blocks: int = 192, seed: int = 0,
+                 as_decodes: bool = False):
+        self.model, self.windows, self.as_decodes = model, windows, as_decodes
         self.kv_caches = allocate_kv_caches(model.arch, num_blocks, BLOCK, kv_dtype or model.dtype)
         self.free = [int(b) for b in np.random.default_rng(seed).permutation(num_blocks)]
         self.tables: dict[int, list[int]] = {}
@@ -112,11 +113,15 @@ class Driver:
             tables.append(list(table))
             ids += tokens
             self.lens[sid] = end
+        # a step where every sequence has prior context: as the runner builds a verification step
+        as_decodes = self.as_decodes and all(s > q for s, q in zip(slens, qlens))
         if self.windows is None:
-            meta = build_attention_metadata(np.array(qlens), np.array(slens), tables, BLOCK)
+            meta = build_attention_metadata(np.array(qlens), np.array(slens), tables, BLOCK,
+                                            queries_as_decodes=as_decodes)
         else:
             by_window = {w: build_attention_metadata(np.array(qlens), np.array(slens), tables, BLOCK,
-                                                     sliding_window=w) for w in set(self.windows)}
+                                                     sliding_window=w, queries_as_decodes=as_decodes)
+                         for w in set(self.windows)}
             meta = [by_window[w] for w in self.windows]
         first = meta if self.windows is None else meta[0]
         with torch.no_grad():
@@ -235,6 +240,57 @@ def test_mixed_and_wide_steps_run_layer_by_layer():
     d.step([(0, [4]), (MAX_ROWS + 2, [5, 6, 7])])  # a decode beside a prompt
     d.step([(0, [5]), (1, [5])])
     assert taken == [False, True]  # asked only at the decode-only steps
+
+
+def run_verify(fmt, dtype, isa, seqs, k, steps=4, windows=None):
+    """Speculative verification steps: prompts, then `steps` steps where each of `seqs`
+    sequences brings its known token and k drafts (1 + k query tokens over its context), as
+    decode rows (queries_as_decodes) on two copies of one model, one with the graph; and the
+    same schedule layer by layer with ordinary (prompt-row) metadata."""
+    models = [tiny_model(fmt, dtype, isa) for _ in range(3)]
+    taken = count_graph_steps(models[0])
+    for m in models[1:]:
+        layer_by_layer(m)
+    drivers = [Driver(models[0], windows=windows, as_decodes=True),
+               Driver(models[1], windows=windows, as_decodes=True), Driver(models[2], windows=windows)]
+    rng = np.random.default_rng(2)
+    plans = [[(i, rng.integers(0, ARCH.vocab_size, 3 + 5 * i).tolist()) for i in range(seqs)]]
+    plans += [[(i, rng.integers(0, ARCH.vocab_size, 1 + k).tolist()) for i in range(seqs)]
+              for _ in range(steps)]
+    outs = [[d.step(plan) for plan in plans] for d in drivers]
+    return outs, taken
+
+
+VERIFY_CASES = [("Q4_1", torch.bfloat16, ISAS[-1], 1, 4), ("Q4_1", torch.bfloat16, ISAS[-1], 3, 4),
+                ("Q8_0", torch.float32, ISAS[-1], 2, 3), ("panels", torch.bfloat16, ISAS[-1], 2, 4)]
+VERIFY_CASES += [("gemv" + st, torch.float32, isa, 1, GEMV_MAX_ROWS[isa] - 1)
+                 for isa in GEMV_PATHS for st in ("", "-bf16")]
+
+
+@pytest.mark.parametrize("fmt,dtype,isa,seqs,k", VERIFY_CASES)
+def test_verification_steps_take_the_one_call_step(fmt, dtype, isa, seqs, k):
+    """A step that checks drafts (each sequence 1 + k tokens) has every token as a decode row:
+    the graph takes it with the per-layer path's numbers bit for bit; those equal the prompt-row
+    path's in fp32 (the same decode kernel serves both there) and are close in bf16 (the prompt
+    kernel sums in another order)."""
+    if fmt == "panels" and not panel_gemm_built():
+        pytest.skip("the bf16 panel GEMM is not built here")
+    (graph, layers, prompt_rows), taken = run_verify(fmt, dtype, isa, seqs, k)
+    assert taken == [True] * 4
+    for g, w, p in zip(graph, layers, prompt_rows):
+        assert torch.equal(g, w)
+        if dtype == torch.float32:
+            assert torch.equal(w, p)
+        else:
+            torch.testing.assert_close(w.float(), p.float(), atol=0.05, rtol=0.05)
+
+
+def test_verification_steps_with_sliding_windows():
+    (graph, layers, prompt_rows), taken = run_verify("Q4_0", torch.float32, ISAS[-1], 2, 3,
+                                                     steps=6, windows=[6, None, 6])
+    assert taken == [True] * 6
+    assert all(torch.equal(g, w) and torch.equal(w, p)
+               for g, w, p in zip(graph, layers, prompt_rows))
 
 
 def test_models_the_graph_does_not_take():

@@ -80,6 +80,19 @@ def test_policy_stops_speculating_on_big_batches_and_poor_acceptance():
     assert not p.request_allows(40, 5) and p.request_allows(40, 10)
 
 
+def test_drafts_are_cut_to_stay_within_the_one_call_step_rows():
+    p = SpecPolicy(disable_by_batch_size=16, min_acceptance_rate=0.2, one_call_rows=4)
+    assert p.step_drafts(1, 4) == 3  # AVX2's 4-row fp32 GEMV: 1 + 3 rows
+    assert p.step_drafts(1, 3) == 3 and p.step_drafts(2, 1) == 1  # they fit already
+    assert p.step_drafts(2, 4) == 1 and p.step_drafts(3, 4) == 4  # none would fit: k
+    p.one_call_rows = 8
+    assert [p.step_drafts(n, 4) for n in (1, 2, 3, 4, 5, 8)] == [4, 3, 1, 1, 4, 4]
+    p.one_call_rows = 16
+    assert [p.step_drafts(n, 4) for n in (1, 3, 4, 5, 6, 8, 9)] == [4, 4, 3, 2, 1, 1, 4]
+    p.one_call_rows = 0  # no one-call step (GPU, tensor parallelism): always k
+    assert p.step_drafts(1, 16) == 16
+
+
 def test_stats_count_drafts_and_accepted_per_position():
     s = SpecDecodeStats()
     s.record(4, 2)
@@ -294,3 +307,5 @@ def test_speculator_drafts_only_where_the_policy_allows():
     assert spec.propose(SchedulerOutput(), updates, 3, lambda rid: []) == {}  # batch too big
     reqs[2].output_token_ids = [0] * 8  # 2 tokens left: one draft and the target's token
     assert spec.propose(SchedulerOutput(), updates, 2, lambda rid: [])["r2"] == [3]
+    spec.policy.one_call_rows = 3  # one request: 1 + 2 rows in one call
+    assert spec.propose(SchedulerOutput(), updates[:1], 1, lambda rid: []) == {"r0": [3, 1]}

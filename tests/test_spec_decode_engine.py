@@ -1,6 +1,9 @@
 """Speculative decoding end to end on tiny random models (fp32): greedy outputs with n-gram or
 draft-model speculation equal the target alone, token for token, over a mixed batch with
-chunked prefill and preemption; seeded random sampling reproduces; acceptance is reported."""
+chunked prefill and preemption; seeded random sampling reproduces; acceptance is reported.
+And on the default model in each dtype and weight format it is served in (fp32, fp32 with
+bf16-stored weights, bf16, the Q4_1 file as stored): n-gram outputs equal plain decoding's,
+with the verification steps in the one-call decode step."""
 from __future__ import annotations
 
 import json
@@ -113,3 +116,49 @@ def test_a_draft_model_with_another_vocabulary_is_refused(tiny_pair, tmp_path):
                           speculative_config={"method": "draft_model", "model": other})
     with pytest.raises(ValueError, match="vocabulary"):
         EngineCore(config)
+
+
+# copy-heavy prompts (n-gram lookup finds the answer in them)
+COPY_PROMPTS = [
+    "Repeat this code exactly:\n\ndef area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n"
+    "    return 2 * (w + h)\n",
+    "Copy this text word for word: A cache keeps a copy of data close to where it is used, so "
+    "that the next request for the same data is answered quickly.",
+]
+FORMATS = {"fp32": dict(quantization="none", dtype="float32"),
+           "fp32-bf16-weights": dict(quantization="none", dtype="float32", weight_dtype="bfloat16"),
+           "bf16": dict(quantization="none", dtype="bfloat16"),
+           "q4_1": dict()}
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_ngram_on_the_default_model_equals_plain_decoding(fmt, default_model_path):
+    from kvflow import LLM
+    llm = LLM(default_model_path, **FORMATS[fmt], num_blocks=64, max_model_len=512,
+              warmup=False, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    try:
+        core = llm.engine.core
+        ids = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False) for p in COPY_PROMPTS]
+        params = SamplingParams(temperature=0, max_tokens=32)
+        graph = core.executor.runner.model._graph()
+        assert graph is not None and core.spec.policy.one_call_rows == graph.max_rows >= 5
+        steps = []  # the verification steps' rows, and whether the one call took them
+        run = graph.run
+        graph.run = lambda x, *a: steps.append((x.shape[0], (out := run(x, *a)) is not None)) or out
+        # one stream, then both prompts in one batch
+        got = llm.generate(ids[:1], params, use_tqdm=False) + llm.generate(ids, params, use_tqdm=False)
+        accepted = core.scheduler.spec_stats.num_accepted_tokens
+        spec, core.spec = core.spec, None  # the same engine without drafts: plain decoding
+        try:
+            want = (llm.generate(ids[:1], params, use_tqdm=False)
+                    + llm.generate(ids, params, use_tqdm=False))
+        finally:
+            core.spec = spec
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert accepted > 16
+        assert any(rows > 2 for rows, _ in steps)
+        assert all(taken for rows, taken in steps if rows <= graph.max_rows)
+    finally:
+        llm.engine.shutdown()

@@ -101,13 +101,30 @@ class SpecPolicy:
     once it has had `warmup` drafts checked."""
 
     def __init__(self, disable_by_batch_size: int, min_acceptance_rate: float,
-                 warmup: int = 32) -> None:
+                 warmup: int = 32, one_call_rows: int = 0) -> None:
         self.disable_by_batch_size = disable_by_batch_size
         self.min_acceptance_rate = min_acceptance_rate
         self.warmup = warmup
+        # the most rows a decode-only step runs in one call on this model (the engine's
+        # executor says; 0: none, or unknown)
+        self.one_call_rows = one_call_rows
 
     def step_allows(self, num_running: int) -> bool:
         return num_running < self.disable_by_batch_size
+
+    def step_drafts(self, num_running: int, k: int) -> int:
+        """Drafts per request for the next step: k, or fewer where k would push the step past
+        the one-call decode step's rows (into the per-layer path and, on the fp32 GEMV,
+        oneDNN: a 10-row fp32 step cost 1.9x a 5-row one, a 36-row Q4_1 step 3.9x an 8-row
+        one) while at least one each still fits. One request on the AVX2 GEMV (4 rows) checks
+        3 drafts, not 4; two on the AVX-512 one (8 rows) 3 each; eight Q4_1 requests (16
+        rows) 1 each; eight on the fp32 GEMV take k (none would fit, and at 90% acceptance
+        k pays there)."""
+        rows = self.one_call_rows
+        if rows <= 0 or num_running * (1 + k) <= rows:
+            return k
+        fit = rows // max(num_running, 1) - 1
+        return fit if fit >= 1 else k
 
     def request_allows(self, num_draft_tokens: int, num_accepted_tokens: int) -> bool:
         return (num_draft_tokens < self.warmup

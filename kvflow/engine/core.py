@@ -173,6 +173,8 @@ class EngineCore(EngineKVTransferMixin):
                                                 sc.max_num_batched_tokens):
                     self.executor.execute(sched_out)
             self.executor.runner.capture_graphs()  # on a GPU: every decode batch size, now
+            if self.spec is not None:  # drafts kept within the one-call decode step's rows
+                self.spec.policy.one_call_rows = self.executor.decode_step_rows()
         except BaseException:
             self.shutdown()  # no worker outlives a failed start
             raise

@@ -37,6 +37,7 @@ class Speculator:
         for rid in sched_out.preempted_req_ids:  # its KV is gone: a draft model starts over
             self.proposer.forget(rid)
         allowed = self.policy.step_allows(num_running)
+        k = self.policy.step_drafts(num_running, self.config.num_speculative_tokens)
         items = []
         for u in updates:
             req = u.request
@@ -52,8 +53,7 @@ class Speculator:
                                                       req.num_accepted_tokens)):
                 continue
             # drafts past max_tokens or max_model_len would be cut: never made
-            cap = min(self.config.num_speculative_tokens,
-                      req.max_tokens - req.num_output_tokens - 1,
+            cap = min(k, req.max_tokens - req.num_output_tokens - 1,
                       self.max_model_len - req.num_tokens)
             if cap > 0:
                 items.append((req.request_id, req.all_token_ids, block_ids(req.request_id), cap))

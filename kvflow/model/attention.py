@@ -109,9 +109,14 @@ class AttentionMetadata:
 def build_attention_metadata(query_lens: np.ndarray, seq_lens: np.ndarray,
                              block_tables: list[list[int]], block_size: int,
                              device: torch.device | str | None = None,
-                             sliding_window: int | None = None) -> AttentionMetadata:
+                             sliding_window: int | None = None,
+                             queries_as_decodes: bool = False) -> AttentionMetadata:
     """Slot mapping, padded block tables and per-path index arrays for one step (with
-    `sliding_window`: each query sees only the last `sliding_window` keys up to itself)."""
+    `sliding_window`: each query sees only the last `sliding_window` keys up to itself).
+    `queries_as_decodes` (a speculative verification step on the CPU: each request's known
+    token and its drafts): every token is a decode row over its own causal prefix, as the
+    decode kernel serves prompt tokens where the prompt kernel does not, so that the step is
+    decode-only for the one-call decode step (model/decode_graph.py)."""
     query_lens = np.asarray(query_lens, dtype=np.int64)
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     n = len(query_lens)
@@ -136,6 +141,17 @@ def build_attention_metadata(query_lens: np.ndarray, seq_lens: np.ndarray,
         positions = (np.arange(num_tokens) - query_start_loc[seq_of_token]
                      + (seq_lens - query_lens)[seq_of_token])
         slots = table[seq_of_token, positions // block_size] * block_size + positions % block_size
+
+    if queries_as_decodes and not is_decode.all():
+        width = int((positions.max() + block_size) // block_size)
+        return AttentionMetadata(
+            num_tokens=num_tokens, block_size=block_size, positions=positions,
+            slot_mapping=torch.from_numpy(slots).to(device), query_start_loc=query_start_loc,
+            query_lens=query_lens, seq_lens=seq_lens, block_tables=table,
+            decode_rows=np.arange(num_tokens, dtype=np.int64),
+            decode_seq_lens=np.ascontiguousarray(positions + 1, dtype=np.int64),
+            decode_block_tables=np.ascontiguousarray(table[seq_of_token, :width]),
+            prefills=[], sliding_window=sliding_window)
 
     decode_seqs = np.flatnonzero(is_decode)
     decode_seq_lens = seq_lens[decode_seqs]

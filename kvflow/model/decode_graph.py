@@ -10,7 +10,8 @@ Which models: Llama-family dense layers on the CPU with every projection quantiz
 panels in fp32, bf16 or fp16), or with bf16 ones on the bf16 panel GEMM (csrc/gemm_bf16.c),
 served by the C kernels, without QK-norm, partial RoPE, experts or
 tensor parallelism; bf16 or fp32 activations with a KV cache the C writer takes. Which steps:
-decode-only with up to MAX_ROWS rows (where the quantized projections fuse their norm and
+decode-only (a speculative verification step is one: the runner makes each checked token a
+decode row, attention.build_attention_metadata's queries_as_decodes) with up to MAX_ROWS rows (where the quantized projections fuse their norm and
 SiLU: packed_linear.FUSED_ROWS), and with the GEMV no more than its rows (GEMV_MAX_ROWS: above
 them oneDNN serves, from Python). Everything else takes the per-layer path, as does every step
 under KVFLOW_NO_DECODE_GRAPH=1. The embedding, the final norm and the LM head stay as they are.

@@ -59,6 +59,11 @@ class Executor(ABC):
         reads and writes. One process holds one, all heads."""
         return [self.runner.kv_caches]
 
+    def decode_step_rows(self) -> int:
+        """The most rows a decode-only step runs in one C call (model/decode_graph.py); 0:
+        none does (tensor parallelism, a GPU, a model the graph does not take)."""
+        return 0
+
     # Time in collectives, for benchmarks; a single process has none.
     def reset_comm_stats(self) -> None:
         """Count collectives from here on (e.g. after warm-up)."""
@@ -79,6 +84,10 @@ class UniProcExecutor(Executor):
 
     def execute(self, sched_out: SchedulerOutput, grammar=None) -> ModelRunnerOutput:
         return self.runner.execute(sched_out, grammar)
+
+    def decode_step_rows(self) -> int:
+        rows = getattr(self.runner.model, "decode_step_rows", None)
+        return rows() if rows is not None and self.runner.device.type == "cpu" else 0
 
     def check_health(self) -> None:
         pass  # nothing outside this process to fail

@@ -289,15 +289,25 @@ class LlamaForCausalLM(nn.Module):
             return torch.stack((x, delta))
         return kernels.add_rms_norm(x, delta, self.norm, self.arch.rms_norm_eps)
 
-    def _run_decode_graph(self, x: torch.Tensor, positions: np.ndarray, kv_caches: list,
-                          attn_metadata) -> torch.Tensor | None:
-        """Every layer of a decode step in one C call where this model and step qualify: the
-        last MLP output, not yet added to x; None: run the layers one by one."""
+    def _graph(self) -> DecodeGraph | None:
         kernels, graph = self._decode_graph
         if kernels is not self.kernels:
             graph = DecodeGraph.build(self)
             self._decode_graph = (self.kernels, graph)
+        return graph
+
+    def _run_decode_graph(self, x: torch.Tensor, positions: np.ndarray, kv_caches: list,
+                          attn_metadata) -> torch.Tensor | None:
+        """Every layer of a decode step in one C call where this model and step qualify: the
+        last MLP output, not yet added to x; None: run the layers one by one."""
+        graph = self._graph()
         return None if graph is None else graph.run(x, positions, kv_caches, attn_metadata)
+
+    def decode_step_rows(self) -> int:
+        """The most rows a decode-only step (or a speculative verification step) runs in one
+        C call on this model; 0: its steps run layer by layer."""
+        graph = self._graph()
+        return 0 if graph is None else graph.max_rows
 
     def compute_logits(self, hidden: torch.Tensor, as_float: bool = True) -> torch.Tensor | None:
         """Logits [S, vocab] for the rows that sample, in fp32 (as_float=False: in the model's

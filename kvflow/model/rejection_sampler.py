@@ -19,6 +19,20 @@ from kvflow.model.sampler import SamplingMetadata, Sampler, gather_logprobs, ran
 from kvflow.outputs import TokenLogprobs
 
 
+def greedy_accept(target: list[int], drafts: list[list[int]]) -> list[list[int]]:
+    """Greedy verification: `target` holds the target's argmax at each request's
+    len(drafts[j]) + 1 rows in order; each request keeps its drafts while they equal it, then
+    the target's token."""
+    out, start = [], 0
+    for d in drafts:
+        k, a = len(d), 0
+        while a < k and d[a] == target[start + a]:
+            a += 1
+        out.append(d[:a] + [target[start + a]])
+        start += k + 1
+    return out
+
+
 def rejection_sample(logits: torch.Tensor, meta: SamplingMetadata, drafts: list[list[int]],
                      greedy: list[bool], generators: list[torch.Generator | None],
                      ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:

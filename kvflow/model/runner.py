@@ -15,7 +15,7 @@ from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
 from kvflow.model.cuda_graphs import DecodeGraphs
 from kvflow.model.malloc_tuning import retain_freed_memory
 from kvflow.model.pooler import PoolingState, prompt_logprobs_chunk
-from kvflow.model.rejection_sampler import rejection_sample
+from kvflow.model.rejection_sampler import greedy_accept, rejection_sample
 from kvflow.model.sampler import (Sampler, SamplingRow, apply_grammar_bitmask,
                                   build_sampling_metadata, logit_bias_tensors)
 from kvflow.outputs import PromptLogprobsChunk, TokenLogprobs
@@ -183,16 +183,21 @@ class ModelRunner:
                 input_ids.extend(s.token_ids[start:end])
                 if spec and s.req_id in spec:  # the drafts follow its known tokens
                     input_ids.extend(spec[s.req_id])
+        # a verification step (each request its known token and its drafts) on the CPU: every
+        # token a decode row, so the one-call decode step takes it as it takes plain decodes
+        as_decodes = bool(spec) and self.device.type == "cpu" and bool((query_lens == num_spec + 1).all())
         if len(self.groups) == 1:
             meta = build_attention_metadata(query_lens, seq_lens, [out.block_ids[r] for r in req_ids],
-                                            self.block_size, sliding_window=self.groups[0].sliding_window)
+                                            self.block_size, sliding_window=self.groups[0].sliding_window,
+                                            queries_as_decodes=as_decodes)
             metas = [meta]
         else:  # one metadata per group (its block tables and window), handed to its layers
             # (a step built without groups, the warm-up's, gives every group its one table)
             tables = [out.group_block_ids.get(r) or (out.block_ids[r],) * len(self.groups)
                       for r in req_ids]
             metas = [build_attention_metadata(query_lens, seq_lens, [t[g] for t in tables],
-                                              self.block_size, sliding_window=group.sliding_window)
+                                              self.block_size, sliding_window=group.sliding_window,
+                                              queries_as_decodes=as_decodes)
                      for g, group in enumerate(self.groups)]
             meta = metas[0]
         if self.device.type != "cpu":  # the GPU kernels read these (and meta.gpu's arrays) only
@@ -296,10 +301,19 @@ class ModelRunner:
         first = query_start_loc[rows + 1] - counts  # each request's first row: its known token
         ends = np.cumsum(counts)
         index = np.repeat(first - (ends - counts), counts) + np.arange(int(ends[-1]))
+        # plain greedy rows need only the argmax, taken as a plain decode step takes it (the
+        # logits in the model's dtype, no fp32 copy, no sampling metadata)
+        plain = grammar is None and all(s.plain_greedy for s in sampled_states)
         logits = self.model.compute_logits(hidden[torch.from_numpy(index).to(self.device)],
-                                           as_float=True)
+                                           as_float=not plain)
         if logits is None:  # a tensor-parallel rank other than the driver
             return ModelRunnerOutput()
+        if plain:
+            result = ModelRunnerOutput()
+            for state, new in zip(sampled_states, greedy_accept(self.model.kernels.argmax(logits), drafts)):
+                state.token_ids.extend(new)
+                result.sampled[state.req_id] = new
+            return result
         if grammar is not None:  # each of a constrained request's k + 1 rows has its mask
             first_of = {s.req_id: (int(e - c), int(c))
                         for s, e, c in zip(sampled_states, ends, counts)}
