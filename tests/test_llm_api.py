@@ -171,8 +171,9 @@ def test_kv_cache_dtype_option_reaches_the_engine_config():
     args = p.parse_args(["--kv-cache-dtype", "bfloat16"])
     assert engine_config(**engine_kwargs(args)).cache_config.cache_dtype == "bfloat16"
     assert engine_config(kv_cache_dtype="bf16").cache_config.cache_dtype == "bfloat16"
+    assert engine_config(kv_cache_dtype="fp8").cache_config.cache_dtype == "fp8_e4m3"
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        engine_config(kv_cache_dtype="fp8")
+        engine_config(kv_cache_dtype="fp4")
 
 
 def test_stats_are_each_steps_decisions_and_reading_them_changes_nothing(default_model_path):

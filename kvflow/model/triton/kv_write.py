@@ -8,9 +8,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kvflow.model.kv_layout import FP8_KV_SCALE, cache_geometry
+from kvflow.model.kv_layout import cache_geometry
+from kvflow.model.kv_layout import FP8_KV_SCALE as _FP8_KV_SCALE
 from kvflow.model.triton.layout import (key_offset, kv_kind, kv_operands, round_even, tile_base,
                                         to_fp8_bits, value_offset)
+
+FP8_KV_SCALE = tl.constexpr(_FP8_KV_SCALE)  # read inside the kernels: a constexpr
 
 
 @triton.jit
