@@ -44,16 +44,7 @@ ALL_ENGINES = ["kvflow", "vllm", "llamacpp", "hf-static", "hf-batch"]
 
 # -- the machine ---------------------------------------------------------------------------
 def machine_summary() -> str:
-    model, flags = "?", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and model == "?":
-                    model = line.split(":", 1)[1].strip()
-                if line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
+    model, flags = results_io.read_cpuinfo()
     simd = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return (f"{os.cpu_count()} vCPU {model} ({', '.join(simd) or 'no AVX2'}), {mem:.0f} GiB, "

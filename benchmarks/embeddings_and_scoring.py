@@ -7,22 +7,13 @@ medians are reported. Run under `flock /tmp/kvflow-bench.lock` on a shared machi
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 
+from results_io import cpu_name  # beside this script
 from kvflow import LLM, SamplingParams
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main() -> None:

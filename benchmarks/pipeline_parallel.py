@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
+from results_io import cpu_name  # beside this script
 from kvflow.entrypoints.bench_throughput import run_throughput
 
 VARIANTS = {
@@ -32,15 +32,6 @@ VARIANTS = {
 }
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main() -> int:

@@ -58,8 +58,8 @@ def cpu_kind(flags: set[str] | list[str]) -> str:
     return "avx2"
 
 
-def cpu_info() -> dict:
-    """This machine's CPU as a results file records it."""
+def read_cpuinfo() -> tuple[str, set[str]]:
+    """(the CPU's model name, its flags) from /proc/cpuinfo ("?" and none where unreadable)."""
     model, flags = "?", set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -70,6 +70,16 @@ def cpu_info() -> dict:
                     flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
+    return model, flags
+
+
+def cpu_name() -> str:
+    return read_cpuinfo()[0]
+
+
+def cpu_info() -> dict:
+    """This machine's CPU as a results file records it."""
+    model, flags = read_cpuinfo()
     return {"model": model, "kind": cpu_kind(flags), "vcpus": os.cpu_count(),
             "flags": [f for f in FLAGS_REPORTED if f in flags]}
 

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from results_io import cpu_name  # beside this script
 import datetime
 import json
 import os
-import platform
 import random
 import re
 import signal
@@ -49,15 +49,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def wait_ready(proc: subprocess.Popen, url: str, path: str, log: str) -> None:
