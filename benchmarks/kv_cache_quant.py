@@ -36,7 +36,7 @@ import kvflow  # noqa: E402,F401 - first, so OMP_WAIT_POLICY applies before torc
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-CACHES = ("bfloat16", "fp8", "int8")
+CACHES = ("bfloat16", "fp8", "int8")  # the serving part's default; --caches adds float32
 
 
 def cpu_name() -> str:
@@ -245,6 +245,9 @@ def main() -> int:
     p.add_argument("--w2-prompts", type=int, default=48)
     p.add_argument("--kv-cache-memory", default="96MiB")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--caches", nargs="+", default=list(CACHES),
+                   choices=["float32", "bfloat16", "fp8", "int8"],
+                   help="the serving part's caches (float32: what `auto` is where fp32 runs)")
     p.add_argument("--skip", nargs="*", default=[], choices=["accuracy", "serving", "kernel"])
     p.add_argument("--out", default=os.path.join(HERE, "results", "kv_cache_quant"))
     a = p.parse_args()
@@ -272,13 +275,13 @@ def main() -> int:
         res["kernel"] = kernel_times(a.reps)
         save()
     if "serving" not in a.skip:
-        runs = {c: [] for c in CACHES}
+        runs = {c: [] for c in a.caches}
         for _ in range(a.reps):
-            for c in CACHES:
+            for c in a.caches:
                 runs[c].append(serve_w2(c, a.w2_prompts, a.kv_cache_memory, a.threads))
                 print(json.dumps(runs[c][-1]), flush=True)
         res["serving"] = []
-        for c in CACHES:
+        for c in a.caches:
             rs = runs[c]
             med = sorted(rs, key=lambda r: r["wall_s"])[len(rs) // 2]
             res["serving"].append({**med, "n": a.w2_prompts, "runs": rs,

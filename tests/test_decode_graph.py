@@ -2,11 +2,13 @@
 path's numbers bit for bit, for every quantized format, both activation dtypes, several rows,
 sliding windows and both instruction sets, over decode steps that cross block boundaries, and
 for fp32 models on the fp32 GEMV (fp32, bf16 and fp16 panels, both its vector paths) and bf16
-ones on the bf16 panel GEMM; and the steps and models it does not take run layer by layer."""
+ones on the bf16 panel GEMM, over float and one-byte (fp8, int8) KV caches, the latter on each
+path of their decode kernel; and the steps and models it does not take run layer by layer."""
 from __future__ import annotations
 
 import dataclasses
 import json
+from functools import partial
 import os
 import subprocess
 import sys
@@ -17,13 +19,16 @@ import torch
 from gguf.constants import GGMLQuantizationType
 from gguf.quants import quantize
 
+from kvflow.csrc import library
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.csrc.gemm import panel_gemm_built
 from kvflow.csrc.gemv import GEMV_MAX_ROWS, gemv_isas
+from kvflow.model import attention as A
 from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
 from kvflow.model.cpu_features import CpuFeatures, cpu_features
 from kvflow.model.decode_graph import MAX_ROWS, DecodeGraph, why_not
 from kvflow.model.kernels import KernelOptions, select_kernels
+from kvflow.model.kv_layout import FP8
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.model.packed_linear import AMX_PANEL_ROWS, PackedWeight
 from kvflow.model.quant.gguf_blocks import decode
@@ -44,6 +49,10 @@ GEMV_PATHS = [isa for isa in ("avx2", "avx512") if isa in gemv_isas()
               and (isa == "avx2" or cpu_features().avx512)]
 GEMV_STORAGE = {"": None, "-bf16": torch.bfloat16, "-fp16": torch.float16}
 BLOCK = 4
+# one-byte caches' decode paths this build and CPU run (their vector rows want 16-token blocks)
+Q8_PATHS = [isa for isa in A.q8_isas() if isa == "scalar" or A.best_q8_isa(cpu_features()) in
+            (isa, "avx512")]
+Q8_BLOCK = 16
 torch.set_num_threads(1)  # one test below splits over two
 
 
@@ -93,9 +102,10 @@ class Driver:
     one metadata for all layers or, with `windows`, one per layer (a window per layer)."""
 
     def __init__(self, model, kv_dtype=None, windows=None, num_blocks: int = 192, seed: int = 0,
-                 as_decodes: bool = False):
+                 as_decodes: bool = False, block_size: int = BLOCK):
         self.model, self.windows, self.as_decodes = model, windows, as_decodes
-        self.kv_caches = allocate_kv_caches(model.arch, num_blocks, BLOCK, kv_dtype or model.dtype)
+        self.block = block_size
+        self.kv_caches = allocate_kv_caches(model.arch, num_blocks, block_size, kv_dtype or model.dtype)
         self.free = [int(b) for b in np.random.default_rng(seed).permutation(num_blocks)]
         self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
@@ -106,7 +116,7 @@ class Driver:
         for sid, tokens in plan:
             end = self.lens.get(sid, 0) + len(tokens)
             table = self.tables.setdefault(sid, [])
-            while len(table) * BLOCK < end:
+            while len(table) * self.block < end:
                 table.append(self.free.pop())
             qlens.append(len(tokens))
             slens.append(end)
@@ -116,10 +126,10 @@ class Driver:
         # a step where every sequence has prior context: as the runner builds a verification step
         as_decodes = self.as_decodes and all(s > q for s, q in zip(slens, qlens))
         if self.windows is None:
-            meta = build_attention_metadata(np.array(qlens), np.array(slens), tables, BLOCK,
+            meta = build_attention_metadata(np.array(qlens), np.array(slens), tables, self.block,
                                             queries_as_decodes=as_decodes)
         else:
-            by_window = {w: build_attention_metadata(np.array(qlens), np.array(slens), tables, BLOCK,
+            by_window = {w: build_attention_metadata(np.array(qlens), np.array(slens), tables, self.block,
                                                      sliding_window=w, queries_as_decodes=as_decodes)
                          for w in set(self.windows)}
             meta = [by_window[w] for w in self.windows]
@@ -148,16 +158,30 @@ def layer_by_layer(model) -> None:
     model._decode_graph = (model.kernels, None)
 
 
-def run_both(fmt, dtype, isa, rows, decode_steps=9, kv_dtype=None, windows=None, arch=ARCH):
+def on_one_byte_cache(model, kv_dtype, q8_isa: str) -> None:
+    """The model's kernels for a one-byte cache, its decode kernel on the `q8_isa` path (as
+    kernels.select_kernels picks one per CPU)."""
+    k = model.kernels.with_kv_dtype(kv_dtype)
+    model.kernels = dataclasses.replace(k, attention=partial(
+        A.attention_with_kernels, **{**k.attention.keywords, "q8_isa": q8_isa}))
+
+
+def run_both(fmt, dtype, isa, rows, decode_steps=9, kv_dtype=None, windows=None, arch=ARCH,
+             q8_isa=None):
     """The same schedule on two copies of one model, one with the graph: prompts of different
     lengths in one step, then `decode_steps` decode-only steps of `rows` rows (context growing
-    across 4-token blocks). Returns (hidden states with, without, which steps the graph took)."""
+    across 4-token blocks; 16-token ones with `q8_isa`, a one-byte cache's decode path).
+    Returns (hidden states with, without, which steps the graph took)."""
     with_graph, without = tiny_model(fmt, dtype, isa, arch), tiny_model(fmt, dtype, isa, arch)
+    if q8_isa is not None:
+        for m in (with_graph, without):
+            on_one_byte_cache(m, kv_dtype, q8_isa)
     taken = count_graph_steps(with_graph)
     layer_by_layer(without)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, ARCH.vocab_size, 2 + 3 * i).tolist() for i in range(rows)]
-    drivers = [Driver(m, kv_dtype, windows) for m in (with_graph, without)]
+    block = BLOCK if q8_isa is None else Q8_BLOCK
+    drivers = [Driver(m, kv_dtype, windows, block_size=block) for m in (with_graph, without)]
     outs = [[], []]
     last = [p[-1] for p in prompts]
     plans = [[(i, p) for i, p in enumerate(prompts)]]
@@ -216,6 +240,37 @@ def test_fp32_activations_into_a_bf16_cache_and_a_bias():
     arch = dataclasses.replace(ARCH, attention_bias=True)
     got, want, taken = run_both("Q4_1", torch.float32, ISAS[-1], 3, kv_dtype=torch.bfloat16, arch=arch)
     assert taken and all(taken)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("q8_isa", Q8_PATHS)
+@pytest.mark.parametrize("kv_dtype", [FP8, torch.int8], ids=["fp8", "int8"])
+@pytest.mark.parametrize("fmt,dtype", [("Q4_1", torch.bfloat16), ("Q8_0", torch.float32),
+                                       *[("gemv", torch.float32)] * bool(GEMV_PATHS)])
+def test_one_byte_caches_give_the_per_layer_numbers(fmt, dtype, kv_dtype, q8_isa):
+    """fp8 and int8 caches: this step's K/V quantized by write_kv_q8 and read by
+    paged_decode_q8 on the path the per-layer path takes (each this CPU runs), from the one
+    call, over 16-token blocks that the decode steps cross."""
+    isa = GEMV_PATHS[0] if fmt == "gemv" else ISAS[-1]
+    assert library().paged_decode_q8_serves(A.Q8_ISAS[q8_isa], ARCH.head_dim, Q8_BLOCK)
+    got, want, taken = run_both(fmt, dtype, isa, 3, decode_steps=12, kv_dtype=kv_dtype,
+                                q8_isa=q8_isa)
+    assert taken == [True] * 12
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == dtype and torch.equal(g, w), (fmt, kv_dtype, q8_isa, step)
+
+
+def test_sixteen_rows_of_an_fp8_cache_over_two_threads():
+    """At MAX_ROWS rows the one-byte decode kernel's rows split by key count over the pool
+    from inside the one call, as from Python."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got, want, taken = run_both("Q4_1", torch.bfloat16, ISAS[-1], MAX_ROWS, decode_steps=4,
+                                    kv_dtype=FP8, q8_isa=Q8_PATHS[-1])
+    finally:
+        torch.set_num_threads(old)
+    assert taken == [True] * 4
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
@@ -417,6 +472,11 @@ for fmt, dtype, rows in (("Q4_1", torch.bfloat16, 1), ("Q8_0", torch.float32, 3)
 for fmt in ("gemv", "gemv-bf16", "gemv-fp16"):  # the fp32 GEMV's AVX2 path, its most rows
     got, want, taken = run_both(fmt, torch.float32, "avx2", 4, decode_steps=3)
     res[fmt] = len(taken) == 3 and all(taken) and all(torch.equal(g, w) for g, w in zip(got, want))
+from kvflow.model.kv_layout import FP8
+for name, kv in (("fp8", FP8), ("int8", torch.int8)):  # one-byte caches on their AVX2 decode row
+    got, want, taken = run_both("gemv", torch.float32, "avx2", 3, decode_steps=12, kv_dtype=kv,
+                                q8_isa="avx2")
+    res["gemv+" + name] = len(taken) == 12 and all(taken) and all(torch.equal(g, w) for g, w in zip(got, want))
 print(json.dumps(res))
 """
 
@@ -424,7 +484,8 @@ print(json.dumps(res))
 @pytest.mark.slow  # builds the whole kernel library again (~12 s)
 def test_avx2_build_gives_the_per_layer_numbers(tmp_path):
     """The whole kernel library built for an AVX2-only CPU (Zen 3: AVX-512 off): its one-call
-    step gives its per-layer path's numbers, quantized and on the fp32 GEMV."""
+    step gives its per-layer path's numbers, quantized and on the fp32 GEMV, and over fp8 and
+    int8 caches on their AVX2 decode row."""
     env = {**os.environ, "KVFLOW_CACHE_DIR": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", AVX2_CHECK, os.path.dirname(__file__)], env=env,
                          capture_output=True, text=True, timeout=300)
@@ -432,7 +493,7 @@ def test_avx2_build_gives_the_per_layer_numbers(tmp_path):
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res.pop("isas") == ["scalar", "avx2"]
     assert res == {"Q4_1": True, "Q8_0": True, "int8": True, "gemv": True, "gemv-bf16": True,
-                   "gemv-fp16": True}
+                   "gemv-fp16": True, "gemv+fp8": True, "gemv+int8": True}
 
 
 @pytest.mark.slow  # builds two engines each

@@ -7,7 +7,8 @@
  * so the numbers are bit-identical to the per-layer path (kvflow/model/llama.py); only the
  * Python between them is gone. kvflow/model/decode_graph.py builds the words and decides
  * which steps come here (decode-only, few rows, every projection quantized or on the fp32
- * GEMV).
+ * GEMV). The KV cache is fp32, bf16 or one byte a value (fp8, int8: paged_attention_quant.c's
+ * write_kv_q8 and paged_decode_q8 on the path the per-layer path picks, with its scales).
  *
  * `step` (per call) and `layers` (num_layers records of LAYER_WORDS, built once at load) are
  * int64 words: pointers, sizes and two doubles stored as their bits. */
@@ -24,22 +25,27 @@ enum { P_PACKED, P_KIND, P_ISA, P_PER_ROW, P_N, P_K, P_KB, P_WIDE_ROWS, P_GEMM, 
 enum { GEMM_QUANT, GEMM_GEMV_F32, GEMM_PANELS_BF16 };
 
 enum {
-    L_IN_NORM, L_POST_NORM, L_EPS, L_SCALE, L_QKV_BIAS, L_K_CACHE, L_V_CACHE, L_HEADS,
+    L_IN_NORM, L_POST_NORM, L_EPS, L_SCALE, L_QKV_BIAS, L_K_CACHE, L_V_CACHE, L_K_SCALE,
+    L_V_SCALE, L_HEADS,
     L_KV_HEADS, L_HEAD_DIM, L_QKV, L_O = L_QKV + PROJ_WORDS, L_GATE_UP = L_O + PROJ_WORDS,
     L_DOWN = L_GATE_UP + PROJ_WORDS, LAYER_WORDS = L_DOWN + PROJ_WORDS
 };
 
+/* a layer's K and V scales (L_K_SCALE, L_V_SCALE) are fp8's, as fp32 bits (unused otherwise) */
+
 /* per step: rows, the residual stream x [M, hidden] (updated in place), whether activations
- * are bf16, whether the KV cache is bf16, threads, positions, cos/sin tables, the scratch
+ * are bf16, the KV cache's dtype (KV_*), threads, positions, cos/sin tables, the scratch
  * outputs (qkv [M, qkv_n], attention [M, H * D], o [M, hidden], act [M, I], down
  * [M, hidden]: down is the last layer's MLP output, not yet added to x), the attention
  * groups (GROUP_WORDS each), each layer's group (NULL: group 0 for all), the normed rows
  * [M, hidden] and, for a float gate_up whose SiLU is not fused, its product [M, 2I];
  * the qkv bias is fp32 for a quantized qkv or the GEMV, bf16 for the panels (as each reads it) */
 enum {
-    S_M, S_X, S_X_BF16, S_KV_BF16, S_THREADS, S_POSITIONS, S_COS, S_SIN, S_QKV, S_ATTN, S_O,
-    S_ACT, S_DOWN, S_GROUPS, S_LAYER_GROUP, S_NORMED, S_GATE_UP, STEP_WORDS
+    S_M, S_X, S_X_BF16, S_KV_DTYPE, S_THREADS, S_POSITIONS, S_COS, S_SIN, S_QKV, S_ATTN, S_O,
+    S_ACT, S_DOWN, S_GROUPS, S_LAYER_GROUP, S_NORMED, S_GATE_UP, S_Q8_ISA, STEP_WORDS
 };
+/* S_KV_DTYPE's codes; for the one-byte ones S_Q8_ISA is paged_decode_q8's `isa` */
+enum { KV_F32, KV_BF16, KV_INT8, KV_FP8 };
 /* one KV cache group's metadata: slot mapping, decode block tables and their row stride,
  * seq_lens, rows, block size, sliding window (0: none) */
 enum { G_SLOTS, G_TABLES, G_BT_STRIDE, G_SEQ_LENS, G_ROWS, G_BLOCK_SIZE, G_WINDOW, GROUP_WORDS };
@@ -127,7 +133,9 @@ static int64_t project_normed(const int64_t *p, void *residual, const void *delt
 
 /* The decoder layers of one decode-only step; 0, or the first failing kernel's code. */
 int64_t decode_layers(const int64_t *step, const int64_t *layers, int64_t num_layers) {
-    const int64_t M = step[S_M], bf16 = step[S_X_BF16], kv_bf16 = step[S_KV_BF16];
+    const int64_t M = step[S_M], bf16 = step[S_X_BF16], kv_dtype = step[S_KV_DTYPE];
+    const int64_t q8 = kv_dtype == KV_INT8 || kv_dtype == KV_FP8;
+    const int64_t q8_kind = kv_dtype == KV_FP8; /* paged_attention_quant.c's kind */
     const int64_t threads = step[S_THREADS];
     const int64_t *groups = (const int64_t *)step[S_GROUPS];
     const int64_t *layer_group = (const int64_t *)step[S_LAYER_GROUP];
@@ -158,9 +166,12 @@ int64_t decode_layers(const int64_t *step, const int64_t *layers, int64_t num_la
         const void *k = (const char *)qkv + H * D * esize, *v = (const char *)k + KVH * D * esize;
         const int64_t *slots = (const int64_t *)g[G_SLOTS];
         void *k_cache = (void *)l[L_K_CACHE], *v_cache = (void *)l[L_V_CACHE];
-        if (bf16)
+        if (q8)
+            write_kv_q8(k, v, qkv_n, slots, k_cache, v_cache, 0, M, KVH, D, g[G_BLOCK_SIZE], q8_kind,
+                        bf16, l[L_K_SCALE], l[L_V_SCALE]);
+        else if (bf16)
             copy_kv_bf16(k, v, qkv_n, slots, k_cache, v_cache, 0, M, KVH, D, g[G_BLOCK_SIZE]);
-        else if (kv_bf16)
+        else if (kv_dtype == KV_BF16)
             write_kv_bf16(k, v, qkv_n, slots, k_cache, v_cache, 0, M, KVH, D, g[G_BLOCK_SIZE]);
         else
             write_kv_f32(k, v, qkv_n, slots, k_cache, v_cache, 0, M, KVH, D, g[G_BLOCK_SIZE]);
@@ -170,11 +181,13 @@ int64_t decode_layers(const int64_t *step, const int64_t *layers, int64_t num_la
         int64_t keys = 0;
         for (int64_t r = 0; r < M; r++)
             keys += seq_lens[r];
-        const int64_t aargs[16] = {(int64_t)qkv, qkv_n, (int64_t)k_cache, (int64_t)v_cache,
+        const int64_t aargs[20] = {(int64_t)qkv, qkv_n, (int64_t)k_cache, (int64_t)v_cache,
                                    g[G_TABLES], g[G_BT_STRIDE], g[G_SEQ_LENS], g[G_ROWS], H, KVH, D,
-                                   g[G_BLOCK_SIZE], (int64_t)attn, H * D, bf16 ? 3 : 0, g[G_WINDOW]};
-        kernel_pool_run(kv_bf16 ? POOL_DECODE_BF16 : POOL_DECODE_F32, aargs, as_double(l[L_SCALE]),
-                        M, seq_lens, keys * H >= PARALLEL_HEAD_KEYS ? threads : 1);
+                                   g[G_BLOCK_SIZE], (int64_t)attn, H * D, bf16 ? 3 : 0, g[G_WINDOW],
+                                   q8_kind, step[S_Q8_ISA], l[L_K_SCALE], l[L_V_SCALE]};
+        kernel_pool_run(q8 ? POOL_DECODE_Q8 : kv_dtype == KV_BF16 ? POOL_DECODE_BF16 : POOL_DECODE_F32,
+                        aargs, as_double(l[L_SCALE]), M, seq_lens,
+                        keys * H >= PARALLEL_HEAD_KEYS ? threads : 1);
 
         rc = project(l + L_O, attn, NULL, o, M, bf16, threads, 0, NULL);
         if (rc == 0)

@@ -64,6 +64,10 @@ void write_kv_bf16(const float *k, const float *v, int64_t src_stride, const int
 void copy_kv_bf16(const uint16_t *k, const uint16_t *v, int64_t src_stride, const int64_t *slots,
                   uint16_t *k_cache, uint16_t *v_cache, int64_t begin, int64_t end, int64_t KVH,
                   int64_t D, int64_t bs);
+void write_kv_q8(const void *k, const void *v, int64_t src_stride, const int64_t *slots,
+                 uint8_t *k_cache, uint8_t *v_cache, int64_t begin, int64_t end, int64_t KVH,
+                 int64_t D, int64_t bs, int64_t kind, int64_t src_bf16, int64_t k_scale_bits,
+                 int64_t v_scale_bits);
 void lora_shrink(const void *x, int64_t x_stride, int64_t x_bf16, int64_t K, const float *A,
                  int64_t n_slices, int64_t R, const int64_t *ranks, const int64_t *slots,
                  float *s, int64_t isa, int64_t begin, int64_t end);

@@ -9,7 +9,9 @@ Which models: Llama-family dense layers on the CPU with every projection quantiz
 (kvflow/model/quant), or with fp32 activations on the fp32 GEMV (csrc/gemv_f32.c, its
 panels in fp32, bf16 or fp16), or with bf16 ones on the bf16 panel GEMM (csrc/gemm_bf16.c),
 served by the C kernels, without QK-norm, partial RoPE, experts or
-tensor parallelism; bf16 or fp32 activations with a KV cache the C writer takes. Which steps:
+tensor parallelism; bf16 or fp32 activations with a KV cache the C writer takes (the
+activations' dtype, bf16 under fp32 ones, or a one-byte fp8 / int8 cache, written and read by
+paged_attention_quant.c on the path and with the scales the per-layer path uses). Which steps:
 decode-only (a speculative verification step is one: the runner makes each checked token a
 decode row, attention.build_attention_metadata's queries_as_decodes) with up to MAX_ROWS rows (where the quantized projections fuse their norm and
 SiLU: packed_linear.FUSED_ROWS), and with the GEMV no more than its rows (GEMV_MAX_ROWS: above
@@ -32,6 +34,7 @@ from kvflow import envs
 from kvflow.csrc import library, ops
 from kvflow.model import attention
 from kvflow.csrc.gemv import GEMV_ISAS, GEMV_WEIGHT_DTYPES
+from kvflow.model.cpu_features import cpu_features
 from kvflow.model.packed_linear import FUSED_ROWS, PackedWeight
 from kvflow.model.quant.qlinear import ISA_CODES, NEVER
 
@@ -42,13 +45,16 @@ PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # decode_step.c's records, in its order
 PROJ_WORDS = ("packed", "kind", "isa", "per_row", "n", "k", "kb", "wide_rows", "gemm")
 GEMM_QUANT, GEMM_GEMV_F32, GEMM_PANELS_BF16 = 0, 1, 2  # decode_step.c's `gemm` codes
-LAYER_HEAD = ("in_norm", "post_norm", "eps", "scale", "qkv_bias", "k_cache", "v_cache", "heads",
-              "kv_heads", "head_dim")
+LAYER_HEAD = ("in_norm", "post_norm", "eps", "scale", "qkv_bias", "k_cache", "v_cache", "k_scale",
+              "v_scale", "heads", "kv_heads", "head_dim")
 LAYER_WORDS = len(LAYER_HEAD) + len(PROJECTIONS) * len(PROJ_WORDS)
-STEP_WORDS = ("m", "x", "x_bf16", "kv_bf16", "threads", "positions", "cos", "sin", "qkv", "attn",
-              "o", "act", "down", "groups", "layer_group", "normed", "gate_up")
+STEP_WORDS = ("m", "x", "x_bf16", "kv_dtype", "threads", "positions", "cos", "sin", "qkv", "attn",
+              "o", "act", "down", "groups", "layer_group", "normed", "gate_up", "q8_isa")
+# decode_step.c's KV_* codes (the `kv_dtype` word)
+KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, attention.FP8: 3}
 GROUP_WORDS = ("slots", "tables", "bt_stride", "seq_lens", "rows", "block_size", "window")
 _K_CACHE = LAYER_HEAD.index("k_cache")
+_K_SCALE = LAYER_HEAD.index("k_scale")
 
 
 def _double_bits(value: float) -> int:
@@ -80,6 +86,12 @@ def _on_panels(p: PackedWeight | None, model) -> bool:
     panels at decode rows (MAX_ROWS is under gemm.ROW_SPLIT_ROWS)."""
     return (p is not None and p.quant is None and p.panels is not None
             and model.dtype == torch.bfloat16)
+
+
+def _q8_isa(kernels) -> str:
+    """The one-byte-cache decode path attention_with_kernels takes with these kernels (its
+    q8_isa keyword, else the widest this CPU has)."""
+    return kernels.attention.keywords.get("q8_isa") or attention.best_q8_isa(cpu_features())
 
 
 def max_rows(model) -> int:
@@ -132,6 +144,7 @@ class DecodeGraph:
     layers: np.ndarray  # [L, LAYER_WORDS] int64, the caches' pointers filled per cache list
     biases: list  # the qkv biases the records point at (kept alive here)
     max_rows: int  # the most rows a step may have here (max_rows(model))
+    q8_isa: int  # paged_decode_q8's path for a one-byte cache: the per-layer path's (Q8_ISAS)
     step: np.ndarray = field(default_factory=lambda: np.zeros(len(STEP_WORDS), dtype=np.int64))
     scratch: dict = field(default_factory=dict)  # rows -> (qkv, attn, o, act, down, normed, gate_up)
     caches: list | None = None  # the cache list whose pointers `layers` holds
@@ -156,13 +169,14 @@ class DecodeGraph:
             biases.append(bias)
             words = [layer.input_layernorm.data_ptr(), layer.post_attention_layernorm.data_ptr(),
                      _double_bits(layer.eps), _double_bits(layer.scale),
-                     0 if bias is None else bias.data_ptr(), 0, 0, layer.num_heads,
+                     0 if bias is None else bias.data_ptr(), 0, 0, 0, 0, layer.num_heads,
                      layer.num_kv_heads, layer.head_dim]
             for name in PROJECTIONS:
                 n, k = getattr(layer, name).shape
                 words += _projection_words(layer.packed[name], n, k, model.dtype == torch.bfloat16)
             rows.append(words)
-        return cls(model, model.kernels, np.array(rows, dtype=np.int64), biases, max_rows(model))
+        return cls(model, model.kernels, np.array(rows, dtype=np.int64), biases, max_rows(model),
+                   attention.Q8_ISAS[_q8_isa(model.kernels)])
 
     def _caches_taken(self, kv_caches: list) -> bool:
         """Fill in the caches' pointers (once per cache list); False: caches the C writer and
@@ -172,15 +186,17 @@ class DecodeGraph:
         if len(kv_caches) != len(self.layers):
             return False
         kv_dtype = kv_caches[0][0].dtype
-        # one-byte caches (fp8, int8: paged_attention_quant.c) take the per-layer path
-        if kv_dtype not in (torch.float32, torch.bfloat16) or (
-                self.model.dtype == torch.bfloat16 and kv_dtype != torch.bfloat16):
+        # a float cache of another dtype than bf16 activations goes through kv_layout.write_rows
+        if kv_dtype not in KV_DTYPES or (self.model.dtype == torch.bfloat16
+                                         and kv_dtype == torch.float32):
             return False
         for i, (kc, vc) in enumerate(kv_caches):
             if kc.dtype != kv_dtype or vc.dtype != kv_dtype or kc.device.type != "cpu" \
                     or not (kc.is_contiguous() and vc.is_contiguous()):
                 return False
             self.layers[i, _K_CACHE:_K_CACHE + 2] = (kc.data_ptr(), vc.data_ptr())
+            # fp8's per-tensor scales, as the per-layer path passes them
+            self.layers[i, _K_SCALE:_K_SCALE + 2] = attention._float_bits(attention.FP8_KV_SCALE)
         self.caches, self.cache_ptr = kv_caches, kv_caches[0][0].data_ptr()
         return True
 
@@ -220,11 +236,11 @@ class DecodeGraph:
         qkv, attn, o, act, down, normed, gate_up = self._buffers(m)
         rope_cos, rope_sin = self.model.rope_cos, self.model.rope_sin
         self.step[:] = (m, x.data_ptr(), int(x.dtype == torch.bfloat16),
-                        int(kv_caches[0][0].dtype == torch.bfloat16), torch.get_num_threads(),
+                        KV_DTYPES[kv_caches[0][0].dtype], torch.get_num_threads(),
                         positions.ctypes.data, rope_cos.data_ptr(), rope_sin.data_ptr(),
                         qkv.data_ptr(), attn.data_ptr(), o.data_ptr(), act.data_ptr(), down.data_ptr(),
                         groups.ctypes.data, 0 if group_of is None else group_of.ctypes.data,
-                        normed.data_ptr(), gate_up.data_ptr())
+                        normed.data_ptr(), gate_up.data_ptr(), self.q8_isa)
         rc = library().decode_layers(self.step.ctypes.data, self.layers.ctypes.data, len(self.layers))
         if rc != 0:
             raise MemoryError("decode_layers: no memory for a kernel's scratch")
