@@ -137,9 +137,13 @@ def kernel_times(reps: int, batch: int = 32, context: int = 340, layers: int = 3
     meta = A.build_attention_metadata(np.ones(batch, dtype=np.int64), np.full(batch, context),
                                       tables, bs)
     slots = torch.arange(nb * bs)
+    from kvflow.model.cpu_features import cpu_features
+    native_bf16 = cpu_features().avx512_bf16  # the model runs bf16 there, fp32 elsewhere
     # bf16 with bf16 q: the AVX512-BF16 row; with fp32 q: the AVX2 row (what an AVX2-only CPU
-    # runs for a bf16 cache)
-    variants = [("bfloat16", torch.bfloat16, None), ("bfloat16", torch.bfloat16, "avx2-fp32q")]
+    # runs for a bf16 cache, beside its fp32 one)
+    variants = [("bfloat16", torch.bfloat16, "avx2-fp32q")]
+    variants = ([("bfloat16", torch.bfloat16, None)] + variants if native_bf16
+                else [("float32", torch.float32, "avx2-fp32q")] + variants)
     for name, dt in (("fp8", FP8), ("int8", torch.int8)):
         variants += [(name, dt, isa) for isa in A.q8_isas() if isa != "scalar"]  # scalar: a reference
     caches = {}
@@ -153,8 +157,9 @@ def kernel_times(reps: int, batch: int = 32, context: int = 340, layers: int = 3
             write_rows(kc, vc, torch.randn(nb * bs, kvh, d), torch.randn(nb * bs, kvh, d), slots)
             layers_kv.append((kc, vc))
         caches[name] = layers_kv
-    q = torch.randn(batch, h, d).bfloat16()  # bf16 q and out, as the engine passes them
-    out = torch.empty(batch, h, d, dtype=torch.bfloat16)
+    # q and out in the activations' dtype, as the engine passes them
+    q = torch.randn(batch, h, d).to(torch.bfloat16 if native_bf16 else torch.float32)
+    out = torch.empty(batch, h, d, dtype=q.dtype)
     times = {v: [] for v in variants}
 
     q32, out32 = q.float(), out.float()
@@ -178,6 +183,8 @@ def kernel_times(reps: int, batch: int = 32, context: int = 340, layers: int = 3
         kv_bytes = sum(t.numel() * t.element_size() for t in caches[name][0]) * layers
         read = kv_bytes * context * batch / (nb * bs)
         path = {None: "avx512-bf16 (vdpbf16ps)", "avx2-fp32q": "avx2 (fp32 q/out)"}.get(isa, isa)
+        if isa not in (None, "avx2-fp32q"):
+            path += f" ({str(q.dtype).removeprefix('torch.')} q/out)"
         rows.append({"cache": name, "path": path,
                      "ms_per_step": statistics.median(ts) * 1e3, "min_ms": min(ts) * 1e3,
                      "kv_read_mb": read / 1e6,
@@ -197,7 +204,8 @@ def report(res: dict) -> str:
                   "", f"Corpus benchmarks/data/quant_corpus.txt, windows of 512 (every position "
                   f"scored, {a[0]['positions']} positions); default model (Q4_1 GGUF), "
                   f"{a[0]['model_dtype']} activations; the reference is the same model on a bf16 "
-                  "cache (what `auto` is here); the last three columns take the float32 cache "
+                  "cache (what `auto` is where activations are bf16; float32 where they are "
+                  "fp32); the last three columns take the float32 cache "
                   "as the reference instead (the cache's numerics alone).", "",
                   "| cache | attention | agreement vs bf16 | mean KL | p99 KL | agreement vs fp32 cache | mean KL | p99 KL |",
                   "|---|---|---|---|---|---|---|---|"]
@@ -229,8 +237,8 @@ def report(res: dict) -> str:
     if res.get("kernel"):
         k = res["kernel"]
         lines += ["## Decode attention alone, per step", "", f"{k[0]['shape']}, blocks scattered, "
-                  "bf16 q and out (as the engine passes them with bf16 weights) unless the row "
-                  "says fp32.", "",
+                  "q and out in the dtype the row names (bf16 unnamed: as the engine passes "
+                  "them with bf16 activations).", "",
                   "| cache | path | ms / step (median) | min | K/V bytes read (MB) |", "|---|---|---|---|---|"]
         for r in k:
             lines.append(f"| {r['cache']} | {r['path']} | {r['ms_per_step']:.1f} | {r['min_ms']:.1f} | "
