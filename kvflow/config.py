@@ -218,6 +218,10 @@ class LoRAConfig:
     lora_modules: list[str] | None = option(
         None, "adapters loaded at start as name=path (a PEFT folder); `kvflow serve` lists "
         "each as a model whose `parent` is the base model")
+    max_cpu_loras: int | None = option(
+        None, "adapters kept in host memory (default: every registered one); past it the "
+        "least recently used adapter without unfinished requests is dropped, and read from "
+        "its folder again on its next request (at least max_loras)")
 
     def __post_init__(self) -> None:
         if isinstance(self.lora_modules, str):
@@ -227,6 +231,9 @@ class LoRAConfig:
         if not 1 <= self.max_lora_rank <= 256 or self.max_lora_rank & (self.max_lora_rank - 1):
             raise ValueError(f"max_lora_rank must be a power of two up to 256, got "
                              f"{self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                             f"({self.max_loras})")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora")
         names = [name for name, _ in self.modules()]

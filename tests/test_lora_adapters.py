@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -163,7 +164,28 @@ def test_slots_are_reused_least_recently_used_first(tiny):
     assert torch.equal(qkv.a[0, 16:24], a) and torch.equal(qkv.bt[0, :8, q:q + kv], b.T)
 
 
+def test_trim_drops_the_least_recently_used_idle_adapters(tiny):
+    """max_cpu_loras: past the cap, the least recently used adapter without unfinished
+    requests leaves host memory (and its slot); a busy one stays, even over the cap."""
+    from kvflow.model.loader import load_model
+    from kvflow.model.lora import LoRAManager
+
+    base, arch, _, good, _, rslora = tiny
+    model, _ = load_model(base, torch.float32)
+    lora = LoRAManager(model, arch, max_loras=1, max_lora_rank=16)
+    for i, path in enumerate((good, rslora, good), 1):
+        lora.add(LoRARequest(f"a{i}", i, path))
+    lora.step([2], np.array([1]))  # 2 in the slot: now the most recently used
+    assert lora.trim(2, busy={1}) == [3]  # 1 is the least recently used, but busy
+    assert list(lora.adapters) == [1, 2] and list(lora.slots.resident) == [2]
+    assert lora.trim(1, busy={1, 2}) == [] and len(lora.adapters) == 2
+    assert lora.trim(1, busy=set()) == [1]
+    assert lora.trim(0, busy=set()) == [2] and not lora.slots.resident
+
+
 def test_lora_config_is_checked():
+    with pytest.raises(ValueError, match="max_cpu_loras .* must be at least max_loras"):
+        LoRAConfig(enable_lora=True, max_loras=4, max_cpu_loras=2)
     with pytest.raises(ValueError, match="power of two"):
         LoRAConfig(enable_lora=True, max_lora_rank=12)
     with pytest.raises(ValueError, match="needs enable_lora"):

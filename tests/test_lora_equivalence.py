@@ -93,6 +93,23 @@ def test_tiny_llama_adapters_match_without_c_kernels(tiny, monkeypatch):
         assert_matches_reference(out.outputs[0].token_ids, refs[paths[0]][j], f"prompt {j}")
 
 
+def test_max_cpu_loras_drops_the_least_recently_used_and_reads_it_again(tiny):
+    """With max_cpu_loras 2, a third adapter drops the least recently used one from host
+    memory; its next request reads it from its folder again, with the same tokens."""
+    path, paths, prompts, refs = tiny
+    llm = LLM(path, dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=2,
+              num_blocks=64, max_model_len=256)
+    lrs = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]
+    core = llm.engine.core
+    for lr in lrs:
+        llm.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=lr)
+    assert core.list_loras() == [2, 3]  # 1 was the least recently used
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=lrs[0])
+    for j, out in enumerate(outs):
+        assert_matches_reference(out.outputs[0].token_ids, refs[paths[0]][j], f"prompt {j}")
+    assert core.list_loras() == [1, 3]
+
+
 @pytest.fixture(scope="module")
 def default_case(tmp_path_factory, default_model_path, prompt_ids):
     from transformers import AutoModelForCausalLM

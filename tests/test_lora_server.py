@@ -4,13 +4,15 @@ adapters load and unload at run time (KVFLOW_ALLOW_RUNTIME_LORA_UPDATING=1, from
 --lora-allowed-root), and a bad adapter is a 400 that loads nothing and leaves the server up."""
 from __future__ import annotations
 
+import asyncio
 import os
 
 import httpx
 import pytest
 
 from kvflow.entrypoints.openai.errors import APIError
-from kvflow.entrypoints.openai.serving_lora import LoadLoRAAdapterRequest, LoRAAdapters
+from kvflow.entrypoints.openai.serving_lora import (LoadLoRAAdapterRequest, LoRAAdapters,
+                                                   UnloadLoRAAdapterRequest)
 from lora_helpers import write_adapter
 from server_helpers import ServerProcess
 
@@ -152,3 +154,73 @@ def test_runtime_endpoints_exist_only_when_allowed(monkeypatch, allowed):
     assert r.status_code == (400 if allowed == "1" else 404)
     if allowed == "1":
         assert "--lora-allowed-root" in r.json()["error"]["message"]
+
+
+class _FakeEngine:
+    """The engine's two LoRA calls; `remove_lora` can be held open to stand for the core's
+    round trip, and refused as the core refuses an adapter that its requests still use."""
+
+    def __init__(self) -> None:
+        self.added: list[int] = []
+        self.removed: list[int] = []
+        self.gate: asyncio.Event | None = None
+        self.refuse = False
+
+    async def add_lora(self, lr) -> None:
+        self.added.append(lr.lora_int_id)
+
+    async def remove_lora(self, lr) -> bool:
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.refuse:
+            raise ValueError(f"LoRA adapter {lr.lora_int_id} is in use by 1 unfinished requests")
+        self.removed.append(lr.lora_int_id)
+        return True
+
+
+def test_an_adapter_is_held_from_its_check_to_the_requests_end(tmp_path):
+    """A request checked against an adapter holds it until it ends, including the time before
+    the core has it (tokenizing): unloading it is a 400 meanwhile, and a request checked before
+    an unload (or a reload of the name) is a 404 instead of reaching the core, which would load
+    the old adapter again under its old id, unlisted and never unloaded."""
+    (tmp_path / "v2").mkdir()
+    engine = _FakeEngine()
+    loras = LoRAAdapters([("sql", "/a/sql")], [MODEL], str(tmp_path))
+    unload = UnloadLoRAAdapterRequest(lora_name="sql")
+
+    async def scenario() -> None:
+        old = loras.resolve("sql")
+        with loras.in_use(old):
+            with loras.in_use(old):  # two requests of one adapter
+                pass
+            with pytest.raises(APIError, match="in use by 1 unfinished"):
+                await loras.unload(engine, unload)
+        assert engine.removed == [] and loras.resolve("sql") is old and not loras.in_flight
+        stale = loras.resolve("sql")  # checked, then tokenizing while the adapter goes
+        await loras.unload(engine, unload)
+        assert engine.removed == [old.lora_int_id]
+        await loras.load(engine, LoadLoRAAdapterRequest(lora_name="sql", lora_path=str(tmp_path / "v2")))
+        new = loras.resolve("sql")
+        assert new.lora_int_id != old.lora_int_id
+        with pytest.raises(APIError, match="was unloaded") as e:
+            with loras.in_use(stale):
+                pass
+        assert e.value.status == 404 and not loras.in_flight
+        with loras.in_use(new):
+            assert loras.in_flight == {new.lora_int_id: 1}
+        # while the core removes it, the name is gone already: nothing new may reach the core
+        engine.gate = asyncio.Event()
+        task = asyncio.ensure_future(loras.unload(engine, unload))
+        await asyncio.sleep(0)
+        with pytest.raises(APIError, match="does not exist"):
+            loras.resolve("sql")
+        with pytest.raises(APIError, match="was unloaded"):
+            with loras.in_use(new):
+                pass
+        engine.refuse = True  # the core still held a request: the adapter stays served
+        engine.gate.set()
+        with pytest.raises(APIError, match="in use"):
+            await task
+        assert loras.resolve("sql") is new
+
+    asyncio.run(scenario())

@@ -339,6 +339,13 @@ class EngineCore(EngineKVTransferMixin):
             logger.info("kvflow: LoRA adapter %s (id %d, rank %d) from %s", lora_request.lora_name,
                         lora_request.lora_int_id, lora.adapters[lora_request.lora_int_id].rank,
                         lora_request.lora_path)
+            cap = self.config.lora_config.max_cpu_loras
+            if cap is not None:  # the new one counts as busy: its request is about to queue
+                busy = {r.lora_int_id for r in self.scheduler.requests.values()
+                        if r.lora_int_id and not r.is_finished} | {lora_request.lora_int_id}
+                for lid in lora.trim(cap, busy):
+                    logger.info("kvflow: LoRA adapter %d dropped from host memory "
+                                "(max_cpu_loras %d)", lid, cap)
         return added
 
     def remove_lora(self, lora_int_id: int) -> bool:

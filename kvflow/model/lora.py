@@ -290,7 +290,8 @@ class LoRAManager:
         if model.tp is not None:
             raise ValueError("LoRA adapters with tensor parallelism are not supported yet")
         self.arch, self.max_lora_rank = arch, max_lora_rank
-        self.adapters: dict[int, LoRAAdapter] = {}
+        # registered adapters, least recently used first (a step's adapters move to the end)
+        self.adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self.slots = LoRASlots(model, arch, max_loras, max_lora_rank)
         self.device = lora_device(model)
 
@@ -306,6 +307,18 @@ class LoRAManager:
         self.adapters[request.lora_int_id] = load_adapter(request, self.arch, self.max_lora_rank)
         return True
 
+    def trim(self, max_adapters: int, busy: set[int]) -> list[int]:
+        """Drop least recently used adapters not in `busy` until at most `max_adapters` are
+        registered (fewer drops where the rest are busy); the ids dropped."""
+        dropped = []
+        for lid in list(self.adapters):
+            if len(self.adapters) <= max_adapters:
+                break
+            if lid not in busy:
+                self.remove(lid)
+                dropped.append(lid)
+        return dropped
+
     def remove(self, lora_id: int) -> bool:
         self.slots.evict(lora_id)
         return self.adapters.pop(lora_id, None) is not None
@@ -315,6 +328,8 @@ class LoRAManager:
         if not any(lora_ids):
             return None
         slot_of = self.slots.assign([i for i in lora_ids if i], self.adapters)
+        for i in slot_of:
+            self.adapters.move_to_end(i)
         per_req = np.fromiter((slot_of[i] if i else -1 for i in lora_ids), dtype=np.int64,
                               count=len(lora_ids))
         slots = torch.from_numpy(np.repeat(per_req, query_lens))

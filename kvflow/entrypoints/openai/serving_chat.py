@@ -2,6 +2,7 @@
 out: content, reasoning_content and tool_calls."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -228,6 +229,14 @@ class OpenAIServingChat(OpenAIServing):
                        req.parallel_tool_calls, lora)
 
     async def chunks(self, job: ChatJob) -> AsyncIterator[dict]:
+        # the adapter is held from here to the end (closing the stream aborts the requests
+        # first), so it cannot be unloaded under requests the core does not hold yet
+        with self.loras.in_use(job.lora_request):
+            async with contextlib.aclosing(self._chunks(job)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+
+    async def _chunks(self, job: ChatJob) -> AsyncIterator[dict]:
         head = {"id": job.request_id, "object": "chat.completion.chunk", "created": job.created,
                 "model": job.model}
         extra = {"usage": None} if job.include_usage else {}

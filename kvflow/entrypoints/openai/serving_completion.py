@@ -4,6 +4,7 @@ The stream of chunks is the one source of truth: SSE sends it, the WebSocket sen
 non-streamed response is the same chunks joined."""
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -142,6 +143,14 @@ class OpenAIServingCompletion(OpenAIServing):
                 if isinstance(p, str) else (None, list(p)) for p in prompts]
 
     async def chunks(self, job: CompletionJob) -> AsyncIterator[dict]:
+        # the adapter is held from here to the end (closing the stream aborts the requests
+        # first), so it cannot be unloaded under requests the core does not hold yet
+        with self.loras.in_use(job.lora_request):
+            async with contextlib.aclosing(self._chunks(job)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+
+    async def _chunks(self, job: CompletionJob) -> AsyncIterator[dict]:
         n = job.params.n
         gens = [self.engine.generate(ids, job.params, f"{job.request_id}-{i}", prompt=text,
                                      priority=job.priority, cache_salt=job.cache_salt,

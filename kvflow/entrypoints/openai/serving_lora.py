@@ -5,6 +5,7 @@ KVFLOW_ALLOW_RUNTIME_LORA_UPDATING=1, and loading only from under --lora-allowed
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 
 from pydantic import BaseModel, ConfigDict
@@ -38,6 +39,11 @@ class LoRAAdapters:
         self.allowed_root = os.path.realpath(allowed_root) if allowed_root else None
         self.next_id = len(modules) + 1
         self.lock = asyncio.Lock()  # one load or unload at a time: names stay unique
+        # lora_int_id -> requests of this server between their check and their end. The core
+        # counts only the requests it holds; one still tokenizing is counted here, so that an
+        # unload (and a reload of the name) cannot slip in before it reaches the core, which
+        # would load the old adapter again under its old id, unlisted and never unloaded
+        self.in_flight: dict[int, int] = {}
 
     def resolve(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the base model); 404 for neither."""
@@ -50,6 +56,26 @@ class LoRAAdapters:
                                 f"{', '.join(repr(m) for m in served)}.",
                            param="model", code="model_not_found")
         return lr
+
+    @contextlib.contextmanager
+    def in_use(self, lr: LoRARequest | None):
+        """Hold the adapter a request was checked against for the request's lifetime (the
+        base model: nothing to hold). 404 if it was unloaded (or its name reloaded as another
+        adapter) since the check."""
+        if lr is None:
+            yield
+            return
+        if self.adapters.get(lr.lora_name) is not lr:
+            raise APIError(404, f"The lora adapter '{lr.lora_name}' was unloaded while the "
+                                f"request was being prepared.", param="model",
+                           code="model_not_found")
+        self.in_flight[lr.lora_int_id] = self.in_flight.get(lr.lora_int_id, 0) + 1
+        try:
+            yield
+        finally:
+            left = self.in_flight.pop(lr.lora_int_id) - 1
+            if left:
+                self.in_flight[lr.lora_int_id] = left
 
     def model_cards(self, created: int) -> list[dict]:
         parent = self.base_names[0]
@@ -99,9 +125,15 @@ class LoRAAdapters:
             if lr is None:
                 raise APIError(404, f"The lora adapter '{req.lora_name}' cannot be found.",
                                param="lora_name", code="model_not_found")
+            users = self.in_flight.get(lr.lora_int_id, 0)
+            if users:
+                raise APIError(400, f"LoRA adapter '{req.lora_name}' is in use by {users} "
+                                    f"unfinished requests", param="lora_name", code="invalid_value")
+            # gone for new requests at once: none may reach the core after the removal
+            del self.adapters[req.lora_name]
             try:
                 await engine.remove_lora(lr)
             except ValueError as e:
+                self.adapters[req.lora_name] = lr  # the core refused: still served
                 raise APIError(400, str(e), param="lora_name", code="invalid_value") from None
-            del self.adapters[req.lora_name]
         return f"Success: LoRA adapter '{req.lora_name}' removed successfully."
