@@ -316,9 +316,14 @@ def run_verify(fmt, dtype, isa, seqs, k, steps=4, windows=None):
     return outs, taken
 
 
+def gemv_graph_rows(isa: str) -> int:
+    """The most rows of a step the graph takes on this GEMV path."""
+    return min(GEMV_MAX_ROWS[isa], MAX_ROWS)
+
+
 VERIFY_CASES = [("Q4_1", torch.bfloat16, ISAS[-1], 1, 4), ("Q4_1", torch.bfloat16, ISAS[-1], 3, 4),
                 ("Q8_0", torch.float32, ISAS[-1], 2, 3), ("panels", torch.bfloat16, ISAS[-1], 2, 4)]
-VERIFY_CASES += [("gemv" + st, torch.float32, isa, 1, GEMV_MAX_ROWS[isa] - 1)
+VERIFY_CASES += [("gemv" + st, torch.float32, isa, 1, gemv_graph_rows(isa) - 1)
                  for isa in GEMV_PATHS for st in ("", "-bf16")]
 
 
@@ -377,8 +382,8 @@ def test_models_the_graph_does_not_take():
 def test_fp32_gemv_steps_give_the_per_layer_numbers(isa, storage):
     """fp32 models whose projections the fp32 GEMV serves (fp32, bf16- or fp16-stored panels,
     the AVX-512 path and AVX2 forced): their norms, GEMVs and SiLU in the one call, the same
-    numbers at 1, 3 and the GEMV's most rows."""
-    for rows in sorted({1, 3, GEMV_MAX_ROWS[isa]}):
+    numbers at 1, 3 and the most rows the graph takes on the GEMV."""
+    for rows in sorted({1, 3, gemv_graph_rows(isa)}):
         got, want, taken = run_both("gemv" + storage, torch.float32, isa, rows, decode_steps=4)
         assert taken == [True] * 4, (isa, storage, rows)
         for step, (g, w) in enumerate(zip(got, want)):
@@ -388,11 +393,12 @@ def test_fp32_gemv_steps_give_the_per_layer_numbers(isa, storage):
 @pytest.mark.skipif(not GEMV_PATHS, reason="no vector fp32 GEMV on this CPU")
 @pytest.mark.parametrize("isa", GEMV_PATHS)
 def test_fp32_gemv_steps_above_its_rows_run_layer_by_layer(isa):
-    """Above GEMV_MAX_ROWS oneDNN serves the projections: the graph declines those steps (and
-    the numbers are the per-layer path's, which alone ran)."""
+    """Above GEMV_MAX_ROWS (AVX-512) oneDNN serves the projections, above MAX_ROWS (AVX2, whose
+    GEMV serves every batch) the step is wide: the graph declines those steps (and the numbers
+    are the per-layer path's, which alone ran)."""
     model = tiny_model("gemv-bf16", torch.float32, isa)
-    assert DecodeGraph.build(model).max_rows == GEMV_MAX_ROWS[isa]
-    got, want, taken = run_both("gemv-bf16", torch.float32, isa, GEMV_MAX_ROWS[isa] + 1,
+    assert DecodeGraph.build(model).max_rows == gemv_graph_rows(isa)
+    got, want, taken = run_both("gemv-bf16", torch.float32, isa, gemv_graph_rows(isa) + 1,
                                 decode_steps=2)
     assert taken == [False, False]
     assert all(torch.equal(g, w) for g, w in zip(got, want))

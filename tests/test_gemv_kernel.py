@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import kvflow.csrc
 from kvflow.csrc import library
-from kvflow.csrc.gemv import GEMV_ISAS, GEMV_MAX_ROWS, gemv_f32, gemv_isas, pack_gemv
+from kvflow.csrc.gemv import GEMV_ALL_ROWS, GEMV_ISAS, GEMV_MAX_ROWS, gemv_f32, gemv_isas, pack_gemv
 from kvflow.model.cpu_features import CpuFeatures, cpu_features
 from kvflow.model.kernels import KernelOptions, select_kernels
 from kvflow.model.packed_linear import linear
@@ -56,7 +56,7 @@ def test_gemv_matches_torch_for_every_row_tile(isa, n, k, threads):
     w, bias = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     packed = pack_gemv(w)
     assert packed.shape == (-(-n // 16), k, 16)
-    for m in (1, 2, 3, 4, 5, 8, 9, 13):  # one tile of each size on both ISAs, then several
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 40):  # one tile of each size on both ISAs, then several
         x = torch.randn(m, k, generator=g)
         for b in (bias, None):
             got = gemv_f32(x, packed, n, b, isa, threads)
@@ -100,7 +100,7 @@ def test_half_panels_give_the_fp32_gemv_of_the_widened_weights(isa, dtype, n, k,
     half, full = pack_gemv(w, dtype), pack_gemv(w)
     assert half.dtype == dtype and half.shape == full.shape
     assert torch.equal(half.float(), full)  # the same panels, half the bytes
-    for m in range(1, GEMV_MAX_ROWS.get(isa, 8) + 2):  # every tile size, then two tiles
+    for m in [*range(1, 14), 40]:  # every tile size (AVX2 to 6, AVX-512 to 8), then several
         x = torch.randn(m, k, generator=g)
         if dtype == torch.bfloat16:
             x[:, :7] = 0  # the bf16 edge columns hold 3e38: keep the sums finite
@@ -150,13 +150,13 @@ def test_avx2_path_from_a_build_without_avx512(tmp_path):
     for n, k in SHAPES:
         w, bias = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
         packed = pack_gemv(w)
-        for m in (1, 2, 3, 4, 7):
+        for m in (1, 2, 3, 4, 5, 6, 7, 13, 40):
             x = torch.randn(m, k, generator=g)
             out = _call(lib, x, packed, n, bias, "avx2")
             torch.testing.assert_close(out, _reference(x, w, bias), rtol=1e-5, atol=2e-5 * k ** 0.5)
         for dtype in HALF:
             wh = _half_weights(n, k, dtype, g)
-            for m in (1, 2, 3, 4, 5, 9):
+            for m in (1, 2, 3, 4, 5, 6, 9, 13):
                 x = torch.randn(m, k, generator=g)
                 x[:, :7] = 0
                 got = _call(lib, x, pack_gemv(wh, dtype), n, bias, "avx2")
@@ -164,33 +164,37 @@ def test_avx2_path_from_a_build_without_avx512(tmp_path):
                 _assert_near_reference(got, x, wh, bias)
 
 
-def test_fp32_decode_batches_take_the_gemv_and_longer_ones_onednn():
+def test_fp32_batches_take_the_gemv_up_to_its_rows_and_longer_ones_onednn():
     k = select_kernels(torch.float32, options=KernelOptions())
     isa = _isas_here()[-1]
-    assert k.names["linear"] == f"gemv-{isa}+onednn"
+    every = GEMV_MAX_ROWS[isa] >= GEMV_ALL_ROWS  # AVX2: the GEMV serves every batch
+    assert k.names["linear"] == (f"gemv-{isa}" if every else f"gemv-{isa}+onednn")
     w, bias = torch.randn(96, 64), torch.randn(96)
     packed = k.pack(w)
-    assert packed.gemv is not None and packed.onednn is not None
+    assert packed.gemv is not None and (packed.onednn is None) == every
     assert packed.gemv_isa == isa and packed.gemv_rows == GEMV_MAX_ROWS[isa]
-    for m in range(1, packed.gemv_rows + 3):
+    for m in [*range(1, 12), 64, 300]:
         x = torch.randn(m, 64)
         torch.testing.assert_close(linear(x, w, packed, bias), F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
     # the GEMV serves exactly the rows up to gemv_rows: with its panels zeroed, those rows read 0
     packed.gemv.zero_()
-    rows = packed.gemv_rows
-    assert linear(torch.randn(rows, 64), w, packed).abs().max() == 0
-    assert linear(torch.randn(rows + 1, 64), w, packed).abs().max() > 0
+    if every:
+        assert linear(torch.randn(300, 64), w, packed).abs().max() == 0
+    else:
+        rows = packed.gemv_rows
+        assert linear(torch.randn(rows, 64), w, packed).abs().max() == 0
+        assert linear(torch.randn(rows + 1, 64), w, packed).abs().max() > 0
 
 
 def test_the_gemv_is_chosen_per_cpu_and_opt_out():
     avx2 = select_kernels(torch.float32, features=AVX2, options=KernelOptions())
-    assert avx2.names["linear"] == "gemv-avx2+onednn"
+    assert avx2.names["linear"] == "gemv-avx2"
     assert avx2.pack(torch.randn(32, 16)).gemv_isa == "avx2"
     if "avx512" in gemv_isas():
         zen4 = select_kernels(torch.float32, features=ZEN4, options=KernelOptions())
         assert zen4.names["linear"] == "gemv-avx512+onednn"
         forced = select_kernels(torch.float32, features=ZEN4, options=KernelOptions(gemv_isa="avx2"))
-        assert forced.names["linear"] == "gemv-avx2+onednn"
+        assert forced.names["linear"] == "gemv-avx2"
     off = select_kernels(torch.float32, features=AVX2, options=KernelOptions(gemv=False))
     assert off.names["linear"] == "onednn" and off.pack(torch.randn(32, 16)).gemv is None
     # no vector path on the CPU: no GEMV (the scalar path is the tests' reference only)

@@ -108,10 +108,10 @@ def test_an_avx2_cpu_gets_no_panel_gemm_no_prompt_kernel_and_no_bf16_onednn():
     assert k.names["linear"] == "torch" and k.pack is None  # oneDNN would emulate bf16
     assert k.names["attention"] == "c-decode" and k.attention.keywords == {"prompt_kernel": False}
     f32 = select_kernels(torch.float32, features=AVX2, options=ALL_ON)
-    # fp32: oneDNN, and kvflow's AVX2 GEMV for decode-sized batches (tests/test_gemv_kernel.py)
-    assert f32.names["linear"] == "gemv-avx2+onednn" and f32.pack(torch.randn(96, 64)).onednn is not None
+    # fp32: kvflow's AVX2 GEMV for every batch, no oneDNN copy (tests/test_gemv_kernel.py)
+    assert f32.names["linear"] == "gemv-avx2" and f32.pack(torch.randn(96, 64)).onednn is None
     assert f32.names["norm"] == "c" and f32.names["argmax"] == "torch"  # fp32 logits: torch's
-    assert f32.describe().startswith("kernels [avx2]: linear=gemv-avx2+onednn, ")
+    assert f32.describe().startswith("kernels [avx2]: linear=gemv-avx2, ")
 
 
 @pytest.mark.parametrize("options,linear", [

@@ -12,11 +12,14 @@ GEMV_ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}  # gemv_f32.c's `isa` codes
 # the weight storage types it widens, as gemv_f32.c's `wdt` codes
 GEMV_WEIGHT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # The most rows the GEMV serves per instruction set, by measurement (benchmarks/gemv_f32.py,
-# the default model's projections and LM head, one thread, the Zen 4 here; docs/performance.md,
-# "Single stream"): AVX-512 beat oneDNN at every M up to 8 (its tile), AVX2 (forced) up to 4 and
-# was level at 6, behind at 8. A Zen 3's oneDNN is an AVX2 one: measure there before trusting
-# the AVX2 figure.
-GEMV_MAX_ROWS = {"avx2": 4, "avx512": 8}
+# the default model's projections and LM head, one thread; docs/performance.md, "Single
+# stream"). AVX-512 (a Zen 4) beat oneDNN at every M up to 8, its tile. AVX2 serves every
+# batch (GEMV_ALL_ROWS): with its six-row tile over L2-sized groups of panels it is a GEMM that
+# ran 1.05-2.3x oneDNN's prepacked fp32 GEMM (rows padded to their bucket, as served) from 8 to
+# 2,100 rows on an AMD EPYC Zen 3 (AVX2 + FMA), level at 2,048, so an AVX2 CPU keeps no oneDNN
+# copy of the weights (half the memory).
+GEMV_ALL_ROWS = 1 << 62
+GEMV_MAX_ROWS = {"avx2": GEMV_ALL_ROWS, "avx512": 8}
 
 
 def gemv_isas() -> list[str]:

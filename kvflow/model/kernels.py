@@ -15,6 +15,7 @@ What serves here, and why:
   in fp32, batches of up to GEMV_MAX_ROWS rows take kvflow's fp32 GEMV (AVX-512 or AVX2:
   csrc/gemv_f32.c), which streams a decode step's weights faster than oneDNN, from fp32
   panels or, with `weight_dtype` bfloat16/float16, from half-precision ones (half the bytes);
+  on AVX2 it serves every batch (a GEMM ahead of oneDNN's there) and oneDNN keeps no copy;
 - attention, norm, RoPE, SiLU, KV write, argmax: the C kernels (kvflow/csrc) where they built,
   else PyTorch; attention's prompt kernel exists only where the CPU has AVX512-BF16, elsewhere
   prompt tokens run as rows of the decode kernel; a one-byte KV cache (`kv_cache_dtype` fp8 or
@@ -41,7 +42,7 @@ import torch
 
 from kvflow import envs
 from kvflow.csrc import library, ops
-from kvflow.csrc.gemv import GEMV_MAX_ROWS, best_gemv_isa
+from kvflow.csrc.gemv import GEMV_ALL_ROWS, GEMV_MAX_ROWS, best_gemv_isa
 from kvflow.csrc.lora import best_lora_isa, lora_add, lora_add_torch
 from kvflow.model import attention, packed_linear
 from kvflow.model.cpu_features import CpuFeatures, cpu_features
@@ -183,6 +184,8 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
               and (dtype == torch.float32 or (dtype == bf16 and features.native_bf16
                                               and packed_linear.onednn_bf16_available())))
     gemv_isa = _gemv_isa(features, options) if c and dtype == torch.float32 else None
+    gemv_all = gemv_isa is not None and GEMV_MAX_ROWS.get(gemv_isa, 0) >= GEMV_ALL_ROWS
+    onednn = onednn and not gemv_all  # the GEMV serves every batch: no second copy
     silu_mul = ops.silu_mul if c else ops.silu_mul_torch
     amx = panels and onednn and features.amx_bf16
     # rows past these: oneDNN's AMX GEMM (the larger for weights over AMX_LARGE_BYTES)
@@ -193,7 +196,7 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
     gemv_dtype = options.gemv_dtype if gemv_isa is not None else None
     if gemv_isa is not None:  # decode-sized batches: the GEMV; longer ones as above
         stored = {torch.bfloat16: "-bf16", torch.float16: "-fp16"}.get(gemv_dtype, "")
-        linear_name = f"gemv-{gemv_isa}{stored}+{linear_name}"
+        linear_name = f"gemv-{gemv_isa}{stored}" + ("" if gemv_all else f"+{linear_name}")
     # attention: the prompt kernel's shape check answers 0 for every shape where it was not built
     prompt_kernel = c and features.avx512_bf16 and bool(lib.paged_prefill_bf16_supported(1, 1, 32, 16))
     if c and is_quantized(kv_dtype):
