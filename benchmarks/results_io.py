@@ -42,6 +42,7 @@ FLAGS_REPORTED = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "
 
 ENGINE_LABELS = {
     "kvflow": "kvflow",
+    "kvflow-gguf": "kvflow, the default Q4_1 GGUF as stored (int8 activations per 32)",
     "vllm": "vLLM CPU 0.32.0",
     "llamacpp": "llama.cpp (llama-cpp-python 0.3.36, native build)",
     "hf-static": "HF `generate`, static batches of 16",

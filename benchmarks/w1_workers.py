@@ -54,25 +54,35 @@ def _single_stream(engine: str, cfg: dict, prompts, startup: float, generate) ->
                    decode_tok_s=1 / step)
 
 
-def run_kvflow(cfg: dict) -> dict:
+def run_kvflow(cfg: dict, engine: str = "kvflow", model: str | None = None) -> dict:
     from kvflow.entrypoints.llm import LLM
     from kvflow.sampling_params import SamplingParams
 
     extra = cfg.get("kvflow_args", {})
-    llm = LLM(cfg["model"], dtype=cfg["dtype"], max_model_len=1024, num_threads=cfg["threads"], **extra)
+    llm = LLM(model or cfg["model"], dtype=cfg["dtype"], max_model_len=1024,
+              num_threads=cfg["threads"], **extra)
     prompts = _prompts(cfg, llm.engine.core.arch.vocab_size)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
     startup = time.perf_counter() - T_START
     if cfg.get("single_stream"):
-        return _single_stream("kvflow", cfg, prompts, startup, lambda p, n: llm.generate(
+        return _single_stream(engine, cfg, prompts, startup, lambda p, n: llm.generate(
             [p], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False))
     params = SamplingParams(max_tokens=cfg["output_len"], temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    return _result("kvflow", cfg, prompts, n_out, wall, startup,
+    return _result(engine, cfg, prompts, n_out, wall, startup,
                    engine_ready_s=llm.engine.core.startup_time, config=extra)
+
+
+def run_kvflow_gguf(cfg: dict) -> dict:
+    """kvflow on the default model's file as it ships (Q4_1 GGUF served as stored: its GEMMs
+    quantize the activations to int8 per block of 32), the same weight values the other
+    engines read dequantised from the HF folder."""
+    from kvflow.model_path import default_model_path
+
+    return run_kvflow(cfg, "kvflow-gguf", default_model_path())
 
 
 def _hf_model(cfg: dict):
@@ -171,7 +181,7 @@ def run_llamacpp(cfg: dict) -> dict:
                    kv_cache_type=engine.kv_type)
 
 
-ENGINES = {"kvflow": run_kvflow, "hf-static": run_hf_static, "hf-batch": run_hf_batch,
+ENGINES = {"kvflow": run_kvflow, "kvflow-gguf": run_kvflow_gguf, "hf-static": run_hf_static, "hf-batch": run_hf_batch,
            "vllm": run_vllm, "llamacpp": run_llamacpp}
 
 
