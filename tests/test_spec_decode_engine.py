@@ -14,6 +14,7 @@ from conftest_model_helpers import save_tiny_llama3
 from kvflow.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvflow.engine.core import EngineCore
 from kvflow.engine.protocol import EngineCoreRequest
+from kvflow.model.cpu_features import cpu_features
 from kvflow.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -148,10 +149,16 @@ def test_ngram_on_the_default_model_equals_plain_decoding(fmt, default_model_pat
             add_special_tokens=False) for p in COPY_PROMPTS]
         params = SamplingParams(temperature=0, max_tokens=32)
         graph = core.executor.runner.model._graph()
-        assert graph is not None and core.spec.policy.one_call_rows == graph.max_rows >= 5
+        # bf16 takes the one-call step on the panel GEMM only (AVX512-BF16); elsewhere its
+        # projections are torch's, layer by layer, and only the equality is checked
+        one_call = fmt != "bf16" or cpu_features().avx512_bf16
         steps = []  # the verification steps' rows, and whether the one call took them
-        run = graph.run
-        graph.run = lambda x, *a: steps.append((x.shape[0], (out := run(x, *a)) is not None)) or out
+        if one_call:
+            assert graph is not None and core.spec.policy.one_call_rows == graph.max_rows >= 5
+            run = graph.run
+            graph.run = lambda x, *a: steps.append((x.shape[0], (out := run(x, *a)) is not None)) or out
+        else:
+            assert graph is None
         # one stream, then both prompts in one batch
         got = llm.generate(ids[:1], params, use_tqdm=False) + llm.generate(ids, params, use_tqdm=False)
         accepted = core.scheduler.spec_stats.num_accepted_tokens
@@ -163,7 +170,8 @@ def test_ngram_on_the_default_model_equals_plain_decoding(fmt, default_model_pat
             core.spec = spec
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
         assert accepted > 16
-        assert any(rows > 2 for rows, _ in steps)
-        assert all(taken for rows, taken in steps if rows <= graph.max_rows)
+        if one_call:
+            assert any(rows > 2 for rows, _ in steps)
+            assert all(taken for rows, taken in steps if rows <= graph.max_rows)
     finally:
         llm.engine.shutdown()
