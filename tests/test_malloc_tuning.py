@@ -48,10 +48,12 @@ def test_repeated_prefill_reuses_freed_memory(default_model_path):
     untuned = _prefill_page_faults(default_model_path, "0")
     # Tuned, the later steps run in memory the earlier ones left behind. The heap can still
     # grow once by one buffer where its free space is fragmented (seen at step 2 or 3 in
-    # about one run of five: 1,177-3,073 faults, one 12 MiB activation), so of steps 3 and 4
-    # one must take no fresh pages and neither a step's worth.
+    # about one run of five: 1,177-3,073 faults, one 12 MiB activation; on an AVX2 CPU, whose
+    # GEMV allocates no padded copies, once 5,377 at step 4), so of steps 3 and 4 one must
+    # take no fresh pages and neither more than the largest activation: the MLP's gate/up
+    # output, 2,048 tokens x 3,072 x 4 bytes = 6,144 pages (a step's worth is ~440,000).
     assert tuned["tuned"], tuned
-    assert min(tuned["faults"][2:]) < 500 and max(tuned["faults"][2:]) < 5_000, tuned
+    assert min(tuned["faults"][2:]) < 500 and max(tuned["faults"][2:]) <= 6_144, tuned
     # The opt-out leaves glibc alone. Its own dynamic mmap threshold makes the untuned counts
     # a lottery (one commit, one hash seed: steps 2-4 at ~435k faults each in some runs, 0-19k
     # in others), so they are not asserted.
