@@ -141,26 +141,34 @@ static void tile_avx2_##T##_##ROWS(const float *x, int64_t xs, int64_t K, const 
     }                                                                                        \
 }                                                                                            \
 
-/* Six rows by one panel: the long-batch tile (12 accumulators, two weight lines and a
- * broadcast: 15 of the 16 ymm). Named accumulators, not an array: with an array gcc stored all
- * twelve back to the stack on every k, which capped the tile at ~40% of the FMA rate. */
+/* Five or six rows by one panel: the long-batch tiles (up to 12 accumulators, two weight lines
+ * and a broadcast: 15 of the 16 ymm). Named accumulators, not an array: with an array gcc
+ * stored them all back to the stack on every k (it did for five and six rows), which capped
+ * the tile at ~40% of the FMA rate; not inlined, since inlined into the panel function gcc
+ * spilled them again. Rows past ROWS are compile-time dead code. */
 #define FMA2_AVX2(r) do {                                                                    \
-        const __m256 xv = _mm256_broadcast_ss(x##r + k);                                     \
-        c##r##0 = _mm256_fmadd_ps(xv, w0, c##r##0);                                          \
-        c##r##1 = _mm256_fmadd_ps(xv, w1, c##r##1);                                          \
+        if (ROWS > r) {                                                                      \
+            const __m256 xv = _mm256_broadcast_ss(x##r + k);                                 \
+            c##r##0 = _mm256_fmadd_ps(xv, w0, c##r##0);                                      \
+            c##r##1 = _mm256_fmadd_ps(xv, w1, c##r##1);                                      \
+        }                                                                                    \
     } while (0)
 #define STORE2_AVX2(r, ORDER) do {                                                           \
-        ORDER(c##r##0, c##r##1);                                                             \
-        _mm256_storeu_ps(res + r * GP, c##r##0);                                             \
-        _mm256_storeu_ps(res + r * GP + 8, c##r##1);                                         \
+        if (ROWS > r) {                                                                      \
+            ORDER(c##r##0, c##r##1);                                                         \
+            _mm256_storeu_ps(res + r * GP, c##r##0);                                         \
+            _mm256_storeu_ps(res + r * GP + 8, c##r##1);                                     \
+        }                                                                                    \
     } while (0)
-#define TILE6_AVX2(T, WT, LINE, ORDER)                                                       \
-static void tile_avx2_##T##_6(const float *x, int64_t xs, int64_t K, const WT *w, float *res) \
+#define TILE_NAMED_AVX2(T, WT, LINE, ORDER, R)                                               \
+__attribute__((noinline)) static void tile_avx2_##T##_##R(const float *x, int64_t xs, int64_t K, const WT *w, float *res) \
 {                                                                                            \
+    enum { ROWS = R };                                                                       \
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, \
            c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;                 \
     const float *x0 = x, *x1 = x + xs, *x2 = x + 2 * xs, *x3 = x + 3 * xs, *x4 = x + 4 * xs, \
                 *x5 = x + 5 * xs;                                                            \
+    (void)x5; (void)c50; (void)c51;                                                          \
     for (int64_t k = 0; k < K; k++) {                                                        \
         const WT *line = w + k * GP;                                                         \
         if (GEMV_PF) _mm_prefetch((const char *)line + PF_BYTES, _MM_HINT_T0);               \
@@ -177,8 +185,8 @@ TILE_AVX2(T, WT, LINE, ORDER, 1, 4)                                             
 TILE_AVX2(T, WT, LINE, ORDER, 2, 2)                                                          \
 TILE_AVX2(T, WT, LINE, ORDER, 3, 1)                                                          \
 TILE_AVX2(T, WT, LINE, ORDER, 4, 1)                                                          \
-TILE_AVX2(T, WT, LINE, ORDER, 5, 1)                                                          \
-TILE6_AVX2(T, WT, LINE, ORDER)                                                               \
+TILE_NAMED_AVX2(T, WT, LINE, ORDER, 5)                                                       \
+TILE_NAMED_AVX2(T, WT, LINE, ORDER, 6)                                                       \
 static void panel_avx2_##T(const float *x, int64_t xs, int rows, int64_t K, const void *w, float *res) \
 {                                                                                            \
     switch (rows) {                                                                          \
