@@ -81,6 +81,13 @@ def _result(variant: str, prompts, outs_ids: list[list[int]], wall: float, start
             "first_tokens": [list(o[:4]) for o in outs_ids[:4]]}
 
 
+def _round_robin(lora_request, adapters: list[str], n: int) -> tuple[list, list]:
+    """One request object per adapter (either engine's LoRARequest class, the same fields) and
+    the prompts' adapters, round-robin: (per prompt, the adapters for the warm-up)."""
+    lrs = [lora_request(f"adapter{i}", i + 1, p) for i, p in enumerate(adapters)]
+    return [lrs[i % len(lrs)] for i in range(n)], lrs
+
+
 def worker_kvflow(variant: str, cfg: dict) -> dict:
     from kvflow import LLM, LoRARequest, SamplingParams
     from kvflow.utils.w1_prompts import make_w1
@@ -92,12 +99,8 @@ def worker_kvflow(variant: str, cfg: dict) -> dict:
     llm = LLM(**kw)
     prompts = make_w1(cfg["num_prompts"], cfg["min_len"], cfg["max_len"],
                       llm.engine.core.arch.vocab_size, cfg["seed"])
-    loras = None
-    warm_loras = None
-    if variant == "lora-mixed":
-        lrs = [LoRARequest(f"adapter{i}", i + 1, p) for i, p in enumerate(cfg["adapters"])]
-        loras = [lrs[i % len(lrs)] for i in range(len(prompts))]
-        warm_loras = lrs
+    loras, warm_loras = (_round_robin(LoRARequest, cfg["adapters"], len(prompts))
+                         if variant == "lora-mixed" else (None, None))
     # warm-up: kernels loaded, every adapter registered and in its slot before the clock
     n_warm = len(warm_loras) if warm_loras else 2
     warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
@@ -127,11 +130,8 @@ def worker_vllm(variant: str, cfg: dict) -> dict:
     llm = LLM(model=cfg["hf_model"], dtype=cfg["dtype"], max_model_len=1024, seed=0, **kw)
     prompts = make_w1(cfg["num_prompts"], cfg["min_len"], cfg["max_len"],
                       llm.llm_engine.model_config.get_vocab_size(), cfg["seed"])
-    loras = warm_loras = None
-    if variant == "vllm-lora-mixed":
-        lrs = [LoRARequest(f"adapter{i}", i + 1, p) for i, p in enumerate(cfg["adapters"])]
-        loras = [lrs[i % len(lrs)] for i in range(len(prompts))]
-        warm_loras = lrs
+    loras, warm_loras = (_round_robin(LoRARequest, cfg["adapters"], len(prompts))
+                         if variant == "vllm-lora-mixed" else (None, None))
     n_warm = len(warm_loras) if warm_loras else 2
     warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     llm.generate([TokensPrompt(prompt_token_ids=p[:16]) for p in prompts[:n_warm]], warm,
