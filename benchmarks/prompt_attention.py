@@ -1,5 +1,6 @@
 """Time prompt attention alone: `attention_with_kernels` over 30 layers of prompts read from a bf16
-paged cache, through the flash-style prompt kernel and (`--rows`) through the decode kernel
+paged cache, through the flash-style prompt kernel (on AVX512-BF16, and on AMX's tiles where the
+CPU has them; alternating, medians) and (`--rows`) through the decode kernel
 with every prompt token as a row, the path the prompt kernel replaced. With `--window W` every
 layer is a sliding-window layer, and `--rows` times what windowed prompts ran through before
 the prompt kernel took the window: decode rows (head sizes 64, 128) or SDPA with the window's
@@ -22,6 +23,7 @@ import kvflow  # noqa: E402,F401 - first, so OMP_WAIT_POLICY applies before torc
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from kvflow.csrc import load_library  # noqa: E402
 from kvflow.model import attention as A  # noqa: E402
 from kvflow.model.kv_layout import cache_shape  # noqa: E402
 
@@ -49,19 +51,29 @@ def main() -> int:
     meta = A.build_attention_metadata(np.array(lens), np.array(lens), tables, bs,
                                       sliding_window=args.window)
 
-    def one_step(prompt_kernel: bool) -> float:
+    def one_step(**kw) -> float:
         t0 = time.perf_counter()
         for k, v in caches:
-            A.attention_with_kernels(q, k, v, meta, head_dim ** -0.5, kv_heads,
-                                     prompt_kernel=prompt_kernel)
+            A.attention_with_kernels(q, k, v, meta, head_dim ** -0.5, kv_heads, **kw)
         return time.perf_counter() - t0
 
     old = "decode rows" if args.window is None or head_dim in A.VECTOR_HEAD_DIMS else "masked SDPA"
-    for name in ["prompt kernel", old] * 2 if args.rows else ["prompt kernel"]:
-        one_step(name == "prompt kernel")
-        times = [one_step(name == "prompt kernel") for _ in range(args.reps)]
+    variants = {"prompt kernel": dict(prompt_kernel=True)}
+    if load_library().prefill_amx_available():  # the same kernel's tile products on AMX
+        variants["prompt kernel, AMX"] = dict(prompt_kernel=True, prompt_amx=True)
+    if args.rows:
+        variants[old] = dict(prompt_kernel=False)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for kw in variants.values():
+        one_step(**kw)  # warm-up
+    for _ in range(args.reps):  # alternating
+        for name, kw in variants.items():
+            times[name].append(one_step(**kw))
+    base = statistics.median(times["prompt kernel"])
+    for name, t in times.items():
         print(f"{name}: {args.layers} layers x prompts {args.lens}: "
-              f"{statistics.median(times) * 1000:.1f} ms median of {args.reps}")
+              f"{statistics.median(t) * 1000:.1f} ms median of {args.reps} "
+              f"({base / statistics.median(t):.2f}x the AVX512-BF16 prompt kernel)")
     return 0
 
 

@@ -61,6 +61,8 @@ _VARS = [
     EnvVar("KVFLOW_GEMV_ISA", str, None,
            "avx2: the fp32 GEMV takes its AVX2 path even on an AVX-512 CPU (to measure "
            "that path where no AVX2-only CPU is at hand)"),
+    EnvVar("KVFLOW_NO_AMX_ATTENTION", bool, False,
+           "1: prompt attention on AVX512-BF16 even on a CPU with AMX (to measure the AMX path)"),
     EnvVar("KVFLOW_NO_DECODE_GRAPH", bool, False,
            "1: decode steps run layer by layer from Python, not all decoder layers in one "
            "C call (kvflow/model/decode_graph.py)"),

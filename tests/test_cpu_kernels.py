@@ -266,13 +266,18 @@ def test_bf16_argmax_matches_torch_with_ties_and_nan():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-# query heads per kv head: 3 (SmolLM2's), 1, 4 and 12 (a tile of one row); 128-wide heads
+# query heads per kv head: 3 (SmolLM2's), 1, 4 and 12 (a tile of one row); 128- and 96-wide heads
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 64), (4, 4, 64), (8, 2, 64),
-                                                     (12, 1, 64), (6, 2, 128)])
-def test_prompt_kernel_matches_sdpa_over_whole_blocks(threads, heads, kv_heads, head_dim, monkeypatch):
-    """The flash-style prompt kernel (bf16 cache, 16-token blocks): prompts of several tiles
-    and blocks, one that ends on a block boundary, a chunk after cached context, beside
-    decodes; against SDPA per prompt from the same cache."""
+                                                     (12, 1, 64), (6, 2, 128), (6, 2, 96)])
+@pytest.mark.parametrize("amx", [False, True], ids=["avx512-bf16", "amx"])
+def test_prompt_kernel_matches_sdpa_over_whole_blocks(threads, heads, kv_heads, head_dim, amx,
+                                                      monkeypatch):
+    """The flash-style prompt kernel (bf16 cache, 16-token blocks), on AVX512-BF16 and on AMX's
+    tiles: prompts of several tiles and blocks, one that ends on a block boundary, a chunk
+    after cached context, beside decodes; against SDPA per prompt from the same cache."""
+    lib = load_library()
+    if amx and not lib.prefill_amx_available():
+        pytest.skip("no AMX here (or Linux did not grant its tiles)")
     monkeypatch.setattr(A, "MIN_PARALLEL_HEAD_KEYS", 0)
     block_size = 16
     query_lens = np.array([45, 1, 23, 32, 1])  # fresh, decode, chunk after 40 cached, fresh, decode
@@ -290,7 +295,7 @@ def test_prompt_kernel_matches_sdpa_over_whole_blocks(threads, heads, kv_heads, 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = A.attention_with_kernels(q, k_cache, v_cache, meta, scale, kv_heads)
+        got = A.attention_with_kernels(q, k_cache, v_cache, meta, scale, kv_heads, prompt_amx=amx)
     finally:
         torch.set_num_threads(old)
     want = A.attention_with_sdpa(q.float(), k_cache, v_cache, meta, scale, kv_heads, decode_kernel=True)

@@ -326,12 +326,15 @@ def test_mixed_step_through_the_kernels_matches_the_torch_path(dtype, head_dim):
 
 @pytest.mark.parametrize("dtype", ONE_BYTE)
 @pytest.mark.parametrize("window", [0, 24])
-def test_prompt_kernel_widens_one_byte_tiles_as_the_reference_does(dtype, window):
+@pytest.mark.parametrize("amx", [False, True], ids=["avx512-bf16", "amx"])
+def test_prompt_kernel_widens_one_byte_tiles_as_the_reference_does(dtype, window, amx):
     """The prompt kernel over a one-byte cache gives what it gives over a bf16 cache holding
     the same values widened (int8 times its token's scale, rounded to bf16; fp8 exactly)."""
     lib = library()
     if not lib.paged_prefill_bf16_supported(6, 2, 64, 16):
         pytest.skip("the prompt kernel needs AVX512-BF16")
+    if amx and not lib.prefill_amx_available():
+        pytest.skip("no AMX here (or Linux did not grant its tiles)")
     bs, kvh, heads, d = 16, 2, 6, 64
     query_lens, seq_lens = np.array([40, 9]), np.array([40, 50])
     tables = [[3, 0, 5], [1, 6, 2, 4]]
@@ -344,8 +347,8 @@ def test_prompt_kernel_widens_one_byte_tiles_as_the_reference_does(dtype, window
     meta = A.build_attention_metadata(query_lens, seq_lens, tables, bs, sliding_window=window or None)
     q = torch.randn(int(query_lens.sum()), heads, d).bfloat16()
     got, want = torch.empty(q.shape), torch.empty(q.shape)
-    assert A._prefill_with_kernel(q, kc, vc, meta, 0.125, got)
-    assert A._prefill_with_kernel(q, *wide, meta, 0.125, want)
+    assert A._prefill_with_kernel(q, kc, vc, meta, 0.125, got, amx=amx)
+    assert A._prefill_with_kernel(q, *wide, meta, 0.125, want, amx=amx)
     assert torch.equal(got, want)
 
 

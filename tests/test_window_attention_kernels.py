@@ -116,8 +116,9 @@ def test_torch_paths_take_the_window():
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 6, 2), (128, 4, 4), (256, 4, 1)])
 @pytest.mark.parametrize("window", [5, 16, 23])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_prompt_kernel_window_matches_reference(head_dim, heads, kv_heads, window, threads):
-    """The prompt kernel (prefill_attention.c, AVX512-BF16 only: an AVX2 CPU has no prompt
+@pytest.mark.parametrize("amx", [False, True], ids=["avx512-bf16", "amx"])
+def test_prompt_kernel_window_matches_reference(head_dim, heads, kv_heads, window, threads, amx):
+    """The prompt kernel (prefill_attention.c, AVX512-BF16 or AMX: an AVX2 CPU has no prompt
     kernel and runs prompt tokens as decode-kernel rows, tested above) takes the window: every
     query of fresh prompts and of chunks after cached context sees only its last `window`
     keys, and blocks before the window of a chunk's first query (the null block, NaN) are
@@ -125,6 +126,8 @@ def test_prompt_kernel_window_matches_reference(head_dim, heads, kv_heads, windo
     lib = library()
     if not lib.paged_prefill_bf16_supported(heads, kv_heads, head_dim, 16):
         pytest.skip("no prompt kernel on this CPU (AVX512-BF16)")
+    if amx and not lib.prefill_amx_available():
+        pytest.skip("no AMX here (or Linux did not grant its tiles)")
     bs, num_blocks = 16, 40
     query_lens = np.array([40, 23, 5, 17, 1], dtype=np.int64)  # fresh, chunks, a fresh short one, a decode
     seq_lens = np.array([40, 61, 37, 17, 30], dtype=np.int64)
@@ -151,7 +154,7 @@ def test_prompt_kernel_window_matches_reference(head_dim, heads, kv_heads, windo
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        assert A._prefill_with_kernel(q, k_cache, v_cache, meta, scale, out)
+        assert A._prefill_with_kernel(q, k_cache, v_cache, meta, scale, out, amx=amx)
     finally:
         torch.set_num_threads(old)
     row = 0

@@ -45,9 +45,10 @@ _SIGNATURES = {
     # q, q_stride, k_cache, v_cache, tables, bt_stride, token_start, query_len, seq_len,
     # work_begin, work_end, H, KVH, D, block_size, scale, out, out_stride, out_bf16, window (a
     # query at position p sees keys p - window + 1 .. p; 0: all), kv_kind (0 bf16, 1 int8, 2
-    # fp8: a one-byte cache widened into its scratch), fp8's scale as float32 bits
+    # fp8: a one-byte cache widened into its scratch), fp8's scale as float32 bits, isa (0:
+    # AVX512-BF16, 1: AMX where prefill_amx_available())
     "paged_prefill_bf16": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64,
-                           _i64, _i64, _i64, _i64, _f32, _ptr, _i64, _i64, _i64, _i64, _i64],
+                           _i64, _i64, _i64, _i64, _f32, _ptr, _i64, _i64, _i64, _i64, _i64, _i64],
     # residual, delta, weight, out, begin, end, n, eps
     "add_rms_norm_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _f32],
     "add_rms_norm_bf16": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _f32],
@@ -155,6 +156,7 @@ def library() -> ctypes.CDLL | None:
     lib.decode_layers.restype, lib.decode_layers.argtypes = _i64, [_ptr, _ptr, _i64]
     lib.decode_step_layout.restype, lib.decode_step_layout.argtypes = _i64, [_i64]
     lib.gemm_bf16_available.restype, lib.gemm_bf16_available.argtypes = ctypes.c_int, []
+    lib.prefill_amx_available.restype, lib.prefill_amx_available.argtypes = ctypes.c_int, []
     lib.paged_prefill_bf16_supported.restype = ctypes.c_int
     lib.paged_prefill_bf16_supported.argtypes = [_i64, _i64, _i64, _i64]
     lib.kernel_pool_run.restype = None

@@ -50,7 +50,7 @@ static void k_decode_bf16(const int64_t *a, double f, int64_t b, int64_t e) {
 }
 static void k_prefill_bf16(const int64_t *a, double f, int64_t b, int64_t e) {
     paged_prefill_bf16(P(0), a[1], P(2), P(3), P(4), a[5], P(6), P(7), P(8), b, e, a[9], a[10],
-                       a[11], a[12], (float)f, P(13), a[14], a[15], a[16], a[17], a[18]);
+                       a[11], a[12], (float)f, P(13), a[14], a[15], a[16], a[17], a[18], a[19]);
 }
 static void k_norm_f32(const int64_t *a, double f, int64_t b, int64_t e) {
     add_rms_norm_f32(P(0), P(1), P(2), P(3), b, e, a[4], (float)f);

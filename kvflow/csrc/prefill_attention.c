@@ -26,7 +26,16 @@
  * A one-byte cache (kv_kind 1: int8 with a scale per token after each tile, 2: fp8 e4m3 at a
  * per-tensor scale; kvflow/model/kv_layout.py) is widened as it is copied into that scratch:
  * each value times its token's scale, rounded once to bf16 (fp8 values are bf16 numbers: exact
- * at scale 1.0), the same tile layout, so the rest runs unchanged. */
+ * at scale 1.0), the same tile layout, so the rest runs unchanged.
+ *
+ * On CPUs with AMX (isa 1, where prefill_amx_available() says the tiles are built and the
+ * kernel may use them) the same tiles go through the AMX tile unit instead: the cache's key
+ * tiles are already AMX's B layout for q x K^T (16 dim pairs x 16 keys), its value tiles for
+ * P x V (16 key pairs x 16 dims), so a tile of up to 16 (row, head) pairs takes the scores of
+ * up to 64 keys in 2 * NB * D / 32 tile products, the softmax runs on AVX-512 over those
+ * scores as above, and P (bf16) x V is another D / 8 products per 64 keys, added to the
+ * rescaled outputs. */
+#define _GNU_SOURCE /* syscall(), for AMX's permission */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -37,6 +46,7 @@
 
 #define TILE 12 /* rows x heads per tile: 12 score and 12 output accumulators */
 #define KB 16   /* keys per block: the transposed scratch's lane count */
+#define AMX_TILE_PAIRS 16 /* scratch rows for q and outputs: TILE or an AMX tile's 16 */
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -211,6 +221,159 @@ static void tile_bf16(const uint16_t *q, int64_t q_stride, const uint32_t *kt, c
     }
 }
 
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_ROWS 16 /* (row, head) pairs per AMX tile */
+#define AMX_KEYS 64 /* keys per fold: 4 blocks, one score tile each */
+
+/* Linux hands out AMX's tile state on request, once per process (arch_prctl
+ * ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); without it the first tile instruction faults */
+int prefill_amx_available(void) {
+    static int ok = -1;
+    if (ok < 0) ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return ok;
+}
+
+/* tmm0: A, M rows x 32 bf16 (q dims or probabilities); tmm1-2: B, 16 pair rows x 16 words
+ * (key tiles' dim pairs or value tiles' key pairs); tmm4-7: C, M rows x 16 fp32 */
+static void amx_configure(int M) {
+    struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    c.rows[0] = (uint8_t)M; c.colsb[0] = 64;
+    for (int t = 1; t <= 2; t++) { c.rows[t] = 16; c.colsb[t] = 64; }
+    for (int t = 4; t < 8; t++) { c.rows[t] = (uint8_t)M; c.colsb[t] = 64; }
+    _tile_loadconfig(&c);
+}
+
+/* Fold NB (1..4) blocks from block b into a tile of M pairs: scores into sc [M][64] through
+ * AMX, the online softmax on AVX-512 (pa [M][64]: the probabilities in bf16), then P x V
+ * through AMX into part [M][D], added to the rescaled outputs o. An odd NB reads one more
+ * block's values at probability zero: the scratch holds a zeroed block past the sequence. */
+static void amx_fold(int NB, int64_t b, const uint32_t *kt, const uint32_t *vt, const uint16_t *qa,
+                     int M, const int64_t *pos, int64_t window, int64_t D, float scale, float *mx,
+                     float *sum, float *o, float *sc, uint16_t *pa, float *part) {
+    const int64_t half = D / 2;
+    _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+    for (int64_t e = 0; e < D / 32; e++) { /* dims 32e..32e+31: 16 pair rows of each key tile */
+        const uint32_t *kb = kt + b * half * KB + 16 * e * KB;
+        _tile_loadd(0, qa + 32 * e, 2 * D);
+        _tile_loadd(1, kb, 4 * KB);
+        _tile_dpbf16ps(4, 0, 1);
+        if (NB > 1) { _tile_loadd(2, kb + half * KB, 4 * KB); _tile_dpbf16ps(5, 0, 2); }
+        if (NB > 2) { _tile_loadd(1, kb + 2 * half * KB, 4 * KB); _tile_dpbf16ps(6, 0, 1); }
+        if (NB > 3) { _tile_loadd(2, kb + 3 * half * KB, 4 * KB); _tile_dpbf16ps(7, 0, 2); }
+    }
+    _tile_stored(4, sc, 4 * AMX_KEYS);
+    if (NB > 1) _tile_stored(5, sc + 16, 4 * AMX_KEYS);
+    if (NB > 2) _tile_stored(6, sc + 32, 4 * AMX_KEYS);
+    if (NB > 3) _tile_stored(7, sc + 48, 4 * AMX_KEYS);
+
+    float corr[AMX_ROWS];
+    const __m512 scv = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    for (int i = 0; i < M; i++) {
+        __m512 si[4], m = ninf;
+        __mmask16 keep[4];
+        for (int u = 0; u < NB; u++) { /* causal and window masks as fold_blocks' */
+            const int64_t vis = pos[i] - (b + u) * KB + 1;
+            keep[u] = vis >= KB ? (__mmask16)0xFFFF : vis <= 0 ? (__mmask16)0 : (__mmask16)((1u << vis) - 1);
+            if (window > 0) {
+                const int64_t lo = pos[i] - window + 1 - (b + u) * KB;
+                if (lo >= KB) keep[u] = 0;
+                else if (lo > 0) keep[u] &= (__mmask16)(0xFFFFu << lo);
+            }
+            si[u] = _mm512_mask_blend_ps(keep[u], ninf, _mm512_mul_ps(_mm512_loadu_ps(sc + i * AMX_KEYS + 16 * u), scv));
+            m = _mm512_max_ps(m, si[u]);
+        }
+        const float bm = _mm512_reduce_max_ps(m);
+        const float m_new = bm > mx[i] ? bm : mx[i];
+        corr[i] = m_new == -INFINITY ? 1.f : expf(mx[i] - m_new);
+        __m512 total = _mm512_setzero_ps();
+        for (int u = 0; u < NB; u++) {
+            const __m512 ex = _mm512_maskz_mov_ps(keep[u], exp16(_mm512_sub_ps(si[u], _mm512_set1_ps(m_new))));
+            total = _mm512_add_ps(total, ex);
+            _mm256_storeu_si256((__m256i *)(pa + i * AMX_KEYS + 16 * u), (__m256i)_mm512_cvtneps_pbh(ex));
+        }
+        if (NB & 1) _mm256_storeu_si256((__m256i *)(pa + i * AMX_KEYS + 16 * NB), _mm256_setzero_si256());
+        sum[i] = sum[i] * corr[i] + _mm512_reduce_add_ps(total);
+        mx[i] = m_new;
+    }
+
+    /* P x V: 32 keys (16 value pair rows, consecutive across blocks) per product, 64 dims per
+     * pass (four output tiles; D % 32 == 0, so the last pass may have two) */
+    const int halves = (NB + 1) / 2;
+    for (int64_t dg = 0; dg < D; dg += 64) {
+        const int wide = dg + 32 < D;
+        _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+        for (int h = 0; h < halves; h++) {
+            const uint32_t *vb = vt + (b * KB / 2 + 16 * h) * D + dg;
+            _tile_loadd(0, pa + 32 * h, 2 * AMX_KEYS);
+            _tile_loadd(1, vb, 4 * D);
+            _tile_dpbf16ps(4, 0, 1);
+            _tile_loadd(2, vb + 16, 4 * D);
+            _tile_dpbf16ps(5, 0, 2);
+            if (wide) {
+                _tile_loadd(1, vb + 32, 4 * D);
+                _tile_dpbf16ps(6, 0, 1);
+                _tile_loadd(2, vb + 48, 4 * D);
+                _tile_dpbf16ps(7, 0, 2);
+            }
+        }
+        _tile_stored(4, part + dg, 4 * D);
+        _tile_stored(5, part + dg + 16, 4 * D);
+        if (wide) {
+            _tile_stored(6, part + dg + 32, 4 * D);
+            _tile_stored(7, part + dg + 48, 4 * D);
+        }
+    }
+    for (int i = 0; i < M; i++) {
+        const __m512 c = _mm512_set1_ps(corr[i]);
+        for (int64_t d = 0; d < D; d += 16)
+            _mm512_storeu_ps(o + i * D + d, _mm512_fmadd_ps(_mm512_loadu_ps(o + i * D + d), c,
+                                                            _mm512_loadu_ps(part + i * D + d)));
+    }
+}
+
+/* One AMX tile: M = R * G pairs, pair i = row i / G, head kh * G + i % G (rows past the
+ * sequence repeat its last row); as tile_bf16. */
+static void tile_amx(const uint16_t *q, int64_t q_stride, const uint32_t *kt, const uint32_t *vt,
+                     int64_t row0, int64_t rows, int64_t pos0, int64_t window, int64_t D,
+                     int64_t kh, int G, int M, float scale, void *out, int64_t out_stride,
+                     int out_bf16, uint16_t *qa, float *o, float *sc, uint16_t *pa, float *part) {
+    int64_t pos[AMX_ROWS];
+    for (int i = 0; i < M; i++) {
+        const int64_t r = i / G < rows ? i / G : rows - 1;
+        pos[i] = pos0 + r;
+        memcpy(qa + i * D, q + (row0 + r) * q_stride + (kh * G + i % G) * D, sizeof(uint16_t) * (size_t)D);
+    }
+    memset(o, 0, sizeof(float) * (size_t)(M * D));
+    float mx[AMX_ROWS], sum[AMX_ROWS];
+    for (int i = 0; i < M; i++) { mx[i] = -INFINITY; sum[i] = 0.f; }
+    const int64_t last = pos0 + rows - 1;
+    int64_t b = window > 0 && pos0 - window + 1 > 0 ? (pos0 - window + 1) / KB : 0;
+    for (; b * KB <= last; b += AMX_KEYS / KB) {
+        const int64_t left = last / KB - b + 1;
+        amx_fold(left < AMX_KEYS / KB ? (int)left : AMX_KEYS / KB, b, kt, vt, qa, M, pos, window,
+                 D, scale, mx, sum, o, sc, pa, part);
+    }
+    for (int i = 0; i < M && i / G < rows; i++) {
+        const int64_t at = (row0 + i / G) * out_stride + (kh * G + i % G) * D;
+        const __m512 inv = _mm512_set1_ps(1.f / sum[i]);
+        for (int64_t d = 0; d < D; d += 16) {
+            const __m512 r = _mm512_mul_ps(_mm512_loadu_ps(o + i * D + d), inv);
+            if (out_bf16)
+                _mm256_storeu_si256((__m256i *)((uint16_t *)out + at + d), (__m256i)_mm512_cvtneps_pbh(r));
+            else
+                _mm512_storeu_ps((float *)out + at + d, r);
+        }
+    }
+}
+#else
+int prefill_amx_available(void) { return 0; }
+#endif
+
 int paged_prefill_bf16_supported(int64_t H, int64_t KVH, int64_t D, int64_t block_size) {
     return D % 32 == 0 && block_size == KB && H % KVH == 0 && TILE % (H / KVH) == 0;
 }
@@ -220,31 +383,69 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache
                         const int64_t *token_start, const int64_t *query_len, const int64_t *seq_len,
                         int64_t work_begin, int64_t work_end, int64_t H, int64_t KVH, int64_t D,
                         int64_t block_size, float scale, void *out, int64_t out_stride,
-                        int64_t out_bf16, int64_t window, int64_t kv_kind, int64_t fp8_scale_bits) {
+                        int64_t out_bf16, int64_t window, int64_t kv_kind, int64_t fp8_scale_bits,
+                        int64_t isa) {
     (void)block_size;
     union { uint32_t u; float f; } fp8_scale = { (uint32_t)fp8_scale_bits };
-    const int G = (int)(H / KVH), R = TILE / G;
+    const int G = (int)(H / KVH);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    const int amx = isa == 1 && G <= AMX_ROWS && prefill_amx_available();
+#else
+    const int amx = 0;
+    (void)isa;
+#endif
+    const int R = amx ? 16 / G : TILE / G;
     int64_t max_len = 1;
     for (int64_t w = work_begin; w < work_end; w++)
         if (seq_len[w / KVH] > max_len) max_len = seq_len[w / KVH];
-    const size_t words = (size_t)(((max_len + KB - 1) / KB) * KB * D / 2);
+    /* one block more than the longest sequence needs: AMX's odd folds read it as zeros */
+    const size_t words = (size_t)(((max_len + KB - 1) / KB + 1) * KB * D / 2);
     uint32_t *kt = (uint32_t *)malloc(sizeof(uint32_t) * words);
     uint32_t *vt = (uint32_t *)malloc(sizeof(uint32_t) * words);
-    uint32_t *qp = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(TILE * D / 2));
-    float *o = (float *)malloc(sizeof(float) * (size_t)(TILE * D));
+    uint32_t *qp = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(AMX_TILE_PAIRS * D / 2));
+    float *o = (float *)malloc(sizeof(float) * (size_t)(AMX_TILE_PAIRS * D));
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    float *sc = NULL, *part = NULL;
+    uint16_t *pa = NULL;
+    if (amx) {
+        sc = (float *)malloc(sizeof(float) * AMX_ROWS * AMX_KEYS);
+        pa = (uint16_t *)malloc(sizeof(uint16_t) * AMX_ROWS * AMX_KEYS);
+        part = (float *)malloc(sizeof(float) * AMX_ROWS * (size_t)D);
+        amx_configure(R * G);
+    }
+#endif
     for (int64_t w = work_begin; w < work_end; w++) {
         const int64_t s = w / KVH, kh = w % KVH;
         const int64_t ql = query_len[s], first = seq_len[s] - ql;
         const int64_t b0 = window > 0 && first - window + 1 > 0 ? (first - window + 1) / KB : 0;
         gather_pairs(k_cache, v_cache, block_tables + s * bt_stride, b0, seq_len[s], KVH, D, kh, kt, vt,
                      (int)kv_kind, fp8_scale.f);
+        if (amx) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+            const int64_t nb = (seq_len[s] + KB - 1) / KB; /* the zeroed block past the sequence */
+            memset(vt + nb * KB / 2 * D, 0, sizeof(uint32_t) * (size_t)(KB / 2 * D));
+            for (int64_t r = 0; r < ql; r += R)
+                tile_amx(q, q_stride, kt, vt, token_start[s] + r, ql - r < R ? ql - r : R, first + r,
+                         window, D, kh, G, R * G, scale, out, out_stride, (int)out_bf16,
+                         (uint16_t *)qp, o, sc, pa, part);
+#endif
+            continue;
+        }
         for (int64_t r = 0; r < ql; r += R)
             tile_bf16(q, q_stride, kt, vt, token_start[s] + r, ql - r < R ? ql - r : R, first + r,
                       window, D, kh, G, scale, out, out_stride, (int)out_bf16, qp, o);
     }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (amx) {
+        _tile_release();
+        free(sc); free(pa); free(part);
+    }
+#endif
     free(kt); free(vt); free(qp); free(o);
 }
 #else
+int prefill_amx_available(void) { return 0; }
+
 int paged_prefill_bf16_supported(int64_t H, int64_t KVH, int64_t D, int64_t block_size) {
     (void)H; (void)KVH; (void)D; (void)block_size;
     return 0;
@@ -255,8 +456,9 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache
                         const int64_t *token_start, const int64_t *query_len, const int64_t *seq_len,
                         int64_t work_begin, int64_t work_end, int64_t H, int64_t KVH, int64_t D,
                         int64_t block_size, float scale, void *out, int64_t out_stride,
-                        int64_t out_bf16, int64_t window, int64_t kv_kind, int64_t fp8_scale_bits) {
-    (void)kv_kind; (void)fp8_scale_bits;
+                        int64_t out_bf16, int64_t window, int64_t kv_kind, int64_t fp8_scale_bits,
+                        int64_t isa) {
+    (void)kv_kind; (void)fp8_scale_bits; (void)isa;
     (void)q; (void)q_stride; (void)k_cache; (void)v_cache; (void)block_tables; (void)bt_stride;
     (void)token_start; (void)query_len; (void)seq_len; (void)work_begin; (void)work_end; (void)H;
     (void)KVH; (void)D; (void)block_size; (void)scale; (void)out; (void)out_stride;

@@ -308,11 +308,13 @@ def _decode_kernel(k_cache: torch.Tensor) -> str | None:
 
 
 def _prefill_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         meta: AttentionMetadata, scale: float, out: torch.Tensor) -> bool:
+                         meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                         amx: bool = False) -> bool:
     """Prompt rows through the flash-style prompt kernel (prefill_attention.c: bf16 cache, or a
     one-byte one widened to bf16 as it is gathered; AVX512-BF16, 16-token blocks) into `out`
     (fp32 or bf16, contiguous); decode rows untouched. q is read in bf16 (an fp32 q is rounded
-    first). A sliding window is the kernel's own: it skips the blocks before it. False: the
+    first). A sliding window is the kernel's own: it skips the blocks before it. `amx`: its
+    tile products on AMX (the caller checked prefill_amx_available() at load). False: the
     kernel does not serve this here."""
     lib = library()
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -332,7 +334,8 @@ def _prefill_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                [q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.ctypes.data,
                 tables.shape[1], starts.ctypes.data, qlens.ctypes.data, slens.ctypes.data, num_heads,
                 num_kv_heads, head_dim, block_size, out.data_ptr(), out.stride(0),
-                int(out.dtype == torch.bfloat16), window, kv_kind, _float_bits(FP8_KV_SCALE)],
+                int(out.dtype == torch.bfloat16), window, kv_kind, _float_bits(FP8_KV_SCALE),
+                int(amx)],
                len(qlens) * num_kv_heads, torch.get_num_threads(), farg=scale,
                weights=np.repeat(qlens * keys, num_kv_heads))
     return True
@@ -363,10 +366,12 @@ def _decode_with_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 def attention_with_kernels(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float, num_kv_heads: int,
                            k: torch.Tensor | None = None, v: torch.Tensor | None = None, *,
-                           prompt_kernel: bool = True, q8_isa: str | None = None) -> torch.Tensor:
+                           prompt_kernel: bool = True, prompt_amx: bool = False,
+                           q8_isa: str | None = None) -> torch.Tensor:
     """Attention of q [T, H, D] over each request's own cached K/V -> [T, H * D], through the
     C kernels: decodes through the decode kernel, prompts through the prompt kernel where
-    `prompt_kernel` (it was built: AVX512-BF16) and it takes this cache, else as decode rows.
+    `prompt_kernel` (it was built: AVX512-BF16) and it takes this cache, else as decode rows;
+    `prompt_amx`: the prompt kernel on AMX's tiles.
 
     The step's K/V must already be in the cache (write_kv). `k`/`v`, this step's fresh
     [T, kv_heads, D], optionally spare a gather for prompts that have no prior context."""
@@ -376,7 +381,8 @@ def attention_with_kernels(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty(q.shape, dtype=q.dtype)
     # the kernels write fp32 or bf16; another dtype gets one fp32 buffer, converted at the end
     of = out if out.dtype in _IO_DTYPES else torch.empty(q.shape)
-    if meta.prefills and not (prompt_kernel and _prefill_with_kernel(q, k_cache, v_cache, meta, scale, of)):
+    if meta.prefills and not (prompt_kernel and _prefill_with_kernel(q, k_cache, v_cache, meta, scale,
+                                                                     of, prompt_amx)):
         # Without the prompt kernel, prompt tokens are rows like decodes: each reads its
         # causal prefix from the cache. That ran 1.3-1.5x faster than SDPA per prompt
         # (benchmarks/README.md). Only for head sizes the decode kernel vectorises: its

@@ -53,7 +53,7 @@ from kvflow.model.packed_linear import AMX_PANEL_ROWS, AMX_PANEL_ROWS_LARGE
 @dataclass(frozen=True)
 class KernelOptions:
     """The user's opt-outs (KVFLOW_NO_KERNELS, KVFLOW_NO_ONEDNN, KVFLOW_NO_PANEL_GEMM,
-    KVFLOW_NO_GEMV), a narrower fp32 GEMV path to measure (KVFLOW_GEMV_ISA), and the storage
+    KVFLOW_NO_GEMV, KVFLOW_NO_AMX_ATTENTION), a narrower fp32 GEMV path to measure (KVFLOW_GEMV_ISA), and the storage
     dtype of the GEMV's weights (the `weight_dtype` option: None is fp32; bf16 or fp16 are
     widened to fp32 in the kernel, model/weight_dtype.py)."""
 
@@ -61,6 +61,7 @@ class KernelOptions:
     onednn: bool = True
     panel_gemm: bool = True
     gemv: bool = True
+    amx_attention: bool = True
     gemv_isa: str | None = None  # None: the widest this CPU and build have
     gemv_dtype: torch.dtype | None = None
 
@@ -75,7 +76,7 @@ class KernelOptions:
     def from_env(cls) -> "KernelOptions":
         return cls(c_kernels=not envs.KVFLOW_NO_KERNELS, onednn=not envs.KVFLOW_NO_ONEDNN,
                    panel_gemm=not envs.KVFLOW_NO_PANEL_GEMM, gemv=not envs.KVFLOW_NO_GEMV,
-                   gemv_isa=envs.KVFLOW_GEMV_ISA)
+                   amx_attention=not envs.KVFLOW_NO_AMX_ATTENTION, gemv_isa=envs.KVFLOW_GEMV_ISA)
 
 
 @dataclass(frozen=True)
@@ -199,18 +200,23 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
         linear_name = f"gemv-{gemv_isa}{stored}" + ("" if gemv_all else f"+{linear_name}")
     # attention: the prompt kernel's shape check answers 0 for every shape where it was not built
     prompt_kernel = c and features.avx512_bf16 and bool(lib.paged_prefill_bf16_supported(1, 1, 32, 16))
+    # its tile products on AMX where the CPU has it, the build has it and Linux grants it
+    prompt_amx = bool(prompt_kernel and options.amx_attention and features.amx_bf16
+                      and lib.prefill_amx_available())
+    prompt_name = "+c-prompt-amx" if prompt_amx else "+c-prompt"
     if c and is_quantized(kv_dtype):
         # one-byte caches: their own decode kernel (paged_attention_quant.c) on the widest path
         # this CPU has; prompts through the prompt kernel, which widens them as it gathers (on
         # AVX512-BF16), else as the decode kernel's rows
         q8_isa = attention.best_q8_isa(features)
         attend = partial(attention.attention_with_kernels, prompt_kernel=prompt_kernel,
-                         q8_isa=q8_isa)
+                         prompt_amx=prompt_amx, q8_isa=q8_isa)
         attention_name = (f"c-decode-{'fp8' if kv_dtype != torch.int8 else 'int8'}-{q8_isa}"
-                          + ("+c-prompt" if prompt_kernel else ""))
+                          + (prompt_name if prompt_kernel else ""))
     elif c:
-        attend = partial(attention.attention_with_kernels, prompt_kernel=prompt_kernel)
-        attention_name = "c-decode+c-prompt" if prompt_kernel and kv_dtype == bf16 else "c-decode"
+        attend = partial(attention.attention_with_kernels, prompt_kernel=prompt_kernel,
+                         prompt_amx=prompt_amx)
+        attention_name = "c-decode" + (prompt_name if prompt_kernel and kv_dtype == bf16 else "")
     else:
         attend, attention_name = attention.attention_with_sdpa, "sdpa"
     c_name = "c" if c else "torch"
