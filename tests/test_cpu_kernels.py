@@ -338,3 +338,24 @@ def test_bf16_q_and_out_are_the_kernels_fp32_out_rounded_once(threads, monkeypat
     rows = torch.from_numpy(meta.decode_rows)
     assert torch.equal(dec_got[rows], want[rows].bfloat16())
     torch.testing.assert_close(got.float(), from_fp32, atol=2e-2, rtol=2e-2)  # bf16 probabilities, rounding
+
+
+@pytest.mark.parametrize("contiguous", [False, True], ids=["scattered", "contiguous"])
+def test_decode_prefetching_every_block_gives_the_same_bits(contiguous):
+    """`prefetch_all` (the bf16 row prefetches blocks that follow in memory too, on a Xeon with
+    AMX) changes only what is fetched early: the outputs are the plain row's, bit for bit, for
+    blocks scattered over the pool and for runs of consecutive blocks."""
+    heads, kv_heads, head_dim, bs = 9, 3, 64, 16
+    seq_lens = np.array([300, 70, 16, 17, 1])
+    tables, k_cache, v_cache = _scattered_cache(7, 60, bs, kv_heads, head_dim, seq_lens, torch.bfloat16)
+    if contiguous:
+        starts = np.cumsum([0] + [len(t) for t in tables])
+        tables = [list(range(int(a), int(b))) for a, b in zip(starts[:-1], starts[1:])]
+    meta = A.build_attention_metadata(np.ones(len(seq_lens), dtype=np.int64), seq_lens, tables, bs)
+    q = torch.randn(len(seq_lens), heads, head_dim).bfloat16()
+    plain, pf = (torch.full(q.shape, float("nan")).bfloat16() for _ in range(2))
+    assert A._decode_with_kernel(q, k_cache, v_cache, meta, head_dim ** -0.5, plain)
+    assert A._decode_with_kernel(q, k_cache, v_cache, meta, head_dim ** -0.5, pf, prefetch_all=True)
+    assert not plain.isnan().any() and torch.equal(plain, pf)
+    want = A.attention_with_sdpa(q.float(), k_cache, v_cache, meta, head_dim ** -0.5, kv_heads)
+    torch.testing.assert_close(pf.float().view(len(q), -1), want, atol=2e-2, rtol=2e-2)

@@ -50,7 +50,7 @@ def test_bf16_on_an_avx512_bf16_cpu_takes_the_panel_gemm_and_the_prompt_kernel()
     k = select_kernels(torch.bfloat16, features=ZEN4, options=ALL_ON)
     assert k.names["linear"] == "panel-bf16" and k.names["gate_up"] == "panel-bf16-silu"
     assert k.names["attention"] == "c-decode+c-prompt" and k.names["argmax"] == "c"
-    assert k.attention.keywords == {"prompt_kernel": True, "prompt_amx": False}
+    assert k.attention.keywords == {"prompt_kernel": True, "prompt_amx": False, "prefetch_all": False}
     packed = k.pack(torch.randn(128, 64).bfloat16(), gate_up=True)
     assert packed.panels is not None and packed.gate_up
     # a bf16 model over an fp32 cache: the prompt kernel reads bf16 caches only
@@ -87,6 +87,9 @@ def test_bf16_on_an_amx_cpu_takes_the_panels_for_few_rows_and_onednn_amx_for_mor
     off = select_kernels(torch.bfloat16, features=SAPPHIRE_RAPIDS, options=KernelOptions(amx_attention=False))
     assert off.attention.keywords["prompt_amx"] is False and off.names["attention"] == "c-decode+c-prompt"
     assert select_kernels(torch.bfloat16, features=ZEN4, options=ALL_ON).attention.keywords["prompt_amx"] is False
+    # the decode kernel prefetches every block on a CPU with AMX (a Xeon), not on a Zen 4
+    assert k.attention.keywords["prefetch_all"] is True
+    assert select_kernels(torch.bfloat16, features=ZEN4, options=ALL_ON).attention.keywords["prefetch_all"] is False
 
 
 @pytest.mark.skipif(not PANELS_BUILT, reason="the panel GEMM needs AVX512-BF16")
@@ -115,7 +118,7 @@ def test_an_avx2_cpu_gets_no_panel_gemm_no_prompt_kernel_and_no_bf16_onednn():
     k = select_kernels(torch.bfloat16, features=AVX2, options=ALL_ON)
     assert k.names["linear"] == "torch" and k.pack is None  # oneDNN would emulate bf16
     assert k.names["attention"] == "c-decode"
-    assert k.attention.keywords == {"prompt_kernel": False, "prompt_amx": False}
+    assert k.attention.keywords == {"prompt_kernel": False, "prompt_amx": False, "prefetch_all": False}
     f32 = select_kernels(torch.float32, features=AVX2, options=ALL_ON)
     # fp32: kvflow's AVX2 GEMV for every batch, no oneDNN copy (tests/test_gemv_kernel.py)
     assert f32.names["linear"] == "gemv-avx2" and f32.pack(torch.randn(96, 64)).onednn is None

@@ -42,9 +42,10 @@ enum {
  * the qkv bias is fp32 for a quantized qkv or the GEMV, bf16 for the panels (as each reads it) */
 enum {
     S_M, S_X, S_X_BF16, S_KV_DTYPE, S_THREADS, S_POSITIONS, S_COS, S_SIN, S_QKV, S_ATTN, S_O,
-    S_ACT, S_DOWN, S_GROUPS, S_LAYER_GROUP, S_NORMED, S_GATE_UP, S_Q8_ISA, STEP_WORDS
+    S_ACT, S_DOWN, S_GROUPS, S_LAYER_GROUP, S_NORMED, S_GATE_UP, S_Q8_ISA, S_ATTN_IO, STEP_WORDS
 };
-/* S_KV_DTYPE's codes; for the one-byte ones S_Q8_ISA is paged_decode_q8's `isa` */
+/* S_KV_DTYPE's codes; for the one-byte ones S_Q8_ISA is paged_decode_q8's `isa`. S_ATTN_IO:
+ * paged_decode_bf16's io bits past q and out in bf16 (4: prefetch every next block) */
 enum { KV_F32, KV_BF16, KV_INT8, KV_FP8 };
 /* one KV cache group's metadata: slot mapping, decode block tables and their row stride,
  * seq_lens, rows, block size, sliding window (0: none) */
@@ -183,7 +184,8 @@ int64_t decode_layers(const int64_t *step, const int64_t *layers, int64_t num_la
             keys += seq_lens[r];
         const int64_t aargs[20] = {(int64_t)qkv, qkv_n, (int64_t)k_cache, (int64_t)v_cache,
                                    g[G_TABLES], g[G_BT_STRIDE], g[G_SEQ_LENS], g[G_ROWS], H, KVH, D,
-                                   g[G_BLOCK_SIZE], (int64_t)attn, H * D, bf16 ? 3 : 0, g[G_WINDOW],
+                                   g[G_BLOCK_SIZE], (int64_t)attn, H * D,
+                                   bf16 ? 3 | (kv_dtype == KV_BF16 ? step[S_ATTN_IO] : 0) : 0, g[G_WINDOW],
                                    q8_kind, step[S_Q8_ISA], l[L_K_SCALE], l[L_V_SCALE]};
         kernel_pool_run(q8 ? POOL_DECODE_Q8 : kv_dtype == KV_BF16 ? POOL_DECODE_BF16 : POOL_DECODE_F32,
                         aargs, as_double(l[L_SCALE]), M, seq_lens,

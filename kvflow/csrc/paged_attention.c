@@ -241,7 +241,7 @@ static float softmax_bf16(float *s, int64_t n) {
 static inline __attribute__((always_inline)) void row_dp_group(
         const uint16_t *qb, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table,
         int64_t L, int64_t skip, int64_t KVH, int64_t D, int64_t bs, float scale, float *scores, int64_t Ls,
-        float *out, const int G) {
+        float *out, const int G, const int pf_all) {
     const int64_t H = KVH * G, tile = bs * D, half = D / 2, nb = (L + bs - 1) / bs;
     const __m512 sc = _mm512_set1_ps(scale);
     for (int64_t b = 0; b < nb; b++) {
@@ -249,10 +249,12 @@ static inline __attribute__((always_inline)) void row_dp_group(
         for (int64_t kh = 0; kh < KVH; kh++) {
             const uint32_t *kt = (const uint32_t *)(k_cache + (table[b] * KVH + kh) * tile);
             /* one block ahead in this kv head's stream of key tiles, then of value tiles, unless
-             * it follows this one in memory: the hardware prefetcher streams those (software
-             * prefetches beside it ran 1.3x slower over contiguous blocks) */
+             * it follows this one in memory and !pf_all: the Zen 4's hardware prefetcher streams
+             * those (software prefetches beside it ran 1.3x slower over contiguous blocks there);
+             * a Xeon with AMX ran 1.46x faster with them (pf_all: 114 -> 78 ms for
+             * benchmarks/decode_kernel.py --io-bf16 --contiguous, scattered blocks level) */
             const int64_t ahead = b + PREFETCH_BLOCKS;
-            const uint16_t *next = ahead < nb ? (table[ahead] == table[ahead - 1] + 1 ? NULL
+            const uint16_t *next = ahead < nb ? (!pf_all && table[ahead] == table[ahead - 1] + 1 ? NULL
                                                  : k_cache + (table[ahead] * KVH + kh) * tile)
                                  : ahead - nb < nb ? v_cache + (table[ahead - nb] * KVH + kh) * tile : NULL;
             const uint16_t *qh = qb + kh * G * D;
@@ -286,7 +288,7 @@ static inline __attribute__((always_inline)) void row_dp_group(
         for (int64_t kh = 0; kh < KVH; kh++) {
             const uint32_t *vt = (const uint32_t *)(v_cache + (table[b] * KVH + kh) * tile);
             const int64_t ahead = b + PREFETCH_BLOCKS;
-            const uint16_t *next = ahead < nb && table[ahead] != table[ahead - 1] + 1
+            const uint16_t *next = ahead < nb && (pf_all || table[ahead] != table[ahead - 1] + 1)
                                  ? v_cache + (table[ahead] * KVH + kh) * tile : NULL;
             for (int64_t d0 = 0; d0 < D; d0 += 64) {
                 __m512 acc[4][4];
@@ -318,32 +320,38 @@ static inline __attribute__((always_inline)) void row_dp_group(
 }
 
 /* G is a literal in each branch, so row_dp_group's accumulators stay in registers */
-static void row_dp(const float *q, const uint16_t *qb, const void *kc, const void *vc,
-                   const int64_t *table, int64_t L, int64_t skip, int64_t H, int64_t KVH, int64_t D,
-                   int64_t bs, float scale, float *scores, int64_t Ls, float *out) {
-    (void)q;
-    const uint16_t *k = (const uint16_t *)kc, *v = (const uint16_t *)vc;
-    switch (H / KVH) {
-    case 1: row_dp_group(qb, k, v, table, L, skip, KVH, D, bs, scale, scores, Ls, out, 1); break;
-    case 2: row_dp_group(qb, k, v, table, L, skip, KVH, D, bs, scale, scores, Ls, out, 2); break;
-    case 3: row_dp_group(qb, k, v, table, L, skip, KVH, D, bs, scale, scores, Ls, out, 3); break;
-    default: row_dp_group(qb, k, v, table, L, skip, KVH, D, bs, scale, scores, Ls, out, 4); break;
-    }
+#define DEFINE_ROW_DP(NAME, PF_ALL)                                                            \
+static void NAME(const float *q, const uint16_t *qb, const void *kc, const void *vc,          \
+                 const int64_t *table, int64_t L, int64_t skip, int64_t H, int64_t KVH, int64_t D, \
+                 int64_t bs, float scale, float *scores, int64_t Ls, float *out) {            \
+    (void)q;                                                                                   \
+    const uint16_t *k = (const uint16_t *)kc, *v = (const uint16_t *)vc;                       \
+    switch (H / KVH) {                                                                         \
+    case 1: row_dp_group(qb, k, v, table, L, skip, KVH, D, bs, scale, scores, Ls, out, 1, PF_ALL); break; \
+    case 2: row_dp_group(qb, k, v, table, L, skip, KVH, D, bs, scale, scores, Ls, out, 2, PF_ALL); break; \
+    case 3: row_dp_group(qb, k, v, table, L, skip, KVH, D, bs, scale, scores, Ls, out, 3, PF_ALL); break; \
+    default: row_dp_group(qb, k, v, table, L, skip, KVH, D, bs, scale, scores, Ls, out, 4, PF_ALL); break; \
+    }                                                                                          \
 }
+DEFINE_ROW_DP(row_dp, 0)
+DEFINE_ROW_DP(row_dp_pf, 1) /* every next block prefetched, contiguous or not */
 #define DP_SHAPE(H, KVH, D, bs) ((D) % 64 == 0 && (bs) % 16 == 0 && (H) / (KVH) <= 4)
 #else
 #define DP_SHAPE(H, KVH, D, bs) 0
 #define row_dp ((row_fn *)NULL) /* never picked: every row widens q */
+#define row_dp_pf row_dp
 #endif
 
-static row_fn *pick_row(int bf16_cache, int q_bf16, int64_t H, int64_t KVH, int64_t D, int64_t bs) {
-    if (bf16_cache && q_bf16 && DP_SHAPE(H, KVH, D, bs)) return row_dp;
+static row_fn *pick_row(int bf16_cache, int q_bf16, int pf_all, int64_t H, int64_t KVH, int64_t D,
+                        int64_t bs) {
+    if (bf16_cache && q_bf16 && DP_SHAPE(H, KVH, D, bs)) return pf_all ? row_dp_pf : row_dp;
     if (AVX2_SHAPE(D, bs)) return bf16_cache ? row_avx2_bf16 : row_avx2_f32;
     return bf16_cache ? row_scalar_bf16 : row_scalar_f32;
 }
 
 /* q and out are fp32, or bf16 where io_bf16 has bit 0 (q) / bit 1 (out) set: a bf16 row is
- * widened (exactly) before and rounded (to nearest even, as torch's .to) after, per row. */
+ * widened (exactly) before and rounded (to nearest even, as torch's .to) after, per row. Bit
+ * 2: the AVX512-BF16 row prefetches every next block, contiguous or not (row_dp_pf). */
 #define DEFINE_DECODE(SUFFIX, KV_T, BF16_CACHE)                                                \
 void paged_decode_##SUFFIX(const void *q, int64_t q_stride, const KV_T *k_cache,              \
                            const KV_T *v_cache, const int64_t *block_tables, int64_t bt_stride, \
@@ -357,14 +365,14 @@ void paged_decode_##SUFFIX(const void *q, int64_t q_stride, const KV_T *k_cache,
     const int64_t Ls = max_len + 2;                                                            \
     float *scores = (float *)malloc(sizeof(float) * (size_t)(H * Ls + 2 * H * D));             \
     float *q32 = scores + H * Ls, *o32 = q32 + H * D;                                          \
-    row_fn *row = pick_row(BF16_CACHE, (int)(io_bf16 & 1), H, KVH, D, block_size);             \
+    row_fn *row = pick_row(BF16_CACHE, (int)(io_bf16 & 1), (int)(io_bf16 & 4), H, KVH, D, block_size); \
     for (int64_t r = row_begin; r < row_end; r++) {                                            \
         const float *qr = (const float *)q + rows[r] * q_stride;                               \
         const uint16_t *qb = NULL;                                                             \
         float *orow = (io_bf16 & 2) ? o32 : (float *)out + rows[r] * out_stride;               \
         if (io_bf16 & 1) {                                                                     \
             qb = (const uint16_t *)q + rows[r] * q_stride;                                     \
-            if (row != row_dp) /* the dp row reads qb as it is */                              \
+            if (row != row_dp && row != row_dp_pf) /* the dp rows read qb as it is */          \
                 for (int64_t i = 0; i < H * D; i++) q32[i] = bf16_to_float(qb[i]);             \
             qr = q32;                                                                          \
         }                                                                                      \

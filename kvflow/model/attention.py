@@ -264,11 +264,14 @@ MIN_PARALLEL_HEAD_KEYS = 256
 
 def _decode_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, out: torch.Tensor,
-                        all_tokens: bool = False, q8_isa: str | None = None) -> bool:
+                        all_tokens: bool = False, q8_isa: str | None = None,
+                        prefetch_all: bool = False) -> bool:
     """Decode rows (or, with `all_tokens`, every token, each one query over its own causal
     prefix) through the C kernel, straight from the paged cache. False: the kernel does not
     take this cache (another dtype or device). A one-byte cache (fp8, int8) is read by
-    paged_decode_q8 on its `q8_isa` path (None: the widest this CPU has)."""
+    paged_decode_q8 on its `q8_isa` path (None: the widest this CPU has). `prefetch_all`: the
+    bf16 kernel prefetches every next block, also where it follows the last in memory (faster
+    on a Xeon with AMX, slower on a Zen 4: paged_attention.c)."""
     kernel = _decode_kernel(k_cache)
     if kernel is None:
         return False
@@ -278,6 +281,8 @@ def _decode_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     qf = q if q.dtype in _IO_DTYPES and q.stride()[1:] == (head_dim, 1) else q.float().contiguous()
     of = out if out.dtype in _IO_DTYPES and out.is_contiguous() else torch.empty(q.shape)
     io_bf16 = int(qf.dtype == torch.bfloat16) | int(of.dtype == torch.bfloat16) << 1
+    if prefetch_all and kernel == "paged_decode_bf16":
+        io_bf16 |= 4
     if all_tokens:
         rows, lens, tables = meta.token_rows()
     else:
@@ -367,11 +372,11 @@ def attention_with_kernels(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            meta: AttentionMetadata, scale: float, num_kv_heads: int,
                            k: torch.Tensor | None = None, v: torch.Tensor | None = None, *,
                            prompt_kernel: bool = True, prompt_amx: bool = False,
-                           q8_isa: str | None = None) -> torch.Tensor:
+                           prefetch_all: bool = False, q8_isa: str | None = None) -> torch.Tensor:
     """Attention of q [T, H, D] over each request's own cached K/V -> [T, H * D], through the
     C kernels: decodes through the decode kernel, prompts through the prompt kernel where
     `prompt_kernel` (it was built: AVX512-BF16) and it takes this cache, else as decode rows;
-    `prompt_amx`: the prompt kernel on AMX's tiles.
+    `prompt_amx`: the prompt kernel on AMX's tiles; `prefetch_all`: _decode_with_kernel's.
 
     The step's K/V must already be in the cache (write_kv). `k`/`v`, this step's fresh
     [T, kv_heads, D], optionally spare a gather for prompts that have no prior context."""
@@ -390,9 +395,11 @@ def attention_with_kernels(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if head_dim not in VECTOR_HEAD_DIMS:
             return attention_with_sdpa(q, k_cache, v_cache, meta, scale, num_kv_heads, k, v,
                                        decode_kernel=True)
-        _decode_with_kernel(q, k_cache, v_cache, meta, scale, of, all_tokens=True, q8_isa=q8_isa)
+        _decode_with_kernel(q, k_cache, v_cache, meta, scale, of, all_tokens=True, q8_isa=q8_isa,
+                            prefetch_all=prefetch_all)
     elif meta.num_decodes:
-        _decode_with_kernel(q, k_cache, v_cache, meta, scale, of, q8_isa=q8_isa)
+        _decode_with_kernel(q, k_cache, v_cache, meta, scale, of, q8_isa=q8_isa,
+                            prefetch_all=prefetch_all)
     if of is not out:
         out.copy_(of)
     return out.reshape(num_tokens, num_heads * head_dim)

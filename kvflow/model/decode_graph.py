@@ -49,7 +49,8 @@ LAYER_HEAD = ("in_norm", "post_norm", "eps", "scale", "qkv_bias", "k_cache", "v_
               "v_scale", "heads", "kv_heads", "head_dim")
 LAYER_WORDS = len(LAYER_HEAD) + len(PROJECTIONS) * len(PROJ_WORDS)
 STEP_WORDS = ("m", "x", "x_bf16", "kv_dtype", "threads", "positions", "cos", "sin", "qkv", "attn",
-              "o", "act", "down", "groups", "layer_group", "normed", "gate_up", "q8_isa")
+              "o", "act", "down", "groups", "layer_group", "normed", "gate_up", "q8_isa",
+              "attn_io")
 # decode_step.c's KV_* codes (the `kv_dtype` word)
 KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, attention.FP8: 3}
 GROUP_WORDS = ("slots", "tables", "bt_stride", "seq_lens", "rows", "block_size", "window")
@@ -240,7 +241,8 @@ class DecodeGraph:
                         positions.ctypes.data, rope_cos.data_ptr(), rope_sin.data_ptr(),
                         qkv.data_ptr(), attn.data_ptr(), o.data_ptr(), act.data_ptr(), down.data_ptr(),
                         groups.ctypes.data, 0 if group_of is None else group_of.ctypes.data,
-                        normed.data_ptr(), gate_up.data_ptr(), self.q8_isa)
+                        normed.data_ptr(), gate_up.data_ptr(), self.q8_isa,
+                        4 if self.kernels.attention.keywords.get("prefetch_all") else 0)
         rc = library().decode_layers(self.step.ctypes.data, self.layers.ctypes.data, len(self.layers))
         if rc != 0:
             raise MemoryError("decode_layers: no memory for a kernel's scratch")
