@@ -6,7 +6,8 @@ blocks are scattered over each layer's own cache, as in a real decode step.
 
 --hot points every request at the same blocks, so they stay in L2: what is left is compute.
 --io-bf16 passes q and out in bf16, as the engine does with bf16 weights: with a bf16 cache on
-AVX512-BF16 that is the vdpbf16ps row; without it, the fp32-q (AVX2) row.
+AVX512-BF16 that is the vdpbf16ps row; without it, the fp32-q (AVX2) row. --prefetch-all: that
+row prefetches every next block (kvflow's choice on a CPU with AMX), not only scattered ones.
 """
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ def main() -> int:
     p.add_argument("--hot", action="store_true", help="every request reads the same blocks")
     p.add_argument("--contiguous", action="store_true",
                    help="each request's blocks in a row, as a prompt's blocks after prefill")
+    p.add_argument("--prefetch-all", action="store_true",
+                   help="with --io-bf16: the bf16 row prefetches contiguous blocks too (as kvflow "
+                        "chooses on a CPU with AMX)")
     p.add_argument("--io-bf16", action="store_true",
                    help="bf16 q and out, as the engine passes them with bf16 weights")
     args = p.parse_args()
@@ -74,7 +78,8 @@ def main() -> int:
         for k, v in caches:
             run_kernel(kernel, [q.data_ptr(), h * d, k.data_ptr(), v.data_ptr(), tables.ctypes.data,
                                 per_req, seq_lens.ctypes.data, rows.ctypes.data, h, kvh, d, bs,
-                                out.data_ptr(), h * d, 3 if args.io_bf16 else 0, 0], b, args.threads, farg=d ** -0.5)
+                                out.data_ptr(), h * d, (3 if args.io_bf16 else 0) | (4 if args.prefetch_all else 0), 0],
+                   b, args.threads, farg=d ** -0.5)
         return time.perf_counter() - t0
 
     one_step()
@@ -82,7 +87,7 @@ def main() -> int:
     read = 2 * args.layers * b * args.context * kvh * d * caches[0][0].element_size()
     med = statistics.median(times)
     print(f"{args.cache_dtype} cache, {args.threads} thread(s), {args.layers} layers x {b} requests x {args.context} tokens"
-          f"{', bf16 q/out' if args.io_bf16 else ''}{' (hot blocks)' if args.hot else ' (contiguous blocks)' if args.contiguous else ''}: {med * 1000:.1f} ms median of {args.reps} "
+          f"{', bf16 q/out' if args.io_bf16 else ''}{', every block prefetched' if args.prefetch_all else ''}{' (hot blocks)' if args.hot else ' (contiguous blocks)' if args.contiguous else ''}: {med * 1000:.1f} ms median of {args.reps} "
           f"(min {min(times) * 1000:.1f}); K/V read {read / 1e9:.2f} GB -> {read / med / 1e9:.1f} GB/s")
     return 0
 
