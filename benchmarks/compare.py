@@ -360,6 +360,7 @@ def main() -> None:
                                kvflow_args=json.loads(args.kvflow_args),
                                single_stream=args.single_stream)
                     r = run_one(engine, cfg, args.timeout)
+                    r["key"] = engine  # r["engine"] is the worker's label (vllm-cpu, llama.cpp, ...)
                     r.setdefault("threads", threads)
                     r.setdefault("dtype", dtype)
                     r["round"] = rep
@@ -433,7 +434,7 @@ def results_file(args, started, engines, results, w2, before, after, skipped) ->
     for threads in (int(t) for t in args.threads.split(",")):
         for dtype in args.dtypes.split(","):
             for engine in engines:
-                runs = [r for r in results if r.get("engine") == engine and r.get("threads") == threads
+                runs = [r for r in results if r.get("key") == engine and r.get("threads") == threads
                         and r.get("dtype") == dtype and "error" not in r]
                 if not runs:
                     continue

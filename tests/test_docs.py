@@ -148,9 +148,12 @@ def test_compare_writes_a_results_file_that_the_tables_read(tmp_path, monkeypatc
     args = SimpleNamespace(threads="1,2", dtypes="bfloat16", single_stream=False, num_prompts=8,
                            min_len=32, max_len=64, output_len=8, seed=0, checkpoint_dtype="float32",
                            kvflow_args="{}", w2_num_prompts=4)
-    results = [{"engine": e, "threads": t, "dtype": "bfloat16", "output_tok_s": v * t, "total_tok_s": 1.0,
-                "wall_s": 1.0, "startup_s": 2.0, "round": 0}
-               for e, v in (("kvflow", 200.0), ("vllm", 100.0), ("llamacpp", 50.0), ("hf-static", 25.0))
+    # as the run loop keeps them: "engine" is what the worker calls itself, "key" compare's name
+    results = [{"engine": label, "key": e, "threads": t, "dtype": "bfloat16", "output_tok_s": v * t,
+                "total_tok_s": 1.0, "wall_s": 1.0, "startup_s": 2.0, "round": 0}
+               for e, label, v in (("kvflow", "kvflow", 200.0), ("vllm", "vllm-cpu", 100.0),
+                                   ("llamacpp", "llama.cpp", 50.0),
+                                   ("hf-static", "hf-generate-static16", 25.0))
                for t in (1, 2)]
     check = {"one_s": 1.0, "two_s": 1.0, "ratio": 1.0, "load1": 0.1, "shared": False}
     import datetime
