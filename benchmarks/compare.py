@@ -468,7 +468,10 @@ def results_file(args, started, engines, results, w2, before, after, skipped) ->
                      "kvflow_args": json.loads(args.kvflow_args)},
         "w1": w1,
         "w2": {"threads": 1, "num_prompts": args.w2_num_prompts, "input_len": 256, "output_len": 128,
-               "rows": [dict(row, engine=r["engine"]) for r in ok_w2 for row in r["rows"]],
+               # the served folder as a path in the repository: no machine's paths in the file
+               "rows": [dict(row, engine=r["engine"], **({"model": os.path.relpath(row["model"], ROOT)}
+                                                         if "model" in row else {}))
+                        for r in ok_w2 for row in r["rows"]],
                "startup_s": {r["engine"]: r["startup_s"] for r in ok_w2}} if ok_w2 else None,
         "not_measured": dict(skipped, **{f"{r['engine']} threads={r.get('threads')}": r["error"][-300:]
                                          for r in results if "error" in r}),
