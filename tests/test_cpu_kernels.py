@@ -2,6 +2,11 @@
 paged decode attention straight from scattered blocks, and the fused RMSNorm / RoPE / SiLU."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -359,3 +364,38 @@ def test_decode_prefetching_every_block_gives_the_same_bits(contiguous):
     assert not plain.isnan().any() and torch.equal(plain, pf)
     want = A.attention_with_sdpa(q.float(), k_cache, v_cache, meta, head_dim ** -0.5, kv_heads)
     torch.testing.assert_close(pf.float().view(len(q), -1), want, atol=2e-2, rtol=2e-2)
+
+
+NO_AMX_CHECK = """
+import json, sys
+import kvflow.csrc as c
+c._FLAGS = c._FLAGS + ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
+sys.path.insert(0, sys.argv[1])
+import numpy as np, torch
+from kvflow.csrc import library
+from kvflow.model import attention as A
+from test_cpu_kernels import _scattered_cache
+query_lens, seq_lens = np.array([45, 1, 23]), np.array([45, 70, 63])
+tables, k, v = _scattered_cache(3, 40, 16, 3, 64, seq_lens, torch.bfloat16)
+q = torch.randn(int(query_lens.sum()), 9, 64).bfloat16()
+meta = A.build_attention_metadata(query_lens, seq_lens, tables, 16)
+plain, asked = (torch.full(q.shape, float("nan")) for _ in range(2))
+ran = [A._prefill_with_kernel(q, k, v, meta, 0.125, plain),
+       A._prefill_with_kernel(q, k, v, meta, 0.125, asked, amx=True)]
+rows = torch.from_numpy(np.concatenate([np.arange(45), 46 + np.arange(23)]))
+print(json.dumps({"amx": library().prefill_amx_available(), "ran": ran,
+                  "equal": bool(torch.equal(plain[rows], asked[rows])) and not plain[rows].isnan().any().item()}))
+"""
+
+
+@pytest.mark.slow  # builds the whole kernel library again (~12 s)
+def test_a_build_without_amx_serves_prompts_on_avx512_bf16(tmp_path):
+    """The kernel library built with AMX masked (as on a Zen 4 or an older Xeon): it reports no
+    AMX, and a prompt asked for on AMX runs the AVX512-BF16 tiles, bit for bit the plain call."""
+    if not cpu_features().avx512_bf16:
+        pytest.skip("the prompt kernel needs AVX512-BF16")
+    env = {**os.environ, "KVFLOW_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", NO_AMX_CHECK, os.path.dirname(__file__)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"amx": 0, "ran": [True, True], "equal": True}

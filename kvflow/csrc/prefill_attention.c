@@ -46,7 +46,6 @@
 
 #define TILE 12 /* rows x heads per tile: 12 score and 12 output accumulators */
 #define KB 16   /* keys per block: the transposed scratch's lane count */
-#define AMX_TILE_PAIRS 16 /* scratch rows for q and outputs: TILE or an AMX tile's 16 */
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -106,6 +105,81 @@ static void gather_pairs(const void *k_cache, const void *v_cache, const int64_t
     }
 }
 
+/* Which of the 16 keys of the block starting at key k0 a query at position pos sees: keys
+ * <= pos (causal) and, with a window, > pos - window */
+static inline __mmask16 visible_keys(int64_t pos, int64_t k0, int64_t window) {
+    const int64_t vis = pos - k0 + 1;
+    __mmask16 keep = vis >= KB ? (__mmask16)0xFFFF : vis <= 0 ? (__mmask16)0 : (__mmask16)((1u << vis) - 1);
+    if (window > 0) { /* keys j < lo of this block are before the window */
+        const int64_t lo = pos - window + 1 - k0;
+        if (lo >= KB) keep = 0;
+        else if (lo > 0) keep &= (__mmask16)(0xFFFFu << lo);
+    }
+    return keep;
+}
+
+/* One row's online-softmax step over the raw scores of NB blocks from block b: the running
+ * max and sum updated, the blocks' probabilities written to p (16 bf16 a block); returns the
+ * factor the row's outputs so far are to be scaled by. exp(-inf) = 0 on the first block; a row
+ * that has seen no key yet (a window starts past these blocks) keeps its zeros. */
+static inline __attribute__((always_inline)) float softmax_fold(
+        const int NB, const __m512 *raw, int64_t pos, int64_t b, int64_t window, float scale,
+        float *mx, float *sum, uint16_t *p) {
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    __m512 si[4], m = ninf;
+    __mmask16 keep[4];
+    for (int u = 0; u < NB; u++) {
+        keep[u] = visible_keys(pos, (b + u) * KB, window);
+        si[u] = _mm512_mask_blend_ps(keep[u], ninf, _mm512_mul_ps(raw[u], _mm512_set1_ps(scale)));
+        m = _mm512_max_ps(m, si[u]);
+    }
+    const float bm = _mm512_reduce_max_ps(m);
+    const float m_new = bm > *mx ? bm : *mx;
+    const float corr = m_new == -INFINITY ? 1.f : expf(*mx - m_new);
+    __m512 total = _mm512_setzero_ps();
+    for (int u = 0; u < NB; u++) {
+        const __m512 e = _mm512_maskz_mov_ps(keep[u], exp16(_mm512_sub_ps(si[u], _mm512_set1_ps(m_new))));
+        total = _mm512_add_ps(total, e);
+        _mm256_storeu_si256((__m256i *)(p + 16 * u), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    *sum = *sum * corr + _mm512_reduce_add_ps(total);
+    *mx = m_new;
+    return corr;
+}
+
+/* A tile's start: pair i = row i / G, head kh * G + i % G, rows past the sequence repeating its
+ * last row; their positions, their q rows into qa (D bf16 each), outputs, maxima and sums
+ * cleared. Returns the block of the first key the tile's first row sees. */
+static int64_t tile_begin(const uint16_t *q, int64_t q_stride, int64_t row0, int64_t rows,
+                          int64_t pos0, int64_t window, int64_t D, int64_t kh, int G, int M,
+                          int64_t *pos, uint16_t *qa, float *o, float *mx, float *sum) {
+    for (int i = 0; i < M; i++) {
+        const int64_t r = i / G < rows ? i / G : rows - 1;
+        pos[i] = pos0 + r;
+        memcpy(qa + i * D, q + (row0 + r) * q_stride + (kh * G + i % G) * D, sizeof(uint16_t) * (size_t)D);
+        mx[i] = -INFINITY;
+        sum[i] = 0.f;
+    }
+    memset(o, 0, sizeof(float) * (size_t)(M * D));
+    return window > 0 && pos0 - window + 1 > 0 ? (pos0 - window + 1) / KB : 0;
+}
+
+/* A tile's end: its real rows' outputs over their sums, fp32 or rounded to bf16 */
+static void tile_store(const float *o, const float *sum, int64_t row0, int64_t rows, int64_t D,
+                       int64_t kh, int G, int M, void *out, int64_t out_stride, int out_bf16) {
+    for (int i = 0; i < M && i / G < rows; i++) {
+        const int64_t at = (row0 + i / G) * out_stride + (kh * G + i % G) * D;
+        const __m512 inv = _mm512_set1_ps(1.f / sum[i]);
+        for (int64_t d = 0; d < D; d += 16) { /* D % 32 == 0 */
+            const __m512 r = _mm512_mul_ps(_mm512_loadu_ps(o + i * D + d), inv);
+            if (out_bf16)
+                _mm256_storeu_si256((__m256i *)((uint16_t *)out + at + d), (__m256i)_mm512_cvtneps_pbh(r));
+            else
+                _mm512_storeu_ps((float *)out + at + d, r);
+        }
+    }
+}
+
 /* Fold NB consecutive key blocks from block b into one tile's running max, sum and outputs:
  * one online-softmax update (reductions, rescale) per NB * 16 keys, and each broadcast of a
  * q pair or a probability pair feeds NB dot products. */
@@ -127,36 +201,9 @@ static inline __attribute__((always_inline)) void fold_blocks(
         }
     }
     uint32_t pp[TILE][KB]; /* these blocks' probabilities, bf16 pairs */
-    const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
     for (int i = 0; i < TILE; i++) {
-        /* causal: key 16(b + u) + j is visible to this row when it is <= pos (and, with a
-         * window, > pos - window) */
-        __m512 si[2], m = ninf;
-        __mmask16 keep[2];
-        for (int u = 0; u < NB; u++) {
-            const int64_t vis = pos[i] - (b + u) * KB + 1;
-            keep[u] = vis >= KB ? (__mmask16)0xFFFF : vis <= 0 ? (__mmask16)0 : (__mmask16)((1u << vis) - 1);
-            if (window > 0) { /* keys j < lo of this block are before the window */
-                const int64_t lo = pos[i] - window + 1 - (b + u) * KB;
-                if (lo >= KB) keep[u] = 0;
-                else if (lo > 0) keep[u] &= (__mmask16)(0xFFFFu << lo);
-            }
-            si[u] = _mm512_mask_blend_ps(keep[u], ninf, _mm512_mul_ps(s[i][u], sc));
-            m = _mm512_max_ps(m, si[u]);
-        }
-        const float bm = _mm512_reduce_max_ps(m);
-        const float m_new = bm > mx[i] ? bm : mx[i];
-        /* exp(-inf) = 0 on the first block; a row that has seen no key yet (a window starts
-         * past these blocks) keeps its zeros */
-        const float corr = m_new == -INFINITY ? 1.f : expf(mx[i] - m_new);
-        __m512 total = _mm512_setzero_ps();
-        for (int u = 0; u < NB; u++) {
-            const __m512 e = _mm512_maskz_mov_ps(keep[u], exp16(_mm512_sub_ps(si[u], _mm512_set1_ps(m_new))));
-            total = _mm512_add_ps(total, e);
-            _mm256_storeu_si256((__m256i *)(pp[i] + u * KB / 2), (__m256i)_mm512_cvtneps_pbh(e));
-        }
-        sum[i] = sum[i] * corr + _mm512_reduce_add_ps(total);
-        mx[i] = m_new;
+        const float corr = softmax_fold(NB, s[i], pos[i], b, window, scale, mx + i, sum + i,
+                                        (uint16_t *)pp[i]);
         if (corr != 1.f)
             for (int64_t d = 0; d < D; d += 16)
                 _mm512_storeu_ps(o + i * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + i * D + d),
@@ -191,36 +238,17 @@ static void tile_bf16(const uint16_t *q, int64_t q_stride, const uint32_t *kt, c
                       int64_t kh, int G,
                       float scale, void *out, int64_t out_stride, int out_bf16, uint32_t *qp,
                       float *o) {
-    const int64_t half = D / 2;
     int64_t pos[TILE];
-    for (int i = 0; i < TILE; i++) {
-        const int64_t r = i / G < rows ? i / G : rows - 1;
-        pos[i] = pos0 + r;
-        memcpy(qp + i * half, q + (row0 + r) * q_stride + (kh * G + i % G) * D, sizeof(uint16_t) * (size_t)D);
-    }
-    memset(o, 0, sizeof(float) * TILE * (size_t)D);
     float mx[TILE], sum[TILE];
-    for (int i = 0; i < TILE; i++) { mx[i] = -INFINITY; sum[i] = 0.f; }
+    int64_t b = tile_begin(q, q_stride, row0, rows, pos0, window, D, kh, G, TILE, pos,
+                           (uint16_t *)qp, o, mx, sum);
     const int64_t last = pos0 + rows - 1; /* the tile's last position */
-    /* the block of the first key the tile's first row sees */
-    int64_t b = window > 0 && pos0 - window + 1 > 0 ? (pos0 - window + 1) / KB : 0;
     for (; (b + 1) * KB <= last; b += 2) /* two whole-or-partial blocks while both hold keys */
         fold_blocks(2, b, kt, vt, qp, pos, last, window, D, scale, mx, sum, o);
     if (b * KB <= last)
         fold_blocks(1, b, kt, vt, qp, pos, last, window, D, scale, mx, sum, o);
-    for (int i = 0; i < TILE && i / G < rows; i++) {
-        const int64_t at = (row0 + i / G) * out_stride + (kh * G + i % G) * D;
-        const __m512 inv = _mm512_set1_ps(1.f / sum[i]);
-        for (int64_t d = 0; d < D; d += 16) { /* D % 32 == 0 */
-            const __m512 r = _mm512_mul_ps(_mm512_loadu_ps(o + i * D + d), inv);
-            if (out_bf16)
-                _mm256_storeu_si256((__m256i *)((uint16_t *)out + at + d), (__m256i)_mm512_cvtneps_pbh(r));
-            else
-                _mm512_storeu_ps((float *)out + at + d, r);
-        }
-    }
+    tile_store(o, sum, row0, rows, D, kh, G, TILE, out, out_stride, out_bf16);
 }
-
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
@@ -272,33 +300,11 @@ static void amx_fold(int NB, int64_t b, const uint32_t *kt, const uint32_t *vt, 
     if (NB > 3) _tile_stored(7, sc + 48, 4 * AMX_KEYS);
 
     float corr[AMX_ROWS];
-    const __m512 scv = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
     for (int i = 0; i < M; i++) {
-        __m512 si[4], m = ninf;
-        __mmask16 keep[4];
-        for (int u = 0; u < NB; u++) { /* causal and window masks as fold_blocks' */
-            const int64_t vis = pos[i] - (b + u) * KB + 1;
-            keep[u] = vis >= KB ? (__mmask16)0xFFFF : vis <= 0 ? (__mmask16)0 : (__mmask16)((1u << vis) - 1);
-            if (window > 0) {
-                const int64_t lo = pos[i] - window + 1 - (b + u) * KB;
-                if (lo >= KB) keep[u] = 0;
-                else if (lo > 0) keep[u] &= (__mmask16)(0xFFFFu << lo);
-            }
-            si[u] = _mm512_mask_blend_ps(keep[u], ninf, _mm512_mul_ps(_mm512_loadu_ps(sc + i * AMX_KEYS + 16 * u), scv));
-            m = _mm512_max_ps(m, si[u]);
-        }
-        const float bm = _mm512_reduce_max_ps(m);
-        const float m_new = bm > mx[i] ? bm : mx[i];
-        corr[i] = m_new == -INFINITY ? 1.f : expf(mx[i] - m_new);
-        __m512 total = _mm512_setzero_ps();
-        for (int u = 0; u < NB; u++) {
-            const __m512 ex = _mm512_maskz_mov_ps(keep[u], exp16(_mm512_sub_ps(si[u], _mm512_set1_ps(m_new))));
-            total = _mm512_add_ps(total, ex);
-            _mm256_storeu_si256((__m256i *)(pa + i * AMX_KEYS + 16 * u), (__m256i)_mm512_cvtneps_pbh(ex));
-        }
+        __m512 raw[4];
+        for (int u = 0; u < NB; u++) raw[u] = _mm512_loadu_ps(sc + i * AMX_KEYS + 16 * u);
+        corr[i] = softmax_fold(NB, raw, pos[i], b, window, scale, mx + i, sum + i, pa + i * AMX_KEYS);
         if (NB & 1) _mm256_storeu_si256((__m256i *)(pa + i * AMX_KEYS + 16 * NB), _mm256_setzero_si256());
-        sum[i] = sum[i] * corr[i] + _mm512_reduce_add_ps(total);
-        mx[i] = m_new;
     }
 
     /* P x V: 32 keys (16 value pair rows, consecutive across blocks) per product, 64 dims per
@@ -336,42 +342,37 @@ static void amx_fold(int NB, int64_t b, const uint32_t *kt, const uint32_t *vt, 
     }
 }
 
-/* One AMX tile: M = R * G pairs, pair i = row i / G, head kh * G + i % G (rows past the
- * sequence repeat its last row); as tile_bf16. */
+/* One AMX tile of M = R * G pairs, as tile_bf16's; part: M x D floats of scratch */
 static void tile_amx(const uint16_t *q, int64_t q_stride, const uint32_t *kt, const uint32_t *vt,
                      int64_t row0, int64_t rows, int64_t pos0, int64_t window, int64_t D,
                      int64_t kh, int G, int M, float scale, void *out, int64_t out_stride,
-                     int out_bf16, uint16_t *qa, float *o, float *sc, uint16_t *pa, float *part) {
+                     int out_bf16, uint16_t *qa, float *o, float *part) {
     int64_t pos[AMX_ROWS];
-    for (int i = 0; i < M; i++) {
-        const int64_t r = i / G < rows ? i / G : rows - 1;
-        pos[i] = pos0 + r;
-        memcpy(qa + i * D, q + (row0 + r) * q_stride + (kh * G + i % G) * D, sizeof(uint16_t) * (size_t)D);
-    }
-    memset(o, 0, sizeof(float) * (size_t)(M * D));
-    float mx[AMX_ROWS], sum[AMX_ROWS];
-    for (int i = 0; i < M; i++) { mx[i] = -INFINITY; sum[i] = 0.f; }
+    float mx[AMX_ROWS], sum[AMX_ROWS], sc[AMX_ROWS * AMX_KEYS];
+    uint16_t pa[AMX_ROWS * AMX_KEYS];
     const int64_t last = pos0 + rows - 1;
-    int64_t b = window > 0 && pos0 - window + 1 > 0 ? (pos0 - window + 1) / KB : 0;
-    for (; b * KB <= last; b += AMX_KEYS / KB) {
+    for (int64_t b = tile_begin(q, q_stride, row0, rows, pos0, window, D, kh, G, M, pos, qa, o, mx, sum);
+         b * KB <= last; b += AMX_KEYS / KB) {
         const int64_t left = last / KB - b + 1;
         amx_fold(left < AMX_KEYS / KB ? (int)left : AMX_KEYS / KB, b, kt, vt, qa, M, pos, window,
                  D, scale, mx, sum, o, sc, pa, part);
     }
-    for (int i = 0; i < M && i / G < rows; i++) {
-        const int64_t at = (row0 + i / G) * out_stride + (kh * G + i % G) * D;
-        const __m512 inv = _mm512_set1_ps(1.f / sum[i]);
-        for (int64_t d = 0; d < D; d += 16) {
-            const __m512 r = _mm512_mul_ps(_mm512_loadu_ps(o + i * D + d), inv);
-            if (out_bf16)
-                _mm256_storeu_si256((__m256i *)((uint16_t *)out + at + d), (__m256i)_mm512_cvtneps_pbh(r));
-            else
-                _mm512_storeu_ps((float *)out + at + d, r);
-        }
-    }
+    tile_store(o, sum, row0, rows, D, kh, G, M, out, out_stride, out_bf16);
 }
-#else
+static void amx_release(void) { _tile_release(); }
+#else /* built without AMX: never chosen (prefill_amx_available() is 0) */
+#define AMX_ROWS 16
 int prefill_amx_available(void) { return 0; }
+static void amx_configure(int M) { (void)M; }
+static void amx_release(void) {}
+static void tile_amx(const uint16_t *q, int64_t q_stride, const uint32_t *kt, const uint32_t *vt,
+                     int64_t row0, int64_t rows, int64_t pos0, int64_t window, int64_t D,
+                     int64_t kh, int G, int M, float scale, void *out, int64_t out_stride,
+                     int out_bf16, uint16_t *qa, float *o, float *part) {
+    (void)q; (void)q_stride; (void)kt; (void)vt; (void)row0; (void)rows; (void)pos0; (void)window;
+    (void)D; (void)kh; (void)G; (void)M; (void)scale; (void)out; (void)out_stride; (void)out_bf16;
+    (void)qa; (void)o; (void)part;
+}
 #endif
 
 int paged_prefill_bf16_supported(int64_t H, int64_t KVH, int64_t D, int64_t block_size) {
@@ -388,13 +389,8 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache
     (void)block_size;
     union { uint32_t u; float f; } fp8_scale = { (uint32_t)fp8_scale_bits };
     const int G = (int)(H / KVH);
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     const int amx = isa == 1 && G <= AMX_ROWS && prefill_amx_available();
-#else
-    const int amx = 0;
-    (void)isa;
-#endif
-    const int R = amx ? 16 / G : TILE / G;
+    const int R = amx ? AMX_ROWS / G : TILE / G;
     int64_t max_len = 1;
     for (int64_t w = work_begin; w < work_end; w++)
         if (seq_len[w / KVH] > max_len) max_len = seq_len[w / KVH];
@@ -402,45 +398,31 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache
     const size_t words = (size_t)(((max_len + KB - 1) / KB + 1) * KB * D / 2);
     uint32_t *kt = (uint32_t *)malloc(sizeof(uint32_t) * words);
     uint32_t *vt = (uint32_t *)malloc(sizeof(uint32_t) * words);
-    uint32_t *qp = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(AMX_TILE_PAIRS * D / 2));
-    float *o = (float *)malloc(sizeof(float) * (size_t)(AMX_TILE_PAIRS * D));
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    float *sc = NULL, *part = NULL;
-    uint16_t *pa = NULL;
-    if (amx) {
-        sc = (float *)malloc(sizeof(float) * AMX_ROWS * AMX_KEYS);
-        pa = (uint16_t *)malloc(sizeof(uint16_t) * AMX_ROWS * AMX_KEYS);
-        part = (float *)malloc(sizeof(float) * AMX_ROWS * (size_t)D);
-        amx_configure(R * G);
-    }
-#endif
+    uint32_t *qp = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(AMX_ROWS * D / 2));
+    float *o = (float *)malloc(sizeof(float) * (size_t)(2 * AMX_ROWS * D)); /* outputs, AMX's part */
+    if (amx) amx_configure(R * G);
     for (int64_t w = work_begin; w < work_end; w++) {
         const int64_t s = w / KVH, kh = w % KVH;
         const int64_t ql = query_len[s], first = seq_len[s] - ql;
         const int64_t b0 = window > 0 && first - window + 1 > 0 ? (first - window + 1) / KB : 0;
         gather_pairs(k_cache, v_cache, block_tables + s * bt_stride, b0, seq_len[s], KVH, D, kh, kt, vt,
                      (int)kv_kind, fp8_scale.f);
-        if (amx) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-            const int64_t nb = (seq_len[s] + KB - 1) / KB; /* the zeroed block past the sequence */
+        if (amx) { /* the zeroed block past the sequence */
+            const int64_t nb = (seq_len[s] + KB - 1) / KB;
             memset(vt + nb * KB / 2 * D, 0, sizeof(uint32_t) * (size_t)(KB / 2 * D));
-            for (int64_t r = 0; r < ql; r += R)
-                tile_amx(q, q_stride, kt, vt, token_start[s] + r, ql - r < R ? ql - r : R, first + r,
-                         window, D, kh, G, R * G, scale, out, out_stride, (int)out_bf16,
-                         (uint16_t *)qp, o, sc, pa, part);
-#endif
-            continue;
         }
-        for (int64_t r = 0; r < ql; r += R)
-            tile_bf16(q, q_stride, kt, vt, token_start[s] + r, ql - r < R ? ql - r : R, first + r,
-                      window, D, kh, G, scale, out, out_stride, (int)out_bf16, qp, o);
+        for (int64_t r = 0; r < ql; r += R) {
+            const int64_t n = ql - r < R ? ql - r : R;
+            if (amx)
+                tile_amx(q, q_stride, kt, vt, token_start[s] + r, n, first + r, window, D, kh, G,
+                         R * G, scale, out, out_stride, (int)out_bf16, (uint16_t *)qp, o,
+                         o + AMX_ROWS * D);
+            else
+                tile_bf16(q, q_stride, kt, vt, token_start[s] + r, n, first + r, window, D, kh, G,
+                          scale, out, out_stride, (int)out_bf16, qp, o);
+        }
     }
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (amx) {
-        _tile_release();
-        free(sc); free(pa); free(part);
-    }
-#endif
+    if (amx) amx_release();
     free(kt); free(vt); free(qp); free(o);
 }
 #else

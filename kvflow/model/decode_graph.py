@@ -146,6 +146,7 @@ class DecodeGraph:
     biases: list  # the qkv biases the records point at (kept alive here)
     max_rows: int  # the most rows a step may have here (max_rows(model))
     q8_isa: int  # paged_decode_q8's path for a one-byte cache: the per-layer path's (Q8_ISAS)
+    attn_io: int  # paged_decode_bf16's io bits past bf16 q/out (4: prefetch every block, as per layer)
     step: np.ndarray = field(default_factory=lambda: np.zeros(len(STEP_WORDS), dtype=np.int64))
     scratch: dict = field(default_factory=dict)  # rows -> (qkv, attn, o, act, down, normed, gate_up)
     caches: list | None = None  # the cache list whose pointers `layers` holds
@@ -177,7 +178,8 @@ class DecodeGraph:
                 words += _projection_words(layer.packed[name], n, k, model.dtype == torch.bfloat16)
             rows.append(words)
         return cls(model, model.kernels, np.array(rows, dtype=np.int64), biases, max_rows(model),
-                   attention.Q8_ISAS[_q8_isa(model.kernels)])
+                   attention.Q8_ISAS[_q8_isa(model.kernels)],
+                   4 if model.kernels.attention.keywords.get("prefetch_all") else 0)
 
     def _caches_taken(self, kv_caches: list) -> bool:
         """Fill in the caches' pointers (once per cache list); False: caches the C writer and
@@ -241,8 +243,7 @@ class DecodeGraph:
                         positions.ctypes.data, rope_cos.data_ptr(), rope_sin.data_ptr(),
                         qkv.data_ptr(), attn.data_ptr(), o.data_ptr(), act.data_ptr(), down.data_ptr(),
                         groups.ctypes.data, 0 if group_of is None else group_of.ctypes.data,
-                        normed.data_ptr(), gate_up.data_ptr(), self.q8_isa,
-                        4 if self.kernels.attention.keywords.get("prefetch_all") else 0)
+                        normed.data_ptr(), gate_up.data_ptr(), self.q8_isa, self.attn_io)
         rc = library().decode_layers(self.step.ctypes.data, self.layers.ctypes.data, len(self.layers))
         if rc != 0:
             raise MemoryError("decode_layers: no memory for a kernel's scratch")

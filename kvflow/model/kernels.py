@@ -53,9 +53,9 @@ from kvflow.model.packed_linear import AMX_PANEL_ROWS, AMX_PANEL_ROWS_LARGE
 @dataclass(frozen=True)
 class KernelOptions:
     """The user's opt-outs (KVFLOW_NO_KERNELS, KVFLOW_NO_ONEDNN, KVFLOW_NO_PANEL_GEMM,
-    KVFLOW_NO_GEMV, KVFLOW_NO_AMX_ATTENTION), a narrower fp32 GEMV path to measure (KVFLOW_GEMV_ISA), and the storage
-    dtype of the GEMV's weights (the `weight_dtype` option: None is fp32; bf16 or fp16 are
-    widened to fp32 in the kernel, model/weight_dtype.py)."""
+    KVFLOW_NO_GEMV, KVFLOW_NO_AMX_ATTENTION), a narrower fp32 GEMV path to measure
+    (KVFLOW_GEMV_ISA), and the storage dtype of the GEMV's weights (the `weight_dtype` option:
+    None is fp32; bf16 or fp16 are widened to fp32 in the kernel, model/weight_dtype.py)."""
 
     c_kernels: bool = True
     onednn: bool = True
