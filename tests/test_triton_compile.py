@@ -37,7 +37,7 @@ def test_decode_and_merge_compile_for_h200(shape, window, cap):
     _compile(m._decode_split_kernel,
              dict(q_ptr="*bf16", k_cache="*bf16", v_cache="*bf16", k_scales="*bf16",
                   v_scales="*bf16", block_tables="*i32", seq_lens="*i32", part_out="*fp32", part_lse="*fp32", scale="fp32", cap="fp32",
-                  window="i32", stride_q_tok="i32", stride_q_head="i32", stride_bt="i32"),
+                  window="i32", k_fp8_scale="fp32", v_fp8_scale="fp32", stride_q_tok="i32", stride_q_head="i32", stride_bt="i32"),
              dict(NUM_SPLITS=16, HEADS=s["heads"], KV_HEADS=s["kv"], HEAD_DIM=s["d"], BLOCK_SIZE=16,
                   GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), 2), BLOCK_D=s["d"],
                   BLOCK_N=16, USE_CAP=cap, USE_WINDOW=window, KV_KIND=0))
@@ -55,7 +55,7 @@ def test_prefill_compiles_for_h200_with_bf16_dots(shape, window, cap):
     _compile(m._prefill_kernel,
              dict(q_ptr="*bf16", k_cache="*bf16", v_cache="*bf16", k_scales="*bf16",
                   v_scales="*bf16", block_tables="*i32", seq_lens="*i32", query_start_loc="*i32", out_ptr="*bf16", scale="fp32",
-                  cap="fp32", window="i32", stride_q_tok="i32", stride_q_head="i32",
+                  cap="fp32", window="i32", k_fp8_scale="fp32", v_fp8_scale="fp32", stride_q_tok="i32", stride_q_head="i32",
                   stride_o_tok="i32", stride_o_head="i32", stride_bt="i32"),
              dict(KV_HEADS=s["kv"], GROUP=s["heads"] // s["kv"], HEAD_DIM=s["d"], BLOCK_SIZE=16,
                   BLOCK_M=32, BLOCK_N=32, BLOCK_D=s["d"], USE_CAP=cap, USE_WINDOW=window,
@@ -66,7 +66,7 @@ def test_kv_write_and_fused_ops_compile_for_h200():
     from kvflow.model.triton import fused_ops, kv_write
     _compile(kv_write._write_kv_kernel,
              dict(k_ptr="*bf16", v_ptr="*bf16", k_cache="*bf16", v_cache="*bf16",
-                  k_scales="*bf16", v_scales="*bf16", slot_mapping="*i64", stride_k_tok="i32", stride_k_head="i32",
+                  k_scales="*bf16", v_scales="*bf16", slot_mapping="*i64", k_fp8_scale="fp32", v_fp8_scale="fp32", stride_k_tok="i32", stride_k_head="i32",
                   stride_v_tok="i32", stride_v_head="i32"),
              dict(KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128, KV_KIND=0))
     _compile(fused_ops._add_rms_norm_kernel,
@@ -88,19 +88,19 @@ def test_one_byte_kv_cache_kernels_compile_for_h200(kind, cache, scales):
     from kvflow.model.triton import kv_write, paged_decode, paged_prefill
     kv = dict(k_cache=cache, v_cache=cache, k_scales=scales, v_scales=scales)
     _compile(kv_write._write_kv_kernel,
-             dict(k_ptr="*bf16", v_ptr="*bf16", slot_mapping="*i64", stride_k_tok="i32",
+             dict(k_ptr="*bf16", v_ptr="*bf16", slot_mapping="*i64", k_fp8_scale="fp32", v_fp8_scale="fp32", stride_k_tok="i32",
                   stride_k_head="i32", stride_v_tok="i32", stride_v_head="i32", **kv),
              dict(KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128, KV_KIND=kind))
     _compile(paged_decode._decode_split_kernel,
              dict(q_ptr="*bf16", block_tables="*i32", seq_lens="*i32", part_out="*fp32",
-                  part_lse="*fp32", scale="fp32", cap="fp32", window="i32", stride_q_tok="i32",
+                  part_lse="*fp32", scale="fp32", cap="fp32", window="i32", k_fp8_scale="fp32", v_fp8_scale="fp32", stride_q_tok="i32",
                   stride_q_head="i32", stride_bt="i32", **kv),
              dict(NUM_SPLITS=16, HEADS=32, KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, GROUP=4,
                   BLOCK_G=4, BLOCK_D=128, BLOCK_N=16, USE_CAP=False, USE_WINDOW=False,
                   KV_KIND=kind))
     _compile(paged_prefill._prefill_kernel,
              dict(q_ptr="*bf16", block_tables="*i32", seq_lens="*i32", query_start_loc="*i32",
-                  out_ptr="*bf16", scale="fp32", cap="fp32", window="i32", stride_q_tok="i32",
+                  out_ptr="*bf16", scale="fp32", cap="fp32", window="i32", k_fp8_scale="fp32", v_fp8_scale="fp32", stride_q_tok="i32",
                   stride_q_head="i32", stride_o_tok="i32", stride_o_head="i32", stride_bt="i32",
                   **kv),
              dict(KV_HEADS=8, GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=32, BLOCK_N=32,

@@ -182,6 +182,44 @@ def test_write_kv_quantizes_as_write_rows(kernels, cache_dtype):
         assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
 
 
+# fp8 at a checkpoint's per-layer scales (model/kv_scales.py): values of ~0.01, which e4m3 at
+# scale 1.0 would hold mostly as subnormals, stored at k_scale / v_scale of that size
+FP8_SCALES = (0.0123, 0.0071)
+
+
+def test_fp8_cache_at_checkpoint_scales_is_written_and_read_as_the_cpu_does(kernels):
+    from kvflow.model.kv_layout import cache_shape, write_rows
+    seq_lens, query_lens = [23, 40, 1], [23, 7, 1]
+    gen = torch.Generator().manual_seed(21)
+    fp8 = torch.float8_e4m3fn
+    tables = scattered_tables(seq_lens, 16, 8, gen)
+    k_cache, v_cache = filled_cache(seq_lens, tables, 2, 32, 16, 8, fp8, gen,
+                                    kv_scales=FP8_SCALES, magnitude=0.01)
+    q = torch.randn(sum(query_lens), 4, 32, generator=gen)
+    want = reference_attention(q, k_cache, v_cache, tables, seq_lens, query_lens, 0.2,
+                               kv_scales=FP8_SCALES)
+    qsl = torch.tensor([0] + query_lens).cumsum(0)
+    qd, kd, vd, td, lens, qsl = _dev(q, k_cache, v_cache, tables, torch.tensor(seq_lens), qsl)
+    got = kernels[3].paged_prefill(qd, kd, vd, td, lens, qsl, max(query_lens), 0.2,
+                                   block_m=16, block_n=16, kv_scales=FP8_SCALES)
+    torch.testing.assert_close(got.cpu().double(), want, atol=1e-4, rtol=1e-4)
+    rows = qsl[1:].cpu() - 1  # each sequence's last token as a decode row
+    want = reference_attention(q[rows], k_cache, v_cache, tables, seq_lens, [1] * 3, 0.2,
+                               kv_scales=FP8_SCALES)
+    got = kernels[2].paged_decode(qd[rows.to(DEVICE)], kd, vd, td, lens, 0.2, num_splits=2,
+                                  kv_scales=FP8_SCALES)
+    torch.testing.assert_close(got.cpu().double(), want, atol=1e-4, rtol=1e-4)
+    # the writer: the CPU's bytes at the same scales
+    x = torch.randn(5, 2, 2, 32, generator=gen) * 0.02
+    slots = torch.tensor([3, 17, 40, 9, 77])
+    want_k, want_v = (torch.zeros(cache_shape(8, 16, 2, 32, fp8), dtype=fp8) for _ in range(2))
+    write_rows(want_k, want_v, x[:, 0], x[:, 1], slots, FP8_SCALES)
+    got_k, got_v = (torch.zeros_like(want_k, device=DEVICE) for _ in range(2))
+    kernels[1].write_kv(got_k, got_v, *_dev(x[:, 0], x[:, 1], slots), FP8_SCALES)
+    for got, want in ((got_k, want_k), (got_v, want_v)):
+        assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+
+
 # -- the fused per-token ops against their PyTorch versions (kvflow/csrc/ops.py) --------------
 def _close_or_ulp(got, want):
     """fp32: equal to rounding; bf16: within two ulps on a GPU (it rounds to nearest, as PyTorch

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvflow.model.kv_layout import cache_shape, read_rows, write_rows
+from kvflow.model.kv_layout import UNIT_KV_SCALES, cache_shape, read_rows, write_rows
 
 
 def scattered_tables(seq_lens: list[int], block_size: int, num_blocks: int,
@@ -28,29 +28,31 @@ def slots_of(tables: torch.Tensor, i: int, positions: torch.Tensor, block_size: 
 
 
 def filled_cache(seq_lens: list[int], tables: torch.Tensor, kv_heads: int, head_dim: int,
-                 block_size: int, num_blocks: int, dtype: torch.dtype, gen: torch.Generator):
-    """(k_cache, v_cache) holding random K/V at every sequence's positions 0..len-1 (a
-    one-byte cache's quantized by write_rows)."""
+                 block_size: int, num_blocks: int, dtype: torch.dtype, gen: torch.Generator,
+                 kv_scales=UNIT_KV_SCALES, magnitude: float = 1.0):
+    """(k_cache, v_cache) holding random K/V (times `magnitude`) at every sequence's positions
+    0..len-1 (a one-byte cache's quantized by write_rows, fp8 at `kv_scales`)."""
     shape = cache_shape(num_blocks, block_size, kv_heads, head_dim, dtype)
     k_cache, v_cache = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
     for i, n in enumerate(seq_lens):
         slots = slots_of(tables, i, torch.arange(n), block_size)
-        write_rows(k_cache, v_cache, torch.randn(n, kv_heads, head_dim, generator=gen),
-                   torch.randn(n, kv_heads, head_dim, generator=gen), slots)
+        write_rows(k_cache, v_cache, torch.randn(n, kv_heads, head_dim, generator=gen) * magnitude,
+                   torch.randn(n, kv_heads, head_dim, generator=gen) * magnitude, slots, kv_scales)
     return k_cache, v_cache
 
 
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         tables: torch.Tensor, seq_lens: list[int], query_lens: list[int],
                         scale: float, window: int | None = None,
-                        cap: float | None = None) -> torch.Tensor:
+                        cap: float | None = None, kv_scales=UNIT_KV_SCALES) -> torch.Tensor:
     """q [T, H, D] flat, sequence i's query_lens[i] rows last in its sequence -> [T, H, D]."""
     block_size = k_cache.shape[2]
     heads = q.shape[1]
     out = torch.empty(q.shape, dtype=torch.float64)
     row = 0
     for i, (s_len, q_len) in enumerate(zip(seq_lens, query_lens)):
-        k, v = read_rows(k_cache, v_cache, slots_of(tables, i, torch.arange(s_len), block_size))
+        k, v = read_rows(k_cache, v_cache, slots_of(tables, i, torch.arange(s_len), block_size),
+                         kv_scales)
         group = heads // k.shape[1]
         k = k.double().repeat_interleave(group, dim=1)  # [S, H, D]
         v = v.double().repeat_interleave(group, dim=1)

@@ -25,7 +25,7 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache
                         const int64_t *token_start, const int64_t *query_len, const int64_t *seq_len,
                         int64_t work_begin, int64_t work_end, int64_t H, int64_t KVH, int64_t D,
                         int64_t block_size, float scale, void *out, int64_t out_stride,
-                        int64_t out_bf16, int64_t window, int64_t kv_kind, int64_t fp8_scale_bits,
+                        int64_t out_bf16, int64_t window, int64_t kv_kind, int64_t kv_scale_bits,
                         int64_t isa);
 int prefill_amx_available(void);
 void add_rms_norm_f32(float *residual, const float *delta, const float *weight, float *out,

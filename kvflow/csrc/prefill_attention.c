@@ -24,9 +24,9 @@
  * back: their table entries are the null block).
  *
  * A one-byte cache (kv_kind 1: int8 with a scale per token after each tile, 2: fp8 e4m3 at a
- * per-tensor scale; kvflow/model/kv_layout.py) is widened as it is copied into that scratch:
- * each value times its token's scale, rounded once to bf16 (fp8 values are bf16 numbers: exact
- * at scale 1.0), the same tile layout, so the rest runs unchanged.
+ * per-tensor scale for K and one for V; kvflow/model/kv_layout.py) is widened as it is copied
+ * into that scratch: each value times its scale, rounded once to bf16 (fp8 values are bf16
+ * numbers: exact at a power-of-two scale), the same tile layout, so the rest runs unchanged.
  *
  * On CPUs with AMX (isa 1, where prefill_amx_available() says the tiles are built and the
  * kernel may use them) the same tiles go through the AMX tile unit instead: the cache's key
@@ -82,7 +82,7 @@ static void widen_tile(const uint8_t *src, int kind, float fp8_scale, int64_t D,
 
 static void gather_pairs(const void *k_cache, const void *v_cache, const int64_t *table,
                          int64_t b0, int64_t n, int64_t KVH, int64_t D, int64_t kh, uint32_t *kt,
-                         uint32_t *vt, int kind, float fp8_scale) {
+                         uint32_t *vt, int kind, float k_scale, float v_scale) {
     const int64_t tile = KB * D, half = D / 2;
     const int64_t tile_bytes = kind == 0 ? 2 * tile : kind == 1 ? KB * (D + 4) : tile;
     for (int64_t b = b0; b * KB < n; b++) { /* blocks before b0 are left as they are, unread */
@@ -93,8 +93,8 @@ static void gather_pairs(const void *k_cache, const void *v_cache, const int64_t
             memcpy(kd, ks, sizeof(uint16_t) * (size_t)tile);
             memcpy(vd, vs, sizeof(uint16_t) * (size_t)tile);
         } else {
-            widen_tile(ks, kind, fp8_scale, D, 0, (uint16_t *)kd);
-            widen_tile(vs, kind, fp8_scale, D, 1, (uint16_t *)vd);
+            widen_tile(ks, kind, k_scale, D, 0, (uint16_t *)kd);
+            widen_tile(vs, kind, v_scale, D, 1, (uint16_t *)vd);
         }
         const int64_t m = n - b * KB;
         if (m >= KB) continue;
@@ -384,10 +384,12 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache
                         const int64_t *token_start, const int64_t *query_len, const int64_t *seq_len,
                         int64_t work_begin, int64_t work_end, int64_t H, int64_t KVH, int64_t D,
                         int64_t block_size, float scale, void *out, int64_t out_stride,
-                        int64_t out_bf16, int64_t window, int64_t kv_kind, int64_t fp8_scale_bits,
+                        int64_t out_bf16, int64_t window, int64_t kv_kind, int64_t kv_scale_bits,
                         int64_t isa) {
     (void)block_size;
-    union { uint32_t u; float f; } fp8_scale = { (uint32_t)fp8_scale_bits };
+    /* fp8's per-tensor scales: K's float bits in the low 32 bits, V's in the high 32 */
+    union { uint32_t u; float f; } k_scale = { (uint32_t)kv_scale_bits },
+                                   v_scale = { (uint32_t)((uint64_t)kv_scale_bits >> 32) };
     const int G = (int)(H / KVH);
     const int amx = isa == 1 && G <= AMX_ROWS && prefill_amx_available();
     const int R = amx ? AMX_ROWS / G : TILE / G;
@@ -406,7 +408,7 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache
         const int64_t ql = query_len[s], first = seq_len[s] - ql;
         const int64_t b0 = window > 0 && first - window + 1 > 0 ? (first - window + 1) / KB : 0;
         gather_pairs(k_cache, v_cache, block_tables + s * bt_stride, b0, seq_len[s], KVH, D, kh, kt, vt,
-                     (int)kv_kind, fp8_scale.f);
+                     (int)kv_kind, k_scale.f, v_scale.f);
         if (amx) { /* the zeroed block past the sequence */
             const int64_t nb = (seq_len[s] + KB - 1) / KB;
             memset(vt + nb * KB / 2 * D, 0, sizeof(uint32_t) * (size_t)(KB / 2 * D));
@@ -438,9 +440,9 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache
                         const int64_t *token_start, const int64_t *query_len, const int64_t *seq_len,
                         int64_t work_begin, int64_t work_end, int64_t H, int64_t KVH, int64_t D,
                         int64_t block_size, float scale, void *out, int64_t out_stride,
-                        int64_t out_bf16, int64_t window, int64_t kv_kind, int64_t fp8_scale_bits,
+                        int64_t out_bf16, int64_t window, int64_t kv_kind, int64_t kv_scale_bits,
                         int64_t isa) {
-    (void)kv_kind; (void)fp8_scale_bits; (void)isa;
+    (void)kv_kind; (void)kv_scale_bits; (void)isa;
     (void)q; (void)q_stride; (void)k_cache; (void)v_cache; (void)block_tables; (void)bt_stride;
     (void)token_start; (void)query_len; (void)seq_len; (void)work_begin; (void)work_end; (void)H;
     (void)KVH; (void)D; (void)block_size; (void)scale; (void)out; (void)out_stride;

@@ -15,7 +15,7 @@ from kvflow.csrc import library, run_kernel
 from kvflow.model import hugepages
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.cpu_features import cpu_features
-from kvflow.model.kv_layout import (FP8, FP8_KV_SCALE, cache_geometry, cache_shape, read_blocks,
+from kvflow.model.kv_layout import (FP8, UNIT_KV_SCALES, cache_geometry, cache_shape, read_blocks,
                                     read_rows, write_rows)
 
 
@@ -224,23 +224,23 @@ def best_q8_isa(features) -> str:
 
 
 def write_kv_with_kernel(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
-                         v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                         v: torch.Tensor, slot_mapping: torch.Tensor,
+                         kv_scales: tuple[float, float] = UNIT_KV_SCALES) -> None:
     """Store this step's K/V ([T, kv_heads, head_dim]) at their flat cache slots through the C
-    writer (a bf16 cache of fp32 activations gets each value rounded to nearest even), or
-    kv_layout.write_rows for tensors it does not take."""
+    writer (a bf16 cache of fp32 activations gets each value rounded to nearest even; fp8 over
+    the layer's `kv_scales`), or kv_layout.write_rows for tensors it does not take."""
     bs, kvh, d = cache_geometry(k_cache)
     kind = Q8_KINDS.get(k_cache.dtype)
     if kind is not None:
         if (k.dtype in _IO_DTYPES and k_cache.device.type == "cpu" and v.dtype == k.dtype
                 and k.stride()[1:] == (d, 1) and v.stride() == k.stride()
                 and k_cache.is_contiguous() and v_cache.is_contiguous()):
-            bits = _float_bits(FP8_KV_SCALE)
             library().write_kv_q8(
                 k.data_ptr(), v.data_ptr(), k.stride(0), slot_mapping.data_ptr(),
                 k_cache.data_ptr(), v_cache.data_ptr(), 0, k.shape[0], kvh, d, bs, kind,
-                int(k.dtype == torch.bfloat16), bits, bits)
+                int(k.dtype == torch.bfloat16), *map(_float_bits, kv_scales))
             return
-        write_rows(k_cache, v_cache, k, v, slot_mapping)
+        write_rows(k_cache, v_cache, k, v, slot_mapping, kv_scales)
         return
     writer = _WRITERS.get(k_cache.dtype) if k.dtype == torch.float32 else (
         "copy_kv_bf16" if k.dtype == torch.bfloat16 == k_cache.dtype else None)
@@ -265,11 +265,13 @@ MIN_PARALLEL_HEAD_KEYS = 256
 def _decode_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, out: torch.Tensor,
                         all_tokens: bool = False, q8_isa: str | None = None,
-                        prefetch_all: bool = False) -> bool:
+                        prefetch_all: bool = False,
+                        kv_scales: tuple[float, float] = UNIT_KV_SCALES) -> bool:
     """Decode rows (or, with `all_tokens`, every token, each one query over its own causal
     prefix) through the C kernel, straight from the paged cache. False: the kernel does not
     take this cache (another dtype or device). A one-byte cache (fp8, int8) is read by
-    paged_decode_q8 on its `q8_isa` path (None: the widest this CPU has). `prefetch_all`: the
+    paged_decode_q8 on its `q8_isa` path (None: the widest this CPU has), fp8 at the layer's
+    `kv_scales` (k_scale, v_scale). `prefetch_all`: the
     bf16 kernel prefetches every next block, also where it follows the last in memory (faster
     on a Xeon with AMX, slower on a Zen 4: paged_attention.c)."""
     kernel = _decode_kernel(k_cache)
@@ -296,8 +298,7 @@ def _decode_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
              meta.sliding_window or 0]
     if kernel == "paged_decode_q8":
         isa = q8_isa or best_q8_isa(cpu_features())
-        bits = _float_bits(FP8_KV_SCALE)
-        words += [Q8_KINDS[k_cache.dtype], Q8_ISAS[isa], bits, bits]
+        words += [Q8_KINDS[k_cache.dtype], Q8_ISAS[isa], *map(_float_bits, kv_scales)]
     run_kernel(kernel, words, len(rows), threads, farg=scale, weights=lens)
     if of is not out:  # a caller's out in another dtype
         idx = torch.from_numpy(rows)
@@ -314,12 +315,13 @@ def _decode_kernel(k_cache: torch.Tensor) -> str | None:
 
 def _prefill_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          meta: AttentionMetadata, scale: float, out: torch.Tensor,
-                         amx: bool = False) -> bool:
+                         amx: bool = False, kv_scales: tuple[float, float] = UNIT_KV_SCALES) -> bool:
     """Prompt rows through the flash-style prompt kernel (prefill_attention.c: bf16 cache, or a
     one-byte one widened to bf16 as it is gathered; AVX512-BF16, 16-token blocks) into `out`
     (fp32 or bf16, contiguous); decode rows untouched. q is read in bf16 (an fp32 q is rounded
     first). A sliding window is the kernel's own: it skips the blocks before it. `amx`: its
-    tile products on AMX (the caller checked prefill_amx_available() at load). False: the
+    tile products on AMX (the caller checked prefill_amx_available() at load); fp8 widened at
+    the layer's `kv_scales`, passed as one word (k_scale's bits low, v_scale's high). False: the
     kernel does not serve this here."""
     lib = library()
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -339,15 +341,16 @@ def _prefill_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                [q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.ctypes.data,
                 tables.shape[1], starts.ctypes.data, qlens.ctypes.data, slens.ctypes.data, num_heads,
                 num_kv_heads, head_dim, block_size, out.data_ptr(), out.stride(0),
-                int(out.dtype == torch.bfloat16), window, kv_kind, _float_bits(FP8_KV_SCALE),
-                int(amx)],
+                int(out.dtype == torch.bfloat16), window, kv_kind,
+                _float_bits(kv_scales[0]) | _float_bits(kv_scales[1]) << 32, int(amx)],
                len(qlens) * num_kv_heads, torch.get_num_threads(), farg=scale,
                weights=np.repeat(qlens * keys, num_kv_heads))
     return True
 
 
 def _decode_with_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+                       meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                       kv_scales: tuple[float, float] = UNIT_KV_SCALES) -> None:
     """Fallback: gather each row's blocks (padded to the longest) and run one masked SDPA."""
     if meta._torch_decode is None:
         n_keys = meta.decode_block_tables.shape[1] * meta.block_size
@@ -360,7 +363,7 @@ def _decode_with_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     rows, tables, mask = meta._torch_decode
     num_heads = q.shape[1]
     num_kv_heads = cache_geometry(k_cache)[1]
-    kd, vd = read_blocks(k_cache, v_cache, tables)  # [B, L, kvh, D] -> [B, kvh, L, D]
+    kd, vd = read_blocks(k_cache, v_cache, tables, kv_scales)  # [B, L, kvh, D] -> [B, kvh, L, D]
     kd, vd = kd.transpose(1, 2).to(q.dtype), vd.transpose(1, 2).to(q.dtype)
     qd = q[rows].unsqueeze(2)  # [B, H, 1, D]
     od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale,
@@ -372,34 +375,37 @@ def attention_with_kernels(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            meta: AttentionMetadata, scale: float, num_kv_heads: int,
                            k: torch.Tensor | None = None, v: torch.Tensor | None = None, *,
                            prompt_kernel: bool = True, prompt_amx: bool = False,
-                           prefetch_all: bool = False, q8_isa: str | None = None) -> torch.Tensor:
+                           prefetch_all: bool = False, q8_isa: str | None = None,
+                           kv_scales: tuple[float, float] = UNIT_KV_SCALES) -> torch.Tensor:
     """Attention of q [T, H, D] over each request's own cached K/V -> [T, H * D], through the
     C kernels: decodes through the decode kernel, prompts through the prompt kernel where
     `prompt_kernel` (it was built: AVX512-BF16) and it takes this cache, else as decode rows;
-    `prompt_amx`: the prompt kernel on AMX's tiles; `prefetch_all`: _decode_with_kernel's.
+    `prompt_amx`: the prompt kernel on AMX's tiles; `prefetch_all`: _decode_with_kernel's;
+    `kv_scales`: the layer's fp8 (k_scale, v_scale).
 
     The step's K/V must already be in the cache (write_kv). `k`/`v`, this step's fresh
     [T, kv_heads, D], optionally spare a gather for prompts that have no prior context."""
     num_tokens, num_heads, head_dim = q.shape
     if _decode_kernel(k_cache) is None:  # a cache the kernels do not read
-        return attention_with_sdpa(q, k_cache, v_cache, meta, scale, num_kv_heads, k, v)
+        return attention_with_sdpa(q, k_cache, v_cache, meta, scale, num_kv_heads, k, v,
+                                   kv_scales=kv_scales)
     out = torch.empty(q.shape, dtype=q.dtype)
     # the kernels write fp32 or bf16; another dtype gets one fp32 buffer, converted at the end
     of = out if out.dtype in _IO_DTYPES else torch.empty(q.shape)
     if meta.prefills and not (prompt_kernel and _prefill_with_kernel(q, k_cache, v_cache, meta, scale,
-                                                                     of, prompt_amx)):
+                                                                     of, prompt_amx, kv_scales)):
         # Without the prompt kernel, prompt tokens are rows like decodes: each reads its
         # causal prefix from the cache. That ran 1.3-1.5x faster than SDPA per prompt
         # (benchmarks/README.md). Only for head sizes the decode kernel vectorises: its
         # scalar row would be far slower than SDPA.
         if head_dim not in VECTOR_HEAD_DIMS:
             return attention_with_sdpa(q, k_cache, v_cache, meta, scale, num_kv_heads, k, v,
-                                       decode_kernel=True)
+                                       decode_kernel=True, kv_scales=kv_scales)
         _decode_with_kernel(q, k_cache, v_cache, meta, scale, of, all_tokens=True, q8_isa=q8_isa,
-                            prefetch_all=prefetch_all)
+                            prefetch_all=prefetch_all, kv_scales=kv_scales)
     elif meta.num_decodes:
         _decode_with_kernel(q, k_cache, v_cache, meta, scale, of, q8_isa=q8_isa,
-                            prefetch_all=prefetch_all)
+                            prefetch_all=prefetch_all, kv_scales=kv_scales)
     if of is not out:
         out.copy_(of)
     return out.reshape(num_tokens, num_heads * head_dim)
@@ -408,7 +414,8 @@ def attention_with_kernels(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def attention_with_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, num_kv_heads: int,
                         k: torch.Tensor | None = None, v: torch.Tensor | None = None, *,
-                        decode_kernel: bool = False) -> torch.Tensor:
+                        decode_kernel: bool = False,
+                        kv_scales: tuple[float, float] = UNIT_KV_SCALES) -> torch.Tensor:
     """attention_with_kernels in PyTorch: each prompt through one SDPA call, decodes through
     one batched, masked SDPA (or, with `decode_kernel`, the C decode kernel)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -416,8 +423,9 @@ def attention_with_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     gqa = num_heads != num_kv_heads
     if k_cache.dtype in Q8_KINDS:  # every key as stored, the kernels' numbers on every path
         k = v = None
-    if meta.num_decodes and not (decode_kernel and _decode_with_kernel(q, k_cache, v_cache, meta, scale, out)):
-        _decode_with_torch(q, k_cache, v_cache, meta, scale, out)
+    if meta.num_decodes and not (decode_kernel and _decode_with_kernel(q, k_cache, v_cache, meta, scale,
+                                                                       out, kv_scales=kv_scales)):
+        _decode_with_torch(q, k_cache, v_cache, meta, scale, out, kv_scales)
 
     for p in meta.prefills:
         rows = slice(p.token_start, p.token_start + p.query_len)
@@ -427,7 +435,7 @@ def attention_with_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         else:
             slots = (p.context_slots if p.context_slots is not None
                      else meta.slot_mapping[rows])
-            kp, vp = read_rows(k_cache, v_cache, slots)
+            kp, vp = read_rows(k_cache, v_cache, slots, kv_scales)
         kp = kp.transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, kvh, S, D]
         vp = vp.transpose(0, 1).unsqueeze(0).to(q.dtype)
         op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None,

@@ -198,8 +198,9 @@ class DecodeGraph:
                     or not (kc.is_contiguous() and vc.is_contiguous()):
                 return False
             self.layers[i, _K_CACHE:_K_CACHE + 2] = (kc.data_ptr(), vc.data_ptr())
-            # fp8's per-tensor scales, as the per-layer path passes them
-            self.layers[i, _K_SCALE:_K_SCALE + 2] = attention._float_bits(attention.FP8_KV_SCALE)
+            # fp8's per-tensor scales, the layer's, as the per-layer path passes them
+            self.layers[i, _K_SCALE:_K_SCALE + 2] = [attention._float_bits(x)
+                                                     for x in self.model.layers[i].kv_scales]
         self.caches, self.cache_ptr = kv_caches, kv_caches[0][0].data_ptr()
         return True
 

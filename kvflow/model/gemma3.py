@@ -21,6 +21,7 @@ from torch import nn
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.attention import AttentionMetadata
 from kvflow.model.kernels import Kernels, select_kernels
+from kvflow.model.kv_layout import UNIT_KV_SCALES
 from kvflow.model.llama import ROPE_CACHE_MAX, _weight, rope_inv_freq
 from kvflow.model.packed_linear import PackedWeight
 
@@ -41,6 +42,8 @@ class Gemma3DecoderLayer(nn.Module):
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.eps = arch.rms_norm_eps
         self.scale = arch.query_pre_attn_scalar ** -0.5
+        # an fp8 KV cache's (k_scale, v_scale): the checkpoint's (model/kv_scales.py) or 1.0
+        self.kv_scales = UNIT_KV_SCALES
         self.sliding_window = sliding_window
         for name in _LAYER_NORMS:
             setattr(self, name, _norm_weight(h, device))
@@ -70,8 +73,9 @@ class Gemma3DecoderLayer(nn.Module):
         k = k.view(t, self.num_kv_heads, d)
         v = v.view(t, self.num_kv_heads, d)
         k_cache, v_cache = kv_cache
-        kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        attn = kernels.attention(q, k_cache, v_cache, meta, self.scale, self.num_kv_heads, k=k, v=v)
+        kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, self.kv_scales)
+        attn = kernels.attention(q, k_cache, v_cache, meta, self.scale, self.num_kv_heads, k=k, v=v,
+                                 kv_scales=self.kv_scales)
         o = kernels.linear(attn, self.o_proj, pk.get("o_proj"))
         o = norm(o, None, self.post_attention_layernorm, self.eps)
         h = norm(x, o, self.pre_feedforward_layernorm, self.eps)

@@ -14,8 +14,9 @@ Both sizes must be even. Rows here are the plain [tokens, kv_heads, head_dim] of
 Quantized caches (the `kv_cache_dtype` fp8 and int8, docs/kv_cache_quantization.md) keep the
 same tiles, one byte a value:
 
-- fp8 (torch.float8_e4m3fn): the values themselves, per-tensor scale FP8_KV_SCALE (1.0, vLLM's
-  default for a checkpoint without k_scale/v_scale), saturated at +-448 on the write;
+- fp8 (torch.float8_e4m3fn): the values themselves over a per-tensor scale, one for K and one
+  for V per layer (`kv_scales`: the checkpoint's k_scale/v_scale, model/kv_scales.py, else
+  FP8_KV_SCALE, 1.0, vLLM's default), saturated at +-448 on the write;
 - int8 (torch.int8): each token's row of each kv head quantized on its own (symmetric, absmax /
   127), its fp32 scale stored beside the tile: a (block, kv head) is bs * head_dim int8 values
   in the tile layout above, then bs fp32 scales, one per token, so the tensor is
@@ -29,6 +30,7 @@ import torch
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 FP8_KV_SCALE = 1.0
+UNIT_KV_SCALES = (FP8_KV_SCALE, FP8_KV_SCALE)  # a layer's (k_scale, v_scale) without a checkpoint's
 INT8_SCALE_BYTES = 4  # one fp32 scale per token and kv head, after the tile
 QUANTIZED = (FP8, torch.int8)
 
@@ -95,9 +97,12 @@ def _value_tiles(cache: torch.Tensor) -> torch.Tensor:
     return _tile(cache).view(cache.shape[0], kvh, bs // 2, d, 2)  # [block, head, key pair, dim, 2]
 
 
-def quantize_fp8(x: torch.Tensor) -> torch.Tensor:
-    """Rows to e4m3 at FP8_KV_SCALE, saturating (NaN stays NaN)."""
-    return (x.float() / FP8_KV_SCALE).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+def quantize_fp8(x: torch.Tensor, scale: float = FP8_KV_SCALE) -> torch.Tensor:
+    """Rows to e4m3 as x / scale, saturating (NaN stays NaN)."""
+    x = x.float()
+    # a true division by a tensor, as the C writer's (over a Python number torch may multiply
+    # by the reciprocal, which rounds differently)
+    return (x / torch.full_like(x, scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,20 +116,21 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, amax / 127.0
 
 
-def _stored(x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _stored(x: torch.Tensor, cache: torch.Tensor,
+            fp8_scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rows as the cache stores them: (values in the tiles' dtype, int8 scales or None)."""
     if cache.dtype == torch.int8:
         return quantize_int8(x)
     if cache.dtype == FP8:
-        return quantize_fp8(x).view(torch.uint8), None
+        return quantize_fp8(x, fp8_scale).view(torch.uint8), None
     return x.to(cache.dtype), None
 
 
 def write_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               slots: torch.Tensor) -> None:
+               slots: torch.Tensor, kv_scales: tuple[float, float] = UNIT_KV_SCALES) -> None:
     """k/v [T, kv_heads, head_dim] into the flat slots (block * block_size + offset),
-    quantized as the cache's dtype says."""
-    (qk, sk), (qv, sv) = _stored(k, k_cache), _stored(v, v_cache)
+    quantized as the cache's dtype says (fp8 over the layer's `kv_scales`)."""
+    (qk, sk), (qv, sv) = _stored(k, k_cache, kv_scales[0]), _stored(v, v_cache, kv_scales[1])
     _write_stored(k_cache, v_cache, qk, qv, sk, sv, slots)
 
 
@@ -165,39 +171,42 @@ def write_stored_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Ten
     _write_stored(k_cache, v_cache, k, v, sk, sv, slots)
 
 
-def _dequantized(x: torch.Tensor, scales: torch.Tensor | None, cache: torch.Tensor) -> torch.Tensor:
+def _dequantized(x: torch.Tensor, scales: torch.Tensor | None, cache: torch.Tensor,
+                 fp8_scale: float) -> torch.Tensor:
     """Stored values back to fp32 (a float cache's: as they are)."""
     if cache.dtype == torch.int8:
         return x.float() * scales[..., None]
     if cache.dtype == FP8:
-        return x.view(FP8).float() * FP8_KV_SCALE
+        return x.view(FP8).float() * fp8_scale
     return x
 
 
-def read_rows(k_cache: torch.Tensor, v_cache: torch.Tensor,
-              slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def read_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+              kv_scales: tuple[float, float] = UNIT_KV_SCALES) -> tuple[torch.Tensor, torch.Tensor]:
     """The K/V rows [S, kv_heads, head_dim] at the flat slots (a quantized cache's in fp32,
-    dequantized)."""
+    dequantized; fp8 at the layer's `kv_scales`)."""
     bs, kvh, d = cache_geometry(k_cache)
     blk, at = slots // bs, slots % bs
     k = _key_tiles(k_cache)[blk, :, :, at, :].reshape(-1, kvh, d)
     v = _value_tiles(v_cache)[blk, :, at // 2, :, at % 2]
     ks = int8_scales(k_cache)[blk, :, at] if k_cache.dtype == torch.int8 else None
     vs = int8_scales(v_cache)[blk, :, at] if k_cache.dtype == torch.int8 else None
-    return _dequantized(k, ks, k_cache), _dequantized(v, vs, v_cache)
+    return (_dequantized(k, ks, k_cache, kv_scales[0]),
+            _dequantized(v, vs, v_cache, kv_scales[1]))
 
 
-def read_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor,
-                tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def read_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                kv_scales: tuple[float, float] = UNIT_KV_SCALES) -> tuple[torch.Tensor, torch.Tensor]:
     """Whole blocks as rows: tables [B, n] -> K/V [B, n * block_size, kv_heads, head_dim]
-    (a quantized cache's in fp32, dequantized)."""
+    (a quantized cache's in fp32, dequantized; fp8 at the layer's `kv_scales`)."""
     bs, kvh, d = cache_geometry(k_cache)
     b, n = tables.shape
     k = _key_tiles(k_cache)[tables].permute(0, 1, 4, 2, 3, 5)  # [B, n, key, head, pair, 2]
     v = _value_tiles(v_cache)[tables].permute(0, 1, 3, 5, 2, 4)  # [B, n, pair, 2, head, dim]
     k, v = k.reshape(b, n * bs, kvh, d), v.reshape(b, n * bs, kvh, d)
+    ks = vs = None
     if k_cache.dtype == torch.int8:
         ks, vs = (int8_scales(c)[tables].permute(0, 1, 3, 2).reshape(b, n * bs, kvh)
                   for c in (k_cache, v_cache))
-        return _dequantized(k, ks, k_cache), _dequantized(v, vs, v_cache)
-    return _dequantized(k, None, k_cache), _dequantized(v, None, v_cache)
+    return (_dequantized(k, ks, k_cache, kv_scales[0]),
+            _dequantized(v, vs, v_cache, kv_scales[1]))

@@ -25,6 +25,7 @@ from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.attention import AttentionMetadata
 from kvflow.model.decode_graph import DecodeGraph
 from kvflow.model.kernels import Kernels, select_kernels
+from kvflow.model.kv_layout import UNIT_KV_SCALES
 from kvflow.model.moe import SparseMoeBlock
 from kvflow.model.packed_linear import PackedWeight
 from kvflow.model.sharding import local_arch
@@ -109,6 +110,8 @@ class LlamaDecoderLayer(nn.Module):
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.eps = arch.rms_norm_eps
         self.scale = d ** -0.5
+        # an fp8 KV cache's (k_scale, v_scale): the checkpoint's (model/kv_scales.py) or 1.0
+        self.kv_scales = UNIT_KV_SCALES
         self.input_layernorm = _weight(h, dtype=dtype, device=device)
         self.post_attention_layernorm = _weight(h, dtype=dtype, device=device)
         self.qkv_proj = _weight(self.q_size + 2 * self.kv_size, h, dtype=dtype, device=device)
@@ -155,8 +158,9 @@ class LlamaDecoderLayer(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        attn = kernels.attention(q, k_cache, v_cache, meta, self.scale, self.num_kv_heads, k=k, v=v)
+        kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, self.kv_scales)
+        attn = kernels.attention(q, k_cache, v_cache, meta, self.scale, self.num_kv_heads, k=k, v=v,
+                                 kv_scales=self.kv_scales)
         o = kernels.linear(attn, self.o_proj, pk.get("o_proj"))
         if slots is not None:
             kernels.lora(o, attn, slots["o"], lora)

@@ -12,6 +12,7 @@ from kvflow.model.arch import LlamaArchConfig, load_arch_config
 from kvflow.model.cpu_features import cpu_features
 from kvflow.model.kernels import KernelOptions, Kernels, select_kernels
 from kvflow.model.gemma3 import Gemma3ForCausalLM
+from kvflow.model.kv_scales import apply_kv_scales
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.model.quant.compressed_tensors import METHOD, checkpoint_method, dequantized, read_raw
 from kvflow.model.quant.load import resolve_quantization
@@ -58,7 +59,8 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None 
     gguf, int8 or compressed-tensors (kvflow/model/quant/load.py) keeps the weights quantized,
     on the CPU; a compressed-tensors checkpoint must be loaded as one. `weight_dtype` (bf16 or
     fp16, for an fp32 model on the CPU: model/weight_dtype.storage_dtype) rounds the weights to
-    it and stores the decode GEMV's panels in it."""
+    it and stores the decode GEMV's panels in it. A checkpoint's KV cache scales
+    (model/kv_scales.py) go to its layers."""
     exact = weight_dtype is not None and check_checkpoint(path, weight_dtype)
     if quantization != METHOD and checkpoint_method(path) is not None:
         resolve_quantization(quantization, path)  # raises: the checkpoint says how it is quantized
@@ -72,6 +74,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None 
 
         loaded = load_quantized_model(path, dtype, quantization, kernels)
         if loaded is not None:
+            apply_kv_scales(loaded[0], path, loaded[1].num_hidden_layers, loaded[1].num_key_value_heads)
             return loaded
     if is_gguf(path):
         arch, weights = load_gguf(path, dtype)
@@ -95,6 +98,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None 
     if device is not None:
         model.to(device)
     model.pack_weights()
+    apply_kv_scales(model, path, arch.num_hidden_layers, arch.num_key_value_heads)
     return model, arch
 
 
@@ -119,4 +123,6 @@ def load_sharded_model(path: str, dtype: torch.dtype, tp,
     if device is not None:
         model.to(device)
     model.pack_weights()  # oneDNN copies of this rank's projections, as load_model does (CPU only)
+    apply_kv_scales(model, path, arch.num_hidden_layers, arch.num_key_value_heads,
+                    first_layer=0 if layers is None else layers.start)
     return model, arch

@@ -8,7 +8,9 @@ Detected from config.json, as vLLM does. Served by the same q8 panels and kernel
 scales are held in fp16 as the panels store them: exact for bf16/fp16 scales in fp16's normal
 range, within 2^-11 relative for fp32 ones). The one scheme served is vLLM's W8A8Int8 with
 dynamic activations: weights int8, symmetric, per channel (or per tensor), activations int8,
-symmetric, dynamic, per token. Anything else is refused by name (SUPPORTED says what runs)."""
+symmetric, dynamic, per token; with it, or alone (float weights), an fp8 KV cache's static
+scales (`kv_cache_scheme`, read by model/kv_scales.py). Anything else is refused by name
+(SUPPORTED says what runs)."""
 from __future__ import annotations
 
 import json
@@ -27,7 +29,8 @@ METHOD = "compressed-tensors"
 FORMATS = ("int-quantized", "naive-quantized")
 SUPPORTED = ("kvflow serves compressed-tensors int8 W8A8 only: format int-quantized or "
              "naive-quantized; weights num_bits 8, type int, symmetric, strategy channel or "
-             "tensor; input_activations num_bits 8, type int, symmetric, dynamic, strategy token")
+             "tensor; input_activations num_bits 8, type int, symmetric, dynamic, strategy token; "
+             "kv_cache_scheme num_bits 8, type float, static, strategy tensor or attn_head")
 # kvflow's fused projection -> the HF Linear modules it is made of (checkpoints that ship them
 # fused, like Phi-3, name the fused module itself)
 FUSED = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -56,7 +59,11 @@ def checkpoint_method(path: str) -> str | None:
     qc = quantization_config(path)
     if qc is None:
         return None
-    return str(qc.get("quant_method", "")).lower() or "unknown"
+    method = str(qc.get("quant_method", "")).lower() or "unknown"
+    if method == METHOD and qc.get("kv_cache_scheme") and not qc.get("config_groups"):
+        check_kv_cache_scheme(qc["kv_cache_scheme"])  # float weights; only the KV cache's scales
+        return None
+    return method
 
 
 def _refuse(what: str) -> ValueError:
@@ -73,7 +80,7 @@ def check_scheme(qc: dict) -> None:
     if qc.get("transform_config"):
         raise _refuse("transform_config (rotated weights)")
     if qc.get("kv_cache_scheme"):
-        raise _refuse("kv_cache_scheme (a quantized KV cache)")
+        check_kv_cache_scheme(qc["kv_cache_scheme"])
     status = qc.get("quantization_status", "compressed")
     if status != "compressed":
         raise _refuse(f"quantization_status {status!r} (weights not stored as int8)")
@@ -94,6 +101,23 @@ def check_scheme(qc: dict) -> None:
             raise _refuse(f"group {name}: weight-only quantization (no input_activations)")
         _check_args(f"group {name}: weights", w, strategies=("channel", "tensor"), dynamic=False)
         _check_args(f"group {name}: input_activations", a, strategies=("token",), dynamic=True)
+
+
+def check_kv_cache_scheme(scheme) -> None:
+    """An fp8 KV cache's static scales (per tensor or per kv head, model/kv_scales.py reads
+    them) are served with `kv_cache_dtype fp8`; any other kv_cache_scheme is refused by name."""
+    where = "kv_cache_scheme"
+    if not isinstance(scheme, dict):
+        raise _refuse(f"{where} that is not an object")
+    if scheme.get("num_bits") != 8 or scheme.get("type") != "float":
+        raise _refuse(f"{where} num_bits {scheme.get('num_bits')!r} type {scheme.get('type')!r} "
+                      "(an fp8 KV cache, num_bits 8 type float, is served)")
+    if scheme.get("symmetric") is False:
+        raise _refuse(f"{where} symmetric false (asymmetric zero points)")
+    if scheme.get("dynamic"):
+        raise _refuse(f"{where} dynamic {scheme.get('dynamic')!r} (static scales are read)")
+    if scheme.get("strategy", "tensor") not in ("tensor", "attn_head"):
+        raise _refuse(f"{where} strategy {scheme.get('strategy')!r}")
 
 
 def _check_args(where: str, args: dict, strategies: tuple[str, ...], dynamic: bool) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvflow.model.gpu_batch import device_metadata
+from kvflow.model.kv_layout import UNIT_KV_SCALES
 from kvflow.model.triton.paged_decode import paged_decode
 from kvflow.model.triton.paged_prefill import paged_prefill
 
@@ -13,7 +14,8 @@ from kvflow.model.triton.paged_prefill import paged_prefill
 def attention_with_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
                           scale: float, num_kv_heads: int, k: torch.Tensor | None = None,
                           v: torch.Tensor | None = None, *, sliding_window: int | None = None,
-                          logits_soft_cap: float | None = None) -> torch.Tensor:
+                          logits_soft_cap: float | None = None,
+                          kv_scales: tuple[float, float] = UNIT_KV_SCALES) -> torch.Tensor:
     """q [T, H, D] over each request's cached K/V (this step's already written) -> [T, H * D].
     `meta` is an AttentionMetadata; its device arrays (`meta.gpu`) are built on first use
     unless the runner filled them (persistent buffers under a CUDA graph). `k`/`v` are
@@ -26,9 +28,10 @@ def attention_with_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if dm.decode_only:
         out = paged_decode(q, k_cache, v_cache, dm.block_tables, dm.seq_lens, scale,
                            num_splits=dm.num_splits, sliding_window=sliding_window,
-                           logits_soft_cap=logits_soft_cap, workspace=dm.workspace)
+                           logits_soft_cap=logits_soft_cap, workspace=dm.workspace,
+                           kv_scales=kv_scales)
     else:
         out = paged_prefill(q, k_cache, v_cache, dm.block_tables, dm.seq_lens, dm.query_start_loc,
                             dm.max_query_len, scale, sliding_window=sliding_window,
-                            logits_soft_cap=logits_soft_cap)
+                            logits_soft_cap=logits_soft_cap, kv_scales=kv_scales)
     return out.reshape(num_tokens, num_heads * head_dim)

@@ -1,30 +1,29 @@
 """This step's K/V rows into the paged cache at their flat slots (block * block_size + offset).
 A negative slot is a padding row (a CUDA graph's batch padded to its captured size): skipped.
 A one-byte cache (layout.py's KV_KIND) is quantized here as kv_layout.write_rows does: int8 per
-token and kv head (absmax / 127, the scale stored after the tile), fp8 e4m3 saturated."""
+token and kv head (absmax / 127, the scale stored after the tile), fp8 e4m3 as x / the
+layer's scale, saturated."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from kvflow.model.kv_layout import cache_geometry
-from kvflow.model.kv_layout import FP8_KV_SCALE as _FP8_KV_SCALE
+from kvflow.model.kv_layout import UNIT_KV_SCALES, cache_geometry
 from kvflow.model.triton.layout import (key_offset, kv_kind, kv_operands, round_even, tile_base,
                                         to_fp8_bits, value_offset)
 
-FP8_KV_SCALE = tl.constexpr(_FP8_KV_SCALE)  # read inside the kernels: a constexpr
-
 
 @triton.jit
-def _store_kv(cache, scales, x, tiles, offset, at, mask, row_ok, KV_KIND: tl.constexpr,
+def _store_kv(cache, scales, fp8_scale, x, tiles, offset, at, mask, row_ok, KV_KIND: tl.constexpr,
               BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
     base = tiles[:, None]
     if KV_KIND == 0:
         tl.store(cache + base + offset, x.to(cache.dtype.element_ty), mask=mask)
     elif KV_KIND == 2:
-        tl.store(cache + base + offset, to_fp8_bits(x.to(tl.float32) / FP8_KV_SCALE).to(tl.uint8),
-                 mask=mask)
+        x = x.to(tl.float32)
+        q = to_fp8_bits(tl.math.div_rn(x, tl.zeros_like(x) + fp8_scale))  # a true division
+        tl.store(cache + base + offset, q.to(tl.uint8), mask=mask)
     else:
         x = tl.where(mask, x.to(tl.float32), 0.0)
         amax = tl.max(tl.abs(x), axis=1)  # [H]
@@ -39,7 +38,7 @@ def _store_kv(cache, scales, x, tiles, offset, at, mask, row_ok, KV_KIND: tl.con
 
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, k_scales, v_scales, slot_mapping,
-                     stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                     k_fp8_scale, v_fp8_scale, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                      KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KV_KIND: tl.constexpr):
     tok = tl.program_id(0)
@@ -53,16 +52,17 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, k_scales, v_scales, slot_ma
     k = tl.load(k_ptr + tok * stride_k_tok + h[:, None] * stride_k_head + d[None, :], mask=mask)
     v = tl.load(v_ptr + tok * stride_v_tok + h[:, None] * stride_v_head + d[None, :], mask=mask)
     tiles = tile_base(block, h, KV_HEADS, BLOCK_SIZE, HEAD_DIM, KV_KIND)  # [H]
-    _store_kv(k_cache, k_scales, k, tiles, key_offset(at, d[None, :], BLOCK_SIZE), at, mask,
+    _store_kv(k_cache, k_scales, k_fp8_scale, k, tiles, key_offset(at, d[None, :], BLOCK_SIZE), at, mask,
               row_ok, KV_KIND, BLOCK_SIZE, HEAD_DIM)
-    _store_kv(v_cache, v_scales, v, tiles, value_offset(at, d[None, :], HEAD_DIM), at, mask,
+    _store_kv(v_cache, v_scales, v_fp8_scale, v, tiles, value_offset(at, d[None, :], HEAD_DIM), at, mask,
               row_ok, KV_KIND, BLOCK_SIZE, HEAD_DIM)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, kv_scales: tuple[float, float] = UNIT_KV_SCALES) -> None:
     """k/v [T, kv_heads, head_dim] (heads dense; rows may be strided views of the fused qkv)
-    into the flat slots; kv_layout.write_rows in one kernel launch."""
+    into the flat slots (fp8 over the layer's `kv_scales`); kv_layout.write_rows in one kernel
+    launch."""
     block_size, kv_heads, head_dim = cache_geometry(k_cache)
     if k.stride(2) != 1 or v.stride(2) != 1 or not k_cache.is_contiguous() or not v_cache.is_contiguous():
         raise ValueError("write_kv needs dense head dims and contiguous caches")
@@ -71,7 +71,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         return
     (kc, ks), (vc, vs) = kv_operands(k_cache), kv_operands(v_cache)
     _write_kv_kernel[(num_tokens,)](
-        k, v, kc, vc, ks, vs, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k, v, kc, vc, ks, vs, slot_mapping, float(kv_scales[0]), float(kv_scales[1]),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
         KV_KIND=kv_kind(k_cache))

@@ -4,7 +4,8 @@ contiguous; in one (block, head) tile keys pair dims and values pair keys.
 
 KV_KIND says what a cache holds: 0 floats (read as they are), 1 int8 with a fp32 scale per
 token after each tile (a tile is then block_size * (head_dim + 4) bytes), 2 fp8 e4m3 at a
-per-tensor scale, passed as its bytes (uint8) and widened here through fp16 bits."""
+per-tensor scale (the layer's k_scale or v_scale, a runtime argument), passed as its bytes
+(uint8) and widened here through fp16 bits."""
 from __future__ import annotations
 
 import torch
@@ -12,9 +13,6 @@ import triton
 import triton.language as tl
 
 from kvflow.model.kv_layout import FP8
-from kvflow.model.kv_layout import FP8_KV_SCALE as _FP8_KV_SCALE
-
-FP8_KV_SCALE = tl.constexpr(_FP8_KV_SCALE)  # read inside the kernels: a constexpr
 
 KV_FLOAT, KV_INT8, KV_FP8 = 0, 1, 2
 
@@ -41,16 +39,17 @@ def tile_base(block, kv_head, KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 
 
 @triton.jit
-def load_kv(cache, scales, base, offset, at, mask, row_ok, KV_KIND: tl.constexpr,
+def load_kv(cache, scales, fp8_scale, base, offset, at, mask, row_ok, KV_KIND: tl.constexpr,
             BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Values at base + offset ([N, D]); a one-byte cache's dequantized to fp32."""
+    """Values at base + offset ([N, D]); a one-byte cache's dequantized to fp32 (fp8 times
+    `fp8_scale`)."""
     # one branch a kind, each returning (the compiler types every return it meets)
     if KV_KIND == 0:
         return tl.load(cache + base + offset, mask=mask, other=0.0)
     elif KV_KIND == 2:  # e4m3 s.eeee.mmm -> fp16 s.0eeee.mmm0000000 = value / 256
         b = tl.load(cache + base + offset, mask=mask, other=0).to(tl.uint16)
         h = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
-        return h.to(tl.float16, bitcast=True).to(tl.float32) * (256.0 * FP8_KV_SCALE)
+        return h.to(tl.float16, bitcast=True).to(tl.float32) * (256.0 * fp8_scale)
     else:
         x = tl.load(cache + base + offset, mask=mask, other=0)
         s = tl.load(scales + (base + BLOCK_SIZE * HEAD_DIM) // 4 + at, mask=row_ok, other=0.0)

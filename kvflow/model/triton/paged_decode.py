@@ -14,14 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kvflow.model.kv_layout import cache_geometry
+from kvflow.model.kv_layout import UNIT_KV_SCALES, cache_geometry
 from kvflow.model.triton.layout import (key_offset, kv_kind, kv_operands, load_kv, soft_cap,
                                         tile_base, value_offset)
 
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, part_out, part_lse,
-                         scale, cap, window, stride_q_tok, stride_q_head, stride_bt,
+                         scale, cap, window, k_fp8_scale, v_fp8_scale, stride_q_tok, stride_q_head, stride_bt,
                          NUM_SPLITS: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -55,9 +55,9 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, block_tabl
         base = tile_base(block, kv_head, KV_HEADS, BLOCK_SIZE, HEAD_DIM, KV_KIND)[:, None]
         at = (t % BLOCK_SIZE)[:, None]
         kv_mask = t_ok[:, None] & d_ok[None, :]
-        k = load_kv(k_cache, k_scales, base, key_offset(at, d[None, :], BLOCK_SIZE), at, kv_mask,
+        k = load_kv(k_cache, k_scales, k_fp8_scale, base, key_offset(at, d[None, :], BLOCK_SIZE), at, kv_mask,
                     t_ok[:, None], KV_KIND, BLOCK_SIZE, HEAD_DIM)
-        v = load_kv(v_cache, v_scales, base, value_offset(at, d[None, :], HEAD_DIM), at, kv_mask,
+        v = load_kv(v_cache, v_scales, v_fp8_scale, base, value_offset(at, d[None, :], HEAD_DIM), at, kv_mask,
                     t_ok[:, None], KV_KIND, BLOCK_SIZE, HEAD_DIM)
         s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale  # [G, N]
         if USE_CAP:
@@ -102,11 +102,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                  num_splits: int = 1, sliding_window: int | None = None,
                  logits_soft_cap: float | None = None, out: torch.Tensor | None = None,
-                 workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 kv_scales: tuple[float, float] = UNIT_KV_SCALES) -> torch.Tensor:
     """Attention of q [B, H, D] (row b the last token of sequence b, at position seq_lens[b] - 1)
     over each sequence's cached keys 0..seq_lens[b] - 1 through block_tables [B, max_blocks]
     (int32/int64). Returns out [B, H, D] in q's dtype. `workspace`: preallocated (partial
-    outputs [B * H * num_splits, D] fp32, LSEs [B * H * num_splits] fp32), for CUDA graphs."""
+    outputs [B * H * num_splits, D] fp32, LSEs [B * H * num_splits] fp32), for CUDA graphs;
+    `kv_scales`: an fp8 cache's (k_scale, v_scale)."""
     batch, heads, head_dim = q.shape
     block_size, kv_heads, cache_dim = cache_geometry(k_cache)
     if cache_dim != head_dim or heads % kv_heads:
@@ -126,6 +128,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, kc, vc, ks, vs, block_tables, seq_lens, part_out, part_lse,
         scale, float(logits_soft_cap or 0.0), int(sliding_window or 0),
+        float(kv_scales[0]), float(kv_scales[1]),
         q.stride(0), q.stride(1), block_tables.stride(0),
         NUM_SPLITS=num_splits, HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), 2),

@@ -13,15 +13,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kvflow.model.kv_layout import cache_geometry
+from kvflow.model.kv_layout import UNIT_KV_SCALES, cache_geometry
 from kvflow.model.triton.layout import (key_offset, kv_kind, kv_operands, load_kv, soft_cap,
                                         tile_base, value_offset)
 
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, query_start_loc, out_ptr,
-                    scale, cap, window, stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
-                    stride_bt,
+                    scale, cap, window, k_fp8_scale, v_fp8_scale, stride_q_tok, stride_q_head,
+                    stride_o_tok, stride_o_head, stride_bt,
                     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, USE_CAP: tl.constexpr, USE_WINDOW: tl.constexpr,
@@ -64,9 +64,9 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, block_tables, s
         base = tile_base(block, kv_head, KV_HEADS, BLOCK_SIZE, HEAD_DIM, KV_KIND)[:, None]
         at = (t % BLOCK_SIZE)[:, None]
         kv_mask = t_ok[:, None] & d_ok[None, :]
-        k = load_kv(k_cache, k_scales, base, key_offset(at, d[None, :], BLOCK_SIZE), at, kv_mask,
+        k = load_kv(k_cache, k_scales, k_fp8_scale, base, key_offset(at, d[None, :], BLOCK_SIZE), at, kv_mask,
                     t_ok[:, None], KV_KIND, BLOCK_SIZE, HEAD_DIM)
-        v = load_kv(v_cache, v_scales, base, value_offset(at, d[None, :], HEAD_DIM), at, kv_mask,
+        v = load_kv(v_cache, v_scales, v_fp8_scale, base, value_offset(at, d[None, :], HEAD_DIM), at, kv_mask,
                     t_ok[:, None], KV_KIND, BLOCK_SIZE, HEAD_DIM)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale  # [M, N]
         if USE_CAP:
@@ -93,10 +93,11 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   query_start_loc: torch.Tensor, max_query_len: int, scale: float, *,
                   sliding_window: int | None = None, logits_soft_cap: float | None = None,
                   out: torch.Tensor | None = None, block_m: int = 32,
-                  block_n: int = 32) -> torch.Tensor:
+                  block_n: int = 32, kv_scales: tuple[float, float] = UNIT_KV_SCALES) -> torch.Tensor:
     """Attention of the flat q [T, H, D] (sequence i's rows from query_start_loc[i], i in
     0..N-1) over each sequence's cached keys through block_tables [N, max_blocks]; the new
-    tokens' K/V must already be in the cache. Returns out [T, H, D] in q's dtype."""
+    tokens' K/V must already be in the cache. Returns out [T, H, D] in q's dtype. `kv_scales`:
+    an fp8 cache's (k_scale, v_scale)."""
     num_tokens, heads, head_dim = q.shape
     block_size, kv_heads, cache_dim = cache_geometry(k_cache)
     if cache_dim != head_dim or heads % kv_heads:
@@ -116,6 +117,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _prefill_kernel[(num_seqs, heads, triton.cdiv(max_query_len, block_m))](
         q, kc, vc, ks, vs, block_tables, seq_lens, query_start_loc, out,
         scale, float(logits_soft_cap or 0.0), int(sliding_window or 0),
+        float(kv_scales[0]), float(kv_scales[1]),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         KV_HEADS=kv_heads, GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
