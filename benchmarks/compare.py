@@ -302,6 +302,9 @@ def main() -> None:
     p.add_argument("--dtypes", default="float32",
                    help="float32 is the fast dtype on AVX2-only CPUs; add bfloat16 to see bf16")
     p.add_argument("--repeats", type=int, default=1, help="interleaved rounds (medians quoted)")
+    p.add_argument("--one-round", default="",
+                   help="engines measured in the first round only, e.g. llamacpp,hf-static (anchors "
+                        "far behind, whose ratio does not turn on a median; saves their run time)")
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--min-len", type=int, default=32)
     p.add_argument("--max-len", type=int, default=512)
@@ -356,6 +359,8 @@ def main() -> None:
         for threads in (int(t) for t in args.threads.split(",")):
             for dtype in args.dtypes.split(","):
                 for engine in runnable:  # interleaved: every engine once per round
+                    if rep > 0 and engine in args.one_round.split(","):
+                        continue
                     cfg = dict(base, threads=threads, dtype=dtype, gguf=ggufs.get(dtype),
                                kvflow_args=json.loads(args.kvflow_args),
                                single_stream=args.single_stream)
@@ -384,7 +389,8 @@ def main() -> None:
              f"{args.max_len}], {args.output_len} greedy output tokens each, EOS ignored; same HF "
              f"folder for every engine (llama.cpp: GGUF converted from it).",
              f"Command: `{' '.join([os.path.basename(sys.executable)] + sys.argv)}`; "
-             f"{args.repeats} interleaved round(s), medians.",
+             f"{args.repeats} interleaved round(s), medians"
+             + (f" ({args.one_round}: the first round only)." if args.one_round else "."),
              f"Host check before: {fmt_check(before)}.", f"Host check after: {fmt_check(after)}.", ""]
     if args.single_stream:
         lines[0] = f"## Single stream ({started:%Y-%m-%d %H:%M %Z})"

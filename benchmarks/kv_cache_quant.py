@@ -89,10 +89,12 @@ def accuracy(threads: int) -> list[dict]:
     return out
 
 
-def serve_w2(cache: str, num_prompts: int, memory: str, threads: int, seed: int = 0) -> dict:
+def serve_w2(cache: str, num_prompts: int, memory: str, threads: int, seed: int = 0,
+             model: str | None = None, dtype: str = "auto") -> dict:
     from kvflow import LLM, SamplingParams
 
-    llm = LLM(kv_cache_dtype=cache, kv_cache_memory=memory, num_threads=threads)
+    llm = LLM(model=model, dtype=dtype, kv_cache_dtype=cache, kv_cache_memory=memory,
+              num_threads=threads)
     eng = llm.engine
     core = eng.core
     rng = np.random.default_rng(seed)
@@ -116,7 +118,9 @@ def serve_w2(cache: str, num_prompts: int, memory: str, threads: int, seed: int 
               "preemptions": preemptions, "steps": steps, "output_tokens": out_tokens,
               "wall_s": wall, "output_tok_s": out_tokens / wall,
               "total_tok_s": (out_tokens + 256 * num_prompts) / wall,
-              "attention": core.executor.runner.model.kernels.names["attention"]}
+              "attention": core.executor.runner.model.kernels.names["attention"],
+              "model": os.path.relpath(core.model_path, ROOT) if model else "default (Q4_1 GGUF)",
+              "linear": core.executor.runner.model.kernels.names["linear"]}
     eng.shutdown()
     return result
 
@@ -222,7 +226,8 @@ def report(res: dict) -> str:
         lines += ["## W2-shaped load at rate inf, one memory budget"
                   + (" (not under the benchmark lock)" if key == "serving_unlocked" else ""),
                   "", f"{s[0]['n']} requests of 256 random prompt tokens + 128 output tokens "
-                  f"(ignore_eos), all queued at once, offline engine, `--kv-cache-memory "
+                  f"(ignore_eos), all queued at once, offline engine, model "
+                  f"{s[0].get('model', 'default (Q4_1 GGUF)')} (linear {s[0].get('linear', '?')}), `--kv-cache-memory "
                   f"{s[0]['kv_cache_memory']}`, {res['threads']} threads; medians of "
                   f"{len(s[0]['runs'])} alternating runs.", ""]
         if key == "serving_unlocked":
@@ -253,6 +258,9 @@ def main() -> int:
     p.add_argument("--w2-prompts", type=int, default=48)
     p.add_argument("--kv-cache-memory", default="96MiB")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--model", default=None, help="the serving part's model (default: the default "
+                   "Q4_1 GGUF; benchmarks/export_model.py writes its bf16 HF folder)")
+    p.add_argument("--dtype", default="auto", help="the serving part's activations")
     p.add_argument("--caches", nargs="+", default=list(CACHES),
                    choices=["float32", "bfloat16", "fp8", "int8"],
                    help="the serving part's caches (float32: what `auto` is where fp32 runs)")
@@ -286,7 +294,8 @@ def main() -> int:
         runs = {c: [] for c in a.caches}
         for _ in range(a.reps):
             for c in a.caches:
-                runs[c].append(serve_w2(c, a.w2_prompts, a.kv_cache_memory, a.threads))
+                runs[c].append(serve_w2(c, a.w2_prompts, a.kv_cache_memory, a.threads,
+                                        model=a.model, dtype=a.dtype))
                 print(json.dumps(runs[c][-1]), flush=True)
         res["serving"] = []
         for c in a.caches:

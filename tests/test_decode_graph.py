@@ -40,7 +40,7 @@ from kvflow.model.quant.qlinear import QuantizedWeight, available_isas
 ARCH = LlamaArchConfig(
     architecture="LlamaForCausalLM", vocab_size=96, hidden_size=128, intermediate_size=192,
     num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-    rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=256,
+    rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=512,
     tie_word_embeddings=True, attention_bias=False, bos_token_id=None, eos_token_id=None)
 FORMATS = ("Q4_1", "Q4_0", "Q8_0", "int8")
 ISAS = [isa for isa in available_isas() if isa != "scalar"] or ["scalar"]
@@ -181,7 +181,9 @@ def run_both(fmt, dtype, isa, rows, decode_steps=9, kv_dtype=None, windows=None,
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, ARCH.vocab_size, 2 + 3 * i).tolist() for i in range(rows)]
     block = BLOCK if q8_isa is None else Q8_BLOCK
-    drivers = [Driver(m, kv_dtype, windows, block_size=block) for m in (with_graph, without)]
+    need = sum(-(-(len(p) + decode_steps) // block) for p in prompts) + 8
+    drivers = [Driver(m, kv_dtype, windows, num_blocks=max(192, need), block_size=block)
+               for m in (with_graph, without)]
     outs = [[], []]
     last = [p[-1] for p in prompts]
     plans = [[(i, p) for i, p in enumerate(prompts)]]

@@ -31,7 +31,7 @@ from kvflow.model.quant.qlinear import QuantizedWeight, norm_quant_linear, quant
 # the calls from Python cost as much as the work; the C side keeps each intermediate in a
 # per-thread scratch of the largest size it has seen, so prefill-sized rows (2048 x an 8B
 # model's gate_up: 117 MB) stay on the two-step path and its short-lived tensors.
-FUSED_ROWS = 16
+FUSED_ROWS = 64
 
 # On CPUs with AMX, bf16 batches of more than AMX_PANEL_ROWS rows take oneDNN's AMX GEMM instead
 # of the panels, more than AMX_PANEL_ROWS_LARGE for weights of over AMX_LARGE_BYTES (the LM
