@@ -134,7 +134,8 @@ class TPExecutor(Executor):
                 shm_path=self._shm_paths[0] if self._shm_paths and pp == 1 else None,
                 stage_shm_paths=self._shm_paths if pp > 1 and self._shm_paths else None,
                 shm_slot_bytes=slot_bytes, device=device, kv_shm_paths=self._kv_paths or None,
-                tp_size=tp, pp_size=pp, driver_pid=os.getpid())))
+                tp_size=tp, pp_size=pp, driver_pid=os.getpid(),
+                max_model_len=config.model_config.max_model_len or 0)))
             if on_ray:
                 self.supervisor.start(self.rdv.address, n)
             else:
@@ -160,7 +161,8 @@ class TPExecutor(Executor):
             self.model, _ = load_sharded_model(model_path, dtype, self.group,
                                                rank0 if rank0.type != "cpu" else None, layers=layers)
             self.runner = ModelRunner(self.model, shard, num_blocks, block_size,
-                                      kv_dtype, eos_token_id, device=rank0, pp=self.pipe)
+                                      kv_dtype, eos_token_id, device=rank0, pp=self.pipe,
+                                      max_model_len=config.model_config.max_model_len or 0)
             self._wait_for("loaded")
             self._rank_kv = [self.runner.kv_caches] + [
                 allocate_kv_caches(shard, num_blocks, block_size, kv_dtype,

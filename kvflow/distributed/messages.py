@@ -39,6 +39,7 @@ class WorkerInit:
     driver_pid: int | None = None  # for a worker that is not the driver's child (a Ray actor)
     # pipeline parallel on one machine: stage s's tp ranks all-reduce in stage_shm_paths[s]
     stage_shm_paths: list[str] | None = None
+    max_model_len: int = 0  # the longest sequence admitted (0: the model's context)
 
 
 class StepMessage(msgspec.Struct, array_like=True):

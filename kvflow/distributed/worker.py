@@ -86,7 +86,7 @@ def run_worker(rendezvous: str, rank: int, world_size: int, parent_pid: int | No
             shard = stage_arch(shard, layers)
         runner = ModelRunner(model, shard, init.num_blocks, init.block_size,
                              getattr(torch, init.kv_dtype), init.eos_token_id, device=device,
-                             kv_memory=kv_memory, pp=pipe)
+                             kv_memory=kv_memory, pp=pipe, max_model_len=init.max_model_len)
     except Exception as e:  # noqa: BLE001 - the driver reports it
         store.set(f"error/{rank}", f"{type(e).__name__}: {e}")
         return EXIT_LOAD_FAILED

@@ -154,7 +154,8 @@ class EngineCore(EngineKVTransferMixin):
                                                    self.max_model_len, self.device,
                                                    capture=not mc.enforce_eager)
                                  # an expert block groups tokens on the host (moe.py): no graph
-                                 if on_gpu and not self.arch.num_experts else None))
+                                 if on_gpu and not self.arch.num_experts else None,
+                                 max_model_len=self.max_model_len))
         self.scheduler.max_concurrent_batches = self.executor.max_concurrent_batches
         lc = config.lora_config
         try:

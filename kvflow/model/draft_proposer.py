@@ -17,6 +17,7 @@ from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
 from kvflow.model.loader import load_model
 from kvflow.model.quant.load import resolve_quantization
+from kvflow.model.runner import longest_position
 from kvflow.model_path import resolve_model_path
 
 
@@ -42,6 +43,7 @@ class DraftModelProposer:
             raise ValueError(f"speculative_config.model {model!r} reaches "
                              f"{self.arch.max_position_embeddings} positions, under max_model_len "
                              f"{max_model_len}; lower max_model_len")
+        self.model.cover_positions(longest_position(self.arch, max_model_len, num_blocks, block_size))
         self.k = k
         self.block_size = block_size
         self.kv_caches = allocate_kv_caches(self.arch, num_blocks, block_size, kv_dtype)

@@ -106,12 +106,8 @@ class Gemma3ForCausalLM(nn.Module):
         self.embed_scale = torch.tensor(math.sqrt(h)).to(dtype).item()
         rope_device = None if device is None or torch.device(device).type == "meta" else device
         n_pos = max_position or min(arch.max_position_embeddings, ROPE_CACHE_MAX)
-        local = replace(arch, rope_theta=arch.rope_local_theta or arch.rope_theta, rope_scaling=None)
-        for prefix, a in (("rope", arch), ("rope_local", local)):
-            freqs = torch.outer(torch.arange(n_pos, dtype=torch.float32), rope_inv_freq(a))
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self.register_buffer(f"{prefix}_cos", emb.cos().to(rope_device), persistent=False)
-            self.register_buffer(f"{prefix}_sin", emb.sin().to(rope_device), persistent=False)
+        for name, table in self._rope_tables(n_pos).items():
+            self.register_buffer(name, table.to(rope_device), persistent=False)
         self.kernels = kernels if kernels is not None else select_kernels(dtype, device=rope_device)
         self.packed_lm_head: PackedWeight | None = None
 
@@ -125,6 +121,24 @@ class Gemma3ForCausalLM(nn.Module):
             layer.packed = {name: pack(getattr(layer, name)) for name in _PROJECTIONS}
         self.packed_lm_head = pack(self.embed_tokens if self.lm_head is None else self.lm_head)
         return True
+
+    def _rope_tables(self, n_pos: int) -> dict[str, torch.Tensor]:
+        """The global layers' cos/sin and the local (sliding-window) layers' own, [n_pos, head_dim]."""
+        arch = self.arch
+        local = replace(arch, rope_theta=arch.rope_local_theta or arch.rope_theta, rope_scaling=None)
+        out = {}
+        for prefix, a in (("rope", arch), ("rope_local", local)):
+            freqs = torch.outer(torch.arange(n_pos, dtype=torch.float32), rope_inv_freq(a))
+            emb = torch.cat((freqs, freqs), dim=-1)
+            out[f"{prefix}_cos"], out[f"{prefix}_sin"] = emb.cos(), emb.sin()
+        return out
+
+    def cover_positions(self, n_pos: int) -> None:
+        """Make the cos/sin tables hold positions 0..n_pos-1 (see LlamaForCausalLM's)."""
+        if n_pos > self.rope_cos.shape[0]:
+            device = self.rope_cos.device
+            for name, table in self._rope_tables(n_pos).items():
+                setattr(self, name, table.to(device))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | np.ndarray,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

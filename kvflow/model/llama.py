@@ -251,6 +251,14 @@ class LlamaForCausalLM(nn.Module):
             self.packed_lm_head = pack(self.embed_tokens if self.lm_head is None else self.lm_head)
         return True
 
+    def cover_positions(self, n_pos: int) -> None:
+        """Make the cos/sin tables hold positions 0..n_pos-1 (the kernels index them without a
+        bound check): the runner calls this with the longest sequence the engine admits."""
+        if n_pos > self.rope_cos.shape[0]:
+            cos, sin = rope_tables(self.arch, n_pos)
+            self.rope_cos = cos.to(self.rope_cos.device)
+            self.rope_sin = sin.to(self.rope_sin.device)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | np.ndarray,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 attn_metadata: AttentionMetadata | list[AttentionMetadata],

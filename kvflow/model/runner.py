@@ -61,6 +61,17 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
 
+def longest_position(arch: LlamaArchConfig, max_model_len: int, num_blocks: int,
+                     block_size: int) -> int:
+    """How many positions the RoPE tables must hold: the longest sequence admitted
+    (max_model_len, else the model's context), and no more than the cache can hold where every
+    layer keeps all its keys (behind sliding windows a sequence can outgrow the cache)."""
+    longest = max_model_len or arch.max_position_embeddings
+    if all(w is None for w in arch.layer_windows()):
+        longest = min(longest, num_blocks * block_size)
+    return longest
+
+
 class ModelRunner:
     """Keeps a persistent per-request state, builds the flattened batch of each step with numpy,
     runs the model once, and samples only where a request's known tokens are all computed."""
@@ -68,7 +79,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, arch: LlamaArchConfig, num_blocks: int,
                  block_size: int, kv_dtype: torch.dtype,
                  eos_token_id: int | Sequence[int] | None, *, device: torch.device | str = "cpu",
-                 graphs: DecodeGraphs | None = None, kv_memory=None, pp=None) -> None:
+                 graphs: DecodeGraphs | None = None, kv_memory=None, pp=None,
+                 max_model_len: int = 0) -> None:
         # kv_memory: where the CPU KV cache lives (allocate_kv_caches's `zeros`); a shared file
         # when the tensor-parallel driver moves this rank's blocks (distributed/shared_kv.py)
         # pp: this rank's pipeline stage (kvflow.distributed.pipeline.PipelineGroup): a stage
@@ -88,6 +100,8 @@ class ModelRunner:
             raise ValueError("sliding-window attention runs on the CPU only for now "
                              "(the GPU kernels take no window)")
         self.layer_group, tensor_of = layer_slots(self.groups, arch.num_hidden_layers)
+        if hasattr(model, "cover_positions"):  # max_model_len 0: the model's context
+            model.cover_positions(longest_position(arch, max_model_len, num_blocks, block_size))
         tensors = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype,
                                      None if on_cpu else self.device,
                                      num_layers=len(self.groups[0].layers), zeros=kv_memory)
