@@ -197,10 +197,20 @@ def kernel_times(reps: int, batch: int = 32, context: int = 340, layers: int = 3
     return rows
 
 
+def conditions(res: dict) -> str:
+    """What else ran: the 1-minute load averages at the start and end of the run."""
+    if "conditions" in res:
+        return res["conditions"]
+    if "load" not in res:
+        return "load not recorded"
+    lo, hi = min(res["load"]), max(res["load"])
+    return f"load {lo:.1f}-{hi:.1f} (1-minute averages at the start and end; above ~{res['threads']} other jobs shared the cores)"
+
+
 def report(res: dict) -> str:
     lines = [f"# One-byte KV caches (fp8, int8) against bf16", "",
-             f"CPU: {res['cpu']} ({res['cores']} cores visible, **shared machine**: other jobs "
-             f"ran beside it; timings are medians of alternating runs), {res['date']}; "
+             f"CPU: {res['cpu']} ({res['cores']} cores visible; {conditions(res)}; timings are "
+             f"medians of alternating runs), {res['date']}; "
              + "; ".join(f"`{c}`" for c in res["commands"]) + ".", ""]
     if res.get("accuracy"):
         a = res["accuracy"]
@@ -276,9 +286,12 @@ def main() -> int:
     res.update({"cpu": cpu_name(), "cores": os.cpu_count(), "threads": a.threads,
                 "date": time.strftime("%Y-%m-%d", time.gmtime()),
                 "commands": commands + ["python benchmarks/kv_cache_quant.py " + " ".join(sys.argv[1:])]})
+    res["load"] = [os.getloadavg()[0]]
+    res.pop("conditions", None)
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
 
     def save():  # after each part: a run cut short keeps what it measured
+        res["load"] = res["load"][:1] + [os.getloadavg()[0]]
         with open(a.out + ".json", "w") as f:
             json.dump(res, f, indent=1)
         with open(a.out + ".md", "w") as f:
