@@ -53,11 +53,27 @@ def test_touched_memory_lands_on_huge_pages_where_thp_allows():
         assert huge == 0
 
 
+def _vm_flags(addr: int) -> list[str]:
+    """VmFlags of the mapping that holds `addr` ("hg": advised onto huge pages)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    return []
+
+
 def test_opt_out_gives_ordinary_zeroed_memory(monkeypatch):
     monkeypatch.setenv("KVFLOW_HUGEPAGES", "0")
     t = hugepages.zeros(8 << 20, torch.uint8)
     t.fill_(1)
     assert t.sum().item() == 8 << 20
+    # nobody advised it (numpy advises its own large buffers, so the opt-out must not use them)
+    assert "hg" not in _vm_flags(t.data_ptr() + (4 << 20))  # inside its 2 MiB-aligned part
     if _thp_mode() != "always":  # "always" would give any big allocation huge pages
         assert _anon_huge_kib(t.data_ptr()) == 0
 

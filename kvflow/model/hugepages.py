@@ -26,7 +26,8 @@ def zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A zeroed 1-D CPU tensor, 2 MiB-aligned and advised onto huge pages."""
     nbytes = numel * dtype.itemsize
     if not envs.KVFLOW_HUGEPAGES or not hasattr(mmap, "MADV_HUGEPAGE") or nbytes == 0:
-        return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype)
+        # torch's allocator, not numpy's: numpy advises its own large buffers onto huge pages
+        return torch.zeros(nbytes, dtype=torch.uint8).view(dtype)
     # private anonymous memory: zero pages until written (mmap's default, a shared mapping,
     # is shmem, which THP's "madvise" mode does not cover)
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
