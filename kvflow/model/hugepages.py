@@ -25,9 +25,19 @@ HUGE_PAGE = 2 << 20
 def zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A zeroed 1-D CPU tensor, 2 MiB-aligned and advised onto huge pages."""
     nbytes = numel * dtype.itemsize
-    if not envs.KVFLOW_HUGEPAGES or not hasattr(mmap, "MADV_HUGEPAGE") or nbytes == 0:
-        # torch's allocator, not numpy's: numpy advises its own large buffers onto huge pages
-        return torch.zeros(nbytes, dtype=torch.uint8).view(dtype)
+    if nbytes == 0:
+        return torch.zeros(0, dtype=dtype)
+    huge = envs.KVFLOW_HUGEPAGES and hasattr(mmap, "MADV_HUGEPAGE")
+    if not huge:
+        # its own mapping, advised off huge pages: a malloc'd buffer can sit in a heap region
+        # that numpy (which advises its large buffers) or the THP "always" mode put on them
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):
+            try:
+                region.madvise(mmap.MADV_NOHUGEPAGE)
+            except OSError:
+                pass
+        return torch.from_numpy(np.frombuffer(region, dtype=np.uint8)).view(dtype)
     # private anonymous memory: zero pages until written (mmap's default, a shared mapping,
     # is shmem, which THP's "madvise" mode does not cover)
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
