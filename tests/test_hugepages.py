@@ -20,8 +20,9 @@ def _thp_mode() -> str:
         return "never"
 
 
-def _anon_huge_kib(addr: int) -> int:
-    """AnonHugePages of the mapping that holds `addr` (from /proc/self/smaps)."""
+def _smaps_field(addr: int, field: str) -> list[str]:
+    """The values of `field` (e.g. "AnonHugePages:", "VmFlags:") for the mapping that holds
+    `addr`, from /proc/self/smaps ([] where there is none)."""
     inside = False
     with open("/proc/self/smaps") as f:
         for line in f:
@@ -29,9 +30,15 @@ def _anon_huge_kib(addr: int) -> int:
             if "-" in head and ":" not in head:
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo <= addr < hi
-            elif inside and head == "AnonHugePages:":
-                return int(line.split()[1])
-    return 0
+            elif inside and head == field:
+                return line.split()[1:]
+    return []
+
+
+def _anon_huge_kib(addr: int) -> int:
+    """AnonHugePages of the mapping that holds `addr`."""
+    values = _smaps_field(addr, "AnonHugePages:")
+    return int(values[0]) if values else 0
 
 
 def test_zeros_are_zero_aligned_and_writable():
@@ -55,16 +62,7 @@ def test_touched_memory_lands_on_huge_pages_where_thp_allows():
 
 def _vm_flags(addr: int) -> list[str]:
     """VmFlags of the mapping that holds `addr` ("hg": advised onto huge pages)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= addr < hi
-            elif inside and head == "VmFlags:":
-                return line.split()[1:]
-    return []
+    return _smaps_field(addr, "VmFlags:")
 
 
 def test_opt_out_gives_ordinary_zeroed_memory(monkeypatch):
