@@ -8,6 +8,11 @@ mask (others, such as Gemma 3's 256).
 
     .venv/bin/python benchmarks/prompt_attention.py [--lens 293,293,293,293,293,293,293]
         [--threads 1] [--rows] [--window 512 --heads 4,1,256 --layers 15]
+        [--caches bfloat16,fp8,int8]
+
+`--caches`: the prompt kernel over each KV cache dtype in turn, holding the same values (a
+one-byte cache's tiles are widened into the kernel's scratch as it gathers them; fp8's rotated
+rows rotated back).
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ import torch  # noqa: E402
 
 from kvflow.csrc import load_library  # noqa: E402
 from kvflow.model import attention as A  # noqa: E402
-from kvflow.model.kv_layout import cache_shape  # noqa: E402
+from kvflow.model.kv_layout import cache_shape, resolve_kv_dtype, write_rows  # noqa: E402
 
 
 def main() -> int:
@@ -37,6 +42,8 @@ def main() -> int:
     p.add_argument("--rows", action="store_true", help="also time prompt tokens as decode rows")
     p.add_argument("--window", type=int, default=None, help="sliding window of every layer")
     p.add_argument("--heads", default="9,3,64", help="query heads, kv heads, head size (SmolLM2-135M)")
+    p.add_argument("--caches", default="bfloat16",
+                   help="KV cache dtypes to time the prompt kernel over (bfloat16, fp8, int8)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     heads, kv_heads, head_dim = (int(x) for x in args.heads.split(","))
@@ -45,15 +52,30 @@ def main() -> int:
     num_blocks = sum(-(-n // bs) for n in lens) + 1
     free = list(np.random.default_rng(0).permutation(num_blocks))
     tables = [[int(free.pop()) for _ in range(-(-n // bs))] for n in lens]
-    shape = cache_shape(num_blocks, bs, kv_heads, head_dim)
-    caches = [(torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()) for _ in range(args.layers)]
+    slots = torch.arange(num_blocks * bs)
+    rows = [(torch.randn(len(slots), kv_heads, head_dim), torch.randn(len(slots), kv_heads, head_dim))
+            for _ in range(args.layers)]
+
+    def filled(name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        dtype = resolve_kv_dtype({"fp8": "fp8_e4m3"}.get(name, name))
+        out = []
+        for k, v in rows:
+            kc, vc = (torch.zeros(cache_shape(num_blocks, bs, kv_heads, head_dim, dtype), dtype=dtype)
+                      for _ in range(2))
+            write_rows(kc, vc, k, v, slots)
+            out.append((kc, vc))
+        return out
+
+    cache_names = args.caches.split(",")
+    by_dtype = {name: filled(name) for name in cache_names}
+    caches = by_dtype[cache_names[0]]
     q = torch.randn(sum(lens), heads, head_dim).bfloat16()
     meta = A.build_attention_metadata(np.array(lens), np.array(lens), tables, bs,
                                       sliding_window=args.window)
 
-    def one_step(**kw) -> float:
+    def one_step(cache: str | None = None, **kw) -> float:
         t0 = time.perf_counter()
-        for k, v in caches:
+        for k, v in by_dtype[cache] if cache else caches:
             A.attention_with_kernels(q, k, v, meta, head_dim ** -0.5, kv_heads, **kw)
         return time.perf_counter() - t0
 
@@ -63,6 +85,8 @@ def main() -> int:
         variants["prompt kernel, AMX"] = dict(prompt_kernel=True, prompt_amx=True)
     if args.rows:
         variants[old] = dict(prompt_kernel=False)
+    for name in cache_names[1:]:
+        variants[f"prompt kernel, {name} cache"] = dict(prompt_kernel=True, cache=name)
     times: dict[str, list[float]] = {name: [] for name in variants}
     for kw in variants.values():
         one_step(**kw)  # warm-up
@@ -70,6 +94,7 @@ def main() -> int:
         for name, kw in variants.items():
             times[name].append(one_step(**kw))
     base = statistics.median(times["prompt kernel"])
+    print(f"cache {cache_names[0]} unless named")
     for name, t in times.items():
         print(f"{name}: {args.layers} layers x prompts {args.lens}: "
               f"{statistics.median(t) * 1000:.1f} ms median of {args.reps} "

@@ -145,7 +145,8 @@ class CacheConfig:
         "auto", "KV cache storage (`auto`: the model's dtype); bfloat16 on an fp32 model halves "
         "the cache and what decode attention reads, at a small cost in accuracy; `fp8` (alias "
         "`fp8_e4m3`) and `int8` store one byte a value (~2x bf16's tokens in the same memory): "
-        "fp8 e4m3 at a per-tensor scale of 1.0, int8 with a scale per token and kv head "
+        "fp8 e4m3 at a per-tensor scale (the checkpoint's, else 1.0) of each token's "
+        "Hadamard-rotated key and value, int8 with a scale per token and kv head "
         "(docs/kv_cache_quantization.md)", choices=KV_CACHE_DTYPES, name="kv_cache_dtype")
     # set by the engine from the model: each layer's sliding window (None: full attention);
     # any window gives the scheduler one block table per KV cache group. Not an option.

@@ -24,8 +24,8 @@ from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.cpu_features import CpuFeatures, cpu_features
 from kvflow.model.kernels import KernelOptions, select_kernels
 from kvflow.model.kv_layout import (FP8, INT8_SCALE_BYTES, cache_geometry, cache_shape,
-                                    int8_scales, quantize_int8, read_rows, read_stored_rows,
-                                    write_rows)
+                                    fp8_rotated, hadamard_rotate, int8_scales, quantize_fp8,
+                                    quantize_int8, read_rows, read_stored_rows, write_rows)
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler")
 torch.set_num_threads(1)
@@ -77,6 +77,63 @@ def test_int8_cache_stores_a_scale_per_token_beside_each_tile():
     k, v = read_rows(kc, vc, torch.tensor([16, 17, 18, 19, 20]))
     torch.testing.assert_close(k, q.float() * s[..., None])
     assert (k - x).abs().max() <= s.max() / 2 + 1e-6  # half a step of each row's own scale
+
+
+def _sylvester(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h
+
+
+@pytest.mark.parametrize("d", [2, 16, 64, 128, 256])
+def test_hadamard_rotation_is_orthonormal_and_its_own_inverse(d):
+    x = torch.randn(5, 3, d) * 7
+    want = (x.double() @ _sylvester(d) / d ** 0.5).float()  # H is symmetric
+    torch.testing.assert_close(hadamard_rotate(x), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hadamard_rotate(hadamard_rotate(x)), x, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hadamard_rotate(x).norm(dim=-1), x.norm(dim=-1))
+
+
+@pytest.mark.parametrize("head_dim,rotated", [(64, True), (128, True), (48, False), (24, False)])
+def test_fp8_stores_rows_rotated_where_head_dim_is_a_power_of_two(head_dim, rotated):
+    """The fp8 bytes are e4m3 of H x / sqrt(D) (power-of-two D; others as they are), written
+    by the C writer as by write_rows, and read back in the model's own basis."""
+    assert fp8_rotated(head_dim) == rotated
+    kc, vc = (torch.zeros(cache_shape(2, 16, 2, head_dim, FP8), dtype=FP8) for _ in range(2))
+    k, v = torch.randn(5, 2, head_dim) * 3, torch.randn(5, 2, head_dim)
+    slots = torch.tensor([3, 17, 4, 30, 0])
+    A.write_kv_with_kernel(kc, vc, k, v, slots)
+    sk, sv = read_stored_rows(kc, vc, slots)
+    for stored, x in ((sk, k), (sv, v)):
+        want = quantize_fp8(hadamard_rotate(x) if rotated else x)
+        assert torch.equal(stored.view(torch.uint8), want.view(torch.uint8))
+    for back, x in zip(read_rows(kc, vc, slots), (k, v)):  # the model's basis again,
+        # within e4m3's rounding (at most 2^-4 of each stored value; ~2% of a row's norm)
+        assert ((back - x).norm(dim=-1) / x.norm(dim=-1)).max() < 0.04
+
+
+def test_rotation_shrinks_fp8_score_error_on_keys_with_outlier_channels():
+    """Keys as models make them (a few channels ~20x the rest, after RoPE): e4m3's 3-bit
+    mantissa rounds those channels' large products coarsely; rotated, the error spreads over
+    64 small ones and the scores q . k come out closer."""
+    g = torch.Generator().manual_seed(0)
+    d, n = 64, 512
+    k = torch.randn(n, 1, d, generator=g)
+    k[..., [5, 37]] *= 20
+    q = torch.randn(d, generator=g)
+    q[[5, 37]] *= 3
+    exact = k[:, 0] @ q
+    err = {}
+    for name, head_dim_keys in (("plain", k), ("rotated", k)):
+        if name == "plain":
+            back = quantize_fp8(head_dim_keys).float()
+        else:
+            kc, vc = (torch.zeros(cache_shape(n // 16, 16, 1, d, FP8), dtype=FP8) for _ in range(2))
+            write_rows(kc, vc, head_dim_keys, head_dim_keys, torch.arange(n))
+            back = read_rows(kc, vc, torch.arange(n))[0]
+        err[name] = (back[:, 0] @ q - exact).pow(2).mean().sqrt().item()
+    assert err["rotated"] < 0.5 * err["plain"], err
 
 
 @pytest.mark.parametrize("dtype", ONE_BYTE)
@@ -164,13 +221,44 @@ def test_each_path_serves_the_shapes_it_claims():
     assert lib.paged_decode_q8_serves(0, 40, 4)
 
 
+def _masked_build(tmp_path, *march):
+    """paged_attention_quant.c alone, compiled for another CPU kind."""
+    src = os.path.join(os.path.dirname(kvflow.csrc.__file__), "paged_attention_quant.c")
+    so = tmp_path / f"q8{''.join(march)}.so"
+    subprocess.run(["cc", "-O3", *march, "-fno-math-errno", "-shared", "-fPIC", "-std=c11", src,
+                    "-o", str(so), "-lm"], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(so))
+    lib.hadamard_lanes.restype = ctypes.c_int64
+    lib.hadamard_rotate_rows.restype = None
+    lib.hadamard_rotate_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    return lib
+
+
+@pytest.mark.parametrize("build", ["native", "avx2", "scalar"])
+def test_rotation_gives_the_same_bits_on_every_path(tmp_path, build):
+    """The C rotation (AVX-512 16 lanes, AVX2 8, scalar) gives kv_layout.hadamard_rotate's bits."""
+    if build == "native":
+        lib = library()
+        flags = cpu_features().flags
+        assert lib.hadamard_lanes() == (16 if "avx512f" in flags else 8 if "avx2" in flags else 0)
+    elif build == "avx2":
+        if not {"avx2", "fma", "f16c"} <= cpu_features().flags:
+            pytest.skip("this CPU runs no AVX2 code")
+        lib = _masked_build(tmp_path, "-march=x86-64-v3", "-mno-avx512f")
+        assert lib.hadamard_lanes() == 8
+    else:
+        lib = _masked_build(tmp_path, "-march=x86-64")
+        assert lib.hadamard_lanes() == 0
+    for d in (2, 8, 16, 32, 64, 128, 256):
+        x = torch.randn(7, d) * torch.logspace(-3, 3, 7)[:, None]
+        got = x.clone()
+        lib.hadamard_rotate_rows(got.data_ptr(), 7, d)
+        assert torch.equal(got, hadamard_rotate(x)), d
+
+
 def _avx2_only_build(tmp_path):
     """paged_attention_quant.c compiled for an AVX2-only CPU (Zen 3: AVX2, FMA, F16C)."""
-    src = os.path.join(os.path.dirname(kvflow.csrc.__file__), "paged_attention_quant.c")
-    so = tmp_path / "q8_avx2.so"
-    subprocess.run(["cc", "-O3", "-march=x86-64-v3", "-mno-avx512f", "-fno-math-errno", "-shared",
-                    "-fPIC", "-std=c11", src, "-o", str(so), "-lm"], check=True, capture_output=True)
-    lib = ctypes.CDLL(str(so))
+    lib = _masked_build(tmp_path, "-march=x86-64-v3", "-mno-avx512f")
     lib.paged_decode_q8_isas.restype = ctypes.c_int64
     lib.paged_decode_q8_serves.restype = ctypes.c_int64
     lib.paged_decode_q8_serves.argtypes = [ctypes.c_int64] * 3
@@ -329,7 +417,8 @@ def test_mixed_step_through_the_kernels_matches_the_torch_path(dtype, head_dim):
 @pytest.mark.parametrize("amx", [False, True], ids=["avx512-bf16", "amx"])
 def test_prompt_kernel_widens_one_byte_tiles_as_the_reference_does(dtype, window, amx):
     """The prompt kernel over a one-byte cache gives what it gives over a bf16 cache holding
-    the same values widened (int8 times its token's scale, rounded to bf16; fp8 exactly)."""
+    the same values widened (int8 times its token's scale, fp8's rotated back, rounded to
+    bf16)."""
     lib = library()
     if not lib.paged_prefill_bf16_supported(6, 2, 64, 16):
         pytest.skip("the prompt kernel needs AVX512-BF16")

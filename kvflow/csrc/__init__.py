@@ -29,7 +29,7 @@ _SOURCES = [os.path.join(_DIR, f) for f in ("paged_attention.c", "paged_attentio
                                               "prefill_attention.c", "fused_ops.c", "gemm_bf16.c",
                                               "gemm_quant.c", "gemm_quant_wide.c", "gemv_f32.c",
                                               "pool.c", "populate.c", "decode_step.c", "lora.c")]
-_HEADERS = [os.path.join(_DIR, f) for f in ("simd.h", "kernels.h", "tiles.h")]  # part of the build key, not of the command line
+_HEADERS = [os.path.join(_DIR, f) for f in ("simd.h", "kernels.h", "tiles.h", "rotation.h")]  # part of the build key, not of the command line
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC", "-std=c11",
           "-pthread"]
 
@@ -75,6 +75,8 @@ _SIGNATURES = {
     # 1 fp8), src_bf16, k_scale bits, v_scale bits (fp8's per-tensor scales as float32 bits)
     "write_kv_q8": [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64,
                     _i64, _i64],
+    # x, rows, D: the fp8 cache's rotation of each row, in place (the tests')
+    "hadamard_rotate_rows": [_ptr, _i64, _i64],
     # x, x_stride, M, K, packed, bias, out, out_stride, N, isa, wdt, p_begin, p_end
     "gemv_f32_panels": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
                         _i64],
@@ -140,6 +142,7 @@ def library() -> ctypes.CDLL | None:
     lib.gemv_f32_isas.restype, lib.gemv_f32_isas.argtypes = _i64, []
     lib.lora_isas.restype, lib.lora_isas.argtypes = _i64, []
     lib.paged_decode_q8_isas.restype, lib.paged_decode_q8_isas.argtypes = _i64, []
+    lib.hadamard_lanes.restype, lib.hadamard_lanes.argtypes = _i64, []
     lib.paged_decode_q8_serves.restype = _i64
     lib.paged_decode_q8_serves.argtypes = [_i64, _i64, _i64]
     # x, x_stride, K, Kb, x_bf16, per_row, packed, kind, isa, bias, out, N, out_bf16, M, threads,

@@ -70,6 +70,8 @@ void write_kv_q8(const void *k, const void *v, int64_t src_stride, const int64_t
                  uint8_t *k_cache, uint8_t *v_cache, int64_t begin, int64_t end, int64_t KVH,
                  int64_t D, int64_t bs, int64_t kind, int64_t src_bf16, int64_t k_scale_bits,
                  int64_t v_scale_bits);
+void hadamard_rotate_rows(float *x, int64_t rows, int64_t D);
+int64_t hadamard_lanes(void);
 void lora_shrink(const void *x, int64_t x_stride, int64_t x_bf16, int64_t K, const float *A,
                  int64_t n_slices, int64_t R, const int64_t *ranks, const int64_t *slots,
                  float *s, int64_t isa, int64_t begin, int64_t end);

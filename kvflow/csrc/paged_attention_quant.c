@@ -12,12 +12,15 @@
  * isa 0 a scalar reference (any shape), isa 1 AVX2 (8 lanes; bs % 8 == 0, D % 16 == 0),
  * isa 2 AVX-512 (16 lanes; bs % 16 == 0, D % 16 == 0). fp8 is widened through fp16 bits
  * (F16C's vcvtph2ps, exact): e4m3 s.eeee.mmm -> fp16 s.0eeee.mmm0000000 is the value / 256,
- * the 256 folded into the scales. q is fp32 or bf16, out fp32 or bf16, as paged_decode_*. */
+ * the 256 folded into the scales. q is fp32 or bf16, out fp32 or bf16, as paged_decode_*.
+ * An fp8 cache whose D is a power of two holds rotated keys and values (rotation.h): the
+ * kernel rotates each query head on entry and each output head back at the end, in fp32. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include "kernels.h"
+#include "rotation.h"
 #include "simd.h"
 #include "tiles.h"
 
@@ -112,10 +115,9 @@ static inline void block_weights(const q8_geom *g, const float *p, const uint8_t
 static inline __m256 widen8_q8(const uint8_t *p, int kind) {
     const __m128i b = _mm_loadl_epi64((const __m128i *)p);
     if (kind == KV_INT8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-    const __m128i w = _mm_cvtepu8_epi16(b);
-    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7),
-                                   _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8));
-    return _mm256_cvtph_ps(h);
+    /* bits s.eeee.mmm at 14..7, then s carried from bit 14 up to 15 */
+    const __m128i a = _mm_slli_epi16(_mm_cvtepu8_epi16(b), 7);
+    return _mm256_cvtph_ps(_mm_add_epi16(a, _mm_and_si128(a, _mm_set1_epi16(0x4000))));
 }
 
 /* 8 lanes (a: 4 items x (even, odd) halves, then b: the next 4) -> the 8 items' sums, in order */
@@ -252,10 +254,9 @@ DEFINE_GROUPED_ROW(row_avx2, scores8_group, values8_group)
 static inline __m512 widen16_q8(const uint8_t *p, int kind) {
     const __m128i b = _mm_loadu_si128((const __m128i *)p);
     if (kind == KV_INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-    const __m256i w = _mm256_cvtepu8_epi16(b);
-    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7),
-                                      _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
-    return _mm512_cvtph_ps(h);
+    /* bits s.eeee.mmm at 14..7, then s carried from bit 14 up to 15 */
+    const __m256i a = _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 7);
+    return _mm512_cvtph_ps(_mm256_add_epi16(a, _mm256_and_si256(a, _mm256_set1_epi16(0x4000))));
 }
 
 /* lanes (key, dim parity) of a (keys 0..7) and b (keys 8..15) -> the 16 keys' sums */
@@ -330,6 +331,14 @@ DEFINE_GROUPED_ROW(row_avx512, scores16_group, values16_group)
 #define row_avx512 row_scalar
 #endif
 
+/* rows x D floats rotated in place (rotation.h), for the tests; the vector lanes the build's
+ * rotation runs on (16 AVX-512, 8 AVX2, 0 scalar) */
+void hadamard_rotate_rows(float *x, int64_t rows, int64_t D) {
+    for (int64_t r = 0; r < rows; r++) hadamard_rotate(x + r * D, D);
+}
+
+int64_t hadamard_lanes(void) { return HADAMARD_LANES; }
+
 /* bit i set: path i was built (0 scalar, 1 AVX2, 2 AVX-512) */
 int64_t paged_decode_q8_isas(void) {
     return 1 | (HAVE_AVX2_Q8 << 1) | (HAVE_AVX512_Q8 << 2);
@@ -371,12 +380,18 @@ void paged_decode_q8(const void *q, int64_t q_stride, const uint8_t *k_cache,
     float *scores = (float *)malloc(sizeof(float) * (size_t)(H * Ls + 2 * H * D));
     float *q32 = scores + H * Ls, *o32 = q32 + H * D;
     q8_row_fn *row = pick_q8_row(isa, D, block_size);
+    const int rotated = kind == KV_FP8 && fp8_rotated(D);
     for (int64_t r = row_begin; r < row_end; r++) {
         const float *qr = (const float *)q + rows[r] * q_stride;
         float *orow = (io_bf16 & 2) ? o32 : (float *)out + rows[r] * out_stride;
         if (io_bf16 & 1) {
             const uint16_t *qb = (const uint16_t *)q + rows[r] * q_stride;
             for (int64_t i = 0; i < H * D; i++) q32[i] = bf16_to_float(qb[i]);
+            qr = q32;
+        }
+        if (rotated) { /* scores against rotated keys: the query rotated too */
+            if (qr != q32) memcpy(q32, qr, sizeof(float) * (size_t)(H * D));
+            for (int64_t h = 0; h < H; h++) hadamard_rotate(q32 + h * D, D);
             qr = q32;
         }
         const int64_t *table = block_tables + r * bt_stride;
@@ -388,6 +403,8 @@ void paged_decode_q8(const void *q, int64_t q_stride, const uint8_t *k_cache,
             L -= first * block_size;
         }
         row(&g, qr, table, L, skip, scale, scores, Ls, orow);
+        if (rotated) /* a sum of rotated values, rotated back */
+            for (int64_t h = 0; h < H; h++) hadamard_rotate(orow + h * D, D);
         if (io_bf16 & 2) {
             uint16_t *ob = (uint16_t *)out + rows[r] * out_stride;
             for (int64_t i = 0; i < H * D; i++) ob[i] = float_to_bf16(o32[i]);
@@ -399,13 +416,15 @@ void paged_decode_q8(const void *q, int64_t q_stride, const uint8_t *k_cache,
 /* This step's K/V rows [T, KVH, D] (fp32, or bf16 where src_bf16; row stride src_stride) into
  * their slots of a one-byte cache: int8 (kind 0) as rint(x * 127 / absmax) with the token's
  * scale absmax / 127 beside the tile (kv_layout.quantize_int8, the same fp32 operations), fp8
- * (kind 1) as x / scale rounded to e4m3 and saturated (kv_layout.quantize_fp8). */
+ * (kind 1) as x / scale rounded to e4m3 and saturated (kv_layout.quantize_fp8), after the
+ * rotation where D is a power of two (rotation.h). */
 void write_kv_q8(const void *k, const void *v, int64_t src_stride, const int64_t *slots,
                  uint8_t *k_cache, uint8_t *v_cache, int64_t begin, int64_t end, int64_t KVH,
                  int64_t D, int64_t bs, int64_t kind, int64_t src_bf16, int64_t k_scale_bits,
                  int64_t v_scale_bits) {
     union { uint32_t u; float f; } ksc = { (uint32_t)k_scale_bits }, vsc = { (uint32_t)v_scale_bits };
     const int64_t tile = bs * (D + (kind == KV_INT8 ? 4 : 0));
+    const int rotated = kind == KV_FP8 && fp8_rotated(D);
     float row[D];
     for (int64_t t = begin; t < end; t++) {
         const int64_t blk = slots[t] / bs, at = slots[t] % bs;
@@ -421,6 +440,7 @@ void write_kv_q8(const void *k, const void *v, int64_t src_stride, const int64_t
                 uint8_t *dst = cache + (blk * KVH + h) * tile;
                 if (kind == KV_FP8) {
                     const float sc = j ? vsc.f : ksc.f;
+                    if (rotated) hadamard_rotate(row, D);
                     for (int64_t d = 0; d < D; d++) {
                         const int64_t i = j ? v_tile_at(at, d, D) : k_tile_at(at, d, bs);
                         dst[i] = float_to_fp8(row[d] / sc);

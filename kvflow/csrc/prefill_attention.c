@@ -27,6 +27,8 @@
  * per-tensor scale for K and one for V; kvflow/model/kv_layout.py) is widened as it is copied
  * into that scratch: each value times its scale, rounded once to bf16 (fp8 values are bf16
  * numbers: exact at a power-of-two scale), the same tile layout, so the rest runs unchanged.
+ * An fp8 cache whose D is a power of two holds rotated keys and values (rotation.h): each
+ * token's are rotated back as they are widened, so queries and outputs stay as they are.
  *
  * On CPUs with AMX (isa 1, where prefill_amx_available() says the tiles are built and the
  * kernel may use them) the same tiles go through the AMX tile unit instead: the cache's key
@@ -41,6 +43,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "kernels.h"
+#include "rotation.h"
 #include "simd.h"
 #include "tiles.h"
 
@@ -57,10 +60,9 @@
 static inline __m512 widen16_byte(const uint8_t *p, int kind) {
     const __m128i b = _mm_loadu_si128((const __m128i *)p);
     if (kind == 1) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-    const __m256i w = _mm256_cvtepu8_epi16(b);
-    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7),
-                                      _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
-    return _mm512_cvtph_ps(h);
+    /* bits s.eeee.mmm at 14..7, then s carried from bit 14 up to 15 */
+    const __m256i a = _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 7);
+    return _mm512_cvtph_ps(_mm256_add_epi16(a, _mm256_and_si256(a, _mm256_set1_epi16(0x4000))));
 }
 
 /* one (block, kv head) tile of a one-byte cache into bf16 words, the same layout: key element
@@ -80,6 +82,44 @@ static void widen_tile(const uint8_t *src, int kind, float fp8_scale, int64_t D,
     }
 }
 
+/* one fp8 tile of rotated keys (or values) back to plain ones in bf16, the same layout: widened
+ * to fp32 times the scale, the butterflies run over each token's D values, 16 tokens at once,
+ * then times 1 / sqrt(D) and rounded to bf16 (kv_layout.read_rows' operations, in its order) */
+static void widen_rotated_tile(const uint8_t *src, float fp8_scale, int64_t D, int is_value,
+                               uint16_t *dst) {
+    float x[KB * D];
+    const __m512 unit = _mm512_set1_ps(fp8_scale * 256.f); /* the widened fp8 is value / 256 */
+    for (int64_t i = 0; i < KB * D; i += 16)
+        _mm512_storeu_ps(x + i, _mm512_mul_ps(widen16_byte(src + i, 2), unit));
+    if (!is_value) { /* keys [D/2][KB][2]: dims d, d + 1 side by side, dim pairs KB * 2 apart */
+        for (int64_t e = 0; e < KB * D; e += 2) {
+            const float a = x[e], b = x[e + 1];
+            x[e] = a + b;
+            x[e + 1] = a - b;
+        }
+        for (int64_t h = 2; h < D; h <<= 1) /* dim pairs c and c + h / 2 */
+            for (int64_t c = 0; c < D / 2; c += h)
+                for (int64_t e = c * 2 * KB; e < (c + h / 2) * 2 * KB; e++) {
+                    const float a = x[e], b = x[e + h * KB];
+                    x[e] = a + b;
+                    x[e + h * KB] = a - b;
+                }
+    } else { /* values [KB/2][D][2]: dim d of a key pair's at 2d, 2d + 1 */
+        for (int64_t h = 1; h < D; h <<= 1)
+            for (int64_t j = 0; j < KB / 2; j++)
+                for (int64_t i = 0; i < D; i += 2 * h)
+                    for (int64_t e = (j * D + i) * 2; e < (j * D + i + h) * 2; e++) {
+                        const float a = x[e], b = x[e + 2 * h];
+                        x[e] = a + b;
+                        x[e + 2 * h] = a - b;
+                    }
+    }
+    const __m512 s = _mm512_set1_ps(hadamard_norm(D));
+    for (int64_t i = 0; i < KB * D; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(x + i), s)));
+}
+
 static void gather_pairs(const void *k_cache, const void *v_cache, const int64_t *table,
                          int64_t b0, int64_t n, int64_t KVH, int64_t D, int64_t kh, uint32_t *kt,
                          uint32_t *vt, int kind, float k_scale, float v_scale) {
@@ -92,6 +132,9 @@ static void gather_pairs(const void *k_cache, const void *v_cache, const int64_t
         if (kind == 0) {
             memcpy(kd, ks, sizeof(uint16_t) * (size_t)tile);
             memcpy(vd, vs, sizeof(uint16_t) * (size_t)tile);
+        } else if (kind == 2 && fp8_rotated(D)) {
+            widen_rotated_tile(ks, k_scale, D, 0, (uint16_t *)kd);
+            widen_rotated_tile(vs, v_scale, D, 1, (uint16_t *)vd);
         } else {
             widen_tile(ks, kind, k_scale, D, 0, (uint16_t *)kd);
             widen_tile(vs, kind, v_scale, D, 1, (uint16_t *)vd);

@@ -14,9 +14,14 @@ Both sizes must be even. Rows here are the plain [tokens, kv_heads, head_dim] of
 Quantized caches (the `kv_cache_dtype` fp8 and int8, docs/kv_cache_quantization.md) keep the
 same tiles, one byte a value:
 
-- fp8 (torch.float8_e4m3fn): the values themselves over a per-tensor scale, one for K and one
-  for V per layer (`kv_scales`: the checkpoint's k_scale/v_scale, model/kv_scales.py, else
-  FP8_KV_SCALE, 1.0, vLLM's default), saturated at +-448 on the write;
+- fp8 (torch.float8_e4m3fn): the values over a per-tensor scale, one for K and one for V per
+  layer (`kv_scales`: the checkpoint's k_scale/v_scale, model/kv_scales.py, else FP8_KV_SCALE,
+  1.0, vLLM's default), saturated at +-448 on the write. Where head_dim is a power of two each
+  token's key and value of a head are rotated first (`hadamard_rotate`: H x / sqrt(head_dim),
+  H the Sylvester-Hadamard matrix, orthonormal and its own inverse; csrc/rotation.h): the few
+  large channels of a head's keys are spread over all its values, so e4m3's 3-bit mantissa
+  rounds many small terms of q . k instead of its largest ones. Readers rotate back (or rotate
+  the query alike and the output back), so every path computes the same attention;
 - int8 (torch.int8): each token's row of each kv head quantized on its own (symmetric, absmax /
   127), its fp32 scale stored beside the tile: a (block, kv head) is bs * head_dim int8 values
   in the tile layout above, then bs fp32 scales, one per token, so the tensor is
@@ -97,6 +102,37 @@ def _value_tiles(cache: torch.Tensor) -> torch.Tensor:
     return _tile(cache).view(cache.shape[0], kvh, bs // 2, d, 2)  # [block, head, key pair, dim, 2]
 
 
+def fp8_rotated(head_dim: int) -> bool:
+    """An fp8 cache of this head size stores its rows rotated (hadamard_rotate)."""
+    return head_dim >= 2 and head_dim & (head_dim - 1) == 0
+
+
+def rotates(cache: torch.Tensor) -> bool:
+    """This cache holds rotated keys and values: fp8 with a power-of-two head_dim."""
+    return cache.dtype == FP8 and fp8_rotated(cache_geometry(cache)[2])
+
+
+def hadamard_norm(head_dim: int) -> torch.Tensor:
+    """1 / sqrt(head_dim) in fp32, rounded as the C kernels' 1.f / sqrtf(D)."""
+    return 1.0 / torch.tensor(float(head_dim), dtype=torch.float32).sqrt()
+
+
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """Rows [..., D] (D a power of two) -> H x / sqrt(D) in fp32: butterflies of stride 1, 2,
+    4, ... then the norm, the C kernels' operations in their order (the same bits). Its own
+    inverse."""
+    d = x.shape[-1]
+    lead = x.shape[:-1]
+    y = x.float()
+    h = 1
+    while h < d:
+        pairs = y.reshape(*lead, d // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2).reshape(*lead, d)
+        h *= 2
+    return y * hadamard_norm(d).to(y.device)
+
+
 def quantize_fp8(x: torch.Tensor, scale: float = FP8_KV_SCALE) -> torch.Tensor:
     """Rows to e4m3 as x / scale, saturating (NaN stays NaN)."""
     x = x.float()
@@ -122,6 +158,7 @@ def _stored(x: torch.Tensor, cache: torch.Tensor,
     if cache.dtype == torch.int8:
         return quantize_int8(x)
     if cache.dtype == FP8:
+        x = hadamard_rotate(x) if rotates(cache) else x
         return quantize_fp8(x, fp8_scale).view(torch.uint8), None
     return x.to(cache.dtype), None
 
@@ -173,11 +210,12 @@ def write_stored_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Ten
 
 def _dequantized(x: torch.Tensor, scales: torch.Tensor | None, cache: torch.Tensor,
                  fp8_scale: float) -> torch.Tensor:
-    """Stored values back to fp32 (a float cache's: as they are)."""
+    """Stored values back to fp32 (a float cache's: as they are; fp8's rotated back)."""
     if cache.dtype == torch.int8:
         return x.float() * scales[..., None]
     if cache.dtype == FP8:
-        return x.view(FP8).float() * fp8_scale
+        x = x.view(FP8).float() * fp8_scale
+        return hadamard_rotate(x) if rotates(cache) else x
     return x
 
 

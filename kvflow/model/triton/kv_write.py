@@ -2,14 +2,14 @@
 A negative slot is a padding row (a CUDA graph's batch padded to its captured size): skipped.
 A one-byte cache (layout.py's KV_KIND) is quantized here as kv_layout.write_rows does: int8 per
 token and kv head (absmax / 127, the scale stored after the tile), fp8 e4m3 as x / the
-layer's scale, saturated."""
+layer's scale, saturated (its rows rotated first where kv_layout.rotates says so)."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from kvflow.model.kv_layout import UNIT_KV_SCALES, cache_geometry
+from kvflow.model.kv_layout import UNIT_KV_SCALES, cache_geometry, hadamard_rotate, rotates
 from kvflow.model.triton.layout import (key_offset, kv_kind, kv_operands, round_even, tile_base,
                                         to_fp8_bits, value_offset)
 
@@ -69,6 +69,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return
+    if rotates(k_cache):  # fp32 rows, rotated as kv_layout.write_rows rotates them
+        k, v = hadamard_rotate(k), hadamard_rotate(v)
     (kc, ks), (vc, vs) = kv_operands(k_cache), kv_operands(v_cache)
     _write_kv_kernel[(num_tokens,)](
         k, v, kc, vc, ks, vs, slot_mapping, float(kv_scales[0]), float(kv_scales[1]),

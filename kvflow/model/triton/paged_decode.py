@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvflow.model.kv_layout import UNIT_KV_SCALES, cache_geometry
+from kvflow.model.kv_layout import UNIT_KV_SCALES, cache_geometry, hadamard_rotate, rotates
 from kvflow.model.triton.layout import (key_offset, kv_kind, kv_operands, load_kv, soft_cap,
                                         tile_base, value_offset)
 
@@ -124,6 +124,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         workspace = (torch.empty(batch * heads * num_splits, head_dim, dtype=torch.float32, device=q.device),
                      torch.empty(batch * heads * num_splits, dtype=torch.float32, device=q.device))
     part_out, part_lse = workspace
+    rotated = rotates(k_cache)  # rotated keys and values: q rotated alike, out back
+    if rotated:
+        q, final = hadamard_rotate(q).to(q.dtype), out
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     (kc, ks), (vc, vs) = kv_operands(k_cache), kv_operands(v_cache)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, kc, vc, ks, vs, block_tables, seq_lens, part_out, part_lse,
@@ -139,4 +143,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         part_out, part_lse, out, out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, HEADS=heads, HEAD_DIM=head_dim,
         BLOCK_S=max(triton.next_power_of_2(num_splits), 2), BLOCK_D=triton.next_power_of_2(head_dim))
+    if rotated:  # the fp32 sum of rotated values, rotated back
+        final.copy_(hadamard_rotate(out))
+        return final
     return out

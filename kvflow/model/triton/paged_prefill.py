@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvflow.model.kv_layout import UNIT_KV_SCALES, cache_geometry
+from kvflow.model.kv_layout import UNIT_KV_SCALES, cache_geometry, hadamard_rotate, rotates
 from kvflow.model.triton.layout import (key_offset, kv_kind, kv_operands, load_kv, soft_cap,
                                         tile_base, value_offset)
 
@@ -113,6 +113,10 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # Triton's interpreter (CPU tensors) gets bf16 dots wrong: there they run in fp32.
     dot_fp32 = q.device.type == "cpu" or q.dtype == torch.float32
     precision = "ieee" if dot_fp32 else "tf32"
+    rotated = rotates(k_cache)  # rotated keys and values: q rotated alike, out back
+    if rotated:
+        q, final = hadamard_rotate(q).to(q.dtype), out
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     (kc, ks), (vc, vs) = kv_operands(k_cache), kv_operands(v_cache)
     _prefill_kernel[(num_seqs, heads, triton.cdiv(max_query_len, block_m))](
         q, kc, vc, ks, vs, block_tables, seq_lens, query_start_loc, out,
@@ -123,4 +127,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
         USE_CAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
         DOT_FP32=dot_fp32, PRECISION=precision, KV_KIND=kv_kind(k_cache))
+    if rotated:  # the fp32 sum of rotated values, rotated back
+        final.copy_(hadamard_rotate(out))
+        return final
     return out
