@@ -27,11 +27,14 @@ from kvflow.csrc.gemv import gemv_f32, pack_gemv
 from kvflow.model.quant.qlinear import QuantizedWeight, norm_quant_linear, quant_linear
 
 
-# Rows up to which a quantized projection takes its norm or SiLU inside its own C call: there
-# the calls from Python cost as much as the work; the C side keeps each intermediate in a
-# per-thread scratch of the largest size it has seen, so prefill-sized rows (2048 x an 8B
-# model's gate_up: 117 MB) stay on the two-step path and its short-lived tensors.
-FUSED_ROWS = 64
+# Rows up to which a quantized projection takes its norm or SiLU inside its own C call, and
+# (decode_graph.MAX_ROWS) a decode step its decoder layers in one C call: there the calls from
+# Python cost as much as the work, or, on two threads, leave the second idle while they run
+# (W1's decode steps are 128 rows: 64 -> 256 took its Q4_1 run on two threads from ~499 to ~522
+# output tok/s on a Zen 4). The C side keeps each intermediate in a per-thread scratch of the
+# largest size it has seen, so prefill-sized rows (2048 x an 8B model's gate_up: 117 MB) stay on
+# the two-step path and its short-lived tensors; 256 is vLLM's default max_num_seqs.
+FUSED_ROWS = 256
 
 # On CPUs with AMX, bf16 batches of more than AMX_PANEL_ROWS rows take oneDNN's AMX GEMM instead
 # of the panels, more than AMX_PANEL_ROWS_LARGE for weights of over AMX_LARGE_BYTES (the LM
