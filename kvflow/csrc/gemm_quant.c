@@ -394,6 +394,14 @@ static void gemv_avx2(const int8_t *qx, const float *dx, const float *dxs, int64
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define QUANT_VNNI 1
 
+/* acc += a (unsigned bytes) . the 4 signed bytes at p, broadcast to every lane: the broadcast
+ * folded into the instruction ({1to16}), which gcc does not do for _mm512_set1_epi32 of a
+ * load; a separate vpbroadcastd took a vector slot per vpdpbusd */
+static inline __m512i dpbusd_bcast(__m512i acc, __m512i a, const int8_t *p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*(const int32_t *)p));
+    return acc;
+}
+
 static inline __attribute__((always_inline)) void
 tile_vnni(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb, int rows,
           const uint8_t *panel, int q8, __m512 *acc)
@@ -419,6 +427,7 @@ tile_vnni(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb, int r
             d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 256)));
             m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 288)));
         }
+#pragma GCC unroll 8
         for (int r = 0; r < rows; r++) {
             const int8_t *xq = qx + r * Kp + b * QB;
             __m512i sum = start;
@@ -428,7 +437,7 @@ tile_vnni(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb, int r
                 if (q8) /* x + 128, unsigned, against signed weights; the bias takes 128 * sum(w) off */
                     sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi32(v ^ (int32_t)0x80808080u), w[j]);
                 else    /* unsigned 4-bit weights against signed x */
-                    sum = _mm512_dpbusd_epi32(sum, w[j], _mm512_set1_epi32(v));
+                    sum = dpbusd_bcast(sum, w[j], xq + 4 * j);
             }
             const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[r * Kb + b]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r]);
