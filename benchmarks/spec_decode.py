@@ -362,11 +362,13 @@ def main() -> None:
                 f.write(text)
         return
     args.format = formats[0]
-    if args.acceptance_only:
-        print(json.dumps({"machine": machine(), "acceptance": run_acceptance(args)}, indent=2))
-        return
-    if args.only_w1:
-        print(json.dumps({"machine": machine(), "w1": run_w1(args)}, indent=2))
+    if args.acceptance_only or args.only_w1:
+        result = ({"machine": machine(), "acceptance": run_acceptance(args)} if args.acceptance_only
+                  else {"machine": machine(), "w1": run_w1(args)})
+        print(json.dumps(result, indent=2))
+        if args.output_json:
+            with open(args.output_json, "w") as f:
+                f.write(json.dumps(result, indent=2))
         return
     result = {"machine": machine()} if args.only_llamacpp else run_kvflow(args)
     print(json.dumps(result, indent=2), flush=True)  # kept if an anchor below fails

@@ -434,8 +434,9 @@ tile_vnni(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb, int r
             for (int j = 0; j < 8; j++) {
                 int32_t v;
                 memcpy(&v, xq + 4 * j, 4);
-                if (q8) /* x + 128, unsigned, against signed weights; the bias takes 128 * sum(w) off */
-                    sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi32(v ^ (int32_t)0x80808080u), w[j]);
+                if (q8) /* x + 128, unsigned (the caller passes those bytes), against signed
+                         * weights; the bias takes 128 * sum(w) off */
+                    sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi32(v), w[j]);
                 else    /* unsigned 4-bit weights against signed x */
                     sum = dpbusd_bcast(sum, w[j], xq + 4 * j);
             }
@@ -566,6 +567,9 @@ int64_t gemm_quant_isas(void)
 
 /* Panels [p_begin, p_end) of out[M, N] (bf16 or fp32, row stride out_stride) for all M rows of
  * the quantized activations; `kind` 0: q4, 1: q8; `bias` fp32 [N] or NULL. */
+/* each pool thread's x + 128 rows for the VNNI q8 tiles, of the largest size it has seen */
+static __thread struct { int8_t *buf; size_t cap; } xu_scratch;
+
 void gemm_quant_panels(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb,
                        int64_t M, const uint8_t *packed, int64_t kind, int64_t isa,
                        const float *bias, void *out, int64_t out_stride, int64_t N,
@@ -621,7 +625,38 @@ void gemm_quant_panels(const int8_t *qx, const float *dx, const float *dxs, int6
      * is a multiple of 4 KiB (an LM head: 49152 bf16 outputs) more than 8 rows' lines fall in
      * one set of the 8-way L1: two tiles of 8 rows took 3.3x one tile's time. */
     const int64_t block = panel_bytes >= PANEL_BLOCK_BYTES ? 1 : PANEL_BLOCK_BYTES / panel_bytes;
+    /* Output rows a multiple of 4 KiB apart (an LM head: 49152 bf16 logits) put each row's
+     * stores in the same L1 set: past 4 rows a tile's stores and its weight records evicted
+     * each other (the default model's LM head took 3.8 ms at 5 rows and 8.2 at 8 against 1.5
+     * at 4, one thread, Zen 4). Tiles of at most 4 rows there; the others reread the panel
+     * block from L2. */
+    if ((out_stride * (bf16 ? 2 : 4)) % 4096 == 0 && max_tile > 4)
+        max_tile = 4;
     const int64_t ntiles = (M + max_tile - 1) / max_tile;
+#ifdef QUANT_VNNI
+    if (isa == 2 && q8) { /* the VNNI q8 tiles read x + 128 as unsigned bytes: made once here
+                           * (each row's bytes were xor-ed and moved to a vector per vpdpbusd) */
+        const size_t bytes = (size_t)(M * Kp);
+        if (bytes > xu_scratch.cap) {
+            free(xu_scratch.buf);
+            xu_scratch.buf = malloc(bytes);
+            xu_scratch.cap = xu_scratch.buf ? bytes : 0;
+        }
+        if (xu_scratch.buf) {
+            int8_t *xu = xu_scratch.buf;
+            for (size_t i = 0; i < bytes; i++)
+                xu[i] = (int8_t)(qx[i] ^ (int8_t)0x80);
+            qx = xu;
+        } else { /* no memory: the int8 rows as they are would be wrong; the scalar path */
+            for (int64_t p = p_begin; p < p_end; p++) {
+                const int64_t n0 = p * QP, nv = N - n0 < QP ? N - n0 : QP;
+                panel_scalar(qx, dx, dxs, Kb, M, packed + p * panel_bytes, q8, bias, n0, nv, out,
+                             out_stride, bf16);
+            }
+            return;
+        }
+    }
+#endif
     for (int64_t p0 = p_begin; p0 < p_end; p0 += block) {
         const int64_t p1 = p0 + block < p_end ? p0 + block : p_end;
         for (int64_t t = 0, m0 = 0; t < ntiles; t++) {
