@@ -37,7 +37,6 @@
 #define Q4_REC 320
 #define Q8_REC 608
 #define PANEL_BLOCK_BYTES (128 * 1024)
-#define GEMV_MAX_K 65536 /* one row's x + 128 on the stack (q8, VNNI) */
 /* How far ahead (bytes) the one-row loops ask for the weights. The hardware prefetcher stops at
  * each 4 KiB page, so a row streaming a projection waited on DRAM at every page start (~26 GB/s
  * of ~38 one thread can read); asking 8 KiB ahead, one prefetch per cache line of each record,
@@ -565,11 +564,25 @@ int64_t gemm_quant_isas(void)
     return isas;
 }
 
+/* x + 128 as unsigned bytes, which the VNNI q8 kernels read (their weights are the signed
+ * operand), made once per call into this pool thread's scratch of the largest size it has
+ * seen (the tiles had xor-ed each word and moved it to a vector per vpdpbusd); NULL: no memory */
+static __thread struct { uint8_t *buf; size_t cap; } xu_scratch;
+
+static const uint8_t *x_plus_128(const int8_t *qx, size_t n) {
+    if (n > xu_scratch.cap) {
+        free(xu_scratch.buf);
+        xu_scratch.buf = malloc(n);
+        xu_scratch.cap = xu_scratch.buf ? n : 0;
+    }
+    if (xu_scratch.buf)
+        for (size_t i = 0; i < n; i++)
+            xu_scratch.buf[i] = (uint8_t)(qx[i] ^ (int8_t)0x80);
+    return xu_scratch.buf;
+}
+
 /* Panels [p_begin, p_end) of out[M, N] (bf16 or fp32, row stride out_stride) for all M rows of
  * the quantized activations; `kind` 0: q4, 1: q8; `bias` fp32 [N] or NULL. */
-/* each pool thread's x + 128 rows for the VNNI q8 tiles, of the largest size it has seen */
-static __thread struct { int8_t *buf; size_t cap; } xu_scratch;
-
 void gemm_quant_panels(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb,
                        int64_t M, const uint8_t *packed, int64_t kind, int64_t isa,
                        const float *bias, void *out, int64_t out_stride, int64_t N,
@@ -579,11 +592,14 @@ void gemm_quant_panels(const int8_t *qx, const float *dx, const float *dxs, int6
     const int64_t panel_bytes = Kb * (q8 ? Q8_REC : Q4_REC), Kp = Kb * QB;
     int max_tile = 1;
     const qtile_fn *tiles = 0;
+    const uint8_t *xu = 0;
 #ifdef QUANT_AVX2
     if (isa == 1) { tiles = AVX2_TILES[q8]; max_tile = AVX2_TILE; }
 #endif
 #ifdef QUANT_VNNI
     if (isa == 2) { tiles = VNNI_TILES[q8]; max_tile = VNNI_TILE; }
+    if (isa == 2 && q8 && !(xu = x_plus_128(qx, (size_t)(M * Kp))))
+        tiles = 0; /* no memory for x + 128: the scalar reference */
 #endif
     if (tiles == 0) {
         for (int64_t p = p_begin; p < p_end; p++) {
@@ -593,14 +609,7 @@ void gemm_quant_panels(const int8_t *qx, const float *dx, const float *dxs, int6
         }
         return;
     }
-    if (M == 1 && Kp <= GEMV_MAX_K) { /* decode: one row, its own loop */
-        uint8_t xu[GEMV_MAX_K];
-        (void)xu;
-#ifdef QUANT_VNNI
-        if (isa == 2 && q8)
-            for (int64_t k = 0; k < Kp; k++)
-                xu[k] = (uint8_t)(qx[k] ^ (int8_t)0x80);
-#endif
+    if (M == 1) { /* decode: one row, its own loop */
         for (int64_t p = p_begin; p < p_end; p++) {
             const int64_t n0 = p * QP, nv = N - n0 < QP ? N - n0 : QP;
             float res[QP];
@@ -621,42 +630,17 @@ void gemm_quant_panels(const int8_t *qx, const float *dx, const float *dxs, int6
     }
     /* Panels go in blocks of about PANEL_BLOCK_BYTES (kept in L2), and each tile of rows runs
      * over a whole block before the next tile: a row's outputs are then written a block-width
-     * run at a time. Panel by panel, every tile wrote 32 bytes per row, and when the rows' stride
-     * is a multiple of 4 KiB (an LM head: 49152 bf16 outputs) more than 8 rows' lines fall in
-     * one set of the 8-way L1: two tiles of 8 rows took 3.3x one tile's time. */
+     * run at a time. Output rows a multiple of 4 KiB apart (an LM head: 49152 bf16 logits) put
+     * every row's stores in one set of the 8-way L1: panel by panel, two tiles of 8 rows took
+     * 3.3x one tile's time; and past 4 rows a tile's stores and the weight records it streams
+     * still evicted each other (the default model's LM head: 3.8 ms at 5 rows, 8.2 at 8, 1.5 at
+     * 4; one thread, Zen 4), so there tiles take at most 4 rows and reread the block from L2. */
     const int64_t block = panel_bytes >= PANEL_BLOCK_BYTES ? 1 : PANEL_BLOCK_BYTES / panel_bytes;
-    /* Output rows a multiple of 4 KiB apart (an LM head: 49152 bf16 logits) put each row's
-     * stores in the same L1 set: past 4 rows a tile's stores and its weight records evicted
-     * each other (the default model's LM head took 3.8 ms at 5 rows and 8.2 at 8 against 1.5
-     * at 4, one thread, Zen 4). Tiles of at most 4 rows there; the others reread the panel
-     * block from L2. */
     if ((out_stride * (bf16 ? 2 : 4)) % 4096 == 0 && max_tile > 4)
         max_tile = 4;
     const int64_t ntiles = (M + max_tile - 1) / max_tile;
-#ifdef QUANT_VNNI
-    if (isa == 2 && q8) { /* the VNNI q8 tiles read x + 128 as unsigned bytes: made once here
-                           * (each row's bytes were xor-ed and moved to a vector per vpdpbusd) */
-        const size_t bytes = (size_t)(M * Kp);
-        if (bytes > xu_scratch.cap) {
-            free(xu_scratch.buf);
-            xu_scratch.buf = malloc(bytes);
-            xu_scratch.cap = xu_scratch.buf ? bytes : 0;
-        }
-        if (xu_scratch.buf) {
-            int8_t *xu = xu_scratch.buf;
-            for (size_t i = 0; i < bytes; i++)
-                xu[i] = (int8_t)(qx[i] ^ (int8_t)0x80);
-            qx = xu;
-        } else { /* no memory: the int8 rows as they are would be wrong; the scalar path */
-            for (int64_t p = p_begin; p < p_end; p++) {
-                const int64_t n0 = p * QP, nv = N - n0 < QP ? N - n0 : QP;
-                panel_scalar(qx, dx, dxs, Kb, M, packed + p * panel_bytes, q8, bias, n0, nv, out,
-                             out_stride, bf16);
-            }
-            return;
-        }
-    }
-#endif
+    if (xu)
+        qx = (const int8_t *)xu; /* the q8 tiles' x operand: x + 128 */
     for (int64_t p0 = p_begin; p0 < p_end; p0 += block) {
         const int64_t p1 = p0 + block < p_end ? p0 + block : p_end;
         for (int64_t t = 0, m0 = 0; t < ntiles; t++) {

@@ -8,8 +8,8 @@
  *
  * The transform is the fast Walsh-Hadamard one: butterflies (a, b) -> (a + b, a - b) of stride
  * 1, 2, 4, ... in that order, then the norm. The AVX-512 and AVX2 paths (chosen by the build's
- * flags, D % 16 == 0) run the same additions in the same order as the scalar one and as
- * kv_layout.hadamard_rotate, so every path gives the same bits. */
+ * flags, D a multiple of their lanes) run the same additions in the same order as the scalar
+ * one and as kv_layout.hadamard_rotate, so every path gives the same bits. */
 #ifndef KVFLOW_ROTATION_H
 #define KVFLOW_ROTATION_H
 #include <math.h>
@@ -65,36 +65,25 @@ static inline __m256 hadamard8(__m256 x) {
 #define HADAMARD_LANES 0
 #endif
 
-/* x <- H x / sqrt(D), D a power of two */
+/* x <- H x / sqrt(D), D a power of two: the strides inside a vector register by permutes, the
+ * longer ones (whole registers against each other) as the scalar loop, which gcc vectorizes */
 static inline void hadamard_rotate(float *x, int64_t D) {
-    const float s = hadamard_norm(D);
-#if HADAMARD_LANES
+    int64_t h = 1;
+#if HADAMARD_LANES == 16
     if (D % 16 == 0) {
-        const int64_t n = HADAMARD_LANES;
-        for (int64_t i = 0; i < D; i += n)
-#if HADAMARD_LANES == 16
+        for (int64_t i = 0; i < D; i += 16)
             _mm512_storeu_ps(x + i, hadamard16(_mm512_loadu_ps(x + i)));
-#else
+        h = 16;
+    }
+#elif HADAMARD_LANES == 8
+    if (D % 8 == 0) {
+        for (int64_t i = 0; i < D; i += 8)
             _mm256_storeu_ps(x + i, hadamard8(_mm256_loadu_ps(x + i)));
-#endif
-        for (int64_t h = n; h < D; h <<= 1)
-            for (int64_t i = 0; i < D; i += 2 * h)
-                for (int64_t j = i; j < i + h; j += n) {
-#if HADAMARD_LANES == 16
-                    const __m512 a = _mm512_loadu_ps(x + j), b = _mm512_loadu_ps(x + j + h);
-                    _mm512_storeu_ps(x + j, _mm512_add_ps(a, b));
-                    _mm512_storeu_ps(x + j + h, _mm512_sub_ps(a, b));
-#else
-                    const __m256 a = _mm256_loadu_ps(x + j), b = _mm256_loadu_ps(x + j + h);
-                    _mm256_storeu_ps(x + j, _mm256_add_ps(a, b));
-                    _mm256_storeu_ps(x + j + h, _mm256_sub_ps(a, b));
-#endif
-                }
-        for (int64_t d = 0; d < D; d++) x[d] *= s;
-        return;
+        h = 8;
     }
 #endif
-    hadamard_strides_from(x, D, 1);
+    hadamard_strides_from(x, D, h);
+    const float s = hadamard_norm(D);
     for (int64_t d = 0; d < D; d++) x[d] *= s;
 }
 #endif
