@@ -101,7 +101,8 @@ def test_fp8_stores_rows_rotated_where_head_dim_is_a_power_of_two(head_dim, rota
     by the C writer as by write_rows, and read back in the model's own basis."""
     assert fp8_rotated(head_dim) == rotated
     kc, vc = (torch.zeros(cache_shape(2, 16, 2, head_dim, FP8), dtype=FP8) for _ in range(2))
-    k, v = torch.randn(5, 2, head_dim) * 3, torch.randn(5, 2, head_dim)
+    g = torch.Generator().manual_seed(head_dim)
+    k, v = torch.randn(5, 2, head_dim, generator=g) * 3, torch.randn(5, 2, head_dim, generator=g)
     slots = torch.tensor([3, 17, 4, 30, 0])
     A.write_kv_with_kernel(kc, vc, k, v, slots)
     sk, sv = read_stored_rows(kc, vc, slots)
@@ -109,8 +110,10 @@ def test_fp8_stores_rows_rotated_where_head_dim_is_a_power_of_two(head_dim, rota
         want = quantize_fp8(hadamard_rotate(x) if rotated else x)
         assert torch.equal(stored.view(torch.uint8), want.view(torch.uint8))
     for back, x in zip(read_rows(kc, vc, slots), (k, v)):  # the model's basis again,
-        # within e4m3's rounding (at most 2^-4 of each stored value; ~2% of a row's norm)
-        assert ((back - x).norm(dim=-1) / x.norm(dim=-1)).max() < 0.04
+        # within e4m3's rounding: at most 2^-4 of each stored value, so of a row's norm (an
+        # orthonormal rotation keeps both); typically ~2%
+        err = (back - x).norm(dim=-1) / x.norm(dim=-1)
+        assert err.max() <= 2 ** -4 and err.median() < 0.035
 
 
 def test_rotation_shrinks_fp8_score_error_on_keys_with_outlier_channels():
