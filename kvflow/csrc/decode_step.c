@@ -27,11 +27,13 @@ enum { GEMM_QUANT, GEMM_GEMV_F32, GEMM_PANELS_BF16 };
 enum {
     L_IN_NORM, L_POST_NORM, L_EPS, L_SCALE, L_QKV_BIAS, L_K_CACHE, L_V_CACHE, L_K_SCALE,
     L_V_SCALE, L_HEADS,
-    L_KV_HEADS, L_HEAD_DIM, L_QKV, L_O = L_QKV + PROJ_WORDS, L_GATE_UP = L_O + PROJ_WORDS,
+    L_KV_HEADS, L_HEAD_DIM, L_QK_SCALE, L_QKV, L_O = L_QKV + PROJ_WORDS, L_GATE_UP = L_O + PROJ_WORDS,
     L_DOWN = L_GATE_UP + PROJ_WORDS, LAYER_WORDS = L_DOWN + PROJ_WORDS
 };
 
-/* a layer's K and V scales (L_K_SCALE, L_V_SCALE) are fp8's, as fp32 bits (unused otherwise) */
+/* a layer's K and V scales (L_K_SCALE, L_V_SCALE) are fp8's, as fp32 bits (unused otherwise);
+ * L_QK_SCALE: NULL, or the fp32 multipliers of a row's q and k heads after RoPE (an fp8
+ * cache's key scales, model/key_scales.py: powers of two, so the products are exact) */
 
 /* per step: rows, the residual stream x [M, hidden] (updated in place), whether activations
  * are bf16, the KV cache's dtype (KV_*), threads, positions, cos/sin tables, the scratch
@@ -53,6 +55,28 @@ enum { G_SLOTS, G_TABLES, G_BT_STRIDE, G_SEQ_LENS, G_ROWS, G_BLOCK_SIZE, G_WINDO
 
 #define PARALLEL_VALUES (1 << 13) /* ops.py's MIN_PARALLEL_VALUES */
 #define PARALLEL_HEAD_KEYS 256    /* attention.py's MIN_PARALLEL_HEAD_KEYS */
+
+/* the first n values of each of M rows (row stride `stride`) times s, in place (the layer's
+ * qk_scale: powers of two, so neither fp32 nor bf16 rounds) */
+static void scale_qk(void *rows, int64_t stride, int64_t M, int64_t n, const float *s, int64_t bf16) {
+    for (int64_t r = 0; r < M; r++) {
+        if (bf16) {
+            uint16_t *x = (uint16_t *)rows + r * stride;
+            for (int64_t i = 0; i < n; i++) {
+                uint32_t bits = (uint32_t)x[i] << 16;
+                float f;
+                memcpy(&f, &bits, 4);
+                f *= s[i];
+                memcpy(&bits, &f, 4);
+                x[i] = (uint16_t)(bits >> 16);
+            }
+        } else {
+            float *x = (float *)rows + r * stride;
+            for (int64_t i = 0; i < n; i++)
+                x[i] *= s[i];
+        }
+    }
+}
 
 /* the record sizes, for decode_graph.py to check its word lists against: 0 a projection's,
  * 1 a layer's, 2 a step's, 3 a group's */
@@ -162,6 +186,9 @@ int64_t decode_layers(const int64_t *step, const int64_t *layers, int64_t num_la
                                   H + KVH, D};
         kernel_pool_run(bf16 ? POOL_ROPE_BF16 : POOL_ROPE_F32, rargs, 0.0, M, NULL,
                         M * (H + KVH) * D >= PARALLEL_VALUES ? threads : 1);
+
+        if (l[L_QK_SCALE])
+            scale_qk(qkv, qkv_n, M, (H + KVH) * D, (const float *)l[L_QK_SCALE], bf16);
 
         /* this step's K/V into the cache (attention.write_kv_with_kernel) */
         const void *k = (const char *)qkv + H * D * esize, *v = (const char *)k + KVH * D * esize;

@@ -26,6 +26,7 @@ from kvflow.model.arch import load_arch_config
 from kvflow.model.executor import CompletedStep, Executor, UniProcExecutor
 from kvflow.model import gpu_memory
 from kvflow.model.cuda_graphs import decode_graphs_for
+from kvflow.model.key_scales import key_scales_digest
 from kvflow.model.kv_layout import INT8_SCALE_BYTES, resolve_kv_dtype
 from kvflow.model.loader import load_model, resolve_device, resolve_dtype
 from kvflow.model.quant.load import resolve_quantization
@@ -192,7 +193,8 @@ class EngineCore(EngineKVTransferMixin):
                 "dtype": str(self.dtype).removeprefix("torch."),
                 "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
                 "num_layers": a.num_hidden_layers, "num_kv_heads": a.num_key_value_heads,
-                "head_dim": a.head_dim}
+                "head_dim": a.head_dim,
+                "key_scales": key_scales_digest(self.executor.runner.model)}
 
     @property
     def kv_wakeup_socket(self):

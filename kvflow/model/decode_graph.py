@@ -46,7 +46,7 @@ PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 PROJ_WORDS = ("packed", "kind", "isa", "per_row", "n", "k", "kb", "wide_rows", "gemm")
 GEMM_QUANT, GEMM_GEMV_F32, GEMM_PANELS_BF16 = 0, 1, 2  # decode_step.c's `gemm` codes
 LAYER_HEAD = ("in_norm", "post_norm", "eps", "scale", "qkv_bias", "k_cache", "v_cache", "k_scale",
-              "v_scale", "heads", "kv_heads", "head_dim")
+              "v_scale", "heads", "kv_heads", "head_dim", "qk_scale")
 LAYER_WORDS = len(LAYER_HEAD) + len(PROJECTIONS) * len(PROJ_WORDS)
 STEP_WORDS = ("m", "x", "x_bf16", "kv_dtype", "threads", "positions", "cos", "sin", "qkv", "attn",
               "o", "act", "down", "groups", "layer_group", "normed", "gate_up", "q8_isa",
@@ -172,7 +172,8 @@ class DecodeGraph:
             words = [layer.input_layernorm.data_ptr(), layer.post_attention_layernorm.data_ptr(),
                      _double_bits(layer.eps), _double_bits(layer.scale),
                      0 if bias is None else bias.data_ptr(), 0, 0, 0, 0, layer.num_heads,
-                     layer.num_kv_heads, layer.head_dim]
+                     layer.num_kv_heads, layer.head_dim,
+                     0 if layer.qk_scale is None else layer.qk_scale.data_ptr()]
             for name in PROJECTIONS:
                 n, k = getattr(layer, name).shape
                 words += _projection_words(layer.packed[name], n, k, model.dtype == torch.bfloat16)

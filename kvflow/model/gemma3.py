@@ -44,6 +44,8 @@ class Gemma3DecoderLayer(nn.Module):
         self.scale = arch.query_pre_attn_scalar ** -0.5
         # an fp8 KV cache's (k_scale, v_scale): the checkpoint's (model/kv_scales.py) or 1.0
         self.kv_scales = UNIT_KV_SCALES
+        # an fp8 KV cache's key scales as the multiplier of q and k after RoPE (model/key_scales.py)
+        self.qk_scale: torch.Tensor | None = None
         self.sliding_window = sliding_window
         for name in _LAYER_NORMS:
             setattr(self, name, _norm_weight(h, device))
@@ -68,6 +70,8 @@ class Gemma3DecoderLayer(nn.Module):
         qkv[:, :q_end] = norm(qkv[:, :q_end].reshape(-1, d), None, self.q_norm, self.eps).view(t, -1)
         qkv[:, q_end:k_end] = norm(qkv[:, q_end:k_end].reshape(-1, d), None, self.k_norm, self.eps).view(t, -1)
         kernels.rope(qkv, self.num_heads + self.num_kv_heads, d, *rope)
+        if self.qk_scale is not None:
+            qkv[:, :k_end].mul_(self.qk_scale)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, d)
         k = k.view(t, self.num_kv_heads, d)

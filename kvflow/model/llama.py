@@ -112,6 +112,8 @@ class LlamaDecoderLayer(nn.Module):
         self.scale = d ** -0.5
         # an fp8 KV cache's (k_scale, v_scale): the checkpoint's (model/kv_scales.py) or 1.0
         self.kv_scales = UNIT_KV_SCALES
+        # an fp8 KV cache's key scales as the multiplier of q and k after RoPE (model/key_scales.py)
+        self.qk_scale: torch.Tensor | None = None
         self.input_layernorm = _weight(h, dtype=dtype, device=device)
         self.post_attention_layernorm = _weight(h, dtype=dtype, device=device)
         self.qkv_proj = _weight(self.q_size + 2 * self.kv_size, h, dtype=dtype, device=device)
@@ -153,6 +155,8 @@ class LlamaDecoderLayer(nn.Module):
         # RoPE on the q and k heads together, in place in the fused projection's output
         rope_ = partial_rope_ if self.partial_rope else kernels.rope
         rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rope)
+        if self.qk_scale is not None:
+            qkv[:, :self.q_size + self.kv_size].mul_(self.qk_scale)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)

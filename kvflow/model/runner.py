@@ -13,6 +13,7 @@ from kvflow.model import hugepages
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
 from kvflow.model.cuda_graphs import DecodeGraphs
+from kvflow.model.key_scales import set_key_scales
 from kvflow.model.malloc_tuning import retain_freed_memory
 from kvflow.model.pooler import PoolingState, prompt_logprobs_chunk
 from kvflow.model.rejection_sampler import greedy_accept, rejection_sample
@@ -102,6 +103,8 @@ class ModelRunner:
         self.layer_group, tensor_of = layer_slots(self.groups, arch.num_hidden_layers)
         if hasattr(model, "cover_positions"):  # max_model_len 0: the model's context
             model.cover_positions(longest_position(arch, max_model_len, num_blocks, block_size))
+        if pp is None:  # before the cache: its calibration run needs the memory for a moment
+            set_key_scales(model, arch, kv_dtype)
         tensors = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype,
                                      None if on_cpu else self.device,
                                      num_layers=len(self.groups[0].layers), zeros=kv_memory)
