@@ -3,7 +3,9 @@
 1. accuracy: next-token agreement and mean KL against the bf16 cache over the fixed corpus of
    benchmarks/quant_accuracy.py (benchmarks/data/quant_corpus.txt, windows of 512, every
    position scored), with the same weights and activations (the default: Q4_1 GGUF, bf16 where
-   the CPU has native bf16); a float32 cache's row shows what the cache's numerics alone move;
+   the CPU has native bf16; `--dtype float32` for the other CPU kind's); a float32 cache's row
+   shows what the cache's numerics alone move, fp8 is served with its key scales
+   (kvflow/model/key_scales.py) and measured without them too;
 2. capacity under load: W2-shaped requests (256 random prompt tokens, 128 output tokens,
    ignore_eos) all arriving at once (rate inf), offline, with a `--kv-cache-memory` that makes
    bf16 preempt: blocks, preemptions (from the engine's per-step stats), throughput;
@@ -37,6 +39,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 CACHES = ("bfloat16", "fp8", "int8")  # the serving part's default; --caches adds float32
+ACCURACY_ROWS = {"fp8": "fp8 (key scales, as served)", "fp8-unscaled": "fp8 without key scales"}
 
 
 def cpu_name() -> str:
@@ -47,10 +50,11 @@ def cpu_name() -> str:
     return f"{read_cpuinfo().model_name or platform.processor()} ({f.isa}{extra})"
 
 
-def accuracy(threads: int) -> list[dict]:
+def accuracy(threads: int, dtype: str = "auto") -> list[dict]:
     from quant_accuracy import CORPUS, compare, windows
 
     from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
+    from kvflow.model.key_scales import set_key_scales
     from kvflow.model.kv_layout import resolve_kv_dtype
     from kvflow.model.loader import load_model, resolve_dtype
     from kvflow.model_path import default_model_path
@@ -59,12 +63,15 @@ def accuracy(threads: int) -> list[dict]:
     torch.set_num_threads(threads)
     path = default_model_path()
     ids = get_tokenizer(path).encode(open(CORPUS).read())
-    model, arch = load_model(path, resolve_dtype("auto"), quantization="gguf")
+    model, arch = load_model(path, resolve_dtype(dtype), quantization="gguf")
     base = model.kernels
     bs = 16
 
-    def logits(cache: str):
+    def logits(cache: str, key_scales: bool = True):
         kv_dtype = resolve_kv_dtype({"fp8": "fp8_e4m3"}.get(cache, cache))
+        model.kernels = base
+        # as the runner serves this cache (fp8: key scales calibrated, model/key_scales.py)
+        set_key_scales(model, arch, kv_dtype if key_scales else torch.float32)
         model.kernels = base.with_kv_dtype(kv_dtype)
         caches = allocate_kv_caches(arch, 512 // bs + 1, bs, kv_dtype)
         rows = []
@@ -79,9 +86,11 @@ def accuracy(threads: int) -> list[dict]:
     ref = logits("bfloat16")
     ref32 = logits("float32")
     out = []
-    for cache in ("float32", "fp8", "int8"):
-        got = logits(cache) if cache != "float32" else ref32  # chooses model.kernels for it
-        model.kernels = base.with_kv_dtype(resolve_kv_dtype({"fp8": "fp8_e4m3"}.get(cache, cache)))
+    for cache in ("float32", "fp8", "fp8-unscaled", "int8"):
+        name = cache.removesuffix("-unscaled")
+        # the float32 row is ref32 (already computed); fp8-unscaled: without the key scales
+        got = ref32 if cache == "float32" else logits(name, key_scales=name == cache)
+        model.kernels = base.with_kv_dtype(resolve_kv_dtype({"fp8": "fp8_e4m3"}.get(name, name)))
         vs32 = compare(ref32, got)
         out.append({"cache": cache, "model_dtype": str(model.dtype).removeprefix("torch."),
                     "attention": model.kernels.names["attention"], **compare(ref, got),
@@ -225,7 +234,8 @@ def report(res: dict) -> str:
                   "|---|---|---|---|---|---|---|---|"]
         for r in a:
             f = r["vs_float32_cache"]
-            lines.append(f"| {r['cache']} | {r['attention']} | {r['agreement'] * 100:.1f}% | "
+            label = ACCURACY_ROWS.get(r["cache"], r["cache"])
+            lines.append(f"| {label} | {r['attention']} | {r['agreement'] * 100:.1f}% | "
                          f"{r['mean_kl']:.4f} | {r['p99_kl']:.3f} | {f['agreement'] * 100:.1f}% | "
                          f"{f['mean_kl']:.4f} | {f['p99_kl']:.3f} |")
         lines.append("")
@@ -270,7 +280,8 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--model", default=None, help="the serving part's model (default: the default "
                    "Q4_1 GGUF; benchmarks/export_model.py writes its bf16 HF folder)")
-    p.add_argument("--dtype", default="auto", help="the serving part's activations")
+    p.add_argument("--dtype", default="auto", help="the activations of the accuracy and serving "
+                   "parts (float32: the default where the CPU has no native bf16)")
     p.add_argument("--caches", nargs="+", default=list(CACHES),
                    choices=["float32", "bfloat16", "fp8", "int8"],
                    help="the serving part's caches (float32: what `auto` is where fp32 runs)")
@@ -298,7 +309,7 @@ def main() -> int:
             f.write(report(res) + "\n")
 
     if "accuracy" not in a.skip:
-        res["accuracy"] = accuracy(a.threads)
+        res["accuracy"] = accuracy(a.threads, a.dtype)
         save()
     if "kernel" not in a.skip:
         res["kernel"] = kernel_times(a.reps)
