@@ -28,6 +28,7 @@ from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
 from kvflow.model.cpu_features import CpuFeatures, cpu_features
 from kvflow.model.decode_graph import MAX_ROWS, DecodeGraph, why_not
 from kvflow.model.kernels import KernelOptions, select_kernels
+from kvflow.model.key_scales import apply_key_scales
 from kvflow.model.kv_layout import FP8
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.model.packed_linear import AMX_PANEL_ROWS, PackedWeight
@@ -167,15 +168,18 @@ def on_one_byte_cache(model, kv_dtype, q8_isa: str) -> None:
 
 
 def run_both(fmt, dtype, isa, rows, decode_steps=9, kv_dtype=None, windows=None, arch=ARCH,
-             q8_isa=None):
+             q8_isa=None, key_scales=None):
     """The same schedule on two copies of one model, one with the graph: prompts of different
     lengths in one step, then `decode_steps` decode-only steps of `rows` rows (context growing
-    across 4-token blocks; 16-token ones with `q8_isa`, a one-byte cache's decode path).
+    across 4-token blocks; 16-token ones with `q8_isa`, a one-byte cache's decode path; both
+    copies with `key_scales`, an fp8 cache's, model/key_scales.py, where given).
     Returns (hidden states with, without, which steps the graph took)."""
     with_graph, without = tiny_model(fmt, dtype, isa, arch), tiny_model(fmt, dtype, isa, arch)
-    if q8_isa is not None:
-        for m in (with_graph, without):
+    for m in (with_graph, without):
+        if q8_isa is not None:
             on_one_byte_cache(m, kv_dtype, q8_isa)
+        if key_scales is not None:
+            apply_key_scales(m, key_scales)
     taken = count_graph_steps(with_graph)
     layer_by_layer(without)
     rng = np.random.default_rng(1)
@@ -487,6 +491,12 @@ for name, kv in (("fp8", FP8), ("int8", torch.int8)):  # one-byte caches on thei
     got, want, taken = run_both("gemv", torch.float32, "avx2", 3, decode_steps=12, kv_dtype=kv,
                                 q8_isa="avx2")
     res["gemv+" + name] = len(taken) == 12 and all(taken) and all(torch.equal(g, w) for g, w in zip(got, want))
+gen = torch.Generator().manual_seed(0)  # an fp8 cache's key scales, multiplied in fp32 and in bf16
+scales = [torch.exp2(torch.randint(-3, 4, (2, 64), generator=gen).float()) for _ in range(3)]
+for fmt, dtype in (("gemv", torch.float32), ("Q4_1", torch.bfloat16)):
+    got, want, taken = run_both(fmt, dtype, "avx2", 3, decode_steps=6, kv_dtype=FP8, q8_isa="avx2",
+                                key_scales=scales)
+    res[fmt + "+fp8+key_scales"] = len(taken) == 6 and all(taken) and all(torch.equal(g, w) for g, w in zip(got, want))
 print(json.dumps(res))
 """
 
@@ -495,7 +505,7 @@ print(json.dumps(res))
 def test_avx2_build_gives_the_per_layer_numbers(tmp_path):
     """The whole kernel library built for an AVX2-only CPU (Zen 3: AVX-512 off): its one-call
     step gives its per-layer path's numbers, quantized and on the fp32 GEMV, and over fp8 and
-    int8 caches on their AVX2 decode row."""
+    int8 caches on their AVX2 decode row (fp8 with key scales too, fp32 and bf16 activations)."""
     env = {**os.environ, "KVFLOW_CACHE_DIR": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", AVX2_CHECK, os.path.dirname(__file__)], env=env,
                          capture_output=True, text=True, timeout=300)
@@ -503,7 +513,8 @@ def test_avx2_build_gives_the_per_layer_numbers(tmp_path):
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res.pop("isas") == ["scalar", "avx2"]
     assert res == {"Q4_1": True, "Q8_0": True, "int8": True, "gemv": True, "gemv-bf16": True,
-                   "gemv-fp16": True, "gemv+fp8": True, "gemv+int8": True}
+                   "gemv-fp16": True, "gemv+fp8": True, "gemv+int8": True,
+                   "gemv+fp8+key_scales": True, "Q4_1+fp8+key_scales": True}
 
 
 @pytest.mark.slow  # builds two engines each
