@@ -14,6 +14,7 @@ import torch
 
 from kvflow.csrc import library
 from kvflow.model import attention as A
+from kvflow.model.cpu_features import cpu_features
 from kvflow.model.kv_layout import FP8, cache_shape, read_rows, write_rows
 from kvflow.model.kv_scales import read_kv_scales, scale_tensor_layer
 
@@ -126,6 +127,10 @@ def test_decode_kernel_reads_at_the_scales_on_every_path(monkeypatch):
     for isa in _isas_here():
         got = torch.full(q.shape, float("nan"))
         assert A._decode_with_kernel(q, kc, vc, meta, 0.125, got, q8_isa=isa, kv_scales=SCALES)
+        if isa == "avx512-bf16":  # the query and the weights rounded to bf16 (2^-9)
+            err = (got - want).abs() / want.abs().amax()
+            assert err.max() < 5e-3 and err.mean() < 5e-4, (float(err.max()), float(err.mean()))
+            continue
         torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5, msg=isa)
 
 
@@ -165,7 +170,11 @@ def test_mixed_step_through_the_kernels_matches_the_torch_path_at_the_scales():
     want = A.attention_with_sdpa(q, kc, vc, meta, 0.125, 2, kv_scales=SCALES)
     got = A.attention_with_kernels(q, kc, vc, meta, 0.125, 2, k, v, prompt_kernel=False,
                                    kv_scales=SCALES)
-    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
+    if A.best_q8_isa(cpu_features(), FP8) == "avx512-bf16":  # bf16 query and weights (2^-9)
+        err = (got - want).abs() / want.abs().amax()
+        assert err.max() < 5e-3 and err.mean() < 5e-4, (float(err.max()), float(err.mean()))
+    else:
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
     # and the scales matter: read at 1.0 the output is another
     other = A.attention_with_sdpa(q, kc, vc, meta, 0.125, 2)
     assert not torch.allclose(other, want, atol=1e-3)

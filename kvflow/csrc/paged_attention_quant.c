@@ -8,11 +8,13 @@
  * scores[t] = scale * s_k(t) * <q, K8(t)>, out = sum_t p(t) * s_v(t) * V8(t) / sum_t p(t), the
  * per-token scales applied once per key (to the score, to the weight) rather than per value.
  *
- * Three paths, chosen by the caller (kvflow/model/kernels.py picks the widest this CPU has):
+ * Four paths, chosen by the caller (kvflow/model/kernels.py picks the widest this CPU has):
  * isa 0 a scalar reference (any shape), isa 1 AVX2 (8 lanes; bs % 8 == 0, D % 16 == 0),
- * isa 2 AVX-512 (16 lanes; bs % 16 == 0, D % 16 == 0). fp8 is widened through fp16 bits
- * (F16C's vcvtph2ps, exact): e4m3 s.eeee.mmm -> fp16 s.0eeee.mmm0000000 is the value / 256,
- * the 256 folded into the scales. q is fp32 or bf16, out fp32 or bf16, as paged_decode_*.
+ * isa 2 AVX-512 (16 lanes; bs % 16 == 0, D % 16 == 0), isa 3 AVX512-BF16 (fp8 only, AVX-512's
+ * shapes; int8 runs the AVX-512 row there). fp8 is widened through fp16 bits (F16C's
+ * vcvtph2ps, exact): e4m3 s.eeee.mmm -> fp16 s.0eeee.mmm0000000 is the value / 256, the 256
+ * folded into the scales; the AVX512-BF16 row looks the same value / 256 up as bf16 and
+ * multiplies by bf16 queries and weights (vdpbf16ps). q is fp32 or bf16, out fp32 or bf16, as paged_decode_*.
  * An fp8 cache whose D is a power of two holds rotated keys and values (rotation.h): the
  * kernel rotates each query head on entry and each output head back at the end, in fp32. */
 #include <math.h>
@@ -25,7 +27,7 @@
 #include "tiles.h"
 
 enum { KV_INT8 = 0, KV_FP8 = 1 };
-enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_BF16 = 3 };
 
 /* e4m3fn -> fp32, exact (0x7f/0xff are NaN) */
 static inline float fp8_to_float(uint8_t b) {
@@ -331,6 +333,117 @@ DEFINE_GROUPED_ROW(row_avx512, scores16_group, values16_group)
 #define row_avx512 row_scalar
 #endif
 
+#if HAVE_AVX512_Q8 && defined(__AVX512BF16__)
+#define HAVE_AVX512BF16_Q8 1
+/* AVX512-BF16, fp8 only: 32 e4m3 values at a time looked up as bf16 (value / 256, exact: e4m3
+ * has 3 mantissa bits, and its subnormals are bf16 normals, which vdpbf16ps does not flush) and
+ * multiplied by vdpbf16ps, two products a lane: keys by bf16 query pairs, values by bf16 weight
+ * pairs. The query and the weights are rounded to bf16 (as the bf16 cache's decode row does);
+ * the sums stay fp32. */
+static const uint16_t FP8_BF16[128] __attribute__((aligned(64))) = {
+    0x0000, 0x3700, 0x3780, 0x37c0, 0x3800, 0x3820, 0x3840, 0x3860, 0x3880, 0x3890, 0x38a0, 0x38b0,
+    0x38c0, 0x38d0, 0x38e0, 0x38f0, 0x3900, 0x3910, 0x3920, 0x3930, 0x3940, 0x3950, 0x3960, 0x3970,
+    0x3980, 0x3990, 0x39a0, 0x39b0, 0x39c0, 0x39d0, 0x39e0, 0x39f0, 0x3a00, 0x3a10, 0x3a20, 0x3a30,
+    0x3a40, 0x3a50, 0x3a60, 0x3a70, 0x3a80, 0x3a90, 0x3aa0, 0x3ab0, 0x3ac0, 0x3ad0, 0x3ae0, 0x3af0,
+    0x3b00, 0x3b10, 0x3b20, 0x3b30, 0x3b40, 0x3b50, 0x3b60, 0x3b70, 0x3b80, 0x3b90, 0x3ba0, 0x3bb0,
+    0x3bc0, 0x3bd0, 0x3be0, 0x3bf0, 0x3c00, 0x3c10, 0x3c20, 0x3c30, 0x3c40, 0x3c50, 0x3c60, 0x3c70,
+    0x3c80, 0x3c90, 0x3ca0, 0x3cb0, 0x3cc0, 0x3cd0, 0x3ce0, 0x3cf0, 0x3d00, 0x3d10, 0x3d20, 0x3d30,
+    0x3d40, 0x3d50, 0x3d60, 0x3d70, 0x3d80, 0x3d90, 0x3da0, 0x3db0, 0x3dc0, 0x3dd0, 0x3de0, 0x3df0,
+    0x3e00, 0x3e10, 0x3e20, 0x3e30, 0x3e40, 0x3e50, 0x3e60, 0x3e70, 0x3e80, 0x3e90, 0x3ea0, 0x3eb0,
+    0x3ec0, 0x3ed0, 0x3ee0, 0x3ef0, 0x3f00, 0x3f10, 0x3f20, 0x3f30, 0x3f40, 0x3f50, 0x3f60, 0x3f70,
+    0x3f80, 0x3f90, 0x3fa0, 0x3fb0, 0x3fc0, 0x3fd0, 0x3fe0, 0xffff /* NaN */};
+
+typedef struct { __m512i t0, t1, t2, t3; } fp8_lut;
+
+static inline fp8_lut fp8_lut_load(void) {
+    const __m512i *t = (const __m512i *)FP8_BF16;
+    return (fp8_lut){_mm512_load_si512(t), _mm512_load_si512(t + 1), _mm512_load_si512(t + 2),
+                     _mm512_load_si512(t + 3)};
+}
+
+/* 32 e4m3 bytes -> 32 bf16: the magnitude's 7 bits index the table (vpermt2w looks up 64
+ * entries by the low 6, bit 6 picks which 64), the sign goes on top */
+static inline __m512bh fp8x32_bf16(const uint8_t *p, const fp8_lut *l) {
+    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    const __m512i lo = _mm512_permutex2var_epi16(l->t0, w, l->t1);
+    const __m512i hi = _mm512_permutex2var_epi16(l->t2, w, l->t3);
+    const __m512i mag = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(w, _mm512_set1_epi16(0x40)), lo, hi);
+    /* mag | (w << 8 & 0x8000) */
+    return (__m512bh)_mm512_ternarylogic_epi32(mag, _mm512_slli_epi16(w, 8),
+                                               _mm512_set1_epi16((short)0x8000), 0xf8);
+}
+
+/* scores of 16 keys per pass for GN query heads: `qv` holds the row's query as bf16 pairs
+ * [H][D / 2] (row_avx512_bf16 rounds it); a key tile's 32 bytes at dim pair c are 16 keys x 2
+ * dims, so each lane's two products are one key's */
+static inline __attribute__((always_inline)) void scores16bf_group(
+        const q8_geom *g, const float *qv, const uint8_t *k, int64_t n, const float *ks,
+        float *scores, int64_t Ls, int64_t b0, int64_t h0, const int GN) {
+    const uint32_t *q = (const uint32_t *)(const void *)qv;
+    const int64_t D = g->D, bs = g->bs;
+    const fp8_lut l = fp8_lut_load();
+    for (int64_t t = 0; t < n; t += 16) {
+        __m512 acc[4];
+        for (int i = 0; i < GN; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < D / 2; c++) {
+            const __m512bh x = fp8x32_bf16(k + (c * bs + t) * 2, &l);
+            for (int i = 0; i < GN; i++)
+                acc[i] = _mm512_dpbf16_ps(acc[i], x, (__m512bh)_mm512_set1_epi32((int)q[(h0 + i) * (D / 2) + c]));
+        }
+        const __mmask16 live = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
+        for (int i = 0; i < GN; i++)
+            _mm512_mask_storeu_ps(scores + (h0 + i) * Ls + b0 + t, live,
+                                  _mm512_mul_ps(acc[i], _mm512_loadu_ps(ks + t)));
+    }
+}
+
+/* the weighted values: a value tile's 32 bytes at key pair j are 16 dims x 2 keys, each lane's
+ * two products one dim's, by the pair's bf16 weights (a key past n: weight 0 and its bytes
+ * masked, garbage there may be NaN) */
+static inline __attribute__((always_inline)) void values16bf_group(
+        const q8_geom *g, const uint8_t *v, int64_t n, const float *w, int64_t wstride,
+        float *out, int64_t h0, const int GN) {
+    const int64_t D = g->D, pairs = (n + 1) / 2;
+    const fp8_lut l = fp8_lut_load();
+    uint32_t wp[4][g->bs / 2];
+    for (int i = 0; i < GN; i++)
+        for (int64_t t = 0; t < n; t += 16) {
+            const __mmask16 live = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
+            _mm256_storeu_si256((__m256i *)(wp[i] + t / 2),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, w + i * wstride + t)));
+        }
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        __m512 acc[4];
+        for (int i = 0; i < GN; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < pairs; j++) {
+            __m512bh x = fp8x32_bf16(v + (j * D + d0) * 2, &l);
+            if (2 * j + 1 == n) /* no key past n */
+                x = (__m512bh)_mm512_maskz_mov_epi16(0x55555555u, (__m512i)x);
+            for (int i = 0; i < GN; i++)
+                acc[i] = _mm512_dpbf16_ps(acc[i], x, (__m512bh)_mm512_set1_epi32((int)wp[i][j]));
+        }
+        for (int i = 0; i < GN; i++) {
+            float *o = out + (h0 + i) * D + d0;
+            _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), acc[i]));
+        }
+    }
+}
+
+DEFINE_GROUPED_ROW(row_avx512_bf16_pairs, scores16bf_group, values16bf_group)
+
+/* the row with its query rounded to bf16 pairs first (D % 16 == 0: whole 16-value runs) */
+static void row_avx512_bf16(const q8_geom *g, const float *q, const int64_t *table, int64_t L,
+                            int64_t skip, float scale, float *scores, int64_t Ls, float *out) {
+    uint32_t qp[g->H * g->D / 2];
+    for (int64_t i = 0; i < g->H * g->D; i += 16)
+        _mm256_storeu_si256((__m256i *)(qp + i / 2), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(q + i)));
+    row_avx512_bf16_pairs(g, (const float *)(const void *)qp, table, L, skip, scale, scores, Ls, out);
+}
+#else
+#define HAVE_AVX512BF16_Q8 0
+#define row_avx512_bf16 row_avx512
+#endif
+
 /* rows x D floats rotated in place (rotation.h), for the tests; the vector lanes the build's
  * rotation runs on (16 AVX-512, 8 AVX2, 0 scalar) */
 void hadamard_rotate_rows(float *x, int64_t rows, int64_t D) {
@@ -339,27 +452,33 @@ void hadamard_rotate_rows(float *x, int64_t rows, int64_t D) {
 
 int64_t hadamard_lanes(void) { return HADAMARD_LANES; }
 
-/* bit i set: path i was built (0 scalar, 1 AVX2, 2 AVX-512) */
+/* bit i set: path i was built (0 scalar, 1 AVX2, 2 AVX-512, 3 AVX512-BF16: fp8's) */
 int64_t paged_decode_q8_isas(void) {
-    return 1 | (HAVE_AVX2_Q8 << 1) | (HAVE_AVX512_Q8 << 2);
+    return 1 | (HAVE_AVX2_Q8 << 1) | (HAVE_AVX512_Q8 << 2) | (HAVE_AVX512BF16_Q8 << 3);
 }
 
 typedef void q8_row_fn(const q8_geom *, const float *, const int64_t *, int64_t, int64_t, float,
                        float *, int64_t, float *);
 
-/* The widest of the paths up to `isa` that was built and takes this shape. */
-static q8_row_fn *pick_q8_row(int64_t isa, int64_t D, int64_t bs) {
-    (void)D, (void)bs; /* unused where no vector path was built */
+/* The widest of the paths up to `isa` that was built and takes this shape (and kind: the
+ * AVX512-BF16 row reads fp8 only; int8 takes the AVX-512 row there). */
+static q8_row_fn *pick_q8_row(int64_t isa, int64_t D, int64_t bs, int64_t kind) {
+    (void)D, (void)bs, (void)kind; /* unused where no vector path was built */
+    if (isa >= ISA_AVX512_BF16 && HAVE_AVX512BF16_Q8 && kind == KV_FP8 && AVX512_Q8_SHAPE(D, bs))
+        return row_avx512_bf16;
     if (isa >= ISA_AVX512 && HAVE_AVX512_Q8 && AVX512_Q8_SHAPE(D, bs)) return row_avx512;
     if (isa >= ISA_AVX2 && HAVE_AVX2_Q8 && AVX2_Q8_SHAPE(D, bs)) return row_avx2;
     return row_scalar;
 }
 
-/* 1: the path that `isa` asks for serves this shape (else a narrower one would). */
+/* 1: the path that `isa` asks for serves this shape of an fp8 cache (else a narrower one
+ * would). */
 int64_t paged_decode_q8_serves(int64_t isa, int64_t D, int64_t bs) {
-    if ((isa == ISA_AVX512 && !HAVE_AVX512_Q8) || (isa == ISA_AVX2 && !HAVE_AVX2_Q8)) return 0;
-    q8_row_fn *want = isa == ISA_AVX512 ? row_avx512 : isa == ISA_AVX2 ? row_avx2 : row_scalar;
-    return pick_q8_row(isa, D, bs) == want;
+    if ((isa == ISA_AVX512_BF16 && !HAVE_AVX512BF16_Q8) || (isa == ISA_AVX512 && !HAVE_AVX512_Q8)
+        || (isa == ISA_AVX2 && !HAVE_AVX2_Q8)) return 0;
+    q8_row_fn *want = isa == ISA_AVX512_BF16 ? row_avx512_bf16 : isa == ISA_AVX512 ? row_avx512
+                      : isa == ISA_AVX2 ? row_avx2 : row_scalar;
+    return pick_q8_row(isa, D, bs, KV_FP8) == want;
 }
 
 /* paged_decode_f32's rows over a one-byte cache: kind 0 int8, 1 fp8 (k_scale, v_scale: fp8's
@@ -379,7 +498,7 @@ void paged_decode_q8(const void *q, int64_t q_stride, const uint8_t *k_cache,
     const int64_t Ls = max_len + 16; /* the vector rows store whole 16-key runs */
     float *scores = (float *)malloc(sizeof(float) * (size_t)(H * Ls + 2 * H * D));
     float *q32 = scores + H * Ls, *o32 = q32 + H * D;
-    q8_row_fn *row = pick_q8_row(isa, D, block_size);
+    q8_row_fn *row = pick_q8_row(isa, D, block_size, kind);
     const int rotated = kind == KV_FP8 && fp8_rotated(D);
     for (int64_t r = row_begin; r < row_end; r++) {
         const float *qr = (const float *)q + rows[r] * q_stride;

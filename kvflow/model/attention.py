@@ -199,7 +199,7 @@ def build_attention_metadata(query_lens: np.ndarray, seq_lens: np.ndarray,
 _WRITERS = {torch.float32: "write_kv_f32", torch.bfloat16: "write_kv_bf16"}
 # one-byte caches (paged_attention_quant.c): the kernels' `kind`
 Q8_KINDS = {torch.int8: 0, FP8: 1}
-Q8_ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
+Q8_ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512-bf16": 3}  # avx512-bf16: fp8's only
 
 
 def _float_bits(x: float) -> int:
@@ -213,9 +213,13 @@ def q8_isas() -> tuple[str, ...]:
     return tuple(name for name, i in Q8_ISAS.items() if bits >> i & 1)
 
 
-def best_q8_isa(features) -> str:
-    """The widest one-byte-cache decode path both the build and the CPU have."""
+def best_q8_isa(features, kv_dtype: torch.dtype | None = None) -> str:
+    """The widest one-byte-cache decode path both the build and the CPU have (for an fp8
+    cache, `kv_dtype` FP8, AVX512-BF16's)."""
     built = q8_isas()
+    if (kv_dtype == FP8 and "avx512-bf16" in built
+            and {"avx512f", "avx512bw", "f16c", "avx512_bf16"} <= features.flags):
+        return "avx512-bf16"
     if "avx512" in built and {"avx512f", "avx512bw", "f16c"} <= features.flags:
         return "avx512"
     if "avx2" in built and {"avx2", "fma", "f16c"} <= features.flags:
@@ -297,7 +301,7 @@ def _decode_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
              head_dim, block_size, of.data_ptr(), num_heads * head_dim, io_bf16,
              meta.sliding_window or 0]
     if kernel == "paged_decode_q8":
-        isa = q8_isa or best_q8_isa(cpu_features())
+        isa = q8_isa or best_q8_isa(cpu_features(), k_cache.dtype)
         words += [Q8_KINDS[k_cache.dtype], Q8_ISAS[isa], *map(_float_bits, kv_scales)]
     run_kernel(kernel, words, len(rows), threads, farg=scale, weights=lens)
     if of is not out:  # a caller's out in another dtype

@@ -92,7 +92,8 @@ def _on_panels(p: PackedWeight | None, model) -> bool:
 def _q8_isa(kernels) -> str:
     """The one-byte-cache decode path attention_with_kernels takes with these kernels (its
     q8_isa keyword, else the widest this CPU has)."""
-    return kernels.attention.keywords.get("q8_isa") or attention.best_q8_isa(cpu_features())
+    return (kernels.attention.keywords.get("q8_isa")
+            or attention.best_q8_isa(cpu_features(), kernels.kv_dtype))
 
 
 def max_rows(model) -> int:

@@ -211,7 +211,7 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
         # one-byte caches: their own decode kernel (paged_attention_quant.c) on the widest path
         # this CPU has; prompts through the prompt kernel, which widens them as it gathers (on
         # AVX512-BF16), else as the decode kernel's rows
-        q8_isa = attention.best_q8_isa(features)
+        q8_isa = attention.best_q8_isa(features, kv_dtype)
         attend = partial(attention.attention_with_kernels, prompt_kernel=prompt_kernel,
                          prompt_amx=prompt_amx, q8_isa=q8_isa)
         attention_name = (f"c-decode-{'fp8' if kv_dtype != torch.int8 else 'int8'}-{q8_isa}"
