@@ -54,7 +54,7 @@ def accuracy(threads: int, dtype: str = "auto") -> list[dict]:
     from quant_accuracy import CORPUS, compare, windows
 
     from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
-    from kvflow.model.key_scales import set_key_scales
+    from kvflow.model.key_scales import apply_key_scales, set_key_scales
     from kvflow.model.kv_layout import resolve_kv_dtype
     from kvflow.model.loader import load_model, resolve_dtype
     from kvflow.model_path import default_model_path
@@ -71,7 +71,10 @@ def accuracy(threads: int, dtype: str = "auto") -> list[dict]:
         kv_dtype = resolve_kv_dtype({"fp8": "fp8_e4m3"}.get(cache, cache))
         model.kernels = base
         # as the runner serves this cache (fp8: key scales calibrated, model/key_scales.py)
-        set_key_scales(model, arch, kv_dtype if key_scales else torch.float32)
+        if key_scales:
+            set_key_scales(model, arch, kv_dtype)
+        else:
+            apply_key_scales(model, None)
         model.kernels = base.with_kv_dtype(kv_dtype)
         caches = allocate_kv_caches(arch, 512 // bs + 1, bs, kv_dtype)
         rows = []

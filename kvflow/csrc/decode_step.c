@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "simd.h"
 
 /* a projection's words: for a quantized one (P_GEMM 0) as quant_linear takes them; for the
  * fp32 GEMV (P_GEMM 1) its panels, weight storage code (gemv_f32.c's `wdt`) in P_KIND, its
@@ -57,19 +58,14 @@ enum { G_SLOTS, G_TABLES, G_BT_STRIDE, G_SEQ_LENS, G_ROWS, G_BLOCK_SIZE, G_WINDO
 #define PARALLEL_HEAD_KEYS 256    /* attention.py's MIN_PARALLEL_HEAD_KEYS */
 
 /* the first n values of each of M rows (row stride `stride`) times s, in place (the layer's
- * qk_scale: powers of two, so neither fp32 nor bf16 rounds) */
+ * qk_scale: powers of two, so neither fp32 nor bf16 rounds but past their range; rounded there
+ * as torch's in-place multiply of the per-layer path rounds) */
 static void scale_qk(void *rows, int64_t stride, int64_t M, int64_t n, const float *s, int64_t bf16) {
     for (int64_t r = 0; r < M; r++) {
         if (bf16) {
             uint16_t *x = (uint16_t *)rows + r * stride;
-            for (int64_t i = 0; i < n; i++) {
-                uint32_t bits = (uint32_t)x[i] << 16;
-                float f;
-                memcpy(&f, &bits, 4);
-                f *= s[i];
-                memcpy(&bits, &f, 4);
-                x[i] = (uint16_t)(bits >> 16);
-            }
+            for (int64_t i = 0; i < n; i++)
+                x[i] = float_to_bf16(bf16_to_float(x[i]) * s[i]);
         } else {
             float *x = (float *)rows + r * stride;
             for (int64_t i = 0; i < n; i++)

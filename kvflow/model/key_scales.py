@@ -109,8 +109,9 @@ def apply_key_scales(model, scales: list[torch.Tensor] | None) -> None:
     for i, layer in enumerate(model.layers):
         layer.qk_scale = (None if scales is None
                           else qk_scale_vector(scales[i], layer.num_heads).to(layer.input_layernorm.device))
-    if hasattr(model, "_decode_graph"):  # its layer records hold the pointers: rebuilt
-        model._decode_graph = (None, None)
+    forget = getattr(model, "forget_decode_graph", None)  # Llama's one-call step holds them
+    if forget is not None:
+        forget()
 
 
 def key_scales_digest(model) -> str:

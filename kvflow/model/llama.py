@@ -305,6 +305,11 @@ class LlamaForCausalLM(nn.Module):
             return torch.stack((x, delta))
         return kernels.add_rms_norm(x, delta, self.norm, self.arch.rms_norm_eps)
 
+    def forget_decode_graph(self) -> None:
+        """Build the one-call step again at the next decode: its layer records hold pointers
+        to per-layer state (an fp8 cache's key scales) that changed."""
+        self._decode_graph = (None, None)
+
     def _graph(self) -> DecodeGraph | None:
         kernels, graph = self._decode_graph
         if kernels is not self.kernels:
