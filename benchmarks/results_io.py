@@ -60,7 +60,15 @@ def cpu_kind(flags: set[str] | list[str]) -> str:
 
 
 def read_cpuinfo() -> tuple[str, set[str]]:
-    """(the CPU's model name, its flags) from /proc/cpuinfo ("?" and none where unreadable)."""
+    """(the CPU's model name, its flags) from /proc/cpuinfo ("?" and none where unreadable);
+    kvflow's reading where kvflow imports (so KVFLOW_CPU_ISA's cap shows in results files)."""
+    try:
+        from kvflow.utils.cpuinfo import read_cpuinfo as kvflow_cpuinfo
+    except ImportError:  # another engine's virtualenv
+        pass
+    else:
+        info = kvflow_cpuinfo()
+        return info.model_name, set(info.flags)
     model, flags = "?", set()
     try:
         with open("/proc/cpuinfo") as f:

@@ -7,6 +7,12 @@ import os
 # the environment to opt out; it has no effect if torch was imported before kvflow.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+# KVFLOW_CPU_ISA caps PyTorch's and oneDNN's kernels as kvflow's (kvflow/utils/cpuinfo.py);
+# they read their variables once, so this too only holds when torch loads after kvflow.
+from kvflow.utils.cpuinfo import cap_torch_kernels  # noqa: E402 (standard library only)
+
+cap_torch_kernels()
+
 __version__ = "0.1.0"
 __all__ = ["LLM", "LoRARequest", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
            "EmbeddingRequestOutput", "__version__"]

@@ -61,6 +61,11 @@ _VARS = [
     EnvVar("KVFLOW_GEMV_ISA", str, None,
            "avx2: the fp32 GEMV takes its AVX2 path even on an AVX-512 CPU (to measure "
            "that path where no AVX2-only CPU is at hand)"),
+    EnvVar("KVFLOW_CPU_ISA", str, None,
+           "avx2: run as an AVX2-only CPU (the Zen 3 kind), avx512: as one without AVX512-BF16 "
+           "or AMX; kvflow's kernel choices, its C kernels' build and (when set before torch "
+           "loads) PyTorch's and oneDNN's kernels are capped there, to measure the other kind's "
+           "paths end to end (docs/performance.md)"),
     EnvVar("KVFLOW_NO_AMX_ATTENTION", bool, False,
            "1: prompt attention on AVX512-BF16 even on a CPU with AMX (to measure the AMX path)"),
     EnvVar("KVFLOW_NO_DECODE_GRAPH", bool, False,

@@ -19,7 +19,7 @@ from functools import lru_cache
 import numpy as np
 
 from kvflow import envs
-from kvflow.utils.cpuinfo import read_cpuinfo
+from kvflow.utils.cpuinfo import march_flags, read_cpuinfo
 from kvflow.utils.files import publish
 
 logger = logging.getLogger("kvflow")
@@ -91,6 +91,11 @@ def _cpu_id() -> str:
     return platform.machine() + info.model_name + " ".join(sorted(info.flags))
 
 
+def _build_flags() -> list[str]:
+    """_FLAGS with -march=native replaced by KVFLOW_CPU_ISA's target where it caps the CPU."""
+    return [g for f in _FLAGS for g in (march_flags() if f == "-march=native" else [f])]
+
+
 def _build_dir() -> str:
     return os.path.join(envs.cache_dir(), "kernels")
 
@@ -109,7 +114,8 @@ def library() -> ctypes.CDLL | None:
     if cc is None:
         logger.warning("kvflow: no C compiler found; using the PyTorch paths")
         return None
-    digest = hashlib.sha256(" ".join(_FLAGS).encode() + _cpu_id().encode())
+    flags = _build_flags()
+    digest = hashlib.sha256(" ".join(flags).encode() + _cpu_id().encode())
     for src in _SOURCES + _HEADERS:
         with open(src, "rb") as f:
             digest.update(f.read())
@@ -123,7 +129,7 @@ def library() -> ctypes.CDLL | None:
             # concurrent starts never load a half-written file
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
             os.close(fd)
-            subprocess.run([cc, *_FLAGS, *_SOURCES, "-o", tmp, "-lm"], check=True,
+            subprocess.run([cc, *flags, *_SOURCES, "-o", tmp, "-lm"], check=True,
                            capture_output=True, timeout=120)
             publish(tmp, lib_path)
         except (OSError, subprocess.SubprocessError) as e:
