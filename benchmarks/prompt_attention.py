@@ -1,14 +1,16 @@
 """Time prompt attention alone: `attention_with_kernels` over 30 layers of prompts read from a bf16
 paged cache, through the flash-style prompt kernel (on AVX512-BF16, and on AMX's tiles where the
 CPU has them; alternating, medians) and (`--rows`) through the decode kernel
-with every prompt token as a row, the path the prompt kernel replaced. With `--window W` every
+with every prompt token as a row, the path the prompt kernel replaced (the only path for an fp32
+q over an fp32 or bf16 cache: `--q-dtype float32` times its tiles of consecutive tokens against
+one row at a time). With `--window W` every
 layer is a sliding-window layer, and `--rows` times what windowed prompts ran through before
 the prompt kernel took the window: decode rows (head sizes 64, 128) or SDPA with the window's
 mask (others, such as Gemma 3's 256).
 
     .venv/bin/python benchmarks/prompt_attention.py [--lens 293,293,293,293,293,293,293]
         [--threads 1] [--rows] [--window 512 --heads 4,1,256 --layers 15]
-        [--caches bfloat16,fp8,int8]
+        [--caches bfloat16,fp8,int8] [--q-dtype float32 --caches float32]
 
 `--caches`: the prompt kernel over each KV cache dtype in turn, holding the same values (a
 one-byte cache's tiles are widened into the kernel's scratch as it gathers them; fp8's rotated
@@ -44,6 +46,8 @@ def main() -> int:
     p.add_argument("--heads", default="9,3,64", help="query heads, kv heads, head size (SmolLM2-135M)")
     p.add_argument("--caches", default="bfloat16",
                    help="KV cache dtypes to time the prompt kernel over (bfloat16, fp8, int8)")
+    p.add_argument("--q-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="the queries' dtype (float32: as an fp32 model passes them)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     heads, kv_heads, head_dim = (int(x) for x in args.heads.split(","))
@@ -69,7 +73,7 @@ def main() -> int:
     cache_names = args.caches.split(",")
     by_dtype = {name: filled(name) for name in cache_names}
     caches = by_dtype[cache_names[0]]
-    q = torch.randn(sum(lens), heads, head_dim).bfloat16()
+    q = torch.randn(sum(lens), heads, head_dim).to(getattr(torch, args.q_dtype))
     meta = A.build_attention_metadata(np.array(lens), np.array(lens), tables, bs,
                                       sliding_window=args.window)
 
@@ -85,6 +89,8 @@ def main() -> int:
         variants["prompt kernel, AMX"] = dict(prompt_kernel=True, prompt_amx=True)
     if args.rows:
         variants[old] = dict(prompt_kernel=False)
+        if q.dtype == torch.float32:
+            variants[old + ", one at a time"] = dict(prompt_kernel=False, prompt_tiles=False)
     for name in cache_names[1:]:
         variants[f"prompt kernel, {name} cache"] = dict(prompt_kernel=True, cache=name)
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -98,7 +104,8 @@ def main() -> int:
     for name, t in times.items():
         print(f"{name}: {args.layers} layers x prompts {args.lens}: "
               f"{statistics.median(t) * 1000:.1f} ms median of {args.reps} "
-              f"({base / statistics.median(t):.2f}x the AVX512-BF16 prompt kernel)")
+              f"({base / statistics.median(t):.2f}x the first line: the prompt kernel, or what "
+              "serves where it has none)")
     return 0
 
 

@@ -270,6 +270,56 @@ def test_bf16_argmax_matches_torch_with_ties_and_nan():
     assert ops.argmax_rows(logits.float()) == got  # the fp32 path agrees
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+# query heads per kv head: 3 (SmolLM2's: two tokens a tile), 1, 2, 4 and 7 (tiles across tokens)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 64), (6, 3, 64),
+                                                     (8, 2, 64), (14, 2, 64), (6, 2, 128)])
+def test_prompt_tokens_in_avx2_tiles_match_sdpa(cache_dtype, threads, heads, kv_heads, head_dim,
+                                                 monkeypatch):
+    """fp32 prompt tokens as rows of the decode kernel (every CPU without the prompt kernel for
+    this cache) share their keys' and values' loads in tiles of (token, head) pairs: a step of
+    a fresh prompt, decodes, a chunk after cached context, a two-token chunk and a prompt
+    ending mid-block, against SDPA per prompt; no output left unwritten."""
+    monkeypatch.setattr(A, "MIN_PARALLEL_HEAD_KEYS", 0)
+    block_size = 16
+    query_lens = np.array([45, 1, 23, 2, 1, 37])
+    seq_lens = np.array([45, 70, 63, 40, 17, 37])
+    tables, k_cache, v_cache = _scattered_cache(5, 80, block_size, kv_heads, head_dim, seq_lens,
+                                                cache_dtype)
+    q = torch.randn(int(query_lens.sum()), heads, head_dim)
+    scale = head_dim ** -0.5
+    meta = A.build_attention_metadata(query_lens, seq_lens, tables, block_size)
+    got = torch.full(q.shape, float("nan"))
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert A._decode_with_kernel(q, k_cache, v_cache, meta, scale, got, all_tokens=True)
+    finally:
+        torch.set_num_threads(old)
+    want = A.attention_with_sdpa(q, k_cache, v_cache, meta, scale, kv_heads, decode_kernel=True)
+    torch.testing.assert_close(got.view(len(q), -1), want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_prompt_tokens_numbers_do_not_depend_on_its_chunks():
+    """A token's (token, head) pairs come out bit for bit the same whichever tile they share:
+    a 45-token prompt in one step, and as chunks of 20 and 25 (the second after the first's
+    cache), give the same outputs for its last 25 tokens (fp32 q, an fp32 cache)."""
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    tables, k_cache, v_cache = _scattered_cache(6, 20, block_size, kv_heads, head_dim,
+                                                np.array([45]), torch.float32)
+    q = torch.randn(45, heads, head_dim)
+    scale = head_dim ** -0.5
+    whole = torch.empty(q.shape)
+    meta = A.build_attention_metadata(np.array([45]), np.array([45]), tables, block_size)
+    assert A._decode_with_kernel(q, k_cache, v_cache, meta, scale, whole, all_tokens=True)
+    chunk = torch.empty(25, heads, head_dim)
+    meta = A.build_attention_metadata(np.array([25]), np.array([45]), tables, block_size)
+    assert A._decode_with_kernel(q[20:].contiguous(), k_cache, v_cache, meta, scale, chunk,
+                                 all_tokens=True)
+    assert torch.equal(chunk, whole[20:])
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 # query heads per kv head: 3 (SmolLM2's), 1, 4 and 12 (a tile of one row); 128- and 96-wide heads
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 64), (4, 4, 64), (8, 2, 64),

@@ -201,6 +201,125 @@ static void row_avx2_##SUFFIX(const float *q, const uint16_t *qb, const void *kc
 DEFINE_AVX2(f32, float)
 DEFINE_AVX2(bf16, uint16_t)
 #define AVX2_SHAPE(D, bs) ((D) % 32 == 0 && (bs) % 8 == 0)
+
+/* Prompt tokens in tiles (AVX2, fp32 q and out; fp32 or bf16 cache): TP (token, query head)
+ * pairs of one sequence and kv head, the heads of consecutive prompt tokens, share every load
+ * of its keys and values, where a row (above) reads them once per head: per dim pair two key
+ * loads feed 2 * TP multiply-adds (a row's: 2), per key pair two value loads 2 * TP. Two passes
+ * as the row's: every pair's scores over the tile's L keys (the longest pair's; a pair sees
+ * its own len[m] of them, causally), a softmax per pair over its own keys (the later ones weigh
+ * 0), then the values 8 dims at a time. A pair's numbers do not depend on the tile it is in
+ * (a zero weight adds nothing). TP = 6: 12 accumulators, 2 keys or values and a broadcast in
+ * AVX2's 16 registers. */
+#define TP 6
+#define DEFINE_TILE_AVX2(SUFFIX, KV_T)                                                         \
+static void tile_avx2_##SUFFIX(const float *const q[TP], float *const o[TP],                  \
+                               const int64_t len[TP], const void *kc, const void *vc,          \
+                               const int64_t *table, int64_t kh, int64_t KVH, int64_t D,        \
+                               int64_t bs, float scale, float *scores, int64_t Ls) {            \
+    const KV_T *k_cache = (const KV_T *)kc, *v_cache = (const KV_T *)vc;                       \
+    int64_t L = 0;                                                                             \
+    for (int m = 0; m < TP; m++) L = len[m] > L ? len[m] : L;                                  \
+    const int64_t tile = bs * D, nb = (L + bs - 1) / bs;                                       \
+    const __m256 sc = _mm256_set1_ps(scale);                                                   \
+    for (int64_t b = 0; b < nb; b++) {                                                         \
+        const int64_t b0 = b * bs, n = L - b0 < bs ? L - b0 : bs;                              \
+        const KV_T *k = k_cache + (table[b] * KVH + kh) * tile;                                \
+        for (int64_t t = 0; t < n; t += 8) {                                                   \
+            __m256 a[TP][2];                                                                   \
+            for (int m = 0; m < TP; m++) a[m][0] = a[m][1] = _mm256_setzero_ps();              \
+            for (int64_t c = 0; c < D / 2; c++) {                                              \
+                const KV_T *kk = k + (c * bs + t) * 2;                                         \
+                const __m256 k0 = load8_##SUFFIX(kk), k1 = load8_##SUFFIX(kk + 8);             \
+                for (int m = 0; m < TP; m++) {                                                 \
+                    const __m256 qq = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(q[m] + 2 * c))); \
+                    a[m][0] = _mm256_fmadd_ps(qq, k0, a[m][0]);                                \
+                    a[m][1] = _mm256_fmadd_ps(qq, k1, a[m][1]);                                \
+                }                                                                              \
+            }                                                                                  \
+            for (int m = 0; m < TP; m++) {                                                     \
+                const __m256 sm = _mm256_mul_ps(pair_sums8(a[m][0], a[m][1]), sc);             \
+                float *sh = scores + m * Ls + b0 + t;                                          \
+                if (t + 8 <= n) _mm256_storeu_ps(sh, sm);                                      \
+                else {                                                                         \
+                    float tmp[8];                                                              \
+                    _mm256_storeu_ps(tmp, sm);                                                 \
+                    memcpy(sh, tmp, sizeof(float) * (size_t)(n - t));                          \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+    float inv_sum[TP];                                                                         \
+    for (int m = 0; m < TP; m++) {                                                             \
+        inv_sum[m] = softmax_unnormalised(scores + m * Ls, len[m]);                            \
+        for (int64_t t = len[m]; t <= L; t++) scores[m * Ls + t] = 0.f; /* later keys, a partner */ \
+    }                                                                                          \
+    for (int64_t d0 = 0; d0 < D; d0 += 8) {                                                    \
+        __m256 acc[TP][2];                                                                     \
+        for (int m = 0; m < TP; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();              \
+        for (int64_t b = 0; b < nb; b++) {                                                     \
+            const int64_t b0 = b * bs, n = L - b0 < bs ? L - b0 : bs;                          \
+            const KV_T *v = v_cache + (table[b] * KVH + kh) * tile;                            \
+            for (int64_t j = 0; 2 * j < n; j++) {                                              \
+                const KV_T *vj = v + (j * D + d0) * 2;                                         \
+                const __m256 keep = 2 * j + 1 < n ? _mm256_castsi256_ps(_mm256_set1_epi32(-1)) \
+                                  : _mm256_castsi256_ps(_mm256_set1_epi64x(0xFFFFFFFF));       \
+                const __m256 v0 = _mm256_and_ps(load8_##SUFFIX(vj), keep);                     \
+                const __m256 v1 = _mm256_and_ps(load8_##SUFFIX(vj + 8), keep);                 \
+                for (int m = 0; m < TP; m++) {                                                 \
+                    const __m256 pp = _mm256_castpd_ps(_mm256_broadcast_sd(                    \
+                        (const double *)(scores + m * Ls + b0 + 2 * j)));                      \
+                    acc[m][0] = _mm256_fmadd_ps(pp, v0, acc[m][0]);                            \
+                    acc[m][1] = _mm256_fmadd_ps(pp, v1, acc[m][1]);                            \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        for (int m = 0; m < TP; m++)                                                           \
+            _mm256_storeu_ps(o[m] + d0, _mm256_mul_ps(pair_sums8(acc[m][0], acc[m][1]),         \
+                                                      _mm256_set1_ps(inv_sum[m])));            \
+    }                                                                                          \
+}
+DEFINE_TILE_AVX2(f32, float)
+DEFINE_TILE_AVX2(bf16, uint16_t)
+typedef void tile_fn(const float *const q[TP], float *const o[TP], const int64_t len[TP],
+                     const void *kc, const void *vc, const int64_t *table, int64_t kh, int64_t KVH,
+                     int64_t D, int64_t bs, float scale, float *scores, int64_t Ls);
+
+/* Rows r0 .. r0 + R - 1 (R >= 2 consecutive tokens of one sequence: one table, lens rising by
+ * one) through the tiles: per kv head its pairs (token-major) TP at a time, the last tile
+ * padded with copies of its last pair whose outputs go to `spare` [D]. */
+static void prompt_tiles(tile_fn *tile, const float *q, int64_t q_stride, const void *kc,
+                         const void *vc, const int64_t *table, const int64_t *seq_lens,
+                         const int64_t *rows, int64_t r0, int64_t R, int64_t H, int64_t KVH,
+                         int64_t D, int64_t bs, float scale, float *scores, int64_t Ls,
+                         float *out, int64_t out_stride, float *spare) {
+    const int64_t G = H / KVH, pairs = R * G;
+    for (int64_t kh = 0; kh < KVH; kh++)
+        for (int64_t p0 = 0; p0 < pairs; p0 += TP) {
+            const float *qp[TP];
+            float *op[TP];
+            int64_t len[TP];
+            for (int m = 0; m < TP; m++) {
+                const int64_t p = p0 + m < pairs ? p0 + m : pairs - 1;
+                const int64_t r = r0 + p / G, h = kh * G + p % G;
+                qp[m] = q + rows[r] * q_stride + h * D;
+                op[m] = p0 + m < pairs ? out + rows[r] * out_stride + h * D : spare;
+                len[m] = seq_lens[r];
+            }
+            tile(qp, op, len, kc, vc, table, kh, KVH, D, bs, scale, scores, Ls);
+        }
+}
+
+/* How many rows from r (at most end - r) are consecutive tokens of r's sequence. */
+static int64_t prompt_run(const int64_t *rows, const int64_t *seq_lens, const int64_t *tables,
+                          int64_t bt_stride, int64_t bs, int64_t r, int64_t end) {
+    int64_t n = 1;
+    while (r + n < end && rows[r + n] == rows[r] + n && seq_lens[r + n] == seq_lens[r] + n
+           && memcmp(tables + (r + n) * bt_stride, tables + r * bt_stride,
+                     sizeof(int64_t) * (size_t)((seq_lens[r + n] + bs - 1) / bs)) == 0)
+        n++;
+    return n;
+}
 #else
 #define AVX2_SHAPE(D, bs) 0
 #define row_avx2_f32 row_scalar_f32
@@ -342,6 +461,19 @@ DEFINE_ROW_DP(row_dp_pf, 1) /* every next block prefetched, contiguous or not */
 #define row_dp_pf row_dp
 #endif
 
+#ifdef KVFLOW_AVX2
+#define TILE_PAIRS TP
+#define TILES_SERVE(io, window, D, bs) (((io) & 11) == 8 && (window) == 0 && AVX2_SHAPE(D, bs))
+#define PROMPT_TILES prompt_tiles
+#else
+#define TILE_PAIRS 1
+#define TILES_SERVE(io, window, D, bs) 0
+#define PROMPT_TILES(...) ((void)0)
+#define tile_avx2_f32 NULL
+#define tile_avx2_bf16 NULL
+#define prompt_run(...) 1
+#endif
+
 static row_fn *pick_row(int bf16_cache, int q_bf16, int pf_all, int64_t H, int64_t KVH, int64_t D,
                         int64_t bs) {
     if (bf16_cache && q_bf16 && DP_SHAPE(H, KVH, D, bs)) return pf_all ? row_dp_pf : row_dp;
@@ -351,7 +483,10 @@ static row_fn *pick_row(int bf16_cache, int q_bf16, int pf_all, int64_t H, int64
 
 /* q and out are fp32, or bf16 where io_bf16 has bit 0 (q) / bit 1 (out) set: a bf16 row is
  * widened (exactly) before and rounded (to nearest even, as torch's .to) after, per row. Bit
- * 2: the AVX512-BF16 row prefetches every next block, contiguous or not (row_dp_pf). */
+ * 2: the AVX512-BF16 row prefetches every next block, contiguous or not (row_dp_pf). Bit 3:
+ * the rows are every token of a step (prompt tokens among them): with fp32 q and out, no
+ * window and the AVX2 row's shape, runs of two or more consecutive tokens of one sequence go
+ * through prompt_tiles (a run of one, a decode, stays a row as in a decode step). */
 #define DEFINE_DECODE(SUFFIX, KV_T, BF16_CACHE)                                                \
 void paged_decode_##SUFFIX(const void *q, int64_t q_stride, const KV_T *k_cache,              \
                            const KV_T *v_cache, const int64_t *block_tables, int64_t bt_stride, \
@@ -363,10 +498,24 @@ void paged_decode_##SUFFIX(const void *q, int64_t q_stride, const KV_T *k_cache,
     for (int64_t r = row_begin; r < row_end; r++)                                              \
         if (seq_lens[r] > max_len) max_len = seq_lens[r];                                      \
     const int64_t Ls = max_len + 2;                                                            \
-    float *scores = (float *)malloc(sizeof(float) * (size_t)(H * Ls + 2 * H * D));             \
-    float *q32 = scores + H * Ls, *o32 = q32 + H * D;                                          \
+    const int64_t Hs = H > TILE_PAIRS ? H : TILE_PAIRS; /* score rows: a row's heads, a tile's pairs */ \
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(Hs * Ls + 2 * H * D));            \
+    float *q32 = scores + Hs * Ls, *o32 = q32 + H * D;                                         \
     row_fn *row = pick_row(BF16_CACHE, (int)(io_bf16 & 1), (int)(io_bf16 & 4), H, KVH, D, block_size); \
+    const int tiles = TILES_SERVE(io_bf16, window, D, block_size);                            \
+    float *spare = tiles ? (float *)malloc(sizeof(float) * (size_t)D) : NULL;                  \
     for (int64_t r = row_begin; r < row_end; r++) {                                            \
+        if (tiles) {                                                                           \
+            const int64_t run = prompt_run(rows, seq_lens, block_tables, bt_stride, block_size, \
+                                           r, row_end);                                        \
+            if (run > 1) {                                                                     \
+                PROMPT_TILES(tile_avx2_##SUFFIX, (const float *)q, q_stride, k_cache, v_cache, \
+                             block_tables + r * bt_stride, seq_lens, rows, r, run, H, KVH, D,  \
+                             block_size, scale, scores, Ls, (float *)out, out_stride, spare);  \
+                r += run - 1;                                                                  \
+                continue;                                                                      \
+            }                                                                                  \
+        }                                                                                      \
         const float *qr = (const float *)q + rows[r] * q_stride;                               \
         const uint16_t *qb = NULL;                                                             \
         float *orow = (io_bf16 & 2) ? o32 : (float *)out + rows[r] * out_stride;               \
@@ -393,6 +542,7 @@ void paged_decode_##SUFFIX(const void *q, int64_t q_stride, const KV_T *k_cache,
         }                                                                                      \
     }                                                                                          \
     free(scores);                                                                              \
+    free(spare);                                                                               \
 }
 DEFINE_DECODE(f32, float, 0)
 DEFINE_DECODE(bf16, uint16_t, 1)

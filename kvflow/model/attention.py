@@ -270,14 +270,17 @@ def _decode_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         meta: AttentionMetadata, scale: float, out: torch.Tensor,
                         all_tokens: bool = False, q8_isa: str | None = None,
                         prefetch_all: bool = False,
-                        kv_scales: tuple[float, float] = UNIT_KV_SCALES) -> bool:
+                        kv_scales: tuple[float, float] = UNIT_KV_SCALES,
+                        tiles: bool = True) -> bool:
     """Decode rows (or, with `all_tokens`, every token, each one query over its own causal
     prefix) through the C kernel, straight from the paged cache. False: the kernel does not
     take this cache (another dtype or device). A one-byte cache (fp8, int8) is read by
     paged_decode_q8 on its `q8_isa` path (None: the widest this CPU has), fp8 at the layer's
     `kv_scales` (k_scale, v_scale). `prefetch_all`: the
     bf16 kernel prefetches every next block, also where it follows the last in memory (faster
-    on a Xeon with AMX, slower on a Zen 4: paged_attention.c)."""
+    on a Xeon with AMX, slower on a Zen 4: paged_attention.c). `tiles` (with `all_tokens`):
+    consecutive prompt tokens share their loads in tiles where the kernel has them (fp32 q and
+    out on an fp32 or bf16 cache; False: each a row of its own, to measure them)."""
     kernel = _decode_kernel(k_cache)
     if kernel is None:
         return False
@@ -290,6 +293,7 @@ def _decode_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if prefetch_all and kernel == "paged_decode_bf16":
         io_bf16 |= 4
     if all_tokens:
+        io_bf16 |= 8 if tiles else 0  # bit 3: prompt tokens in tiles (paged_attention.c)
         rows, lens, tables = meta.token_rows()
     else:
         tables, lens, rows = meta.decode_block_tables, meta.decode_seq_lens, meta.decode_rows
@@ -380,12 +384,14 @@ def attention_with_kernels(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            k: torch.Tensor | None = None, v: torch.Tensor | None = None, *,
                            prompt_kernel: bool = True, prompt_amx: bool = False,
                            prefetch_all: bool = False, q8_isa: str | None = None,
-                           kv_scales: tuple[float, float] = UNIT_KV_SCALES) -> torch.Tensor:
+                           kv_scales: tuple[float, float] = UNIT_KV_SCALES,
+                           prompt_tiles: bool = True) -> torch.Tensor:
     """Attention of q [T, H, D] over each request's own cached K/V -> [T, H * D], through the
     C kernels: decodes through the decode kernel, prompts through the prompt kernel where
     `prompt_kernel` (it was built: AVX512-BF16) and it takes this cache, else as decode rows;
     `prompt_amx`: the prompt kernel on AMX's tiles; `prefetch_all`: _decode_with_kernel's;
-    `kv_scales`: the layer's fp8 (k_scale, v_scale).
+    `kv_scales`: the layer's fp8 (k_scale, v_scale); `prompt_tiles`: prompt tokens taken as
+    decode rows share loads in tiles (_decode_with_kernel's `tiles`).
 
     The step's K/V must already be in the cache (write_kv). `k`/`v`, this step's fresh
     [T, kv_heads, D], optionally spare a gather for prompts that have no prior context."""
@@ -406,7 +412,7 @@ def attention_with_kernels(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             return attention_with_sdpa(q, k_cache, v_cache, meta, scale, num_kv_heads, k, v,
                                        decode_kernel=True, kv_scales=kv_scales)
         _decode_with_kernel(q, k_cache, v_cache, meta, scale, of, all_tokens=True, q8_isa=q8_isa,
-                            prefetch_all=prefetch_all, kv_scales=kv_scales)
+                            prefetch_all=prefetch_all, kv_scales=kv_scales, tiles=prompt_tiles)
     elif meta.num_decodes:
         _decode_with_kernel(q, k_cache, v_cache, meta, scale, of, q8_isa=q8_isa,
                             prefetch_all=prefetch_all, kv_scales=kv_scales)
