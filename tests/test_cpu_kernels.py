@@ -278,9 +278,10 @@ def test_bf16_argmax_matches_torch_with_ties_and_nan():
 def test_prompt_tokens_in_avx2_tiles_match_sdpa(cache_dtype, threads, heads, kv_heads, head_dim,
                                                  monkeypatch):
     """fp32 prompt tokens as rows of the decode kernel (every CPU without the prompt kernel for
-    this cache) share their keys' and values' loads in tiles of (token, head) pairs: a step of
-    a fresh prompt, decodes, a chunk after cached context, a two-token chunk and a prompt
-    ending mid-block, against SDPA per prompt; no output left unwritten."""
+    this cache) share their keys' and values' loads in tiles of (token, head) pairs, and give
+    each token the numbers of its own row bit for bit (so fp32 outputs never depend on how a
+    step was batched): a step of a fresh prompt, decodes, a chunk after cached context, a
+    two-token chunk and a prompt ending mid-block, against one row at a time and SDPA."""
     monkeypatch.setattr(A, "MIN_PARALLEL_HEAD_KEYS", 0)
     block_size = 16
     query_lens = np.array([45, 1, 23, 2, 1, 37])
@@ -290,13 +291,16 @@ def test_prompt_tokens_in_avx2_tiles_match_sdpa(cache_dtype, threads, heads, kv_
     q = torch.randn(int(query_lens.sum()), heads, head_dim)
     scale = head_dim ** -0.5
     meta = A.build_attention_metadata(query_lens, seq_lens, tables, block_size)
-    got = torch.full(q.shape, float("nan"))
+    got, rows = torch.full(q.shape, float("nan")), torch.full(q.shape, float("nan"))
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         assert A._decode_with_kernel(q, k_cache, v_cache, meta, scale, got, all_tokens=True)
+        assert A._decode_with_kernel(q, k_cache, v_cache, meta, scale, rows, all_tokens=True,
+                                     tiles=False)
     finally:
         torch.set_num_threads(old)
+    assert torch.equal(got, rows)
     want = A.attention_with_sdpa(q, k_cache, v_cache, meta, scale, kv_heads, decode_kernel=True)
     torch.testing.assert_close(got.view(len(q), -1), want, atol=1e-5, rtol=1e-5)
 

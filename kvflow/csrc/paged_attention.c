@@ -205,12 +205,13 @@ DEFINE_AVX2(bf16, uint16_t)
 /* Prompt tokens in tiles (AVX2, fp32 q and out; fp32 or bf16 cache): TP (token, query head)
  * pairs of one sequence and kv head, the heads of consecutive prompt tokens, share every load
  * of its keys and values, where a row (above) reads them once per head: per dim pair two key
- * loads feed 2 * TP multiply-adds (a row's: 2), per key pair two value loads 2 * TP. Two passes
- * as the row's: every pair's scores over the tile's L keys (the longest pair's; a pair sees
- * its own len[m] of them, causally), a softmax per pair over its own keys (the later ones weigh
- * 0), then the values 8 dims at a time. A pair's numbers do not depend on the tile it is in
- * (a zero weight adds nothing). TP = 6: 12 accumulators, 2 keys or values and a broadcast in
- * AVX2's 16 registers. */
+ * loads feed 2 * TP multiply-adds (a row's: 2), per key pair two value loads 2 * TP. Each pair
+ * gets the row's numbers bit for bit, so a token's output never depends on whether it came as
+ * a row or in a tile, nor on its tile: the same chains (a score's lanes summed over dim pairs
+ * c % 4 == u, u = 0..3, then (u0 + u1) + (u2 + u3); a value's per block, added to the output
+ * block after block), the same softmax over its own len[m] keys (later keys of the tile weigh
+ * 0 and add nothing). TP = 6: 12 accumulators, 2 keys or values and a broadcast in AVX2's 16
+ * registers; the four score chains of a pair and its running output wait in L1. */
 #define TP 6
 #define DEFINE_TILE_AVX2(SUFFIX, KV_T)                                                         \
 static void tile_avx2_##SUFFIX(const float *const q[TP], float *const o[TP],                  \
@@ -226,19 +227,28 @@ static void tile_avx2_##SUFFIX(const float *const q[TP], float *const o[TP],    
         const int64_t b0 = b * bs, n = L - b0 < bs ? L - b0 : bs;                              \
         const KV_T *k = k_cache + (table[b] * KVH + kh) * tile;                                \
         for (int64_t t = 0; t < n; t += 8) {                                                   \
-            __m256 a[TP][2];                                                                   \
-            for (int m = 0; m < TP; m++) a[m][0] = a[m][1] = _mm256_setzero_ps();              \
-            for (int64_t c = 0; c < D / 2; c++) {                                              \
-                const KV_T *kk = k + (c * bs + t) * 2;                                         \
-                const __m256 k0 = load8_##SUFFIX(kk), k1 = load8_##SUFFIX(kk + 8);             \
-                for (int m = 0; m < TP; m++) {                                                 \
-                    const __m256 qq = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(q[m] + 2 * c))); \
-                    a[m][0] = _mm256_fmadd_ps(qq, k0, a[m][0]);                                \
-                    a[m][1] = _mm256_fmadd_ps(qq, k1, a[m][1]);                                \
+            __m256 part[4][TP][2]; /* the row's a[u] and a[4 + u], per pair */                 \
+            for (int u = 0; u < 4; u++) {                                                      \
+                __m256 a[TP][2];                                                               \
+                for (int m = 0; m < TP; m++) a[m][0] = a[m][1] = _mm256_setzero_ps();          \
+                for (int64_t c = u; c < D / 2; c += 4) {                                       \
+                    const KV_T *kk = k + (c * bs + t) * 2;                                     \
+                    const __m256 k0 = load8_##SUFFIX(kk), k1 = load8_##SUFFIX(kk + 8);         \
+                    for (int m = 0; m < TP; m++) {                                             \
+                        const __m256 qq = _mm256_castpd_ps(                                    \
+                            _mm256_broadcast_sd((const double *)(q[m] + 2 * c)));              \
+                        a[m][0] = _mm256_fmadd_ps(qq, k0, a[m][0]);                            \
+                        a[m][1] = _mm256_fmadd_ps(qq, k1, a[m][1]);                            \
+                    }                                                                          \
                 }                                                                              \
+                for (int m = 0; m < TP; m++) part[u][m][0] = a[m][0], part[u][m][1] = a[m][1]; \
             }                                                                                  \
             for (int m = 0; m < TP; m++) {                                                     \
-                const __m256 sm = _mm256_mul_ps(pair_sums8(a[m][0], a[m][1]), sc);             \
+                const __m256 lo = _mm256_add_ps(_mm256_add_ps(part[0][m][0], part[1][m][0]),   \
+                                                _mm256_add_ps(part[2][m][0], part[3][m][0]));  \
+                const __m256 hi = _mm256_add_ps(_mm256_add_ps(part[0][m][1], part[1][m][1]),   \
+                                                _mm256_add_ps(part[2][m][1], part[3][m][1]));  \
+                const __m256 sm = _mm256_mul_ps(pair_sums8(lo, hi), sc);                       \
                 float *sh = scores + m * Ls + b0 + t;                                          \
                 if (t + 8 <= n) _mm256_storeu_ps(sh, sm);                                      \
                 else {                                                                         \
@@ -253,13 +263,14 @@ static void tile_avx2_##SUFFIX(const float *const q[TP], float *const o[TP],    
     for (int m = 0; m < TP; m++) {                                                             \
         inv_sum[m] = softmax_unnormalised(scores + m * Ls, len[m]);                            \
         for (int64_t t = len[m]; t <= L; t++) scores[m * Ls + t] = 0.f; /* later keys, a partner */ \
+        memset(o[m], 0, sizeof(float) * (size_t)D);                                            \
     }                                                                                          \
-    for (int64_t d0 = 0; d0 < D; d0 += 8) {                                                    \
-        __m256 acc[TP][2];                                                                     \
-        for (int m = 0; m < TP; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();              \
+    for (int64_t d0 = 0; d0 < D; d0 += 8)                                                      \
         for (int64_t b = 0; b < nb; b++) {                                                     \
             const int64_t b0 = b * bs, n = L - b0 < bs ? L - b0 : bs;                          \
             const KV_T *v = v_cache + (table[b] * KVH + kh) * tile;                            \
+            __m256 acc[TP][2];                                                                 \
+            for (int m = 0; m < TP; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();          \
             for (int64_t j = 0; 2 * j < n; j++) {                                              \
                 const KV_T *vj = v + (j * D + d0) * 2;                                         \
                 const __m256 keep = 2 * j + 1 < n ? _mm256_castsi256_ps(_mm256_set1_epi32(-1)) \
@@ -273,11 +284,12 @@ static void tile_avx2_##SUFFIX(const float *const q[TP], float *const o[TP],    
                     acc[m][1] = _mm256_fmadd_ps(pp, v1, acc[m][1]);                            \
                 }                                                                              \
             }                                                                                  \
+            for (int m = 0; m < TP; m++)                                                       \
+                _mm256_storeu_ps(o[m] + d0, _mm256_add_ps(_mm256_loadu_ps(o[m] + d0),          \
+                                                          pair_sums8(acc[m][0], acc[m][1])));  \
         }                                                                                      \
-        for (int m = 0; m < TP; m++)                                                           \
-            _mm256_storeu_ps(o[m] + d0, _mm256_mul_ps(pair_sums8(acc[m][0], acc[m][1]),         \
-                                                      _mm256_set1_ps(inv_sum[m])));            \
-    }                                                                                          \
+    for (int m = 0; m < TP; m++)                                                               \
+        for (int64_t d = 0; d < D; d++) o[m][d] *= inv_sum[m];                                 \
 }
 DEFINE_TILE_AVX2(f32, float)
 DEFINE_TILE_AVX2(bf16, uint16_t)
@@ -469,8 +481,6 @@ DEFINE_ROW_DP(row_dp_pf, 1) /* every next block prefetched, contiguous or not */
 #define TILE_PAIRS 1
 #define TILES_SERVE(io, window, D, bs) 0
 #define PROMPT_TILES(...) ((void)0)
-#define tile_avx2_f32 NULL
-#define tile_avx2_bf16 NULL
 #define prompt_run(...) 1
 #endif
 
