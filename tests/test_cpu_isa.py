@@ -46,19 +46,27 @@ def test_avx512_build_flags_keep_native_without_bf16_or_amx(monkeypatch):
     assert flags[0] == "-march=native" and {"-mno-avx512bf16", "-mno-amx-tile"} <= set(flags)
 
 
+def _unset_torch_caps(monkeypatch) -> None:
+    """Both torch variables unset for the test and as they were after it (a bare delenv of an
+    unset variable would not undo what the test then sets: later tests' subprocesses would
+    inherit the cap)."""
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+
+
 def test_unknown_cap_is_refused_by_name(monkeypatch):
     monkeypatch.setenv("KVFLOW_CPU_ISA", "avx9")
     with pytest.raises(ValueError, match="KVFLOW_CPU_ISA='avx9'"):
         cpuinfo.cpu_isa_cap()
-    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
-        monkeypatch.delenv(name, raising=False)
+    _unset_torch_caps(monkeypatch)
     cpuinfo.cap_torch_kernels()  # leaves it to read_cpuinfo's refusal: sets nothing
     assert "ATEN_CPU_CAPABILITY" not in os.environ and "ONEDNN_MAX_CPU_ISA" not in os.environ
 
 
 def test_a_cap_sets_torch_and_onednn_unless_set(monkeypatch):
     monkeypatch.setenv("KVFLOW_CPU_ISA", "avx2")
-    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    _unset_torch_caps(monkeypatch)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "SSE41")
     cpuinfo.cap_torch_kernels()
     assert (os.environ["ATEN_CPU_CAPABILITY"], os.environ["ONEDNN_MAX_CPU_ISA"]) == ("avx2", "SSE41")
@@ -137,3 +145,19 @@ def test_avx2_kind_generates_hfs_greedy_tokens(tmp_path):
     assert res["dtype"] == "torch.float32"
     assert res["kernels"]["linear"] == "gemv-avx2" and res["kernels"]["attention"] == "c-decode"
     assert res["identical"] >= 7, res  # fp32 ties may excuse a divergence, not most of them
+
+
+@pytest.mark.slow  # builds the kernel library again (~12 s)
+def test_avx2_build_prompt_tiles_give_the_rows_numbers(tmp_path):
+    """The AVX2-only build (the Zen 3 kind's) runs the prompt tiles: each token's numbers
+    equal its own row's bit for bit and SDPA's closely, fp32 and bf16 caches, 1 and 2
+    threads."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")}
+    env.update(KVFLOW_CPU_ISA="avx2", KVFLOW_CACHE_DIR=str(tmp_path))
+    tests = os.path.dirname(__file__)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          os.path.join(tests, "test_cpu_kernels.py"), "-k",
+                          "avx2_tiles and 9-3-64 or chunks"], env=env, cwd=os.path.dirname(tests),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "5 passed" in out.stdout, out.stdout[-500:]
