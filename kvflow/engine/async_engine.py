@@ -21,6 +21,7 @@ from kvflow.config import EngineConfig
 import zmq
 
 from kvflow.engine.core_client import EngineCoreClient, EngineDeadError, EngineStalledError
+from kvflow.engine.input_processor import InputProcessor, RequestLimits
 from kvflow.engine.output_processor import OutputKind, OutputProcessor
 from kvflow.engine.protocol import (CoreMessage, EngineCoreOutputs, EngineCoreReady,
                                     EngineCoreRequestType, SchedulerStats, UtilityCall)
@@ -29,7 +30,6 @@ from kvflow.model_path import resolve_model_path
 from kvflow.outputs import EmbeddingRequestOutput, RequestOutput
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
-from kvflow.structured import validate_structured_outputs
 from kvflow.tokenizer import get_tokenizer, tokenizer_source
 
 logger = logging.getLogger("kvflow")
@@ -56,6 +56,7 @@ class AsyncLLM:
         self.stat_logger = stat_logger or StatLogger()
         self.tokenizer = None
         self.processor: OutputProcessor | None = None
+        self._input_processor: InputProcessor | None = None  # once the core reports its limits
         self.info: EngineCoreReady | None = None
         self.queues: dict[str, asyncio.Queue] = {}
         self.num_core_requests = 0  # unfinished requests in the core, as sent from here
@@ -92,6 +93,13 @@ class AsyncLLM:
         return self.info.max_model_len
 
     @property
+    def input_processor(self) -> InputProcessor:
+        """The one request check, against the limits the core reported when it was ready."""
+        if self._input_processor is None:
+            self._input_processor = InputProcessor(self.config, RequestLimits.of(self.info))
+        return self._input_processor
+
+    @property
     def is_dead(self) -> bool:
         return self.dead_error is not None
 
@@ -106,18 +114,19 @@ class AsyncLLM:
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                        prompt: str | None = None, arrival_time: float | None = None,
                        priority: int = 0, cache_salt: str | None = None,
-                       lora_request: LoRARequest | None = None,
+                       lora_request: LoRARequest | None = None, checked: bool = False,
                        ) -> AsyncIterator[RequestOutput]:
-        """Stream DELTA RequestOutputs for one request (all its `n` samples) until finished."""
+        """Stream DELTA RequestOutputs for one request (all its `n` samples) until finished.
+        The input processor checks it first (ValueError naming the field: a 400), unless the
+        caller did (`checked`: the server checks every prompt of a request before any runs)."""
         if self.dead_error is not None:
             raise type(self.dead_error)(str(self.dead_error))  # keeps its code
-        if params.structured_outputs is not None:  # ValueError naming the problem: a 400
-            validate_structured_outputs(params.structured_outputs,
-                                        self.config.structured_outputs_backend)
+        if not checked:
+            self.input_processor.process(prompt_token_ids, params, lora_request)
         core_reqs = self.processor.add_request(
             request_id, prompt, prompt_token_ids, params, OutputKind.DELTA,
             arrival_time=arrival_time or time.time(), priority=priority, cache_salt=cache_salt,
-            lora_request=lora_request)
+            lora_request=lora_request, checked=True)
         finished = False
         # From here on the request is counted; every way out (an encode or send error, a
         # cancelled task, an error from the output path) passes the `finally` that uncounts it.
@@ -146,13 +155,16 @@ class AsyncLLM:
                 self._forget(request_id)
 
     async def encode(self, prompt_token_ids: list[int], params: PoolingParams, request_id: str,
-                     prompt: str | None = None, priority: int = 0) -> EmbeddingRequestOutput:
+                     prompt: str | None = None, priority: int = 0,
+                     checked: bool = False) -> EmbeddingRequestOutput:
         """Pool one prompt into its embedding (vLLM's name); scheduled beside generation as a
-        prefill-only request."""
+        prefill-only request. `checked` as in generate."""
         if self.dead_error is not None:
             raise type(self.dead_error)(str(self.dead_error))
+        if not checked:
+            self.input_processor.process_pooling(prompt_token_ids, params)
         core_req = self.processor.add_pooling_request(request_id, prompt, prompt_token_ids,
-                                                      params, time.time(), priority)
+                                                      params, time.time(), priority, checked=True)
         finished = False
         try:
             queue: asyncio.Queue = asyncio.Queue()

@@ -13,6 +13,7 @@ from kvflow.core.kv_cache_groups import make_kv_cache_groups
 from kvflow.core.scheduler import Scheduler, SchedulerOutput
 from kvflow.distributed.executor import TPExecutor
 from kvflow.distributed.pipeline import stage_layers
+from kvflow.engine.input_processor import InputProcessor, RequestLimits
 from kvflow.engine.kv_sizing import max_concurrency, num_kv_blocks
 from kvflow.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kvflow.engine.remote_kv import EngineKVTransferMixin
@@ -33,9 +34,8 @@ from kvflow.model.quant.load import resolve_quantization
 from kvflow.model.sharding import kv_bytes_per_token_per_rank
 from kvflow.model.weight_dtype import storage_dtype
 from kvflow.model_path import resolve_model_path
-from kvflow.request import InvalidRequestError, Request, RequestStatus, check_request_fits
-from kvflow.sampling_params import check_token_ids
-from kvflow.structured import StructuredOutputManager, validate_structured_outputs
+from kvflow.request import Request, RequestStatus
+from kvflow.structured import StructuredOutputManager
 from kvflow.tokenizer import get_tokenizer, tokenizer_source
 
 logger = init_logger("kvflow.engine")
@@ -122,6 +122,9 @@ class EngineCore(EngineKVTransferMixin):
         cc = replace(config.cache_config, num_blocks=num_blocks, layer_windows=windows)
         self.scheduler_config, self.cache_config = sc, cc
         self.scheduler = Scheduler(sc, cc)
+        # checks what callers other than the frontends hand add_request (EngineCoreRequest.checked)
+        self.input_processor = InputProcessor(config, RequestLimits(
+            self.arch.vocab_size, self.max_model_len, cc.block_size, cc.num_blocks))
         # grammars compile in its thread; the tokenizer loads there on the first constrained request
         self.structured = StructuredOutputManager(
             config.structured_outputs_backend,
@@ -257,10 +260,12 @@ class EngineCore(EngineKVTransferMixin):
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> None:
-        """Queue a request; ValueError (naming the field or the numbers) if an id lies outside the
-        vocabulary or it can never fit. The frontends check first; this holds for any caller.
+        """Queue a request. A frontend checked it already (`r.checked`); one from any other
+        caller is checked here by the same input processor (ValueError naming the field).
         A refused request that was to pull remote KV releases the producer's lease at once."""
         try:
+            if not r.checked:
+                self.input_processor.process_core_request(r)
             self._add_request(r)
         except ValueError:
             p = r.sampling_params.kv_transfer_params
@@ -269,41 +274,25 @@ class EngineCore(EngineKVTransferMixin):
             raise
 
     def _add_request(self, r: EngineCoreRequest) -> None:
-        params = r.sampling_params
-        if r.lora_request is not None:  # refused before anything else is queued
+        """Queue a checked request: only what the input processor made true is asserted."""
+        n = len(r.prompt_token_ids)
+        if r.lora_request is not None:  # loaded on first use (ValueError if it cannot be)
             self.add_lora(r.lora_request)
-        vocab_size = self.arch.vocab_size
-        check_token_ids("prompt", r.prompt_token_ids, vocab_size)
-        check_token_ids("eos_token_ids", r.eos_token_ids, vocab_size)
-        cc = self.cache_config
         if r.pooling_params is not None:  # an embedding: prefill only, nothing sampled
-            if r.lora_request is not None:
-                raise InvalidRequestError("embeddings under a LoRA adapter are not supported; "
-                                          "use the base model", "model")
-            check_request_fits(len(r.prompt_token_ids), 0, self.max_model_len, cc.block_size,
-                               cc.num_blocks)
+            assert 0 < n <= self.max_model_len and r.lora_request is None
             pooling = r.pooling_params.resolved(self.config.model_config.pooler_config)
             req = Request(r.request_id, r.prompt_token_ids,
                           arrival_time=r.arrival_time or time.time(), priority=r.priority,
                           cache_salt=r.cache_salt, pooling_params=pooling)
             self.scheduler.add_request(req)
             return
-        params.verify_token_ids(vocab_size)
-        if params.prompt_logprobs is not None:
-            self.check_prompt_logprobs(params)
-        max_tokens = check_request_fits(len(r.prompt_token_ids), params.max_tokens,
-                                        self.max_model_len, cc.block_size, cc.num_blocks,
-                                        params.min_tokens)
-        if params.max_tokens is None:
-            params = replace(params, max_tokens=max_tokens)
+        params = r.sampling_params
+        if params.max_tokens is None:  # as many as max_model_len leaves
+            params = replace(params, max_tokens=self.max_model_len - n)
+        assert 0 < n and n + params.max_tokens <= self.max_model_len, "checked at the input"
         if params.kv_transfer_params is not None:
             self._check_kv_transfer(r)
         so = params.structured_outputs
-        if so is not None and self.pp_size > 1:
-            raise ValueError("structured_outputs: not supported with pipeline parallelism yet "
-                             "(pipeline_parallel_size 1)")
-        if so is not None:  # a 400 naming the problem, never unconstrained output
-            validate_structured_outputs(so, self.config.structured_outputs_backend)
         eos = r.eos_token_ids if r.eos_token_ids is not None else self.arch.eos_token_ids
         req = Request(r.request_id, r.prompt_token_ids, params, eos_token_id=eos,
                       arrival_time=r.arrival_time or time.time(), priority=r.priority,
@@ -319,16 +308,6 @@ class EngineCore(EngineKVTransferMixin):
         if req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
             self.kv_agent.watch(params.kv_transfer_params)  # heartbeats until its pull starts
 
-    def check_prompt_logprobs(self, params) -> None:
-        """InvalidRequestError for prompt_logprobs where they cannot be computed correctly: with
-        speculative decoding (a draft model keeps its own prefix state; not verified together),
-        and with KV transfer (a pulled prompt is never computed here)."""
-        if self.config.speculative_config is not None:
-            raise InvalidRequestError("prompt_logprobs is not supported with speculative decoding "
-                                      "(speculative_config); leave it out", "prompt_logprobs")
-        if params.kv_transfer_params is not None:
-            raise InvalidRequestError("prompt_logprobs cannot be combined with kv_transfer_params",
-                                      "prompt_logprobs")
     # -- LoRA adapters ---------------------------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load, check and register an adapter (False: this id is registered already with this

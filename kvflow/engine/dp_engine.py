@@ -64,6 +64,11 @@ class DPAsyncLLM:
         return self.replicas[0].info
 
     @property
+    def input_processor(self):
+        """The one request check; the replicas load one model with one set of options."""
+        return self.replicas[0].input_processor
+
+    @property
     def infos(self) -> list[EngineCoreReady]:
         return [r.info for r in self.replicas]
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from kvflow.config import EngineConfig
 from kvflow.engine.core import EngineCore
+from kvflow.engine.input_processor import InputProcessor
 from kvflow.engine.output_processor import OutputKind, OutputProcessor
 from kvflow.lora_request import LoRARequest
 from kvflow.outputs import EmbeddingRequestOutput, RequestOutput
@@ -27,15 +28,24 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.core.max_model_len
 
+    @property
+    def input_processor(self) -> InputProcessor:
+        """The one request check (the core's limits and this engine's options)."""
+        return self.core.input_processor
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, kind: OutputKind = OutputKind.FINAL,
                     priority: int = 0, cache_salt: str | None = None,
-                    lora_request: LoRARequest | None = None) -> None:
-        if lora_request is not None:  # loaded (and checked) on first use, as vLLM does
+                    lora_request: LoRARequest | None = None, checked: bool = False) -> None:
+        """Queue a request; ValueError naming the field if the input processor refuses it
+        (`checked`: the caller ran `input_processor.process` on it already)."""
+        if not checked:
+            self.input_processor.process(prompt_token_ids, params, lora_request)
+        if lora_request is not None:  # loaded on first use, as vLLM does
             self.core.add_lora(lora_request)
         core_reqs = self.output_processor.add_request(
             request_id, prompt, prompt_token_ids, params, kind, self.eos_token_ids,
-            priority=priority, cache_salt=cache_salt, lora_request=lora_request)
+            priority=priority, cache_salt=cache_salt, lora_request=lora_request, checked=True)
         try:
             for r in core_reqs:
                 self.core.add_request(r)
@@ -44,15 +54,19 @@ class LLMEngine:
             raise
 
     def add_pooling_request(self, request_id: str, prompt_token_ids: list[int],
-                            params: PoolingParams, prompt: str | None = None) -> None:
-        """Queue an embedding request (prefill only)."""
+                            params: PoolingParams, prompt: str | None = None,
+                            checked: bool = False) -> None:
+        """Queue an embedding request (prefill only); `checked` as in add_request."""
+        if not checked:
+            self.input_processor.process_pooling(prompt_token_ids, params)
         core_req = self.output_processor.add_pooling_request(request_id, prompt, prompt_token_ids,
-                                                             params)
+                                                             params, checked=True)
         try:
             self.core.add_request(core_req)
         except ValueError:
             self.core.abort_requests(self.output_processor.abort_request(request_id))
             raise
+
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load and register an adapter (False: registered already); ValueError if refused."""
         return self.core.add_lora(lora_request)

@@ -85,8 +85,9 @@ class OutputProcessor:
                     params: SamplingParams, kind: OutputKind = OutputKind.FINAL,
                     eos_token_ids: list[int] | None = None, arrival_time: float | None = None,
                     priority: int = 0, cache_salt: str | None = None,
-                    lora_request=None) -> list[EngineCoreRequest]:
-        """Register a request; returns the core requests to send (one per sample)."""
+                    lora_request=None, checked: bool = False) -> list[EngineCoreRequest]:
+        """Register a request; returns the core requests to send (one per sample), marked
+        `checked` when the input processor has passed it."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = arrival_time or time.time()
@@ -112,7 +113,7 @@ class OutputProcessor:
                 self.core_to_sample[core_id] = (state, sample)
                 core_reqs.append(EngineCoreRequest(core_id, list(prompt_token_ids), p, eos_token_ids,
                                                    arrival, priority, cache_salt,
-                                                   lora_request=lora_request))
+                                                   lora_request=lora_request, checked=checked))
         except BaseException:
             for sample in state.samples:  # all or nothing: no half-registered request
                 self.core_to_sample.pop(sample.core_id, None)
@@ -122,7 +123,7 @@ class OutputProcessor:
 
     def add_pooling_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                             params: PoolingParams, arrival_time: float | None = None,
-                            priority: int = 0) -> EngineCoreRequest:
+                            priority: int = 0, checked: bool = False) -> EngineCoreRequest:
         """Register an embedding request; returns the core request to send."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -134,7 +135,8 @@ class OutputProcessor:
         self.requests[request_id] = state
         self.core_to_sample[request_id] = (state, sample)
         return EngineCoreRequest(request_id, list(prompt_token_ids), SamplingParams(),
-                                 arrival_time=arrival, priority=priority, pooling_params=params)
+                                 arrival_time=arrival, priority=priority, pooling_params=params,
+                                 checked=checked)
 
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a request; returns the core ids still to abort in the core."""

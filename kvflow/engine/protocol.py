@@ -76,6 +76,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # an embedding request (prefill only; its sampling_params are not used)
     pooling_params: PoolingParams | None = None
     lora_request: LoRARequest | None = None  # the adapter it runs under; None: the base model
+    # passed the frontend's input processor: the core only asserts its invariants (False: the
+    # core runs the same input processor on it, for callers that hand it requests directly)
+    checked: bool = False
 
 
 # -- core -> frontend ------------------------------------------------------------------------

@@ -11,9 +11,7 @@ from kvflow.lora_request import LoRARequest
 from kvflow.options import engine_config
 from kvflow.outputs import EmbeddingRequestOutput, RequestOutput
 from kvflow.pooling_params import PoolingParams
-from kvflow.request import check_request_fits
-from kvflow.sampling_params import SamplingParams, check_token_ids
-from kvflow.structured import validate_structured_outputs
+from kvflow.sampling_params import SamplingParams
 from kvflow.tokenizer import render_chat
 
 Prompt = str | list[int]
@@ -68,14 +66,15 @@ class LLM:
         encoded = [self._encode(p) for p in prompts]
         if prompt_texts is not None:
             encoded = [(text, ids) for text, (_, ids) in zip(prompt_texts, encoded)]
-        for (_, ids), p in zip(encoded, params):
-            self._check_fits(ids, p)
+        check = self.engine.input_processor
+        for (_, ids), p, lr in zip(encoded, params, loras):
+            check.process(ids, p, lr)  # every prompt, before any is queued
         order = {}
         for (text, ids), p, prio, lr in zip(encoded, params, priority, loras):
             rid = str(next(self._ids))
             order[rid] = len(order)
             self.engine.add_request(rid, ids, p, prompt=text, priority=prio, cache_salt=cache_salt,
-                                    lora_request=lr)
+                                    lora_request=lr, checked=True)
         return self._run(order, use_tqdm)
 
     def embed(self, prompts: Prompt | Sequence[Prompt],
@@ -96,15 +95,13 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} pooling params")
         encoded = [self._encode(p) for p in prompts]
-        cc = self.engine.core.cache_config
-        for _, ids in encoded:
-            check_token_ids("prompt", ids, self.engine.core.arch.vocab_size)
-            check_request_fits(len(ids), 0, self.engine.max_model_len, cc.block_size, cc.num_blocks)
+        for (_, ids), p in zip(encoded, params):
+            self.engine.input_processor.process_pooling(ids, p)  # every prompt, before any is queued
         order = {}
         for (text, ids), p in zip(encoded, params):
             rid = str(next(self._ids))
             order[rid] = len(order)
-            self.engine.add_pooling_request(rid, ids, p, prompt=text)
+            self.engine.add_pooling_request(rid, ids, p, prompt=text, checked=True)
         return self._run(order, use_tqdm)
 
     def chat(self, messages: list[Message] | list[list[Message]],
@@ -126,21 +123,6 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.core.reset_prefix_cache()
-
-    def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
-        """Every prompt is checked before any is queued, so a bad one leaves none behind: its
-        ids (and the params' ids) within the vocabulary, its length within the limits."""
-        vocab_size = self.engine.core.arch.vocab_size
-        check_token_ids("prompt", ids, vocab_size)
-        params.verify_token_ids(vocab_size)
-        if params.prompt_logprobs is not None:
-            self.engine.core.check_prompt_logprobs(params)
-        if params.structured_outputs is not None:  # ValueError naming the problem
-            validate_structured_outputs(params.structured_outputs,
-                                        self.engine.core.config.structured_outputs_backend)
-        cc = self.engine.core.cache_config
-        check_request_fits(len(ids), params.max_tokens, self.engine.max_model_len,
-                           cc.block_size, cc.num_blocks, params.min_tokens)
 
     def _run(self, order: dict[str, int], use_tqdm: bool) -> list:
         results: list = [None] * len(order)

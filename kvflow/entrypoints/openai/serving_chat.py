@@ -200,7 +200,8 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs",
                            code="invalid_value")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self.make_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        params = self.make_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                                  lora_request=lora)
         tools = tool_dicts(req.tools)
         tool_mode, tool_name = self.tool_mode(req, params, tools)
         try:
@@ -242,7 +243,7 @@ class OpenAIServingChat(OpenAIServing):
         extra = {"usage": None} if job.include_usage else {}
         gen = self.engine.generate(job.prompt_ids, job.params, job.request_id, prompt=job.prompt,
                                    priority=job.priority, cache_salt=job.cache_salt,
-                                   lora_request=job.lora_request)
+                                   lora_request=job.lora_request, checked=True)
         for i in range(job.params.n):
             yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}], **extra}

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kvflow.entrypoints.openai.errors import APIError, bad_request
+from kvflow.entrypoints.openai.errors import APIError, bad_request, renamed
 from kvflow.entrypoints.openai.protocol import CompletionRequest
 from kvflow.entrypoints.openai.serving_engine import (OpenAIServing, merge_streams, off_loop, sse,
                                                       until_disconnected, usage_info)
@@ -104,11 +104,13 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_lp = req.prompt_logprobs
         if req.echo and req.logprobs is not None:
             prompt_lp = max(prompt_lp or 0, req.logprobs)
-        params = self.make_params(req, 1 if echo_only else req.max_tokens, req.logprobs, prompt_lp)
-        if prompt_lp is not None and self.engine.config.speculative_config is not None:
-            param = "prompt_logprobs" if req.prompt_logprobs is not None else "echo"
-            raise APIError(400, f"{param}: prompt logprobs are not supported with speculative "
-                                "decoding on this server", param=param, code="invalid_value")
+        try:
+            params = self.make_params(req, 1 if echo_only else req.max_tokens, req.logprobs,
+                                      prompt_lp, lora)
+        except APIError as e:
+            if req.prompt_logprobs is None:  # the prompt logprobs were echo's: name it
+                raise renamed(e, {"prompt_logprobs": "echo"}) from None
+            raise
         await self.check_constraint(params)
         prompts = self._prompts(req.prompt)
         self.check_choices(len(prompts), params.n)
@@ -154,7 +156,7 @@ class OpenAIServingCompletion(OpenAIServing):
         n = job.params.n
         gens = [self.engine.generate(ids, job.params, f"{job.request_id}-{i}", prompt=text,
                                      priority=job.priority, cache_salt=job.cache_salt,
-                                     lora_request=job.lora_request)
+                                     lora_request=job.lora_request, checked=True)
                 for i, (text, ids) in enumerate(job.prompts)]
         echo = [(text if text is not None else self.tokenizer.decode(ids)) if job.echo else ""
                 for text, ids in job.prompts]

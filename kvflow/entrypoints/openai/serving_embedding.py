@@ -21,8 +21,7 @@ from kvflow.entrypoints.openai.errors import APIError
 from kvflow.entrypoints.openai.protocol import OpenAIBaseModel
 from kvflow.entrypoints.openai.serving_engine import OpenAIServing, off_loop, until_disconnected
 from kvflow.pooling_params import PoolingParams
-from kvflow.request import InvalidRequestError, check_request_fits
-from kvflow.sampling_params import check_token_ids
+from kvflow.request import InvalidRequestError
 
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's cap on one request's inputs
 
@@ -73,12 +72,9 @@ class OpenAIServingEmbedding(OpenAIServing):
                 self.check_text_size(len(p), "input")
                 chars += len(p)
         encoded = await off_loop(self._encode, inputs, req.add_special_tokens, size=chars)
-        info = self.engine.info
-        for i, ids in enumerate(encoded):
+        for i, ids in enumerate(encoded):  # every input, before any is queued
             try:
-                check_token_ids("input", ids, info.vocab_size)
-                check_request_fits(len(ids), 0, self.engine.max_model_len, info.block_size,
-                                   info.num_blocks)
+                self.input_processor.process_pooling(ids, params, name="input")
             except InvalidRequestError as e:
                 where = f" (input {i})" if len(encoded) > 1 else ""
                 raise APIError(400, f"input: {e}{where}", param="input",
@@ -104,7 +100,7 @@ class OpenAIServingEmbedding(OpenAIServing):
     async def _embed(self, request_id: str, encoded: list[list[int]], params: PoolingParams,
                      priority: int) -> list[list[float]]:
         tasks = [asyncio.ensure_future(self.engine.encode(ids, params, f"{request_id}-{i}",
-                                                          priority=priority))
+                                                          priority=priority, checked=True))
                  for i, ids in enumerate(encoded)]
         try:
             outs = await asyncio.gather(*tasks)

@@ -15,9 +15,8 @@ from kvflow.engine.core_client import EngineDeadError
 from kvflow.entrypoints.openai.errors import APIError, bad_request, error_body
 from kvflow.entrypoints.openai.server_settings import ServerSettings
 from kvflow.entrypoints.openai.serving_lora import LoRAAdapters
-from kvflow.request import InvalidRequestError, check_request_fits
-from kvflow.sampling_params import SamplingParams, check_token_ids
-from kvflow.structured import validate_structured_outputs
+from kvflow.request import InvalidRequestError
+from kvflow.sampling_params import SamplingParams
 
 # What one request may ask for, checked before any work is done for it (vLLM caps none of
 # these; OpenAI documents none for completions). The body itself is capped by --max-body-size.
@@ -81,27 +80,33 @@ class OpenAIServing:
                                     f"(max_waiting_requests is {limit}); retry in a moment",
                                code="server_busy", headers={"Retry-After": "1"})
 
+    @property
+    def input_processor(self):
+        """The engine's one request check; the methods below run its stages and turn its
+        ValueErrors into 400s naming the field."""
+        return self.engine.input_processor
+
     def make_params(self, req, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
-        """The request's SamplingParams, every id and top_k checked against the vocabulary."""
+                    prompt_logprobs: int | None = None, lora_request=None) -> SamplingParams:
+        """The request's SamplingParams, checked by the input processor (every id and top_k
+        against the vocabulary, prompt logprobs, the adapter) before anything is tokenized."""
         try:
             params = req.sampling_params(max_tokens, logprobs, prompt_logprobs)
-            params.verify_token_ids(self.engine.info.vocab_size)
+            self.input_processor.check_params(params, lora_request)
         except ValueError as e:
-            raise bad_request(e) from None
+            raise refused(e) from None
         return params
 
     async def check_constraint(self, params: SamplingParams) -> None:
         """A constraint the grammar backend cannot enforce (a bad schema, grammar or regex) is
-        a 400 naming the problem, before the request reaches the engine (which checks again).
-        A big schema is checked off the loop."""
+        a 400 naming the problem, before the request reaches the engine. A big schema is
+        checked off the loop."""
         so = params.structured_outputs
         if so is None:
             return
         size = sum(len(t) for t in (so.json, so.regex, so.grammar, *(so.choice or ())) if t)
         try:
-            await off_loop(validate_structured_outputs, so,
-                           self.engine.config.structured_outputs_backend, size=size)
+            await off_loop(self.input_processor.check_constraint, params, size=size)
         except ValueError as e:
             raise bad_request(e) from None
 
@@ -130,17 +135,19 @@ class OpenAIServing:
                            param="prompt", code="too_many_tokens")
 
     def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
-        """The same limits the core enforces, checked here so that they become a 400."""
-        info = self.engine.info
+        """The input processor's prompt check (ids, length, KV pool), as a 400."""
         try:
-            check_token_ids("prompt", ids, info.vocab_size)
+            self.input_processor.check_prompt(ids, params)
         except ValueError as e:
-            raise bad_request(e) from None
-        try:
-            check_request_fits(len(ids), params.max_tokens, self.engine.max_model_len,
-                               info.block_size, info.num_blocks, params.min_tokens)
-        except InvalidRequestError as e:
-            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+            raise refused(e) from None
+
+
+def refused(e: ValueError) -> APIError:
+    """The 400 for an input processor's refusal: the field it names (InvalidRequestError's
+    `param`), else the one its message starts with."""
+    if isinstance(e, InvalidRequestError):
+        return APIError(400, str(e), param=e.param, code="invalid_value")
+    return bad_request(e)
 
 
 async def merge_streams(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:

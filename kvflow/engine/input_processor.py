@@ -1,0 +1,131 @@
+"""The one request check: everything a request asks for is checked here, once, where it enters
+the engine (vLLM's `InputProcessor`). `LLM`, the sync engine, the async engine and the OpenAI
+server all call it; the engine core and the scheduler behind it only assert what it made true.
+
+A refusal is a ValueError whose message starts with the field to change (an
+`InvalidRequestError` carries that field as `param`), so that the server turns it into a 400
+naming the field. What a request may ask for depends on the model and the options only, which
+the frontend knows once the core is ready (`RequestLimits`), so no check waits for the core.
+
+Two kinds of check stay behind, on state that only the core holds: `kv_transfer_params` (the
+KV connector compares them with this engine's cache, and a refusal there releases the
+producer's lease at once) and the hybrid cache's block count (the scheduler's KV cache groups).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvflow.config import EngineConfig
+from kvflow.lora_request import LoRARequest
+from kvflow.pooling_params import PoolingParams
+from kvflow.request import InvalidRequestError, check_request_fits
+from kvflow.sampling_params import SamplingParams, check_token_ids
+from kvflow.structured import validate_structured_outputs
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What the loaded model and its KV cache allow one request: known once the core is ready
+    (EngineCoreReady carries the same four numbers to the frontend)."""
+
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+
+    @classmethod
+    def of(cls, ready) -> "RequestLimits":
+        """The limits an EngineCoreReady (or anything with these four fields) reports."""
+        return cls(ready.vocab_size, ready.max_model_len, ready.block_size, ready.num_blocks)
+
+
+class InputProcessor:
+    """Checks a request against the engine's options and limits before anything is queued.
+
+    `process` / `process_pooling` are the whole check. The server runs the same checks in
+    three stages (`check_params` before it tokenizes, `check_constraint` off the event loop for
+    a big schema, `check_prompt` per prompt), so that every prompt of a request is refused
+    before any is queued; each check still runs once per request."""
+
+    def __init__(self, config: EngineConfig, limits: RequestLimits) -> None:
+        self.config = config
+        self.limits = limits
+
+    # -- the whole check --------------------------------------------------------------------
+    def process(self, prompt_token_ids: list[int], params: SamplingParams,
+                lora_request: LoRARequest | None = None) -> None:
+        """ValueError naming the field if this generation request can never run here."""
+        check_token_ids("prompt", prompt_token_ids, self.limits.vocab_size)
+        self.check_params(params, lora_request)
+        self.check_constraint(params)
+        self.check_fits(prompt_token_ids, params)
+
+    def process_pooling(self, prompt_token_ids: list[int], params: PoolingParams | None = None,
+                        lora_request: LoRARequest | None = None, name: str = "prompt") -> None:
+        """ValueError if this embedding request (prefill only) can never run here; `name` is
+        the API's field for the prompt (the embeddings endpoint calls it `input`)."""
+        if lora_request is not None:
+            raise InvalidRequestError("embeddings under a LoRA adapter are not supported; "
+                                      "use the base model", "model")
+        lim = self.limits
+        check_token_ids(name, prompt_token_ids, lim.vocab_size)
+        check_request_fits(len(prompt_token_ids), 0, lim.max_model_len, lim.block_size,
+                           lim.num_blocks)
+
+    # -- the stages -------------------------------------------------------------------------
+    def check_params(self, params: SamplingParams, lora_request: LoRARequest | None = None) -> None:
+        """What the sampling params ask of this engine, the prompt aside: every id and top_k
+        within the vocabulary, prompt logprobs where they can be computed, a constraint where
+        it can be enforced, an adapter where adapters are served. The constraint's own text is
+        `check_constraint`'s."""
+        params.verify_token_ids(self.limits.vocab_size)
+        if params.prompt_logprobs is not None:
+            self.check_prompt_logprobs(params)
+        if params.structured_outputs is not None and \
+                self.config.parallel_config.pipeline_parallel_size > 1:
+            raise ValueError("structured_outputs: not supported with pipeline parallelism yet "
+                             "(pipeline_parallel_size 1)")
+        if lora_request is not None and not self.config.lora_config.enable_lora:
+            raise ValueError(f"model {lora_request.lora_name!r} is a LoRA adapter: the engine "
+                             f"serves adapters only with enable_lora (--enable-lora)")
+
+    def check_prompt_logprobs(self, params: SamplingParams) -> None:
+        """InvalidRequestError for prompt_logprobs where they cannot be computed correctly: with
+        speculative decoding (a draft model keeps its own prefix state; not verified together),
+        and with KV transfer (a pulled prompt is never computed here)."""
+        if self.config.speculative_config is not None:
+            raise InvalidRequestError("prompt_logprobs is not supported with speculative decoding "
+                                      "(speculative_config); leave it out", "prompt_logprobs")
+        if params.kv_transfer_params is not None:
+            raise InvalidRequestError("prompt_logprobs cannot be combined with kv_transfer_params",
+                                      "prompt_logprobs")
+
+    def check_constraint(self, params: SamplingParams) -> None:
+        """A constraint the grammar backend cannot enforce (a bad schema, grammar or regex) is
+        refused naming the problem, never served as unconstrained output. It compiles the
+        constraint, so the server runs it off the event loop for a big one."""
+        if params.structured_outputs is not None:
+            validate_structured_outputs(params.structured_outputs,
+                                        self.config.structured_outputs_backend)
+
+    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """The prompt's ids within the vocabulary, then `check_fits`."""
+        check_token_ids("prompt", prompt_token_ids, self.limits.vocab_size)
+        self.check_fits(prompt_token_ids, params)
+
+    def check_fits(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """InvalidRequestError unless prompt + max_tokens fits in max_model_len and in the KV
+        pool, and min_tokens in the max_tokens it gets."""
+        lim = self.limits
+        check_request_fits(len(prompt_token_ids), params.max_tokens, lim.max_model_len,
+                           lim.block_size, lim.num_blocks, params.min_tokens)
+
+    # -- the core's door --------------------------------------------------------------------
+    def process_core_request(self, r) -> None:
+        """The whole check of an EngineCoreRequest handed to the core by a caller that did not
+        go through a frontend (its `checked` is False)."""
+        check_token_ids("eos_token_ids", r.eos_token_ids, self.limits.vocab_size)
+        if r.pooling_params is not None:
+            self.process_pooling(r.prompt_token_ids, r.pooling_params, r.lora_request)
+        else:
+            self.process(r.prompt_token_ids, r.sampling_params, r.lora_request)
