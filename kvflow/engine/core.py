@@ -59,134 +59,181 @@ class EngineCore(EngineKVTransferMixin):
         t0 = time.perf_counter()
         self.config = config
         torch.set_num_threads(config.num_threads)
-        mc = config.model_config
+        self._resolve_placement()  # model path, device, dtypes, parallel sizes
+        self._refuse_unsupported()  # option combinations refused before anything loads
+        free_at_start = torch.cuda.mem_get_info(self.device)[0] if self._on_gpu else 0
+        model = self._load_model()  # the weights here, or (ranks load shards) the config only
+        self.kv_bytes_per_token, block_bytes_per_token = self._kv_cache_spec()
+        self.scheduler_config, self.cache_config = self._cache_configs(
+            model, block_bytes_per_token, free_at_start)  # block count from the memory budget
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
+        # checks what callers other than the frontends hand add_request (EngineCoreRequest.checked)
+        self.input_processor = InputProcessor(config, RequestLimits(
+            self.arch.vocab_size, self.max_model_len, self.cache_config.block_size,
+            self.cache_config.num_blocks))
+        self.structured = self._structured_outputs()
+        self.spec = self._speculator()
+        self.trace = None
+        self.kv_agent: KVTransferAgent | None = None
+        if config.kv_transfer is not None:  # refused before any worker starts
+            self._check_kv_transfer_config(self.cache_config)
+        self._kv_trace: list[dict] = []  # transfers that ended since the last traced step
+        self._batch_queue: deque[_StartedStep] = deque()  # steps started, not yet finished
+        self.executor = self._make_executor(model)
+        self.scheduler.max_concurrent_batches = self.executor.max_concurrent_batches
+        try:
+            self._start_up()  # adapters, KV transfer, trace, warm-up, CUDA graphs
+        except BaseException:
+            self.shutdown()  # no worker outlives a failed start
+            raise
+        # after the warm-up: unseeded sampling draws from here, so --seed fixes its stream
+        torch.manual_seed(config.model_config.seed)
+        self.startup_time = time.perf_counter() - t0
+        logger.info(self.startup_report())
+
+    # -- start-up, step by step ------------------------------------------------------------
+    @property
+    def _on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    def _resolve_placement(self) -> None:
+        mc, pc = self.config.model_config, self.config.parallel_config
         self.model_path = resolve_model_path(mc.model)
         self.device = resolve_device(mc.device)
-        on_gpu = self.device.type == "cuda"
-        if on_gpu and config.speculative_config is not None:
-            raise ValueError("speculative_config runs on the CPU only for now (its GPU path is "
-                             "not verified); drop it or use --device cpu")
         self.dtype = resolve_dtype(mc.dtype, self.device)
-        cache_dtype = config.cache_config.cache_dtype
+        cache_dtype = self.config.cache_config.cache_dtype
         self.kv_dtype = self.dtype if cache_dtype == "auto" else resolve_kv_dtype(cache_dtype)
-        pc = config.parallel_config
         self.tp_size, self.pp_size = pc.tensor_parallel_size, pc.pipeline_parallel_size
         self.num_ranks = pc.world_size
+
+    def _refuse_unsupported(self) -> None:
+        """ValueError for option combinations not supported yet, before anything loads."""
+        config = self.config
+        if self._on_gpu and config.speculative_config is not None:
+            raise ValueError("speculative_config runs on the CPU only for now (its GPU path is "
+                             "not verified); drop it or use --device cpu")
         if self.pp_size > 1 and config.speculative_config is not None:
             raise ValueError("speculative_config is not supported with pipeline parallelism "
                              "yet (pipeline_parallel_size 1)")
-        if on_gpu and self.tp_size > 1 and config.cache_config.num_blocks is None:
+        if self._on_gpu and self.tp_size > 1 and config.cache_config.num_blocks is None:
             # the profile run that sizes the pool by --gpu-memory-utilization is one process's
             raise ValueError("tensor parallelism on cuda needs --num-blocks: the KV pool is not "
                              "sized from --gpu-memory-utilization across ranks yet")
         if config.lora_config.enable_lora and self.num_ranks > 1:
             raise ValueError("enable_lora with tensor or pipeline parallelism (tensor_parallel_size or "
                              "pipeline_parallel_size > 1) is not supported yet")
-        free_at_start = torch.cuda.mem_get_info(self.device)[0] if on_gpu else 0
+
+    def _load_model(self):
+        """The model in this process (None when the executor's ranks load their shards; never
+        the whole model here then); sets `arch` and `max_model_len`."""
+        mc, on_gpu = self.config.model_config, self._on_gpu
         # quantized weights are the CPU's, one process's (refused here, before anything loads)
         quantization = resolve_quantization(mc.quantization, self.model_path, self.num_ranks, on_gpu)
         weight_dtype = storage_dtype(mc.weight_dtype, self.dtype, not on_gpu, quantization,
                                      self.num_ranks)
-        if self.num_ranks > 1:  # the executor's ranks load their shards; never the whole model here
+        if self.num_ranks > 1:
             model, self.arch = None, load_arch_config(self.model_path)
         else:
             model, self.arch = load_model(self.model_path, self.dtype,
                                           device=self.device if on_gpu else None,
                                           quantization=quantization, weight_dtype=weight_dtype)
         self.max_model_len = mc.max_model_len or self.arch.max_position_embeddings
-        sc = replace(config.scheduler_config, max_model_len=self.max_model_len)
+        return model
+
+    def _kv_cache_spec(self) -> tuple[int, int]:
+        """KV bytes per token on one rank (every layer it holds), and per token of one block
+        (the layers of one KV cache group)."""
         # under tensor parallelism each rank holds its KV heads' share of every block
-        self.kv_bytes_per_token = kv_bytes_per_token_per_rank(
+        per_token = kv_bytes_per_token_per_rank(
             self.arch, self.tp_size, self.kv_dtype.itemsize,
             INT8_SCALE_BYTES if self.kv_dtype == torch.int8 else 0)
+        num_layers = self.arch.num_hidden_layers
         if self.pp_size > 1:  # a stage holds its layers' KV only; the largest stage decides
-            self.kv_bytes_per_token = (self.kv_bytes_per_token * len(stage_layers(
-                self.arch.num_hidden_layers, self.pp_size, 0)) // self.arch.num_hidden_layers)
+            return (per_token * len(stage_layers(num_layers, self.pp_size, 0)) // num_layers,) * 2
         # with sliding windows a block spans one KV cache group's layers, not all of them
-        windows = tuple(self.arch.layer_windows())
-        group_layers = len(make_kv_cache_groups(windows)[0].layers)
-        block_bytes_per_token = (self.kv_bytes_per_token * group_layers // self.arch.num_hidden_layers
-                                 if self.pp_size == 1 else self.kv_bytes_per_token)
+        group_layers = len(make_kv_cache_groups(tuple(self.arch.layer_windows()))[0].layers)
+        return per_token, per_token * group_layers // num_layers
+
+    def _cache_configs(self, model, block_bytes_per_token: int, free_at_start: int):
+        """The scheduler's and the cache's configs, resolved: max_model_len, and the block
+        count from the memory budget (on a GPU: what is left after a profile run)."""
+        config = self.config
+        sc = replace(config.scheduler_config, max_model_len=self.max_model_len)
+        cc = config.cache_config
         self.gpu_memory = None
-        if on_gpu and config.cache_config.num_blocks is None:
+        if self._on_gpu and cc.num_blocks is None:
             # weights, a profile run of the largest step, then the KV pool gets what is left
             self.gpu_memory = gpu_memory.measure(
-                model, self.arch, self.kv_dtype, config.cache_config.block_size,
-                sc.max_num_batched_tokens, sc.max_num_seqs, self.max_model_len, self.device,
-                free_at_start)
+                model, self.arch, self.kv_dtype, cc.block_size, sc.max_num_batched_tokens,
+                sc.max_num_seqs, self.max_model_len, self.device, free_at_start)
             num_blocks = gpu_memory.num_gpu_blocks(
-                self.gpu_memory, config.cache_config.gpu_memory_utilization,
-                block_bytes_per_token, config.cache_config.block_size)
+                self.gpu_memory, cc.gpu_memory_utilization, block_bytes_per_token, cc.block_size)
         else:
-            num_blocks = num_kv_blocks(config.cache_config, block_bytes_per_token)
-        cc = replace(config.cache_config, num_blocks=num_blocks, layer_windows=windows)
-        self.scheduler_config, self.cache_config = sc, cc
-        self.scheduler = Scheduler(sc, cc)
-        # checks what callers other than the frontends hand add_request (EngineCoreRequest.checked)
-        self.input_processor = InputProcessor(config, RequestLimits(
-            self.arch.vocab_size, self.max_model_len, cc.block_size, cc.num_blocks))
+            num_blocks = num_kv_blocks(cc, block_bytes_per_token)
+        return sc, replace(cc, num_blocks=num_blocks,
+                           layer_windows=tuple(self.arch.layer_windows()))
+
+    def _structured_outputs(self) -> StructuredOutputManager:
         # grammars compile in its thread; the tokenizer loads there on the first constrained request
-        self.structured = StructuredOutputManager(
-            config.structured_outputs_backend,
+        mc = self.config.model_config
+        return StructuredOutputManager(
+            self.config.structured_outputs_backend,
             lambda: get_tokenizer(tokenizer_source(mc.tokenizer, self.model_path)),
             self.arch.vocab_size, list(self.arch.eos_token_ids))
-        self.trace = None
-        self.spec = None
-        # Under tensor parallelism drafts are made here, on the driver: n-gram lookup reads
-        # token ids, and a draft model runs unsharded in this process (vLLM's draft TP=1; a
-        # small draft split over ranks would pay two all-reduces per layer per draft token).
-        # Only the target's verification forward runs sharded; the ranks see the drafts as
-        # scheduled tokens in the step's SchedulerOutput.
-        if config.speculative_config is not None:
-            self.spec = build_speculator(config.speculative_config, self.arch, self.dtype,
-                                         self.kv_dtype, cc, self.max_model_len,
-                                         mc.quantization)
-            self.scheduler.num_lookahead_tokens = self.spec.num_lookahead_tokens
-        self.kv_agent: KVTransferAgent | None = None
-        if config.kv_transfer is not None:  # refused before any worker starts
-            self._check_kv_transfer_config(cc)
-        self._kv_trace: list[dict] = []  # transfers that ended since the last traced step
-        self._batch_queue: deque[_StartedStep] = deque()  # steps started, not yet finished
-        # runs each step: in this process, or over tensor_parallel_size ranks
-        self.executor: Executor = (
-            TPExecutor(config, self.model_path, self.arch, self.dtype, self.kv_dtype,
-                       cc.num_blocks, cc.block_size, self.arch.eos_token_ids,
-                       self.device.type) if self.num_ranks > 1
-            else UniProcExecutor(model, self.arch, cc.num_blocks, cc.block_size, self.kv_dtype,
-                                 self.arch.eos_token_ids, self.device,
-                                 decode_graphs_for(self.arch, cc.block_size, sc.max_num_seqs,
-                                                   self.max_model_len, self.device,
-                                                   capture=not mc.enforce_eager)
-                                 # an expert block groups tokens on the host (moe.py): no graph
-                                 if on_gpu and not self.arch.num_experts else None,
-                                 max_model_len=self.max_model_len))
-        self.scheduler.max_concurrent_batches = self.executor.max_concurrent_batches
+
+    def _speculator(self):
+        """The draft proposer, with speculative_config (None without).
+
+        Under tensor parallelism drafts are made here, on the driver: n-gram lookup reads
+        token ids, and a draft model runs unsharded in this process (vLLM's draft TP=1; a
+        small draft split over ranks would pay two all-reduces per layer per draft token).
+        Only the target's verification forward runs sharded; the ranks see the drafts as
+        scheduled tokens in the step's SchedulerOutput."""
+        if self.config.speculative_config is None:
+            return None
+        spec = build_speculator(self.config.speculative_config, self.arch, self.dtype,
+                                self.kv_dtype, self.cache_config, self.max_model_len,
+                                self.config.model_config.quantization)
+        self.scheduler.num_lookahead_tokens = spec.num_lookahead_tokens
+        return spec
+
+    def _make_executor(self, model) -> Executor:
+        """What runs each step: in this process, or over tensor_parallel_size ranks."""
+        cc, sc, a = self.cache_config, self.scheduler_config, self.arch
+        if self.num_ranks > 1:
+            return TPExecutor(self.config, self.model_path, a, self.dtype, self.kv_dtype,
+                              cc.num_blocks, cc.block_size, a.eos_token_ids, self.device.type)
+        # an expert block groups tokens on the host (moe.py): no CUDA graph
+        graphs = (decode_graphs_for(a, cc.block_size, sc.max_num_seqs, self.max_model_len,
+                                    self.device,
+                                    capture=not self.config.model_config.enforce_eager)
+                  if self._on_gpu and not a.num_experts else None)
+        return UniProcExecutor(model, a, cc.num_blocks, cc.block_size, self.kv_dtype,
+                               a.eos_token_ids, self.device, graphs,
+                               max_model_len=self.max_model_len)
+
+    def _start_up(self) -> None:
+        """What needs the executor's workers: adapters, the KV-transfer agent, the trace,
+        the warm-up steps and CUDA graphs."""
+        config, cc, sc = self.config, self.cache_config, self.scheduler_config
         lc = config.lora_config
-        try:
-            if lc.enable_lora:  # slots in every projection, then the adapters named at start
-                self.executor.runner.enable_lora(lc.max_loras, lc.max_lora_rank)
-                self.scheduler.max_loras = lc.max_loras
-                for i, (name, path) in enumerate(lc.modules(), start=1):
-                    self.add_lora(LoRARequest(name, i, path))
-            if config.kv_transfer is not None:
-                self.kv_agent = KVTransferAgent(config.kv_transfer, self.kv_compat(),
-                                                self._paged_kv(), cc.block_size)
-            self.trace = StepTrace(config.trace, sc.max_num_batched_tokens, cc.block_size,
-                                   cc.num_blocks) if config.trace else None
-            if config.warmup:
-                for sched_out in warmup_outputs(self.arch.vocab_size, cc.block_size, cc.num_blocks,
-                                                sc.max_num_batched_tokens):
-                    self.executor.execute(sched_out)
-            self.executor.runner.capture_graphs()  # on a GPU: every decode batch size, now
-            if self.spec is not None:  # drafts kept within the one-call decode step's rows
-                self.spec.policy.one_call_rows = self.executor.decode_step_rows()
-        except BaseException:
-            self.shutdown()  # no worker outlives a failed start
-            raise
-        # after the warm-up: unseeded sampling draws from here, so --seed fixes its stream
-        torch.manual_seed(mc.seed)
-        self.startup_time = time.perf_counter() - t0
-        logger.info(self.startup_report())
+        if lc.enable_lora:  # slots in every projection, then the adapters named at start
+            self.executor.runner.enable_lora(lc.max_loras, lc.max_lora_rank)
+            self.scheduler.max_loras = lc.max_loras
+            for i, (name, path) in enumerate(lc.modules(), start=1):
+                self.add_lora(LoRARequest(name, i, path))
+        if config.kv_transfer is not None:
+            self.kv_agent = KVTransferAgent(config.kv_transfer, self.kv_compat(),
+                                            self._paged_kv(), cc.block_size)
+        self.trace = StepTrace(config.trace, sc.max_num_batched_tokens, cc.block_size,
+                               cc.num_blocks) if config.trace else None
+        if config.warmup:
+            for sched_out in warmup_outputs(self.arch.vocab_size, cc.block_size, cc.num_blocks,
+                                            sc.max_num_batched_tokens):
+                self.executor.execute(sched_out)
+        self.executor.runner.capture_graphs()  # on a GPU: every decode batch size, now
+        if self.spec is not None:  # drafts kept within the one-call decode step's rows
+            self.spec.policy.one_call_rows = self.executor.decode_step_rows()
 
     def kv_compat(self) -> dict:
         """What two engines must agree on for their KV blocks to be interchangeable."""
