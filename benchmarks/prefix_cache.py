@@ -123,13 +123,14 @@ def hash_cost(prompt_len: int, block_size: int = 16, repeats: int = 200) -> None
     """Median time to hash every full block of one `prompt_len`-token prompt."""
     import statistics
 
-    from kvflow.core.kv_cache_manager import KVCacheManager
+    from kvflow.core.kv_cache.coordinator import KVCacheCoordinator
+    from kvflow.core.kv_cache.spec import FullAttentionSpec
     from kvflow.request import Request
 
     rng = random.Random(0)
     tokens = [rng.randrange(1000, 40000) for _ in range(prompt_len)]
     num_blocks = prompt_len // block_size
-    kv = KVCacheManager(num_blocks=num_blocks + 1, block_size=block_size)
+    kv = KVCacheCoordinator([FullAttentionSpec()], num_blocks=num_blocks + 1, block_size=block_size)
 
     def sha() -> None:
         kv.req_to_hashes.clear()

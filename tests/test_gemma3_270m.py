@@ -52,7 +52,7 @@ def test_greedy_mixed_batch_matches_hf_on_the_same_gguf(gemma3_path, prompts, tm
     for i, out in enumerate(outs):
         assert_matches_reference(out.outputs[0].token_ids, refs[i], f"prompt {i}")
     kv = core.scheduler.kv_cache_manager
-    assert len(kv.groups) == 6 and kv.num_free_blocks == kv.num_total_blocks
+    assert kv.num_groups == 6 and kv.num_free_blocks == kv.num_total_blocks
 
 
 def test_serve_chat_uses_the_gemma_template_and_stops_at_end_of_turn(gemma3_path):

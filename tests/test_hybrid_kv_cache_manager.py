@@ -5,22 +5,24 @@ no longer holds what the next token reads."""
 from __future__ import annotations
 
 from kvflow.config import CacheConfig, SchedulerConfig
-from kvflow.core.hybrid_kv_cache_manager import HybridKVCacheManager
-from kvflow.core.kv_cache_groups import KVCacheGroup, make_kv_cache_groups
-from kvflow.core.kv_cache_manager import KVCacheManager
+from kvflow.core.kv_cache.coordinator import KVCacheCoordinator
+from kvflow.core.kv_cache.full_attention import FullAttentionManager
+from kvflow.core.kv_cache.groups import KVCacheGroup, make_kv_cache_groups
+from kvflow.core.kv_cache.sliding_window import SlidingWindowManager
 from kvflow.core.scheduler import Scheduler
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 
 BS, WINDOW = 4, 8
 GROUPS = [KVCacheGroup((1,), None), KVCacheGroup((0,), WINDOW)]
+SPECS = [g.spec for g in GROUPS]
 
 
 def _req(rid: str, tokens: list[int]) -> Request:
     return Request(rid, tokens, SamplingParams(max_tokens=8))
 
 
-def _run(kv: HybridKVCacheManager, req: Request, chunk: int) -> None:
+def _run(kv: KVCacheCoordinator, req: Request, chunk: int) -> None:
     while req.num_computed_tokens < req.num_tokens:
         n = min(chunk, req.num_tokens - req.num_computed_tokens)
         assert kv.allocate_slots(req, n) is not None
@@ -28,8 +30,8 @@ def _run(kv: HybridKVCacheManager, req: Request, chunk: int) -> None:
         kv.check_invariants()
 
 
-def _held(kv: HybridKVCacheManager, g: int, rid: str) -> int:
-    return sum(b is not kv.null_block for b in kv.tables[g][rid])
+def _held(kv: KVCacheCoordinator, g: int, rid: str) -> int:
+    return sum(b is not kv.null_block for b in kv.managers[g].req_to_blocks[rid])
 
 
 def test_groups_have_equal_layer_counts_full_attention_first():
@@ -44,20 +46,21 @@ def test_groups_have_equal_layer_counts_full_attention_first():
 
 def test_model_without_window_keeps_the_plain_manager():
     sched = Scheduler(SchedulerConfig(), CacheConfig(num_blocks=16, block_size=BS))
-    assert type(sched.kv_cache_manager) is KVCacheManager
+    kv = sched.kv_cache_manager
+    assert [type(m) for m in kv.managers] == [FullAttentionManager] and kv.null_block is None
     sched = Scheduler(SchedulerConfig(), CacheConfig(num_blocks=16, block_size=BS, layer_windows=(8, None)))
-    assert isinstance(sched.kv_cache_manager, HybridKVCacheManager)
+    assert [type(m) for m in sched.kv_cache_manager.managers] == [FullAttentionManager, SlidingWindowManager]
 
 
 def test_sliding_group_returns_blocks_behind_the_window_as_the_request_runs():
-    kv = HybridKVCacheManager(GROUPS, 64, BS, enable_caching=False, max_num_batched_tokens=8)
+    kv = KVCacheCoordinator(SPECS, 64, BS, enable_caching=False, max_num_batched_tokens=8)
     req = _req("a", list(range(100, 140)))
     free_before = kv.num_free_blocks
     _run(kv, req, chunk=8)
     assert _held(kv, 0, "a") == 10  # full attention: every block of 40 tokens
     # the window: the last chunk (positions 32..39) and the 7 keys before its first query
     # span blocks 6..9; blocks 0..5 went back while the prompt advanced
-    assert _held(kv, 1, "a") == 4 and len(kv.tables[1]["a"]) == 10
+    assert _held(kv, 1, "a") == 4 and len(kv.managers[1].req_to_blocks["a"]) == 10
     assert free_before - kv.num_free_blocks == 14
     for _ in range(9):  # decoding: the window moves on, its old blocks come back
         req.append_output_token(7)
@@ -70,14 +73,14 @@ def test_sliding_group_returns_blocks_behind_the_window_as_the_request_runs():
 
 
 def test_admission_counts_what_the_window_needs_not_the_whole_prompt():
-    kv = HybridKVCacheManager(GROUPS, 64, BS, max_num_batched_tokens=8)
+    kv = KVCacheCoordinator(SPECS, 64, BS, max_num_batched_tokens=8)
     req = _req("a", list(range(400)))
     # full group: 100 blocks; sliding: a window and one step's chunk (7 + 8 tokens: 4 blocks + 1)
     assert kv.num_blocks_needed(req, 400) == 100 + 5
 
 
 def test_prefix_hit_is_cut_where_a_window_block_was_evicted():
-    kv = HybridKVCacheManager(GROUPS, 40, BS, max_num_batched_tokens=8)
+    kv = KVCacheCoordinator(SPECS, 40, BS, max_num_batched_tokens=8)
     prompt = list(range(200, 240))
     a = _req("a", prompt)
     _run(kv, a, chunk=8)

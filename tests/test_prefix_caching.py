@@ -7,9 +7,10 @@ import numpy as np
 
 from core_helpers import FakeRunner, make_request, make_scheduler, run_to_completion
 from kvflow.config import CacheConfig, SchedulerConfig
-from kvflow.core import kv_cache_manager
-from kvflow.core.block_pool import BlockKey, BlockPool
-from kvflow.core.kv_cache_manager import ROOT_HASH, KVCacheManager, hash_block
+from kvflow.core.kv_cache import coordinator
+from kvflow.core.kv_cache.block_pool import ROOT_HASH, BlockKey, BlockPool, hash_block
+from kvflow.core.kv_cache.coordinator import KVCacheCoordinator
+from kvflow.core.kv_cache.spec import FullAttentionSpec
 from kvflow.core.scheduler import Scheduler
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
@@ -166,7 +167,7 @@ def test_block_hash_is_sha256_of_parent_token_ids_and_salt():
     assert hash_block(None, ids, b"alice") == hashlib.sha256(ROOT_HASH + ids + b"alice").digest()
     assert len({root, hash_block(None, ids, b"alice"), hash_block(root, ids)}) == 3
     # the manager chains them over a request's full blocks (ids as int64, little-endian)
-    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    kv = KVCacheCoordinator([FullAttentionSpec()], num_blocks=8, block_size=BS)
     req = Request("a", list(range(2 * BS + 1)), cache_salt="alice")
     kv.allocate_slots(req, req.num_tokens)
     first = hash_block(None, np.arange(BS, dtype="<i8").tobytes(), b"alice")
@@ -177,7 +178,7 @@ def test_block_hash_is_sha256_of_parent_token_ids_and_salt():
 
 def test_a_forced_hash_collision_is_never_a_hit(monkeypatch):
     # Every block of every prompt gets the same hash: only the tokens can tell them apart.
-    monkeypatch.setattr(kv_cache_manager, "hash_block", lambda parent, data, salt=b"": b"x" * 32)
+    monkeypatch.setattr(coordinator, "hash_block", lambda parent, data, salt=b"": b"x" * 32)
     prefix = list(range(10, 10 + 6 * BS))
     sched = make_scheduler(num_blocks=64, block_size=BS, budget=256)
     runner = FakeRunner()
@@ -196,9 +197,9 @@ def test_a_forced_hash_collision_is_never_a_hit(monkeypatch):
 
 def test_a_hit_needs_the_same_parent_block_not_just_the_same_hash(monkeypatch):
     # A block's hash depends only on its position: block 1 of every prompt collides.
-    monkeypatch.setattr(kv_cache_manager, "hash_block",
+    monkeypatch.setattr(coordinator, "hash_block",
                         lambda parent, data, salt=b"": hashlib.sha256(parent or ROOT_HASH).digest())
-    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    kv = KVCacheCoordinator([FullAttentionSpec()], num_blocks=8, block_size=BS)
     x0, x1, y0 = [1] * BS, [2] * BS, [3] * BS
     a = Request("a", x0 + x1 + [9])
     kv.allocate_slots(a, a.num_tokens)

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from kvflow import LLM, SamplingParams
-from kvflow.core import kv_cache_manager
+from kvflow.core.kv_cache import coordinator
 
 pytestmark = pytest.mark.slow  # loads a model (make test-fast leaves it out)
 
@@ -53,7 +53,7 @@ def test_a_forced_hash_collision_gives_the_same_text_as_prefix_caching_off(defau
                                                                           monkeypatch):
     """Every block of every prompt gets one hash: a hit must still compare tokens (and the block
     before), so that another prompt's K/V is never served."""
-    monkeypatch.setattr(kv_cache_manager, "hash_block", lambda parent, data, salt=b"": bytes(32))
+    monkeypatch.setattr(coordinator, "hash_block", lambda parent, data, salt=b"": bytes(32))
     a = [(i * 37) % 4000 + 100 for i in range(6 * 16 + 3)]
     b = [(i * 53) % 4000 + 200 for i in range(6 * 16 + 3)]  # other tokens, the same hashes
     on = LLM(default_model_path, dtype="float32", max_model_len=512, num_blocks=64)

@@ -66,7 +66,7 @@ def test_chunked_prefill_batch_logits_match_hf(tiny, hf_model):
         if group.sliding_window is None:
             continue
         for sid, n in SEQ_LENS.items():
-            table = kv.tables[g][sid]
+            table = kv.managers[g].req_to_blocks[sid]
             held = sum(b is not kv.null_block for b in table)
             assert held <= -(-WINDOW // driver.block_size) + 1, (sid, held)
             if n + DECODE_STEPS > 2 * WINDOW:

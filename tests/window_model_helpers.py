@@ -1,6 +1,6 @@
 """Tiny random sliding-window models (Gemma 3, Mistral with a window, Qwen2 with
 use_sliding_window) saved as HF folders, a GGUF writer for them, and a driver that runs
-kvflow's model step by step through the hybrid KV cache manager, as the runner does."""
+kvflow's model step by step through the KV cache coordinator, as the runner does."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,8 +8,8 @@ import torch
 
 from conftest_model_helpers import TINY, _save_random
 from gguf_test_writer import add_hparams, permute_rope_rows
-from kvflow.core.hybrid_kv_cache_manager import HybridKVCacheManager
-from kvflow.core.kv_cache_groups import layer_slots, make_kv_cache_groups
+from kvflow.core.kv_cache.coordinator import KVCacheCoordinator
+from kvflow.core.kv_cache.groups import layer_slots, make_kv_cache_groups
 from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
@@ -115,7 +115,7 @@ def save_tiny_gguf(hf_path: str, out_file: str) -> str:
 
 
 class WindowedPagedDriver:
-    """Feeds kvflow's model one flat batch per step through a HybridKVCacheManager: each
+    """Feeds kvflow's model one flat batch per step through a KVCacheCoordinator: each
     request gets one block table per KV cache group, and blocks its windows leave behind go
     back to the pool as it advances (`free_history` records the pool after every step)."""
 
@@ -126,7 +126,8 @@ class WindowedPagedDriver:
         tensors = allocate_kv_caches(arch, num_blocks, block_size, model.dtype,
                                      num_layers=len(self.groups[0].layers))
         self.kv_caches = [tensors[j] for j in tensor_of]
-        self.kv = HybridKVCacheManager(self.groups, num_blocks, block_size, enable_caching=False)
+        self.kv = KVCacheCoordinator([g.spec for g in self.groups], num_blocks, block_size,
+                                     enable_caching=False)
         self.requests: dict[str, Request] = {}
         self.free_history: list[int] = []
 

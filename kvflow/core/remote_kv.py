@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from kvflow.core.kv_cache_manager import cdiv
+from kvflow.core.kv_cache.block_pool import cdiv
 from kvflow.core.scheduler_output import BlockCheck, KVLoad, SchedulerOutput
 from kvflow.kv_transfer.params import KVTransferParams
 from kvflow.request import Request, RequestStatus

@@ -6,9 +6,9 @@ import time
 from dataclasses import dataclass
 
 from kvflow.config import CacheConfig, SchedulerConfig
-from kvflow.core.hybrid_kv_cache_manager import HybridKVCacheManager
-from kvflow.core.kv_cache_groups import make_kv_cache_groups
-from kvflow.core.kv_cache_manager import KVCacheManager
+from kvflow.core.kv_cache.coordinator import KVCacheCoordinator
+from kvflow.core.kv_cache.groups import make_kv_cache_groups
+from kvflow.core.kv_cache.spec import FullAttentionSpec, KVCacheSpec
 from kvflow.core.request_queue import RequestQueue
 from kvflow.core.remote_kv import RemoteKVMixin
 from kvflow.core.scheduler_output import AdmissionStop, BlockCheck, NewRequestData, SchedulerOutput
@@ -38,21 +38,28 @@ class Scheduler(RemoteKVMixin):
     `max_num_seqs` and free blocks allow. When a running request cannot get a block, the most
     recently admitted running request is preempted and recomputed later (under the priority
     policy: the lowest priority, latest arrival). Each SchedulerOutput also records why: who
-    was admitted or skipped, who was preempted for whom, which tokens are prefill."""
+    was admitted or skipped, who was preempted for whom, which tokens are prefill.
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    `kv_cache_specs`: one KV cache spec per KV cache group of the model (core/kv_cache/),
+    attention groups first; by default the groups of `cache_config.layer_windows`. A model
+    with state layers adds a StateSpec and `num_state_slots` (default: max_num_seqs, so
+    that a slot never limits the batch)."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 kv_cache_specs: list[KVCacheSpec] | None = None,
+                 num_state_slots: int | None = None) -> None:
         if cache_config.num_blocks is None:
             raise ValueError("CacheConfig.num_blocks must be set before building a Scheduler")
         self.config = scheduler_config
         self.block_size = cache_config.block_size
-        windows = cache_config.layer_windows
-        if any(w is not None for w in windows):  # one block table per KV cache group
-            self.kv_cache_manager = HybridKVCacheManager(
-                make_kv_cache_groups(windows), cache_config.num_blocks, cache_config.block_size,
-                cache_config.enable_prefix_caching, scheduler_config.max_num_batched_tokens)
-        else:
-            self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
-                                                   cache_config.enable_prefix_caching)
+        if kv_cache_specs is None:
+            windows = cache_config.layer_windows
+            kv_cache_specs = ([g.spec for g in make_kv_cache_groups(windows)] if windows
+                              else [FullAttentionSpec()])
+        self.kv_cache_manager = KVCacheCoordinator(
+            kv_cache_specs, cache_config.num_blocks, cache_config.block_size,
+            cache_config.enable_prefix_caching, scheduler_config.max_num_batched_tokens,
+            scheduler_config.max_num_seqs if num_state_slots is None else num_state_slots)
         self.requests: dict[str, Request] = {}
         self.waiting = RequestQueue()  # O(1) removal: aborting many requests stays linear
         self.running: list[Request] = []
@@ -76,13 +83,12 @@ class Scheduler(RemoteKVMixin):
         check_request_fits(req.num_prompt_tokens, req.max_tokens, self.config.max_model_len,
                            self.block_size, self.kv_cache_manager.num_total_blocks)
         kv = self.kv_cache_manager
-        if isinstance(kv, HybridKVCacheManager):  # its KV cache groups' blocks, all together
-            need = kv.max_blocks_needed(req.num_prompt_tokens + req.max_tokens)
-            if need > kv.num_total_blocks:
-                raise InvalidRequestError(
-                    f"prompt ({req.num_prompt_tokens} tokens) and max_tokens ({req.max_tokens}) need "
-                    f"{need} KV blocks over the model's KV cache groups; the pool has "
-                    f"{kv.num_total_blocks}", "max_tokens")
+        need = kv.max_blocks_needed(req.num_prompt_tokens + req.max_tokens)
+        if need > kv.num_total_blocks:  # its KV cache groups' blocks, all together
+            raise InvalidRequestError(
+                f"prompt ({req.num_prompt_tokens} tokens) and max_tokens ({req.max_tokens}) need "
+                f"{need} KV blocks over the model's KV cache groups; the pool has "
+                f"{kv.num_total_blocks}", "max_tokens")
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
@@ -251,7 +257,8 @@ class Scheduler(RemoteKVMixin):
             need = (kv.num_blocks_needed(req, req.num_tokens + self.num_lookahead_tokens)
                     - len(computed)
                     + kv.num_evictable(computed))
-            check = out.block_checks[req.request_id] = BlockCheck(need, kv.num_free_blocks, pending)
+            check = out.block_checks[req.request_id] = BlockCheck(
+                need, kv.num_free_blocks, pending, kv.has_room(req))
             if not check.fits:
                 out.skipped_req_ids.append(req.request_id)
                 if req.num_skips >= self.config.max_admission_skips:
@@ -320,7 +327,7 @@ class Scheduler(RemoteKVMixin):
         out.num_computed_tokens[rid] = computed
         kv = self.kv_cache_manager
         out.block_ids[rid] = kv.get_block_ids(rid)
-        if isinstance(kv, HybridKVCacheManager):
+        if kv.num_groups > 1:
             out.group_block_ids[rid] = kv.get_group_block_ids(rid)
         out.total_num_scheduled_tokens += n
         if (req.structured_output is not None and computed + n - num_spec == req.num_tokens

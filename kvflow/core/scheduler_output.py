@@ -47,10 +47,11 @@ class BlockCheck:
     need: int  # blocks it would take (prefix-cache hits that sit in the free queue count)
     free: int  # free blocks in the pool at the check
     promised: int  # of those, still owed to admitted prompts that are not complete
+    state_slot: bool = True  # a model with state layers: a state slot is free for it
 
     @property
     def fits(self) -> bool:
-        return self.need <= self.free - self.promised
+        return self.state_slot and self.need <= self.free - self.promised
 
 
 class AdmissionStop(str, enum.Enum):
@@ -76,7 +77,7 @@ class SchedulerOutput:
     num_computed_tokens: dict[str, int] = field(default_factory=dict)
     # request id -> whole block table after this step's allocation
     block_ids: dict[str, list[int]] = field(default_factory=dict)
-    # models with several KV cache groups (sliding-window layers; core/kv_cache_groups.py):
+    # models with several KV cache groups (sliding-window layers; core/kv_cache/groups.py):
     # request id -> each group's whole block table (block_ids is group 0's); empty otherwise
     group_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)  # admitted this step

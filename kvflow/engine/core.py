@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvflow.config import EngineConfig
-from kvflow.core.kv_cache_groups import make_kv_cache_groups
+from kvflow.core.kv_cache.groups import make_kv_cache_groups
 from kvflow.core.scheduler import Scheduler, SchedulerOutput
 from kvflow.distributed.executor import TPExecutor
 from kvflow.distributed.pipeline import stage_layers

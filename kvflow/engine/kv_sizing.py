@@ -4,7 +4,7 @@ from __future__ import annotations
 import psutil
 
 from kvflow.config import CacheConfig
-from kvflow.core.kv_cache_manager import cdiv
+from kvflow.core.kv_cache.block_pool import cdiv
 
 
 def num_kv_blocks(cache_config: CacheConfig, kv_bytes_per_token: int) -> int:

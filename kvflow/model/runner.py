@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvflow.core.kv_cache_groups import layer_slots, make_kv_cache_groups
+from kvflow.core.kv_cache.groups import layer_slots, make_kv_cache_groups
 from kvflow.core.scheduler_output import SchedulerOutput
 from kvflow.model import hugepages
 from kvflow.model.arch import LlamaArchConfig

@@ -13,15 +13,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import gcd
 
+from kvflow.core.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+
 
 @dataclass(frozen=True)
 class KVCacheGroup:
+    """Layers that attend alike and share one block table per request."""
+
     layers: tuple[int, ...]
     sliding_window: int | None  # None: full attention
 
     def __post_init__(self) -> None:
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
+
+    @property
+    def spec(self) -> KVCacheSpec:
+        """What the scheduler's coordinator manages this group by."""
+        if self.sliding_window is None:
+            return FullAttentionSpec()
+        return SlidingWindowSpec(self.sliding_window)
 
 
 def make_kv_cache_groups(layer_windows: list[int | None] | tuple[int | None, ...]) -> list[KVCacheGroup]:

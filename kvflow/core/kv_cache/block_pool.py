@@ -2,9 +2,26 @@
 (full blocks findable by the hash of their contents)."""
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+ROOT_HASH = bytes(32)  # the parent of a prompt's first block
+
+
+def hash_block(parent_hash: bytes | None, token_bytes: bytes, salt: bytes = b"") -> bytes:
+    """Chained block hash: sha256 of the parent's hash, the block's token ids (int64,
+    little-endian) and the tenant's salt, so that a block's identity is its tokens and
+    everything before them. Cryptographic, unlike Python's `hash()` of ints, so that nobody can
+    craft a prompt whose block collides with another tenant's; the parent and the ids have a
+    fixed length, which keeps the concatenation unambiguous."""
+    return hashlib.sha256((parent_hash or ROOT_HASH) + token_bytes + salt).digest()
 
 
 class BlockKey(NamedTuple):
@@ -102,9 +119,10 @@ class BlockPool:
             block.cache_id, self._next_cache_id = self._next_cache_id, self._next_cache_id + 1
             self.cached[block_hash] = block
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached block; refused (False) while any block is in use."""
-        if len(self._free) != self.num_blocks:
+    def reset_prefix_cache(self, num_reserved: int = 0) -> bool:
+        """Forget every cached block; refused (False) while any block but the `num_reserved`
+        held for good (a null block) is in use."""
+        if len(self._free) != self.num_blocks - num_reserved:
             return False
         for block in self.blocks:
             block.block_hash = block.key = None
