@@ -43,8 +43,15 @@ def get_tokenizer(path: str):
         # another start may have converted it meanwhile; a broken copy is removed here only
         tokenizer = _load_cached(cached, remove_if_broken=True)
         if tokenizer is None:
-            tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path),
-                                                      gguf_file=os.path.basename(path))
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                                          gguf_file=os.path.basename(path))
+            except ValueError as e:  # transformers reads GGUF tokenizers of its own architectures only
+                if "is not supported yet" not in str(e):
+                    raise
+                raise ValueError(f"{os.path.basename(path)}: transformers cannot read the tokenizer of "
+                                 f"this GGUF file ({e}); pass --tokenizer with the model's Hugging "
+                                 f"Face folder") from e
             if not getattr(tokenizer, "chat_template", None):  # a GGUF without one
                 tokenizer.chat_template = builtin_chat_template(tokenizer)
             _save_atomically(tokenizer, cached)

@@ -14,7 +14,8 @@ import torch
 from conftest import NEW_TOKENS, assert_matches_reference
 from conftest_model_helpers import PagedDriver, hf_logits
 from tiny_arch_models import BUILDERS, END_OF_TURN, ORIGINAL_CONTEXT, family, hf_model, write_gguf
-from kvflow.model.arch import SUPPORTED_ARCHITECTURES, load_arch_config
+from kvflow.model.arch import load_arch_config
+from kvflow.models.registry import SUPPORTED_ARCHITECTURES
 from kvflow.model.loader import load_model
 
 pytestmark = pytest.mark.slow  # loads models (make test-fast leaves it out)

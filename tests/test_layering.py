@@ -4,11 +4,13 @@ imports inside functions included; `kvflow.core` never loads torch.
 The layers, bottom to top:
 
     leaf         config, options, envs, logger, sampling_params, pooling_params, request,
-                 outputs, model_path, utils/, lora_request and the package's __init__: plain
-                 types and settings, no torch
+                 outputs, model_path, utils/, lora_request, the model registry
+                 (models/registry.py: architecture names -> family modules, loaded by name)
+                 and the package's __init__: plain types and settings, no torch
     core/        scheduling bookkeeping; no torch (checked below), testable without a model
     csrc/        the compiled kernels and their torch wrappers
     model/       torch: weights, the model, attention, sampling, the runner and executor
+    models/      one file per model family: its config fields, weight names, module, supports
     distributed/ tensor parallelism: the process group, workers and the TPExecutor
     kv_transfer/ prefill/decode disaggregation: the lease table, the wire messages and the
                  agent thread that lends and pulls KV blocks (its `params` module, the request
@@ -37,10 +39,11 @@ LAYERS = [
     ("leaf", ["kvflow", "kvflow.config", "kvflow.options", "kvflow.envs", "kvflow.logger",
               "kvflow.sampling_params", "kvflow.request", "kvflow.outputs", "kvflow.model_path",
               "kvflow.utils", "kvflow.kv_transfer.params", "kvflow.pooling_params",
-              "kvflow.lora_request"]),
+              "kvflow.lora_request", "kvflow.models.registry"]),
     ("core", ["kvflow.core"]),
     ("csrc", ["kvflow.csrc"]),
     ("model", ["kvflow.model"]),
+    ("models", ["kvflow.models"]),
     ("distributed", ["kvflow.distributed"]),
     ("kv_transfer", ["kvflow.kv_transfer"]),
     ("structured", ["kvflow.structured"]),

@@ -90,7 +90,7 @@ def test_longest_position_is_bounded_by_the_cache_unless_windows_let_sequences_o
 
 
 def test_gemma3_tables_grow_for_global_and_local_layers(tmp_path):
-    from kvflow.model.gemma3 import Gemma3ForCausalLM
+    from kvflow.models.gemma3 import Gemma3ForCausalLM
     from window_model_helpers import save_tiny_gemma3
 
     arch = load_arch_config(save_tiny_gemma3(str(tmp_path)))

@@ -38,6 +38,7 @@ from kvflow.model.kv_layout import cache_shape
 from kvflow.model.loader import load_sharded_model
 from kvflow.model.runner import ModelRunner, ModelRunnerOutput
 from kvflow.model.sharding import check_tp_size, local_arch
+from kvflow.models.registry import family_of
 from kvflow import envs
 
 logger = init_logger("kvflow.distributed")
@@ -64,6 +65,8 @@ class TPExecutor(Executor):
         pc = config.parallel_config
         tp, pp, nnodes = pc.tensor_parallel_size, pc.pipeline_parallel_size, pc.nnodes
         n = tp * pp
+        family = family_of(arch.architecture)
+        family.supports.check(family.name, tensor_parallel_size=tp, pipeline_parallel_size=pp)
         check_tp_size(arch, tp)
         check_pp_size(arch, pp)
         if pc.node_rank != 0:

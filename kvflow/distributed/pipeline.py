@@ -30,8 +30,6 @@ def check_pp_size(arch: LlamaArchConfig, pp: int) -> None:
     if any(w is not None for w in arch.layer_windows()):
         raise ValueError("pipeline parallelism does not split models with sliding-window "
                          "layers yet (pipeline_parallel_size 1)")
-    if arch.architecture == "Gemma3ForCausalLM":
-        raise ValueError("Gemma 3 does not run pipeline-parallel yet; use pipeline_parallel_size=1")
 
 
 def stage_layers(num_layers: int, pp: int, stage: int) -> range:

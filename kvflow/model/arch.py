@@ -1,7 +1,8 @@
-"""Architecture of a Llama-family model or a close relative (Qwen3, Phi-3, the mixture-of-experts
-Qwen3-MoE, Mixtral and Qwen2-MoE), read from an HF config.json or GGUF metadata.
+"""The architecture of a model (its shapes and constants), read from an HF config.json or GGUF
+metadata: the fields every family shares are read here, each family's own by its file in
+kvflow/models/ (kvflow/models/registry.py names the family of an architecture).
 
-No torch here: the frontend process reads it to size things and to print model facts."""
+No torch at import: the frontend process reads it to size things and to print model facts."""
 from __future__ import annotations
 
 import json
@@ -11,20 +12,10 @@ from dataclasses import asdict, dataclass, field
 
 from kvflow.model.attention_pattern import gguf_pattern_fields, hf_pattern_fields, layer_windows
 from kvflow.model_path import cache_dir_for, is_gguf
+from kvflow.models.registry import check_architecture, family_of, gguf_architecture, hf_architecture
 from kvflow.utils.files import publish
 
-# model_type -> architecture name, for config.json files saved without "architectures".
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                "qwen2_moe": "Qwen2MoeForCausalLM"}
-# Gemma 3 (text); a Gemma3ForConditionalGeneration checkpoint loads its text part
-_MODEL_TYPES.update({"gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForCausalLM"})
-_TEXT_PART_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
-SUPPORTED_ARCHITECTURES = tuple(dict.fromkeys(_MODEL_TYPES.values()))
 _ROPE_TYPES = ("llama3", "linear", "longrope")
-_QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-_QWEN_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 ARCH_CACHE_FILE = "arch.json"
 
 
@@ -73,9 +64,7 @@ class LlamaArchConfig:
     mlp_only_layers: list[int] = field(default_factory=list)  # ... except these
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"architecture {self.architecture!r} is not supported; "
-                             f"kvflow runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+        check_architecture(self.architecture)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
                              f"of num_key_value_heads ({self.num_key_value_heads})")
@@ -133,7 +122,8 @@ class LlamaArchConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "LlamaArchConfig":
-        return cls(**data)
+        """The config `to_dict` wrote, in its family's config class."""
+        return family_of(data["architecture"]).config_class(**data)
 
 
 def _normalise_rope_scaling(rs: dict | None) -> dict | None:
@@ -176,8 +166,8 @@ def _from_hf_folder(path: str) -> LlamaArchConfig:
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
     cfg = {**cfg.get("text_config", {}), **cfg} if "text_config" in cfg else cfg
-    archs = cfg.get("architectures") or [_MODEL_TYPES.get(cfg.get("model_type"), cfg.get("model_type"))]
-    architecture = _TEXT_PART_OF.get(archs[0], archs[0])
+    architecture = hf_architecture(cfg)
+    family = family_of(architecture)
     # transformers 5.x: rope_parameters holds theta and scaling; 4.x: rope_theta + rope_scaling.
     rope_params = cfg.get("rope_parameters") or {}
     rope_theta = rope_params.get("rope_theta", cfg.get("rope_theta", 10000.0))
@@ -195,10 +185,8 @@ def _from_hf_folder(path: str) -> LlamaArchConfig:
     if os.path.isfile(gen_path):  # instruct models list extra stop ids (e.g. <|eot_id|>) here
         with open(gen_path) as f:
             eos_ids += [e for e in _eos_list(json.load(f).get("eos_token_id")) if e not in eos_ids]
-    pattern = hf_pattern_fields(cfg, architecture)  # windows; Gemma 3's own RoPE and scales
-    rope_theta = pattern.pop("rope_theta", rope_theta)
-    rope_scaling = pattern.pop("rope_scaling", rope_scaling)
-    return LlamaArchConfig(
+    fields = dict(
+
         architecture=architecture,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
@@ -212,34 +200,16 @@ def _from_hf_folder(path: str) -> LlamaArchConfig:
         rope_scaling=rope_scaling,
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v biases; Llama declares them with attention_bias.
-        attention_bias=bool(cfg.get("attention_bias", cfg.get(
-            "qkv_bias", architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")))),
+        attention_bias=bool(cfg.get("attention_bias", False)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=eos,
         name=os.path.basename(os.path.normpath(path)),
         eos_token_ids=eos_ids,
-        **pattern,
-        qk_norm=architecture in _QK_NORM_ARCHITECTURES,
         rotary_dim=0 if partial == 1.0 else int(head_dim * partial),
-        **_hf_moe_fields(cfg, architecture),
+        **hf_pattern_fields(cfg, family.default_sliding_window_pattern),
     )
-
-
-def _hf_moe_fields(cfg: dict, architecture: str) -> dict:
-    """The expert fields of a Qwen2-MoE, Qwen3-MoE or Mixtral config.json ({} for dense models)."""
-    if architecture == "MixtralForCausalLM":
-        return {"num_experts": cfg["num_local_experts"], "num_experts_per_tok": cfg["num_experts_per_tok"],
-                "moe_intermediate_size": cfg["intermediate_size"], "norm_topk_prob": True}
-    if architecture not in _QWEN_MOE_ARCHITECTURES:
-        return {}
-    return {"num_experts": cfg.get("num_experts") or cfg["num_local_experts"],
-            "num_experts_per_tok": cfg["num_experts_per_tok"],
-            "moe_intermediate_size": cfg["moe_intermediate_size"],
-            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
-            "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0),
-            "decoder_sparse_step": int(cfg.get("decoder_sparse_step") or 1),
-            "mlp_only_layers": [int(i) for i in cfg.get("mlp_only_layers") or []]}
+    fields.update(family.hf_fields(cfg, architecture))  # the family's own fields win
+    return family.config_class(**fields)
 
 
 def _eos_list(eos) -> list[int]:
@@ -280,15 +250,6 @@ def gguf_field(reader, key: str, default=None):
     return default if fld is None else fld.contents()
 
 
-_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                       "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                       "qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
-                       "gemma3": "Gemma3ForCausalLM"}
-# llama.cpp's own choice where the file does not say (expert_weights_norm): Qwen2-MoE leaves the
-# top-k weights as they come out of the softmax, Qwen3-MoE and Mixtral renormalise them.
-_GGUF_NORM_TOPK = {"qwen2moe": False}
-
-
 # End-of-turn tokens that stop generation besides the EOS id, as llama.cpp finds them: by the
 # eot/eom keys, or by their text among the control tokens (Qwen's <|im_end|>, Phi-3's <|end|>,
 # Llama 3's <|eot_id|>, Gemma's <end_of_turn>), which the HF folder lists in
@@ -316,9 +277,8 @@ def _gguf_stop_ids(reader, eos) -> list[int]:
 def arch_from_gguf_reader(reader, path: str) -> LlamaArchConfig:
     """Map GGUF metadata (`<arch>.block_count` ...) to a LlamaArchConfig."""
     g = gguf_field(reader, "general.architecture")
-    architecture = _GGUF_ARCHITECTURES.get(g)
-    if architecture is None:
-        raise ValueError(f"GGUF architecture {g!r} is not supported ({', '.join(_GGUF_ARCHITECTURES)})")
+    architecture = gguf_architecture(g)
+    family = family_of(architecture)
 
     def meta(key, default=None):
         return gguf_field(reader, f"{g}.{key}", default)
@@ -343,23 +303,11 @@ def arch_from_gguf_reader(reader, path: str) -> LlamaArchConfig:
     if "rope_freqs.weight" in tensors:
         raise ValueError("GGUF files with rope_freqs (Llama-3.1 style scaling) are not supported yet; "
                          "use the Hugging Face folder of this model")
-    experts = int(meta("expert_count", 0) or 0)
-    if g == "llama" and experts:
-        architecture = "MixtralForCausalLM"
-    moe = {}
-    if experts:
-        moe = {"num_experts": experts, "num_experts_per_tok": int(meta("expert_used_count")),
-               "moe_intermediate_size": int(meta("expert_feed_forward_length", meta("feed_forward_length"))),
-               "norm_topk_prob": bool(meta("expert_weights_norm", _GGUF_NORM_TOPK.get(g, True))),
-               "shared_expert_intermediate_size": int(meta("expert_shared_feed_forward_length", 0)),
-               # layers without a router keep a dense MLP
-               "mlp_only_layers": [i for i in range(int(meta("block_count")))
-                                   if f"blk.{i}.ffn_gate_inp.weight" not in tensors]}
     rope_dim = int(meta("rope.dimension_count", head_dim))
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     name = os.path.splitext(os.path.basename(path))[0]
     stop_ids = _gguf_stop_ids(reader, eos)
-    return LlamaArchConfig(
+    fields = dict(
         architecture=architecture,
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -380,6 +328,8 @@ def arch_from_gguf_reader(reader, path: str) -> LlamaArchConfig:
         eos_token_ids=stop_ids,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         rotary_dim=0 if rope_dim == head_dim else rope_dim,
-        **moe,
-        **gguf_pattern_fields(meta, architecture, int(meta("block_count"))),
+        **gguf_pattern_fields(meta, int(meta("block_count")), family.default_sliding_window,
+                              family.default_sliding_window_pattern),
     )
+    fields.update(family.gguf_fields(meta, tensors, architecture))
+    return family.config_class(**fields)

@@ -37,6 +37,7 @@ from kvflow.csrc.gemv import GEMV_ISAS, GEMV_WEIGHT_DTYPES
 from kvflow.model.cpu_features import cpu_features
 from kvflow.model.packed_linear import FUSED_ROWS, PackedWeight
 from kvflow.model.quant.qlinear import ISA_CODES, NEVER
+from kvflow.models.registry import family_of
 
 logger = logging.getLogger("kvflow")
 
@@ -112,6 +113,8 @@ def why_not(model) -> str | None:
     k = model.kernels
     if envs.KVFLOW_NO_DECODE_GRAPH:
         return "KVFLOW_NO_DECODE_GRAPH=1"
+    if not family_of(model.arch.architecture).supports.decode_step:
+        return f"{model.arch.architecture} declares no one-call step"
     if model.tp is not None or k.device_type != "cpu" or model.rope_cos.device.type != "cpu":
         return "not a one-rank CPU model"
     if model.dtype not in (torch.bfloat16, torch.float32):

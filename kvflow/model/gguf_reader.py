@@ -1,9 +1,10 @@
 """GGUF file -> (architecture, float32 weights under Hugging Face names).
 
-The names are llama.cpp's (convert_hf_to_gguf.py, gguf-py's tensor_mapping.py): Phi-3 keeps
-its fused `attn_qkv` and `ffn_up` (= [gate; up]); a mixture-of-experts layer stores each
-projection of all its experts as one 3-D tensor (`ffn_gate_exps` ...), split here into HF's
-per-expert names (Mixtral's `block_sparse_moe.experts.N.w1` or Qwen's `mlp.experts.N.gate_proj`)."""
+The names are llama.cpp's (convert_hf_to_gguf.py, gguf-py's tensor_mapping.py): the common
+table is here, each family's differences in its file in kvflow/models/ (Phi-3 keeps its fused
+`attn_qkv` and `ffn_up` = [gate; up]; Gemma 3 has four norms per layer). A mixture-of-experts
+layer stores each projection of all its experts as one 3-D tensor (`ffn_gate_exps` ...), split
+here into the family's per-expert HF names."""
 from __future__ import annotations
 
 import re
@@ -11,6 +12,7 @@ import re
 import numpy as np
 
 from kvflow.model.arch import LlamaArchConfig, arch_from_gguf_reader
+from kvflow.models.registry import family_of
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -28,52 +30,39 @@ _LAYER_NAMES = {
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
-# per-architecture differences from the table above
-_ARCH_LAYER_NAMES = {
-    "Phi3ForCausalLM": {"ffn_up": "mlp.gate_up_proj"},
-    "MixtralForCausalLM": {"ffn_gate_inp": "block_sparse_moe.gate"},
-    # Gemma 3's four norms per layer (llama.cpp's names)
-    "Gemma3ForCausalLM": {"post_attention_norm": "post_attention_layernorm",
-                          "ffn_norm": "pre_feedforward_layernorm",
-                          "post_ffw_norm": "post_feedforward_layernorm"},
-}
-_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-_MIXTRAL_EXPERT_NAMES = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
+_EXPERT_KINDS = {"ffn_gate_exps": 2, "ffn_up_exps": 3, "ffn_down_exps": 4}  # in expert_names' tuple
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Mixtral files from before llama.cpp stacked the experts: one tensor per expert
 _LEGACY_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 
 
-def hf_name(gguf_name: str, architecture: str = "LlamaForCausalLM") -> str | None:
+def hf_name(gguf_name: str, arch: LlamaArchConfig) -> str | None:
     """HF parameter name of a GGUF tensor, or None for tensors kvflow does not use (and for
     the 3-D expert tensors, which expert_names splits)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    family = family_of(arch.architecture)
     legacy = _LEGACY_EXPERT_RE.fullmatch(gguf_name)
-    if legacy is not None and architecture == "MixtralForCausalLM":
+    if legacy is not None and arch.num_experts:
         layer, kind, e = legacy.groups()
-        w = _MIXTRAL_EXPERT_NAMES[f"ffn_{kind}_exps"]
-        return f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight"
+        return family.expert_names(int(layer), arch)[_EXPERT_KINDS[f"ffn_{kind}_exps"]].format(e)
     m = _LAYER_RE.fullmatch(gguf_name)
     if m is None:
         return None
-    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(architecture, {})}
+    names = {**_LAYER_NAMES, **family.gguf_layer_names(arch.architecture)}
     if m.group(2) not in names:
         return None
     return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
 
 
-def expert_names(gguf_name: str, architecture: str, num_experts: int) -> list[str] | None:
+def expert_names(gguf_name: str, arch: LlamaArchConfig) -> list[str] | None:
     """HF names of the experts stacked in a GGUF `blk.N.ffn_*_exps` tensor, in order (None for
     any other tensor)."""
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _EXPERT_NAMES:
+    if m is None or m.group(2) not in _EXPERT_KINDS:
         return None
-    layer = f"model.layers.{m.group(1)}."
-    if architecture == "MixtralForCausalLM":
-        return [f"{layer}block_sparse_moe.experts.{e}.{_MIXTRAL_EXPERT_NAMES[m.group(2)]}.weight"
-                for e in range(num_experts)]
-    return [f"{layer}mlp.experts.{e}.{_EXPERT_NAMES[m.group(2)]}.weight" for e in range(num_experts)]
+    fmt = family_of(arch.architecture).expert_names(int(m.group(1)), arch)[_EXPERT_KINDS[m.group(2)]]
+    return [fmt.format(e) for e in range(arch.num_experts)]
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -89,14 +78,13 @@ def read_gguf(path: str) -> tuple[LlamaArchConfig, dict[str, np.ndarray]]:
 
     reader = GGUFReader(path)
     arch = arch_from_gguf_reader(reader, path)
-    # llama.cpp permutes q/k only for its "llama" architecture (Llama, Mistral, Mixtral)
-    permute = arch.architecture in ("LlamaForCausalLM", "MixtralForCausalLM")
-    # llama.cpp stores Gemma's norm weights as 1 + w; back to HF's w, as transformers does
-    norm_shift = 1.0 if arch.architecture == "Gemma3ForCausalLM" else 0.0
+    family = family_of(arch.architecture)
+    permute = family.gguf_permutes_qk(arch.architecture)
+    norm_shift = family.gguf_norm_shift
     weights: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
-        name = hf_name(tensor.name, arch.architecture)
-        experts = expert_names(tensor.name, arch.architecture, arch.num_experts)
+        name = hf_name(tensor.name, arch)
+        experts = expert_names(tensor.name, arch)
         if name is None and experts is None:
             continue
         w = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)

@@ -110,6 +110,9 @@ class LlamaDecoderLayer(nn.Module):
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.eps = arch.rms_norm_eps
         self.scale = d ** -0.5
+        # what each sublayer's output is multiplied by before it joins the residual stream
+        # (1: Llama; a family's multiplier, as Granite's residual_multiplier)
+        self.residual_scale = 1.0
         # an fp8 KV cache's (k_scale, v_scale): the checkpoint's (model/kv_scales.py) or 1.0
         self.kv_scales = UNIT_KV_SCALES
         # an fp8 KV cache's key scales as the multiplier of q and k after RoPE (model/key_scales.py)
@@ -170,11 +173,12 @@ class LlamaDecoderLayer(nn.Module):
             kernels.lora(o, attn, slots["o"], lora)
         if self.tp is not None:
             self.tp.all_reduce(o)  # row-parallel: each rank holds a partial sum
+        o = self._scaled(o)
         if self.moe is not None:  # under tensor parallelism each rank holds a slice of every expert
             down = self.moe(kernels.add_rms_norm(x, o, self.post_attention_layernorm, self.eps), kernels)
             if self.tp is not None:
                 self.tp.all_reduce(down)
-            return x, down
+            return x, self._scaled(down)
         if slots is None:
             act = kernels.norm_linear_silu_mul(x, o, self.post_attention_layernorm, self.eps,
                                                self.gate_up_proj, pk.get("gate_up_proj"))
@@ -188,7 +192,10 @@ class LlamaDecoderLayer(nn.Module):
             kernels.lora(down, act, slots["down"], lora)
         if self.tp is not None:
             self.tp.all_reduce(down)
-        return x, down
+        return x, self._scaled(down)
+
+    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+        return out.mul_(self.residual_scale) if self.residual_scale != 1.0 else out
 
     def _qk_norm(self, qkv: torch.Tensor, kernels: Kernels) -> None:
         """RMSNorm over each q and k head of the fused projection's output, in place."""
@@ -205,6 +212,10 @@ class LlamaForCausalLM(nn.Module):
     rank `tp.rank`'s shard of it (shapes from sharding.local_arch). `kernels`: what serves each
     operation (default: chosen here for `dtype` on the CPU, or on `device`)."""
 
+    # a family whose layers differ (OLMo 2's post-norms) gives its own, with this one's
+    # attributes and forward signature
+    decoder_layer: type[nn.Module] = LlamaDecoderLayer
+
     def __init__(self, arch: LlamaArchConfig, dtype: torch.dtype, device=None,
                  max_position: int | None = None, tp=None, kernels: Kernels | None = None,
                  layers: range | None = None):
@@ -219,7 +230,7 @@ class LlamaForCausalLM(nn.Module):
         needs_embedding = self.pp_first or (self.pp_last and arch.tie_word_embeddings)
         self.embed_tokens = (_weight(shard.vocab_size, h, dtype=dtype, device=device)
                              if needs_embedding else None)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(shard, dtype, device, tp, layer_idx=i)
+        self.layers = nn.ModuleList(self.decoder_layer(shard, dtype, device, tp, layer_idx=i)
                                     for i in layers)
         self.norm = _weight(h, dtype=dtype, device=device) if self.pp_last else None
         # tied models read the embedding matrix directly (no second parameter to keep in sync)
@@ -233,6 +244,8 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_sin", sin.to(rope_device), persistent=False)
         self.kernels = kernels if kernels is not None else select_kernels(dtype, device=rope_device)
         self.packed_lm_head: PackedWeight | None = None
+        # a family's multiplier of the embeddings and divisor of the logits (Granite's)
+        self.embed_scale, self.logits_scaling = 1.0, 1.0
         # a quantized model's embedding: token ids -> rows in `dtype` (kvflow/model/quant)
         self.quantized_embedding = None
         # decode steps' layers in one C call (decode_graph.py): built on the first step, for
@@ -243,7 +256,7 @@ class LlamaForCausalLM(nn.Module):
         """Keep prepacked copies of the projections and the LM head beside the weights
         (which stay as they are for state_dict and the embedding). False: not usable here."""
         pack = self.kernels.pack
-        if self.layers[0].input_layernorm.device.type != "cpu" or pack is None:
+        if self.layers[0].o_proj.device.type != "cpu" or pack is None:
             return False
         for layer in self.layers:
             layer.packed = {name: pack(getattr(layer, name), gate_up=name == "gate_up_proj")
@@ -283,6 +296,8 @@ class LlamaForCausalLM(nn.Module):
             x = F.embedding(input_ids, self.embed_tokens)
         else:
             x = vocab_parallel_embedding(input_ids, self.embed_tokens, self.tp)
+        if hidden is None and self.embed_scale != 1.0:
+            x = x * self.embed_scale
         first = attn_metadata[0] if isinstance(attn_metadata, list) else attn_metadata
         if first.device_positions is not None:  # on a GPU: no host copy in the step
             rope = (first.device_positions, self.rope_cos, self.rope_sin)
@@ -340,4 +355,6 @@ class LlamaForCausalLM(nn.Module):
             logits = gather_vocab_logits(logits, self.arch.vocab_size, self.tp)
             if logits is None:
                 return None
+        if self.logits_scaling != 1.0:
+            logits = logits / self.logits_scaling
         return logits.float().contiguous() if as_float else logits.contiguous()

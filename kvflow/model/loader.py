@@ -11,7 +11,6 @@ import torch
 from kvflow.model.arch import LlamaArchConfig, load_arch_config
 from kvflow.model.cpu_features import cpu_features
 from kvflow.model.kernels import KernelOptions, Kernels, select_kernels
-from kvflow.model.gemma3 import Gemma3ForCausalLM
 from kvflow.model.kv_scales import apply_kv_scales
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.model.quant.compressed_tensors import METHOD, checkpoint_method, dequantized, read_raw
@@ -20,6 +19,7 @@ from kvflow.model.sharding import load_shard
 from kvflow.model.weight_dtype import check_checkpoint, round_weights
 from kvflow.model.weights import fuse_weights, load_gguf, read_hf_folder
 from kvflow.model_path import is_gguf
+from kvflow.models.registry import family_of
 
 logger = logging.getLogger("kvflow")
 
@@ -64,12 +64,12 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None 
     exact = weight_dtype is not None and check_checkpoint(path, weight_dtype)
     if quantization != METHOD and checkpoint_method(path) is not None:
         resolve_quantization(quantization, path)  # raises: the checkpoint says how it is quantized
-    if quantization not in ("none", METHOD) and load_arch_config(path).architecture == "Gemma3ForCausalLM":
-        # the quantized path builds the Llama class: Gemma 3 loads dequantised instead
-        logger.warning("kvflow: quantization %r does not serve Gemma 3 yet; its weights "
-                       "are dequantised at load", quantization)
+    family = family_of(load_arch_config(path).architecture)
+    if quantization not in ("none", METHOD) and not family.supports.quantized:
+        logger.warning("kvflow: quantization %r does not serve %s yet; its weights "
+                       "are dequantised at load", quantization, family.name)
         quantization = "none"
-    if quantization != "none" and load_arch_config(path).architecture != "Gemma3ForCausalLM":
+    if quantization != "none" and family.supports.quantized:
         from kvflow.model.quant.load import load_quantized_model
 
         loaded = load_quantized_model(path, dtype, quantization, kernels)
@@ -91,8 +91,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None 
     if kernels is None:
         options = replace(KernelOptions.from_env(), gemv_dtype=weight_dtype)
         kernels = select_kernels(dtype, device=device, options=options)
-    model_class = Gemma3ForCausalLM if arch.architecture == "Gemma3ForCausalLM" else LlamaForCausalLM
-    model = model_class(arch, dtype, device="meta", kernels=kernels)
+    model = family.model_class(arch)(arch, dtype, device="meta", kernels=kernels)
     model.load_state_dict(weights, strict=True, assign=True)
     model.eval()
     if device is not None:
@@ -112,12 +111,12 @@ def load_sharded_model(path: str, dtype: torch.dtype, tp,
     if checkpoint_method(path) is not None:  # raises: quantized checkpoints are not sharded
         resolve_quantization(None, path, tp_size=max(size, 2))
     arch = load_arch_config(path)
-    if arch.architecture == "Gemma3ForCausalLM":
-        raise ValueError("Gemma 3 does not run tensor- or pipeline-parallel yet; use "
-                         "tensor_parallel_size=1 and pipeline_parallel_size=1")
+    family = family_of(arch.architecture)
+    family.supports.check(family.name, tensor_parallel_size=size,
+                          pipeline_parallel_size=1 if layers is None else 2)
     weights = load_shard(path, arch, dtype, rank, size, layers)
     kernels = select_kernels(dtype, device=device) if device is not None else None
-    model = LlamaForCausalLM(arch, dtype, device="meta", tp=tp, kernels=kernels, layers=layers)
+    model = family.model_class(arch)(arch, dtype, device="meta", tp=tp, kernels=kernels, layers=layers)
     model.load_state_dict(weights, strict=True, assign=True)
     model.eval()
     if device is not None:

@@ -23,6 +23,7 @@ import torch
 
 from kvflow.lora_request import LoRARequest
 from kvflow.model.arch import LlamaArchConfig
+from kvflow.models.registry import family_of
 
 # PEFT module names -> the fused projection of kvflow's decoder layer and its slice there
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -282,11 +283,8 @@ class LoRAManager:
     slots; `step` maps a step's requests to slots."""
 
     def __init__(self, model, arch: LlamaArchConfig, max_loras: int, max_lora_rank: int) -> None:
-        from kvflow.model.llama import LlamaForCausalLM
-
-        if type(model) is not LlamaForCausalLM:
-            raise ValueError(f"LoRA adapters are served for Llama-family models only, not "
-                             f"{arch.architecture}")
+        family = family_of(arch.architecture)
+        family.supports.check(family.name, lora=True)
         if model.tp is not None:
             raise ValueError("LoRA adapters with tensor parallelism are not supported yet")
         self.arch, self.max_lora_rank = arch, max_lora_rank

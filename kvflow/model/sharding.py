@@ -19,6 +19,7 @@ import torch
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.weights import ensure_gguf_cache, hf_weight_files
 from kvflow.model_path import is_gguf
+from kvflow.models.registry import family_of
 
 
 @dataclass(frozen=True)
@@ -126,16 +127,27 @@ class _Checkpoint:
         return src[:]
 
 
-def _hf_names(i: int) -> dict[str, tuple[str, int]]:
-    a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-    return {"q": (a + "q_proj.weight", 0), "k": (a + "k_proj.weight", 0), "v": (a + "v_proj.weight", 0),
-            "q_bias": (a + "q_proj.bias", 0), "k_bias": (a + "k_proj.bias", 0),
-            "v_bias": (a + "v_proj.bias", 0), "o": (a + "o_proj.weight", 0),
-            "gate": (m + "gate_proj.weight", 0), "up": (m + "up_proj.weight", 0),
-            "down": (m + "down_proj.weight", 0),
-            "q_norm": (a + "q_norm.weight", 0), "k_norm": (a + "k_norm.weight", 0),
-            "input_layernorm": (f"model.layers.{i}.input_layernorm.weight", 0),
-            "post_attention_layernorm": (f"model.layers.{i}.post_attention_layernorm.weight", 0)}
+_PIECES = (("qkv_proj", ("q", "k", "v")), ("qkv_bias", ("q_bias", "k_bias", "v_bias")),
+           ("gate_up_proj", ("gate", "up")), ("o_proj", ("o",)), ("down_proj", ("down",)))
+
+
+def _hf_pieces(i: int, arch: LlamaArchConfig) -> dict[str, tuple[str, int]]:
+    """Layer i's pieces in the family's HF checkpoint (kvflow/models/): each at a row offset
+    of the tensor that holds it (a checkpoint that fuses q/k/v or gate/up, as Phi-3's, holds
+    several pieces in one tensor)."""
+    names = family_of(arch.architecture).hf_layer_names(i, arch)
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
+    sizes = {"q": q, "k": kv, "v": kv, "q_bias": q, "k_bias": kv, "v_bias": kv,
+             "gate": arch.intermediate_size, "up": arch.intermediate_size, "o": 0, "down": 0}
+    out = {name: (parts[0], 0) for name, parts in names.items() if len(parts) == 1}
+    for fused, pieces in _PIECES:
+        parts, offset = names.get(fused), 0
+        if parts is None:
+            continue
+        for j, piece in enumerate(pieces):
+            out[piece] = (parts[0], offset) if len(parts) == 1 else (parts[j], 0)
+            offset += sizes[piece]
+    return out
 
 
 def _fused_names(i: int, arch: LlamaArchConfig) -> dict[str, tuple[str, int]]:
@@ -150,15 +162,6 @@ def _fused_names(i: int, arch: LlamaArchConfig) -> dict[str, tuple[str, int]]:
             "down": (p + "down_proj", 0), "input_layernorm": (p + "input_layernorm", 0),
             "q_norm": (p + "q_norm", 0), "k_norm": (p + "k_norm", 0),
             "post_attention_layernorm": (p + "post_attention_layernorm", 0)}
-
-
-def _phi3_names(i: int, arch: LlamaArchConfig) -> dict[str, tuple[str, int]]:
-    """Phi-3's HF folder: q/k/v rows and gate/up rows at offsets in its fused tensors."""
-    a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
-    return {**_hf_names(i), "q": (a + "qkv_proj.weight", 0), "k": (a + "qkv_proj.weight", q),
-            "v": (a + "qkv_proj.weight", q + kv), "gate": (m + "gate_up_proj.weight", 0),
-            "up": (m + "gate_up_proj.weight", arch.intermediate_size)}
 
 
 def _expert_shard(ckpt: "_Checkpoint", arch: LlamaArchConfig, i: int, fused: bool, rank: int,
@@ -181,15 +184,9 @@ def _expert_shard(ckpt: "_Checkpoint", arch: LlamaArchConfig, i: int, fused: boo
             out[q + "shared_down"] = ckpt.read(q + "shared_down", cols=(s0, s0 + ns))
             out[q + "shared_gate"] = ckpt.read(q + "shared_gate")
         return {k: v.to(dtype) for k, v in out.items()}
-    if arch.architecture == "MixtralForCausalLM":
-        p = f"model.layers.{i}.block_sparse_moe."
-        gate, up, down = p + "experts.{}.w1.weight", p + "experts.{}.w3.weight", p + "experts.{}.w2.weight"
-    else:
-        p = f"model.layers.{i}.mlp."
-        gate, up, down = (p + "experts.{}.gate_proj.weight", p + "experts.{}.up_proj.weight",
-                          p + "experts.{}.down_proj.weight")
+    p, router, gate, up, down = family_of(arch.architecture).expert_names(i, arch)
     experts = range(arch.num_experts)
-    out[q + "router"] = ckpt.read(p + "gate.weight")
+    out[q + "router"] = ckpt.read(router)
     out[q + "gate_up"] = torch.stack([torch.cat([ckpt.read(gate.format(e), rows=(e0, e0 + n)),
                                                  ckpt.read(up.format(e), rows=(e0, e0 + n))]) for e in experts])
     out[q + "down"] = torch.stack([ckpt.read(down.format(e), cols=(e0, e0 + n)) for e in experts])
@@ -239,8 +236,7 @@ def load_shard(path: str, arch: LlamaArchConfig, dtype: torch.dtype, rank: int,
     k0, nk = lay.kv_head_start * d, lay.num_kv_heads * d
     i0, ni = lay.inter_start, lay.intermediate_size
     for i in layers:
-        names = (_fused_names(i, arch) if fused else _phi3_names(i, arch)
-                 if arch.architecture == "Phi3ForCausalLM" else _hf_names(i))
+        names = _fused_names(i, arch) if fused else _hf_pieces(i, arch)
         p = f"layers.{i}."
         for norm in ("input_layernorm", "post_attention_layernorm") + (
                 ("q_norm", "k_norm") if arch.qk_norm else ()):  # QK-norm weights span head_dim: replicated

@@ -18,9 +18,9 @@ import tempfile
 import torch
 
 from kvflow.model.arch import LlamaArchConfig, load_arch_config, save_arch_cache
-from kvflow.model.gemma3_weights import gemma3_norms, text_part
 from kvflow.model.gguf_reader import read_gguf
 from kvflow.model_path import cache_dir_for
+from kvflow.models.registry import family_of
 from kvflow.utils.files import file_lock, publish
 
 logger = logging.getLogger("kvflow")
@@ -33,70 +33,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def fuse_weights(hf: dict[str, torch.Tensor], arch: LlamaArchConfig,
                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """HF parameter names -> kvflow's fused ones (qkv_proj = [q; k; v], gate_up_proj = [gate; up];
-    an expert layer's weights stacked per expert, kvflow/model/moe.py)."""
-    gemma3 = arch.architecture == "Gemma3ForCausalLM"
-    if gemma3:
-        hf = text_part(hf)
-    def get(name: str) -> torch.Tensor:
-        if name not in hf:
-            raise ValueError(f"weight {name!r} is missing from the checkpoint")
-        return hf[name].to(dtype)
-
-    fused_in_checkpoint = arch.architecture == "Phi3ForCausalLM"  # Phi-3 ships qkv and gate_up fused
-    out = {"embed_tokens": get("model.embed_tokens.weight"), "norm": get("model.norm.weight")}
-    if not arch.tie_word_embeddings:
-        out["lm_head"] = get("lm_head.weight")
-    for i in range(arch.num_hidden_layers):
-        p = f"model.layers.{i}."
-        a, m = p + "self_attn.", p + "mlp."
-        out[f"layers.{i}.input_layernorm"] = get(p + "input_layernorm.weight")
-        out[f"layers.{i}.post_attention_layernorm"] = get(p + "post_attention_layernorm.weight")
-        if fused_in_checkpoint:
-            out[f"layers.{i}.qkv_proj"] = get(a + "qkv_proj.weight")
-        else:
-            out[f"layers.{i}.qkv_proj"] = torch.cat([get(a + f"{x}_proj.weight") for x in "qkv"])
-        if arch.attention_bias:
-            out[f"layers.{i}.qkv_bias"] = torch.cat([get(a + f"{x}_proj.bias") for x in "qkv"])
-        if arch.qk_norm:
-            out[f"layers.{i}.q_norm"] = get(a + "q_norm.weight")
-            out[f"layers.{i}.k_norm"] = get(a + "k_norm.weight")
-        out[f"layers.{i}.o_proj"] = get(a + "o_proj.weight")
-        if arch.is_moe_layer(i):
-            out.update(fuse_experts(get, arch, i))
-        elif fused_in_checkpoint:
-            out[f"layers.{i}.gate_up_proj"] = get(m + "gate_up_proj.weight")
-            out[f"layers.{i}.down_proj"] = get(m + "down_proj.weight")
-        else:
-            out[f"layers.{i}.gate_up_proj"] = torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")])
-            out[f"layers.{i}.down_proj"] = get(m + "down_proj.weight")
-    if gemma3:  # its norms (four per layer, QK-norm) as fp32 multipliers 1 + weight
-        out.update(gemma3_norms(hf, arch))
-    return {k: v.contiguous() for k, v in out.items()}
-
-
-def fuse_experts(get, arch: LlamaArchConfig, i: int) -> dict[str, torch.Tensor]:
-    """Layer i's expert block: the router, every expert's [gate; up] and down stacked into
-    [experts, ...] tensors, and Qwen2-MoE's shared expert with its gate."""
-    if arch.architecture == "MixtralForCausalLM":
-        p = f"model.layers.{i}.block_sparse_moe."
-        router, gate, up, down = p + "gate.weight", p + "experts.{}.w1.weight", \
-            p + "experts.{}.w3.weight", p + "experts.{}.w2.weight"
-    else:
-        p = f"model.layers.{i}.mlp."
-        router, gate, up, down = p + "gate.weight", p + "experts.{}.gate_proj.weight", \
-            p + "experts.{}.up_proj.weight", p + "experts.{}.down_proj.weight"
-    experts = range(arch.num_experts)
-    q = f"layers.{i}.moe."
-    out = {q + "router": get(router),
-           q + "gate_up": torch.stack([torch.cat([get(gate.format(e)), get(up.format(e))]) for e in experts]),
-           q + "down": torch.stack([get(down.format(e)) for e in experts])}
-    if arch.shared_expert_intermediate_size:
-        s = p + "shared_expert."
-        out[q + "shared_gate_up"] = torch.cat([get(s + "gate_proj.weight"), get(s + "up_proj.weight")])
-        out[q + "shared_down"] = get(s + "down_proj.weight")
-        out[q + "shared_gate"] = get(p + "shared_expert_gate.weight")
-    return out
+    """HF parameter names -> kvflow's fused ones, by the model's family (kvflow/models/)."""
+    return family_of(arch.architecture).fuse_weights(hf, arch, dtype)
 
 
 # -- HF folders ------------------------------------------------------------------------------

@@ -14,12 +14,10 @@ from kvflow.model.gguf_reader import hf_name, unpermute_qk
 from kvflow.model.quant.gguf_blocks import decode, to_q8
 from kvflow.model.quant.packing import pack
 from kvflow.model.quant.qlinear import QuantizedWeight
+from kvflow.models.registry import family_of
 
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
-_PROJECTIONS = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                "o_proj": ("self_attn.o_proj",),
-                "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-                "down_proj": ("mlp.down_proj",)}
+_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def gguf_is_quantized(reader) -> bool:
@@ -52,10 +50,11 @@ def load_gguf_native(path: str, dtype: torch.dtype, isa: str
     reader = GGUFReader(path)
     arch = arch_from_gguf_reader(reader, path)
     save_arch_cache(arch, path)  # later starts read it without parsing the file
-    permute = arch.architecture == "LlamaForCausalLM"  # llama.cpp permutes q/k only for llama
+    family = family_of(arch.architecture)
+    permute = family.gguf_permutes_qk(arch.architecture)
     tensors = {}
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         if name is not None:
             tensors[name] = t
 
@@ -82,16 +81,14 @@ def load_gguf_native(path: str, dtype: torch.dtype, isa: str
     plain: dict[str, torch.Tensor] = {"norm": floats("model.norm.weight")}
     quant: dict[str, QuantizedWeight] = {}
     for i in range(arch.num_hidden_layers):
-        p = f"model.layers.{i}."
-        plain[f"layers.{i}.input_layernorm"] = floats(p + "input_layernorm.weight")
-        plain[f"layers.{i}.post_attention_layernorm"] = floats(p + "post_attention_layernorm.weight")
-        if arch.attention_bias:
-            plain[f"layers.{i}.qkv_bias"] = torch.cat([floats(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
-        for fused, hf_parts in _PROJECTIONS.items():
+        for name, hf_parts in family.hf_layer_names(i, arch).items():
+            if name not in _PROJECTIONS:  # norms and biases stay floats
+                plain[f"layers.{i}.{name}"] = torch.cat([floats(h) for h in hf_parts])
+                continue
             heads = [None] * len(hf_parts)
-            if fused == "qkv_proj" and permute:
+            if name == "qkv_proj" and permute:
                 heads = [arch.num_attention_heads, arch.num_key_value_heads, None]
-            quant[f"layers.{i}.{fused}"] = weight([p + h + ".weight" for h in hf_parts], heads)
+            quant[f"layers.{i}.{name}"] = weight(hf_parts, heads)
     quant["embed_tokens"] = weight(["model.embed_tokens.weight"], [None])
     quant["lm_head"] = (quant["embed_tokens"] if arch.tie_word_embeddings
                         else weight(["lm_head.weight"], [None]))

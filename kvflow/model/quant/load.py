@@ -15,13 +15,13 @@ import torch
 from kvflow.csrc import library
 from kvflow.model.arch import load_arch_config
 from kvflow.model.kernels import Kernels, select_kernels
-from kvflow.model.llama import LlamaForCausalLM
 from kvflow.model.packed_linear import PackedWeight
 from kvflow.model.quant.compressed_tensors import (METHOD, SUPPORTED, check_scheme,
                                                    checkpoint_method, quantization_config)
 from kvflow.model.quant.packing import dequantize_rows
 from kvflow.model.quant.qlinear import QuantizedWeight, best_isa
 from kvflow.model_path import is_gguf
+from kvflow.models.registry import family_of
 
 logger = logging.getLogger("kvflow")
 QUANTIZATIONS = ("gguf", "int8", "compressed-tensors", "none")
@@ -142,7 +142,7 @@ def load_quantized_model(path: str, dtype: torch.dtype, quantization: str,
     except _FloatFile:
         return None
     arch = load_arch_config(path)
-    model = LlamaForCausalLM(arch, dtype, device="meta", kernels=kernels)
+    model = family_of(arch.architecture).model_class(arch)(arch, dtype, device="meta", kernels=kernels)
     missing, unexpected = model.load_state_dict(plain, strict=False, assign=True)
     left = set(missing) - set(quant)
     if left or unexpected:

@@ -1,5 +1,6 @@
-"""Gemma 3 (text): a Llama-shaped decoder with Gemma's differences, over the same flat batch
-and paged KV cache as kvflow/model/llama.py.
+"""Gemma 3 (text; a Gemma3ForConditionalGeneration folder loads its text part): a Llama-shaped
+decoder with Gemma's differences, over the same flat batch and paged KV cache as
+kvflow/model/llama.py. Its config fields, weight names and module.
 
 What differs from Llama, each as Hugging Face's Gemma3ForCausalLM computes it: embeddings
 scaled by sqrt(hidden) (in the model dtype); RMSNorm times (1 + weight) in fp32, rounded once
@@ -20,13 +21,17 @@ from torch import nn
 
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.attention import AttentionMetadata
+from kvflow.model.attention_pattern import FULL, SLIDING
 from kvflow.model.kernels import Kernels, select_kernels
 from kvflow.model.kv_layout import UNIT_KV_SCALES
 from kvflow.model.llama import ROPE_CACHE_MAX, _weight, rope_inv_freq
 from kvflow.model.packed_linear import PackedWeight
+from kvflow.models.family import ModelFamily, getter
+from kvflow.models.registry import Supports
 
-from kvflow.model.gemma3_weights import LAYER_NORMS as _LAYER_NORMS
-
+_LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                "post_feedforward_layernorm")
+_TEXT_PREFIXES = ("model.language_model.", "language_model.model.")
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
@@ -90,13 +95,11 @@ class Gemma3DecoderLayer(nn.Module):
 
 class Gemma3ForCausalLM(nn.Module):
     """Gemma 3's text decoder over a flat, unpadded batch of tokens from many requests; the
-    same interface as LlamaForCausalLM (no tensor parallelism yet)."""
+    same interface as LlamaForCausalLM (one rank: its Supports say so)."""
 
     def __init__(self, arch: LlamaArchConfig, dtype: torch.dtype, device=None,
-                 max_position: int | None = None, tp=None, kernels: Kernels | None = None):
+                 max_position: int | None = None, kernels: Kernels | None = None):
         super().__init__()
-        if tp is not None:
-            raise ValueError("Gemma 3 does not run tensor-parallel yet; use tensor_parallel_size=1")
         if arch.attn_logit_softcapping:
             raise ValueError("attention logit soft-capping (attn_logit_softcapping) is not supported yet")
         self.arch, self.dtype, self.tp = arch, dtype, None
@@ -170,3 +173,81 @@ class Gemma3ForCausalLM(nn.Module):
         if cap:
             logits = torch.tanh(logits.float() / cap) * cap
         return logits.float().contiguous() if as_float else logits.contiguous()
+
+
+# -- the family: config fields and checkpoint names -----------------------------------------------
+class Gemma3Family(ModelFamily):
+    name = "Gemma 3"
+    # one rank, float weights, no adapters, decode steps layer by layer
+    supports = Supports(tensor_parallel=False, pipeline_parallel=False, lora=False,
+                        quantized=False, decode_step=False)
+    default_sliding_window = 512  # llama.cpp's, for files that leave the window out
+    default_sliding_window_pattern = 6  # five local layers, then a global one
+    gguf_norm_shift = 1.0  # llama.cpp stores the norms as 1 + w; back to HF's w, as transformers does
+    hf_global_names = {"embed_tokens": "model.embed_tokens.weight", "lm_head": "lm_head.weight"}
+
+    def hf_fields(self, cfg: dict, architecture: str) -> dict:
+        """The global and local RoPE, the query scale; its activation must be gelu-tanh."""
+        rope = cfg.get("rope_parameters") or {}
+        full, local = rope.get(FULL) or {}, rope.get(SLIDING) or {}
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise ValueError(f"Gemma 3 with hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+        return {"rope_theta": float(full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))),
+                "rope_scaling": ({k: v for k, v in full.items() if k != "rope_theta"} if full
+                                 else cfg.get("rope_scaling")),
+                "rope_local_theta": float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))),
+                "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or cfg.get("head_dim") or 256),
+                "qk_norm": False, "attention_bias": False}
+
+    def gguf_fields(self, meta, tensors: dict, architecture: str) -> dict:
+        # llama.cpp scales queries by 1/sqrt(head_dim) (hidden/heads for the 27B only)
+        return {"rope_local_theta": float(meta("rope.freq_base_swa", 10_000.0)),
+                "query_pre_attn_scalar": float(meta("attention.key_length", 256))}
+
+    def gguf_layer_names(self, architecture: str) -> dict[str, str]:
+        return {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+
+    def hf_layer_names(self, i: int, arch: LlamaArchConfig) -> dict[str, list[str]]:
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        return {"qkv_proj": [a + f"{x}_proj.weight" for x in "qkv"], "o_proj": [a + "o_proj.weight"],
+                "gate_up_proj": [m + "gate_proj.weight", m + "up_proj.weight"],
+                "down_proj": [m + "down_proj.weight"]}
+
+    def fuse_weights(self, hf: dict[str, torch.Tensor], arch: LlamaArchConfig,
+                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The language model's tensors (vision tensors dropped), its norms (four per layer,
+        QK-norm) as fp32 multipliers 1 + weight, the factor HF's Gemma3RMSNorm multiplies by."""
+        hf = _text_part(hf)
+        out = super().fuse_weights(hf, arch, dtype)
+        get = getter(hf, torch.float32)
+
+        def multiplier(name: str) -> torch.Tensor:
+            return (1.0 + get(name)).contiguous()
+
+        out["norm"] = multiplier("model.norm.weight")
+        for i in range(arch.num_hidden_layers):
+            p = f"model.layers.{i}."
+            for n in _LAYER_NORMS:
+                out[f"layers.{i}.{n}"] = multiplier(p + n + ".weight")
+            out[f"layers.{i}.q_norm"] = multiplier(p + "self_attn.q_norm.weight")
+            out[f"layers.{i}.k_norm"] = multiplier(p + "self_attn.k_norm.weight")
+        return out
+
+    def model_class(self, arch: LlamaArchConfig) -> type[nn.Module]:
+        return Gemma3ForCausalLM
+
+
+def _text_part(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The language model's tensors under Gemma3ForCausalLM's names."""
+    out = {}
+    for name, w in hf.items():
+        for prefix in _TEXT_PREFIXES:
+            if name.startswith(prefix):
+                name = "model." + name[len(prefix):]
+        out[name.removeprefix("language_model.") if name.startswith("language_model.lm_head.") else name] = w
+    return out
+
+
+FAMILY = Gemma3Family()

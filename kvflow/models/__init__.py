@@ -1,0 +1,2 @@
+"""Model families: one file each (its config fields, weight names, module and what it
+supports), found through registry.py."""
