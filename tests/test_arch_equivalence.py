@@ -22,6 +22,9 @@ pytestmark = pytest.mark.slow  # loads models (make test-fast leaves it out)
 
 torch.set_num_threads(1)
 ATOL = 1e-4
+# families whose GGUF tokenizer transformers (5.x) does not read: their GGUF files are served
+# with the HF folder's tokenizer
+TOKENIZER_NOT_IN_TRANSFORMERS_GGUF = ("olmo2",)
 SEQ_LENS = {"a": 21, "b": 9, "c": 1, "d": 14}
 DECODE_STEPS = 3
 # c and d finish their prompts first and decode while a and b arrive in chunks
@@ -91,8 +94,12 @@ def test_gguf_keeps_the_chat_template_and_the_end_of_turn_stop(tiny, tmp_path, m
     name, path, _, _, _ = tiny
     gguf_path = write_gguf(path, str(tmp_path / f"{name}.gguf"))
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
-    text, ids = render_chat(get_tokenizer(gguf_path), messages)
-    assert (text, ids) == render_chat(get_tokenizer(path), messages)
+    text, ids = render_chat(get_tokenizer(path), messages)
+    if name in TOKENIZER_NOT_IN_TRANSFORMERS_GGUF:  # the HF folder's tokenizer serves (--tokenizer)
+        with pytest.raises(ValueError, match="pass --tokenizer with the model's Hugging Face folder"):
+            get_tokenizer(gguf_path)
+    else:
+        assert (text, ids) == render_chat(get_tokenizer(gguf_path), messages)
     end = END_OF_TURN[family(path)]
     want_stops = [2] if end is None else [2, get_tokenizer(path).convert_tokens_to_ids(end)]
     assert end is None or end in text
@@ -281,3 +288,40 @@ def test_tensor_parallel_shards_qwen3_moe_experts_and_replicates_qk_norm(tmp_pat
     full_gate_up = torch.cat([shards[0]["layers.0.moe.gate_up"][:, :n], shards[1]["layers.0.moe.gate_up"][:, :n]], 1)
     assert torch.equal(full_gate_up, hf.mlp.experts.gate_up_proj[:, :arch.moe_intermediate_size])
     assert torch.equal(torch.cat([s["layers.0.moe.down"] for s in shards], 2), hf.mlp.experts.down_proj)
+
+
+@pytest.mark.parametrize("name", ["olmo2"])
+def test_new_family_keeps_hf_tokens_through_preemption_and_a_prefix_cache_hit(name, tmp_path):
+    """A family added as one file: HF's greedy tokens through a prefix-cache hit (a prompt's
+    first blocks reused from an earlier request) and preemptions (a pool too small for four
+    requests at once), with a 16-token budget cutting the prompts into chunks."""
+    from kvflow import LLM, SamplingParams
+
+    path = BUILDERS[name](str(tmp_path / "hf"))
+    hf = hf_model(path)
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(4, 320, 24).tolist()
+    prompts = [prefix + rng.integers(4, 320, n).tolist() for n in (5, 9, 3, 7)]
+    refs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=24, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+            refs.append((out.sequences[0, len(ids):].tolist(), [s[0].topk(3).indices.tolist() for s in out.logits]))
+    trace = tmp_path / "trace.jsonl"
+    llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, num_blocks=22,
+              max_num_batched_tokens=16, trace=str(trace))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    first = llm.generate(prompts[:1], params, use_tqdm=False)[0]
+    rest = llm.generate(prompts[1:], params, use_tqdm=False)
+    assert first.num_cached_tokens == 0 and rest[0].num_cached_tokens == 24  # the shared 6 blocks
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert any(s["preempted"] for s in steps), "the pool should have forced a preemption"
+    identical = 0
+    for i, out in enumerate([first, *rest]):
+        got = out.outputs[0].token_ids
+        assert_matches_reference(got, refs[i], f"{name} prompt {i}")
+        identical += got == refs[i][0]
+    assert identical >= len(prompts) - 1
+

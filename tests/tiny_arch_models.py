@@ -1,5 +1,5 @@
-"""Tiny random Qwen3, Phi-3 and mixture-of-experts models (Qwen3-MoE, Mixtral, Qwen2-MoE) saved
-as HF folders, and a GGUF writer that converts such a folder the way llama.cpp's
+"""Tiny random Qwen3, Phi-3, OLMo 2 and mixture-of-experts models (Qwen3-MoE, Mixtral,
+Qwen2-MoE) saved as HF folders, and a GGUF writer that converts such a folder the way llama.cpp's
 convert_hf_to_gguf.py does (its tensor names, metadata keys, q/k permutation for the "llama"
 architecture and experts stacked into 3-D tensors), so the GGUF path is tested on files shaped
 like the ones people download."""
@@ -93,8 +93,30 @@ def save_qwen2_moe(path: str) -> str:
     return _finish(_save_random(Qwen2MoeForCausalLM, cfg, path, seed=5), "qwen")
 
 
+def save_olmo2(path: str) -> str:
+    """OLMo 2: norms after each sublayer, QK-norm over the whole q and k projections, GQA 4/2;
+    its norm weights drawn away from one so that a norm applied in the wrong place shows."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    cfg = Olmo2Config(**_BASE, tie_word_embeddings=False, rope_theta=500000.0, pad_token_id=0)
+    path = _save_random(Olmo2ForCausalLM, cfg, path, seed=6)
+    _perturb_norms(path, seed=6)
+    return _finish(path, "qwen")
+
+
+def _perturb_norms(path: str, seed: int) -> None:
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    tensors, g = load_file(file), torch.Generator().manual_seed(seed)
+    for name, t in tensors.items():
+        if name.endswith("norm.weight"):
+            tensors[name] = t + 0.3 * torch.randn(t.shape, generator=g)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
 BUILDERS = {"qwen3": save_qwen3, "phi3": save_phi3, "qwen3_moe": save_qwen3_moe,
-            "mixtral": save_mixtral, "qwen2_moe": save_qwen2_moe}
+            "mixtral": save_mixtral, "qwen2_moe": save_qwen2_moe, "olmo2": save_olmo2}
 
 
 def family(path: str) -> str:
@@ -130,7 +152,7 @@ def _finish(path: str, family: str) -> str:
 
 # -- GGUF, the way convert_hf_to_gguf.py writes these models -----------------------------------
 _GGUF_ARCH = {"Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Qwen3MoeForCausalLM": "qwen3moe",
-              "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe"}
+              "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe", "Olmo2ForCausalLM": "olmo2"}
 
 
 def write_gguf(hf_dir: str, out_path: str, quant: str = "F32", legacy_experts: bool = False) -> str:
@@ -185,8 +207,12 @@ def write_gguf(hf_dir: str, out_path: str, quant: str = "F32", legacy_experts: b
     for i in range(n_layer):
         p, b = f"model.layers.{i}.", f"blk.{i}."
         a = p + "self_attn."
-        add(b + "attn_norm.weight", t[p + "input_layernorm.weight"])
-        add(b + "ffn_norm.weight", t[p + "post_attention_layernorm.weight"])
+        if arch == "olmo2":  # norms after attention and the MLP only
+            add(b + "post_attention_norm.weight", t[p + "post_attention_layernorm.weight"])
+            add(b + "post_ffw_norm.weight", t[p + "post_feedforward_layernorm.weight"])
+        else:
+            add(b + "attn_norm.weight", t[p + "input_layernorm.weight"])
+            add(b + "ffn_norm.weight", t[p + "post_attention_layernorm.weight"])
         add(b + "attn_output.weight", t[a + "o_proj.weight"])
         if arch == "phi3":
             add(b + "attn_qkv.weight", t[a + "qkv_proj.weight"])

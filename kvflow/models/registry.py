@@ -55,6 +55,7 @@ FAMILIES = (
     FamilyEntry("gemma3", {"gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForCausalLM"},
                 {"gemma3": "Gemma3ForCausalLM"},
                 {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}),
+    FamilyEntry("olmo2", {"olmo2": "Olmo2ForCausalLM"}, {"olmo2": "Olmo2ForCausalLM"}),
 )
 
 _BY_ARCHITECTURE = {a: e for e in FAMILIES for a in e.architectures.values()}
