@@ -24,7 +24,7 @@ torch.set_num_threads(1)
 ATOL = 1e-4
 # families whose GGUF tokenizer transformers (5.x) does not read: their GGUF files are served
 # with the HF folder's tokenizer
-TOKENIZER_NOT_IN_TRANSFORMERS_GGUF = ("olmo2",)
+TOKENIZER_NOT_IN_TRANSFORMERS_GGUF = ("olmo2", "granite")
 SEQ_LENS = {"a": 21, "b": 9, "c": 1, "d": 14}
 DECODE_STEPS = 3
 # c and d finish their prompts first and decode while a and b arrive in chunks
@@ -290,7 +290,7 @@ def test_tensor_parallel_shards_qwen3_moe_experts_and_replicates_qk_norm(tmp_pat
     assert torch.equal(torch.cat([s["layers.0.moe.down"] for s in shards], 2), hf.mlp.experts.down_proj)
 
 
-@pytest.mark.parametrize("name", ["olmo2"])
+@pytest.mark.parametrize("name", ["olmo2", "granite"])
 def test_new_family_keeps_hf_tokens_through_preemption_and_a_prefix_cache_hit(name, tmp_path):
     """A family added as one file: HF's greedy tokens through a prefix-cache hit (a prompt's
     first blocks reused from an earlier request) and preemptions (a pool too small for four
@@ -325,3 +325,28 @@ def test_new_family_keeps_hf_tokens_through_preemption_and_a_prefix_cache_hit(na
         identical += got == refs[i][0]
     assert identical >= len(prompts) - 1
 
+
+def test_granite_q8_0_gguf_is_served_as_stored_with_its_multipliers(tmp_path, monkeypatch):
+    """llama.cpp's granite keys give the four multipliers, the projections stay Q8_0 (the
+    family declares quantized weights), and the greedy tokens follow HF's within its top 3."""
+    from kvflow import LLM, SamplingParams
+    from kvflow.models.granite import GraniteForCausalLM
+
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    path = BUILDERS["granite"](str(tmp_path / "hf"))
+    gguf_path = write_gguf(path, str(tmp_path / "q8.gguf"), quant="Q8_0")
+    model, arch = load_model(gguf_path, torch.float32, quantization="gguf")
+    assert type(model) is GraniteForCausalLM and model.layers[0].packed["qkv_proj"].quant is not None
+    hf_arch = load_arch_config(path)
+    for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+        assert getattr(arch, key) == pytest.approx(getattr(hf_arch, key)) != 1.0, key
+    hf = hf_model(path)
+    ids = np.random.default_rng(0).integers(4, 320, 12).tolist()
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+    ref = (out.sequences[0, len(ids):].tolist(), [s[0].topk(3).indices.tolist() for s in out.logits])
+    llm = LLM(gguf_path, tokenizer=path, dtype="float32", max_model_len=64, num_blocks=32)
+    got = llm.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    assert_matches_reference(got, ref, "granite Q8_0", min_agree=1)

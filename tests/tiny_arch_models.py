@@ -1,4 +1,4 @@
-"""Tiny random Qwen3, Phi-3, OLMo 2 and mixture-of-experts models (Qwen3-MoE, Mixtral,
+"""Tiny random Qwen3, Phi-3, OLMo 2, Granite 3 and mixture-of-experts models (Qwen3-MoE, Mixtral,
 Qwen2-MoE) saved as HF folders, and a GGUF writer that converts such a folder the way llama.cpp's
 convert_hf_to_gguf.py does (its tensor names, metadata keys, q/k permutation for the "llama"
 architecture and experts stacked into 3-D tensors), so the GGUF path is tested on files shaped
@@ -104,6 +104,17 @@ def save_olmo2(path: str) -> str:
     return _finish(path, "qwen")
 
 
+def save_granite(path: str) -> str:
+    """Granite 3: the four multipliers far from one (embeddings x12, residual branches x0.22,
+    attention scale 1/64 instead of 1/sqrt(16), logits / 8), tied embeddings."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    cfg = GraniteConfig(**_BASE, tie_word_embeddings=True, embedding_multiplier=12.0,
+                        residual_multiplier=0.22, attention_multiplier=0.015625, logits_scaling=8.0,
+                        pad_token_id=0)
+    return _finish(_save_random(GraniteForCausalLM, cfg, path, seed=7), "qwen")
+
+
 def _perturb_norms(path: str, seed: int) -> None:
     from safetensors.torch import load_file, save_file
 
@@ -116,7 +127,8 @@ def _perturb_norms(path: str, seed: int) -> None:
 
 
 BUILDERS = {"qwen3": save_qwen3, "phi3": save_phi3, "qwen3_moe": save_qwen3_moe,
-            "mixtral": save_mixtral, "qwen2_moe": save_qwen2_moe, "olmo2": save_olmo2}
+            "mixtral": save_mixtral, "qwen2_moe": save_qwen2_moe, "olmo2": save_olmo2,
+            "granite": save_granite}
 
 
 def family(path: str) -> str:
@@ -152,7 +164,8 @@ def _finish(path: str, family: str) -> str:
 
 # -- GGUF, the way convert_hf_to_gguf.py writes these models -----------------------------------
 _GGUF_ARCH = {"Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Qwen3MoeForCausalLM": "qwen3moe",
-              "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe", "Olmo2ForCausalLM": "olmo2"}
+              "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe", "Olmo2ForCausalLM": "olmo2",
+              "GraniteForCausalLM": "granite"}
 
 
 def write_gguf(hf_dir: str, out_path: str, quant: str = "F32", legacy_experts: bool = False) -> str:
@@ -204,6 +217,11 @@ def write_gguf(hf_dir: str, out_path: str, quant: str = "F32", legacy_experts: b
             w.add_rope_scaling_attn_factors(np.sqrt(1 + np.log(scale) / np.log(orig)) if scale > 1 else 1.0)
             add("rope_factors_long.weight", np.array(rope["long_factor"]))
             add("rope_factors_short.weight", np.array(rope["short_factor"]))
+    if arch == "granite":  # llama.cpp's names for the four multipliers
+        w.add_embedding_scale(cfg["embedding_multiplier"])
+        w.add_residual_scale(cfg["residual_multiplier"])
+        w.add_attention_scale(cfg["attention_multiplier"])
+        w.add_logit_scale(cfg["logits_scaling"])
     for i in range(n_layer):
         p, b = f"model.layers.{i}.", f"blk.{i}."
         a = p + "self_attn."
@@ -218,7 +236,7 @@ def write_gguf(hf_dir: str, out_path: str, quant: str = "F32", legacy_experts: b
             add(b + "attn_qkv.weight", t[a + "qkv_proj.weight"])
         else:
             q, k = t[a + "q_proj.weight"], t[a + "k_proj.weight"]
-            if arch == "llama":
+            if arch in ("llama", "granite"):  # converted by llama.cpp's LlamaModel
                 q, k = permute_rope_rows(q, n_head), permute_rope_rows(k, n_kv)
             add(b + "attn_q.weight", q)
             add(b + "attn_k.weight", k)

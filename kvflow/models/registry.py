@@ -56,6 +56,7 @@ FAMILIES = (
                 {"gemma3": "Gemma3ForCausalLM"},
                 {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}),
     FamilyEntry("olmo2", {"olmo2": "Olmo2ForCausalLM"}, {"olmo2": "Olmo2ForCausalLM"}),
+    FamilyEntry("granite", {"granite": "GraniteForCausalLM"}, {"granite": "GraniteForCausalLM"}),
 )
 
 _BY_ARCHITECTURE = {a: e for e in FAMILIES for a in e.architectures.values()}
