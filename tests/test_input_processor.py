@@ -73,6 +73,27 @@ def test_options_of_this_engine_refuse_what_they_cannot_serve():
     assert e.value.param == "model"
 
 
+def test_kv_transfer_params_are_refused_at_the_input_only_without_a_kv_connector():
+    """With no kv_transfer_config nothing in the core could take them: refused at the input.
+    With one, the KV connector checks them in the core (against its role and its cache), where
+    a refusal can release the producer's lease at once."""
+    from kvflow.kv_transfer.params import KVTransferParams
+
+    lend = SamplingParams(kv_transfer_params=KVTransferParams(do_remote_decode=True))
+    with pytest.raises(ValueError, match="^kv_transfer_params.do_remote_decode: this instance "
+                                         "lends no KV blocks"):
+        processor().process([1], lend)
+    pull = SamplingParams(kv_transfer_params=KVTransferParams(
+        do_remote_prefill=True, remote_engine_id="p", remote_host="127.0.0.1", remote_port=1,
+        remote_block_ids=[7], remote_num_tokens=1, remote_block_size=16, transfer_id="t",
+        compat_hash="h", compat={}))
+    with pytest.raises(ValueError, match="^kv_transfer_params.do_remote_prefill: this instance "
+                                         "pulls no KV blocks"):
+        processor().process([1], pull)
+    consumer = processor(kv_transfer_config='{"kv_role": "kv_consumer", "kv_port": 9000}')
+    consumer.process([1], lend)  # the connector's to refuse, in the core
+
+
 def test_a_constraint_the_backend_cannot_enforce_is_refused():
     bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-"))
     with pytest.raises(ValueError, match="structured_outputs.regex"):

@@ -16,11 +16,12 @@ from kvflow.distributed.pipeline import stage_layers
 from kvflow.engine.input_processor import InputProcessor, RequestLimits
 from kvflow.engine.kv_sizing import max_concurrency, num_kv_blocks
 from kvflow.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
-from kvflow.engine.remote_kv import EngineKVTransferMixin
 from kvflow.engine.speculator import build_speculator
 from kvflow.engine.step_trace import StepTrace
 from kvflow.engine.warmup import warmup_outputs
-from kvflow.kv_transfer.agent import KVTransferAgent
+from kvflow.kv_transfer.blocks import KVShard, PagedKV
+from kvflow.kv_transfer.connector import KVConnector
+from kvflow.kv_transfer.pd_connector import PDConnector, check_engine
 from kvflow.logger import init_logger
 from kvflow.lora_request import LoRARequest
 from kvflow.model.arch import load_arch_config
@@ -31,10 +32,10 @@ from kvflow.model.key_scales import key_scales_digest
 from kvflow.model.kv_layout import INT8_SCALE_BYTES, resolve_kv_dtype
 from kvflow.model.loader import load_model, resolve_device, resolve_dtype
 from kvflow.model.quant.load import resolve_quantization
-from kvflow.model.sharding import kv_bytes_per_token_per_rank
+from kvflow.model.sharding import kv_bytes_per_token_per_rank, shard_layout
 from kvflow.model.weight_dtype import storage_dtype
 from kvflow.model_path import resolve_model_path
-from kvflow.request import Request, RequestStatus
+from kvflow.request import Request
 from kvflow.structured import StructuredOutputManager
 from kvflow.tokenizer import get_tokenizer, tokenizer_source
 
@@ -51,7 +52,7 @@ class _StartedStep:
     t0: float  # perf_counter, for the step time
 
 
-class EngineCore(EngineKVTransferMixin):
+class EngineCore:
     """The busy part of the engine. Used in-process by LLMEngine and in its own process by
     `kvflow serve`."""
 
@@ -74,10 +75,10 @@ class EngineCore(EngineKVTransferMixin):
         self.structured = self._structured_outputs()
         self.spec = self._speculator()
         self.trace = None
-        self.kv_agent: KVTransferAgent | None = None
+        # moves KV beyond this process (prefill/decode transfer); the base class does nothing
+        self.kv_connector: KVConnector = KVConnector()
         if config.kv_transfer is not None:  # refused before any worker starts
-            self._check_kv_transfer_config(self.cache_config)
-        self._kv_trace: list[dict] = []  # transfers that ended since the last traced step
+            check_engine(self.cache_config, self.device.type)
         self._batch_queue: deque[_StartedStep] = deque()  # steps started, not yet finished
         self.executor = self._make_executor(model)
         self.scheduler.max_concurrent_batches = self.executor.max_concurrent_batches
@@ -223,7 +224,7 @@ class EngineCore(EngineKVTransferMixin):
             for i, (name, path) in enumerate(lc.modules(), start=1):
                 self.add_lora(LoRARequest(name, i, path))
         if config.kv_transfer is not None:
-            self.kv_agent = KVTransferAgent(config.kv_transfer, self.kv_compat(),
+            self.kv_connector = PDConnector(config.kv_transfer, self.kv_compat(),
                                             self._paged_kv(), cc.block_size)
         self.trace = StepTrace(config.trace, sc.max_num_batched_tokens, cc.block_size,
                                cc.num_blocks) if config.trace else None
@@ -246,10 +247,15 @@ class EngineCore(EngineKVTransferMixin):
                 "head_dim": a.head_dim,
                 "key_scales": key_scales_digest(self.executor.runner.model)}
 
+    def _paged_kv(self) -> PagedKV:
+        """The whole cache as KV transfer sees it: each rank's share with its first KV head."""
+        return PagedKV([KVShard(shard_layout(self.arch, r, self.tp_size).kv_head_start, caches)
+                        for r, caches in enumerate(self.executor.rank_kv_caches())])
+
     @property
     def kv_wakeup_socket(self):
-        """Readable when the KV-transfer agent has news (the core loop polls it); else None."""
-        return self.kv_agent.wakeup_socket if self.kv_agent is not None else None
+        """Readable when the KV connector has news (the core loop polls it); else None."""
+        return self.kv_connector.wakeup_socket
 
     def startup_report(self) -> str:
         cc, a = self.cache_config, self.arch
@@ -275,9 +281,7 @@ class EngineCore(EngineKVTransferMixin):
                 + f"{self.executor.runner.model.kernels.describe()}; "
                 + self._lora_report()
                 + (f"{self.spec.describe()}; " if self.spec is not None else "")
-                + (f"KV transfer {self.config.kv_transfer.kv_role} engine "
-                   f"{self.kv_agent.engine_id} on {self.config.kv_transfer.kv_ip}:"
-                   f"{self.config.kv_transfer.kv_port}; " if self.kv_agent is not None else "")
+                + (f"{self.kv_connector.describe()}; " if self.kv_connector.describe() else "")
                 + f"ready in {self.startup_time:.1f}s")
 
     def _lora_report(self) -> str:
@@ -316,8 +320,8 @@ class EngineCore(EngineKVTransferMixin):
             self._add_request(r)
         except ValueError:
             p = r.sampling_params.kv_transfer_params
-            if p is not None and p.do_remote_prefill and self.kv_agent is not None:
-                self.kv_agent.release_remote(p)
+            if p is not None:
+                self.kv_connector.request_refused(p)
             raise
 
     def _add_request(self, r: EngineCoreRequest) -> None:
@@ -337,8 +341,8 @@ class EngineCore(EngineKVTransferMixin):
         if params.max_tokens is None:  # as many as max_model_len leaves
             params = replace(params, max_tokens=self.max_model_len - n)
         assert 0 < n and n + params.max_tokens <= self.max_model_len, "checked at the input"
-        if params.kv_transfer_params is not None:
-            self._check_kv_transfer(r)
+        if params.kv_transfer_params is not None:  # against this engine's cache and role
+            self.kv_connector.check_request(r.prompt_token_ids, params)
         so = params.structured_outputs
         eos = r.eos_token_ids if r.eos_token_ids is not None else self.arch.eos_token_ids
         req = Request(r.request_id, r.prompt_token_ids, params, eos_token_id=eos,
@@ -352,8 +356,7 @@ class EngineCore(EngineKVTransferMixin):
             if req.structured_output is not None:
                 req.structured_output.close()
             raise
-        if req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-            self.kv_agent.watch(params.kv_transfer_params)  # heartbeats until its pull starts
+        self.kv_connector.request_queued(req)
 
     # -- LoRA adapters ---------------------------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> bool:
@@ -394,7 +397,7 @@ class EngineCore(EngineKVTransferMixin):
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)  # one pass, however many
-        self._cancel_loads()
+        self.kv_connector.requests_aborted(self.scheduler)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._batch_queue)
@@ -428,14 +431,12 @@ class EngineCore(EngineKVTransferMixin):
         """Schedule and start a step: its _StartedStep, or the outputs of an empty one."""
         start = time.time()
         t0 = time.perf_counter()
-        if self.kv_agent is not None:
-            self._kv_events()
+        self.kv_connector.before_schedule(self.scheduler)
         sched_out = self.scheduler.schedule()
-        if self.kv_agent is not None and sched_out.kv_loads:
-            self._start_loads(sched_out)
+        if sched_out.kv_loads:
+            self.kv_connector.after_schedule(self.scheduler, sched_out)
         if sched_out.is_empty:
-            if self.scheduler.loading and not self.scheduler.running:
-                self.kv_agent.wait(0.01)  # nothing to run until a pull ends: no busy spin
+            self.kv_connector.wait_idle(self.scheduler)
             return EngineCoreOutputs(scheduler_stats=self.stats(sched_out, 0.0))
         if sched_out.structured_output_request_ids:  # only steps with a constrained row pay
             ids = sched_out.structured_output_request_ids
@@ -464,7 +465,7 @@ class EngineCore(EngineKVTransferMixin):
             self.scheduler.update_draft_token_ids(self.spec.propose(
                 sched_out, updates, len(self.scheduler.running),
                 self.scheduler.kv_cache_manager.get_block_ids))
-        lent = self._lend() if self.scheduler.new_leases else {}
+        lent = self.kv_connector.after_update(self.scheduler) if self.scheduler.new_leases else {}
         outputs = []
         prompt_lps = runner_out.prompt_logprobs
         for u in updates:
@@ -485,8 +486,10 @@ class EngineCore(EngineKVTransferMixin):
         if self.trace:
             kv = self.scheduler.kv_cache_manager
             self.trace.record(sched_out, updates, start, step_time, kv.num_free_blocks,
-                              kv.block_pool.num_cached_free_blocks, self._kv_trace)
-        self._kv_trace = []
+                              kv.block_pool.num_cached_free_blocks,
+                              self.kv_connector.take_trace_events())
+        else:
+            self.kv_connector.take_trace_events()  # nobody reads them
         return EngineCoreOutputs(outputs, self.stats(sched_out, step_time))
 
     def stats(self, sched_out: SchedulerOutput, step_time: float) -> SchedulerStats:
@@ -503,7 +506,7 @@ class EngineCore(EngineKVTransferMixin):
             spec_decode_num_drafts=s.spec_stats.num_drafts,
             spec_decode_num_draft_tokens=s.spec_stats.num_draft_tokens,
             spec_decode_num_accepted_tokens=s.spec_stats.num_accepted_tokens,
-            kv_transfer=self._transfer_stats())
+            kv_transfer=self.kv_connector.stats(s))
 
     def check_health(self) -> None:
         """WorkerFailedError if a tensor-parallel worker has died (checked while idle, so that
@@ -512,9 +515,8 @@ class EngineCore(EngineKVTransferMixin):
 
     def shutdown(self) -> None:
         self.structured.shutdown()
-        if self.kv_agent is not None:
-            self.kv_agent.shutdown()
-            self.kv_agent = None
+        self.kv_connector.shutdown()
+        self.kv_connector = KVConnector()
         if self.trace:
             self.trace.close()
             self.trace = None

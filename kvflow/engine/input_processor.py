@@ -7,15 +7,17 @@ A refusal is a ValueError whose message starts with the field to change (an
 naming the field. What a request may ask for depends on the model and the options only, which
 the frontend knows once the core is ready (`RequestLimits`), so no check waits for the core.
 
-Two kinds of check stay behind, on state that only the core holds: `kv_transfer_params` (the
-KV connector compares them with this engine's cache, and a refusal there releases the
-producer's lease at once) and the hybrid cache's block count (the scheduler's KV cache groups).
+Two kinds of check stay behind, on state that only the core holds: `kv_transfer_params` on an
+engine with a KV connector (kvflow/kv_transfer/pd_connector.py compares them with its role and
+this engine's cache, and a refusal there releases the producer's lease at once) and the hybrid
+cache's block count (the scheduler's KV cache groups).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from kvflow.config import EngineConfig
+from kvflow.kv_transfer.params import check_role
 from kvflow.lora_request import LoRARequest
 from kvflow.pooling_params import PoolingParams
 from kvflow.request import InvalidRequestError, check_request_fits
@@ -85,6 +87,10 @@ class InputProcessor:
                 self.config.parallel_config.pipeline_parallel_size > 1:
             raise ValueError("structured_outputs: not supported with pipeline parallelism yet "
                              "(pipeline_parallel_size 1)")
+        if params.kv_transfer_params is not None and self.config.kv_transfer is None:
+            # no KV connector in this engine: nothing there could take it (with one, the
+            # connector checks it against its role and cache, and releases a refused lease)
+            check_role(None, params.kv_transfer_params)
         if lora_request is not None and not self.config.lora_config.enable_lora:
             raise ValueError(f"model {lora_request.lora_name!r} is a LoRA adapter: the engine "
                              f"serves adapters only with enable_lora (--enable-lora)")

@@ -65,6 +65,19 @@ class KVTransferParams:
             raise ValueError("kv_transfer_params.compat must be an object of at most 32 fields")
 
 
+def check_role(config, p: KVTransferParams) -> None:
+    """ValueError if an engine with this KVTransferConfig (None: none) cannot take a request
+    carrying `p`: lending needs a producer, pulling a consumer."""
+    if p.do_remote_decode and (config is None or not config.is_producer):
+        raise ValueError("kv_transfer_params.do_remote_decode: this instance lends no KV "
+                         "blocks (start it with --kv-transfer-config '{\"kv_role\": "
+                         "\"kv_producer\"}' or kv_both)")
+    if p.do_remote_prefill and (config is None or not config.is_consumer):
+        raise ValueError("kv_transfer_params.do_remote_prefill: this instance pulls no KV "
+                         "blocks (start it with --kv-transfer-config '{\"kv_role\": "
+                         "\"kv_consumer\"}' or kv_both)")
+
+
 def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
