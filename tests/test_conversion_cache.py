@@ -42,14 +42,14 @@ def fake_gguf(tmp_path, monkeypatch):
 @pytest.mark.parametrize("keep", [0.5, 0.999, 4 / 1e9])  # cut in the data, at the end, in the header
 def test_a_truncated_weight_cache_is_converted_again(fake_gguf, keep):
     path, calls = fake_gguf
-    _, first = load_gguf(path, torch.float32)
+    first = load_gguf(path, torch.float32)
     cached = gguf_cache_file(path, torch.float32)
     assert cache_file_is_complete(cached) and len(calls) == 1
     size = os.path.getsize(cached)
     with open(cached, "r+b") as f:
         f.truncate(max(1, int(size * keep)))
     assert not cache_file_is_complete(cached)
-    _, again = load_gguf(path, torch.float32)
+    again = load_gguf(path, torch.float32)
     assert len(calls) == 2 and cache_file_is_complete(cached)
     assert again.keys() == first.keys() and all(torch.equal(again[k], first[k]) for k in first)
     load_gguf(path, torch.float32)

@@ -188,3 +188,28 @@ def test_tokenizer_round_trips_cjk_and_emoji_and_has_chat_template(gguf_path):
     rendered = tok.apply_chat_template([{"role": "user", "content": "hi 你好"}], tokenize=False,
                                        add_generation_prompt=True)
     assert "hi 你好" in rendered and rendered.rstrip().endswith("assistant")
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_the_engine_reads_the_model_config_once(fmt, tmp_path, monkeypatch):
+    """The engine resolves the model's arch config once at start and hands it down: the loader,
+    the quantized loader and the GGUF conversion never read config.json or the GGUF header again."""
+    import importlib
+
+    from kvflow import LLM
+    from kvflow.model import arch as arch_module
+    from tiny_arch_models import BUILDERS, write_gguf
+
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    folder = BUILDERS["qwen3"](str(tmp_path / "hf"))
+    path = folder if fmt == "hf" else write_gguf(folder, str(tmp_path / "m.gguf"))
+    reads = []
+    real = arch_module.load_arch_config
+    monkeypatch.setattr(arch_module, "load_arch_config", lambda p: reads.append(p) or real(p))
+    for module in ("kvflow.engine.core", "kvflow.model.loader", "kvflow.model.quant.load",
+                   "kvflow.model.quant.compressed_tensors"):
+        if hasattr(importlib.import_module(module), "load_arch_config"):
+            monkeypatch.setattr(f"{module}.load_arch_config", arch_module.load_arch_config)
+    llm = LLM(path, tokenizer=folder, dtype="float32", max_model_len=64, num_blocks=16)
+    assert reads == [path]
+    assert llm.engine.core.arch.architecture == "Qwen3ForCausalLM"

@@ -138,7 +138,7 @@ class TPExecutor(Executor):
                 stage_shm_paths=self._shm_paths if pp > 1 and self._shm_paths else None,
                 shm_slot_bytes=slot_bytes, device=device, kv_shm_paths=self._kv_paths or None,
                 tp_size=tp, pp_size=pp, driver_pid=os.getpid(),
-                max_model_len=config.model_config.max_model_len or 0)))
+                max_model_len=config.model_config.max_model_len or 0, arch=arch.to_dict())))
             if on_ray:
                 self.supervisor.start(self.rdv.address, n)
             else:
@@ -162,7 +162,8 @@ class TPExecutor(Executor):
             else:
                 self.group = TPGroup(self.rdv, 0, n, shm=shm, device=rank0)
             self.model, _ = load_sharded_model(model_path, dtype, self.group,
-                                               rank0 if rank0.type != "cpu" else None, layers=layers)
+                                               rank0 if rank0.type != "cpu" else None, layers=layers,
+                                               arch=arch)
             self.runner = ModelRunner(self.model, shard, num_blocks, block_size,
                                       kv_dtype, eos_token_id, device=rank0, pp=self.pipe,
                                       max_model_len=config.model_config.max_model_len or 0)

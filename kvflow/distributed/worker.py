@@ -36,7 +36,7 @@ def run_worker(rendezvous: str, rank: int, world_size: int, parent_pid: int | No
     from kvflow.distributed.pipeline import PipelineGroup, stage_arch, stage_layers
     from kvflow.distributed.shared_kv import SharedKVMemory
     from kvflow.distributed.shm_allreduce import ShmAllReduce
-    from kvflow.model.arch import load_arch_config
+    from kvflow.model.arch import LlamaArchConfig
     from kvflow.model.loader import load_sharded_model
     from kvflow.model.runner import ModelRunner
     from kvflow.model.sharding import local_arch
@@ -73,12 +73,12 @@ def run_worker(rendezvous: str, rank: int, world_size: int, parent_pid: int | No
         return EXIT_PEER_LOST
     try:
         dtype = getattr(torch, init.dtype)
-        layers = None
+        layers, full = None, LlamaArchConfig.from_dict(init.arch)
         if pipe is not None:
-            full = load_arch_config(init.model_path)
             layers = stage_layers(full.num_hidden_layers, init.pp_size, pipe.stage)
         model, arch = load_sharded_model(init.model_path, dtype, group,
-                                         device if device.type != "cpu" else None, layers=layers)
+                                         device if device.type != "cpu" else None, layers=layers,
+                                         arch=full)
         kv_memory = (SharedKVMemory(init.kv_shm_paths[rank - 1]).zeros if init.kv_shm_paths
                      else None)  # the driver reads and writes it for KV transfer
         shard = local_arch(arch, tp) if tp > 1 else arch

@@ -132,12 +132,11 @@ class EngineCore:
         quantization = resolve_quantization(mc.quantization, self.model_path, self.num_ranks, on_gpu)
         weight_dtype = storage_dtype(mc.weight_dtype, self.dtype, not on_gpu, quantization,
                                      self.num_ranks)
-        if self.num_ranks > 1:
-            model, self.arch = None, load_arch_config(self.model_path)
-        else:
-            model, self.arch = load_model(self.model_path, self.dtype,
-                                          device=self.device if on_gpu else None,
-                                          quantization=quantization, weight_dtype=weight_dtype)
+        self.arch = load_arch_config(self.model_path)  # read once: passed to the loader and the ranks
+        model = None
+        if self.num_ranks == 1:
+            model, _ = load_model(self.model_path, self.dtype, device=self.device if on_gpu else None,
+                                  quantization=quantization, weight_dtype=weight_dtype, arch=self.arch)
         self.max_model_len = mc.max_model_len or self.arch.max_position_embeddings
         return model
 

@@ -53,18 +53,22 @@ def resolve_device(name: str) -> torch.device:
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None = None,
                kernels: Kernels | None = None, quantization: str = "none",
-               weight_dtype: torch.dtype | None = None) -> tuple[LlamaForCausalLM, LlamaArchConfig]:
+               weight_dtype: torch.dtype | None = None, arch: LlamaArchConfig | None = None
+               ) -> tuple[LlamaForCausalLM, LlamaArchConfig]:
     """Load the model at `path` (HF folder or .gguf) in `dtype`, weights fused for inference;
     `kernels` (default: chosen for `dtype` and `device`) serve its operations. `quantization`
     gguf, int8 or compressed-tensors (kvflow/model/quant/load.py) keeps the weights quantized,
     on the CPU; a compressed-tensors checkpoint must be loaded as one. `weight_dtype` (bf16 or
     fp16, for an fp32 model on the CPU: model/weight_dtype.storage_dtype) rounds the weights to
     it and stores the decode GEMV's panels in it. A checkpoint's KV cache scales
-    (model/kv_scales.py) go to its layers."""
+    (model/kv_scales.py) go to its layers. `arch`: the model's, where the caller resolved the
+    model (its arch and `quantization`; the engine, once at start); else both are checked here."""
     exact = weight_dtype is not None and check_checkpoint(path, weight_dtype)
-    if quantization != METHOD and checkpoint_method(path) is not None:
-        resolve_quantization(quantization, path)  # raises: the checkpoint says how it is quantized
-    family = family_of(load_arch_config(path).architecture)
+    if arch is None:  # a direct call: nothing resolved the model before
+        if quantization != METHOD and checkpoint_method(path) is not None:
+            resolve_quantization(quantization, path)  # raises: the checkpoint says how it is quantized
+        arch = load_arch_config(path)
+    family = family_of(arch.architecture)
     if quantization not in ("none", METHOD) and not family.supports.quantized:
         logger.warning("kvflow: quantization %r does not serve %s yet; its weights "
                        "are dequantised at load", quantization, family.name)
@@ -72,18 +76,16 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None 
     if quantization != "none" and family.supports.quantized:
         from kvflow.model.quant.load import load_quantized_model
 
-        loaded = load_quantized_model(path, dtype, quantization, kernels)
+        loaded = load_quantized_model(path, dtype, quantization, kernels, arch)
         if loaded is not None:
             apply_kv_scales(loaded[0], path, loaded[1].num_hidden_layers, loaded[1].num_key_value_heads)
             return loaded
     if is_gguf(path):
-        arch, weights = load_gguf(path, dtype)
+        weights = load_gguf(path, dtype)
     elif quantization == METHOD:  # no int8 kernels here (or this architecture): as floats
         logger.warning("kvflow: %s int8 weights dequantised to %s at load", METHOD, dtype)
-        arch = load_arch_config(path)
         weights = fuse_weights(dequantized(read_raw(path), dtype), arch, dtype)
     else:
-        arch = load_arch_config(path)
         weights = fuse_weights(read_hf_folder(path, dtype), arch, dtype)
     if weight_dtype is not None and not exact:  # a checkpoint in that dtype needs no rounding
         round_weights(weights, weight_dtype)
@@ -103,14 +105,16 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None 
 
 def load_sharded_model(path: str, dtype: torch.dtype, tp,
                        device: torch.device | str | None = None,
-                       layers: range | None = None) -> tuple[LlamaForCausalLM, LlamaArchConfig]:
+                       layers: range | None = None, arch: LlamaArchConfig | None = None
+                       ) -> tuple[LlamaForCausalLM, LlamaArchConfig]:
     """Rank `tp.rank`'s LlamaForCausalLM shard (built on the meta device, then given its slices;
     moved to `device` when given) and the full model's arch. `tp` None: one rank, all heads;
-    `layers`: a pipeline stage's decoder layers only (default: all)."""
+    `layers`: a pipeline stage's decoder layers only (default: all); `arch`: the full model's,
+    as the engine resolved it (else read here)."""
     rank, size = (0, 1) if tp is None else (tp.rank, tp.world_size)
     if checkpoint_method(path) is not None:  # raises: quantized checkpoints are not sharded
         resolve_quantization(None, path, tp_size=max(size, 2))
-    arch = load_arch_config(path)
+    arch = load_arch_config(path) if arch is None else arch
     family = family_of(arch.architecture)
     family.supports.check(family.name, tensor_parallel_size=size,
                           pipeline_parallel_size=1 if layers is None else 2)

@@ -17,7 +17,7 @@ import tempfile
 
 import torch
 
-from kvflow.model.arch import LlamaArchConfig, load_arch_config, save_arch_cache
+from kvflow.model.arch import LlamaArchConfig, save_arch_cache
 from kvflow.model.gguf_reader import read_gguf
 from kvflow.model_path import cache_dir_for
 from kvflow.models.registry import family_of
@@ -93,16 +93,16 @@ def cache_file_is_complete(path: str) -> bool:
         return False
 
 
-def load_gguf(path: str, dtype: torch.dtype) -> tuple[LlamaArchConfig, dict[str, torch.Tensor]]:
-    """The arch and fused weights of a GGUF file, from the conversion cache (made on a miss)."""
+def load_gguf(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The fused weights of a GGUF file, from the conversion cache (made on a miss)."""
     from safetensors.torch import load_file
 
     cached = gguf_cache_file(path, dtype)
     if not cache_file_is_complete(cached):
         with _conversion_lock(cached):
             if not cache_file_is_complete(cached):  # another start may have made it meanwhile
-                return _convert_gguf(path, dtype, cached)
-    return load_arch_config(path), load_file(cached)
+                return _convert_gguf(path, dtype, cached)[1]
+    return load_file(cached)
 
 
 def ensure_gguf_cache(path: str, dtype: torch.dtype) -> str:

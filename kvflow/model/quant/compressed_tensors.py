@@ -223,16 +223,17 @@ def dequantized(raw: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, t
     return out
 
 
-def load_int8(path: str, dtype: torch.dtype, isa: str):
+def load_int8(path: str, dtype: torch.dtype, isa: str, arch=None):
     """(arch, float tensors under kvflow's names, QuantizedWeights under kvflow's names) of a
     compressed-tensors W8A8 folder. A fused projection's parts must all be int8 or all float;
-    float ones (ignored modules: the LM head, usually) stay in the float dict."""
+    float ones (ignored modules: the LM head, usually) stay in the float dict. `arch`: the
+    model's, where the caller resolved it (else read here)."""
     from kvflow.model.arch import load_arch_config
     from kvflow.model.weights import fuse_weights
 
     qc = quantization_config(path)
     check_scheme(qc)
-    arch = load_arch_config(path)
+    arch = load_arch_config(path) if arch is None else arch
     raw = read_raw(path)
     quant, rounded = {}, 0
     for i in range(arch.num_hidden_layers):

@@ -13,7 +13,7 @@ import time
 import torch
 
 from kvflow.csrc import library
-from kvflow.model.arch import load_arch_config
+from kvflow.model.arch import LlamaArchConfig, load_arch_config
 from kvflow.model.kernels import Kernels, select_kernels
 from kvflow.model.packed_linear import PackedWeight
 from kvflow.model.quant.compressed_tensors import (METHOD, SUPPORTED, check_scheme,
@@ -96,20 +96,21 @@ class QuantizedEmbedding:
 
 
 def load_quantized_model(path: str, dtype: torch.dtype, quantization: str,
-                         kernels: Kernels | None = None):
+                         kernels: Kernels | None = None, arch: LlamaArchConfig | None = None):
     """(model, arch), or None to load floats instead: a GGUF file with no quantized matrices,
-    or no kernel library (no C compiler, or KVFLOW_NO_KERNELS=1)."""
+    or no kernel library (no C compiler, or KVFLOW_NO_KERNELS=1). `arch`: the model's, where
+    the caller resolved it."""
     kernels = select_kernels(dtype) if kernels is None else kernels
     if not kernels.options.c_kernels or library() is None:
         logger.warning("kvflow: quantization %s needs kvflow's C kernels; loading float weights",
                        quantization)
         return None
     isa = best_isa(kernels.features)
-    shape = load_arch_config(path)
-    if shape.num_experts or shape.qk_norm:
+    arch = load_arch_config(path) if arch is None else arch
+    if arch.num_experts or arch.qk_norm:
         logger.warning("kvflow: quantization %s serves dense Llama-family layers only (this model "
                        "has %s); loading float weights", quantization,
-                       "experts" if shape.num_experts else "QK-norm")
+                       "experts" if arch.num_experts else "QK-norm")
         return None
     rss0, t0 = rss_bytes(), time.perf_counter()
     if quantization == "gguf":
@@ -126,11 +127,11 @@ def load_quantized_model(path: str, dtype: torch.dtype, quantization: str,
         from kvflow.model.quant.compressed_tensors import load_int8
 
         def build():
-            return load_int8(path, dtype, isa)[1:]
+            return load_int8(path, dtype, isa, arch)[1:]
         source_bytes = _float_bytes(path)
     else:
         def build():
-            return _int8_weights(path, dtype, isa)[1:]
+            return _int8_weights(path, dtype, isa, arch)
         source_bytes = _float_bytes(path)
     try:
         if is_gguf(path):  # packed once, then read from kvflow's cache
@@ -141,7 +142,6 @@ def load_quantized_model(path: str, dtype: torch.dtype, quantization: str,
             plain, quant = build()
     except _FloatFile:
         return None
-    arch = load_arch_config(path)
     model = family_of(arch.architecture).model_class(arch)(arch, dtype, device="meta", kernels=kernels)
     missing, unexpected = model.load_state_dict(plain, strict=False, assign=True)
     left = set(missing) - set(quant)
@@ -189,16 +189,15 @@ def _float_bytes(path: str) -> int:
     return sum(os.path.getsize(f) for f in files or [bin_path])
 
 
-def _int8_weights(path: str, dtype: torch.dtype, isa: str):
+def _int8_weights(path: str, dtype: torch.dtype, isa: str, arch: LlamaArchConfig):
     """A float model's fused weights, the projections and LM head quantized to int8 W8A8 one by
     one (each float copy dropped as soon as its int8 one exists)."""
     from kvflow.model.quant.int8 import quantize_int8
     from kvflow.model.weights import fuse_weights, load_gguf, read_hf_folder
 
     if is_gguf(path):
-        arch, weights = load_gguf(path, torch.float32)
+        weights = load_gguf(path, torch.float32)
     else:
-        arch = load_arch_config(path)
         weights = fuse_weights(read_hf_folder(path, torch.float32), arch, torch.float32)
     quant = {}
     for name in [n for n in weights if n.rsplit(".", 1)[-1] in _PROJECTIONS]:
@@ -209,4 +208,4 @@ def _int8_weights(path: str, dtype: torch.dtype, isa: str):
     quant["lm_head"] = quant["embed_tokens"] if head is None else quantize_int8(head, isa)
     del embed, head
     plain = {k: v.to(dtype) for k, v in weights.items()}
-    return arch, plain, quant
+    return plain, quant
