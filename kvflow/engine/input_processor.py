@@ -1,6 +1,6 @@
 """The one request check: everything a request asks for is checked here, once, where it enters
 the engine (vLLM's `InputProcessor`). `LLM`, the sync engine, the async engine and the OpenAI
-server all call it; the engine core and the scheduler behind it only assert what it made true.
+server all call it; the engine core behind it only asserts what it made true.
 
 A refusal is a ValueError whose message starts with the field to change (an
 `InvalidRequestError` carries that field as `param`), so that the server turns it into a 400
@@ -9,8 +9,8 @@ the frontend knows once the core is ready (`RequestLimits`), so no check waits f
 
 Two kinds of check stay behind, on state that only the core holds: `kv_transfer_params` on an
 engine with a KV connector (kvflow/kv_transfer/pd_connector.py compares them with its role and
-this engine's cache, and a refusal there releases the producer's lease at once) and the hybrid
-cache's block count (the scheduler's KV cache groups).
+this engine's cache, and a refusal there releases the producer's lease at once) and the block
+count of a model with several KV cache groups (the scheduler's KV cache coordinator).
 """
 from __future__ import annotations
 
