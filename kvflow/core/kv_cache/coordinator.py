@@ -54,6 +54,10 @@ class KVCacheCoordinator:
         self.null_block = self.block_pool.get_new_blocks(1)[0] if has_window else None
         self.managers = [self._make_manager(g, spec, max_num_batched_tokens, num_state_slots)
                          for g, spec in enumerate(specs)]
+        # what a step's allocation asks of only some kinds (looked up once, not per request)
+        self._windowed = [m for m in self.managers if type(m) is SlidingWindowManager]
+        self._stateful = [m for m in self.managers if type(m) is StateManager]
+        self._no_hit = [[] for _ in self.managers]
         self.req_to_hashes: dict[str, list[bytes]] = {}
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found cached
@@ -159,12 +163,9 @@ class KVCacheCoordinator:
     def cache_blocks(self, req: Request, num_tokens: int) -> None:
         """Make `req`'s full blocks up to `num_tokens` findable (their K/V are in place)."""
         if self.enable_caching:
+            hashes = self._block_hashes(req, min(num_tokens, req.num_tokens) // self.block_size)
             for m in self.managers:
-                self._cache(m, req, num_tokens)
-
-    def _cache(self, m, req: Request, num_tokens: int) -> None:
-        m.cache_blocks(req, self._block_hashes(req, min(num_tokens, req.num_tokens) // self.block_size),
-                       num_tokens)
+                m.cache_blocks(req, hashes, num_tokens)
 
     # -- allocation ------------------------------------------------------------------------
     def allocate_slots(self, req: Request, num_new_tokens: int,
@@ -180,28 +181,28 @@ class KVCacheCoordinator:
         that may fail (a KV pull), so they become findable only through `cache_blocks` once
         they are."""
         hit = computed_blocks or []
-        per_group = getattr(hit, "per_group", None) or [list(hit) if g == 0 else []
-                                                        for g in range(len(self.managers))]
-        for m in self.managers:
+        per_group = (getattr(hit, "per_group", None) or [list(hit) if g == 0 else []
+                                                         for g in range(len(self.managers))]
+                     if hit else self._no_hit)
+        for m in self._windowed:
             m.remove_skipped_blocks(req)
         num_tokens = req.num_computed_tokens + num_new_tokens + num_lookahead_tokens
         rid = req.request_id
         needs = [m.num_new_blocks(rid, num_tokens, len(per_group[g]))
                  for g, m in enumerate(self.managers)]
-        if sum(needs) + self.num_evictable(hit) > self.block_pool.num_free_blocks:
+        if sum(needs) + (self.num_evictable(hit) if hit else 0) > self.block_pool.num_free_blocks:
             return None
-        if not self.has_room(req):
+        if self._stateful and not self.has_room(req):
             return None
         if hit:
             self.block_pool.touch(list(hit))
         new_ids: list[int] = []
-        caching = self.enable_caching and cache
         for g, m in enumerate(self.managers):
             new = m.take(req, per_group[g], needs[g])
             if g == 0:
                 new_ids = [b.block_id for b in new]
-            if caching:
-                self._cache(m, req, req.num_computed_tokens + num_new_tokens)
+        if cache:
+            self.cache_blocks(req, req.num_computed_tokens + num_new_tokens)
         return new_ids
 
     def get_block_ids(self, request_id: str) -> list[int]:
