@@ -46,16 +46,27 @@ def get_tokenizer(path: str):
             try:
                 tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path),
                                                           gguf_file=os.path.basename(path))
-            except ValueError as e:  # transformers reads GGUF tokenizers of its own architectures only
+            except ValueError as e:
                 if "is not supported yet" not in str(e):
                     raise
-                raise ValueError(f"{os.path.basename(path)}: transformers cannot read the tokenizer of "
-                                 f"this GGUF file ({e}); pass --tokenizer with the model's Hugging "
-                                 f"Face folder") from e
+                tokenizer = _from_gguf_metadata(path)
             if not getattr(tokenizer, "chat_template", None):  # a GGUF without one
                 tokenizer.chat_template = builtin_chat_template(tokenizer)
             _save_atomically(tokenizer, cached)
     return tokenizer
+
+
+def _from_gguf_metadata(path: str):
+    """The tokenizer a GGUF file's metadata describes, for an architecture transformers does not
+    load as a model from GGUF (OLMo 2, Granite): the vocabulary, merges, special tokens and chat
+    template are the same keys whatever the architecture, and transformers builds them."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (convert_gguf_tokenizer,
+                                                                       get_gguf_tokenizer)
+
+    architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(path)
+    backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
 
 
 def _load_cached(cached: str, remove_if_broken: bool):

@@ -22,9 +22,6 @@ pytestmark = pytest.mark.slow  # loads models (make test-fast leaves it out)
 
 torch.set_num_threads(1)
 ATOL = 1e-4
-# families whose GGUF tokenizer transformers (5.x) does not read: their GGUF files are served
-# with the HF folder's tokenizer
-TOKENIZER_NOT_IN_TRANSFORMERS_GGUF = ("olmo2", "granite")
 SEQ_LENS = {"a": 21, "b": 9, "c": 1, "d": 14}
 DECODE_STEPS = 3
 # c and d finish their prompts first and decode while a and b arrive in chunks
@@ -94,12 +91,8 @@ def test_gguf_keeps_the_chat_template_and_the_end_of_turn_stop(tiny, tmp_path, m
     name, path, _, _, _ = tiny
     gguf_path = write_gguf(path, str(tmp_path / f"{name}.gguf"))
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
-    text, ids = render_chat(get_tokenizer(path), messages)
-    if name in TOKENIZER_NOT_IN_TRANSFORMERS_GGUF:  # the HF folder's tokenizer serves (--tokenizer)
-        with pytest.raises(ValueError, match="pass --tokenizer with the model's Hugging Face folder"):
-            get_tokenizer(gguf_path)
-    else:
-        assert (text, ids) == render_chat(get_tokenizer(gguf_path), messages)
+    text, ids = render_chat(get_tokenizer(gguf_path), messages)
+    assert (text, ids) == render_chat(get_tokenizer(path), messages)
     end = END_OF_TURN[family(path)]
     want_stops = [2] if end is None else [2, get_tokenizer(path).convert_tokens_to_ids(end)]
     assert end is None or end in text
@@ -346,7 +339,7 @@ def test_granite_q8_0_gguf_is_served_as_stored_with_its_multipliers(tmp_path, mo
         out = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, output_logits=True,
                           return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
     ref = (out.sequences[0, len(ids):].tolist(), [s[0].topk(3).indices.tolist() for s in out.logits])
-    llm = LLM(gguf_path, tokenizer=path, dtype="float32", max_model_len=64, num_blocks=32)
+    llm = LLM(gguf_path, dtype="float32", max_model_len=64, num_blocks=32)  # the file's tokenizer
     got = llm.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0].token_ids
     assert_matches_reference(got, ref, "granite Q8_0", min_agree=1)
