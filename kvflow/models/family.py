@@ -79,14 +79,10 @@ class ModelFamily:
         raise NotImplementedError
 
 
-def missing_weight(name: str) -> ValueError:
-    return ValueError(f"weight {name!r} is missing from the checkpoint")
-
-
 def getter(hf: dict[str, torch.Tensor], dtype: torch.dtype):
     """hf[name] in `dtype`, or a ValueError naming the missing weight."""
     def get(name: str) -> torch.Tensor:
         if name not in hf:
-            raise missing_weight(name)
+            raise ValueError(f"weight {name!r} is missing from the checkpoint")
         return hf[name].to(dtype)
     return get
