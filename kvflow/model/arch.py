@@ -186,7 +186,6 @@ def _from_hf_folder(path: str) -> LlamaArchConfig:
         with open(gen_path) as f:
             eos_ids += [e for e in _eos_list(json.load(f).get("eos_token_id")) if e not in eos_ids]
     fields = dict(
-
         architecture=architecture,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
