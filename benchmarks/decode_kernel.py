@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from kvflow.csrc import load_library, run_kernel  # noqa: E402
 from kvflow.model import hugepages  # noqa: E402
-from kvflow.model.kv_layout import cache_shape  # noqa: E402
+from kvflow.attention.kv_layout import cache_shape  # noqa: E402
 
 
 def main() -> int:

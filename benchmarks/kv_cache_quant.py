@@ -53,9 +53,10 @@ def cpu_name() -> str:
 def accuracy(threads: int, dtype: str = "auto") -> list[dict]:
     from quant_accuracy import CORPUS, compare, windows
 
-    from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
+    from kvflow.attention.metadata import build_attention_metadata
+    from kvflow.model.kv_cache import allocate_kv_caches
     from kvflow.model.key_scales import apply_key_scales, set_key_scales
-    from kvflow.model.kv_layout import resolve_kv_dtype
+    from kvflow.attention.kv_layout import resolve_kv_dtype
     from kvflow.model.loader import load_model, resolve_dtype
     from kvflow.model_path import default_model_path
     from kvflow.tokenizer import get_tokenizer
@@ -139,8 +140,8 @@ def serve_w2(cache: str, num_prompts: int, memory: str, threads: int, seed: int 
 
 def kernel_times(reps: int, batch: int = 32, context: int = 340, layers: int = 30) -> list[dict]:
     from kvflow.csrc import load_library
-    from kvflow.model import attention as A
-    from kvflow.model.kv_layout import FP8, cache_shape, write_rows
+    from kvflow import attention as A
+    from kvflow.attention.kv_layout import FP8, cache_shape, write_rows
 
     if load_library() is None:
         return []
@@ -186,9 +187,9 @@ def kernel_times(reps: int, batch: int = 32, context: int = 340, layers: int = 3
         t0 = time.perf_counter()
         for kc, vc in caches[name]:
             if isa == "avx2-fp32q":
-                A._decode_with_kernel(q32, kc, vc, meta, d ** -0.5, out32)
+                A.decode_with_kernel(q32, kc, vc, meta, d ** -0.5, out32)
             else:
-                A._decode_with_kernel(q, kc, vc, meta, d ** -0.5, out, q8_isa=isa)
+                A.decode_with_kernel(q, kc, vc, meta, d ** -0.5, out, q8_isa=isa)
         return time.perf_counter() - t0
 
     for v in variants:

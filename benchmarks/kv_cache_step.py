@@ -26,8 +26,9 @@ import torch  # noqa: E402
 def main() -> int:
     from kv_cache_quant import cpu_name
 
-    from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
-    from kvflow.model.kv_layout import resolve_kv_dtype
+    from kvflow.attention.metadata import build_attention_metadata
+    from kvflow.model.kv_cache import allocate_kv_caches
+    from kvflow.attention.kv_layout import resolve_kv_dtype
     from kvflow.model.loader import load_model, resolve_dtype
     from kvflow.model_path import default_model_path
 

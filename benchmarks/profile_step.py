@@ -53,7 +53,8 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
+    from kvflow.attention.metadata import build_attention_metadata
+    from kvflow.model.kv_cache import allocate_kv_caches
     from kvflow.model.loader import load_model, resolve_dtype
     from kvflow.model.malloc_tuning import retain_freed_memory
     from kvflow.model_path import default_model_path

@@ -1,6 +1,6 @@
-"""Time prompt attention alone: `attention_with_kernels` over 30 layers of prompts read from a bf16
-paged cache, through the flash-style prompt kernel (on AVX512-BF16, and on AMX's tiles where the
-CPU has them; alternating, medians) and (`--rows`) through the decode kernel
+"""Time prompt attention alone: the C backend (kvflow/attention/c_kernels.py) over 30 layers of
+prompts read from a bf16 paged cache, through the flash-style prompt kernel (on AVX512-BF16,
+and on AMX's tiles where the CPU has them; alternating, medians) and (`--rows`) through the decode kernel
 with every prompt token as a row, the path the prompt kernel replaced (the only path for an fp32
 q over an fp32 or bf16 cache: `--q-dtype float32` times its tiles of consecutive tokens against
 one row at a time). With `--window W` every
@@ -30,9 +30,10 @@ import kvflow  # noqa: E402,F401 - first, so OMP_WAIT_POLICY applies before torc
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from kvflow import attention as A  # noqa: E402
 from kvflow.csrc import load_library  # noqa: E402
-from kvflow.model import attention as A  # noqa: E402
-from kvflow.model.kv_layout import cache_shape, resolve_kv_dtype, write_rows  # noqa: E402
+from kvflow.attention.kv_layout import cache_shape, resolve_kv_dtype, write_rows  # noqa: E402
+from kvflow.model.cpu_features import cpu_features  # noqa: E402
 
 
 def main() -> int:
@@ -78,9 +79,13 @@ def main() -> int:
                                       sliding_window=args.window)
 
     def one_step(cache: str | None = None, **kw) -> float:
+        layers = by_dtype[cache] if cache else caches
+        # a one-byte cache's decode path (prompt tokens as its rows): the one this CPU takes
+        kv_dtype = layers[0][0].dtype
+        attend = A.CAttention(kv_dtype, q8_isa=A.best_q8_isa(cpu_features(), kv_dtype), **kw)
         t0 = time.perf_counter()
-        for k, v in by_dtype[cache] if cache else caches:
-            A.attention_with_kernels(q, k, v, meta, head_dim ** -0.5, kv_heads, **kw)
+        for k, v in layers:
+            attend(q, k, v, meta, head_dim ** -0.5, kv_heads)
         return time.perf_counter() - t0
 
     old = "decode rows" if args.window is None or head_dim in A.VECTOR_HEAD_DIMS else "masked SDPA"

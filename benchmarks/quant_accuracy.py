@@ -49,7 +49,8 @@ def kvflow_logits(path: str, dtype: str, quantization: str, ids: list[int]):
     import numpy as np
     import torch
 
-    from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
+    from kvflow.attention.metadata import build_attention_metadata
+    from kvflow.model.kv_cache import allocate_kv_caches
     from kvflow.model.loader import load_model, resolve_dtype
 
     model, arch = load_model(path, resolve_dtype(dtype), quantization=quantization)

@@ -19,7 +19,7 @@ import kvflow  # noqa: E402,F401 - first, so OMP_WAIT_POLICY applies before torc
 import torch  # noqa: E402
 
 from kvflow import LLM, SamplingParams, envs  # noqa: E402
-from kvflow.model import attention as A  # noqa: E402
+from kvflow import attention as A  # noqa: E402
 
 
 def main() -> int:
@@ -37,13 +37,13 @@ def main() -> int:
               max_num_batched_tokens=args.chunk, enable_prefix_caching=False, warmup=False)
     prompt = [int(t) for t in torch.randint(1000, 20000, (args.tokens,), generator=torch.Generator().manual_seed(0))]
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    with_window = A._prefill_with_kernel
+    with_window = A.CAttention.prefill
 
-    def without_window(q, k_cache, v_cache, meta, scale, out):  # the routing before: no window
-        return meta.sliding_window is None and with_window(q, k_cache, v_cache, meta, scale, out)
+    def without_window(self, q, k_cache, v_cache, meta, *args):  # the routing before: no window
+        return meta.sliding_window is None and with_window(self, q, k_cache, v_cache, meta, *args)
 
     def prefill(fn) -> tuple[float, int]:
-        A._prefill_with_kernel = fn
+        A.CAttention.prefill = fn
         t0 = time.perf_counter()
         out = llm.generate([prompt], params, use_tqdm=False)
         return time.perf_counter() - t0, out[0].outputs[0].token_ids[0]

@@ -161,7 +161,7 @@ class CacheConfig:
             raise ValueError("kv_cache_dtype must be auto, bfloat16, float32, fp8 (fp8_e4m3) or "
                              f"int8, got {self.cache_dtype!r}")
         if self.block_size <= 0 or self.block_size % 2:
-            # the cache tiles pair keys (kvflow/model/kv_layout.py)
+            # the cache tiles pair keys (kvflow/attention/kv_layout.py)
             raise ValueError(f"block_size must be positive and even, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")

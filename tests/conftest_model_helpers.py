@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
+from kvflow.attention.metadata import build_attention_metadata
+from kvflow.model.kv_cache import allocate_kv_caches
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=320, max_position_embeddings=512)

@@ -14,9 +14,10 @@ import torch.nn.functional as F
 
 from kvflow.csrc import load_library
 from kvflow.csrc import ops
-from kvflow.model import attention as A
+from kvflow import attention as A
+from kvflow.attention import c_kernels
 from kvflow.model.cpu_features import cpu_features
-from kvflow.model.kv_layout import cache_shape, read_rows, write_rows
+from kvflow.attention.kv_layout import cache_shape, read_rows, write_rows
 
 torch.set_num_threads(1)
 
@@ -52,7 +53,7 @@ def _nan_cache_with_rows(num_blocks: int, block_size: int, kv_heads: int, head_d
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_paged_decode_kernel_matches_gathered_sdpa(cache_dtype, q_dtype, threads, head_dim, heads,
                                                    kv_heads, block_size, monkeypatch):
-    monkeypatch.setattr(A, "MIN_PARALLEL_HEAD_KEYS", 0)  # split even this small batch
+    monkeypatch.setattr(c_kernels, "MIN_PARALLEL_HEAD_KEYS", 0)  # split even this small batch
     rng = np.random.default_rng(0)
     num_blocks = 64
     seq_lens = np.array([1, 5, 13, 4, 9, 30])
@@ -70,7 +71,7 @@ def test_paged_decode_kernel_matches_gathered_sdpa(cache_dtype, q_dtype, threads
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        assert A._decode_with_kernel(q, k_cache, v_cache, meta, scale, got)
+        assert A.decode_with_kernel(q, k_cache, v_cache, meta, scale, got)
     finally:
         torch.set_num_threads(old)
     # the bf16 row (bf16 q and cache) weighs values by bf16 probabilities: ~3 significant digits
@@ -93,8 +94,8 @@ def test_paged_decode_torch_fallback_reads_the_tiles():
     meta = A.build_attention_metadata(np.ones(3, dtype=np.int64), seq_lens, tables, block_size)
     q = torch.randn(3, heads, head_dim)
     got, want = torch.empty_like(q), torch.empty_like(q)
-    A._decode_with_torch(q, k_cache, v_cache, meta, head_dim ** -0.5, want)
-    assert A._decode_with_kernel(q, k_cache, v_cache, meta, head_dim ** -0.5, got)
+    A.decode_with_torch(q, k_cache, v_cache, meta, head_dim ** -0.5, want)
+    assert A.decode_with_kernel(q, k_cache, v_cache, meta, head_dim ** -0.5, got)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -233,7 +234,7 @@ def test_prompt_tokens_through_the_kernel_match_sdpa(dtype, threads, monkeypatch
     """A step mixing a fresh prompt, a prompt chunk after cached context and decodes: with the
     kernel every token is a row over its causal prefix; without it (SDPA per prompt, the
     batched decode fallback) the same numbers come out."""
-    monkeypatch.setattr(A, "MIN_PARALLEL_HEAD_KEYS", 0)
+    monkeypatch.setattr(c_kernels, "MIN_PARALLEL_HEAD_KEYS", 0)
     heads, kv_heads, head_dim, block_size = 6, 2, 64, 4
     query_lens = np.array([11, 1, 7, 1])  # fresh prompt, decode, chunk after 9 cached, decode
     seq_lens = np.array([11, 6, 16, 3])
@@ -282,7 +283,7 @@ def test_prompt_tokens_in_avx2_tiles_match_sdpa(cache_dtype, threads, heads, kv_
     each token the numbers of its own row bit for bit (so fp32 outputs never depend on how a
     step was batched): a step of a fresh prompt, decodes, a chunk after cached context, a
     two-token chunk and a prompt ending mid-block, against one row at a time and SDPA."""
-    monkeypatch.setattr(A, "MIN_PARALLEL_HEAD_KEYS", 0)
+    monkeypatch.setattr(c_kernels, "MIN_PARALLEL_HEAD_KEYS", 0)
     block_size = 16
     query_lens = np.array([45, 1, 23, 2, 1, 37])
     seq_lens = np.array([45, 70, 63, 40, 17, 37])
@@ -295,13 +296,14 @@ def test_prompt_tokens_in_avx2_tiles_match_sdpa(cache_dtype, threads, heads, kv_
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        assert A._decode_with_kernel(q, k_cache, v_cache, meta, scale, got, all_tokens=True)
-        assert A._decode_with_kernel(q, k_cache, v_cache, meta, scale, rows, all_tokens=True,
+        assert A.decode_with_kernel(q, k_cache, v_cache, meta, scale, got, all_tokens=True)
+        assert A.decode_with_kernel(q, k_cache, v_cache, meta, scale, rows, all_tokens=True,
                                      tiles=False)
     finally:
         torch.set_num_threads(old)
     assert torch.equal(got, rows)
-    want = A.attention_with_sdpa(q, k_cache, v_cache, meta, scale, kv_heads, decode_kernel=True)
+    want = A.attention_with_sdpa(q, k_cache, v_cache, meta, scale, kv_heads,
+                                 decode_kernel=A.decode_with_kernel)
     torch.testing.assert_close(got.view(len(q), -1), want, atol=1e-5, rtol=1e-5)
 
 
@@ -316,10 +318,10 @@ def test_a_prompt_tokens_numbers_do_not_depend_on_its_chunks():
     scale = head_dim ** -0.5
     whole = torch.empty(q.shape)
     meta = A.build_attention_metadata(np.array([45]), np.array([45]), tables, block_size)
-    assert A._decode_with_kernel(q, k_cache, v_cache, meta, scale, whole, all_tokens=True)
+    assert A.decode_with_kernel(q, k_cache, v_cache, meta, scale, whole, all_tokens=True)
     chunk = torch.empty(25, heads, head_dim)
     meta = A.build_attention_metadata(np.array([25]), np.array([45]), tables, block_size)
-    assert A._decode_with_kernel(q[20:].contiguous(), k_cache, v_cache, meta, scale, chunk,
+    assert A.decode_with_kernel(q[20:].contiguous(), k_cache, v_cache, meta, scale, chunk,
                                  all_tokens=True)
     assert torch.equal(chunk, whole[20:])
 
@@ -337,7 +339,7 @@ def test_prompt_kernel_matches_sdpa_over_whole_blocks(threads, heads, kv_heads, 
     lib = load_library()
     if amx and not lib.prefill_amx_available():
         pytest.skip("no AMX here (or Linux did not grant its tiles)")
-    monkeypatch.setattr(A, "MIN_PARALLEL_HEAD_KEYS", 0)
+    monkeypatch.setattr(c_kernels, "MIN_PARALLEL_HEAD_KEYS", 0)
     block_size = 16
     query_lens = np.array([45, 1, 23, 32, 1])  # fresh, decode, chunk after 40 cached, fresh, decode
     seq_lens = np.array([45, 70, 63, 32, 17])
@@ -357,7 +359,8 @@ def test_prompt_kernel_matches_sdpa_over_whole_blocks(threads, heads, kv_heads, 
         got = A.attention_with_kernels(q, k_cache, v_cache, meta, scale, kv_heads, prompt_amx=amx)
     finally:
         torch.set_num_threads(old)
-    want = A.attention_with_sdpa(q.float(), k_cache, v_cache, meta, scale, kv_heads, decode_kernel=True)
+    want = A.attention_with_sdpa(q.float(), k_cache, v_cache, meta, scale, kv_heads,
+                                 decode_kernel=A.decode_with_kernel)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)  # got is rounded to bf16
 
 
@@ -366,7 +369,7 @@ def test_bf16_q_and_out_are_the_kernels_fp32_out_rounded_once(threads, monkeypat
     """The kernels read a bf16 q in place (a strided view of the fused qkv, as the model passes
     it) and write a bf16 out themselves: bit for bit their fp32 output rounded to bf16, for
     prompt tokens (the prompt kernel) and decodes in one step; and close to the fp32-q path."""
-    monkeypatch.setattr(A, "MIN_PARALLEL_HEAD_KEYS", 0)
+    monkeypatch.setattr(c_kernels, "MIN_PARALLEL_HEAD_KEYS", 0)
     heads, kv_heads, head_dim, block_size = 6, 2, 64, 16
     query_lens = np.array([45, 1, 23, 1])  # fresh prompt, decode, chunk after 40 cached, decode
     seq_lens = np.array([45, 70, 63, 17])
@@ -383,12 +386,12 @@ def test_bf16_q_and_out_are_the_kernels_fp32_out_rounded_once(threads, monkeypat
     try:
         got = A.attention_with_kernels(q, k_cache, v_cache, meta, scale, kv_heads)
         want = torch.full((len(q), heads, head_dim), float("nan"))
-        if A._prefill_with_kernel(q, k_cache, v_cache, meta, scale, want):
-            assert A._decode_with_kernel(q, k_cache, v_cache, meta, scale, want)
-        else:  # no prompt kernel on this CPU: attention_with_kernels runs prompt tokens as decode rows
-            assert A._decode_with_kernel(q, k_cache, v_cache, meta, scale, want, all_tokens=True)
+        if A.prefill_with_kernel(q, k_cache, v_cache, meta, scale, want):
+            assert A.decode_with_kernel(q, k_cache, v_cache, meta, scale, want)
+        else:  # no prompt kernel on this CPU: the C backend runs prompt tokens as decode rows
+            assert A.decode_with_kernel(q, k_cache, v_cache, meta, scale, want, all_tokens=True)
         dec_got = torch.full((len(q), heads, head_dim), float("nan")).bfloat16()
-        assert A._decode_with_kernel(q, k_cache, v_cache, meta, scale, dec_got)
+        assert A.decode_with_kernel(q, k_cache, v_cache, meta, scale, dec_got)
         from_fp32 = A.attention_with_kernels(q.float(), k_cache, v_cache, meta, scale, kv_heads)
     finally:
         torch.set_num_threads(old)
@@ -413,8 +416,8 @@ def test_decode_prefetching_every_block_gives_the_same_bits(contiguous):
     meta = A.build_attention_metadata(np.ones(len(seq_lens), dtype=np.int64), seq_lens, tables, bs)
     q = torch.randn(len(seq_lens), heads, head_dim).bfloat16()
     plain, pf = (torch.full(q.shape, float("nan")).bfloat16() for _ in range(2))
-    assert A._decode_with_kernel(q, k_cache, v_cache, meta, head_dim ** -0.5, plain)
-    assert A._decode_with_kernel(q, k_cache, v_cache, meta, head_dim ** -0.5, pf, prefetch_all=True)
+    assert A.decode_with_kernel(q, k_cache, v_cache, meta, head_dim ** -0.5, plain)
+    assert A.decode_with_kernel(q, k_cache, v_cache, meta, head_dim ** -0.5, pf, prefetch_all=True)
     assert not plain.isnan().any() and torch.equal(plain, pf)
     want = A.attention_with_sdpa(q.float(), k_cache, v_cache, meta, head_dim ** -0.5, kv_heads)
     torch.testing.assert_close(pf.float().view(len(q), -1), want, atol=2e-2, rtol=2e-2)
@@ -427,15 +430,15 @@ c._FLAGS = c._FLAGS + ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
 sys.path.insert(0, sys.argv[1])
 import numpy as np, torch
 from kvflow.csrc import library
-from kvflow.model import attention as A
+from kvflow import attention as A
 from test_cpu_kernels import _scattered_cache
 query_lens, seq_lens = np.array([45, 1, 23]), np.array([45, 70, 63])
 tables, k, v = _scattered_cache(3, 40, 16, 3, 64, seq_lens, torch.bfloat16)
 q = torch.randn(int(query_lens.sum()), 9, 64).bfloat16()
 meta = A.build_attention_metadata(query_lens, seq_lens, tables, 16)
 plain, asked = (torch.full(q.shape, float("nan")) for _ in range(2))
-ran = [A._prefill_with_kernel(q, k, v, meta, 0.125, plain),
-       A._prefill_with_kernel(q, k, v, meta, 0.125, asked, amx=True)]
+ran = [A.prefill_with_kernel(q, k, v, meta, 0.125, plain),
+       A.prefill_with_kernel(q, k, v, meta, 0.125, asked, amx=True)]
 rows = torch.from_numpy(np.concatenate([np.arange(45), 46 + np.arange(23)]))
 print(json.dumps({"amx": library().prefill_amx_available(), "ran": ran,
                   "equal": bool(torch.equal(plain[rows], asked[rows])) and not plain[rows].isnan().any().item()}))

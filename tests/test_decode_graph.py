@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from functools import partial
 import os
 import subprocess
 import sys
@@ -23,13 +22,14 @@ from kvflow.csrc import library
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.csrc.gemm import panel_gemm_built
 from kvflow.csrc.gemv import GEMV_MAX_ROWS, gemv_isas
-from kvflow.model import attention as A
-from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
+from kvflow import attention as A
+from kvflow.attention.metadata import build_attention_metadata
+from kvflow.model.kv_cache import allocate_kv_caches
 from kvflow.model.cpu_features import CpuFeatures, cpu_features
 from kvflow.model.decode_graph import MAX_ROWS, DecodeGraph, why_not
 from kvflow.model.kernels import KernelOptions, select_kernels
 from kvflow.model.key_scales import apply_key_scales
-from kvflow.model.kv_layout import FP8
+from kvflow.attention.kv_layout import FP8
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.model.packed_linear import AMX_PANEL_ROWS, PackedWeight
 from kvflow.model.quant.gguf_blocks import decode
@@ -163,8 +163,7 @@ def on_one_byte_cache(model, kv_dtype, q8_isa: str) -> None:
     """The model's kernels for a one-byte cache, its decode kernel on the `q8_isa` path (as
     kernels.select_kernels picks one per CPU)."""
     k = model.kernels.with_kv_dtype(kv_dtype)
-    model.kernels = dataclasses.replace(k, attention=partial(
-        A.attention_with_kernels, **{**k.attention.keywords, "q8_isa": q8_isa}))
+    model.kernels = dataclasses.replace(k, attention=dataclasses.replace(k.attention, q8_isa=q8_isa))
 
 
 def run_both(fmt, dtype, isa, rows, decode_steps=9, kv_dtype=None, windows=None, arch=ARCH,
@@ -176,6 +175,8 @@ def run_both(fmt, dtype, isa, rows, decode_steps=9, kv_dtype=None, windows=None,
     Returns (hidden states with, without, which steps the graph took)."""
     with_graph, without = tiny_model(fmt, dtype, isa, arch), tiny_model(fmt, dtype, isa, arch)
     for m in (with_graph, without):
+        if kv_dtype is not None:  # as the runner chooses them for its cache
+            m.kernels = m.kernels.with_kv_dtype(kv_dtype)
         if q8_isa is not None:
             on_one_byte_cache(m, kv_dtype, q8_isa)
         if key_scales is not None:
@@ -377,6 +378,7 @@ def test_models_the_graph_does_not_take():
         assert "neither quantized nor on the fp32 GEMV or the bf16 panels" in why_not(float_model)
     # bf16 activations with an fp32 cache: the C writer does not take it
     model = tiny_model("Q4_1", torch.bfloat16, ISAS[-1])
+    model.kernels = model.kernels.with_kv_dtype(torch.float32)
     taken = count_graph_steps(model)
     d = Driver(model, kv_dtype=torch.float32)
     d.step([(0, [1, 2])])
@@ -486,7 +488,7 @@ for fmt, dtype, rows in (("Q4_1", torch.bfloat16, 1), ("Q8_0", torch.float32, 3)
 for fmt in ("gemv", "gemv-bf16", "gemv-fp16"):  # the fp32 GEMV's AVX2 path, its most rows
     got, want, taken = run_both(fmt, torch.float32, "avx2", 4, decode_steps=3)
     res[fmt] = len(taken) == 3 and all(taken) and all(torch.equal(g, w) for g, w in zip(got, want))
-from kvflow.model.kv_layout import FP8
+from kvflow.attention.kv_layout import FP8
 for name, kv in (("fp8", FP8), ("int8", torch.int8)):  # one-byte caches on their AVX2 decode row
     got, want, taken = run_both("gemv", torch.float32, "avx2", 3, decode_steps=12, kv_dtype=kv,
                                 q8_isa="avx2")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvflow.model.attention import build_attention_metadata
+from kvflow.attention.metadata import build_attention_metadata
 from kvflow.model.cuda_graphs import DecodeGraphs, capture_sizes
 from kvflow.model.gpu_batch import MAX_SPLITS, device_metadata, num_decode_splits
 

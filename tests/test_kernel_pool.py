@@ -12,7 +12,7 @@ import torch
 
 from kvflow.csrc import run_kernel
 from kvflow.csrc.gemm import pack_panels, panel_gemm_built
-from kvflow.model import attention as A
+from kvflow import attention as A
 
 
 def _silu(x: torch.Tensor, threads: int) -> torch.Tensor:

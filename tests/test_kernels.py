@@ -11,10 +11,10 @@ from conftest_model_helpers import PagedDriver, save_tiny_llama3
 from kvflow.csrc import library, ops
 from kvflow.csrc.gemm import panel_gemm
 from kvflow.model import packed_linear
-from kvflow.model import attention as A
+from kvflow import attention as A
 from kvflow.model.cpu_features import CpuFeatures, cpu_features
 from kvflow.model.kernels import KernelOptions, select_kernels
-from kvflow.model.kv_layout import write_rows
+from kvflow.attention.kv_layout import write_rows
 from kvflow.model.loader import load_model
 
 ZEN4 = CpuFeatures.from_names("avx2", "avx512f", "avx512_bf16")
@@ -50,7 +50,8 @@ def test_bf16_on_an_avx512_bf16_cpu_takes_the_panel_gemm_and_the_prompt_kernel()
     k = select_kernels(torch.bfloat16, features=ZEN4, options=ALL_ON)
     assert k.names["linear"] == "panel-bf16" and k.names["gate_up"] == "panel-bf16-silu"
     assert k.names["attention"] == "c-decode+c-prompt" and k.names["argmax"] == "c"
-    assert k.attention.keywords == {"prompt_kernel": True, "prompt_amx": False, "prefetch_all": False}
+    assert k.attention == A.CAttention(torch.bfloat16, prompt_kernel=True)
+    assert k.attention.decode_kernel == "paged_decode_bf16" and k.attention.prompt_kv_kind == 0
     packed = k.pack(torch.randn(128, 64).bfloat16(), gate_up=True)
     assert packed.panels is not None and packed.gate_up
     # a bf16 model over an fp32 cache: the prompt kernel reads bf16 caches only
@@ -82,14 +83,14 @@ def test_bf16_on_an_amx_cpu_takes_the_panels_for_few_rows_and_onednn_amx_for_mor
     # prompt attention on AMX's tiles where this build has them and Linux grants them, unless
     # KVFLOW_NO_AMX_ATTENTION; never on a CPU without AMX
     granted = bool(library().prefill_amx_available())
-    assert k.attention.keywords["prompt_amx"] == granted
+    assert k.attention.prompt_amx == granted
     assert k.names["attention"] == "c-decode+c-prompt" + ("-amx" if granted else "")
     off = select_kernels(torch.bfloat16, features=SAPPHIRE_RAPIDS, options=KernelOptions(amx_attention=False))
-    assert off.attention.keywords["prompt_amx"] is False and off.names["attention"] == "c-decode+c-prompt"
-    assert select_kernels(torch.bfloat16, features=ZEN4, options=ALL_ON).attention.keywords["prompt_amx"] is False
+    assert off.attention.prompt_amx is False and off.names["attention"] == "c-decode+c-prompt"
+    assert select_kernels(torch.bfloat16, features=ZEN4, options=ALL_ON).attention.prompt_amx is False
     # the decode kernel prefetches every block on a CPU with AMX (a Xeon), not on a Zen 4
-    assert k.attention.keywords["prefetch_all"] is True
-    assert select_kernels(torch.bfloat16, features=ZEN4, options=ALL_ON).attention.keywords["prefetch_all"] is False
+    assert k.attention.prefetch_all is True and k.attention.decode_flags == 4
+    assert select_kernels(torch.bfloat16, features=ZEN4, options=ALL_ON).attention.prefetch_all is False
 
 
 @pytest.mark.skipif(not PANELS_BUILT, reason="the panel GEMM needs AVX512-BF16")
@@ -114,11 +115,31 @@ def test_the_row_threshold_picks_the_panels_or_onednn_and_both_agree():
 
 
 @pytest.mark.skipif(not BUILT, reason="no C compiler")
+def test_the_kv_cache_dtype_binds_attention_and_the_kv_write_once():
+    k = select_kernels(torch.bfloat16, features=ZEN4, options=ALL_ON)
+    assert k.write_kv == A.CKVWriter(torch.bfloat16, torch.bfloat16) and k.write_kv.writer == "copy_kv_bf16"
+    # a one-byte cache, known only when the runner allocates it: its decode kernel, path and
+    # writer are bound then, not looked up per call
+    int8 = k.with_kv_dtype(torch.int8)
+    assert int8.attention.decode_kernel == "paged_decode_q8"
+    assert int8.attention.q8_isa == A.best_q8_isa(ZEN4, torch.int8)
+    assert int8.attention.decode_words == (A.Q8_KINDS[torch.int8], A.Q8_ISAS[int8.attention.q8_isa])
+    assert int8.write_kv.writer == "write_kv_q8"
+    assert select_kernels(torch.float32, torch.bfloat16, features=ZEN4,
+                          options=ALL_ON).write_kv.writer == "write_kv_bf16"
+    # a cache the C kernels do not read is SDPA's from the start
+    fp16 = k.with_kv_dtype(torch.float16)
+    assert fp16.attention is A.attention_with_sdpa and fp16.names["attention"] == "sdpa"
+    with pytest.raises(ValueError, match="needs one of the paths"):
+        A.CAttention(torch.int8)
+
+
+@pytest.mark.skipif(not BUILT, reason="no C compiler")
 def test_an_avx2_cpu_gets_no_panel_gemm_no_prompt_kernel_and_no_bf16_onednn():
     k = select_kernels(torch.bfloat16, features=AVX2, options=ALL_ON)
     assert k.names["linear"] == "torch" and k.pack is None  # oneDNN would emulate bf16
     assert k.names["attention"] == "c-decode"
-    assert k.attention.keywords == {"prompt_kernel": False, "prompt_amx": False, "prefetch_all": False}
+    assert k.attention == A.CAttention(torch.bfloat16, prompt_kernel=False)
     f32 = select_kernels(torch.float32, features=AVX2, options=ALL_ON)
     # fp32: kvflow's AVX2 GEMV for every batch, no oneDNN copy (tests/test_gemv_kernel.py)
     assert f32.names["linear"] == "gemv-avx2" and f32.pack(torch.randn(96, 64)).onednn is None

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
+from kvflow.attention.metadata import build_attention_metadata
+from kvflow.model.kv_cache import allocate_kv_caches
 from kvflow.model.key_scales import (apply_key_scales, calibrate_key_scales, key_scales_digest,
                                      power_of_two_scales, qk_scale_vector, set_key_scales)
-from kvflow.model.kv_layout import FP8
+from kvflow.attention.kv_layout import FP8
 from kvflow.model.llama import LlamaForCausalLM
 from test_decode_graph import (ARCH, Q8_BLOCK, Q8_PATHS, Driver, count_graph_steps,
                                on_one_byte_cache, tiny_model)
@@ -111,6 +112,7 @@ def _last_hidden(model, kv_dtype, ids):
     blocks = list(range(-(-n // bs)))
     caches = allocate_kv_caches(ARCH, len(blocks), bs, kv_dtype)
     meta = build_attention_metadata(np.array([n]), np.array([n]), [blocks], bs)
+    model.kernels = model.kernels.with_kv_dtype(kv_dtype)  # as the runner chooses them
     with torch.no_grad():
         return model(torch.tensor(ids), torch.arange(n), caches, meta)
 

@@ -19,14 +19,16 @@ from kvflow.csrc import library
 from kvflow.engine.kv_sizing import num_kv_blocks
 from kvflow.kv_transfer.blocks import (KVShard, PagedKV, gather_into, scatter, scatter_tokens,
                                        transfer_bytes)
-from kvflow.model import attention as A
+from kvflow import attention as A
+from kvflow.attention import c_kernels
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.cpu_features import CpuFeatures, cpu_features
+from kvflow.model.kv_cache import allocate_kv_caches
 from kvflow.model.kernels import KernelOptions, select_kernels
-from kvflow.model.kv_layout import (FP8, INT8_SCALE_BYTES, cache_geometry, cache_shape,
-                                    fp8_rotated, hadamard_rotate, int8_scales, quantize_fp8,
-                                    quantize_int8, read_rows, read_stored_rows, write_rows,
-                                    write_stored_rows)
+from kvflow.attention.kv_layout import (FP8, INT8_SCALE_BYTES, cache_geometry, cache_shape,
+                                        fp8_rotated, hadamard_rotate, int8_scales, quantize_fp8,
+                                        quantize_int8, read_rows, read_stored_rows, write_rows,
+                                        write_stored_rows)
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler")
 torch.set_num_threads(1)
@@ -183,7 +185,7 @@ def test_c_writer_stores_the_bytes_write_rows_stores(dtype, src):
 @pytest.mark.parametrize("window", [0, 11])
 def test_decode_kernel_matches_torch_on_every_path(dtype, q_dtype, heads, kv_heads, head_dim,
                                                    block_size, window, monkeypatch):
-    monkeypatch.setattr(A, "MIN_PARALLEL_HEAD_KEYS", 0)
+    monkeypatch.setattr(c_kernels, "MIN_PARALLEL_HEAD_KEYS", 0)
     rng = np.random.default_rng(0)
     nb = 48
     seq_lens = np.array([1, 5, 13, 16, 30, 47])
@@ -205,7 +207,7 @@ def test_decode_kernel_matches_torch_on_every_path(dtype, q_dtype, heads, kv_hea
         want[i] = torch.einsum("ht,thd->hd", p, v)
     for isa in _isas_here():
         got = torch.full(q.shape, float("nan"))
-        assert A._decode_with_kernel(q, kc, vc, meta, scale, got, q8_isa=isa)
+        assert A.decode_with_kernel(q, kc, vc, meta, scale, got, q8_isa=isa)
         if isa == "avx512-bf16" and dtype == FP8:
             # its query and weights rounded to bf16 (2^-9), as the bf16 cache's row: scores of
             # keys this large (|k| ~ 4 sqrt(D)) move by a few hundredths (int8 runs AVX-512's row)
@@ -215,8 +217,9 @@ def test_decode_kernel_matches_torch_on_every_path(dtype, q_dtype, heads, kv_hea
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, msg=lambda m: f"{isa}: {m}")
     # bf16 out: each value rounded once (on the path this CPU takes: its bf16 query and weights)
     got = torch.empty(q.shape, dtype=torch.bfloat16)
-    assert A._decode_with_kernel(q, kc, vc, meta, scale, got)
-    tol = 3e-2 if A.best_q8_isa(cpu_features(), dtype) == "avx512-bf16" else 1e-2
+    here = A.best_q8_isa(cpu_features(), dtype)
+    assert A.decode_with_kernel(q, kc, vc, meta, scale, got, q8_isa=here)
+    tol = 3e-2 if here == "avx512-bf16" else 1e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
@@ -234,7 +237,7 @@ def test_bf16_row_reads_every_fp8_code_exactly():
     meta = A.build_attention_metadata(np.ones(n, dtype=np.int64), np.ones(n, dtype=np.int64),
                                       [[i] for i in range(n)], bs)
     got = torch.full((n, 1, d), float("nan"))
-    assert A._decode_with_kernel(torch.ones(n, 1, d), kc, vc, meta, 0.125, got, q8_isa="avx512-bf16")
+    assert A.decode_with_kernel(torch.ones(n, 1, d), kc, vc, meta, 0.125, got, q8_isa="avx512-bf16")
     want = stored.view(FP8).float()
     assert torch.equal(got.isnan(), want.isnan()) and int(want.isnan().sum()) == 2
     assert torch.equal(got.nan_to_num(), want.nan_to_num())
@@ -328,7 +331,7 @@ def _check_q8_build(lib, dtype, isas):
     meta = A.build_attention_metadata(np.ones(3, dtype=np.int64), seq_lens, tables, bs)
     q = torch.randn(3, heads, d)
     want = torch.empty(q.shape)
-    assert A._decode_with_kernel(q, kc, vc, meta, 0.125, want, q8_isa="scalar")
+    assert A.decode_with_kernel(q, kc, vc, meta, 0.125, want, q8_isa="scalar")
     one = int(np.array(1.0, dtype=np.float32).view(np.uint32))
     for isa in isas:
         got = torch.full(q.shape, float("nan"))
@@ -399,7 +402,7 @@ def test_the_same_memory_holds_about_twice_the_blocks():
     # and the tensors allocated are those bytes
     for dtype, per_token in ((FP8, arch.kv_bytes_per_token(1)),
                              (torch.int8, arch.kv_bytes_per_token(1, INT8_SCALE_BYTES))):
-        caches = A.allocate_kv_caches(arch, 4, 16, dtype)
+        caches = allocate_kv_caches(arch, 4, 16, dtype)
         assert sum(t.numel() * t.element_size() for p in caches for t in p) == 4 * 16 * per_token
 
 
@@ -461,12 +464,13 @@ def test_mixed_step_through_the_kernels_matches_the_torch_path(dtype, head_dim):
     A.write_kv_with_kernel(kc, vc, k, v, meta.slot_mapping)
     q = torch.randn(29, heads, head_dim)
     want = A.attention_with_sdpa(q, kc, vc, meta, 0.125, kvh)  # every key from the cache
-    got = A.attention_with_kernels(q, kc, vc, meta, 0.125, kvh, k, v, prompt_kernel=False)
+    here = A.best_q8_isa(cpu_features(), dtype)
+    got = A.attention_with_kernels(q, kc, vc, meta, 0.125, kvh, k, v, prompt_kernel=False, q8_isa=here)
     # fp8's AVX512-BF16 row: q and the weights in bf16, like the prompt kernel below
-    tol = 2e-2 if A.best_q8_isa(cpu_features(), dtype) == "avx512-bf16" else 2e-5
+    tol = 2e-2 if here == "avx512-bf16" else 2e-5
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     # the prompt kernel (AVX512-BF16): q, the widened tiles and the probabilities in bf16
-    got = A.attention_with_kernels(q, kc, vc, meta, 0.125, kvh, k, v, prompt_kernel=True)
+    got = A.attention_with_kernels(q, kc, vc, meta, 0.125, kvh, k, v, prompt_kernel=True, q8_isa=here)
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
@@ -494,8 +498,8 @@ def test_prompt_kernel_widens_one_byte_tiles_as_the_reference_does(dtype, window
     meta = A.build_attention_metadata(query_lens, seq_lens, tables, bs, sliding_window=window or None)
     q = torch.randn(int(query_lens.sum()), heads, d).bfloat16()
     got, want = torch.empty(q.shape), torch.empty(q.shape)
-    assert A._prefill_with_kernel(q, kc, vc, meta, 0.125, got, amx=amx)
-    assert A._prefill_with_kernel(q, *wide, meta, 0.125, want, amx=amx)
+    assert A.prefill_with_kernel(q, kc, vc, meta, 0.125, got, amx=amx)
+    assert A.prefill_with_kernel(q, *wide, meta, 0.125, want, amx=amx)
     assert torch.equal(got, want)
 
 

@@ -1,11 +1,11 @@
-"""The paged cache's tile layout (kvflow/model/kv_layout.py, kvflow/csrc/tiles.h): where each
+"""The paged cache's tile layout (kvflow/attention/kv_layout.py, kvflow/csrc/tiles.h): where each
 key and value lands, and that the PyTorch readers give back what was written."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvflow.model.kv_layout import cache_shape, read_blocks, read_rows, write_rows
+from kvflow.attention.kv_layout import cache_shape, read_blocks, read_rows, write_rows
 
 
 def test_each_value_lands_where_the_layout_says():

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from kvflow.csrc import library
-from kvflow.model import attention as A
+from kvflow import attention as A
+from kvflow.attention import c_kernels
 from kvflow.model.cpu_features import cpu_features
-from kvflow.model.kv_layout import FP8, cache_shape, read_rows, write_rows
+from kvflow.attention.kv_layout import FP8, cache_shape, read_rows, write_rows
 from kvflow.model.kv_scales import read_kv_scales, scale_tensor_layer
 
 SCALES = (0.0123, 0.0071)  # not powers of two: the divisions and products round
@@ -113,7 +114,7 @@ def test_c_writer_stores_what_write_rows_stores_at_the_scales(src):
 @pytest_c
 def test_decode_kernel_reads_at_the_scales_on_every_path(monkeypatch):
     from test_kv_cache_quant import _isas_here
-    monkeypatch.setattr(A, "MIN_PARALLEL_HEAD_KEYS", 0)
+    monkeypatch.setattr(c_kernels, "MIN_PARALLEL_HEAD_KEYS", 0)
     seq_lens, tables = [1, 17, 40], [[4, 0], [7, 2], [1, 9, 5]]
     (kc, vc), _ = _cache(tables, seq_lens)
     meta = A.build_attention_metadata(np.ones(3, dtype=np.int64), np.array(seq_lens), tables, 16)
@@ -126,7 +127,7 @@ def test_decode_kernel_reads_at_the_scales_on_every_path(monkeypatch):
         want[i] = torch.einsum("ht,thd->hd", p, v)
     for isa in _isas_here():
         got = torch.full(q.shape, float("nan"))
-        assert A._decode_with_kernel(q, kc, vc, meta, 0.125, got, q8_isa=isa, kv_scales=SCALES)
+        assert A.decode_with_kernel(q, kc, vc, meta, 0.125, got, q8_isa=isa, kv_scales=SCALES)
         if isa == "avx512-bf16":  # the query and the weights rounded to bf16 (2^-9)
             err = (got - want).abs() / want.abs().amax()
             assert err.max() < 5e-3 and err.mean() < 5e-4, (float(err.max()), float(err.mean()))
@@ -152,8 +153,8 @@ def test_prompt_kernel_widens_at_the_scales(amx):
     meta = A.build_attention_metadata(query_lens, np.array(seq_lens), tables, 16)
     q = (torch.randn(int(query_lens.sum()), 6, 64) * 8).bfloat16()
     got, want = torch.empty(q.shape), torch.empty(q.shape)
-    assert A._prefill_with_kernel(q, kc, vc, meta, 0.125, got, amx=amx, kv_scales=SCALES)
-    assert A._prefill_with_kernel(q, *wide, meta, 0.125, want, amx=amx)
+    assert A.prefill_with_kernel(q, kc, vc, meta, 0.125, got, amx=amx, kv_scales=SCALES)
+    assert A.prefill_with_kernel(q, *wide, meta, 0.125, want, amx=amx)
     assert torch.equal(got, want)
 
 
@@ -168,9 +169,10 @@ def test_mixed_step_through_the_kernels_matches_the_torch_path_at_the_scales():
     A.write_kv_with_kernel(kc, vc, k, v, meta.slot_mapping, SCALES)
     q = torch.randn(28, 6, 64) * 8
     want = A.attention_with_sdpa(q, kc, vc, meta, 0.125, 2, kv_scales=SCALES)
+    here = A.best_q8_isa(cpu_features(), FP8)
     got = A.attention_with_kernels(q, kc, vc, meta, 0.125, 2, k, v, prompt_kernel=False,
-                                   kv_scales=SCALES)
-    if A.best_q8_isa(cpu_features(), FP8) == "avx512-bf16":  # bf16 query and weights (2^-9)
+                                   q8_isa=here, kv_scales=SCALES)
+    if here == "avx512-bf16":  # bf16 query and weights (2^-9)
         err = (got - want).abs() / want.abs().amax()
         assert err.max() < 5e-3 and err.mean() < 5e-4, (float(err.max()), float(err.mean()))
     else:

@@ -268,7 +268,7 @@ def test_blocks_of_another_size_are_moved_token_by_token(src_bs, dst_bs, tp_src,
     """The two sides' block sizes differ: the consumer turns the producer's tiles back into rows
     and writes the pulled tokens by slot into its own blocks (here after a local prefix hit of
     one block), with tensor parallelism on either side as well."""
-    from kvflow.model.kv_layout import read_rows
+    from kvflow.attention.kv_layout import read_rows
 
     full_src, full_dst = caches(0, heads=4, bs=src_bs), caches(1, heads=4, bs=dst_bs)
     src, dst = split(full_src, tp_src), split(full_dst, tp_dst)

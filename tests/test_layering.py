@@ -9,7 +9,9 @@ The layers, bottom to top:
                  and the package's __init__: plain types and settings, no torch
     core/        scheduling bookkeeping; no torch (checked below), testable without a model
     csrc/        the compiled kernels and their torch wrappers
-    model/       torch: weights, the model, attention, sampling, the runner and executor
+    attention/   attention over the paged KV cache: its layout, the step's metadata, the KV
+                 write, the backends (C kernels, SDPA) and the selector that picks them once
+    model/       torch: weights, the model, the KV cache's memory, sampling, the runner and executor
     models/      one file per model family: its config fields, weight names, module, supports
     distributed/ tensor parallelism: the process group, workers and the TPExecutor
     kv_transfer/ prefill/decode disaggregation: the lease table, the wire messages and the
@@ -42,6 +44,7 @@ LAYERS = [
               "kvflow.lora_request", "kvflow.models.registry"]),
     ("core", ["kvflow.core"]),
     ("csrc", ["kvflow.csrc"]),
+    ("attention", ["kvflow.attention"]),
     ("model", ["kvflow.model"]),
     ("models", ["kvflow.models"]),
     ("distributed", ["kvflow.distributed"]),

@@ -133,7 +133,8 @@ def test_default_model_adapters_match_peft_merged(default_model_path, default_ca
 
 
 def _teacher_forced_logits(model, ids: list[int], lora=None) -> torch.Tensor:
-    from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
+    from kvflow.attention.metadata import build_attention_metadata
+    from kvflow.model.kv_cache import allocate_kv_caches
 
     bs = 16
     caches = allocate_kv_caches(model.arch, -(-len(ids) // bs), bs, model.dtype)

@@ -38,7 +38,8 @@ CORPUS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "data", "qu
 
 
 def _logits(model, ids: list[int]) -> torch.Tensor:
-    from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
+    from kvflow.attention.metadata import build_attention_metadata
+    from kvflow.model.kv_cache import allocate_kv_caches
 
     bs = 16
     caches = allocate_kv_caches(model.arch, -(-len(ids) // bs), bs, model.dtype)

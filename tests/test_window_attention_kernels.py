@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from kvflow.csrc import _SIGNATURES, library
-from kvflow.model import attention as A
-from kvflow.model.kv_layout import cache_shape, read_rows, write_rows
+from kvflow import attention as A
+from kvflow.attention.kv_layout import cache_shape, read_rows, write_rows
 
-CSRC = os.path.dirname(A.__file__).replace("model", "csrc")
+CSRC = os.path.join(os.path.dirname(os.path.dirname(A.__file__)), "csrc")
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +95,8 @@ def test_torch_paths_take_the_window():
     q = torch.randn(3, heads, d)
     meta = A.build_attention_metadata(np.ones(3, dtype=np.int64), seq_lens, tables, bs, sliding_window=window)
     want, got = torch.empty_like(q), torch.empty_like(q)
-    A._decode_with_torch(q, k_cache, v_cache, meta, d ** -0.5, want)
-    assert A._decode_with_kernel(q, k_cache, v_cache, meta, d ** -0.5, got)
+    A.decode_with_torch(q, k_cache, v_cache, meta, d ** -0.5, want)
+    assert A.decode_with_kernel(q, k_cache, v_cache, meta, d ** -0.5, got)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for i, n in enumerate(seq_lens):
         ref = _reference(q[i], k_cache, v_cache, tables[i], int(n), window, d ** -0.5, heads, kvh, bs)
@@ -154,7 +154,7 @@ def test_prompt_kernel_window_matches_reference(head_dim, heads, kv_heads, windo
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        assert A._prefill_with_kernel(q, k_cache, v_cache, meta, scale, out, amx=amx)
+        assert A.prefill_with_kernel(q, k_cache, v_cache, meta, scale, out, amx=amx)
     finally:
         torch.set_num_threads(old)
     row = 0

@@ -108,7 +108,7 @@ def test_paged_prefill_matches_reference(kernels, seq_lens, query_lens, heads, k
 def test_write_kv_matches_write_rows(kernels, dtype, cache_dtype):
     """Rows land where kv_layout.write_rows puts them (strided views of a fused qkv included);
     negative slots (padding) write nothing."""
-    from kvflow.model.kv_layout import cache_shape, write_rows
+    from kvflow.attention.kv_layout import cache_shape, write_rows
     write = kernels[1]
     gen = torch.Generator().manual_seed(7)
     qkv = torch.randn(5, 3 * 2 * 8 + 4 * 8, generator=gen).to(dtype)
@@ -166,7 +166,7 @@ def test_paged_prefill_reads_a_one_byte_cache(kernels, cache_dtype):
 def test_write_kv_quantizes_as_write_rows(kernels, cache_dtype):
     """The same bytes as kv_layout.write_rows (int8: values and per-token scales; fp8: e4m3
     rounded to nearest even, saturated), padding slots untouched."""
-    from kvflow.model.kv_layout import cache_shape, write_rows
+    from kvflow.attention.kv_layout import cache_shape, write_rows
     gen = torch.Generator().manual_seed(8)
     qkv = torch.randn(6, 3 * 2 * 16, generator=gen) * 40  # past fp8's 448 now and then
     qkv[0, 32:36] = torch.tensor([0.0, 1e-3, -2.0 ** -8, 449.0])  # zero, subnormals, saturation
@@ -188,7 +188,7 @@ FP8_SCALES = (0.0123, 0.0071)
 
 
 def test_fp8_cache_at_checkpoint_scales_is_written_and_read_as_the_cpu_does(kernels):
-    from kvflow.model.kv_layout import cache_shape, write_rows
+    from kvflow.attention.kv_layout import cache_shape, write_rows
     seq_lens, query_lens = [23, 40, 1], [23, 7, 1]
     gen = torch.Generator().manual_seed(21)
     fp8 = torch.float8_e4m3fn

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvflow.model.kv_layout import UNIT_KV_SCALES, cache_shape, read_rows, write_rows
+from kvflow.attention.kv_layout import UNIT_KV_SCALES, cache_shape, read_rows, write_rows
 
 
 def scattered_tables(seq_lens: list[int], block_size: int, num_blocks: int,

@@ -10,7 +10,8 @@ from conftest_model_helpers import TINY, _save_random
 from gguf_test_writer import add_hparams, permute_rope_rows
 from kvflow.core.kv_cache.coordinator import KVCacheCoordinator
 from kvflow.core.kv_cache.groups import layer_slots, make_kv_cache_groups
-from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
+from kvflow.attention.metadata import build_attention_metadata
+from kvflow.model.kv_cache import allocate_kv_caches
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 

@@ -55,7 +55,7 @@ enum { KV_F32, KV_BF16, KV_INT8, KV_FP8 };
 enum { G_SLOTS, G_TABLES, G_BT_STRIDE, G_SEQ_LENS, G_ROWS, G_BLOCK_SIZE, G_WINDOW, GROUP_WORDS };
 
 #define PARALLEL_VALUES (1 << 13) /* ops.py's MIN_PARALLEL_VALUES */
-#define PARALLEL_HEAD_KEYS 256    /* attention.py's MIN_PARALLEL_HEAD_KEYS */
+#define PARALLEL_HEAD_KEYS 256    /* attention/c_kernels.py's MIN_PARALLEL_HEAD_KEYS */
 
 /* the first n values of each of M rows (row stride `stride`) times s, in place (the layer's
  * qk_scale: powers of two, so neither fp32 nor bf16 rounds but past their range; rounded there
@@ -186,7 +186,7 @@ int64_t decode_layers(const int64_t *step, const int64_t *layers, int64_t num_la
         if (l[L_QK_SCALE])
             scale_qk(qkv, qkv_n, M, (H + KVH) * D, (const float *)l[L_QK_SCALE], bf16);
 
-        /* this step's K/V into the cache (attention.write_kv_with_kernel) */
+        /* this step's K/V into the cache (kvflow/attention/kv_write.py) */
         const void *k = (const char *)qkv + H * D * esize, *v = (const char *)k + KVH * D * esize;
         const int64_t *slots = (const int64_t *)g[G_SLOTS];
         void *k_cache = (void *)l[L_K_CACHE], *v_cache = (void *)l[L_V_CACHE];
@@ -200,7 +200,7 @@ int64_t decode_layers(const int64_t *step, const int64_t *layers, int64_t num_la
         else
             write_kv_f32(k, v, qkv_n, slots, k_cache, v_cache, 0, M, KVH, D, g[G_BLOCK_SIZE]);
 
-        /* decode attention, rows split by key count (attention._decode_with_kernel) */
+        /* decode attention, rows split by key count (kvflow/attention/c_kernels.py's CAttention.decode) */
         const int64_t *seq_lens = (const int64_t *)g[G_SEQ_LENS];
         int64_t keys = 0;
         for (int64_t r = 0; r < M; r++)

@@ -1,5 +1,5 @@
 /* Decode attention and the KV write over a one-byte KV cache (the `kv_cache_dtype` fp8 and
- * int8; kvflow/model/kv_layout.py says how they are stored). Same tiles as tiles.h, one byte
+ * int8; kvflow/attention/kv_layout.py says how they are stored). Same tiles as tiles.h, one byte
  * a value:
  *   fp8 (kind 1):  e4m3 values, one per-tensor scale for K and one for V (k_scale, v_scale);
  *   int8 (kind 0): a (block, kv head) is bs * D int8 values, then bs fp32 scales, one per token

@@ -24,7 +24,7 @@
  * back: their table entries are the null block).
  *
  * A one-byte cache (kv_kind 1: int8 with a scale per token after each tile, 2: fp8 e4m3 at a
- * per-tensor scale for K and one for V; kvflow/model/kv_layout.py) is widened as it is copied
+ * per-tensor scale for K and one for V; kvflow/attention/kv_layout.py) is widened as it is copied
  * into that scratch: each value times its scale, rounded once to bf16 (fp8 values are bf16
  * numbers: exact at a power-of-two scale), the same tile layout, so the rest runs unchanged.
  * An fp8 cache whose D is a power of two holds rotated keys and values (rotation.h): each

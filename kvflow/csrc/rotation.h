@@ -1,4 +1,4 @@
-/* The fp8 KV cache's rotation (kvflow/model/kv_layout.py, docs/kv_cache_quantization.md). Where
+/* The fp8 KV cache's rotation (kvflow/attention/kv_layout.py, docs/kv_cache_quantization.md). Where
  * head_dim D is a power of two, an fp8 cache stores each token's key and value of a kv head as
  * e4m3 of H x / sqrt(D), H the D x D Sylvester-Hadamard matrix: the few large channels a head's
  * keys carry are spread over all D values, so e4m3's relative rounding error falls on many

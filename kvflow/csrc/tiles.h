@@ -4,7 +4,7 @@
  *   keys:   dims paired,  [D/2][bs][2]: K(t, d) at ((d / 2) * bs + t) * 2 + d % 2
  *   values: keys paired,  [bs/2][D][2]: V(t, d) at ((t / 2) * D + d) * 2 + t % 2
  * bs and D are even. As 32-bit words of a bf16 cache: key word (c, t) = K(t, 2c..2c+1) at
- * c * bs + t, value word (j, d) = (V(2j, d), V(2j + 1, d)) at j * D + d. kvflow/model/kv_layout.py
+ * c * bs + t, value word (j, d) = (V(2j, d), V(2j + 1, d)) at j * D + d. kvflow/attention/kv_layout.py
  * is the same layout for PyTorch. */
 #ifndef KVFLOW_TILES_H
 #define KVFLOW_TILES_H

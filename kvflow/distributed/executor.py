@@ -32,9 +32,9 @@ from kvflow.distributed.supervisor import WorkerSupervisor, spawn_worker
 from kvflow.distributed import ray_workers
 from kvflow.logger import init_logger
 from kvflow.model.arch import LlamaArchConfig
-from kvflow.model.attention import allocate_kv_caches
+from kvflow.model.kv_cache import allocate_kv_caches
 from kvflow.model.executor import Executor
-from kvflow.model.kv_layout import cache_shape
+from kvflow.attention.kv_layout import cache_shape
 from kvflow.model.loader import load_sharded_model
 from kvflow.model.runner import ModelRunner, ModelRunnerOutput
 from kvflow.model.sharding import check_tp_size, local_arch

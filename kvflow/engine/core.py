@@ -29,7 +29,7 @@ from kvflow.model.executor import CompletedStep, Executor, UniProcExecutor
 from kvflow.model import gpu_memory
 from kvflow.model.cuda_graphs import decode_graphs_for
 from kvflow.model.key_scales import key_scales_digest
-from kvflow.model.kv_layout import INT8_SCALE_BYTES, resolve_kv_dtype
+from kvflow.attention.kv_layout import INT8_SCALE_BYTES, resolve_kv_dtype
 from kvflow.model.loader import load_model, resolve_device, resolve_dtype
 from kvflow.model.quant.load import resolve_quantization
 from kvflow.model.sharding import kv_bytes_per_token_per_rank, shard_layout

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvflow.model.kv_layout import (is_quantized, read_blocks, read_stored_rows, write_rows,
-                                    write_stored_rows)
+from kvflow.attention.kv_layout import (is_quantized, read_blocks, read_stored_rows, write_rows,
+                                        write_stored_rows)
 
 
 @dataclass

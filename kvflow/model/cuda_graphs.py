@@ -90,7 +90,7 @@ class DecodeGraphs:
                     block_size: int) -> None:
         """Capture every size now (at start-up) instead of on first use: a dummy decode of
         `size` one-token sequences on block 0, which no request has been handed yet."""
-        from kvflow.model.attention import build_attention_metadata
+        from kvflow.attention.metadata import build_attention_metadata
         device = self.input_ids.device
         for size in self.sizes:
             meta = build_attention_metadata(np.ones(size), np.ones(size), [[0]] * size,

@@ -13,7 +13,7 @@ tensor parallelism; bf16 or fp32 activations with a KV cache the C writer takes 
 activations' dtype, bf16 under fp32 ones, or a one-byte fp8 / int8 cache, written and read by
 paged_attention_quant.c on the path and with the scales the per-layer path uses). Which steps:
 decode-only (a speculative verification step is one: the runner makes each checked token a
-decode row, attention.build_attention_metadata's queries_as_decodes) with up to MAX_ROWS rows (where the quantized projections fuse their norm and
+decode row, kvflow/attention's build_attention_metadata's queries_as_decodes) with up to MAX_ROWS rows (where the quantized projections fuse their norm and
 SiLU: packed_linear.FUSED_ROWS), and with the GEMV no more than its rows (GEMV_MAX_ROWS: above
 them oneDNN serves, from Python). Everything else takes the per-layer path, as does every step
 under KVFLOW_NO_DECODE_GRAPH=1. The embedding, the final norm and the LM head stay as they are.
@@ -25,14 +25,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from functools import partial
 
 import numpy as np
 import torch
 
 from kvflow import envs
+from kvflow.attention.c_kernels import Q8_ISAS, CAttention, float_bits
+from kvflow.attention.kv_layout import FP8
+from kvflow.attention.kv_write import CKVWriter
+from kvflow.attention.selector import best_q8_isa
 from kvflow.csrc import library, ops
-from kvflow.model import attention
 from kvflow.csrc.gemv import GEMV_ISAS, GEMV_WEIGHT_DTYPES
 from kvflow.model.cpu_features import cpu_features
 from kvflow.model.packed_linear import FUSED_ROWS, PackedWeight
@@ -53,7 +55,7 @@ STEP_WORDS = ("m", "x", "x_bf16", "kv_dtype", "threads", "positions", "cos", "si
               "o", "act", "down", "groups", "layer_group", "normed", "gate_up", "q8_isa",
               "attn_io")
 # decode_step.c's KV_* codes (the `kv_dtype` word)
-KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, attention.FP8: 3}
+KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, FP8: 3}
 GROUP_WORDS = ("slots", "tables", "bt_stride", "seq_lens", "rows", "block_size", "window")
 _K_CACHE = LAYER_HEAD.index("k_cache")
 _K_SCALE = LAYER_HEAD.index("k_scale")
@@ -91,10 +93,9 @@ def _on_panels(p: PackedWeight | None, model) -> bool:
 
 
 def _q8_isa(kernels) -> str:
-    """The one-byte-cache decode path attention_with_kernels takes with these kernels (its
-    q8_isa keyword, else the widest this CPU has)."""
-    return (kernels.attention.keywords.get("q8_isa")
-            or attention.best_q8_isa(cpu_features(), kernels.kv_dtype))
+    """The one-byte-cache decode path of these kernels' CAttention (bound at load; for another
+    cache, the widest this CPU has: the C side reads it for one-byte caches only)."""
+    return kernels.attention.q8_isa or best_q8_isa(cpu_features(), kernels.kv_dtype)
 
 
 def max_rows(model) -> int:
@@ -121,9 +122,8 @@ def why_not(model) -> str | None:
         return f"activations in {model.dtype}"
     lib = library()
     if lib is None or k.add_rms_norm is not ops.add_rms_norm or k.rope is not ops.rope_ \
-            or k.silu_mul is not ops.silu_mul or k.write_kv is not attention.write_kv_with_kernel \
-            or not (isinstance(k.attention, partial)
-                    and k.attention.func is attention.attention_with_kernels):
+            or k.silu_mul is not ops.silu_mul or not isinstance(k.write_kv, CKVWriter) \
+            or not isinstance(k.attention, CAttention):
         return "not every operation is a C kernel"
     for layer in model.layers:
         if layer.moe is not None or layer.q_norm is not None or layer.partial_rope:
@@ -183,8 +183,8 @@ class DecodeGraph:
                 words += _projection_words(layer.packed[name], n, k, model.dtype == torch.bfloat16)
             rows.append(words)
         return cls(model, model.kernels, np.array(rows, dtype=np.int64), biases, max_rows(model),
-                   attention.Q8_ISAS[_q8_isa(model.kernels)],
-                   4 if model.kernels.attention.keywords.get("prefetch_all") else 0)
+                   Q8_ISAS[_q8_isa(model.kernels)],
+                   4 if model.kernels.attention.prefetch_all else 0)
 
     def _caches_taken(self, kv_caches: list) -> bool:
         """Fill in the caches' pointers (once per cache list); False: caches the C writer and
@@ -204,7 +204,7 @@ class DecodeGraph:
                 return False
             self.layers[i, _K_CACHE:_K_CACHE + 2] = (kc.data_ptr(), vc.data_ptr())
             # fp8's per-tensor scales, the layer's, as the per-layer path passes them
-            self.layers[i, _K_SCALE:_K_SCALE + 2] = [attention._float_bits(x)
+            self.layers[i, _K_SCALE:_K_SCALE + 2] = [float_bits(x)
                                                      for x in self.model.layers[i].kv_scales]
         self.caches, self.cache_ptr = kv_caches, kv_caches[0][0].data_ptr()
         return True

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from kvflow.model.arch import LlamaArchConfig
-from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
+from kvflow.attention.metadata import build_attention_metadata
+from kvflow.model.kv_cache import allocate_kv_caches
 from kvflow.model.loader import load_model
 from kvflow.model.quant.load import resolve_quantization
 from kvflow.model.runner import longest_position

@@ -1,5 +1,5 @@
 """A step's attention metadata as device tensors, for the GPU attention kernels (kvflow/model/
-triton/): the block tables, sequence lengths and query starts of attention.py's
+triton/): the block tables, sequence lengths and query starts of kvflow/attention's
 AttentionMetadata, one host-to-device copy per field, plus the decode split count and, under a
 CUDA graph, the persistent buffers they live in. Built here without triton, so the runner and
 its CPU tests do not import it."""
@@ -42,7 +42,7 @@ class DeviceMetadata:
 
 def device_metadata(block_tables: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray,
                     device: torch.device | str) -> DeviceMetadata:
-    """One step's arrays (attention.py's AttentionMetadata fields) on `device`."""
+    """One step's arrays (kvflow/attention/metadata.py's AttentionMetadata fields) on `device`."""
     query_lens = np.diff(query_start_loc)
 
     def put(a: np.ndarray) -> torch.Tensor:

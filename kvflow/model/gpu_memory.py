@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
+from kvflow.attention.metadata import build_attention_metadata
+from kvflow.model.kv_cache import allocate_kv_caches
 
 
 def _gib(n: int) -> str:

@@ -20,7 +20,9 @@ What serves here, and why:
   else PyTorch; attention's prompt kernel exists only where the CPU has AVX512-BF16, elsewhere
   prompt tokens run as rows of the decode kernel; a one-byte KV cache (`kv_cache_dtype` fp8 or
   int8) has its own decode kernel and writer (csrc/paged_attention_quant.c, its AVX-512, AVX2 or
-  scalar path chosen here); the prompt kernel widens its tiles to bf16 as it gathers them.
+  scalar path chosen once); the prompt kernel widens its tiles to bf16 as it gathers them.
+  Attention's backend and the KV writer are kvflow/attention/selector.py's choice, made here
+  once the KV cache's dtype is known (`with_kv_dtype` when the runner's cache differs).
 
 On an NVIDIA GPU (device cuda) the set is gpu_kernels.py's: torch GEMMs in bf16 and the Triton
 paged attention of kvflow/model/triton.
@@ -31,7 +33,8 @@ PackedWeight carries the quantized weight, and its instruction set (AVX-512 VNNI
 scalar) is chosen once at load from these features.
 
 A new variant (sliding-window or soft-capped attention) is one more
-implementation and one more branch in `select_kernels`."""
+implementation and one more branch in `select_kernels` (for attention, in
+kvflow/attention/selector.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -41,12 +44,12 @@ from typing import Callable
 import torch
 
 from kvflow import envs
+from kvflow.attention.selector import select_attention
 from kvflow.csrc import library, ops
 from kvflow.csrc.gemv import GEMV_ALL_ROWS, GEMV_MAX_ROWS, best_gemv_isa
 from kvflow.csrc.lora import best_lora_isa, lora_add, lora_add_torch
-from kvflow.model import attention, packed_linear
+from kvflow.model import packed_linear
 from kvflow.model.cpu_features import CpuFeatures, cpu_features
-from kvflow.model.kv_layout import is_quantized, write_rows
 from kvflow.model.packed_linear import AMX_PANEL_ROWS, AMX_PANEL_ROWS_LARGE
 
 
@@ -85,7 +88,8 @@ class Kernels:
 
     `pack(w, gate_up=False)` prepacks a projection's weight for `linear(x, w, packed, bias=None)`
     and `linear_silu_mul(x, w, packed)` (None: no packing here, F.linear serves). The others
-    have the signatures of their PyTorch versions in kvflow/csrc/ops.py and model/attention.py."""
+    have the signatures of their PyTorch versions in kvflow/csrc/ops.py and kvflow/attention
+    (torch_sdpa.py, kv_layout.write_rows)."""
 
     dtype: torch.dtype
     kv_dtype: torch.dtype
@@ -198,35 +202,14 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
     if gemv_isa is not None:  # decode-sized batches: the GEMV; longer ones as above
         stored = {torch.bfloat16: "-bf16", torch.float16: "-fp16"}.get(gemv_dtype, "")
         linear_name = f"gemv-{gemv_isa}{stored}" + ("" if gemv_all else f"+{linear_name}")
-    # attention: the prompt kernel's shape check answers 0 for every shape where it was not built
-    prompt_kernel = c and features.avx512_bf16 and bool(lib.paged_prefill_bf16_supported(1, 1, 32, 16))
-    # its tile products on AMX where the CPU has it, the build has it and Linux grants it
-    prompt_amx = bool(prompt_kernel and options.amx_attention and features.amx_bf16
-                      and lib.prefill_amx_available())
-    prompt_name = "+c-prompt-amx" if prompt_amx else "+c-prompt"
-    # the bf16 decode row prefetches contiguous blocks too on a Xeon with AMX, where its hardware
-    # prefetcher left them 1.46x slower; not on a Zen 4, where the prefetches slowed it 1.3x
-    prefetch_all = bool(c and features.amx_bf16)
-    if c and is_quantized(kv_dtype):
-        # one-byte caches: their own decode kernel (paged_attention_quant.c) on the widest path
-        # this CPU has; prompts through the prompt kernel, which widens them as it gathers (on
-        # AVX512-BF16), else as the decode kernel's rows
-        q8_isa = attention.best_q8_isa(features, kv_dtype)
-        attend = partial(attention.attention_with_kernels, prompt_kernel=prompt_kernel,
-                         prompt_amx=prompt_amx, q8_isa=q8_isa)
-        attention_name = (f"c-decode-{'fp8' if kv_dtype != torch.int8 else 'int8'}-{q8_isa}"
-                          + (prompt_name if prompt_kernel else ""))
-    elif c:
-        attend = partial(attention.attention_with_kernels, prompt_kernel=prompt_kernel,
-                         prompt_amx=prompt_amx, prefetch_all=prefetch_all)
-        attention_name = "c-decode" + (prompt_name if prompt_kernel and kv_dtype == bf16 else "")
-    else:
-        attend, attention_name = attention.attention_with_sdpa, "sdpa"
+    # attention and the KV write: their backend and entry points for this cache (selector.py)
+    attn = select_attention(dtype, kv_dtype, features, c_kernels=c,
+                            amx_attention=options.amx_attention)
     c_name = "c" if c else "torch"
     names = {"linear": linear_name,
              "gate_up": (f"panel-bf16-silu{amx_rows}+onednn-amx+{c_name}-silu" if amx
                          else "panel-bf16-silu" if panels else f"{linear_name}+{c_name}-silu"),
-             "attention": attention_name, "norm": c_name, "rope": c_name, "kv_write": c_name,
+             "attention": attn.name, "norm": c_name, "rope": c_name, "kv_write": attn.write_name,
              "argmax": "c" if c and dtype == bf16 else "torch"}
     lora_isa = best_lora_isa(features) if c else None
     pack = (partial(packed_linear.pack_weight, panels=panels, onednn=onednn, gemv_isa=gemv_isa,
@@ -243,8 +226,8 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
         add_rms_norm_fp32_weight=ops.add_rms_norm_fp32_weight if c else ops.add_rms_norm_fp32_weight_torch,
         linear_gelu_tanh_mul=partial(packed_linear.linear_silu_mul, silu_mul=ops.gelu_tanh_mul_torch),
         rope=ops.rope_ if c else ops.rope_torch_,
-        write_kv=attention.write_kv_with_kernel if c else write_rows,
-        attention=attend,
+        write_kv=attn.write_kv,
+        attention=attn.attention,
         argmax=ops.argmax_rows if c else ops.argmax_rows_torch,
         lora=partial(_lora_c, isa=lora_isa) if lora_isa else _lora_torch,
         lora_name=f"c-{lora_isa}" if lora_isa else "torch",

@@ -53,7 +53,8 @@ def qk_scale_vector(scales: torch.Tensor, num_heads: int) -> torch.Tensor:
 def calibrate_key_scales(model, arch) -> list[torch.Tensor]:
     """Each layer's [kv_heads, D] key scales, from one prompt of CALIBRATION_TOKENS seeded
     random tokens through `model` (on the CPU, with a cache of its own dtype)."""
-    from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
+    from kvflow.attention.metadata import build_attention_metadata
+    from kvflow.model.kv_cache import allocate_kv_caches
 
     layers = model.layers
     for layer in layers:
@@ -65,7 +66,8 @@ def calibrate_key_scales(model, arch) -> list[torch.Tensor]:
     caches = allocate_kv_caches(arch, len(blocks), bs, model.dtype, num_layers=len(layers))
     index = {pair[0].data_ptr(): i for i, pair in enumerate(caches)}
     q_sum, k_sum = [None] * len(layers), [None] * len(layers)
-    kernels = model.kernels
+    served = model.kernels
+    kernels = served.with_kv_dtype(model.dtype)  # for the cache above, whichever it serves
 
     def write_kv(k_cache, v_cache, k, v, *args, **kwargs):
         k_sum[index[k_cache.data_ptr()]] = k.float().square().sum(0)  # [kv_heads, D]
@@ -84,14 +86,14 @@ def calibrate_key_scales(model, arch) -> list[torch.Tensor]:
         with torch.no_grad():
             model(ids, torch.arange(n), caches, meta)
     finally:
-        model.kernels = kernels
+        model.kernels = served
     return [power_of_two_scales(q, k) for q, k in zip(q_sum, k_sum)]
 
 
 def set_key_scales(model, arch, kv_dtype: torch.dtype) -> bool:
     """Calibrate and apply the key scales where they serve: an fp8 cache on a whole model (one
     rank, every layer) on the CPU; elsewhere none. True: applied."""
-    from kvflow.model.kv_layout import FP8
+    from kvflow.attention.kv_layout import FP8
 
     layers = getattr(model, "layers", None)
     if not layers:

@@ -19,7 +19,7 @@ import re
 
 import torch
 
-from kvflow.model.kv_layout import FP8_KV_SCALE
+from kvflow.attention.kv_layout import FP8_KV_SCALE
 
 logger = logging.getLogger("kvflow")
 

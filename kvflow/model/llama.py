@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.model.arch import LlamaArchConfig
-from kvflow.model.attention import AttentionMetadata
+from kvflow.attention.metadata import AttentionMetadata
 from kvflow.model.decode_graph import DecodeGraph
 from kvflow.model.kernels import Kernels, select_kernels
-from kvflow.model.kv_layout import UNIT_KV_SCALES
+from kvflow.attention.kv_layout import UNIT_KV_SCALES
 from kvflow.model.moe import SparseMoeBlock
 from kvflow.model.packed_linear import PackedWeight
 from kvflow.model.sharding import local_arch

@@ -11,7 +11,8 @@ from kvflow.core.kv_cache.groups import layer_slots, make_kv_cache_groups
 from kvflow.core.scheduler_output import SchedulerOutput
 from kvflow.model import hugepages
 from kvflow.model.arch import LlamaArchConfig
-from kvflow.model.attention import allocate_kv_caches, build_attention_metadata
+from kvflow.attention.metadata import build_attention_metadata
+from kvflow.model.kv_cache import allocate_kv_caches
 from kvflow.model.cuda_graphs import DecodeGraphs
 from kvflow.model.key_scales import set_key_scales
 from kvflow.model.malloc_tuning import retain_freed_memory
@@ -94,7 +95,7 @@ class ModelRunner:
         self.eos_token_ids = eos_ids(eos_token_id)  # the model's, all of them
         self.device = torch.device(device)
         on_cpu = self.device.type == "cpu"
-        # KV cache groups (core/kv_cache_groups.py): one group of all layers without windows;
+        # KV cache groups (core/kv_cache/groups.py): one group of all layers without windows;
         # with windows, layer j of each group uses shared tensor pair j
         self.groups = make_kv_cache_groups(arch.layer_windows())
         if not on_cpu and any(g.sliding_window is not None for g in self.groups):

@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.model.arch import LlamaArchConfig
-from kvflow.model.attention import AttentionMetadata
+from kvflow.attention.metadata import AttentionMetadata
 from kvflow.model.attention_pattern import FULL, SLIDING
 from kvflow.model.kernels import Kernels, select_kernels
-from kvflow.model.kv_layout import UNIT_KV_SCALES
+from kvflow.attention.kv_layout import UNIT_KV_SCALES
 from kvflow.model.llama import ROPE_CACHE_MAX, _weight, rope_inv_freq
 from kvflow.model.packed_linear import PackedWeight
 from kvflow.models.family import ModelFamily, getter

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from kvflow.model.arch import LlamaArchConfig
-from kvflow.model.attention import AttentionMetadata
+from kvflow.attention.metadata import AttentionMetadata
 from kvflow.model.kernels import Kernels
-from kvflow.model.kv_layout import UNIT_KV_SCALES
+from kvflow.attention.kv_layout import UNIT_KV_SCALES
 from kvflow.model.llama import LlamaForCausalLM, _weight
 from kvflow.models.llama import LlamaFamily
 from kvflow.models.registry import Supports

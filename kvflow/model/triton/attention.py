@@ -1,12 +1,12 @@
-"""The GPU attention backend: model/attention.py's `attention_with_kernels` signature over the
-Triton kernels. A decode-only step goes through the split-K decode kernel; any step with a
+"""The GPU attention backend: the signature of kvflow/attention's backends (c_kernels.CAttention's
+call) over the Triton kernels. A decode-only step goes through the split-K decode kernel; any step with a
 prompt row through the varlen prefill kernel, which serves its decode rows too."""
 from __future__ import annotations
 
 import torch
 
 from kvflow.model.gpu_batch import device_metadata
-from kvflow.model.kv_layout import UNIT_KV_SCALES
+from kvflow.attention.kv_layout import UNIT_KV_SCALES
 from kvflow.model.triton.paged_decode import paged_decode
 from kvflow.model.triton.paged_prefill import paged_prefill
 

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvflow.model.kv_layout import UNIT_KV_SCALES, cache_geometry, hadamard_rotate, rotates
+from kvflow.attention.kv_layout import UNIT_KV_SCALES, cache_geometry, hadamard_rotate, rotates
 from kvflow.model.triton.layout import (key_offset, kv_kind, kv_operands, round_even, tile_base,
                                         to_fp8_bits, value_offset)
 

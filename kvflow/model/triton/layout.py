@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvflow.model.kv_layout import FP8
+from kvflow.attention.kv_layout import FP8
 
 KV_FLOAT, KV_INT8, KV_FP8 = 0, 1, 2
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvflow.model.kv_layout import UNIT_KV_SCALES, cache_geometry, hadamard_rotate, rotates
+from kvflow.attention.kv_layout import UNIT_KV_SCALES, cache_geometry, hadamard_rotate, rotates
 from kvflow.model.triton.layout import (key_offset, kv_kind, kv_operands, load_kv, soft_cap,
                                         tile_base, value_offset)
 

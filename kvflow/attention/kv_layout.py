@@ -15,7 +15,7 @@ Quantized caches (the `kv_cache_dtype` fp8 and int8, docs/kv_cache_quantization.
 same tiles, one byte a value:
 
 - fp8 (torch.float8_e4m3fn): the values over a per-tensor scale, one for K and one for V per
-  layer (`kv_scales`: the checkpoint's k_scale/v_scale, model/kv_scales.py, else FP8_KV_SCALE,
+  layer (`kv_scales`: the checkpoint's k_scale/v_scale, kvflow/model/kv_scales.py, else FP8_KV_SCALE,
   1.0, vLLM's default), saturated at +-448 on the write. Where head_dim is a power of two each
   token's key and value of a head are rotated first (`hadamard_rotate`: H x / sqrt(head_dim),
   H the Sylvester-Hadamard matrix, orthonormal and its own inverse; csrc/rotation.h): the few
