@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from kvflow.model.arch import LlamaArchConfig  # noqa: E402
 from kvflow.model.cpu_features import cpu_features  # noqa: E402
 from kvflow.model.kernels import select_kernels  # noqa: E402
-from kvflow.model.moe import SparseMoeBlock, naive_moe_forward  # noqa: E402
+from kvflow.layers.moe import SparseMoeBlock, naive_moe_forward  # noqa: E402
 
 
 def block_arch(experts: int, top_k: int, hidden: int, width: int) -> LlamaArchConfig:

@@ -210,7 +210,7 @@ def test_longrope_tables_match_transformers_short_and_long_factors(tmp_path):
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from kvflow.model.llama import rope_tables
+    from kvflow.layers.rotary import rope_tables
 
     path = BUILDERS["phi3"](str(tmp_path / "phi3"))
     arch, cfg = load_arch_config(path), AutoConfig.from_pretrained(path)

@@ -30,7 +30,7 @@ from kvflow.model.decode_graph import MAX_ROWS, DecodeGraph, why_not
 from kvflow.model.kernels import KernelOptions, select_kernels
 from kvflow.model.key_scales import apply_key_scales
 from kvflow.attention.kv_layout import FP8
-from kvflow.model.llama import LlamaForCausalLM
+from kvflow.models.llama import LlamaForCausalLM
 from kvflow.model.packed_linear import AMX_PANEL_ROWS, PackedWeight
 from kvflow.model.quant.gguf_blocks import decode
 from kvflow.model.quant.int8 import quantize_int8

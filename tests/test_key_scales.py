@@ -13,7 +13,7 @@ from kvflow.model.kv_cache import allocate_kv_caches
 from kvflow.model.key_scales import (apply_key_scales, calibrate_key_scales, key_scales_digest,
                                      power_of_two_scales, qk_scale_vector, set_key_scales)
 from kvflow.attention.kv_layout import FP8
-from kvflow.model.llama import LlamaForCausalLM
+from kvflow.models.llama import LlamaForCausalLM
 from test_decode_graph import (ARCH, Q8_BLOCK, Q8_PATHS, Driver, count_graph_steps,
                                on_one_byte_cache, tiny_model)
 
@@ -72,7 +72,7 @@ def test_scores_keep_their_bits_on_a_float_cache(dtype, graph):
     for g, w in zip(got, want):
         assert torch.equal(g, w)
     apply_key_scales(scaled, None)
-    assert all(layer.qk_scale is None for layer in scaled.layers)
+    assert all(layer.attn.qk_scale is None for layer in scaled.layers)
 
 
 @pytest.mark.parametrize("q8_isa", Q8_PATHS)
@@ -136,11 +136,11 @@ def test_calibrated_scales_undo_skewed_channels_and_cut_fp8_error():
 def test_served_for_an_fp8_cache_only():
     model = tiny_model("Q8_0", torch.float32, "scalar")
     assert set_key_scales(model, ARCH, FP8)
-    assert all(layer.qk_scale is not None and layer.qk_scale.shape == (
+    assert all(layer.attn.qk_scale is not None and layer.attn.qk_scale.shape == (
         (ARCH.num_attention_heads + ARCH.num_key_value_heads) * ARCH.head_dim,) for layer in model.layers)
     for kv_dtype in (torch.bfloat16, torch.int8):
         assert not set_key_scales(model, ARCH, kv_dtype)
-        assert all(layer.qk_scale is None for layer in model.layers)
+        assert all(layer.attn.qk_scale is None for layer in model.layers)
 
 
 def test_a_kv_transfer_compares_the_scales_its_blocks_were_stored_under():
@@ -169,7 +169,7 @@ def test_gemma3_local_and_global_layers_keep_their_bits_too(tmp_path):
               block_size=4, warmup=False)
     model = llm.engine.core.executor.runner.model
     assert type(model).__name__ == "Gemma3ForCausalLM"
-    assert all(layer.qk_scale is not None for layer in model.layers)
+    assert all(layer.attn.qk_scale is not None for layer in model.layers)
     plain, arch = load_model(path, torch.float32)
     scaled, _ = load_model(path, torch.float32)
     g = torch.Generator().manual_seed(3)

@@ -239,7 +239,7 @@ def test_checkpoint_scales_serve_the_unshrunk_models_tokens(tmp_path, kernels, m
         llm = LLM(path, dtype="float32", kv_cache_dtype="fp8", max_model_len=128, num_blocks=64,
                   block_size=16, max_num_batched_tokens=16, warmup=False)
         layers = llm.engine.core.executor.runner.model.layers
-        assert [layer.kv_scales for layer in layers] == [(shrink, shrink) if scales else (1.0, 1.0)] * 3
+        assert [layer.attn.kv_scales for layer in layers] == [(shrink, shrink) if scales else (1.0, 1.0)] * 3
         outs[label] = llm.generate(prompts, params, use_tqdm=False)
         llm.engine.shutdown()
 
@@ -281,7 +281,7 @@ def test_w8a8_checkpoint_with_an_fp8_kv_cache_scheme(tmp_path):
     save_file(w, file, metadata={"format": "pt"})
     model, _ = load_model(ct, torch.float32, quantization="compressed-tensors")
     assert model.layers[0].packed["qkv_proj"].quant.source == "compressed-tensors"
-    assert [layer.kv_scales for layer in model.layers] == [
+    assert [layer.attn.kv_scales for layer in model.layers] == [
         (pytest.approx(0.02 * (i + 1)), pytest.approx(0.003)) for i in range(3)]
     config["quantization_config"]["kv_cache_scheme"]["type"] = "int"
     with open(os.path.join(ct, "config.json"), "w") as f:

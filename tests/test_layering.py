@@ -11,7 +11,8 @@ The layers, bottom to top:
     csrc/        the compiled kernels and their torch wrappers
     attention/   attention over the paged KV cache: its layout, the step's metadata, the KV
                  write, the backends (C kernels, SDPA) and the selector that picks them once
-    model/       torch: weights, the model, the KV cache's memory, sampling, the runner and executor
+    model/       torch: weights, the kernels, the KV cache's memory, sampling, the runner and executor
+    layers/      what model families share: the attention layer, RoPE, the expert block, weights
     models/      one file per model family: its config fields, weight names, module, supports
     distributed/ tensor parallelism: the process group, workers and the TPExecutor
     kv_transfer/ prefill/decode disaggregation: the lease table, the wire messages and the
@@ -46,6 +47,7 @@ LAYERS = [
     ("csrc", ["kvflow.csrc"]),
     ("attention", ["kvflow.attention"]),
     ("model", ["kvflow.model"]),
+    ("layers", ["kvflow.layers"]),
     ("models", ["kvflow.models"]),
     ("distributed", ["kvflow.distributed"]),
     ("kv_transfer", ["kvflow.kv_transfer"]),

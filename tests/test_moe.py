@@ -11,7 +11,7 @@ import torch
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.cpu_features import CpuFeatures
 from kvflow.model.kernels import select_kernels
-from kvflow.model.moe import SparseMoeBlock, naive_moe_forward
+from kvflow.layers.moe import SparseMoeBlock, naive_moe_forward
 
 ARCH = LlamaArchConfig(
     architecture="Qwen2MoeForCausalLM", vocab_size=64, hidden_size=64, intermediate_size=96,

@@ -13,6 +13,8 @@ import torch
 
 from conftest_model_helpers import hf_logits, save_byte_tokenizer
 from kvflow import LLM, SamplingParams
+from kvflow.core.kv_cache.groups import make_kv_cache_groups
+from kvflow.core.kv_cache.spec import SlidingWindowSpec
 from kvflow.model.arch import load_arch_config
 from kvflow.model.loader import load_model
 from window_model_helpers import SAVERS, WINDOW, WindowedPagedDriver, save_tiny_gemma3, save_tiny_gguf
@@ -39,6 +41,17 @@ def hf_model(tiny):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny[1], dtype=torch.float32).eval()
+
+
+def test_each_attention_layer_declares_the_spec_of_its_kv_cache_group(tiny):
+    """The scheduler's groups (from the config's windows) and the model's attention layers
+    agree on every layer's KV cache spec."""
+    _, path = tiny
+    model, arch = load_model(path, torch.float32)
+    declared = [layer.attn.kv_cache_spec() for layer in model.layers]
+    assert SlidingWindowSpec(WINDOW) in declared
+    for group in make_kv_cache_groups(arch.layer_windows()):
+        assert {declared[i] for i in group.layers} == {group.spec}
 
 
 def test_chunked_prefill_batch_logits_match_hf(tiny, hf_model):

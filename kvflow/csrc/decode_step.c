@@ -4,7 +4,7 @@
  * o_proj, norm + gate_up + SiLU, down) costs ~10-17 us of Python, torch.empty and ctypes
  * around it: over 30 layers, about as long as the projections themselves. Here the same C
  * functions run in the same order, split over the same pool (pool.c) with the same thresholds,
- * so the numbers are bit-identical to the per-layer path (kvflow/model/llama.py); only the
+ * so the numbers are bit-identical to the per-layer path (kvflow/models/llama.py); only the
  * Python between them is gone. kvflow/model/decode_graph.py builds the words and decides
  * which steps come here (decode-only, few rows, every projection quantized or on the fp32
  * GEMV). The KV cache is fp32, bf16 or one byte a value (fp8, int8: paged_attention_quant.c's

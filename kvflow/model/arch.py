@@ -54,7 +54,7 @@ class LlamaArchConfig:
     # dims of each head (0: all of it).
     qk_norm: bool = False
     rotary_dim: int = 0
-    # Mixture of experts (kvflow/model/moe.py); num_experts 0: every layer has a dense MLP.
+    # Mixture of experts (kvflow/layers/moe.py); num_experts 0: every layer has a dense MLP.
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0

@@ -173,11 +173,12 @@ class DecodeGraph:
                 bias = bias.detach().contiguous()
                 bias = bias if layer.packed["qkv_proj"].panels is not None else bias.float()
             biases.append(bias)
+            a = layer.attn
             words = [layer.input_layernorm.data_ptr(), layer.post_attention_layernorm.data_ptr(),
-                     _double_bits(layer.eps), _double_bits(layer.scale),
-                     0 if bias is None else bias.data_ptr(), 0, 0, 0, 0, layer.num_heads,
-                     layer.num_kv_heads, layer.head_dim,
-                     0 if layer.qk_scale is None else layer.qk_scale.data_ptr()]
+                     _double_bits(layer.eps), _double_bits(a.scale),
+                     0 if bias is None else bias.data_ptr(), 0, 0, 0, 0, a.num_heads,
+                     a.num_kv_heads, a.head_dim,
+                     0 if a.qk_scale is None else a.qk_scale.data_ptr()]
             for name in PROJECTIONS:
                 n, k = getattr(layer, name).shape
                 words += _projection_words(layer.packed[name], n, k, model.dtype == torch.bfloat16)
@@ -205,7 +206,7 @@ class DecodeGraph:
             self.layers[i, _K_CACHE:_K_CACHE + 2] = (kc.data_ptr(), vc.data_ptr())
             # fp8's per-tensor scales, the layer's, as the per-layer path passes them
             self.layers[i, _K_SCALE:_K_SCALE + 2] = [float_bits(x)
-                                                     for x in self.model.layers[i].kv_scales]
+                                                     for x in self.model.layers[i].attn.kv_scales]
         self.caches, self.cache_ptr = kv_caches, kv_caches[0][0].data_ptr()
         return True
 
@@ -214,7 +215,7 @@ class DecodeGraph:
         if bufs is None:
             first = self.model.layers[0]
             n = {name: getattr(first, name).shape[0] for name in PROJECTIONS}
-            widths = (n["qkv_proj"], first.q_size, n["o_proj"], n["gate_up_proj"] // 2,
+            widths = (n["qkv_proj"], first.attn.q_size, n["o_proj"], n["gate_up_proj"] // 2,
                       n["down_proj"], first.qkv_proj.shape[1], n["gate_up_proj"])
             bufs = self.scratch[m] = tuple(torch.empty(m, w, dtype=self.model.dtype) for w in widths)
         return bufs

@@ -58,7 +58,7 @@ def calibrate_key_scales(model, arch) -> list[torch.Tensor]:
 
     layers = model.layers
     for layer in layers:
-        layer.qk_scale = None
+        layer.attn.qk_scale = None
     n, bs = min(CALIBRATION_TOKENS, arch.max_position_embeddings), 16
     if hasattr(model, "cover_positions"):
         model.cover_positions(n)
@@ -99,7 +99,7 @@ def set_key_scales(model, arch, kv_dtype: torch.dtype) -> bool:
     if not layers:
         return False
     first = layers[0]
-    serves = (kv_dtype == FP8 and hasattr(first, "qk_scale")
+    serves = (kv_dtype == FP8 and hasattr(first, "attn")
               and first.input_layernorm.device.type == "cpu"
               and getattr(first, "tp", None) is None and len(layers) == arch.num_hidden_layers)
     apply_key_scales(model, calibrate_key_scales(model, arch) if serves else None)
@@ -109,8 +109,8 @@ def set_key_scales(model, arch, kv_dtype: torch.dtype) -> bool:
 def apply_key_scales(model, scales: list[torch.Tensor] | None) -> None:
     """Set each layer's `qk_scale` from its key scales (None: back to none)."""
     for i, layer in enumerate(model.layers):
-        layer.qk_scale = (None if scales is None
-                          else qk_scale_vector(scales[i], layer.num_heads).to(layer.input_layernorm.device))
+        layer.attn.qk_scale = (None if scales is None else qk_scale_vector(
+            scales[i], layer.attn.num_heads).to(layer.input_layernorm.device))
     forget = getattr(model, "forget_decode_graph", None)  # Llama's one-call step holds them
     if forget is not None:
         forget()
@@ -119,8 +119,8 @@ def apply_key_scales(model, scales: list[torch.Tensor] | None) -> None:
 def key_scales_digest(model) -> str:
     """What a KV transfer's two sides must share besides the cache's dtype: "none", or a digest
     of the layers' multipliers (blocks stored under other key scales would be read wrongly)."""
-    vectors = [layer.qk_scale for layer in getattr(model, "layers", ())
-               if getattr(layer, "qk_scale", None) is not None]
+    vectors = [layer.attn.qk_scale for layer in getattr(model, "layers", ())
+               if getattr(layer, "attn", None) is not None and layer.attn.qk_scale is not None]
     if not vectors:
         return "none"
     h = hashlib.sha256()

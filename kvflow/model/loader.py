@@ -1,4 +1,4 @@
-"""Weights -> a ready LlamaForCausalLM: the whole model from an HF folder (safetensors) or a
+"""Weights -> a ready model of its family (kvflow/models/): the whole model from an HF folder (safetensors) or a
 GGUF file, or one tensor-parallel rank's shard of it. Reading the files is kvflow.model.weights'
 job; which slices a rank owns, kvflow.model.sharding's."""
 from __future__ import annotations
@@ -12,7 +12,6 @@ from kvflow.model.arch import LlamaArchConfig, load_arch_config
 from kvflow.model.cpu_features import cpu_features
 from kvflow.model.kernels import KernelOptions, Kernels, select_kernels
 from kvflow.model.kv_scales import apply_kv_scales
-from kvflow.model.llama import LlamaForCausalLM
 from kvflow.model.quant.compressed_tensors import METHOD, checkpoint_method, dequantized, read_raw
 from kvflow.model.quant.load import resolve_quantization
 from kvflow.model.sharding import load_shard
@@ -54,7 +53,7 @@ def resolve_device(name: str) -> torch.device:
 def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None = None,
                kernels: Kernels | None = None, quantization: str = "none",
                weight_dtype: torch.dtype | None = None, arch: LlamaArchConfig | None = None
-               ) -> tuple[LlamaForCausalLM, LlamaArchConfig]:
+               ) -> tuple[torch.nn.Module, LlamaArchConfig]:
     """Load the model at `path` (HF folder or .gguf) in `dtype`, weights fused for inference;
     `kernels` (default: chosen for `dtype` and `device`) serve its operations. `quantization`
     gguf, int8 or compressed-tensors (kvflow/model/quant/load.py) keeps the weights quantized,
@@ -106,8 +105,8 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None 
 def load_sharded_model(path: str, dtype: torch.dtype, tp,
                        device: torch.device | str | None = None,
                        layers: range | None = None, arch: LlamaArchConfig | None = None
-                       ) -> tuple[LlamaForCausalLM, LlamaArchConfig]:
-    """Rank `tp.rank`'s LlamaForCausalLM shard (built on the meta device, then given its slices;
+                       ) -> tuple[torch.nn.Module, LlamaArchConfig]:
+    """Rank `tp.rank`'s shard of the model (built on the meta device, then given its slices;
     moved to `device` when given) and the full model's arch. `tp` None: one rank, all heads;
     `layers`: a pipeline stage's decoder layers only (default: all); `arch`: the full model's,
     as the engine resolved it (else read here)."""

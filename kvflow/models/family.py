@@ -61,7 +61,7 @@ class ModelFamily:
     def fuse_weights(self, hf: dict[str, torch.Tensor], arch: LlamaArchConfig,
                      dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """HF parameter names -> kvflow's (qkv_proj = [q; k; v], gate_up_proj = [gate; up];
-        an expert layer's weights stacked per expert, kvflow/model/moe.py)."""
+        an expert layer's weights stacked per expert, kvflow/layers/moe.py)."""
         get = getter(hf, dtype)
         names = dict(self.hf_global_names)
         if arch.tie_word_embeddings:

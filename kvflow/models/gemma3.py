@@ -1,6 +1,7 @@
 """Gemma 3 (text; a Gemma3ForConditionalGeneration folder loads its text part): a Llama-shaped
 decoder with Gemma's differences, over the same flat batch and paged KV cache as
-kvflow/model/llama.py. Its config fields, weight names and module.
+kvflow/models/llama.py, with the same attention layer (kvflow/layers/attention.py). Its config
+fields, weight names and module.
 
 What differs from Llama, each as Hugging Face's Gemma3ForCausalLM computes it: embeddings
 scaled by sqrt(hidden) (in the model dtype); RMSNorm times (1 + weight) in fp32, rounded once
@@ -19,12 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.model.arch import LlamaArchConfig
 from kvflow.attention.metadata import AttentionMetadata
+from kvflow.layers.attention import Attention
+from kvflow.layers.parameter import weight
+from kvflow.layers.rotary import ROPE_CACHE_MAX, rope_inv_freq
+from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.attention_pattern import FULL, SLIDING
 from kvflow.model.kernels import Kernels, select_kernels
-from kvflow.attention.kv_layout import UNIT_KV_SCALES
-from kvflow.model.llama import ROPE_CACHE_MAX, _weight, rope_inv_freq
 from kvflow.model.packed_linear import PackedWeight
 from kvflow.models.family import ModelFamily, getter
 from kvflow.models.registry import Supports
@@ -36,55 +38,42 @@ _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def _norm_weight(n: int, device) -> nn.Parameter:
-    return _weight(n, dtype=torch.float32, device=device)  # the fp32 multiplier 1 + weight
+    return weight(n, dtype=torch.float32, device=device)  # the fp32 multiplier 1 + weight
 
 
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, arch: LlamaArchConfig, dtype: torch.dtype, device, sliding_window: int | None):
         super().__init__()
         h, d = arch.hidden_size, arch.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_attention_heads, arch.num_key_value_heads, d
-        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.attn = Attention(arch.num_attention_heads, arch.num_key_value_heads, d,
+                              arch.query_pre_attn_scalar ** -0.5, sliding_window)
+        q_size, kv_size = self.attn.q_size, self.attn.kv_size
         self.eps = arch.rms_norm_eps
-        self.scale = arch.query_pre_attn_scalar ** -0.5
-        # an fp8 KV cache's (k_scale, v_scale): the checkpoint's (model/kv_scales.py) or 1.0
-        self.kv_scales = UNIT_KV_SCALES
-        # an fp8 KV cache's key scales as the multiplier of q and k after RoPE (model/key_scales.py)
-        self.qk_scale: torch.Tensor | None = None
-        self.sliding_window = sliding_window
         for name in _LAYER_NORMS:
             setattr(self, name, _norm_weight(h, device))
         self.q_norm, self.k_norm = _norm_weight(d, device), _norm_weight(d, device)
-        self.qkv_proj = _weight(self.q_size + 2 * self.kv_size, h, dtype=dtype, device=device)
-        self.o_proj = _weight(h, self.q_size, dtype=dtype, device=device)
-        self.gate_up_proj = _weight(2 * arch.intermediate_size, h, dtype=dtype, device=device)
-        self.down_proj = _weight(h, arch.intermediate_size, dtype=dtype, device=device)
+        self.qkv_proj = weight(q_size + 2 * kv_size, h, dtype=dtype, device=device)
+        self.o_proj = weight(h, q_size, dtype=dtype, device=device)
+        self.gate_up_proj = weight(2 * arch.intermediate_size, h, dtype=dtype, device=device)
+        self.down_proj = weight(h, arch.intermediate_size, dtype=dtype, device=device)
         self.packed: dict[str, PackedWeight | None] = {}
 
     def forward(self, x: torch.Tensor, residual_delta: torch.Tensor | None, rope: tuple,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
         """As LlamaDecoderLayer.forward: returns (x, this layer's normed MLP output, not yet added)."""
-        t, d = x.shape[0], self.head_dim
+        a = self.attn
+        t, d = x.shape[0], a.head_dim
         norm = kernels.add_rms_norm_fp32_weight
         h = norm(x, residual_delta, self.input_layernorm, self.eps)
         pk = self.packed
         qkv = kernels.linear(h, self.qkv_proj, pk.get("qkv_proj"))
-        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        q_end, k_end = a.q_size, a.q_size + a.kv_size
         # QK-norm per head, written back so that RoPE rotates the fused rows in place
         qkv[:, :q_end] = norm(qkv[:, :q_end].reshape(-1, d), None, self.q_norm, self.eps).view(t, -1)
         qkv[:, q_end:k_end] = norm(qkv[:, q_end:k_end].reshape(-1, d), None, self.k_norm, self.eps).view(t, -1)
-        kernels.rope(qkv, self.num_heads + self.num_kv_heads, d, *rope)
-        if self.qk_scale is not None:
-            qkv[:, :k_end].mul_(self.qk_scale)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, d)
-        k = k.view(t, self.num_kv_heads, d)
-        v = v.view(t, self.num_kv_heads, d)
-        k_cache, v_cache = kv_cache
-        kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, self.kv_scales)
-        attn = kernels.attention(q, k_cache, v_cache, meta, self.scale, self.num_kv_heads, k=k, v=v,
-                                 kv_scales=self.kv_scales)
+        kernels.rope(qkv, a.num_heads + a.num_kv_heads, d, *rope)
+        attn = a(qkv, kv_cache, meta, kernels)
         o = kernels.linear(attn, self.o_proj, pk.get("o_proj"))
         o = norm(o, None, self.post_attention_layernorm, self.eps)
         h = norm(x, o, self.pre_feedforward_layernorm, self.eps)
@@ -104,11 +93,11 @@ class Gemma3ForCausalLM(nn.Module):
             raise ValueError("attention logit soft-capping (attn_logit_softcapping) is not supported yet")
         self.arch, self.dtype, self.tp = arch, dtype, None
         h = arch.hidden_size
-        self.embed_tokens = _weight(arch.vocab_size, h, dtype=dtype, device=device)
+        self.embed_tokens = weight(arch.vocab_size, h, dtype=dtype, device=device)
         windows = arch.layer_windows()
         self.layers = nn.ModuleList(Gemma3DecoderLayer(arch, dtype, device, w) for w in windows)
         self.norm = _norm_weight(h, device)
-        self.lm_head = None if arch.tie_word_embeddings else _weight(arch.vocab_size, h, dtype=dtype, device=device)
+        self.lm_head = None if arch.tie_word_embeddings else weight(arch.vocab_size, h, dtype=dtype, device=device)
         # HF multiplies by sqrt(hidden) rounded to the weights' dtype
         self.embed_scale = torch.tensor(math.sqrt(h)).to(dtype).item()
         rope_device = None if device is None or torch.device(device).type == "meta" else device
@@ -160,7 +149,7 @@ class Gemma3ForCausalLM(nn.Module):
         metas = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata] * len(self.layers)
         delta, kernels = None, self.kernels
         for layer, kv_cache, meta in zip(self.layers, kv_caches, metas):
-            rope = local if layer.sliding_window is not None else ropes[None]
+            rope = local if layer.attn.sliding_window is not None else ropes[None]
             x, delta = layer(x, delta, rope, kv_cache, meta, kernels)
         return kernels.add_rms_norm_fp32_weight(x, delta, self.norm, self.arch.rms_norm_eps)
 

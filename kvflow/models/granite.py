@@ -9,8 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvflow.model.arch import LlamaArchConfig
-from kvflow.model.llama import LlamaForCausalLM
-from kvflow.models.llama import LlamaFamily
+from kvflow.models.llama import LlamaFamily, LlamaForCausalLM
 from kvflow.models.registry import Supports
 
 
@@ -29,7 +28,7 @@ class GraniteForCausalLM(LlamaForCausalLM):
         super().__init__(arch, *args, **kwargs)
         self.embed_scale, self.logits_scaling = arch.embedding_multiplier, arch.logits_scaling
         for layer in self.layers:
-            layer.scale, layer.residual_scale = arch.attention_multiplier, arch.residual_multiplier
+            layer.attn.scale, layer.residual_scale = arch.attention_multiplier, arch.residual_multiplier
 
 
 class GraniteFamily(LlamaFamily):

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvflow.model.arch import LlamaArchConfig
 from kvflow.attention.metadata import AttentionMetadata
+from kvflow.layers.attention import Attention
+from kvflow.layers.parameter import weight
+from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.kernels import Kernels
-from kvflow.attention.kv_layout import UNIT_KV_SCALES
-from kvflow.model.llama import LlamaForCausalLM, _weight
-from kvflow.models.llama import LlamaFamily
+from kvflow.models.llama import LlamaFamily, LlamaForCausalLM
 from kvflow.models.registry import Supports
 
 
@@ -40,18 +40,18 @@ class Olmo2DecoderLayer(nn.Module):
                  layer_idx: int = 0):
         super().__init__()
         h, d = arch.hidden_size, arch.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_attention_heads, arch.num_key_value_heads, d
-        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
-        self.eps, self.scale = arch.rms_norm_eps, d ** -0.5
-        self.kv_scales, self.qk_scale = UNIT_KV_SCALES, None  # an fp8 cache's, as Llama's
-        self.qkv_proj = _weight(self.q_size + 2 * self.kv_size, h, dtype=dtype, device=device)
-        self.o_proj = _weight(h, self.q_size, dtype=dtype, device=device)
-        self.gate_up_proj = _weight(2 * arch.intermediate_size, h, dtype=dtype, device=device)
-        self.down_proj = _weight(h, arch.intermediate_size, dtype=dtype, device=device)
-        self.q_norm = _weight(self.q_size, dtype=dtype, device=device)
-        self.k_norm = _weight(self.kv_size, dtype=dtype, device=device)
-        self.post_attention_layernorm = _weight(h, dtype=dtype, device=device)
-        self.post_feedforward_layernorm = _weight(h, dtype=dtype, device=device)
+        self.attn = Attention(arch.num_attention_heads, arch.num_key_value_heads, d, d ** -0.5,
+                              arch.layer_windows()[layer_idx])
+        q_size, kv_size = self.attn.q_size, self.attn.kv_size
+        self.eps = arch.rms_norm_eps
+        self.qkv_proj = weight(q_size + 2 * kv_size, h, dtype=dtype, device=device)
+        self.o_proj = weight(h, q_size, dtype=dtype, device=device)
+        self.gate_up_proj = weight(2 * arch.intermediate_size, h, dtype=dtype, device=device)
+        self.down_proj = weight(h, arch.intermediate_size, dtype=dtype, device=device)
+        self.q_norm = weight(q_size, dtype=dtype, device=device)
+        self.k_norm = weight(kv_size, dtype=dtype, device=device)
+        self.post_attention_layernorm = weight(h, dtype=dtype, device=device)
+        self.post_feedforward_layernorm = weight(h, dtype=dtype, device=device)
         self.moe, self.qkv_bias, self.lora_slots = None, None, None
         self.packed: dict = {}
 
@@ -60,21 +60,13 @@ class Olmo2DecoderLayer(nn.Module):
                 kernels: Kernels, lora=None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual_delta is not None:
             x.add_(residual_delta)
-        t, pk, q_end, k_end = x.shape[0], self.packed, self.q_size, self.q_size + self.kv_size
+        pk, a = self.packed, self.attn
+        q_end, k_end = a.q_size, a.q_size + a.kv_size
         qkv = kernels.linear(x, self.qkv_proj, pk.get("qkv_proj"))
         qkv[:, :q_end] = kernels.add_rms_norm(qkv[:, :q_end].contiguous(), None, self.q_norm, self.eps)
         qkv[:, q_end:k_end] = kernels.add_rms_norm(qkv[:, q_end:k_end].contiguous(), None, self.k_norm, self.eps)
-        kernels.rope(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rope)
-        if self.qk_scale is not None:
-            qkv[:, :k_end].mul_(self.qk_scale)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = kv_cache
-        kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, self.kv_scales)
-        attn = kernels.attention(q, k_cache, v_cache, meta, self.scale, self.num_kv_heads, k=k, v=v,
-                                 kv_scales=self.kv_scales)
+        kernels.rope(qkv, a.num_heads + a.num_kv_heads, a.head_dim, *rope)
+        attn = a(qkv, kv_cache, meta, kernels)
         o = kernels.linear(attn, self.o_proj, pk.get("o_proj"))
         x.add_(kernels.add_rms_norm(o, None, self.post_attention_layernorm, self.eps))
         act = kernels.linear_silu_mul(x, self.gate_up_proj, pk.get("gate_up_proj"))

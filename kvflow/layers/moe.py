@@ -14,13 +14,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvflow.layers.parameter import weight
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.kernels import Kernels
 from kvflow.model.packed_linear import PackedWeight
-
-
-def _weight(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
 class SparseMoeBlock(nn.Module):
@@ -31,13 +28,13 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         h, e, inter = arch.hidden_size, arch.num_experts, arch.moe_intermediate_size
         self.num_experts, self.top_k, self.norm_topk_prob = e, arch.num_experts_per_tok, arch.norm_topk_prob
-        self.router = _weight(e, h, dtype=dtype, device=device)
-        self.gate_up = _weight(e, 2 * inter, h, dtype=dtype, device=device)
-        self.down = _weight(e, h, inter, dtype=dtype, device=device)
+        self.router = weight(e, h, dtype=dtype, device=device)
+        self.gate_up = weight(e, 2 * inter, h, dtype=dtype, device=device)
+        self.down = weight(e, h, inter, dtype=dtype, device=device)
         shared = arch.shared_expert_intermediate_size
-        self.shared_gate_up = _weight(2 * shared, h, dtype=dtype, device=device) if shared else None
-        self.shared_down = _weight(h, shared, dtype=dtype, device=device) if shared else None
-        self.shared_gate = _weight(1, h, dtype=dtype, device=device) if shared else None
+        self.shared_gate_up = weight(2 * shared, h, dtype=dtype, device=device) if shared else None
+        self.shared_down = weight(h, shared, dtype=dtype, device=device) if shared else None
+        self.shared_gate = weight(1, h, dtype=dtype, device=device) if shared else None
         self.packed: dict[str, PackedWeight | None] = {}
         self.packed_experts: list[dict[str, PackedWeight | None]] = [{} for _ in range(e)]
 
