@@ -283,7 +283,7 @@ def test_tensor_parallel_shards_qwen3_moe_experts_and_replicates_qk_norm(tmp_pat
     assert torch.equal(torch.cat([s["layers.0.moe.down"] for s in shards], 2), hf.mlp.experts.down_proj)
 
 
-@pytest.mark.parametrize("name", ["olmo2", "granite"])
+@pytest.mark.parametrize("name", ["olmo2", "granite", "smollm3"])
 def test_new_family_keeps_hf_tokens_through_preemption_and_a_prefix_cache_hit(name, tmp_path):
     """A family added as one file: HF's greedy tokens through a prefix-cache hit (a prompt's
     first blocks reused from an earlier request) and preemptions (a pool too small for four

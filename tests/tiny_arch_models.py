@@ -1,4 +1,4 @@
-"""Tiny random Qwen3, Phi-3, OLMo 2, Granite 3 and mixture-of-experts models (Qwen3-MoE, Mixtral,
+"""Tiny random Qwen3, Phi-3, OLMo 2, Granite 3, SmolLM3 and mixture-of-experts models (Qwen3-MoE, Mixtral,
 Qwen2-MoE) saved as HF folders, and a GGUF writer that converts such a folder the way llama.cpp's
 convert_hf_to_gguf.py does (its tensor names, metadata keys, q/k permutation for the "llama"
 architecture and experts stacked into 3-D tensors), so the GGUF path is tested on files shaped
@@ -115,6 +115,17 @@ def save_granite(path: str) -> str:
     return _finish(_save_random(GraniteForCausalLM, cfg, path, seed=7), "qwen")
 
 
+def save_smollm3(path: str) -> str:
+    """SmolLM3: four layers, the fourth without RoPE (the default interval, which llama.cpp's
+    smollm3 files assume), a large RoPE base, tied embeddings."""
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    cfg = SmolLM3Config(**{**_BASE, "num_hidden_layers": 4}, tie_word_embeddings=True,
+                        rope_theta=5_000_000.0, pad_token_id=0)
+    assert cfg.no_rope_layers == [1, 1, 1, 0]
+    return _finish(_save_random(SmolLM3ForCausalLM, cfg, path, seed=8), "qwen")
+
+
 def _perturb_norms(path: str, seed: int) -> None:
     from safetensors.torch import load_file, save_file
 
@@ -128,7 +139,7 @@ def _perturb_norms(path: str, seed: int) -> None:
 
 BUILDERS = {"qwen3": save_qwen3, "phi3": save_phi3, "qwen3_moe": save_qwen3_moe,
             "mixtral": save_mixtral, "qwen2_moe": save_qwen2_moe, "olmo2": save_olmo2,
-            "granite": save_granite}
+            "granite": save_granite, "smollm3": save_smollm3}
 
 
 def family(path: str) -> str:
@@ -165,7 +176,7 @@ def _finish(path: str, family: str) -> str:
 # -- GGUF, the way convert_hf_to_gguf.py writes these models -----------------------------------
 _GGUF_ARCH = {"Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Qwen3MoeForCausalLM": "qwen3moe",
               "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe", "Olmo2ForCausalLM": "olmo2",
-              "GraniteForCausalLM": "granite"}
+              "GraniteForCausalLM": "granite", "SmolLM3ForCausalLM": "smollm3"}
 
 
 def write_gguf(hf_dir: str, out_path: str, quant: str = "F32", legacy_experts: bool = False) -> str:
@@ -236,7 +247,7 @@ def write_gguf(hf_dir: str, out_path: str, quant: str = "F32", legacy_experts: b
             add(b + "attn_qkv.weight", t[a + "qkv_proj.weight"])
         else:
             q, k = t[a + "q_proj.weight"], t[a + "k_proj.weight"]
-            if arch in ("llama", "granite"):  # converted by llama.cpp's LlamaModel
+            if arch in ("llama", "granite", "smollm3"):  # converted by llama.cpp's LlamaModel
                 q, k = permute_rope_rows(q, n_head), permute_rope_rows(k, n_kv)
             add(b + "attn_q.weight", q)
             add(b + "attn_k.weight", k)

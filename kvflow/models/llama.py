@@ -38,6 +38,8 @@ class LlamaDecoderLayer(nn.Module):
     """One decoder layer; under tensor parallelism `arch` holds this rank's shapes (local heads,
     MLP slice) and `tp` all-reduces the row-parallel outputs."""
 
+    use_rope = True  # False: q and k attend unrotated (SmolLM3's NoPE layers)
+
     def __init__(self, arch: LlamaArchConfig, dtype: torch.dtype, device=None, tp=None,
                  layer_idx: int = 0):
         super().__init__()
@@ -89,8 +91,9 @@ class LlamaDecoderLayer(nn.Module):
             self._qk_norm(qkv, kernels)
         # RoPE on the q and k heads together, in place in the fused projection's output
         a = self.attn
-        rope_ = partial_rope_ if self.partial_rope else kernels.rope
-        rope_(qkv, a.num_heads + a.num_kv_heads, a.head_dim, *rope)
+        if self.use_rope:
+            rope_ = partial_rope_ if self.partial_rope else kernels.rope
+            rope_(qkv, a.num_heads + a.num_kv_heads, a.head_dim, *rope)
         attn = a(qkv, kv_cache, meta, kernels)
         o = kernels.linear(attn, self.o_proj, pk.get("o_proj"))
         if slots is not None:
