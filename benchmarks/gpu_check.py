@@ -108,7 +108,7 @@ def build_models(shape: dict, dtype, device, dry_run: bool, seed: int):
     from kvflow.model.arch import load_arch_config
     from kvflow.model.kernels import select_kernels
     from kvflow.model.llama import LlamaForCausalLM
-    from kvflow.model.weights import fuse_weights
+    from kvflow.checkpoint.conversion_cache import fuse_weights
 
     config = LlamaConfig(**shape, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(seed)
