@@ -151,8 +151,8 @@ class Engine:
         from kvflow.core.scheduler import Scheduler
         from kvflow.model import gpu_memory
         from kvflow.model.cuda_graphs import decode_graphs_for
-        from kvflow.model.runner import ModelRunner
         from kvflow.model.sharding import kv_bytes_per_token_per_rank
+        from kvflow.worker.model_runner import ModelRunner
 
         self.device = device
         self.kv_bytes_per_token = kv_bytes_per_token_per_rank(arch, 1, dtype.itemsize)

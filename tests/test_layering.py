@@ -16,8 +16,9 @@ The layers, bottom to top:
                  files they read through, which import nothing above: arch.py (the architecture
                  from config.json or GGUF metadata, with attention_pattern.py) and
                  quant/packing.py (the q4/q8 values GGUF blocks decode to)
-    model/       torch: loading weights, the model, the KV cache's memory, sampling, the runner
-                 and executor
+    model/       torch: loading weights, the model, the KV cache's memory, sampling, the executor
+    worker/      one layer with model/: the ModelRunner (model/'s executor and draft proposer
+                 import it)
     models/      one file per model family: its config fields, weight names, module, supports
     distributed/ tensor parallelism: the process group, workers and the TPExecutor
     kv_transfer/ prefill/decode disaggregation: the lease table, the wire messages and the
@@ -53,7 +54,7 @@ LAYERS = [
     ("attention", ["kvflow.attention"]),
     ("checkpoint", ["kvflow.checkpoint", "kvflow.model.arch", "kvflow.model.attention_pattern",
                     "kvflow.model.quant.packing"]),
-    ("model", ["kvflow.model"]),
+    ("model", ["kvflow.model", "kvflow.worker"]),
     ("models", ["kvflow.models"]),
     ("distributed", ["kvflow.distributed"]),
     ("kv_transfer", ["kvflow.kv_transfer"]),
