@@ -40,7 +40,7 @@ def export_hf_folder(out_dir: str | None = None, dtype: str = "float32") -> str:
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer
 
-    from kvflow.model.gguf_reader import read_gguf
+    from kvflow.checkpoint.gguf import read_gguf
     from kvflow.model_path import default_model_path
 
     gguf = default_model_path()

@@ -108,7 +108,7 @@ def build_models(shape: dict, dtype, device, dry_run: bool, seed: int):
     from kvflow.model.arch import load_arch_config
     from kvflow.model.kernels import select_kernels
     from kvflow.models.llama import LlamaForCausalLM
-    from kvflow.model.weights import fuse_weights
+    from kvflow.checkpoint.conversion_cache import fuse_weights
 
     config = LlamaConfig(**shape, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(seed)
@@ -151,8 +151,8 @@ class Engine:
         from kvflow.core.scheduler import Scheduler
         from kvflow.model import gpu_memory
         from kvflow.model.cuda_graphs import decode_graphs_for
-        from kvflow.model.runner import ModelRunner
         from kvflow.model.sharding import kv_bytes_per_token_per_rank
+        from kvflow.worker.model_runner import ModelRunner
 
         self.device = device
         self.kv_bytes_per_token = kv_bytes_per_token_per_rank(arch, 1, dtype.itemsize)

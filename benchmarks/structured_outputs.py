@@ -109,9 +109,9 @@ def main() -> None:
     args = p.parse_args()
 
     from kvflow import LLM, SamplingParams
-    from kvflow.model import runner as runner_module
     from kvflow.sampling_params import StructuredOutputsParams
     from kvflow.structured import StructuredOutputRequest
+    from kvflow.worker import model_runner as runner_module
     from structured_schemas import SCHEMAS
 
     trace = tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False).name

@@ -17,9 +17,9 @@ import time
 from structured_backends import SCHEMAS, pct
 
 from kvflow import LLM, SamplingParams
-from kvflow.model import runner as runner_mod
 from kvflow.sampling_params import StructuredOutputsParams
 from kvflow.structured import backends, manager as manager_mod, validate_structured_outputs
+from kvflow.worker import model_runner as runner_mod
 
 
 class Timer:

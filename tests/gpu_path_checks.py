@@ -21,9 +21,9 @@ from kvflow.core.scheduler import Scheduler  # noqa: E402
 from kvflow.model.cuda_graphs import DecodeGraphs, capture_sizes  # noqa: E402
 from kvflow.model.kernels import select_kernels  # noqa: E402
 from kvflow.model.loader import load_model  # noqa: E402
-from kvflow.model.runner import ModelRunner  # noqa: E402
 from kvflow.request import Request  # noqa: E402
 from kvflow.sampling_params import SamplingParams  # noqa: E402
+from kvflow.worker.model_runner import ModelRunner  # noqa: E402
 
 
 def check(path: str, block_size: int = 4, num_blocks: int = 96) -> str:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvflow.model.quant.compressed_tensors import SUPPORTED, check_scheme, is_quantized
+from kvflow.checkpoint.compressed_tensors import SUPPORTED, check_scheme, is_quantized
 from kvflow.model.quant.compressed_tensors_export import quantization_config, quantize_channelwise
 from kvflow.model.quant.load import resolve_quantization
 
@@ -117,7 +117,7 @@ def _dequantised_folder(ct: str, dst: str) -> str:
     """The checkpoint's weights as floats (scale * q), as a plain HF folder."""
     from safetensors.torch import save_file
 
-    from kvflow.model.quant.compressed_tensors import dequantized, read_raw
+    from kvflow.checkpoint.compressed_tensors import dequantized, read_raw
 
     os.makedirs(dst)
     with open(os.path.join(ct, "config.json")) as f:
@@ -138,7 +138,7 @@ def test_checkpoint_served_from_its_own_int8_values(tmp_path, arch, dtype):
     from test_quantized_model import _agreement_and_kl, _logits
 
     from kvflow.model.loader import load_model
-    from kvflow.model.quant.compressed_tensors import read_raw
+    from kvflow.checkpoint.compressed_tensors import read_raw
     from kvflow.model.quant.compressed_tensors_export import export
     from kvflow.model.quant.packing import dequantize_rows
 

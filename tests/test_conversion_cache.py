@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from conftest_model_helpers import save_tiny_llama3
-from kvflow.model import weights as weights_mod
+from kvflow.checkpoint import conversion_cache as weights_mod
+from kvflow.checkpoint.conversion_cache import (cache_file_is_complete, ensure_gguf_cache,
+                                                gguf_cache_file, load_gguf)
+from kvflow.checkpoint.hf_folder import read_hf_folder
 from kvflow.model.arch import load_arch_config
-from kvflow.model.weights import (cache_file_is_complete, ensure_gguf_cache, gguf_cache_file,
-                                  load_gguf, read_hf_folder)
 
 pytestmark = pytest.mark.slow  # builds a tiny transformers model
 

@@ -32,7 +32,7 @@ from kvflow.model.key_scales import apply_key_scales
 from kvflow.attention.kv_layout import FP8
 from kvflow.models.llama import LlamaForCausalLM
 from kvflow.model.packed_linear import AMX_PANEL_ROWS, PackedWeight
-from kvflow.model.quant.gguf_blocks import decode
+from kvflow.checkpoint.gguf_blocks import decode
 from kvflow.model.quant.int8 import quantize_int8
 from kvflow.model.quant.packing import pack
 from kvflow.model.quant.qlinear import QuantizedWeight, available_isas

@@ -65,7 +65,7 @@ def test_a_bad_scale_is_refused_by_name(tensor, message):
 
 
 def test_compressed_tensors_kv_cache_scheme():
-    from kvflow.model.quant.compressed_tensors import check_kv_cache_scheme
+    from kvflow.checkpoint.compressed_tensors import check_kv_cache_scheme
     check_kv_cache_scheme({"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
                            "strategy": "tensor"})
     check_kv_cache_scheme({"num_bits": 8, "type": "float", "strategy": "attn_head"})

@@ -11,8 +11,16 @@ The layers, bottom to top:
     csrc/        the compiled kernels and their torch wrappers
     attention/   attention over the paged KV cache: its layout, the step's metadata, the KV
                  write, the backends (C kernels, SDPA) and the selector that picks them once
-    model/       torch: weights, the kernels, the KV cache's memory, sampling, the runner and executor
-    layers/      what model families share: the attention layer, RoPE, the expert block, weights
+    checkpoint/  formats -> named tensors: an HF folder's files, GGUF files and their block formats,
+                 compressed-tensors checkpoints, the GGUF conversion cache; with them the model/
+                 files they read through, which import nothing above: arch.py (the architecture
+                 from config.json or GGUF metadata, with attention_pattern.py) and
+                 quant/packing.py (the q4/q8 values GGUF blocks decode to)
+    model/       torch: loading weights, the kernels, the KV cache's memory, sampling, the executor
+    worker/      one layer with model/: the ModelRunner (model/'s executor and draft proposer
+                 import it)
+    layers/      what model families share: the attention layer, RoPE, the expert block, the
+                 short convolution, weights
     models/      one file per model family: its config fields, weight names, module, supports
     distributed/ tensor parallelism: the process group, workers and the TPExecutor
     kv_transfer/ prefill/decode disaggregation: the lease table, the wire messages and the
@@ -46,7 +54,9 @@ LAYERS = [
     ("core", ["kvflow.core"]),
     ("csrc", ["kvflow.csrc"]),
     ("attention", ["kvflow.attention"]),
-    ("model", ["kvflow.model"]),
+    ("checkpoint", ["kvflow.checkpoint", "kvflow.model.arch", "kvflow.model.attention_pattern",
+                    "kvflow.model.quant.packing"]),
+    ("model", ["kvflow.model", "kvflow.worker"]),
     ("layers", ["kvflow.layers"]),
     ("models", ["kvflow.models"]),
     ("distributed", ["kvflow.distributed"]),

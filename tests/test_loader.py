@@ -54,7 +54,7 @@ def test_second_load_comes_from_the_converted_cache_and_is_identical(gguf_path, 
     # the second load must not read the GGUF file again: neither its tensors nor its tokenizer
     import transformers
 
-    from kvflow.model import gguf_reader
+    from kvflow.checkpoint import gguf as gguf_reader
 
     def no_gguf(*args, **kwargs):
         raise AssertionError("the GGUF file was read again")
@@ -207,7 +207,7 @@ def test_the_engine_reads_the_model_config_once(fmt, tmp_path, monkeypatch):
     real = arch_module.load_arch_config
     monkeypatch.setattr(arch_module, "load_arch_config", lambda p: reads.append(p) or real(p))
     for module in ("kvflow.engine.core", "kvflow.model.loader", "kvflow.model.quant.load",
-                   "kvflow.model.quant.compressed_tensors"):
+                   "kvflow.model.quant.int8"):
         if hasattr(importlib.import_module(module), "load_arch_config"):
             monkeypatch.setattr(f"{module}.load_arch_config", arch_module.load_arch_config)
     llm = LLM(path, tokenizer=folder, dtype="float32", max_model_len=64, num_blocks=16)

@@ -17,7 +17,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 import kvflow.csrc
-from kvflow.model.quant.gguf_blocks import decode
+from kvflow.checkpoint.gguf_blocks import decode
 from kvflow.model.quant.int8 import int8_from_channels, quantize_int8
 from kvflow.model.quant.packing import dequantize_rows, pack
 from kvflow.model.quant.qlinear import (NEVER, QuantizedWeight, available_isas,

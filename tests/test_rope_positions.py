@@ -13,7 +13,7 @@ import torch
 from conftest_model_helpers import TINY, save_byte_tokenizer
 from kvflow.model.arch import load_arch_config
 from kvflow.layers.rotary import rope_tables
-from kvflow.model.runner import longest_position
+from kvflow.worker.model_runner import longest_position
 
 CONTEXT = 48  # the tiny model's max_position_embeddings; the prompts run far past it
 

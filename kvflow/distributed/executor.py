@@ -36,9 +36,9 @@ from kvflow.model.kv_cache import allocate_kv_caches
 from kvflow.model.executor import Executor
 from kvflow.attention.kv_layout import cache_shape
 from kvflow.model.loader import load_sharded_model
-from kvflow.model.runner import ModelRunner, ModelRunnerOutput
 from kvflow.model.sharding import check_tp_size, local_arch
 from kvflow.models.registry import family_of
+from kvflow.worker.model_runner import ModelRunner, ModelRunnerOutput
 from kvflow import envs
 
 logger = init_logger("kvflow.distributed")

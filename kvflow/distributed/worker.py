@@ -38,8 +38,8 @@ def run_worker(rendezvous: str, rank: int, world_size: int, parent_pid: int | No
     from kvflow.distributed.shm_allreduce import ShmAllReduce
     from kvflow.model.arch import LlamaArchConfig
     from kvflow.model.loader import load_sharded_model
-    from kvflow.model.runner import ModelRunner
     from kvflow.model.sharding import local_arch
+    from kvflow.worker.model_runner import ModelRunner
 
     host, _, port = rendezvous.rpartition(":")
     rdv = Rendezvous(host, int(port), world_size, is_master=False)

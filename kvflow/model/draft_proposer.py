@@ -18,8 +18,8 @@ from kvflow.attention.metadata import build_attention_metadata
 from kvflow.model.kv_cache import allocate_kv_caches
 from kvflow.model.loader import load_model
 from kvflow.model.quant.load import resolve_quantization
-from kvflow.model.runner import longest_position
 from kvflow.model_path import resolve_model_path
+from kvflow.worker.model_runner import longest_position
 
 
 @dataclass(slots=True)

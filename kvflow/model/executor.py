@@ -10,7 +10,7 @@ import torch
 
 from kvflow.core.scheduler_output import SchedulerOutput
 from kvflow.model.arch import LlamaArchConfig
-from kvflow.model.runner import ModelRunner, ModelRunnerOutput
+from kvflow.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 
 class CompletedStep:

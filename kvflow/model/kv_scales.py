@@ -84,7 +84,7 @@ def checkpoint_scale_tensors(path: str) -> dict[str, torch.Tensor]:
     read; a GGUF file or a pytorch_model.bin has none that kvflow reads)."""
     from safetensors import safe_open
 
-    from kvflow.model.weights import hf_weight_files
+    from kvflow.checkpoint.hf_folder import hf_weight_files
     from kvflow.model_path import is_gguf
 
     if is_gguf(path):

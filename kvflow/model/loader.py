@@ -1,6 +1,6 @@
-"""Weights -> a ready model of its family (kvflow/models/): the whole model from an HF folder (safetensors) or a
-GGUF file, or one tensor-parallel rank's shard of it. Reading the files is kvflow.model.weights'
-job; which slices a rank owns, kvflow.model.sharding's."""
+"""Weights -> a ready model of its family (kvflow/models/): the whole model from an HF folder
+(safetensors) or a GGUF file, or one tensor-parallel rank's shard of it. Reading the files is
+kvflow.checkpoint's job; which slices a rank owns, kvflow.model.sharding's."""
 from __future__ import annotations
 
 import logging
@@ -8,15 +8,16 @@ from dataclasses import replace
 
 import torch
 
+from kvflow.checkpoint.compressed_tensors import METHOD, checkpoint_method, dequantized, read_raw
+from kvflow.checkpoint.conversion_cache import fuse_weights, load_gguf
+from kvflow.checkpoint.hf_folder import read_hf_folder
 from kvflow.model.arch import LlamaArchConfig, load_arch_config
 from kvflow.model.cpu_features import cpu_features
 from kvflow.model.kernels import KernelOptions, Kernels, select_kernels
 from kvflow.model.kv_scales import apply_kv_scales
-from kvflow.model.quant.compressed_tensors import METHOD, checkpoint_method, dequantized, read_raw
 from kvflow.model.quant.load import resolve_quantization
 from kvflow.model.sharding import load_shard
 from kvflow.model.weight_dtype import check_checkpoint, round_weights
-from kvflow.model.weights import fuse_weights, load_gguf, read_hf_folder
 from kvflow.model_path import is_gguf
 from kvflow.models.registry import family_of
 

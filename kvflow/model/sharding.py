@@ -16,8 +16,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvflow.checkpoint.conversion_cache import ensure_gguf_cache
+from kvflow.checkpoint.hf_folder import hf_weight_files
 from kvflow.model.arch import LlamaArchConfig
-from kvflow.model.weights import ensure_gguf_cache, hf_weight_files
 from kvflow.model_path import is_gguf
 from kvflow.models.registry import family_of
 

@@ -61,7 +61,7 @@ def checkpoint_dtypes(path: str) -> set[torch.dtype]:
     pytorch_model.bin: those are dequantised or read as fp32)."""
     from safetensors import safe_open
 
-    from kvflow.model.weights import hf_weight_files
+    from kvflow.checkpoint.hf_folder import hf_weight_files
     from kvflow.model_path import is_gguf
 
     if is_gguf(path):

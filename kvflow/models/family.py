@@ -32,7 +32,7 @@ class ModelFamily:
 
     def gguf_layer_names(self, architecture: str) -> dict[str, str]:
         """llama.cpp's per-layer tensor names that differ from the common table
-        (kvflow/model/gguf_reader.py), mapped to this family's HF names."""
+        (kvflow/checkpoint/gguf.py), mapped to this family's HF names."""
         return {}
 
     def gguf_permutes_qk(self, architecture: str) -> bool:

@@ -1,6 +1,6 @@
 """Quantized weights of a GGUF file, cached once packed: the panels, the float norms and
 biases and what each weight is, in one safetensors file beside the float conversion cache
-(kvflow/model/weights.py), written under the same lock, fsynced and renamed into place and
+(kvflow/checkpoint/conversion_cache.py), written under the same lock, fsynced and renamed into place and
 checked on load the same way. A later start reads it instead of parsing the GGUF file and
 repacking every tensor (~10 s for the default model on a loaded 2-core machine)."""
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Callable
 
 import torch
 
+from kvflow.checkpoint.conversion_cache import _conversion_lock, cache_file_is_complete, dtype_name
 from kvflow.model import hugepages
 from kvflow.model.quant.qlinear import QuantizedWeight
-from kvflow.model.weights import _conversion_lock, cache_file_is_complete, dtype_name
 from kvflow.model_path import cache_dir_for
 from kvflow.utils.files import publish
 

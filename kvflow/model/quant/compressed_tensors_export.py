@@ -3,7 +3,8 @@ llm-compressor's W8A8 preset (round to nearest, min-max per channel) writes one:
 but the LM head as `<module>.weight` int8 and `<module>.weight_scale` (N, 1) in the weights'
 own dtype, scale = max|w| / 127.5 and q = clamp(round(w / scale), -128, 127) as
 compressed-tensors computes them, and config.json's `quantization_config` block. For tests and
-benchmarks (kvflow serves such folders through compressed_tensors.py; vLLM serves them too):
+benchmarks (kvflow serves such folders, read by kvflow/checkpoint/compressed_tensors.py; vLLM
+serves them too):
 
     python -m kvflow.model.quant.compressed_tensors_export SRC_FOLDER DST_FOLDER"""
 from __future__ import annotations
@@ -15,7 +16,7 @@ import shutil
 
 import torch
 
-from kvflow.model.quant.compressed_tensors import read_raw
+from kvflow.checkpoint.compressed_tensors import read_raw
 
 
 def quantization_config(ignore: list[str]) -> dict:

@@ -9,9 +9,9 @@ from collections import Counter
 import numpy as np
 import torch
 
+from kvflow.checkpoint.gguf import hf_name, unpermute_qk
+from kvflow.checkpoint.gguf_blocks import decode, to_q8
 from kvflow.model.arch import LlamaArchConfig, arch_from_gguf_reader, save_arch_cache
-from kvflow.model.gguf_reader import hf_name, unpermute_qk
-from kvflow.model.quant.gguf_blocks import decode, to_q8
 from kvflow.model.quant.packing import pack
 from kvflow.model.quant.qlinear import QuantizedWeight
 from kvflow.models.registry import family_of

@@ -12,12 +12,12 @@ import time
 
 import torch
 
+from kvflow.checkpoint.compressed_tensors import (METHOD, SUPPORTED, check_scheme,
+                                                  checkpoint_method, quantization_config)
 from kvflow.csrc import library
 from kvflow.model.arch import LlamaArchConfig, load_arch_config
 from kvflow.model.kernels import Kernels, select_kernels
 from kvflow.model.packed_linear import PackedWeight
-from kvflow.model.quant.compressed_tensors import (METHOD, SUPPORTED, check_scheme,
-                                                   checkpoint_method, quantization_config)
 from kvflow.model.quant.packing import dequantize_rows
 from kvflow.model.quant.qlinear import QuantizedWeight, best_isa
 from kvflow.model_path import is_gguf
@@ -124,7 +124,7 @@ def load_quantized_model(path: str, dtype: torch.dtype, quantization: str,
             return load_gguf_native(path, dtype, isa)[1:]
         source_bytes = os.path.getsize(path)
     elif quantization == METHOD:
-        from kvflow.model.quant.compressed_tensors import load_int8
+        from kvflow.model.quant.int8 import load_int8
 
         def build():
             return load_int8(path, dtype, isa, arch)[1:]
@@ -183,7 +183,7 @@ def _float_bytes(path: str) -> int:
     """The size of a float model's weight files (the GGUF file itself)."""
     if is_gguf(path):
         return os.path.getsize(path)
-    from kvflow.model.weights import hf_weight_files
+    from kvflow.checkpoint.hf_folder import hf_weight_files
 
     files, bin_path = hf_weight_files(path)
     return sum(os.path.getsize(f) for f in files or [bin_path])
@@ -192,8 +192,9 @@ def _float_bytes(path: str) -> int:
 def _int8_weights(path: str, dtype: torch.dtype, isa: str, arch: LlamaArchConfig):
     """A float model's fused weights, the projections and LM head quantized to int8 W8A8 one by
     one (each float copy dropped as soon as its int8 one exists)."""
+    from kvflow.checkpoint.conversion_cache import fuse_weights, load_gguf
+    from kvflow.checkpoint.hf_folder import read_hf_folder
     from kvflow.model.quant.int8 import quantize_int8
-    from kvflow.model.weights import fuse_weights, load_gguf, read_hf_folder
 
     if is_gguf(path):
         weights = load_gguf(path, torch.float32)

@@ -1,6 +1,7 @@
-"""Checkpoint files -> tensors under kvflow's fused names, shared by the whole-model loader and
-the tensor-parallel shard loader: an HF folder's weight files, the fusing of HF names
-(qkv_proj = [q; k; v], gate_up_proj = [gate; up]), and a GGUF file's conversion cache.
+"""Checkpoint tensors -> kvflow's fused names, shared by the whole-model loader and the
+tensor-parallel shard loader: the fusing of HF names (qkv_proj = [q; k; v], gate_up_proj =
+[gate; up]), routed through the model's family, and a GGUF file's conversion cache (an HF
+folder's files are read by hf_folder.py).
 
 A GGUF file is dequantised once; the fused weights are then cached as safetensors (in the
 requested dtype) so that later starts skip the slow conversion. The cache file is written under
@@ -9,7 +10,6 @@ load: a torn or truncated file (its size disagrees with its header, or its tenso
 the count stamped in it) is converted again."""
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
@@ -17,8 +17,8 @@ import tempfile
 
 import torch
 
+from kvflow.checkpoint.gguf import read_gguf
 from kvflow.model.arch import LlamaArchConfig, save_arch_cache
-from kvflow.model.gguf_reader import read_gguf
 from kvflow.model_path import cache_dir_for
 from kvflow.models.registry import family_of
 from kvflow.utils.files import file_lock, publish
@@ -35,38 +35,6 @@ def fuse_weights(hf: dict[str, torch.Tensor], arch: LlamaArchConfig,
                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """HF parameter names -> kvflow's fused ones, by the model's family (kvflow/models/)."""
     return family_of(arch.architecture).fuse_weights(hf, arch, dtype)
-
-
-# -- HF folders ------------------------------------------------------------------------------
-def hf_weight_files(path: str) -> tuple[list[str], str | None]:
-    """An HF folder's safetensors files (through its index when there is one), or else its
-    pytorch_model.bin; ValueError when it has neither."""
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
-    if files:
-        return files, None
-    bin_path = os.path.join(path, "pytorch_model.bin")
-    if os.path.isfile(bin_path):
-        return [], bin_path
-    raise ValueError(f"no safetensors weights in {path!r}")
-
-
-def read_hf_folder(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor of an HF folder under its HF name."""
-    from safetensors import safe_open
-
-    files, bin_path = hf_weight_files(path)
-    if bin_path is not None:
-        return torch.load(bin_path, map_location="cpu", weights_only=True)
-    weights = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                weights[name] = f.get_tensor(name).to(dtype)
-    return weights
 
 
 # -- GGUF files --------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""GGUF block formats -> the integer values and per-32 scales/offsets of packing.py, without
-going through floats where the format maps exactly:
+"""GGUF block formats -> the integer values and per-32 scales/offsets of
+kvflow/model/quant/packing.py, without going through floats where the format maps exactly:
 
 - Q8_0 (d, 32 x int8)            -> q8: q, d
 - Q4_0 (d, 32 x 4 bit, w = d(q-8)) -> q4: q, d, m = -8 d

@@ -3,18 +3,18 @@ serves): an HF folder whose config.json carries `quantization_config` with
 `quant_method: compressed-tensors`, each quantized Linear stored as `<module>.weight` (int8) and
 `<module>.weight_scale` (one float per output channel, or one per tensor), weight = scale * q.
 
-Detected from config.json, as vLLM does. Served by the same q8 panels and kernels as
-`--quantization int8`, from the checkpoint's own int8 values (nothing is requantized; the
+Detected from config.json, as vLLM does, and read here: the scheme checked, the int8 values
+and scales. Served (kvflow/model/quant/int8.py's load_int8) by the same q8 panels and kernels
+as `--quantization int8`, from the checkpoint's own int8 values (nothing is requantized; the
 scales are held in fp16 as the panels store them: exact for bf16/fp16 scales in fp16's normal
 range, within 2^-11 relative for fp32 ones). The one scheme served is vLLM's W8A8Int8 with
 dynamic activations: weights int8, symmetric, per channel (or per tensor), activations int8,
 symmetric, dynamic, per token; with it, or alone (float weights), an fp8 KV cache's static
-scales (`kv_cache_scheme`, read by model/kv_scales.py). Anything else is refused by name
+scales (`kv_cache_scheme`, read by kvflow/model/kv_scales.py). Anything else is refused by name
 (SUPPORTED says what runs)."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 
@@ -23,21 +23,12 @@ import torch
 
 from kvflow.model_path import is_gguf
 
-logger = logging.getLogger("kvflow")
-
 METHOD = "compressed-tensors"
 FORMATS = ("int-quantized", "naive-quantized")
 SUPPORTED = ("kvflow serves compressed-tensors int8 W8A8 only: format int-quantized or "
              "naive-quantized; weights num_bits 8, type int, symmetric, strategy channel or "
              "tensor; input_activations num_bits 8, type int, symmetric, dynamic, strategy token; "
              "kv_cache_scheme num_bits 8, type float, static, strategy tensor or attn_head")
-# kvflow's fused projection -> the HF Linear modules it is made of (checkpoints that ship them
-# fused, like Phi-3, name the fused module itself)
-FUSED = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-         "o_proj": ("self_attn.o_proj",),
-         "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-         "down_proj": ("mlp.down_proj",)}
-_CHECKPOINT_FUSED = {"qkv_proj": "self_attn.qkv_proj", "gate_up_proj": "mlp.gate_up_proj"}
 
 
 def quantization_config(path: str) -> dict | None:
@@ -159,7 +150,7 @@ def read_raw(path: str) -> dict[str, torch.Tensor]:
     """Every tensor of the folder under its HF name, in its stored dtype."""
     from safetensors import safe_open
 
-    from kvflow.model.weights import hf_weight_files
+    from kvflow.checkpoint.hf_folder import hf_weight_files
 
     files, bin_path = hf_weight_files(path)
     if bin_path is not None:
@@ -203,14 +194,6 @@ def int8_weight(raw: dict[str, torch.Tensor], module: str) -> tuple[np.ndarray, 
     return w.numpy(), scale
 
 
-def _modules(raw: dict, layer: int, fused: str) -> list[str]:
-    p = f"model.layers.{layer}."
-    own = _CHECKPOINT_FUSED.get(fused)
-    if own is not None and p + own + ".weight" in raw:
-        return [p + own]
-    return [p + m for m in FUSED[fused]]
-
-
 def dequantized(raw: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The checkpoint as floats under HF names: every int8 module's weight = scale * q (the
     reference the int8 path is tested against, and the load where C kernels are missing)."""
@@ -221,57 +204,3 @@ def dequantized(raw: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, t
         out[module + ".weight"] = torch.from_numpy(q.astype(np.float32) * scale[:, None]).to(dtype)
     out.update({name: t.to(dtype) for name, t in raw.items()})
     return out
-
-
-def load_int8(path: str, dtype: torch.dtype, isa: str, arch=None):
-    """(arch, float tensors under kvflow's names, QuantizedWeights under kvflow's names) of a
-    compressed-tensors W8A8 folder. A fused projection's parts must all be int8 or all float;
-    float ones (ignored modules: the LM head, usually) stay in the float dict. `arch`: the
-    model's, where the caller resolved it (else read here)."""
-    from kvflow.model.arch import load_arch_config
-    from kvflow.model.weights import fuse_weights
-
-    qc = quantization_config(path)
-    check_scheme(qc)
-    arch = load_arch_config(path) if arch is None else arch
-    raw = read_raw(path)
-    quant, rounded = {}, 0
-    for i in range(arch.num_hidden_layers):
-        for fused in FUSED:
-            modules = _modules(raw, i, fused)
-            flags = {is_quantized(m, qc) for m in modules}
-            if len(flags) > 1:
-                raise _refuse(f"layer {i} {fused}: some of {modules} quantized, some not")
-            if flags == {True}:
-                quant[f"layers.{i}.{fused}"], r = _fused(raw, modules, isa)
-                rounded += r
-                for m in modules:  # what fuse_weights looks for: a shape, no memory
-                    raw[m + ".weight"] = torch.empty(0, device="meta")
-    if not arch.tie_word_embeddings and is_quantized("lm_head", qc):
-        quant["lm_head"], r = _fused(raw, ["lm_head"], isa)
-        rounded += r
-        raw["lm_head.weight"] = torch.empty(0, device="meta")
-    elif arch.tie_word_embeddings and "lm_head.weight_scale" in raw:
-        raise _refuse("an int8 lm_head tied to the float embedding")
-    left = sorted(n for n in raw if n.endswith(".weight_scale"))
-    if left:
-        raise ValueError(f"compressed-tensors checkpoint: int8 weights kvflow does not know: {left[:3]}")
-    if rounded:
-        logger.info("kvflow: %d weight scales of %s rounded to fp16 (relative error < 2^-11)",
-                    rounded, path)
-    weights = fuse_weights(raw, arch, dtype)
-    plain = {k: v for k, v in weights.items() if v.device.type != "meta"}
-    return arch, plain, quant
-
-
-def _fused(raw: dict, modules: list[str], isa: str):
-    from kvflow.model.quant.int8 import int8_from_channels
-
-    parts = [int8_weight(raw, m) for m in modules]
-    q = np.concatenate([p[0] for p in parts])
-    scale = np.concatenate([p[1] for p in parts])
-    if scale.max(initial=0.0) > 65504.0:  # the panels hold fp16 scales
-        raise ValueError(f"compressed-tensors checkpoint: {modules[0]}.weight_scale exceeds "
-                         "fp16's range (65504)")
-    rounded = int(np.count_nonzero(scale.astype(np.float16).astype(np.float32) != scale))
-    return int8_from_channels(q, scale, isa, source="compressed-tensors"), rounded
