@@ -54,14 +54,21 @@ class PagedDriver:
     """Feeds kvflow's model one flat batch per step, like the runner does.
 
     Each sequence's blocks come from a shuffled pool on demand, so block tables are
-    non-contiguous and interleaved across sequences."""
+    non-contiguous and interleaved across sequences. A model with state layers gets a state
+    slot per sequence (from the top down, so that no slot is its sequence's place in a batch)."""
 
-    def __init__(self, model, arch, num_blocks: int = 64, block_size: int = 4, seed: int = 0):
+    def __init__(self, model, arch, num_blocks: int = 64, block_size: int = 4, seed: int = 0,
+                 num_state_slots: int = 8):
         self.model, self.block_size = model, block_size
         self.kv_caches = allocate_kv_caches(arch, num_blocks, block_size, model.dtype)
         self.free = list(np.random.default_rng(seed).permutation(num_blocks))
         self.block_tables: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
+        self.stateful = hasattr(model, "allocate_state")
+        if self.stateful:
+            model.allocate_state(num_state_slots)
+        self.free_slots = list(range(num_state_slots))
+        self.slots: dict[str, int] = {}
 
     def step(self, plan: list[tuple[str, list[int]]]) -> dict[str, torch.Tensor]:
         """plan: (sequence id, this step's new tokens) in batch order -> logits per sequence."""
@@ -79,6 +86,11 @@ class PagedDriver:
             positions += range(start, end)
             self.computed[sid] = end
         meta = build_attention_metadata(np.array(query_lens), np.array(seq_lens), tables, self.block_size)
+        if self.stateful:
+            for sid, _ in plan:
+                if sid not in self.slots:
+                    self.slots[sid] = self.free_slots.pop()
+            meta.state_slots = np.array([self.slots[sid] for sid, _ in plan])
         assert meta.positions.tolist() == positions
         with torch.no_grad():
             hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, meta)

@@ -10,6 +10,7 @@ import torch
 
 from kvflow.config import EngineConfig
 from kvflow.core.kv_cache.groups import make_kv_cache_groups
+from kvflow.core.kv_cache.spec import StateSpec
 from kvflow.core.scheduler import Scheduler, SchedulerOutput
 from kvflow.distributed.executor import TPExecutor
 from kvflow.distributed.pipeline import stage_layers
@@ -64,10 +65,12 @@ class EngineCore:
         self._refuse_unsupported()  # option combinations refused before anything loads
         free_at_start = torch.cuda.mem_get_info(self.device)[0] if self._on_gpu else 0
         model = self._load_model()  # the weights here, or (ranks load shards) the config only
+        self._refuse_for_state_layers()
         self.kv_bytes_per_token, block_bytes_per_token = self._kv_cache_spec()
         self.scheduler_config, self.cache_config = self._cache_configs(
             model, block_bytes_per_token, free_at_start)  # block count from the memory budget
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config,
+                                   self._kv_cache_specs(), self.num_state_slots or None)
         # checks what callers other than the frontends hand add_request (EngineCoreRequest.checked)
         self.input_processor = InputProcessor(config, RequestLimits(
             self.arch.vocab_size, self.max_model_len, self.cache_config.block_size,
@@ -140,6 +143,33 @@ class EngineCore:
         self.max_model_len = mc.max_model_len or self.arch.max_position_embeddings
         return model
 
+    @property
+    def state_bytes_per_request(self) -> int:
+        """The fixed-size state one request holds across a hybrid model's state layers (0: none)."""
+        return self.arch.state_bytes_per_request(self.dtype.itemsize)
+
+    def _refuse_for_state_layers(self) -> None:
+        """ValueError for what a model with state layers (LFM2's convolutions) cannot run with
+        yet; sets `num_state_slots` (one per request that may run: max_num_seqs)."""
+        self.num_state_slots = 0
+        if not self.state_bytes_per_request:
+            return
+        config, name = self.config, self.arch.architecture
+        if config.speculative_config is not None:
+            raise ValueError(f"speculative_config with {name} (layers that keep a state) is not "
+                             "supported yet: its state cannot be rolled back to the last accepted token")
+        if config.kv_transfer is not None:
+            raise ValueError(f"kv_transfer with {name} (layers that keep a state) is not supported "
+                             "yet: the transfer moves KV blocks, not the layers' states")
+        self.num_state_slots = config.scheduler_config.max_num_seqs
+
+    def _kv_cache_specs(self) -> list:
+        """One spec per KV cache group, attention groups first, then the state layers'."""
+        specs = [g.spec for g in make_kv_cache_groups(self.cache_config.layer_windows or (None,))]
+        if self.num_state_slots:
+            specs.append(StateSpec(self.state_bytes_per_request))
+        return specs
+
     def _kv_cache_spec(self) -> tuple[int, int]:
         """KV bytes per token on one rank (every layer it holds), and per token of one block
         (the layers of one KV cache group)."""
@@ -151,8 +181,8 @@ class EngineCore:
         if self.pp_size > 1:  # a stage holds its layers' KV only; the largest stage decides
             return (per_token * len(stage_layers(num_layers, self.pp_size, 0)) // num_layers,) * 2
         # with sliding windows a block spans one KV cache group's layers, not all of them
-        group_layers = len(make_kv_cache_groups(tuple(self.arch.layer_windows()))[0].layers)
-        return per_token, per_token * group_layers // num_layers
+        windows = tuple(self.arch.kv_layer_windows())
+        return per_token, per_token * len(make_kv_cache_groups(windows)[0].layers) // len(windows)
 
     def _cache_configs(self, model, block_bytes_per_token: int, free_at_start: int):
         """The scheduler's and the cache's configs, resolved: max_model_len, and the block
@@ -168,10 +198,12 @@ class EngineCore:
                 sc.max_num_seqs, self.max_model_len, self.device, free_at_start)
             num_blocks = gpu_memory.num_gpu_blocks(
                 self.gpu_memory, cc.gpu_memory_utilization, block_bytes_per_token, cc.block_size)
-        else:
-            num_blocks = num_kv_blocks(cc, block_bytes_per_token)
+        else:  # the state slots' bytes come out of the same budget
+            state = self.num_state_slots * self.state_bytes_per_request
+            num_blocks = num_kv_blocks(replace(cc, kv_cache_memory=max(cc.kv_cache_memory - state, 0)),
+                                       block_bytes_per_token)
         return sc, replace(cc, num_blocks=num_blocks,
-                           layer_windows=tuple(self.arch.layer_windows()))
+                           layer_windows=tuple(self.arch.kv_layer_windows()))
 
     def _structured_outputs(self) -> StructuredOutputManager:
         # grammars compile in its thread; the tokenizer loads there on the first constrained request
@@ -210,7 +242,7 @@ class EngineCore:
                   if self._on_gpu and not a.num_experts else None)
         return UniProcExecutor(model, a, cc.num_blocks, cc.block_size, self.kv_dtype,
                                a.eos_token_ids, self.device, graphs,
-                               max_model_len=self.max_model_len)
+                               max_model_len=self.max_model_len, num_state_slots=self.num_state_slots)
 
     def _start_up(self) -> None:
         """What needs the executor's workers: adapters, the KV-transfer agent, the trace,
@@ -268,7 +300,11 @@ class EngineCore:
                 f"{a.num_parameters() / 1e6:.1f}M params, {str(self.dtype).removeprefix('torch.')}); "
                 f"KV {str(self.kv_dtype).removeprefix('torch.')} {self.kv_bytes_per_token} B/token; "
                 f"{cc.num_blocks} blocks x {cc.block_size}{group_note} = "
-                f"{tokens} tokens; max concurrency at max_model_len "
+                f"{tokens} tokens; "
+                + (f"state {self.state_bytes_per_request / 1024:.1f} KiB/request x {self.num_state_slots} "
+                   f"slots = {self.state_bytes_per_request * self.num_state_slots / 2**20:.1f} MiB; "
+                   if self.num_state_slots else "")
+                + f"max concurrency at max_model_len "
                 f"{self.max_model_len}: {max_concurrency(cc.num_blocks // len(groups), cc.block_size, self.max_model_len):.2f}; "
                 f"threads {torch.get_num_threads()}; "
                 + (f"tensor-parallel size {self.tp_size} (KV per rank); " if self.tp_size > 1 else "")

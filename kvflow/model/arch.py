@@ -88,10 +88,24 @@ class LlamaArchConfig:
         """Each layer's sliding window (None: it attends to the whole context)."""
         return layer_windows(self.layer_types, self.sliding_window, self.num_hidden_layers)
 
+    def attention_layers(self) -> list[int]:
+        """The layers that hold a KV cache (a hybrid family's others keep a state instead)."""
+        return list(range(self.num_hidden_layers))
+
+    def kv_layer_windows(self) -> list[int | None]:
+        """The window of each layer that holds a KV cache, in layer order: what the KV cache
+        groups are made of."""
+        windows = self.layer_windows()
+        return [windows[i] for i in self.attention_layers()]
+
+    def state_bytes_per_request(self, dtype_bytes: int) -> int:
+        """Bytes of the fixed-size state one request holds across the state layers (0: none)."""
+        return 0
+
     def kv_bytes_per_token(self, dtype_bytes: int, scale_bytes: int = 0) -> int:
         """Bytes of K and V that one token occupies across all layers: `dtype_bytes` a value,
         plus `scale_bytes` per token and kv head (an int8 cache's scales, kv_layout.py)."""
-        return (self.num_hidden_layers * 2 * self.num_key_value_heads
+        return (len(self.attention_layers()) * 2 * self.num_key_value_heads
                 * (self.head_dim * dtype_bytes + scale_bytes))
 
     @property

@@ -99,7 +99,7 @@ def set_key_scales(model, arch, kv_dtype: torch.dtype) -> bool:
     if not layers:
         return False
     first = layers[0]
-    serves = (kv_dtype == FP8 and hasattr(first, "attn")
+    serves = (kv_dtype == FP8 and all(hasattr(layer, "attn") for layer in layers)
               and first.input_layernorm.device.type == "cpu"
               and getattr(first, "tp", None) is None and len(layers) == arch.num_hidden_layers)
     apply_key_scales(model, calibrate_key_scales(model, arch) if serves else None)
@@ -109,6 +109,8 @@ def set_key_scales(model, arch, kv_dtype: torch.dtype) -> bool:
 def apply_key_scales(model, scales: list[torch.Tensor] | None) -> None:
     """Set each layer's `qk_scale` from its key scales (None: back to none)."""
     for i, layer in enumerate(model.layers):
+        if not hasattr(layer, "attn"):  # a state layer (scales are only ever set with all attending)
+            continue
         layer.attn.qk_scale = (None if scales is None else qk_scale_vector(
             scales[i], layer.attn.num_heads).to(layer.input_layernorm.device))
     forget = getattr(model, "forget_decode_graph", None)  # Llama's one-call step holds them

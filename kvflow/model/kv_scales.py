@@ -107,7 +107,8 @@ def apply_kv_scales(model: torch.nn.Module, path: str, num_layers: int, num_kv_h
     if scales is None:
         return
     for i, layer in enumerate(model.layers):
-        layer.attn.kv_scales = scales[first_layer + i]
+        if hasattr(layer, "attn"):
+            layer.attn.kv_scales = scales[first_layer + i]
     k, v = zip(*scales)
     logger.info("kvflow: KV cache scales from the checkpoint (an fp8 cache reads them): k_scale "
                 "%.3g-%.3g, v_scale %.3g-%.3g", min(k), max(k), min(v), max(v))

@@ -57,6 +57,7 @@ FAMILIES = (
                 {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}),
     FamilyEntry("olmo2", {"olmo2": "Olmo2ForCausalLM"}, {"olmo2": "Olmo2ForCausalLM"}),
     FamilyEntry("granite", {"granite": "GraniteForCausalLM"}, {"granite": "GraniteForCausalLM"}),
+    FamilyEntry("lfm2", {"lfm2": "Lfm2ForCausalLM"}),
     FamilyEntry("smollm3", {"smollm3": "SmolLM3ForCausalLM"}, {"smollm3": "SmolLM3ForCausalLM"}),
 )
 

@@ -82,7 +82,7 @@ class ModelRunner:
                  block_size: int, kv_dtype: torch.dtype,
                  eos_token_id: int | Sequence[int] | None, *, device: torch.device | str = "cpu",
                  graphs: DecodeGraphs | None = None, kv_memory=None, pp=None,
-                 max_model_len: int = 0) -> None:
+                 max_model_len: int = 0, num_state_slots: int = 0) -> None:
         # kv_memory: where the CPU KV cache lives (allocate_kv_caches's `zeros`); a shared file
         # when the tensor-parallel driver moves this rank's blocks (distributed/shared_kv.py)
         # pp: this rank's pipeline stage (kvflow.distributed.pipeline.PipelineGroup): a stage
@@ -95,13 +95,23 @@ class ModelRunner:
         self.eos_token_ids = eos_ids(eos_token_id)  # the model's, all of them
         self.device = torch.device(device)
         on_cpu = self.device.type == "cpu"
-        # KV cache groups (core/kv_cache/groups.py): one group of all layers without windows;
-        # with windows, layer j of each group uses shared tensor pair j
-        self.groups = make_kv_cache_groups(arch.layer_windows())
+        # KV cache groups (core/kv_cache/groups.py) of the layers that hold a KV cache: one
+        # group of them all without windows; with windows, layer j of each group uses shared
+        # tensor pair j. A hybrid model's state layers hold none: they read the step's
+        # metadata for the requests' state slots (the scheduler's last group: one slot each).
+        kv_layers = arch.attention_layers()
+        self.groups = make_kv_cache_groups(arch.kv_layer_windows())
         if not on_cpu and any(g.sliding_window is not None for g in self.groups):
             raise ValueError("sliding-window attention runs on the CPU only for now "
                              "(the GPU kernels take no window)")
-        self.layer_group, tensor_of = layer_slots(self.groups, arch.num_hidden_layers)
+        group_of, tensor_of = layer_slots(self.groups, len(kv_layers))
+        self.state_group = len(self.groups) if num_state_slots else None
+        if num_state_slots:
+            model.allocate_state(num_state_slots)
+        # each model layer's metadata (a state layer: group 0's, which has every request)
+        self.layer_group = [0] * arch.num_hidden_layers
+        for j, i in enumerate(kv_layers):
+            self.layer_group[i] = group_of[j]
         if hasattr(model, "cover_positions"):  # max_model_len 0: the model's context
             model.cover_positions(longest_position(arch, max_model_len, num_blocks, block_size))
         if pp is None:  # before the cache: its calibration run needs the memory for a moment
@@ -109,9 +119,11 @@ class ModelRunner:
         tensors = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype,
                                      None if on_cpu else self.device,
                                      num_layers=len(self.groups[0].layers), zeros=kv_memory)
-        self.kv_caches = [tensors[j] for j in tensor_of]
+        self.kv_caches = [None] * arch.num_hidden_layers
+        for j, i in enumerate(kv_layers):
+            self.kv_caches[i] = tensors[tensor_of[j]]
         model.kernels = model.kernels.with_kv_dtype(kv_dtype)  # attention chosen for this cache
-        k0 = self.kv_caches[0][0]
+        k0 = tensors[0][0]
         self._block_bytes = k0[0].numel() * k0.element_size()
         # the cache's pages are faulted in ahead of the writes (KVFLOW_KV_POPULATE=0: on first write)
         self.populator = (hugepages.Populator([t for pair in tensors for t in pair])
@@ -123,6 +135,13 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self._num_reading_prompt_rows = 0  # requests pooling or scoring their prompt
         self.lora = None  # LoRAManager (model/lora.py) once enable_lora(...)
+
+    def _state_slots(self, out: SchedulerOutput, req_ids: list[str]) -> np.ndarray:
+        """Each request's state slot (a step built without groups, the warm-up's: slot 0, whose
+        state a request's first token resets)."""
+        g = self.state_group
+        return np.fromiter((t[g][0] if (t := out.group_block_ids.get(r)) else 0 for r in req_ids),
+                           dtype=np.int64, count=len(req_ids))
 
     def _drop(self, rid: str) -> CachedRequestState | None:
         state = self.requests.pop(rid, None)
@@ -209,6 +228,8 @@ class ModelRunner:
                                             self.block_size, sliding_window=self.groups[0].sliding_window,
                                             queries_as_decodes=as_decodes)
             metas = [meta]
+            if self.state_group is not None:
+                meta.state_slots = self._state_slots(out, req_ids)
         else:  # one metadata per group (its block tables and window), handed to its layers
             # (a step built without groups, the warm-up's, gives every group its one table)
             tables = [out.group_block_ids.get(r) or (out.block_ids[r],) * len(self.groups)
@@ -218,6 +239,8 @@ class ModelRunner:
                                               queries_as_decodes=as_decodes)
                      for g, group in enumerate(self.groups)]
             meta = metas[0]
+            if self.state_group is not None:
+                meta.state_slots = self._state_slots(out, req_ids)
         if self.device.type != "cpu":  # the GPU kernels read these (and meta.gpu's arrays) only
             for m in metas:
                 m.slot_mapping = m.slot_mapping.to(self.device, non_blocking=True)

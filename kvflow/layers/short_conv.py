@@ -1,0 +1,61 @@
+"""A gated short convolution with a per-request state (LFM2's `conv` layers), as Hugging Face's
+Lfm2ShortConv computes it: in_proj gives B, C and x; y = C * conv(B * x), where conv is a causal
+depthwise convolution over the last `kernel_size` positions of each channel; then out_proj.
+
+Each request's state is the last kernel_size - 1 inputs of the convolution (B * x), held in
+slot `meta.state_slots[i]` of this layer's state tensor [slots, kernel_size - 1, hidden] between
+steps, so a prompt can arrive in chunks over several steps and decodes read only the state,
+whatever the context length. A request whose first token is in this step (a new prompt, or one
+recomputed after a preemption) starts from zeros."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvflow.attention.metadata import AttentionMetadata
+from kvflow.layers.parameter import weight
+from kvflow.model.kernels import Kernels
+
+
+class ShortConv(nn.Module):
+    def __init__(self, hidden_size: int, kernel_size: int, bias: bool, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.hidden_size, self.kernel_size = hidden_size, kernel_size
+        self.in_proj = weight(3 * hidden_size, hidden_size, dtype=dtype, device=device)
+        self.out_proj = weight(hidden_size, hidden_size, dtype=dtype, device=device)
+        self.conv_weight = weight(hidden_size, kernel_size, dtype=dtype, device=device)  # [channel, tap]
+        self.in_bias = weight(3 * hidden_size, dtype=dtype, device=device) if bias else None
+        self.out_bias = weight(hidden_size, dtype=dtype, device=device) if bias else None
+        self.conv_bias = weight(hidden_size, dtype=dtype, device=device) if bias else None
+        self.state: torch.Tensor | None = None  # [slots, kernel_size - 1, hidden] (allocate_state)
+
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        """One request's state."""
+        return (self.kernel_size - 1) * self.hidden_size * torch.empty(0, dtype=dtype).element_size()
+
+    def allocate_state(self, num_slots: int, dtype: torch.dtype) -> None:
+        self.state = torch.zeros(num_slots, self.kernel_size - 1, self.hidden_size, dtype=dtype,
+                                 device=self.in_proj.device)
+
+    def forward(self, h: torch.Tensor, meta: AttentionMetadata, kernels: Kernels,
+                packed: dict) -> torch.Tensor:
+        """h [T, hidden], the normed residual stream of the step's flat batch -> [T, hidden]."""
+        bcx = kernels.linear(h, self.in_proj, packed.get("in_proj"), self.in_bias)
+        b, c, x = bcx.split(self.hidden_size, dim=-1)
+        bx = b * x
+        conv = torch.empty_like(bx)
+        state, taps = self.state, self.kernel_size - 1
+        starts, lens, seq_lens = meta.query_start_loc, meta.query_lens, meta.seq_lens
+        for i, slot in enumerate(meta.state_slots):
+            start, n = int(starts[i]), int(lens[i])
+            if n == 0:
+                continue
+            if seq_lens[i] == n:  # its first token is in this step: no earlier inputs
+                state[slot].zero_()
+            window = torch.cat((state[slot], bx[start:start + n]))  # [taps + n, hidden]
+            # out[t] = sum_k w[:, k] * window[t + k]: the last kernel_size inputs up to t
+            conv[start:start + n] = (window.unfold(0, self.kernel_size, 1) * self.conv_weight).sum(-1)
+            state[slot] = window[-taps:]
+        if self.conv_bias is not None:
+            conv += self.conv_bias
+        return kernels.linear(c * conv, self.out_proj, packed.get("out_proj"), self.out_bias)

@@ -1,0 +1,131 @@
+"""Hybrid models (LFM2: gated short convolutions that keep a state per request, beside attention
+layers) against Hugging Face transformers in fp32: logits over chunked mixed batches with each
+sequence's state in its own slot; greedy tokens through the engine with chunked prefill, a mixed
+batch, a preemption (the state recomputed from the tokens) and the prefix cache on (a prompt
+sharing another's prefix is computed from its start: no state is kept at a block boundary, so
+there is no hit rather than a wrong state); only attention layers hold a KV cache, and the
+state slots come out of the same budget."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import assert_matches_reference
+from conftest_model_helpers import PagedDriver, hf_logits
+from tiny_arch_models import hf_model
+from tiny_hybrid_models import BUILDERS
+from kvflow.core.kv_cache.spec import StateSpec
+from kvflow.core.kv_cache.state import StateManager
+from kvflow.model.loader import load_model
+
+pytestmark = pytest.mark.slow  # loads models (make test-fast leaves it out)
+
+torch.set_num_threads(1)
+SEQ_LENS = {"a": 21, "b": 9, "c": 1, "d": 14}
+# c and d finish their prompts first and decode while a and b arrive in chunks
+PLAN = [{"c": 1, "d": 6, "b": 5}, {"c": 1, "d": 8, "a": 7, "b": 4},
+        {"a": 9, "c": 1, "d": 1}, {"a": 5, "b": 1, "d": 1}, {"a": 1, "b": 1, "c": 1}]
+
+
+@pytest.fixture(scope="module", params=list(BUILDERS))
+def tiny(request, tmp_path_factory):
+    path = BUILDERS[request.param](str(tmp_path_factory.mktemp(request.param) / "hf"))
+    return request.param, path, hf_model(path)
+
+
+def test_logits_match_hf_over_chunked_mixed_batches(tiny):
+    name, path, hf = tiny
+    model, arch = load_model(path, torch.float32)
+    assert arch.architecture == type(hf).__name__
+    assert arch.num_parameters() == sum(p.numel() for p in hf.parameters())
+    assert 0 < len(arch.attention_layers()) < arch.num_hidden_layers
+    rng = np.random.default_rng(1)
+    tokens = {sid: rng.integers(0, arch.vocab_size, n + 3).tolist() for sid, n in SEQ_LENS.items()}
+    refs = {sid: hf_logits(hf, ids) for sid, ids in tokens.items()}
+    driver = PagedDriver(model, arch, seed=7)
+    done = dict.fromkeys(SEQ_LENS, 0)
+    for step in PLAN:
+        out = driver.step([(sid, tokens[sid][done[sid]: done[sid] + n]) for sid, n in step.items()])
+        for sid, n in step.items():
+            torch.testing.assert_close(out[sid], refs[sid][done[sid]: done[sid] + n], atol=1e-4, rtol=1e-4)
+            done[sid] += n
+    assert done == {"a": 22, "b": 11, "c": 4, "d": 16}
+
+
+def _hf_greedy(hf, prompts: list[list[int]], n: int) -> list[tuple[list[int], list[list[int]]]]:
+    refs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=n, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+            refs.append((out.sequences[0, len(ids):].tolist(), [s[0].topk(3).indices.tolist() for s in out.logits]))
+    return refs
+
+
+def test_greedy_tokens_match_hf_through_chunks_a_preemption_and_a_shared_prefix(tiny, tmp_path):
+    """Five prompts of different lengths at once, a 16-token budget, a pool too small for all of
+    them (a preemption), two prompts sharing a 24-token prefix with the prefix cache on."""
+    from kvflow import LLM, SamplingParams
+
+    name, path, hf = tiny
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(4, 320, 24).tolist()
+    prompts = [prefix + rng.integers(4, 320, 5).tolist(),
+               *[rng.integers(4, 320, n).tolist() for n in (30, 3, 17)], prefix + rng.integers(4, 320, 9).tolist()]
+    refs = _hf_greedy(hf, prompts, 24)
+    trace = tmp_path / "trace.jsonl"
+    llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, num_blocks=30,
+              max_num_batched_tokens=16, enable_prefix_caching=True, trace=str(trace))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    first = llm.generate(prompts[:1], params, use_tqdm=False)[0]
+    rest = llm.generate(prompts[1:], params, use_tqdm=False)
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert any(s["preempted"] for s in steps), "the pool should have forced a preemption"
+    assert any({r["phase"] for r in s["requests"]} == {"prefill", "decode"} for s in steps), \
+        "prompt chunks and decodes should share steps"
+    # no state is kept at a block boundary: the shared prefix is computed again, never reused
+    assert first.num_cached_tokens == 0 and rest[-1].num_cached_tokens == 0
+    identical = 0
+    for i, out in enumerate([first, *rest]):
+        got = out.outputs[0].token_ids
+        assert_matches_reference(got, refs[i], f"{name} prompt {i}")
+        identical += got == refs[i][0]
+    assert identical >= len(prompts) - 1
+    core = llm.engine.core
+    slots = [m for m in core.scheduler.kv_cache_manager.managers if type(m) is StateManager]
+    assert len(slots) == 1 and slots[0].num_free_slots == slots[0].num_slots  # all given back
+
+
+def test_only_attention_layers_hold_kv_and_the_state_is_budgeted(tiny):
+    from kvflow import LLM
+
+    name, path, _ = tiny
+    llm = LLM(path, dtype="float32", max_num_seqs=6, kv_cache_memory=1 << 20, block_size=4)
+    core = llm.engine.core
+    arch = core.arch
+    attn = arch.attention_layers()
+    per_layer = 2 * arch.num_key_value_heads * arch.head_dim * 4
+    assert core.kv_bytes_per_token == len(attn) * per_layer
+    state = arch.state_bytes_per_request(4)
+    assert state == (arch.num_hidden_layers - len(attn)) * 2 * arch.hidden_size * 4  # a 3-tap window
+    specs = core.scheduler.kv_cache_manager.specs
+    assert specs[-1] == StateSpec(state) and core.num_state_slots == 6
+    # the 6 slots' bytes come out of the budget before the blocks are counted
+    assert core.cache_config.num_blocks == ((1 << 20) - 6 * state) // (len(attn) * per_layer * 4)
+    caches = core.executor.runner.kv_caches
+    assert [i for i, c in enumerate(caches) if c is not None] == attn
+    assert "state" in core.startup_report() and "6 slots" in core.startup_report()
+
+
+def test_features_a_state_cannot_follow_yet_are_refused_by_name(tiny):
+    from kvflow import LLM
+
+    name, path, _ = tiny
+    with pytest.raises(ValueError, match="speculative_config with Lfm2ForCausalLM.*rolled back"):
+        LLM(path, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        LLM(path, dtype="float32", tensor_parallel_size=2)
