@@ -52,6 +52,7 @@ def cluster(tiny_model, tmp_path_factory):
         b = ServerProcess(*args)
         router = RouterProcess("--replicas", a.url, b.url, "--policy", "round_robin",
                                "--health-check-interval-secs", "0")
+        router.model_path = tiny_model
         yield router, a, b, root
     finally:
         if old is None:
@@ -186,6 +187,21 @@ def test_a_response_the_router_never_saw_is_found_on_its_replica(cluster, model)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "previous_response_id"
 
 
+def merged_embedding(model_path: str, adapter: str | None, ids: list[int]) -> np.ndarray:
+    """Hugging Face's reference: the last token's final hidden state, normalized, of the model
+    with the PEFT adapter merged in (None: the base model)."""
+    import torch
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    with torch.inference_mode():
+        last = model.eval().model(torch.tensor([ids])).last_hidden_state[0, -1]
+    return torch.nn.functional.normalize(last, dim=0).numpy()
+
+
 def _complete(url: str, model: str) -> httpx.Response:
     return httpx.post(url + "/v1/completions", timeout=GUARD_S, json={
         "model": model, "prompt": "The capital of France is", "max_tokens": 8, **GREEDY})
@@ -208,6 +224,16 @@ def test_lora_load_and_unload_fan_out_to_every_replica(cluster, model):
     assert [r.json()["choices"][0]["text"] for r in texts] == [direct, direct]
     sent = {u: n - before.get(u, 0) for u, n in router.routed().items()}
     assert sent == {a.url: 1, b.url: 1}  # one on each replica
+    # embeddings under the adapter, on either replica: the merged model's last hidden state
+    text = "Embed this under the adapter."
+    ids = httpx.post(a.url + "/tokenize", json={"prompt": text}).json()["tokens"]
+    ref = merged_embedding(router.model_path, path, ids)
+    base_ref = merged_embedding(router.model_path, None, ids)
+    assert np.abs(ref - base_ref).max() > 1e-2
+    for _ in range(2):
+        emb = oai(router.url).embeddings.create(model="sql", input=text)
+        assert emb.model == "sql"
+        assert np.abs(np.asarray(emb.data[0].embedding) - ref).max() < 1e-4
     unloaded = httpx.post(router.url + "/v1/unload_lora_adapter", json={"lora_name": "sql"},
                           timeout=GUARD_S)
     assert unloaded.status_code == 200, unloaded.text
