@@ -282,9 +282,37 @@ def test_bad_scoring_requests_are_400s_naming_the_field(server, body, param):
     resp = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", **body}, timeout=60)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param
-    chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
-        "messages": [{"role": "user", "content": "Hi"}], "prompt_logprobs": 1})
-    assert chat.status_code == 400 and chat.json()["error"]["param"] == "prompt_logprobs"
+    assert_server_clean(server)
+
+
+def test_chat_prompt_logprobs_equal_the_completions_of_its_rendered_prompt(server):
+    """vLLM's shape: `prompt_logprobs` beside the choices, one entry per prompt token of the
+    rendered chat, the first None; the same numbers /v1/completions gives for those ids."""
+    messages = [{"role": "system", "content": "You answer briefly."},
+                {"role": "user", "content": "What is the capital of France?"}]
+    ids = httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()["tokens"]
+    chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+        "messages": messages, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 3})
+    assert chat.status_code == 200, chat.text
+    got = chat.json()["prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None
+    assert all(str(t) in d for t, d in zip(ids[1:], got[1:]))
+    comp = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+        "prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 3})
+    ref = comp.json()["choices"][0]["prompt_logprobs"]
+    for p, (a, b) in enumerate(zip(got, ref)):
+        assert (a is None) == (b is None), p
+        if a is not None:
+            assert a.keys() == b.keys(), p
+            assert all(abs(a[t]["logprob"] - b[t]["logprob"]) < 1e-4 and
+                       a[t]["rank"] == b[t]["rank"] for t in a), p
+    plain = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+        "messages": messages, "max_tokens": 1, "temperature": 0})
+    assert "prompt_logprobs" not in plain.json()
+    for bad in ({"prompt_logprobs": 21}, {"prompt_logprobs": 1, "stream": True}):
+        resp = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+            "messages": messages, **bad})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt_logprobs"
     assert_server_clean(server)
 
 

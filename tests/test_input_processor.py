@@ -68,9 +68,10 @@ def test_options_of_this_engine_refuse_what_they_cannot_serve():
     with pytest.raises(ValueError, match="'sql' is a LoRA adapter.*enable_lora"):
         processor().process([1], SamplingParams(), adapter)
     processor(lora_config=LoRAConfig(enable_lora=True)).process([1], SamplingParams(), adapter)
-    with pytest.raises(InvalidRequestError, match="embeddings under a LoRA adapter") as e:
-        processor(lora_config=LoRAConfig(enable_lora=True)).process_pooling([1], None, adapter)
+    with pytest.raises(InvalidRequestError, match="'sql' is a LoRA adapter.*enable_lora") as e:
+        processor().process_pooling([1], None, adapter)
     assert e.value.param == "model"
+    processor(lora_config=LoRAConfig(enable_lora=True)).process_pooling([1], None, adapter)
 
 
 def test_kv_transfer_params_are_refused_at_the_input_only_without_a_kv_connector():

@@ -82,6 +82,46 @@ def test_tiny_llama_adapters_match_peft_merged(tiny):
     _check_alone_and_mixed(llm, prompts, paths, refs)
 
 
+def test_tiny_llama_embeddings_under_adapters_match_peft_merged(tiny):
+    """LLM.embed with a lora_request pools the merged model's last hidden state; one call may
+    mix the base model and adapters (prompts chunked: 60 tokens in steps of 16)."""
+    import copy
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path, paths, prompts, _ = tiny
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def reference(adapter: str | None) -> list[np.ndarray]:
+        model = copy.deepcopy(base)
+        if adapter is not None:
+            model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+        with torch.inference_mode():
+            last = [model.model(torch.tensor([ids])).last_hidden_state[0, -1] for ids in prompts]
+        return [torch.nn.functional.normalize(v, dim=0).numpy() for v in last]
+
+    refs = {p: reference(p) for p in [None, *paths[:2]]}
+    llm = LLM(path, dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16,
+              num_blocks=64, max_model_len=256, max_num_batched_tokens=16)
+    lrs = [None, LoRARequest("a0", 1, paths[0]), LoRARequest("a1", 2, paths[1])]
+    order = [(j, k) for j in range(len(prompts)) for k in range(len(lrs))]
+    outs = llm.embed([prompts[j] for j, _ in order], use_tqdm=False,
+                     lora_request=[lrs[k] for _, k in order])
+    for (j, k), out in zip(order, outs):
+        ref = refs[None if lrs[k] is None else lrs[k].lora_path][j]
+        got = np.asarray(out.outputs.embedding)
+        assert np.abs(got - ref).max() < 1e-4, f"prompt {j} adapter {k}"
+    # the adapters change the embeddings (a test that cannot fail proves nothing)
+    for p in paths[:2]:
+        assert all(np.abs(refs[p][j] - refs[None][j]).max() > 1e-2 for j in range(len(prompts)))
+    one = llm.embed(prompts[0], use_tqdm=False, lora_request=lrs[1])[0].outputs.embedding
+    assert np.abs(np.asarray(one) - refs[paths[0]][0]).max() < 1e-4
+    plain = LLM(path, dtype="float32", num_blocks=16, max_model_len=64)
+    with pytest.raises(ValueError, match="enable_lora"):
+        plain.embed(prompts[0], use_tqdm=False, lora_request=lrs[1])
+
+
 def test_tiny_llama_adapters_match_without_c_kernels(tiny, monkeypatch):
     """The PyTorch path (no C kernels) gives the same tokens."""
     monkeypatch.setenv("KVFLOW_NO_KERNELS", "1")

@@ -213,6 +213,36 @@ def test_routed_greedy_outputs_equal_a_single_instance(cluster, reference, defau
     assert_clean(cluster.prefill, cluster.decode)
 
 
+def test_other_endpoints_in_prefill_decode_mode(cluster):
+    """Embeddings (a prompt only) go to a prefill instance, tokenize to any instance, LoRA loads
+    to every instance; the Responses and Messages APIs, which the prefill hop cannot carry, are
+    refused naming the endpoint and the mode."""
+    url = cluster.router_url
+    body = {"input": ["embed me through the router", "and me"]}
+    routed = httpx.post(url + "/v1/embeddings", json=body, timeout=GUARD_S)
+    direct = httpx.post(cluster.prefill.url + "/v1/embeddings", json=body, timeout=GUARD_S)
+    assert routed.status_code == direct.status_code == 200, routed.text
+    for x, y in zip(routed.json()["data"], direct.json()["data"]):
+        assert max(abs(p - q) for p, q in zip(x["embedding"], y["embedding"])) < 1e-5
+    tok = {"prompt": "count these tokens"}
+    assert httpx.post(url + "/tokenize", json=tok, timeout=GUARD_S).json() == \
+        httpx.post(cluster.decode.url + "/tokenize", json=tok).json()
+    for path, req in (("/v1/responses", {"input": "hi"}),
+                      ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user",
+                                                                      "content": "hi"}]})):
+        resp = httpx.post(url + path, json=req, timeout=GUARD_S)
+        assert resp.status_code == 400, resp.text
+        text = resp.text
+        assert path in text and "prefill/decode mode" in text
+    assert httpx.post(url + "/v1/messages", json={}).json()["type"] == "error"  # Anthropic's shape
+    assert httpx.get(url + "/v1/responses/resp_x").status_code == 400
+    # these instances do not take adapters at run time: both are asked, both refusals said
+    load = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/x"},
+                      timeout=GUARD_S)
+    msg = load.json()["error"]["message"]
+    assert load.status_code >= 400 and cluster.prefill.url in msg and cluster.decode.url in msg
+
+
 def dashboard_transfers(url: str) -> dict:
     """The transfer counts of the first event of the server's /dashboard/stream."""
     with httpx.stream("GET", url + "/dashboard/stream", timeout=GUARD_S) as r:

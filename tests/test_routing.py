@@ -188,6 +188,48 @@ def test_the_router_routes_chat_by_its_roles_and_contents_and_completions_by_the
     assert prompt_text({"prompt": "abc", "cache_salt": "t1"}) == "t1\x00abc"
 
 
+def test_the_router_routes_embeddings_responses_and_messages_by_their_text():
+    from kvflow.entrypoints.router import prompt_text
+
+    assert prompt_text({"input": "abc"}) == "abc"  # embeddings, Responses
+    assert prompt_text({"input": ["first", "second"]}) == "first"
+    assert prompt_text({"input": [[1, 2], [3]]}) == "[[1, 2], [3]]"
+    assert prompt_text({"input": "q", "instructions": "Be brief"}) == "<system>Be brief" + "q"
+    items = {"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                       {"type": "function_call_output", "output": "x"}]}
+    assert prompt_text(items) == "<user>hi<None>"
+    anthropic = {"system": [{"type": "text", "text": "S"}],
+                 "messages": [{"role": "user", "content": "hi"}]}
+    assert prompt_text(anthropic) == "<system>S<user>hi"
+
+
+def test_the_router_remembers_a_bounded_number_of_response_homes():
+    from kvflow.entrypoints.router_endpoints import ResponseHomes
+
+    homes = ResponseHomes(max_items=2)
+    homes.put("a", "http://r1")
+    homes.put("b", "http://r2")
+    assert homes.get("a") == "http://r1"  # now the most recently used
+    homes.put("c", "http://r1")
+    assert len(homes) == 2 and homes.get("b") is None and homes.get("a") == "http://r1"
+    homes.forget("a")
+    assert homes.get("a") is None
+
+
+def test_a_responses_stream_is_read_for_its_id_across_chunks():
+    from kvflow.entrypoints.router_endpoints import ResponseIdScan
+
+    found = []
+    scan = ResponseIdScan(found.append)
+    stream = (b'event: response.created\ndata: {"type":"response.created","response":'
+              b'{"id":"resp_1","status":"in_progress"}}\n\n'
+              b'event: response.completed\ndata: {"type":"response.completed","response":'
+              b'{"id":"resp_1"}}\n\n')
+    for i in range(0, len(stream), 7):
+        scan.feed(stream[i:i + 7])
+    assert found == ["resp_1"]
+
+
 @pytest.mark.parametrize("event, commits", [
     (b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}', False),
     (b'data: {"choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null}]}', True),
@@ -197,6 +239,13 @@ def test_the_router_routes_chat_by_its_roles_and_contents_and_completions_by_the
     (b'data: {"error":{"message":"boom"}}', True),
     (b'data: [DONE]', True),
     (b': keepalive', False),
+    (b'event: response.created\ndata: {"type":"response.created","response":{}}', False),
+    (b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"a"}',
+     True),
+    (b'event: message_start\ndata: {"type":"message_start","message":{}}', False),
+    (b'event: ping\ndata: {"type":"ping"}', False),
+    (b'event: content_block_delta\ndata: {"type":"content_block_delta","delta":{}}', True),
+    (b'event: error\ndata: {"type":"error","error":{}}', True),
 ])
 def test_a_stream_is_held_back_until_its_first_token(event, commits):
     from kvflow.entrypoints.router import first_token_seen

@@ -156,15 +156,18 @@ class AsyncLLM:
 
     async def encode(self, prompt_token_ids: list[int], params: PoolingParams, request_id: str,
                      prompt: str | None = None, priority: int = 0,
-                     checked: bool = False) -> EmbeddingRequestOutput:
-        """Pool one prompt into its embedding (vLLM's name); scheduled beside generation as a
-        prefill-only request. `checked` as in generate."""
+                     checked: bool = False,
+                     lora_request: LoRARequest | None = None) -> EmbeddingRequestOutput:
+        """Pool one prompt into its embedding (vLLM's name), under `lora_request`'s adapter if
+        given; scheduled beside generation as a prefill-only request. `checked` as in
+        generate."""
         if self.dead_error is not None:
             raise type(self.dead_error)(str(self.dead_error))
         if not checked:
-            self.input_processor.process_pooling(prompt_token_ids, params)
+            self.input_processor.process_pooling(prompt_token_ids, params, lora_request)
         core_req = self.processor.add_pooling_request(request_id, prompt, prompt_token_ids,
-                                                      params, time.time(), priority, checked=True)
+                                                      params, time.time(), priority, checked=True,
+                                                      lora_request=lora_request)
         finished = False
         try:
             queue: asyncio.Queue = asyncio.Queue()

@@ -365,11 +365,12 @@ class EngineCore:
         if r.lora_request is not None:  # loaded on first use (ValueError if it cannot be)
             self.add_lora(r.lora_request)
         if r.pooling_params is not None:  # an embedding: prefill only, nothing sampled
-            assert 0 < n <= self.max_model_len and r.lora_request is None
+            assert 0 < n <= self.max_model_len
             pooling = r.pooling_params.resolved(self.config.model_config.pooler_config)
             req = Request(r.request_id, r.prompt_token_ids,
                           arrival_time=r.arrival_time or time.time(), priority=r.priority,
-                          cache_salt=r.cache_salt, pooling_params=pooling)
+                          cache_salt=r.cache_salt, pooling_params=pooling,
+                          lora_request=r.lora_request)
             self.scheduler.add_request(req)
             return
         params = r.sampling_params

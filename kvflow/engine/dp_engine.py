@@ -140,7 +140,7 @@ class DPAsyncLLM:
         """AsyncLLM.encode on the chosen replica."""
         if self.dead_error is not None:
             raise type(self.dead_error)(str(self.dead_error))
-        i = self.choose(prompt_token_ids)
+        i = self.choose(prompt_token_ids, lora_request=kwargs.get("lora_request"))
         self.inflight[i] += 1
         self.routed[i] += 1
         try:

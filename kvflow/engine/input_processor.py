@@ -66,9 +66,10 @@ class InputProcessor:
                         lora_request: LoRARequest | None = None, name: str = "prompt") -> None:
         """ValueError if this embedding request (prefill only) can never run here; `name` is
         the API's field for the prompt (the embeddings endpoint calls it `input`)."""
-        if lora_request is not None:
-            raise InvalidRequestError("embeddings under a LoRA adapter are not supported; "
-                                      "use the base model", "model")
+        if lora_request is not None and not self.config.lora_config.enable_lora:
+            raise InvalidRequestError(f"model {lora_request.lora_name!r} is a LoRA adapter: the "
+                                      "engine serves adapters only with enable_lora "
+                                      "(--enable-lora)", "model")
         lim = self.limits
         check_token_ids(name, prompt_token_ids, lim.vocab_size)
         check_request_fits(len(prompt_token_ids), 0, lim.max_model_len, lim.block_size,

@@ -55,12 +55,17 @@ class LLMEngine:
 
     def add_pooling_request(self, request_id: str, prompt_token_ids: list[int],
                             params: PoolingParams, prompt: str | None = None,
-                            checked: bool = False) -> None:
-        """Queue an embedding request (prefill only); `checked` as in add_request."""
+                            checked: bool = False,
+                            lora_request: LoRARequest | None = None) -> None:
+        """Queue an embedding request (prefill only), under `lora_request`'s adapter if given;
+        `checked` as in add_request."""
         if not checked:
-            self.input_processor.process_pooling(prompt_token_ids, params)
+            self.input_processor.process_pooling(prompt_token_ids, params, lora_request)
+        if lora_request is not None:  # loaded on first use, as for generation
+            self.core.add_lora(lora_request)
         core_req = self.output_processor.add_pooling_request(request_id, prompt, prompt_token_ids,
-                                                             params, checked=True)
+                                                             params, checked=True,
+                                                             lora_request=lora_request)
         try:
             self.core.add_request(core_req)
         except ValueError:

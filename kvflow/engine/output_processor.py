@@ -11,6 +11,7 @@ from kvflow.engine.protocol import EngineCoreOutput, EngineCoreRequest
 from kvflow.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob,
                             PromptLogprobs, PromptLogprobsChunk, RequestOutput, TokenLogprobs,
                             embedding_from_bytes)
+from kvflow.lora_request import LoRARequest
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 
@@ -123,7 +124,8 @@ class OutputProcessor:
 
     def add_pooling_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                             params: PoolingParams, arrival_time: float | None = None,
-                            priority: int = 0, checked: bool = False) -> EngineCoreRequest:
+                            priority: int = 0, checked: bool = False,
+                            lora_request: LoRARequest | None = None) -> EngineCoreRequest:
         """Register an embedding request; returns the core request to send."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -136,7 +138,7 @@ class OutputProcessor:
         self.core_to_sample[request_id] = (state, sample)
         return EngineCoreRequest(request_id, list(prompt_token_ids), SamplingParams(),
                                  arrival_time=arrival, priority=priority, pooling_params=params,
-                                 checked=checked)
+                                 lora_request=lora_request, checked=checked)
 
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a request; returns the core ids still to abort in the core."""

@@ -57,12 +57,7 @@ class LLM:
         priority = list(priority) if priority is not None else [0] * len(prompts)
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
-        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
-                 else [lora_request] * len(prompts))
-        if len(loras) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} lora requests")
-        for lr in dict.fromkeys(lr for lr in loras if lr is not None):
-            self.engine.add_lora(lr)  # every adapter checked before any prompt is queued
+        loras = self._loras(lora_request, len(prompts))
         encoded = [self._encode(p) for p in prompts]
         if prompt_texts is not None:
             encoded = [(text, ids) for text, (_, ids) in zip(prompt_texts, encoded)]
@@ -79,11 +74,14 @@ class LLM:
 
     def embed(self, prompts: Prompt | Sequence[Prompt],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+              use_tqdm: bool = True,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+              ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (text or token ids), in input order: the final hidden
         states pooled as the engine's `pooler_config` says (default: the last token's,
         normalized); `pooling_params` may override `normalize` per prompt. The prompts run
-        through the same scheduler as generation, prefill only."""
+        through the same scheduler as generation, prefill only. `lora_request`: the LoRA
+        adapter all prompts run under, or one per prompt, as in `generate`."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -94,14 +92,17 @@ class LLM:
                   else list(pooling_params))
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} pooling params")
+        loras = self._loras(lora_request, len(prompts))
         encoded = [self._encode(p) for p in prompts]
-        for (_, ids), p in zip(encoded, params):
-            self.engine.input_processor.process_pooling(ids, p)  # every prompt, before any is queued
+        check = self.engine.input_processor
+        for (_, ids), p, lr in zip(encoded, params, loras):
+            check.process_pooling(ids, p, lr)  # every prompt, before any is queued
         order = {}
-        for (text, ids), p in zip(encoded, params):
+        for (text, ids), p, lr in zip(encoded, params, loras):
             rid = str(next(self._ids))
             order[rid] = len(order)
-            self.engine.add_pooling_request(rid, ids, p, prompt=text, checked=True)
+            self.engine.add_pooling_request(rid, ids, p, prompt=text, checked=True,
+                                            lora_request=lr)
         return self._run(order, use_tqdm)
 
     def chat(self, messages: list[Message] | list[list[Message]],
@@ -114,6 +115,16 @@ class LLM:
         rendered = [render_chat(self.tokenizer, c, add_generation_prompt) for c in conversations]
         return self.generate([ids for _, ids in rendered], sampling_params, use_tqdm,
                              prompt_texts=[text for text, _ in rendered], lora_request=lora_request)
+
+    def _loras(self, lora_request, n: int) -> list[LoRARequest | None]:
+        """One adapter (or None) per prompt, each loaded (so checked) before any is queued."""
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * n)
+        if len(loras) != n:
+            raise ValueError(f"got {n} prompts but {len(loras)} lora requests")
+        for lr in dict.fromkeys(lr for lr in loras if lr is not None):
+            self.engine.add_lora(lr)
+        return loras
 
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

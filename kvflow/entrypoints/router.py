@@ -6,6 +6,11 @@ true}`; that instance computes the prompt and lends its KV blocks, answering whe
 original request then goes, with those `kv_transfer_params`, to a decode instance, which pulls the
 blocks and streams the answer. With `--replicas URL...` it load-balances plain instances.
 
+Every endpoint of `kvflow serve` goes through (kvflow/entrypoints/router_endpoints.py says where
+each goes): completions, chat, embeddings and Anthropic's messages by the policy; the Responses
+API to the replica that stored a `previous_response_id`; tokenize to any one; LoRA load and
+unload to every worker.
+
 Replicas (and prefill instances) are picked by `--policy` (kvflow/core/routing.py), by default
 SGLang router's cache-aware one over an approximate tree of the prompts' text each was sent;
 load is requests in flight through this router. A replica that fails before any token reached
@@ -26,18 +31,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvflow.core.routing import POLICIES, CacheAwareConfig, make_policy
+from kvflow.entrypoints.router_endpoints import (ANTHROPIC_PREFIX, ANY_WORKER, FAN_OUT, NOT_IN_PD,
+                                                 PREAMBLE_EVENTS, RESPONSES, FanOut,
+                                                 ResponseHomes, ResponseIdScan, check_response_id,
+                                                 error, stored_path)
 from kvflow.entrypoints.router_workers import Backend, HealthConfig, Workers
 
 MAX_BODY_BYTES = 32 * 2**20
 MAX_KEY_CHARS = 65536  # of a prompt's text, for the cache-aware tree
 MAX_HELD_BYTES = 2**20  # a stream's bytes held back until its first token (then it is relayed)
 PREFILL_HEADER = "x-kvflow-prefill-ms"  # on a disaggregated answer: the prefill hop's time
-
-
-def error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error"
-                                   if status < 500 else "server_error", "param": param,
-                                   "code": status}}, status_code=status)
 
 
 def prompt_text(body: dict) -> str:
@@ -50,24 +53,25 @@ def prompt_text(body: dict) -> str:
 
 
 def _prompt_text(body: dict) -> str:
-    prompt = body.get("prompt")
+    # completions' prompt, embeddings' and the Responses API's input, or chat messages
+    prompt = body.get("prompt", body.get("input"))
+    messages = body.get("messages")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        prompt, messages = None, prompt  # Responses input items: messages and more
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         prompt = prompt[0]  # a batch goes to one replica: route by its first prompt
+    system = body.get("instructions", body.get("system"))  # Responses', Anthropic's
+    head = f"<system>{_content_text(system)}" if system else ""
     if isinstance(prompt, str):
-        return prompt[:MAX_KEY_CHARS]
+        return (head + prompt)[:MAX_KEY_CHARS]
     if prompt is not None:
         return json.dumps(prompt)[:MAX_KEY_CHARS]  # token ids, as text
-    parts: list[str] = []
-    size = 0
-    messages = body.get("messages")
+    parts: list[str] = [head]
+    size = len(head)
     for m in messages if isinstance(messages, list) else ():
         if not isinstance(m, dict):
             continue
-        content = m.get("content")
-        if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content
-                              if isinstance(p, dict) and isinstance(p.get("text"), str))
-        piece = f"<{m.get('role')}>{content if isinstance(content, str) else ''}"
+        piece = f"<{m.get('role')}>{_content_text(m.get('content'))}"
         parts.append(piece)
         size += len(piece)
         if size >= MAX_KEY_CHARS:
@@ -75,19 +79,30 @@ def _prompt_text(body: dict) -> str:
     return "".join(parts)[:MAX_KEY_CHARS]
 
 
+def _content_text(content) -> str:
+    """A message's text: a string, or the text of its parts (OpenAI's, Anthropic's blocks)."""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content[:256]
+                       if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return content if isinstance(content, str) else ""
+
+
 def first_token_seen(event: bytes) -> bool:
     """Whether one SSE event commits the stream: it carries text, a finish reason, an error or
-    the end (a chat's first chunk, the role with empty content, does not)."""
-    data = event.strip()
-    if not data.startswith(b"data:"):
+    the end (a chat's first chunk, the role with empty content, does not; nor do the Responses
+    and Messages APIs' opening events, PREAMBLE_EVENTS)."""
+    data = next((line[5:].strip() for line in event.strip().split(b"\n")
+                 if line.startswith(b"data:")), None)
+    if data is None:
         return False  # a comment or keep-alive
-    data = data[5:].strip()
     if data == b"[DONE]":
         return True
     try:
         chunk = json.loads(data)
     except ValueError:
         return True
+    if isinstance(chunk, dict) and "type" in chunk and "choices" not in chunk:
+        return chunk["type"] not in PREAMBLE_EVENTS  # a Responses or Messages API event
     choices = chunk.get("choices") if isinstance(chunk, dict) else None
     if not choices:
         return True  # an error object, or the usage chunk
@@ -164,6 +179,7 @@ class Router:
         for b in self.workers.all:
             self.metrics.worker_changed(b, True)
         self._checks: asyncio.Task | None = None
+        self.homes = ResponseHomes()  # response id -> the replica that stored it
 
     @property
     def backends(self) -> list[Backend]:
@@ -185,8 +201,15 @@ class Router:
         return choice.replica
 
     def _headers(self, raw: Request) -> dict:
-        auth = raw.headers.get("authorization")
-        return {"authorization": auth} if auth else {}
+        # the client's credentials (OpenAI's or Anthropic's header) and Anthropic's version
+        return {k: v for k in ("authorization", "x-api-key", "anthropic-version")
+                if (v := raw.headers.get(k))}
+
+    def pick_any(self, role: str | None = None) -> Backend | None:
+        """The least busy worker (healthy first) for a request that any may answer; not a
+        routing decision, so the policy does not learn from it."""
+        pool = self.pool(role) if role else self.backends
+        return min(pool, key=lambda b: (not b.healthy, b.inflight), default=None)
 
     def _count(self, b: Backend, delta: int) -> None:
         b.inflight += delta
@@ -206,33 +229,38 @@ class Router:
             self._count(b, -1)
 
     async def _forward(self, role: str, path: str, body: dict, headers: dict, key: str,
-                       mode: str, retries: int, reply_headers: dict | None = None) -> Response:
-        """Send `body` to a worker of `role` and hand its answer (JSON, or the SSE stream)
-        back, with `reply_headers` added. A worker that fails before the answer's first token
-        (unreachable, a 5xx, a stream cut before it) is retried on another, `retries` times."""
+                       mode: str, retries: int, reply_headers: dict | None = None,
+                       pinned: Backend | None = None, on_id=None) -> Response:
+        """Send `body` to a worker of `role` (or to `pinned`, no retry) and hand its answer
+        (JSON, or the SSE stream) back, with `reply_headers` added. A worker that fails before
+        the answer's first token (unreachable, a 5xx, a stream cut before it) is retried on
+        another, `retries` times. `on_id(id, worker)`: called with a Responses API answer's id."""
         tried: set = set()
+        if pinned is not None:
+            retries = 0
         while True:
-            b = self.pick(role, key, tried)
+            b = pinned or self.pick(role, key, tried)
             if b is None:
                 self.metrics.requests.labels(mode, "no_backend").inc()
-                return error(503, f"router: no {role} instance could take the request")
+                return error(503, f"router: no {role} instance could take the request",
+                             path=path)
             tried.add(b)
             try:
                 return await self._attempt(b, path, body, headers, mode, retries > 0,
-                                           reply_headers)
+                                           reply_headers, on_id)
             except (httpx.TransportError, StreamCutError) as e:
                 self._failed(b, unreachable=True)
                 if retries <= 0:
                     self.metrics.requests.labels(mode, "backend_failed").inc()
                     return error(502, f"router: {b.role} instance {b.url} failed: "
-                                      f"{type(e).__name__}")
+                                      f"{type(e).__name__}", path=path)
             except _Retry:
                 self._failed(b, unreachable=False)
             retries -= 1
             self.metrics.retries.inc()
 
     async def _attempt(self, b: Backend, path: str, body: dict, headers: dict, mode: str,
-                       may_retry: bool, reply_headers: dict | None) -> Response:
+                       may_retry: bool, reply_headers: dict | None, on_id=None) -> Response:
         """One try on `b`; raises (with nothing sent to the client) where a retry may follow."""
         self._count(b, 1)
         resp = None
@@ -247,13 +275,18 @@ class Router:
                 data = await resp.aread()
                 self.metrics.requests.labels(
                     mode, "ok" if resp.status_code < 400 else "error").inc()
+                if on_id is not None and resp.status_code == 200:
+                    rid = _json_id(data)
+                    if rid is not None:
+                        on_id(rid, b)
                 return Response(data, status_code=resp.status_code, media_type=ctype,
                                 headers=reply_headers)
             chunks = resp.aiter_raw()
             held = await self._hold_until_first_token(chunks) if may_retry else b""
             self.metrics.requests.labels(mode, "ok" if resp.status_code < 400 else "error").inc()
             handed_over = True
-            return StreamingResponse(self._relay(b, resp, held, chunks),
+            scan = ResponseIdScan(lambda rid: on_id(rid, b)) if on_id is not None else None
+            return StreamingResponse(self._relay(b, resp, held, chunks, scan),
                                      status_code=resp.status_code, media_type=ctype,
                                      headers=reply_headers)
         finally:
@@ -281,11 +314,16 @@ class Router:
                 return buf
         raise StreamCutError("the stream ended before its first token")
 
-    async def _relay(self, b: Backend, resp: httpx.Response, held: bytes, chunks):
+    async def _relay(self, b: Backend, resp: httpx.Response, held: bytes, chunks,
+                     scan: ResponseIdScan | None = None):
         try:
             if held:
+                if scan is not None:
+                    scan.feed(held)
                 yield held
             async for chunk in chunks:
+                if scan is not None:
+                    scan.feed(chunk)
                 yield chunk
         except httpx.TransportError:
             self._failed(b, unreachable=True)  # cut mid-answer: the client sees it end early
@@ -307,23 +345,43 @@ class Router:
                 self.metrics.requests.labels("pd" if self.pd else "replicas", "client_gone").inc()
                 return Response(status_code=499)
 
-    async def _handle(self, path: str, raw: Request) -> Response:
+    async def _body(self, path: str, raw: Request) -> dict | Response:
+        """The request's JSON object, or the error that answers it."""
         data = await raw.body()
         if len(data) > MAX_BODY_BYTES:
-            return error(413, f"router: request body over {MAX_BODY_BYTES} bytes")
+            return error(413, f"router: request body over {MAX_BODY_BYTES} bytes", path=path)
         try:
             body = json.loads(data)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return error(400, f"router: the body is not JSON: {e}")
+            return error(400, f"router: the body is not JSON: {e}", path=path)
         if not isinstance(body, dict):
-            return error(400, "router: the body must be a JSON object")
+            return error(400, "router: the body must be a JSON object", path=path)
         if "kv_transfer_params" in body:
             return error(400, "kv_transfer_params: set by the router, not by clients",
-                         "kv_transfer_params")
-        key = prompt_text(body)
+                         "kv_transfer_params", path=path)
+        return body
+
+    async def _handle(self, path: str, raw: Request) -> Response:
+        if self.pd and path in NOT_IN_PD:
+            return self._not_in_pd(path)
+        body = await self._body(path, raw)
+        if isinstance(body, Response):
+            return body
         headers = self._headers(raw)
+        mode = "pd" if self.pd else "replicas"
+        if path in ANY_WORKER:
+            b = self.pick_any()
+            if b is None:
+                return error(503, "router: no worker", path=path)
+            self.metrics.routed.labels(b.url, "any").inc()
+            return await self._forward(b.role, path, body, headers, "", mode, 0, pinned=b)
+        key = prompt_text(body)
+        if path == RESPONSES:
+            return await self._response(body, headers, key)
         if not self.pd:
             return await self._forward("replica", path, body, headers, key, "replicas", 1)
+        if path == "/v1/embeddings":  # a prompt only: where prompts are computed
+            return await self._forward("prefill", path, body, headers, key, "pd", 1)
         if body.get("n", 1) != 1:
             return error(400, "n: the router disaggregates one sample per request (n=1)", "n")
         prefill_body = {k: v for k, v in body.items()
@@ -362,6 +420,90 @@ class Router:
         return await self._forward("decode", path, dict(body, kv_transfer_params=params),
                                    headers, key, "pd", 0,
                                    {PREFILL_HEADER: f"{prefill_s * 1e3:.3f}"})
+
+    @staticmethod
+    def _not_in_pd(path: str) -> Response:
+        return error(400, f"router: {path} is not served in prefill/decode mode (the prefill "
+                          "hop hands kv_transfer_params over on /v1/completions and "
+                          "/v1/chat/completions only); use those, or a router with --replicas",
+                     path=path)
+
+    # -- the Responses API: a stored response lives on the replica that made it --------------
+    def _remember(self, body: dict):
+        if body.get("store") is False:
+            return None
+        return lambda rid, b: self.homes.put(rid, b.url)
+
+    async def _response(self, body: dict, headers: dict, key: str) -> Response:
+        prev = body.get("previous_response_id")
+        if prev is None:
+            return await self._forward("replica", RESPONSES, body, headers, key, "replicas", 1,
+                                       on_id=self._remember(body))
+        try:
+            check_response_id(prev, "previous_response_id")
+        except ValueError as e:
+            return error(400, str(e), "previous_response_id")
+        home = await self._home(prev, headers)
+        if home is None:
+            return error(404, f"previous_response_id: no replica holds a stored response "
+                              f"{prev!r}", "previous_response_id")
+        self.metrics.routed.labels(home.url, "previous_response").inc()
+        return await self._forward("replica", RESPONSES, body, headers, key, "replicas", 0,
+                                   pinned=home, on_id=self._remember(body))
+
+    async def _home(self, response_id: str, headers: dict) -> Backend | None:
+        """The replica that stored `response_id`: remembered, else the one that has it."""
+        url = self.homes.get(response_id)
+        b = self.workers.find(url) if url is not None else None
+        if b is not None:
+            return b
+        pool = self.pool("replica")
+
+        async def has(b: Backend) -> bool:
+            try:
+                r = await self.client.get(b.url + stored_path(response_id), headers=headers)
+            except httpx.HTTPError:
+                return False
+            return r.status_code == 200
+        found = await asyncio.gather(*(has(b) for b in pool))
+        b = next((b for b, ok in zip(pool, found) if ok), None)
+        if b is not None:
+            self.homes.put(response_id, b.url)
+        return b
+
+    async def stored_response(self, method: str, response_id: str, suffix: str,
+                              raw: Request) -> Response:
+        """GET or DELETE /v1/responses/{id}[/input_items], on the replica that stored it."""
+        if self.pd:
+            return self._not_in_pd(RESPONSES)
+        try:
+            check_response_id(response_id, "response_id")
+        except ValueError as e:
+            return error(400, str(e), "response_id")
+        headers = self._headers(raw)
+        b = await self._home(response_id, headers)
+        if b is None:
+            return error(404, f"router: no replica holds a stored response {response_id!r}",
+                         "response_id")
+        try:
+            r = await self.client.request(method, b.url + stored_path(response_id, suffix),
+                                          params=list(raw.query_params.multi_items()),
+                                          headers=headers)
+        except httpx.HTTPError as e:
+            self._failed(b, unreachable=isinstance(e, httpx.TransportError))
+            return error(502, f"router: replica {b.url} failed: {type(e).__name__}")
+        if method == "DELETE" and r.status_code == 200:
+            self.homes.forget(response_id)
+        return Response(r.content, status_code=r.status_code,
+                        media_type=r.headers.get("content-type"))
+
+    async def fan_out(self, path: str, raw: Request) -> Response:
+        """LoRA load or unload on every worker (router_endpoints.FanOut)."""
+        body = await self._body(path, raw)
+        if isinstance(body, Response):
+            return body
+        return await FanOut(self.client).send([b.url for b in self.backends], path, body,
+                                              self._headers(raw))
 
     async def health(self) -> Response:
         """Probes every worker now; 200 while each needed pool has a healthy one."""
@@ -432,6 +574,15 @@ class _Retry(Exception):
     """A 5xx from a worker, before anything reached the client."""
 
 
+def _json_id(data: bytes) -> str | None:
+    try:
+        body = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    rid = body.get("id") if isinstance(body, dict) else None
+    return rid if isinstance(rid, str) else None
+
+
 def build_app(router: Router) -> FastAPI:
     app = FastAPI(title="kvflow router")
 
@@ -443,13 +594,34 @@ def build_app(router: Router) -> FastAPI:
     async def _stop() -> None:
         await router.stop()
 
-    @app.post("/v1/completions")
-    async def completions(raw: Request):
-        return await router.handle("/v1/completions", raw)
+    def forwarded(path: str):
+        async def endpoint(raw: Request):
+            return await router.handle(path, raw)
+        return endpoint
 
-    @app.post("/v1/chat/completions")
-    async def chat(raw: Request):
-        return await router.handle("/v1/chat/completions", raw)
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", RESPONSES,
+                 ANTHROPIC_PREFIX, *ANY_WORKER):
+        app.add_api_route(path, forwarded(path), methods=["POST"])
+
+    def fanned_out(path: str):
+        async def endpoint(raw: Request):
+            return await router.fan_out(path, raw)
+        return endpoint
+
+    for path in FAN_OUT:
+        app.add_api_route(path, fanned_out(path), methods=["POST"])
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, raw: Request):
+        return await router.stored_response("GET", response_id, "", raw)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def get_input_items(response_id: str, raw: Request):
+        return await router.stored_response("GET", response_id, "/input_items", raw)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, raw: Request):
+        return await router.stored_response("DELETE", response_id, "", raw)
 
     @app.get("/v1/models")
     async def models(raw: Request):

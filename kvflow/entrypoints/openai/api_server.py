@@ -220,7 +220,7 @@ def build_app(engine: AsyncLLM | DPAsyncLLM, settings: ServerSettings,
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request):
         return await chat.create(req, raw)
 
-    embeddings = OpenAIServingEmbedding(engine, settings)
+    embeddings = OpenAIServingEmbedding(engine, settings, loras)
 
     @app.post("/v1/embeddings")
     async def create_embedding(req: EmbeddingRequest, raw: Request):

@@ -65,7 +65,6 @@ _UNIMPLEMENTED_COMPLETION = {
 }
 _UNIMPLEMENTED_CHAT = {
     **_UNIMPLEMENTED_COMMON,
-    "prompt_logprobs": lambda v, body: v is None,  # /v1/completions has it
     "functions": lambda v, body: _absent(v),
     "function_call": lambda v, body: v is None or v in ("none", "auto"),
     "audio": lambda v, body: v is None,
@@ -363,6 +362,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # vLLM's: the response carries `prompt_logprobs`, the rendered prompt's tokens and their
+    # top-N (not with stream, as in vLLM)
+    prompt_logprobs: int | None = None
     add_generation_prompt: bool = True
 
     @model_validator(mode="before")

@@ -17,6 +17,7 @@ from kvflow.entrypoints.openai.chat_output import MessageParser, merge_delta
 from kvflow.entrypoints.openai.errors import APIError, bad_request
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool
 from kvflow.entrypoints.openai.reasoning_parsers import make_reasoning_parser, reasoning_token_ids
+from kvflow.entrypoints.openai.serving_completion import prompt_logprobs_json
 from kvflow.entrypoints.openai.serving_engine import (MAX_MESSAGES, OpenAIServing, off_loop, sse,
                                                       until_disconnected, usage_info)
 from kvflow.entrypoints.openai.tool_parsers import (JsonArrayToolParser, NamedToolParser,
@@ -45,6 +46,7 @@ class ChatJob:
     reasoning_parser: str | None = None
     parallel_tool_calls: bool = True
     lora_request: LoRARequest | None = None  # the adapter `model` named; None: the base model
+    prompt_logprobs: bool = False  # the response carries vLLM's `prompt_logprobs`
 
     def message_parser(self) -> MessageParser:
         tools = (make_tool_parser(self.tool_call_parser) if self.tool_mode == "auto" else
@@ -199,9 +201,12 @@ class OpenAIServingChat(OpenAIServing):
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs",
                            code="invalid_value")
+        if req.prompt_logprobs is not None and req.stream:
+            raise APIError(400, "prompt_logprobs: not available with stream=true",
+                           param="prompt_logprobs", code="invalid_value")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.make_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
-                                  lora_request=lora)
+                                  req.prompt_logprobs, lora_request=lora)
         tools = tool_dicts(req.tools)
         tool_mode, tool_name = self.tool_mode(req, params, tools)
         try:
@@ -227,7 +232,7 @@ class OpenAIServingChat(OpenAIServing):
                        prompt, ids, params, req.top_logprobs or 0, req.include_usage,
                        req.priority, req.cache_salt, tool_mode, tool_name,
                        self.settings.tool_call_parser, self.settings.reasoning_parser,
-                       req.parallel_tool_calls, lora)
+                       req.parallel_tool_calls, lora, req.prompt_logprobs is not None)
 
     async def chunks(self, job: ChatJob) -> AsyncIterator[dict]:
         # the adapter is held from here to the end (closing the stream aborts the requests
@@ -250,8 +255,11 @@ class OpenAIServingChat(OpenAIServing):
         completion_tokens = 0
         cached_tokens = 0
         parsers: dict[int, MessageParser] = {}
+        prompt_lps = None  # on the next chunk, once the engine has them
         async for out in gen:
             cached_tokens = max(cached_tokens, out.num_cached_tokens)
+            if out.prompt_logprobs is not None and job.prompt_logprobs:
+                prompt_lps = prompt_logprobs_json(out.prompt_logprobs)
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
                 parser = parsers.get(c.index) or parsers.setdefault(c.index, job.message_parser())
@@ -270,11 +278,12 @@ class OpenAIServingChat(OpenAIServing):
                           "finish_reason": finish}
                 if c.finish_reason is not None:
                     choice["stop_reason"] = c.stop_reason
+                more = dict(extra)
+                if prompt_lps is not None:
+                    more["prompt_logprobs"], prompt_lps = prompt_lps, None
                 if out.kv_transfer_params is not None:  # lent blocks: where to pull them
-                    yield {**head, "choices": [choice], **extra,
-                           "kv_transfer_params": out.kv_transfer_params}
-                    continue
-                yield {**head, "choices": [choice], **extra}
+                    more["kv_transfer_params"] = out.kv_transfer_params
+                yield {**head, "choices": [choice], **more}
         if job.include_usage:
             n_prompt = len(job.prompt_ids)
             details = self.settings.enable_prompt_tokens_details
@@ -285,11 +294,12 @@ class OpenAIServingChat(OpenAIServing):
         job.include_usage = True
         choices: dict[int, dict] = {}
         usage = None
-        kv_transfer_params = None
+        kv_transfer_params = prompt_lps = None
         async for chunk in self.chunks(job):
             if not chunk["choices"]:
                 usage = chunk["usage"]
             kv_transfer_params = chunk.get("kv_transfer_params", kv_transfer_params)
+            prompt_lps = chunk.get("prompt_logprobs", prompt_lps)
             for c in chunk["choices"]:
                 choice = choices.setdefault(c["index"], {
                     "index": c["index"], "message": {"role": "assistant", "content": None},
@@ -308,6 +318,8 @@ class OpenAIServingChat(OpenAIServing):
         result = {"id": job.request_id, "object": "chat.completion", "created": job.created,
                   "model": job.model, "choices": [choices[i] for i in sorted(choices)],
                   "usage": usage}
+        if job.prompt_logprobs:  # vLLM's place: beside the choices, the prompt is theirs alike
+            result["prompt_logprobs"] = prompt_lps
         if kv_transfer_params is not None:
             result["kv_transfer_params"] = kv_transfer_params
         return result

@@ -20,6 +20,7 @@ from pydantic_core import PydanticCustomError
 from kvflow.entrypoints.openai.errors import APIError
 from kvflow.entrypoints.openai.protocol import OpenAIBaseModel
 from kvflow.entrypoints.openai.serving_engine import OpenAIServing, off_loop, until_disconnected
+from kvflow.lora_request import LoRARequest
 from kvflow.pooling_params import PoolingParams
 from kvflow.request import InvalidRequestError
 
@@ -59,7 +60,7 @@ def _b64(vec: list[float]) -> str:
 
 class OpenAIServingEmbedding(OpenAIServing):
     async def create(self, req: EmbeddingRequest, raw: Request):
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         try:
             params = PoolingParams(normalize=req.normalize, dimensions=req.dimensions)
         except ValueError as e:
@@ -74,7 +75,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         encoded = await off_loop(self._encode, inputs, req.add_special_tokens, size=chars)
         for i, ids in enumerate(encoded):  # every input, before any is queued
             try:
-                self.input_processor.process_pooling(ids, params, name="input")
+                self.input_processor.process_pooling(ids, params, lora, name="input")
             except InvalidRequestError as e:
                 where = f" (input {i})" if len(encoded) > 1 else ""
                 raise APIError(400, f"input: {e}{where}", param="input",
@@ -85,8 +86,9 @@ class OpenAIServingEmbedding(OpenAIServing):
         self.check_available(len(encoded))
         request_id = f"embd-{uuid.uuid4().hex}"
         created = int(time.time())
-        result = await until_disconnected(raw, self._embed(request_id, encoded, params,
-                                                           req.priority))
+        with self.loras.in_use(lora):
+            result = await until_disconnected(raw, self._embed(request_id, encoded, params,
+                                                               req.priority, lora))
         if not isinstance(result, list):
             return result  # the client went away
         data = [{"object": "embedding", "index": i,
@@ -94,13 +96,15 @@ class OpenAIServingEmbedding(OpenAIServing):
                 for i, vec in enumerate(result)]
         n = sum(map(len, encoded))
         return JSONResponse({"id": request_id, "object": "list", "created": created,
-                             "model": self.settings.model_name, "data": data,
+                             "model": lora.lora_name if lora is not None
+                             else self.settings.model_name, "data": data,
                              "usage": {"prompt_tokens": n, "total_tokens": n}})
 
     async def _embed(self, request_id: str, encoded: list[list[int]], params: PoolingParams,
-                     priority: int) -> list[list[float]]:
+                     priority: int, lora: LoRARequest | None) -> list[list[float]]:
         tasks = [asyncio.ensure_future(self.engine.encode(ids, params, f"{request_id}-{i}",
-                                                          priority=priority, checked=True))
+                                                          priority=priority, checked=True,
+                                                          lora_request=lora))
                  for i, ids in enumerate(encoded)]
         try:
             outs = await asyncio.gather(*tasks)
