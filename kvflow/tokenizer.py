@@ -101,12 +101,14 @@ def _save_atomically(tokenizer, target: str) -> None:
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                tools: list[dict] | None = None) -> tuple[str, list[int]]:
+                tools: list[dict] | None = None,
+                chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
     """Apply the model's chat template; returns the text and its token ids. The template writes
     its own special tokens (BOS and the like), so they are not added again. `tools` (OpenAI's
-    function definitions) reach the template as transformers passes them."""
+    function definitions) reach the template as transformers passes them;
+    `chat_template_kwargs`, variables the template reads (e.g. `enable_thinking`)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; use a completion instead")
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                         tokenize=False, tools=tools)
+                                         tokenize=False, tools=tools, **(chat_template_kwargs or {}))
     return text, tokenizer.encode(text, add_special_tokens=False)

@@ -26,10 +26,24 @@ _PHI3 = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\
          "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 _MISTRAL = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}"
             " [/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+# SmolLM3's reasoning switch as its template has it: `/think` or `/no_think` in the system
+# message, or `enable_thinking` from chat_template_kwargs; /no_think opens an empty think block
+_SMOLLM3 = ("{%- set mode = '/think' -%}"
+            "{%- if enable_thinking is defined and enable_thinking is false -%}{%- set mode = '/no_think' -%}{%- endif -%}"
+            "{%- if messages[0]['role'] == 'system' -%}"
+            "{%- if '/no_think' in messages[0]['content'] -%}{%- set mode = '/no_think' -%}"
+            "{%- elif '/think' in messages[0]['content'] -%}{%- set mode = '/think' -%}{%- endif -%}"
+            "{%- endif -%}"
+            "<|im_start|>system\nReasoning Mode: {{ mode }}<|im_end|>\n"
+            "{% for m in messages if m['role'] != 'system' %}"
+            "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n"
+            "{% if mode == '/no_think' %}<think>\n\n</think>\n{% endif %}{% endif %}")
 _CHAT = {"qwen": (("<|im_end|>", "<|im_start|>"), _CHATML),
+         "smollm3": (("<|im_end|>", "<|im_start|>", "<think>", "</think>"), _SMOLLM3),
          "phi3": (("<|end|>", "<|user|>", "<|assistant|>", "<|system|>"), _PHI3),
          "mistral": ((), _MISTRAL)}
-END_OF_TURN = {"qwen": "<|im_end|>", "phi3": "<|end|>", "mistral": None}
+END_OF_TURN = {"qwen": "<|im_end|>", "smollm3": "<|im_end|>", "phi3": "<|end|>", "mistral": None}
 # Routers scaled up from the random init so that the top-k choice is decisive, not a near-tie
 # that fp32 rounding could flip between two implementations.
 _ROUTER_SCALE = 40.0
@@ -123,7 +137,7 @@ def save_smollm3(path: str) -> str:
     cfg = SmolLM3Config(**{**_BASE, "num_hidden_layers": 4}, tie_word_embeddings=True,
                         rope_theta=5_000_000.0, pad_token_id=0)
     assert cfg.no_rope_layers == [1, 1, 1, 0]
-    return _finish(_save_random(SmolLM3ForCausalLM, cfg, path, seed=8), "qwen")
+    return _finish(_save_random(SmolLM3ForCausalLM, cfg, path, seed=8), "smollm3")
 
 
 def _perturb_norms(path: str, seed: int) -> None:

@@ -109,10 +109,12 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-             ) -> list[RequestOutput]:
-        """Chat through the model's chat template; one conversation or a list of them."""
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Chat through the model's chat template; one conversation or a list of them.
+        `chat_template_kwargs`: variables the template reads (e.g. `enable_thinking`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        rendered = [render_chat(self.tokenizer, c, add_generation_prompt) for c in conversations]
+        rendered = [render_chat(self.tokenizer, c, add_generation_prompt,
+                                chat_template_kwargs=chat_template_kwargs) for c in conversations]
         return self.generate([ids for _, ids in rendered], sampling_params, use_tqdm,
                              prompt_texts=[text for text, _ in rendered], lora_request=lora_request)
 

@@ -231,7 +231,7 @@ def build_app(engine: AsyncLLM | DPAsyncLLM, settings: ServerSettings,
         completions.check_model(req.model)
         if req.messages is not None:
             _, ids = await chat.render(req.messages, req.add_generation_prompt,
-                                       tool_dicts(req.tools))
+                                       tool_dicts(req.tools), req.chat_template_kwargs)
         elif req.prompt is not None:
             completions.check_text_size(len(req.prompt), "prompt")
             ids = await off_loop(engine.tokenizer.encode, req.prompt,

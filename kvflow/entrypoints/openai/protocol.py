@@ -6,6 +6,8 @@ silently ignored; so are vLLM's removed `guided_*` fields, naming `structured_ou
 the serving modules (one shape per chunk, cheap to encode)."""
 from __future__ import annotations
 
+import json
+
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -75,7 +77,6 @@ _UNIMPLEMENTED_CHAT = {
     "echo": lambda v, body: _absent(v),
     "continue_final_message": lambda v, body: _absent(v),
     "chat_template": lambda v, body: v is None,
-    "chat_template_kwargs": lambda v, body: _absent(v),
     "documents": lambda v, body: v is None,
     "add_special_tokens": lambda v, body: _absent(v),
 }
@@ -353,6 +354,34 @@ class NamedToolChoice(OpenAIBaseModel):
     function: ToolChoiceFunction
 
 
+# chat_template_kwargs: extra variables for the chat template (vLLM's field; e.g. Qwen3's and
+# SmolLM3's `enable_thinking`). Bounded, JSON values only, and never one of the names that
+# apply_chat_template itself takes.
+MAX_TEMPLATE_KWARGS = 32
+MAX_TEMPLATE_KWARGS_CHARS = 16384
+_TEMPLATE_RESERVED = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"})
+
+
+def check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`chat_template_kwargs` bounded: at most MAX_TEMPLATE_KWARGS identifier keys, JSON of at
+    most MAX_TEMPLATE_KWARGS_CHARS characters, no name apply_chat_template reserves."""
+    if not value:
+        return None
+    if len(value) > MAX_TEMPLATE_KWARGS:
+        raise ValueError(f"chat_template_kwargs: at most {MAX_TEMPLATE_KWARGS} keys")
+    for key in value:
+        if not (key.isidentifier() and len(key) <= 64):
+            raise ValueError(f"chat_template_kwargs: {key[:64]!r} is not a name of at most 64 characters")
+        if key in _TEMPLATE_RESERVED:
+            raise ValueError(f"chat_template_kwargs: {key!r} is set by its own request field")
+    if len(json.dumps(value)) > MAX_TEMPLATE_KWARGS_CHARS:
+        raise ValueError(f"chat_template_kwargs: at most {MAX_TEMPLATE_KWARGS_CHARS} characters of JSON")
+    return value
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
@@ -366,12 +395,15 @@ class ChatCompletionRequest(SamplingFields):
     # top-N (not with stream, as in vLLM)
     prompt_logprobs: int | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_unimplemented(cls, body: Any) -> Any:
         _refuse_unimplemented(body, _UNIMPLEMENTED_CHAT)
         return body
+
+    _template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
 
 
 # -- other endpoints -----------------------------------------------------------------
@@ -382,6 +414,9 @@ class TokenizeRequest(OpenAIBaseModel):
     tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    _template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
 
 
 class DetokenizeRequest(OpenAIBaseModel):

@@ -128,11 +128,12 @@ def tool_dicts(tools: list[ChatTool] | None) -> list[dict] | None:
 
 
 def render_chat(tokenizer, convo: list[dict], add_generation_prompt: bool = True,
-                tools: list[dict] | None = None) -> str:
-    """The prompt text of a conversation; template errors become a 400."""
+                tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+    """The prompt text of a conversation; template errors become a 400. `template_kwargs`:
+    the request's chat_template_kwargs, variables the template reads."""
     try:
         return tokenizer.apply_chat_template(convo, add_generation_prompt=add_generation_prompt,
-                                             tokenize=False, tools=tools)
+                                             tokenize=False, tools=tools, **(template_kwargs or {}))
     except ValueError as e:
         raise bad_request(e) from None
     except Exception as e:  # noqa: BLE001 - jinja raises its own errors for bad conversations
@@ -141,15 +142,17 @@ def render_chat(tokenizer, convo: list[dict], add_generation_prompt: bool = True
 
 
 def render_and_encode(tokenizer, convo: list[dict], add_generation_prompt: bool,
-                      tools: list[dict] | None = None) -> tuple[str, list[int]]:
-    prompt = render_chat(tokenizer, convo, add_generation_prompt, tools)
+                      tools: list[dict] | None = None,
+                      template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+    prompt = render_chat(tokenizer, convo, add_generation_prompt, tools, template_kwargs)
     # The template already holds the special tokens it wants.
     return prompt, tokenizer.encode(prompt, add_special_tokens=False)
 
 
 class OpenAIServingChat(OpenAIServing):
     async def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                     tools: list[dict] | None = None) -> tuple[str, list[int]]:
+                     tools: list[dict] | None = None,
+                     template_kwargs: dict | None = None) -> tuple[str, list[int]]:
         """Template and tokenize, with the input bounded first and big work off the loop."""
         convo = conversation(messages)
         chars = sum(len(m["content"]) + len(m["role"]) for m in convo)
@@ -157,9 +160,11 @@ class OpenAIServingChat(OpenAIServing):
         chars += sum(json_chars(m["tool_calls"], "messages") for m in convo if "tool_calls" in m)
         if tools:
             chars += json_chars(tools, "tools")
+        if template_kwargs:
+            chars += json_chars(template_kwargs, "chat_template_kwargs")
         self.check_text_size(chars, "messages")
         return await off_loop(render_and_encode, self.tokenizer, convo, add_generation_prompt,
-                              tools, size=chars + 16 * len(convo))
+                              tools, template_kwargs, size=chars + 16 * len(convo))
 
     def tool_mode(self, req: ChatCompletionRequest, params: SamplingParams,
                   tools: list[dict] | None) -> tuple[str | None, str | None]:
@@ -216,7 +221,8 @@ class OpenAIServingChat(OpenAIServing):
                 raise APIError(400, f"tools: a parameter schema cannot be enforced: {e.message}",
                                param="tools", code=e.code) from None
             raise
-        prompt, ids = await self.render(req.messages, req.add_generation_prompt, tools)
+        prompt, ids = await self.render(req.messages, req.add_generation_prompt, tools,
+                                        req.chat_template_kwargs)
         if self.settings.reasoning_parser and params.structured_outputs is not None:
             # the thinking is free; the constraint holds from the token after `</think>`
             extra = reasoning_token_ids(
