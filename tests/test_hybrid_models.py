@@ -1,10 +1,10 @@
 """Hybrid models (LFM2: gated short convolutions that keep a state per request, beside attention
 layers) against Hugging Face transformers in fp32: logits over chunked mixed batches with each
 sequence's state in its own slot; greedy tokens through the engine with chunked prefill, a mixed
-batch, a preemption (the state recomputed from the tokens) and the prefix cache on (a prompt
-sharing another's prefix is computed from its start: no state is kept at a block boundary, so
-there is no hit rather than a wrong state); only attention layers hold a KV cache, and the
-state slots come out of the same budget."""
+batch, a preemption (the state recomputed from the tokens) and a prefix-cache hit (a prompt
+sharing another's prefix resumes from the state snapshot kept at a block boundary); only
+attention layers hold a KV cache, and the state slots and snapshots come out of the same
+budget."""
 from __future__ import annotations
 
 import json
@@ -68,7 +68,9 @@ def _hf_greedy(hf, prompts: list[list[int]], n: int) -> list[tuple[list[int], li
 
 def test_greedy_tokens_match_hf_through_chunks_a_preemption_and_a_shared_prefix(tiny, tmp_path):
     """Five prompts of different lengths at once, a 16-token budget, a pool too small for all of
-    them (a preemption), two prompts sharing a 24-token prefix with the prefix cache on."""
+    them (a preemption), two prompts sharing a 24-token prefix with the prefix cache on: the
+    second resumes from the snapshot at the last block boundary the first one's steps crossed
+    within the shared prefix (its chunks end at 16 and 29: the snapshot at 16, 4 blocks)."""
     from kvflow import LLM, SamplingParams
 
     name, path, hf = tiny
@@ -87,8 +89,7 @@ def test_greedy_tokens_match_hf_through_chunks_a_preemption_and_a_shared_prefix(
     assert any(s["preempted"] for s in steps), "the pool should have forced a preemption"
     assert any({r["phase"] for r in s["requests"]} == {"prefill", "decode"} for s in steps), \
         "prompt chunks and decodes should share steps"
-    # no state is kept at a block boundary: the shared prefix is computed again, never reused
-    assert first.num_cached_tokens == 0 and rest[-1].num_cached_tokens == 0
+    assert first.num_cached_tokens == 0 and rest[-1].num_cached_tokens == 16
     identical = 0
     for i, out in enumerate([first, *rest]):
         got = out.outputs[0].token_ids
@@ -98,6 +99,8 @@ def test_greedy_tokens_match_hf_through_chunks_a_preemption_and_a_shared_prefix(
     core = llm.engine.core
     slots = [m for m in core.scheduler.kv_cache_manager.managers if type(m) is StateManager]
     assert len(slots) == 1 and slots[0].num_free_slots == slots[0].num_slots  # all given back
+    assert slots[0].snapshots  # kept for later hits
+    llm.engine.core.scheduler.kv_cache_manager.check_invariants()
 
 
 def test_only_attention_layers_hold_kv_and_the_state_is_budgeted(tiny):
@@ -114,11 +117,11 @@ def test_only_attention_layers_hold_kv_and_the_state_is_budgeted(tiny):
     assert state == (arch.num_hidden_layers - len(attn)) * 2 * arch.hidden_size * 4  # a 3-tap window
     specs = core.scheduler.kv_cache_manager.specs
     assert specs[-1] == StateSpec(state) and core.num_state_slots == 6
-    # the 6 slots' bytes come out of the budget before the blocks are counted
-    assert core.cache_config.num_blocks == ((1 << 20) - 6 * state) // (len(attn) * per_layer * 4)
+    # the 6 slots' bytes and as many snapshots' come out of the budget before the blocks are counted
+    assert core.cache_config.num_blocks == ((1 << 20) - 12 * state) // (len(attn) * per_layer * 4)
     caches = core.executor.runner.kv_caches
     assert [i for i, c in enumerate(caches) if c is not None] == attn
-    assert "state" in core.startup_report() and "6 slots" in core.startup_report()
+    assert "6 slots + 6 prefix-cache snapshots" in core.startup_report()
 
 
 def test_features_a_state_cannot_follow_yet_are_refused_by_name(tiny):

@@ -1,6 +1,7 @@
 """The KV cache coordinator and its specs: one manager per KV cache group behind the one object
 the scheduler asks; a state group (StateSpec) holds one slot per running request, taken at
-admission and given back on finish, abort and preemption. Model-free, milliseconds."""
+admission and given back on finish, abort and preemption, and with prefix caching snapshots at
+block boundaries that later hits resume from. Model-free, milliseconds."""
 from __future__ import annotations
 
 import pytest
@@ -151,20 +152,59 @@ def test_state_slot_freed_on_preemption():
     assert _slots(sched) == {}
 
 
-def test_a_model_with_state_layers_never_hits_the_prefix_cache():
-    sched = _sched(num_slots=2)
+def _finish(sched: Scheduler, rid: str, prompt: list[int]) -> None:
+    sched.add_request(Request(rid, prompt, SamplingParams(max_tokens=2, temperature=0)))
+    runner = FakeRunner()
+    while sched.has_unfinished_requests():
+        _step(sched, runner)
+
+
+def test_a_state_model_hits_where_a_snapshot_was_kept_and_resumes_from_it():
+    """Each step keeps the state at the last block boundary it crosses: with an 8-token budget
+    a's chunks end at 8, 16, 24 (and 25), so prompts sharing 6 or 5 of its blocks resume at 24
+    and 16, the restore copying the snapshot into the new request's slot before its step."""
+    sched = _sched(num_slots=4, budget=8)
     prompt = list(range(10, 10 + 6 * BS))
-    sched.add_request(Request("a", prompt + [1], SamplingParams(max_tokens=2, temperature=0)))
-    run_to_completion(sched)
+    _finish(sched, "a", prompt + [1])
+    state = sched.kv_cache_manager.managers[-1]
+    assert len(state.snapshots) == 3 and state.num_snapshots == 4  # at 8, 16 and 24
     sched.add_request(Request("b", prompt + [2], SamplingParams(max_tokens=2, temperature=0)))
     out = sched.schedule()
-    assert out.num_cached_tokens["b"] == 0  # the state at the prefix's end was never kept
-    # without the state group the same blocks are found
-    plain = _sched(num_slots=2, specs=[FullAttentionSpec()])
-    plain.add_request(Request("a", prompt + [1], SamplingParams(max_tokens=2, temperature=0)))
-    run_to_completion(plain)
-    plain.add_request(Request("b", prompt + [2], SamplingParams(max_tokens=2, temperature=0)))
-    assert plain.schedule().num_cached_tokens["b"] == 6 * BS
+    assert out.num_cached_tokens["b"] == 6 * BS
+    [(snap, slot)] = out.state_restores
+    assert slot == _slots(sched)["b"] and snap >= state.num_slots
+    runner = FakeRunner()
+    sched.update_from_output(out, runner.execute(out))
+    while sched.has_unfinished_requests():
+        _step(sched, runner)
+    sched.add_request(Request("c", prompt[:5 * BS] + [99] * 5, SamplingParams(max_tokens=2, temperature=0)))
+    assert sched.schedule().num_cached_tokens["c"] == 4 * BS  # the snapshot at 16, not at 20
+    sched.kv_cache_manager.check_invariants()
+
+
+def test_a_snapshot_is_found_only_once_its_step_has_run():
+    """Two requests sharing a prefix admitted in one step: the second finds the first's blocks
+    but not its state (written by that very step), so it computes its prompt whole."""
+    sched = _sched(num_slots=2, budget=64)
+    prompt = list(range(10, 10 + 6 * BS))
+    for rid, last in (("a", 1), ("b", 2)):
+        sched.add_request(Request(rid, prompt + [last], SamplingParams(max_tokens=2, temperature=0)))
+    out = sched.schedule()
+    assert out.num_cached_tokens == {"a": 0, "b": 0} and len(out.state_saves) == 2
+    assert not out.state_restores
+
+
+def test_without_prefix_caching_no_snapshot_is_kept():
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_model_len=256),
+                      CacheConfig(block_size=BS, num_blocks=64, enable_prefix_caching=False),
+                      kv_cache_specs=[FullAttentionSpec(), STATE], num_state_slots=2)
+    runner = FakeRunner()
+    sched.add_request(Request("a", list(range(10, 35)), SamplingParams(max_tokens=2, temperature=0)))
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        assert not out.state_saves and not out.state_restores
+        sched.update_from_output(out, runner.execute(out))
+    assert sched.kv_cache_manager.managers[-1].num_snapshots == 0
 
 
 def test_each_group_lists_its_table_and_windows_share_one_pool():

@@ -44,8 +44,11 @@ class AttentionMetadata:
     # a query at position p sees keys in (p - sliding_window, p] (None: all keys up to p); one
     # window per KV cache group, so one per metadata
     sliding_window: int | None = None
-    # [N] int64, each request's state slot (a model with state layers, kvflow/layers/short_conv.py)
+    # a model with state layers (kvflow/layers/short_conv.py): [N] int64, each request's state
+    # slot; and the prefix-cache snapshots this step takes: request's row -> (the offset in its
+    # chunk of the token after which the state is kept, the snapshot's slot)
     state_slots: np.ndarray | None = None
+    state_saves: dict | None = None
     # on a GPU: the arrays above on the device (kvflow/model/gpu_batch.py) and the positions as a
     # device tensor, in a CUDA graph's persistent buffers when one replays the step
     gpu: object | None = None

@@ -201,6 +201,7 @@ class Scheduler(RemoteKVMixin):
 
         if self.max_concurrent_batches > 1:
             in_flight.update(out.num_scheduled_tokens)
+        out.state_restores, out.state_saves = kv.take_state_copies()
         self.step_index += 1
         return out
 
@@ -380,6 +381,7 @@ class Scheduler(RemoteKVMixin):
         updates += [RequestUpdate(self._kv_failed.pop(rid), [], FinishReason.ABORT)
                     for rid in sched_out.kv_load_errors if rid in self._kv_failed]
         finished: set[str] = set()
+        self.kv_cache_manager.commit_states()  # the snapshots this step wrote are in place
         if self.in_flight:
             self.in_flight.difference_update(sched_out.num_scheduled_tokens)
         for req_id, n in sched_out.num_scheduled_tokens.items():

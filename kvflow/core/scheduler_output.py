@@ -98,6 +98,11 @@ class SchedulerOutput:
     # speculative decoding: request id -> its draft tokens checked this step (vLLM's name);
     # they are the last len(drafts) of its num_scheduled_tokens. Absent: no drafts.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # a model with state layers and prefix caching: state slots copied (from, to) before the
+    # forward (a hit resumes from a snapshot), and snapshots the forward writes: (request id,
+    # the block boundary it is taken at, the snapshot slot), at most one per request
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[str, int, int]] = field(default_factory=list)
 
     # -- what was decided and why: the runner does not need these ---------------------------
     # request id -> True when its tokens this step are prompt tokens (a prefill chunk, or a

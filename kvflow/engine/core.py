@@ -163,6 +163,12 @@ class EngineCore:
                              "yet: the transfer moves KV blocks, not the layers' states")
         self.num_state_slots = config.scheduler_config.max_num_seqs
 
+    @property
+    def _state_copies(self) -> int:
+        """Slots per running request: its own, and with prefix caching as many snapshots
+        (core/kv_cache/state.py)."""
+        return 2 if self.config.cache_config.enable_prefix_caching else 1
+
     def _kv_cache_specs(self) -> list:
         """One spec per KV cache group, attention groups first, then the state layers'."""
         specs = [g.spec for g in make_kv_cache_groups(self.cache_config.layer_windows or (None,))]
@@ -198,8 +204,8 @@ class EngineCore:
                 sc.max_num_seqs, self.max_model_len, self.device, free_at_start)
             num_blocks = gpu_memory.num_gpu_blocks(
                 self.gpu_memory, cc.gpu_memory_utilization, block_bytes_per_token, cc.block_size)
-        else:  # the state slots' bytes come out of the same budget
-            state = self.num_state_slots * self.state_bytes_per_request
+        else:  # the state slots' bytes (and their snapshots') come out of the same budget
+            state = self.num_state_slots * self._state_copies * self.state_bytes_per_request
             num_blocks = num_kv_blocks(replace(cc, kv_cache_memory=max(cc.kv_cache_memory - state, 0)),
                                        block_bytes_per_token)
         return sc, replace(cc, num_blocks=num_blocks,
@@ -241,8 +247,8 @@ class EngineCore:
                                     capture=not self.config.model_config.enforce_eager)
                   if self._on_gpu and not a.num_experts else None)
         return UniProcExecutor(model, a, cc.num_blocks, cc.block_size, self.kv_dtype,
-                               a.eos_token_ids, self.device, graphs,
-                               max_model_len=self.max_model_len, num_state_slots=self.num_state_slots)
+                               a.eos_token_ids, self.device, graphs, max_model_len=self.max_model_len,
+                               num_state_slots=self.num_state_slots * self._state_copies)
 
     def _start_up(self) -> None:
         """What needs the executor's workers: adapters, the KV-transfer agent, the trace,
@@ -302,7 +308,9 @@ class EngineCore:
                 f"{cc.num_blocks} blocks x {cc.block_size}{group_note} = "
                 f"{tokens} tokens; "
                 + (f"state {self.state_bytes_per_request / 1024:.1f} KiB/request x {self.num_state_slots} "
-                   f"slots = {self.state_bytes_per_request * self.num_state_slots / 2**20:.1f} MiB; "
+                   f"slots" + (f" + {self.num_state_slots} prefix-cache snapshots"
+                               if self._state_copies > 1 else "")
+                   + f" = {self.state_bytes_per_request * self.num_state_slots * self._state_copies / 2**20:.1f} MiB; "
                    if self.num_state_slots else "")
                 + f"max concurrency at max_model_len "
                 f"{self.max_model_len}: {max_concurrency(cc.num_blocks // len(groups), cc.block_size, self.max_model_len):.2f}; "

@@ -6,7 +6,8 @@ Each request's state is the last kernel_size - 1 inputs of the convolution (B * 
 slot `meta.state_slots[i]` of this layer's state tensor [slots, kernel_size - 1, hidden] between
 steps, so a prompt can arrive in chunks over several steps and decodes read only the state,
 whatever the context length. A request whose first token is in this step (a new prompt, or one
-recomputed after a preemption) starts from zeros."""
+recomputed after a preemption) starts from zeros; one whose prompt starts with cached blocks
+starts from the snapshot kept at their end (`meta.state_saves` names where a step keeps one)."""
 from __future__ import annotations
 
 import torch
@@ -37,6 +38,12 @@ class ShortConv(nn.Module):
         self.state = torch.zeros(num_slots, self.kernel_size - 1, self.hidden_size, dtype=dtype,
                                  device=self.in_proj.device)
 
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy slot `a`'s state into slot `b` for each (a, b): a prefix-cache snapshot kept,
+        or one a new request resumes from."""
+        src, dst = zip(*pairs)
+        self.state[list(dst)] = self.state[list(src)]
+
     def forward(self, h: torch.Tensor, meta: AttentionMetadata, kernels: Kernels,
                 packed: dict) -> torch.Tensor:
         """h [T, hidden], the normed residual stream of the step's flat batch -> [T, hidden]."""
@@ -46,6 +53,7 @@ class ShortConv(nn.Module):
         conv = torch.empty_like(bx)
         state, taps = self.state, self.kernel_size - 1
         starts, lens, seq_lens = meta.query_start_loc, meta.query_lens, meta.seq_lens
+        saves = meta.state_saves or {}
         for i, slot in enumerate(meta.state_slots):
             start, n = int(starts[i]), int(lens[i])
             if n == 0:
@@ -55,6 +63,9 @@ class ShortConv(nn.Module):
             window = torch.cat((state[slot], bx[start:start + n]))  # [taps + n, hidden]
             # out[t] = sum_k w[:, k] * window[t + k]: the last kernel_size inputs up to t
             conv[start:start + n] = (window.unfold(0, self.kernel_size, 1) * self.conv_weight).sum(-1)
+            if i in saves:  # a prefix-cache snapshot: the state after the chunk's token `after`
+                after, snap = saves[i]
+                state[snap] = window[after + 1:after + 1 + taps]
             state[slot] = window[-taps:]
         if self.conv_bias is not None:
             conv += self.conv_bias

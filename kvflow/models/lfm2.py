@@ -94,6 +94,11 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
             if isinstance(layer, Lfm2ConvLayer):
                 layer.conv.allocate_state(num_slots, self.dtype)
 
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        for layer in self.layers:
+            if isinstance(layer, Lfm2ConvLayer):
+                layer.conv.copy_states(pairs)
+
     def pack_weights(self) -> bool:
         pack = self.kernels.pack
         if self.layers[0].gate_up_proj.device.type != "cpu" or pack is None:

@@ -136,12 +136,19 @@ class ModelRunner:
         self._num_reading_prompt_rows = 0  # requests pooling or scoring their prompt
         self.lora = None  # LoRAManager (model/lora.py) once enable_lora(...)
 
-    def _state_slots(self, out: SchedulerOutput, req_ids: list[str]) -> np.ndarray:
+    def _state_slots(self, out: SchedulerOutput, req_ids: list[str]) -> tuple[np.ndarray, dict]:
         """Each request's state slot (a step built without groups, the warm-up's: slot 0, whose
-        state a request's first token resets)."""
+        state a request's first token resets), and the snapshots this step takes: request's
+        row -> (the offset in its chunk of the token after which, the snapshot's slot)."""
         g = self.state_group
-        return np.fromiter((t[g][0] if (t := out.group_block_ids.get(r)) else 0 for r in req_ids),
-                           dtype=np.int64, count=len(req_ids))
+        slots = np.fromiter((t[g][0] if (t := out.group_block_ids.get(r)) else 0 for r in req_ids),
+                            dtype=np.int64, count=len(req_ids))
+        saves = {}
+        if out.state_saves:
+            row = {r: i for i, r in enumerate(req_ids)}
+            for rid, position, snap in out.state_saves:
+                saves[row[rid]] = (position - out.num_computed_tokens[rid] - 1, snap)
+        return slots, saves
 
     def _drop(self, rid: str) -> CachedRequestState | None:
         state = self.requests.pop(rid, None)
@@ -229,7 +236,7 @@ class ModelRunner:
                                             queries_as_decodes=as_decodes)
             metas = [meta]
             if self.state_group is not None:
-                meta.state_slots = self._state_slots(out, req_ids)
+                meta.state_slots, meta.state_saves = self._state_slots(out, req_ids)
         else:  # one metadata per group (its block tables and window), handed to its layers
             # (a step built without groups, the warm-up's, gives every group its one table)
             tables = [out.group_block_ids.get(r) or (out.block_ids[r],) * len(self.groups)
@@ -240,7 +247,7 @@ class ModelRunner:
                      for g, group in enumerate(self.groups)]
             meta = metas[0]
             if self.state_group is not None:
-                meta.state_slots = self._state_slots(out, req_ids)
+                meta.state_slots, meta.state_saves = self._state_slots(out, req_ids)
         if self.device.type != "cpu":  # the GPU kernels read these (and meta.gpu's arrays) only
             for m in metas:
                 m.slot_mapping = m.slot_mapping.to(self.device, non_blocking=True)
@@ -259,6 +266,8 @@ class ModelRunner:
             hidden = graphs.run(size, padded, self._forward)[:n]
         else:
             layer_metas = meta if len(metas) == 1 else [metas[g] for g in self.layer_group]
+            if out.state_restores:  # prefix-cache hits resume from state snapshots
+                self.model.copy_states(out.state_restores)
             hidden = self._forward(torch.tensor(input_ids, dtype=torch.long).to(self.device),
                                    layer_metas, lora)
 

@@ -24,9 +24,11 @@ from kvflow.request import Request
 
 class ComputedBlocks(list):
     """A prefix-cache hit: the real (non-null) blocks it takes, flat (what admission counts),
-    with each group's leading table in `per_group` (null blocks where a window has moved on)."""
+    with each group's leading table in `per_group` (null blocks where a window has moved on),
+    and for a state group the block hash whose snapshot the request resumes from (`resume`)."""
 
     per_group: list[list[KVBlock]]
+    resume: dict[int, bytes]
 
 
 class KVCacheCoordinator:
@@ -57,6 +59,7 @@ class KVCacheCoordinator:
         # what a step's allocation asks of only some kinds (looked up once, not per request)
         self._windowed = [m for m in self.managers if type(m) is SlidingWindowManager]
         self._stateful = [m for m in self.managers if type(m) is StateManager]
+        self._snapshots = any(m.num_snapshots for m in self._stateful)
         self._no_hit = [[] for _ in self.managers]
         self.req_to_hashes: dict[str, list[bytes]] = {}
         self.prefix_queries = 0  # prompt tokens looked up
@@ -71,8 +74,9 @@ class KVCacheCoordinator:
         if kind is SlidingWindowSpec:
             return SlidingWindowManager(self.block_pool, self.block_size, spec.sliding_window,
                                         max_step_tokens, suffix, self.null_block)
-        if kind is StateSpec:
-            return StateManager(spec, num_state_slots)
+        if kind is StateSpec:  # with prefix caching, as many snapshots as running slots
+            return StateManager(spec, num_state_slots, self.block_size,
+                                num_state_slots if self.enable_caching else 0)
         raise ValueError(f"no KV cache manager for {spec!r}")
 
     # -- sizes -----------------------------------------------------------------------------
@@ -142,6 +146,7 @@ class KVCacheCoordinator:
         the number of tokens it covers. Changes nothing."""
         hit = ComputedBlocks()
         hit.per_group = [[] for _ in self.managers]
+        hit.resume = {}
         if not self.enable_caching:
             return hit, 0
         max_blocks = (req.num_tokens - 1) // self.block_size
@@ -158,6 +163,8 @@ class KVCacheCoordinator:
         for g, m in enumerate(self.managers):
             hit.per_group[g] = m.hit_table(found[g], n)
             hit.extend(b for b in hit.per_group[g] if b is not self.null_block)
+            if n and type(m) is StateManager:
+                hit.resume[g] = found[g][n - 1]
         return hit, n * self.block_size
 
     def cache_blocks(self, req: Request, num_tokens: int) -> None:
@@ -197,8 +204,10 @@ class KVCacheCoordinator:
         if hit:
             self.block_pool.touch(list(hit))
         new_ids: list[int] = []
+        resume = getattr(hit, "resume", None) or {}
         for g, m in enumerate(self.managers):
-            new = m.take(req, per_group[g], needs[g])
+            new = (m.take(req, per_group[g], needs[g], resume[g]) if g in resume
+                   else m.take(req, per_group[g], needs[g]))
             if g == 0:
                 new_ids = [b.block_id for b in new]
         if cache:
@@ -231,7 +240,29 @@ class KVCacheCoordinator:
         self.req_to_hashes.pop(req.request_id, None)
 
     def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache(num_reserved=self.null_block is not None)
+        done = self.block_pool.reset_prefix_cache(num_reserved=self.null_block is not None)
+        if done:
+            for m in self._stateful:
+                m.reset_prefix_cache()
+        return done
+
+    # -- state snapshots (models with state layers, prefix caching on) ----------------------
+    def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[str, int, int]]]:
+        """This step's state slot copies before its forward, (from, to): hits resuming from
+        snapshots; and the snapshots its forward takes, (request id, position, slot)."""
+        if not self._snapshots:
+            return [], []
+        before, after = [], []
+        for m in self._stateful:
+            b, a = m.take_copies()
+            before += b
+            after += a
+        return before, after
+
+    def commit_states(self) -> None:
+        """A step has run: the snapshots it wrote become findable."""
+        for m in self._stateful:
+            m.commit()
 
     def check_invariants(self) -> None:
         """Ref counts equal holders (the null block: one, its own) and are >= 0, no table
