@@ -194,6 +194,17 @@ def test_a_snapshot_is_found_only_once_its_step_has_run():
     assert not out.state_restores
 
 
+def test_a_state_whose_layers_keep_no_snapshots_never_hits():
+    """StateSpec(snapshots=False): layers that cannot copy their state (the engine's spec for a
+    model without copy_states) give no hit, however many blocks are cached."""
+    sched = _sched(num_slots=2, budget=8, specs=[FullAttentionSpec(), StateSpec(4096, snapshots=False)])
+    prompt = list(range(10, 10 + 6 * BS))
+    _finish(sched, "a", prompt + [1])
+    sched.add_request(Request("b", prompt + [2], SamplingParams(max_tokens=2, temperature=0)))
+    out = sched.schedule()
+    assert out.num_cached_tokens["b"] == 0 and not out.state_saves
+
+
 def test_without_prefix_caching_no_snapshot_is_kept():
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_model_len=256),
                       CacheConfig(block_size=BS, num_blocks=64, enable_prefix_caching=False),

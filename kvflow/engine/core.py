@@ -65,7 +65,7 @@ class EngineCore:
         self._refuse_unsupported()  # option combinations refused before anything loads
         free_at_start = torch.cuda.mem_get_info(self.device)[0] if self._on_gpu else 0
         model = self._load_model()  # the weights here, or (ranks load shards) the config only
-        self._refuse_for_state_layers()
+        self._refuse_for_state_layers(model)
         self.kv_bytes_per_token, block_bytes_per_token = self._kv_cache_spec()
         self.scheduler_config, self.cache_config = self._cache_configs(
             model, block_bytes_per_token, free_at_start)  # block count from the memory budget
@@ -148,10 +148,10 @@ class EngineCore:
         """The fixed-size state one request holds across a hybrid model's state layers (0: none)."""
         return self.arch.state_bytes_per_request(self.dtype.itemsize)
 
-    def _refuse_for_state_layers(self) -> None:
+    def _refuse_for_state_layers(self, model) -> None:
         """ValueError for what a model with state layers (LFM2's convolutions) cannot run with
         yet; sets `num_state_slots` (one per request that may run: max_num_seqs)."""
-        self.num_state_slots = 0
+        self.num_state_slots, self._state_snapshots = 0, False
         if not self.state_bytes_per_request:
             return
         config, name = self.config, self.arch.architecture
@@ -162,18 +162,21 @@ class EngineCore:
             raise ValueError(f"kv_transfer with {name} (layers that keep a state) is not supported "
                              "yet: the transfer moves KV blocks, not the layers' states")
         self.num_state_slots = config.scheduler_config.max_num_seqs
+        # prefix-cache hits need the layers to keep (and restore) snapshots of a state
+        self._state_snapshots = (config.cache_config.enable_prefix_caching
+                                 and hasattr(model, "copy_states"))
 
     @property
     def _state_copies(self) -> int:
         """Slots per running request: its own, and with prefix caching as many snapshots
-        (core/kv_cache/state.py)."""
-        return 2 if self.config.cache_config.enable_prefix_caching else 1
+        (core/kv_cache/state.py) where the layers keep them."""
+        return 2 if self._state_snapshots else 1
 
     def _kv_cache_specs(self) -> list:
         """One spec per KV cache group, attention groups first, then the state layers'."""
         specs = [g.spec for g in make_kv_cache_groups(self.cache_config.layer_windows or (None,))]
         if self.num_state_slots:
-            specs.append(StateSpec(self.state_bytes_per_request))
+            specs.append(StateSpec(self.state_bytes_per_request, snapshots=self._state_snapshots))
         return specs
 
     def _kv_cache_spec(self) -> tuple[int, int]:

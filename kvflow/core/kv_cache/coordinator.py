@@ -76,7 +76,7 @@ class KVCacheCoordinator:
                                         max_step_tokens, suffix, self.null_block)
         if kind is StateSpec:  # with prefix caching, as many snapshots as running slots
             return StateManager(spec, num_state_slots, self.block_size,
-                                num_state_slots if self.enable_caching else 0)
+                                num_state_slots if self.enable_caching and spec.snapshots else 0)
         raise ValueError(f"no KV cache manager for {spec!r}")
 
     # -- sizes -----------------------------------------------------------------------------

@@ -40,6 +40,9 @@ class StateSpec(KVCacheSpec):
     request's latest position, so no prefix of it is ever found in the cache again."""
 
     bytes_per_request: int
+    # the layers can keep a copy of a request's state at a block boundary for the prefix cache
+    # (state.py's snapshots); False: such a model never gets a prefix-cache hit
+    snapshots: bool = True
 
     def __post_init__(self) -> None:
         if self.bytes_per_request <= 0:
