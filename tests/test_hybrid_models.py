@@ -1,5 +1,5 @@
-"""Hybrid models (LFM2's gated short convolutions, Qwen3.5's Gated DeltaNet: layers that keep a
-state per request, beside attention layers) against Hugging Face transformers in fp32: logits
+"""Hybrid models (LFM2's gated short convolutions, Qwen3.5's and Qwen3-Next's Gated DeltaNet:
+layers that keep a state per request, beside attention layers) against Hugging Face transformers in fp32: logits
 over chunked mixed batches with each sequence's state in its own slot; greedy tokens through the
 engine with chunked prefill, a mixed batch, a preemption (the state recomputed from the tokens)
 and the prefix cache on (a prompt sharing another's prefix is computed from its start: no state

@@ -1,5 +1,5 @@
 """Tiny random hybrid models (layers that keep a state per request beside attention layers)
-saved as HF folders: LFM2's gated short convolutions, Qwen3.5's Gated DeltaNet. Their weights are drawn wider than
+saved as HF folders: LFM2's gated short convolutions, Qwen3.5's and Qwen3-Next's Gated DeltaNet. Their weights are drawn wider than
 transformers' default init so that greedy tokens vary from step to step (at the default, a tiny
 random LFM2 repeats one token)."""
 from __future__ import annotations
@@ -60,4 +60,23 @@ def save_qwen3_5_vl(path: str) -> str:
     return _save_random(Qwen3_5ForConditionalGeneration, cfg, path, seed=5)
 
 
-BUILDERS = {"lfm2": save_lfm2, "qwen3_5": save_qwen3_5}
+def save_qwen3_next(path: str) -> str:
+    """Qwen3.5's layer pattern and shapes with 4 experts (top-2, renormalised) and a gated
+    shared expert, the third layer dense (`mlp_only_layers`); untied."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    cfg = Qwen3NextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                          linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=512,
+                          layer_types=["linear_attention", "full_attention", "linear_attention",
+                                       "linear_attention", "full_attention"],
+                          num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                          shared_expert_intermediate_size=48, mlp_only_layers=[2], norm_topk_prob=True,
+                          initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    path = _save_random(Qwen3NextForCausalLM, cfg, path, seed=9)
+    save_byte_tokenizer(path, VOCAB)
+    return path
+
+
+BUILDERS = {"lfm2": save_lfm2, "qwen3_5": save_qwen3_5, "qwen3_next": save_qwen3_next}

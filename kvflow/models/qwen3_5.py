@@ -1,7 +1,9 @@
-"""Qwen3.5 (Qwen3_5ForCausalLM; a Qwen3_5ForConditionalGeneration folder loads its text part):
-Gated DeltaNet layers (kvflow/layers/gated_deltanet.py, a fixed-size state per request)
-interleaved with gated full-attention layers, each followed by a SwiGLU MLP, pre-norm, as
-Hugging Face's Qwen3_5TextModel computes it. Only the attention layers hold a KV cache; the
+"""Qwen3.5 (Qwen3_5ForCausalLM; a Qwen3_5ForConditionalGeneration folder loads its text part)
+and Qwen3-Next (Qwen3NextForCausalLM): Gated DeltaNet layers (kvflow/layers/gated_deltanet.py, a
+fixed-size state per request) interleaved with gated full-attention layers, each followed by a
+SwiGLU MLP (Qwen3-Next: mostly a mixture of experts with a sigmoid-gated shared expert,
+kvflow/layers/moe.py), pre-norm, as Hugging Face's Qwen3_5TextModel and Qwen3NextModel compute
+them. Only the attention layers hold a KV cache; the
 linear-attention layers hold a state slot per running request (the KV cache coordinator's
 state group).
 
@@ -10,7 +12,8 @@ fp32 (kvflow keeps that fp32 multiplier, as for Gemma 3); the attention layers' 
 carries a second half, per head, whose sigmoid gates the heads' outputs before o_proj; QK-norm
 per head; RoPE on the first partial_rotary_factor of each head's dims. The vision-language
 folders' M-RoPE sections rotate text tokens exactly as plain RoPE (their three position ids are
-equal), so the text part needs no sections."""
+equal), so the text part needs no sections. Qwen3-Next's checkpoints interleave the linear attention's
+q|k|v|z and b|a projections per key head; they are regrouped at load into Qwen3.5's layout."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -23,6 +26,7 @@ from torch import nn
 from kvflow.attention.metadata import AttentionMetadata
 from kvflow.layers.attention import Attention
 from kvflow.layers.gated_deltanet import GatedDeltaNet
+from kvflow.layers.moe import SparseMoeBlock
 from kvflow.layers.parameter import weight
 from kvflow.layers.rotary import partial_rope_
 from kvflow.model.arch import LlamaArchConfig
@@ -32,6 +36,7 @@ from kvflow.models.llama import LlamaFamily, LlamaForCausalLM
 from kvflow.models.registry import Supports
 
 _TEXT_PREFIX = "model.language_model."  # a Qwen3_5ForConditionalGeneration folder's text model
+_NEXT = "Qwen3NextForCausalLM"
 
 
 @dataclass
@@ -66,9 +71,13 @@ class Qwen3_5ArchConfig(LlamaArchConfig):
         nv, value = self.linear_num_value_heads, self.linear_num_value_heads * self.linear_value_head_dim
         linear = (h * (self.linear_conv_dim + value + 2 * nv) + self.linear_conv_dim * self.linear_conv_kernel_dim
                   + 2 * nv + self.linear_value_head_dim + value * h)
-        per_layer = 3 * h * self.intermediate_size + 2 * h
+        shared = self.shared_expert_intermediate_size
+        moe = (self.num_experts * (h + 3 * h * self.moe_intermediate_size)
+               + (3 * h * shared + h if shared else 0))
+        mlps = sum(moe if self.is_moe_layer(i) else 3 * h * self.intermediate_size
+                   for i in range(self.num_hidden_layers))
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return (embed + h + self.num_hidden_layers * per_layer
+        return (embed + h + self.num_hidden_layers * 2 * h + mlps
                 + (self.num_hidden_layers - n_lin) * attention + n_lin * linear)
 
 
@@ -77,18 +86,19 @@ def _norm_weight(n: int, device) -> nn.Parameter:
 
 
 class _Qwen3_5Layer(nn.Module):
-    """What both kinds of layer share: the two norms and the SwiGLU MLP. forward is
-    LlamaDecoderLayer's: returns (x, the MLP output not yet added)."""
+    """What both kinds of layer share: the two norms and the SwiGLU MLP (or the expert block).
+    forward is LlamaDecoderLayer's: returns (x, the MLP output not yet added)."""
 
-    def __init__(self, arch: Qwen3_5ArchConfig, dtype: torch.dtype, device=None):
+    def __init__(self, arch: Qwen3_5ArchConfig, dtype: torch.dtype, device, layer_idx: int):
         super().__init__()
         h = arch.hidden_size
         self.eps = arch.rms_norm_eps
         self.input_layernorm = _norm_weight(h, device)
         self.post_attention_layernorm = _norm_weight(h, device)
-        self.gate_up_proj = weight(2 * arch.intermediate_size, h, dtype=dtype, device=device)
-        self.down_proj = weight(h, arch.intermediate_size, dtype=dtype, device=device)
-        self.moe = None
+        self.moe = SparseMoeBlock(arch, dtype, device) if arch.is_moe_layer(layer_idx) else None
+        dense = self.moe is None
+        self.gate_up_proj = weight(2 * arch.intermediate_size, h, dtype=dtype, device=device) if dense else None
+        self.down_proj = weight(h, arch.intermediate_size, dtype=dtype, device=device) if dense else None
         self.packed: dict = {}
 
     def mixer(self, h: torch.Tensor, rope: tuple, kv_cache, meta: AttentionMetadata,
@@ -101,6 +111,8 @@ class _Qwen3_5Layer(nn.Module):
         norm, pk = kernels.add_rms_norm_fp32_weight, self.packed
         o = self.mixer(norm(x, residual_delta, self.input_layernorm, self.eps), rope, kv_cache, meta, kernels)
         h = norm(x, o, self.post_attention_layernorm, self.eps)
+        if self.moe is not None:
+            return x, self.moe(h, kernels)
         act = kernels.linear_silu_mul(h, self.gate_up_proj, pk.get("gate_up_proj"))
         return x, kernels.linear(act, self.down_proj, pk.get("down_proj"))
 
@@ -109,8 +121,8 @@ class Qwen3_5AttentionLayer(_Qwen3_5Layer):
     """Gated full attention: q|k|v|gate in one projection, QK-norm, partial RoPE, the heads'
     outputs times sigmoid(gate)."""
 
-    def __init__(self, arch: Qwen3_5ArchConfig, dtype: torch.dtype, device=None):
-        super().__init__(arch, dtype, device)
+    def __init__(self, arch: Qwen3_5ArchConfig, dtype: torch.dtype, device, layer_idx: int):
+        super().__init__(arch, dtype, device, layer_idx)
         d = arch.head_dim
         self.attn = Attention(arch.num_attention_heads, arch.num_key_value_heads, d, d ** -0.5)
         q_size, kv_size = self.attn.q_size, self.attn.kv_size
@@ -137,8 +149,8 @@ class Qwen3_5AttentionLayer(_Qwen3_5Layer):
 class Qwen3_5LinearLayer(_Qwen3_5Layer):
     """A Gated DeltaNet layer."""
 
-    def __init__(self, arch: Qwen3_5ArchConfig, dtype: torch.dtype, device=None):
-        super().__init__(arch, dtype, device)
+    def __init__(self, arch: Qwen3_5ArchConfig, dtype: torch.dtype, device, layer_idx: int):
+        super().__init__(arch, dtype, device, layer_idx)
         self.gdn = GatedDeltaNet(arch.hidden_size, arch.linear_num_key_heads, arch.linear_num_value_heads,
                                  arch.linear_key_head_dim, arch.linear_value_head_dim,
                                  arch.linear_conv_kernel_dim, arch.rms_norm_eps, dtype, device)
@@ -149,8 +161,8 @@ class Qwen3_5LinearLayer(_Qwen3_5Layer):
 
 def _layer(arch: Qwen3_5ArchConfig, dtype: torch.dtype, device=None, tp=None, layer_idx: int = 0) -> nn.Module:
     if layer_idx in arch.linear_layers:
-        return Qwen3_5LinearLayer(arch, dtype, device)
-    return Qwen3_5AttentionLayer(arch, dtype, device)
+        return Qwen3_5LinearLayer(arch, dtype, device, layer_idx)
+    return Qwen3_5AttentionLayer(arch, dtype, device, layer_idx)
 
 
 class Qwen3_5ForCausalLM(LlamaForCausalLM):
@@ -179,6 +191,9 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
             owner = getattr(layer, "gdn", layer)
             names = ("in_proj", "out_proj") if owner is not layer else ("qkv_gate_proj", "o_proj")
             layer.packed = {name: pack(getattr(owner, name)) for name in names}
+            if layer.moe is not None:
+                layer.moe.pack_weights(pack)
+                continue
             layer.packed["gate_up_proj"] = pack(layer.gate_up_proj, gate_up=True)
             layer.packed["down_proj"] = pack(layer.down_proj)
         self.packed_lm_head = pack(self.embed_tokens if self.lm_head is None else self.lm_head)
@@ -199,7 +214,7 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
 
 
 class Qwen3_5Family(LlamaFamily):
-    name = "Qwen3.5"
+    name = "Gated DeltaNet (Qwen3.5, Qwen3-Next)"
     # one rank, float weights, no adapters, layer by layer; no speculative decoding and no KV
     # transfer (a state cannot be rolled back or sent yet: the engine refuses them)
     supports = Supports(tensor_parallel=False, pipeline_parallel=False, lora=False, quantized=False,
@@ -215,7 +230,15 @@ class Qwen3_5Family(LlamaFamily):
             raise ValueError(f"layer_types must list 'linear_attention' or 'full_attention' for each of {n} layers")
         if cfg.get("attention_bias"):
             raise ValueError("Qwen3.5 with attention_bias is not supported yet")
-        return {"qk_norm": True, "attention_bias": False,
+        experts = {}
+        if architecture == _NEXT:
+            experts = dict(num_experts=int(cfg["num_experts"]), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                           moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+                           norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                           shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+                           decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+                           mlp_only_layers=[int(i) for i in cfg.get("mlp_only_layers") or []])
+        return {"qk_norm": True, "attention_bias": False, **experts,
                 "linear_layers": [i for i, t in enumerate(types) if t == "linear_attention"],
                 **{key: int(cfg[key]) for key in ("linear_conv_kernel_dim", "linear_num_key_heads",
                                                   "linear_num_value_heads", "linear_key_head_dim",
@@ -225,11 +248,13 @@ class Qwen3_5Family(LlamaFamily):
         """Layer i's tensors; the norms, q's gate rows and the conv weight are fuse_weights'."""
         p = f"model.layers.{i}."
         m = p + "mlp."
-        names = {"gate_up_proj": [m + "gate_proj.weight", m + "up_proj.weight"], "down_proj": [m + "down_proj.weight"]}
+        names = {} if arch.is_moe_layer(i) else {"gate_up_proj": [m + "gate_proj.weight", m + "up_proj.weight"],
+                                                 "down_proj": [m + "down_proj.weight"]}
         if i in arch.linear_layers:
             g = p + "linear_attn."
-            names.update({"gdn.in_proj": [g + f"in_proj_{x}.weight" for x in ("qkv", "z", "b", "a")],
-                          "gdn.out_proj": [g + "out_proj.weight"], "gdn.norm": [g + "norm.weight"]})
+            names.update({"gdn.out_proj": [g + "out_proj.weight"], "gdn.norm": [g + "norm.weight"]})
+            if arch.architecture != _NEXT:  # Qwen3-Next's: regrouped in fuse_weights
+                names["gdn.in_proj"] = [g + f"in_proj_{x}.weight" for x in ("qkv", "z", "b", "a")]
         else:
             names["o_proj"] = [p + "self_attn.o_proj.weight"]
         return names
@@ -258,6 +283,9 @@ class Qwen3_5Family(LlamaFamily):
                 out[q + "gdn.conv_weight"] = get(g + "conv1d.weight").reshape(arch.linear_conv_dim, -1).contiguous()
                 out[q + "gdn.A_log"] = get32(g + "A_log").contiguous()
                 out[q + "gdn.dt_bias"] = get32(g + "dt_bias").contiguous()
+                if arch.architecture == _NEXT:
+                    out[q + "gdn.in_proj"] = _regroup_qkvz_ba(get(g + "in_proj_qkvz.weight"),
+                                                              get(g + "in_proj_ba.weight"), arch)
                 continue
             a = p + "self_attn."
             q_gate = get(a + "q_proj.weight").view(heads, 2, d, -1)  # per head: [q; gate]
@@ -269,6 +297,16 @@ class Qwen3_5Family(LlamaFamily):
 
     def model_class(self, arch: LlamaArchConfig) -> type[LlamaForCausalLM]:
         return Qwen3_5ForCausalLM
+
+
+def _regroup_qkvz_ba(qkvz: torch.Tensor, ba: torch.Tensor, arch: Qwen3_5ArchConfig) -> torch.Tensor:
+    """Qwen3-Next's projections, per key head [q; k; v; z] and [b; a] (v, z, b and a for the
+    value heads that key head serves), as Qwen3.5's [q; k; v; z; b; a] over all heads."""
+    nk, dk, dv = arch.linear_num_key_heads, arch.linear_key_head_dim, arch.linear_value_head_dim
+    r = arch.linear_num_value_heads // nk
+    per_head = qkvz.view(nk, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], dim=1)
+    b, a = ba.view(nk, 2 * r, -1).split([r, r], dim=1)
+    return torch.cat([x.reshape(-1, qkvz.shape[-1]) for x in (*per_head, b, a)]).contiguous()
 
 
 FAMILY = Qwen3_5Family()
