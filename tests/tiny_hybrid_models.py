@@ -1,7 +1,7 @@
 """Tiny random hybrid models (layers that keep a state per request beside attention layers)
-saved as HF folders: LFM2's gated short convolutions, Qwen3.5's and Qwen3-Next's Gated DeltaNet. Their weights are drawn wider than
-transformers' default init so that greedy tokens vary from step to step (at the default, a tiny
-random LFM2 repeats one token)."""
+saved as HF folders: LFM2's gated short convolutions, Qwen3.5's and Qwen3-Next's Gated
+DeltaNet. Their weights are drawn wider than transformers' default init so that greedy tokens
+vary from step to step (at the default, a tiny random LFM2 repeats one token)."""
 from __future__ import annotations
 
 from conftest_model_helpers import _save_random, save_byte_tokenizer

@@ -105,11 +105,6 @@ class GatedDeltaNet(nn.Module):
         self.conv_state: torch.Tensor | None = None
         self.recurrent_state: torch.Tensor | None = None
 
-    def state_bytes(self, dtype: torch.dtype) -> int:
-        """One request's state: the conv window in `dtype`, the recurrent state in fp32."""
-        window = (self.kernel_size - 1) * self.conv_dim * torch.empty(0, dtype=dtype).element_size()
-        return window + self.num_v_heads * self.head_k_dim * self.head_v_dim * 4
-
     def allocate_state(self, num_slots: int, dtype: torch.dtype) -> None:
         device = self.in_proj.device
         self.conv_state = torch.zeros(num_slots, self.kernel_size - 1, self.conv_dim, dtype=dtype, device=device)
@@ -151,7 +146,8 @@ class GatedDeltaNet(nn.Module):
         return kernels.linear(self._gated_norm(out.to(h.dtype), z).view(t, -1), self.out_proj,
                               packed.get("out_proj"))
 
-    def _conv(self, mixed: torch.Tensor, starts: np.ndarray, lens: np.ndarray, slots: torch.Tensor) -> torch.Tensor:
+    def _conv(self, mixed: torch.Tensor, starts: np.ndarray, lens: np.ndarray,
+              slots: torch.Tensor) -> torch.Tensor:
         """The causal depthwise convolution of every request's tokens [T, conv_dim] over its
         window (its last kernel_size - 1 inputs, then this step's), all requests at once; the
         windows' last kernel_size - 1 rows become the new states."""
