@@ -26,10 +26,10 @@ def test_the_chunked_form_equals_the_recurrence_across_chunks_and_calls():
     state0 = torch.randn(h, dk, dv)
     out_a, mid = chunk_gated_delta_rule(q[:, :70], k[:, :70], v[:, :70], g[:, :70], beta[:, :70], state0)
     out_b, end = chunk_gated_delta_rule(q[:, 70:], k[:, 70:], v[:, 70:], g[:, 70:], beta[:, 70:], mid)
-    state, ref = state0[None], []
+    state, ref = state0[None].clone(), []
     for t in range(n):
-        o, state = recurrent_gated_delta_rule(q[None, :, t], k[None, :, t], v[None, :, t], g[None, :, t],
-                                              beta[None, :, t], state)
+        o = recurrent_gated_delta_rule(q[None, :, t], k[None, :, t], v[None, :, t], g[None, :, t],
+                                       beta[None, :, t], state)
         ref.append(o[0])
     torch.testing.assert_close(torch.cat((out_a, out_b), 1), torch.stack(ref, 1), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(end, state[0], atol=1e-5, rtol=1e-5)

@@ -36,8 +36,8 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                            beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's tokens, heads first, fp32: q, k [H, L, dk] (normalised, q scaled),
-    v [H, L, dv], g, beta [H, L]; `state` [H, dk, dv] before the first token. Returns the
-    outputs [H, L, dv] and the state after the last token."""
+    v [H, L, dv], g, beta [H, L]; `state` [H, dk, dv] before the first token (left as it is).
+    Returns the outputs [H, L, dv] and the state after the last token."""
     h, n, _ = k.shape
     chunk = min(CHUNK, n)
     pad = -n % chunk
@@ -61,21 +61,24 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     k = k * (g[..., -1:] - g).exp()[..., None]
     chunk_decay = g[..., -1].exp()[..., None, None]
     out = torch.empty_like(new_values)
+    state = state.clone()
     for i in range(num_chunks):
-        v_new = new_values[:, i] - k_cumdecay[:, i] @ state
-        out[:, i] = q[:, i] @ state + intra[:, i] @ v_new
-        state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
+        v_new = torch.baddbmm(new_values[:, i], k_cumdecay[:, i], state, alpha=-1)
+        torch.baddbmm(q[:, i] @ state, intra[:, i], v_new, out=out[:, i])
+        state.mul_(chunk_decay[:, i]).baddbmm_(k[:, i].transpose(-1, -2), v_new)
     return out.reshape(h, -1, out.shape[-1])[:, :n], state
 
 
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of each of B requests, fp32: q, k [B, H, dk], v [B, H, dv], g, beta [B, H],
-    `state` [B, H, dk, dv]. Returns the outputs [B, H, dv] and the new states."""
-    state = state * g.exp()[..., None, None]
+    """One token of each of B requests, fp32: q, k [B, H, dk], v [B, H, dv], g, beta [B, H];
+    `state` [B, H, dk, dv], updated in place. Returns the outputs [B, H, dv]."""
+    b, h, dk, dv = state.shape
+    state.mul_(g.exp()[..., None, None])
     read = (k.unsqueeze(-2) @ state).squeeze(-2)  # S^T k: what the state holds for this key
-    state = state + k.unsqueeze(-1) * ((v - read) * beta[..., None]).unsqueeze(-2)
-    return (q.unsqueeze(-2) @ state).squeeze(-2), state
+    write = ((v - read) * beta[..., None]).reshape(b * h, 1, dv)
+    state.view(b * h, dk, dv).baddbmm_(k.reshape(b * h, dk, 1), write)
+    return (q.unsqueeze(-2) @ state).squeeze(-2)
 
 
 class GatedDeltaNet(nn.Module):
@@ -135,8 +138,9 @@ class GatedDeltaNet(nn.Module):
         one = np.flatnonzero(lens == 1)
         if len(one):  # decodes (and one-token prompts) together: one recurrent update
             rows, s = torch.from_numpy(starts[one]), slots[one]
-            out[rows], self.recurrent_state[s] = recurrent_gated_delta_rule(
-                q[rows], k[rows], v[rows], g[rows], beta[rows], self.recurrent_state[s])
+            state = self.recurrent_state[s]  # a copy (gathered), written back after
+            out[rows] = recurrent_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], state)
+            self.recurrent_state[s] = state
         for i in np.flatnonzero(lens > 1):  # prompt chunks, one by one, in the chunked form
             start, n, slot = int(starts[i]), int(lens[i]), int(slots[i])
             span = slice(start, start + n)
