@@ -1,9 +1,10 @@
-"""Hybrid models (LFM2: gated short convolutions that keep a state per request, beside attention
-layers) against Hugging Face transformers in fp32: logits over chunked mixed batches with each
-sequence's state in its own slot; greedy tokens through the engine with chunked prefill, a mixed
-batch, a preemption (the state recomputed from the tokens) and a prefix-cache hit (a prompt
-sharing another's prefix resumes from the state snapshot kept at a block boundary); only
-attention layers hold a KV cache, and the state slots and snapshots come out of the same
+"""Hybrid models (LFM2's gated short convolutions, Qwen3.5's and Qwen3-Next's Gated DeltaNet:
+layers that keep a state per request, beside attention layers) against Hugging Face
+transformers in fp32: logits over chunked mixed batches with each sequence's state in its own
+slot; greedy tokens through the engine with chunked prefill, a mixed batch, a preemption (the
+state recomputed from the tokens) and a prefix-cache hit (a prompt sharing another's prefix
+resumes from the state snapshot kept at a block boundary); only attention layers hold a KV
+cache, and the state slots and snapshots (what the layers allocate) come out of the same
 budget."""
 from __future__ import annotations
 
@@ -114,7 +115,7 @@ def test_only_attention_layers_hold_kv_and_the_state_is_budgeted(tiny):
     per_layer = 2 * arch.num_key_value_heads * arch.head_dim * 4
     assert core.kv_bytes_per_token == len(attn) * per_layer
     state = arch.state_bytes_per_request(4)
-    assert state == (arch.num_hidden_layers - len(attn)) * 2 * arch.hidden_size * 4  # a 3-tap window
+    assert state == _allocated_state_bytes(core.executor.runner.model) // 12  # 6 slots + 6 snapshots
     specs = core.scheduler.kv_cache_manager.specs
     assert specs[-1] == StateSpec(state) and core.num_state_slots == 6
     # the 6 slots' bytes and as many snapshots' come out of the budget before the blocks are counted
@@ -124,11 +125,18 @@ def test_only_attention_layers_hold_kv_and_the_state_is_budgeted(tiny):
     assert "6 slots + 6 prefix-cache snapshots" in core.startup_report()
 
 
+def _allocated_state_bytes(model) -> int:
+    """The bytes of every state tensor the model's layers allocated (all slots)."""
+    return sum(t.numel() * t.element_size() for m in model.modules()
+               for t in (getattr(m, "state", None), getattr(m, "conv_state", None),
+                         getattr(m, "recurrent_state", None)) if isinstance(t, torch.Tensor))
+
+
 def test_features_a_state_cannot_follow_yet_are_refused_by_name(tiny):
     from kvflow import LLM
 
-    name, path, _ = tiny
-    with pytest.raises(ValueError, match="speculative_config with Lfm2ForCausalLM.*rolled back"):
+    name, path, hf = tiny
+    with pytest.raises(ValueError, match=f"speculative_config with {type(hf).__name__}.*rolled back"):
         LLM(path, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="tensor-parallel"):
         LLM(path, dtype="float32", tensor_parallel_size=2)

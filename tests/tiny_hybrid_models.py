@@ -1,7 +1,7 @@
 """Tiny random hybrid models (layers that keep a state per request beside attention layers)
-saved as HF folders: LFM2's gated short convolutions. Their weights are drawn wider than
-transformers' default init so that greedy tokens vary from step to step (at the default, a tiny
-random LFM2 repeats one token)."""
+saved as HF folders: LFM2's gated short convolutions, Qwen3.5's and Qwen3-Next's Gated
+DeltaNet. Their weights are drawn wider than transformers' default init so that greedy tokens
+vary from step to step (at the default, a tiny random LFM2 repeats one token)."""
 from __future__ import annotations
 
 from conftest_model_helpers import _save_random, save_byte_tokenizer
@@ -22,4 +22,61 @@ def save_lfm2(path: str) -> str:
     return path
 
 
-BUILDERS = {"lfm2": save_lfm2}
+def save_qwen3_5(path: str) -> str:
+    """Linear, full, linear, linear, full attention: GQA 4/2 with head_dim 16 (a quarter of it
+    rotated); Gated DeltaNet with 2 key heads of 16 dims serving 4 value heads of 8, a 4-tap
+    conv; tied embeddings."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    cfg = Qwen3_5TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                            linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=512,
+                            layer_types=["linear_attention", "full_attention", "linear_attention",
+                                         "linear_attention", "full_attention"],
+                            tie_word_embeddings=True, initializer_range=0.1,
+                            bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    path = _save_random(Qwen3_5ForCausalLM, cfg, path, seed=9)
+    save_byte_tokenizer(path, VOCAB)
+    return path
+
+
+def save_qwen3_5_vl(path: str) -> str:
+    """A Qwen3_5ForConditionalGeneration folder (text_config nested, the text model under
+    model.language_model., a one-block vision tower beside it): three linear layers, then
+    attention with half of head_dim 32 rotated in M-RoPE sections [3, 3, 2]; untied."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                max_position_embeddings=512, initializer_range=0.1,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                 "mrope_section": [3, 3, 2], "mrope_interleaved": True},
+                bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64,
+                  patch_size=4, num_position_embeddings=16)
+    cfg = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    return _save_random(Qwen3_5ForConditionalGeneration, cfg, path, seed=5)
+
+
+def save_qwen3_next(path: str) -> str:
+    """Qwen3.5's layer pattern and shapes with 4 experts (top-2, renormalised) and a gated
+    shared expert, the third layer dense (`mlp_only_layers`); untied."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    cfg = Qwen3NextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                          linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=512,
+                          layer_types=["linear_attention", "full_attention", "linear_attention",
+                                       "linear_attention", "full_attention"],
+                          num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                          shared_expert_intermediate_size=48, mlp_only_layers=[2], norm_topk_prob=True,
+                          initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    path = _save_random(Qwen3NextForCausalLM, cfg, path, seed=9)
+    save_byte_tokenizer(path, VOCAB)
+    return path
+
+
+BUILDERS = {"lfm2": save_lfm2, "qwen3_5": save_qwen3_5, "qwen3_next": save_qwen3_next}

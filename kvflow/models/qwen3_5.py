@@ -1,0 +1,317 @@
+"""Qwen3.5 (Qwen3_5ForCausalLM; a Qwen3_5ForConditionalGeneration folder loads its text part)
+and Qwen3-Next (Qwen3NextForCausalLM): Gated DeltaNet layers (kvflow/layers/gated_deltanet.py, a
+fixed-size state per request) interleaved with gated full-attention layers, each followed by a
+SwiGLU MLP (Qwen3-Next: mostly a mixture of experts with a sigmoid-gated shared expert,
+kvflow/layers/moe.py), pre-norm, as Hugging Face's Qwen3_5TextModel and Qwen3NextModel compute
+them. Only the attention layers hold a KV cache; the
+linear-attention layers hold a state slot per running request (the KV cache coordinator's
+state group).
+
+What differs from Llama: every RMSNorm but the Gated DeltaNet's own multiplies by 1 + weight in
+fp32 (kvflow keeps that fp32 multiplier, as for Gemma 3); the attention layers' q projection
+carries a second half, per head, whose sigmoid gates the heads' outputs before o_proj; QK-norm
+per head; RoPE on the first partial_rotary_factor of each head's dims. The vision-language
+folders' M-RoPE sections rotate text tokens exactly as plain RoPE (their three position ids are
+equal), so the text part needs no sections. Qwen3-Next's checkpoints interleave the linear attention's
+q|k|v|z and b|a projections per key head; they are regrouped at load into Qwen3.5's layout."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvflow.attention.metadata import AttentionMetadata
+from kvflow.layers.attention import Attention
+from kvflow.layers.gated_deltanet import GatedDeltaNet
+from kvflow.layers.moe import SparseMoeBlock
+from kvflow.layers.parameter import weight
+from kvflow.layers.rotary import partial_rope_
+from kvflow.model.arch import LlamaArchConfig
+from kvflow.model.kernels import Kernels
+from kvflow.models.family import getter
+from kvflow.models.llama import LlamaFamily, LlamaForCausalLM
+from kvflow.models.registry import Supports
+
+_TEXT_PREFIX = "model.language_model."  # a Qwen3_5ForConditionalGeneration folder's text model
+_NEXT = "Qwen3NextForCausalLM"
+
+
+@dataclass
+class Qwen3_5ArchConfig(LlamaArchConfig):
+    linear_layers: list[int] = field(default_factory=list)  # Gated DeltaNet layers, not attention
+    linear_conv_kernel_dim: int = 4
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+
+    def attention_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if i not in self.linear_layers]
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """The conv channels: q | k | v of the linear attention."""
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
+
+    def state_bytes_per_request(self, dtype_bytes: int) -> int:
+        """Per linear-attention layer: the conv window (kernel - 1 inputs in the model dtype)
+        and the recurrent state of every value head, in fp32 whatever the model dtype."""
+        window = (self.linear_conv_kernel_dim - 1) * self.linear_conv_dim * dtype_bytes
+        recurrent = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim * 4
+        return len(self.linear_layers) * (window + recurrent)
+
+    def num_parameters(self) -> int:
+        h, d, n_lin = self.hidden_size, self.head_dim, len(self.linear_layers)
+        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+        attention = h * (2 * q + 2 * kv) + q * h + 2 * d
+        nv, value = self.linear_num_value_heads, self.linear_num_value_heads * self.linear_value_head_dim
+        linear = (h * (self.linear_conv_dim + value + 2 * nv) + self.linear_conv_dim * self.linear_conv_kernel_dim
+                  + 2 * nv + self.linear_value_head_dim + value * h)
+        shared = self.shared_expert_intermediate_size
+        moe = (self.num_experts * (h + 3 * h * self.moe_intermediate_size)
+               + (3 * h * shared + h if shared else 0))
+        mlps = sum(moe if self.is_moe_layer(i) else 3 * h * self.intermediate_size
+                   for i in range(self.num_hidden_layers))
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return (embed + h + self.num_hidden_layers * 2 * h + mlps
+                + (self.num_hidden_layers - n_lin) * attention + n_lin * linear)
+
+
+def _norm_weight(n: int, device) -> nn.Parameter:
+    return weight(n, dtype=torch.float32, device=device)  # the fp32 multiplier 1 + weight
+
+
+class _Qwen3_5Layer(nn.Module):
+    """What both kinds of layer share: the two norms and the SwiGLU MLP (or the expert block).
+    forward is LlamaDecoderLayer's: returns (x, the MLP output not yet added)."""
+
+    def __init__(self, arch: Qwen3_5ArchConfig, dtype: torch.dtype, device, layer_idx: int):
+        super().__init__()
+        h = arch.hidden_size
+        self.eps = arch.rms_norm_eps
+        self.input_layernorm = _norm_weight(h, device)
+        self.post_attention_layernorm = _norm_weight(h, device)
+        self.moe = SparseMoeBlock(arch, dtype, device) if arch.is_moe_layer(layer_idx) else None
+        dense = self.moe is None
+        self.gate_up_proj = weight(2 * arch.intermediate_size, h, dtype=dtype, device=device) if dense else None
+        self.down_proj = weight(h, arch.intermediate_size, dtype=dtype, device=device) if dense else None
+        self.packed: dict = {}
+
+    def mixer(self, h: torch.Tensor, rope: tuple, kv_cache, meta: AttentionMetadata,
+              kernels: Kernels) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, residual_delta: torch.Tensor | None, rope: tuple,
+                kv_cache, meta: AttentionMetadata, kernels: Kernels,
+                lora=None) -> tuple[torch.Tensor, torch.Tensor]:
+        norm, pk = kernels.add_rms_norm_fp32_weight, self.packed
+        o = self.mixer(norm(x, residual_delta, self.input_layernorm, self.eps), rope, kv_cache, meta, kernels)
+        h = norm(x, o, self.post_attention_layernorm, self.eps)
+        if self.moe is not None:
+            return x, self.moe(h, kernels)
+        act = kernels.linear_silu_mul(h, self.gate_up_proj, pk.get("gate_up_proj"))
+        return x, kernels.linear(act, self.down_proj, pk.get("down_proj"))
+
+
+class Qwen3_5AttentionLayer(_Qwen3_5Layer):
+    """Gated full attention: q|k|v|gate in one projection, QK-norm, partial RoPE, the heads'
+    outputs times sigmoid(gate)."""
+
+    def __init__(self, arch: Qwen3_5ArchConfig, dtype: torch.dtype, device, layer_idx: int):
+        super().__init__(arch, dtype, device, layer_idx)
+        d = arch.head_dim
+        self.attn = Attention(arch.num_attention_heads, arch.num_key_value_heads, d, d ** -0.5)
+        q_size, kv_size = self.attn.q_size, self.attn.kv_size
+        self.qkv_size = q_size + 2 * kv_size
+        self.qkv_gate_proj = weight(self.qkv_size + q_size, arch.hidden_size, dtype=dtype, device=device)
+        self.o_proj = weight(arch.hidden_size, q_size, dtype=dtype, device=device)
+        self.q_norm, self.k_norm = _norm_weight(d, device), _norm_weight(d, device)
+        self.partial_rope = arch.rope_dim != d
+
+    def mixer(self, h, rope, kv_cache, meta, kernels):
+        a, pk = self.attn, self.packed
+        t, d = h.shape[0], a.head_dim
+        proj = kernels.linear(h, self.qkv_gate_proj, pk.get("qkv_gate_proj"))
+        qkv, gate = proj[:, :self.qkv_size].contiguous(), proj[:, self.qkv_size:]
+        norm = kernels.add_rms_norm_fp32_weight
+        q_end, k_end = a.q_size, a.q_size + a.kv_size
+        qkv[:, :q_end] = norm(qkv[:, :q_end].reshape(-1, d), None, self.q_norm, self.eps).view(t, -1)
+        qkv[:, q_end:k_end] = norm(qkv[:, q_end:k_end].reshape(-1, d), None, self.k_norm, self.eps).view(t, -1)
+        (partial_rope_ if self.partial_rope else kernels.rope)(qkv, a.num_heads + a.num_kv_heads, d, *rope)
+        attn = a(qkv, kv_cache, meta, kernels) * torch.sigmoid(gate)
+        return kernels.linear(attn, self.o_proj, pk.get("o_proj"))
+
+
+class Qwen3_5LinearLayer(_Qwen3_5Layer):
+    """A Gated DeltaNet layer."""
+
+    def __init__(self, arch: Qwen3_5ArchConfig, dtype: torch.dtype, device, layer_idx: int):
+        super().__init__(arch, dtype, device, layer_idx)
+        self.gdn = GatedDeltaNet(arch.hidden_size, arch.linear_num_key_heads, arch.linear_num_value_heads,
+                                 arch.linear_key_head_dim, arch.linear_value_head_dim,
+                                 arch.linear_conv_kernel_dim, arch.rms_norm_eps, dtype, device)
+
+    def mixer(self, h, rope, kv_cache, meta, kernels):
+        return self.gdn(h, meta, kernels, self.packed)
+
+
+def _layer(arch: Qwen3_5ArchConfig, dtype: torch.dtype, device=None, tp=None, layer_idx: int = 0) -> nn.Module:
+    if layer_idx in arch.linear_layers:
+        return Qwen3_5LinearLayer(arch, dtype, device, layer_idx)
+    return Qwen3_5AttentionLayer(arch, dtype, device, layer_idx)
+
+
+class Qwen3_5ForCausalLM(LlamaForCausalLM):
+    """The Llama module's embedding, RoPE tables (rope_dim wide) and LM head over Qwen3.5's
+    layers, with its fp32 final norm multiplier; one rank, layer by layer. `allocate_state`
+    gives the Gated DeltaNet layers their state slots before the first step."""
+
+    decoder_layer = staticmethod(_layer)
+
+    def __init__(self, arch: Qwen3_5ArchConfig, dtype: torch.dtype, device=None, *args, **kwargs):
+        if device is not None and torch.device(device).type == "cuda":
+            raise ValueError("Qwen3.5 runs on the CPU only for now (its Gated DeltaNet layers have no GPU path yet)")
+        super().__init__(arch, dtype, device, *args, **kwargs)
+        self.norm = _norm_weight(arch.hidden_size, device)
+
+    def allocate_state(self, num_slots: int) -> None:
+        for layer in self.layers:
+            if isinstance(layer, Qwen3_5LinearLayer):
+                layer.gdn.allocate_state(num_slots, self.dtype)
+
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        for layer in self.layers:
+            if isinstance(layer, Qwen3_5LinearLayer):
+                layer.gdn.copy_states(pairs)
+
+    def pack_weights(self) -> bool:
+        pack = self.kernels.pack
+        if self.embed_tokens.device.type != "cpu" or pack is None:
+            return False
+        for layer in self.layers:
+            owner = getattr(layer, "gdn", layer)
+            names = ("in_proj", "out_proj") if owner is not layer else ("qkv_gate_proj", "o_proj")
+            layer.packed = {name: pack(getattr(owner, name)) for name in names}
+            if layer.moe is not None:
+                layer.moe.pack_weights(pack)
+                continue
+            layer.packed["gate_up_proj"] = pack(layer.gate_up_proj, gate_up=True)
+            layer.packed["down_proj"] = pack(layer.down_proj)
+        self.packed_lm_head = pack(self.embed_tokens if self.lm_head is None else self.lm_head)
+        return True
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | np.ndarray,
+                kv_caches: list, attn_metadata: AttentionMetadata | list[AttentionMetadata],
+                hidden: torch.Tensor | None = None, lora=None) -> torch.Tensor:
+        """LlamaForCausalLM.forward for one rank without adapters: final-normed hidden states."""
+        x = F.embedding(input_ids, self.embed_tokens)
+        pos = positions if isinstance(positions, np.ndarray) else positions.numpy()
+        rope = (np.ascontiguousarray(pos, dtype=np.int64), self.rope_cos, self.rope_sin)
+        metas = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata] * len(self.layers)
+        delta = None
+        for layer, kv_cache, meta in zip(self.layers, kv_caches, metas):
+            x, delta = layer(x, delta, rope, kv_cache, meta, self.kernels)
+        return self.kernels.add_rms_norm_fp32_weight(x, delta, self.norm, self.arch.rms_norm_eps)
+
+
+class Qwen3_5Family(LlamaFamily):
+    name = "Gated DeltaNet (Qwen3.5, Qwen3-Next)"
+    # one rank, float weights, no adapters, layer by layer; no speculative decoding and no KV
+    # transfer (a state cannot be rolled back or sent yet: the engine refuses them)
+    supports = Supports(tensor_parallel=False, pipeline_parallel=False, lora=False, quantized=False,
+                        decode_step=False)
+    config_class = Qwen3_5ArchConfig
+
+    def hf_fields(self, cfg: dict, architecture: str) -> dict:
+        n = cfg["num_hidden_layers"]
+        interval = cfg.get("full_attention_interval", 4)
+        types = cfg.get("layer_types") or ["linear_attention" if (i + 1) % interval else "full_attention"
+                                           for i in range(n)]
+        if len(types) != n or any(t not in ("linear_attention", "full_attention") for t in types):
+            raise ValueError(f"layer_types must list 'linear_attention' or 'full_attention' for each of {n} layers")
+        if cfg.get("attention_bias"):
+            raise ValueError("Qwen3.5 with attention_bias is not supported yet")
+        experts = {}
+        if architecture == _NEXT:
+            experts = dict(num_experts=int(cfg["num_experts"]), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                           moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+                           norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                           shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+                           decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+                           mlp_only_layers=[int(i) for i in cfg.get("mlp_only_layers") or []])
+        return {"qk_norm": True, "attention_bias": False, **experts,
+                "linear_layers": [i for i, t in enumerate(types) if t == "linear_attention"],
+                **{key: int(cfg[key]) for key in ("linear_conv_kernel_dim", "linear_num_key_heads",
+                                                  "linear_num_value_heads", "linear_key_head_dim",
+                                                  "linear_value_head_dim") if key in cfg}}
+
+    def hf_layer_names(self, i: int, arch: Qwen3_5ArchConfig) -> dict[str, list[str]]:
+        """Layer i's tensors; the norms, q's gate rows and the conv weight are fuse_weights'."""
+        p = f"model.layers.{i}."
+        m = p + "mlp."
+        names = {} if arch.is_moe_layer(i) else {"gate_up_proj": [m + "gate_proj.weight", m + "up_proj.weight"],
+                                                 "down_proj": [m + "down_proj.weight"]}
+        if i in arch.linear_layers:
+            g = p + "linear_attn."
+            names.update({"gdn.out_proj": [g + "out_proj.weight"], "gdn.norm": [g + "norm.weight"]})
+            if arch.architecture != _NEXT:  # Qwen3-Next's: regrouped in fuse_weights
+                names["gdn.in_proj"] = [g + f"in_proj_{x}.weight" for x in ("qkv", "z", "b", "a")]
+        else:
+            names["o_proj"] = [p + "self_attn.o_proj.weight"]
+        return names
+
+    def fuse_weights(self, hf: dict[str, torch.Tensor], arch: Qwen3_5ArchConfig,
+                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The text model's tensors (a vision-language folder's vision and MTP tensors
+        dropped); the 1 + weight norms as fp32 multipliers; q_proj's per-head [q; gate] rows
+        split into q (beside k and v) and the gate (after them); the conv weight as
+        [channel, tap]; A_log and dt_bias in fp32."""
+        hf = {("model." + k[len(_TEXT_PREFIX):] if k.startswith(_TEXT_PREFIX) else k): w for k, w in hf.items()}
+        out = super().fuse_weights(hf, arch, dtype)
+        get, get32 = getter(hf, dtype), getter(hf, torch.float32)
+
+        def multiplier(name: str) -> torch.Tensor:
+            return (1.0 + get32(name)).contiguous()
+
+        out["norm"] = multiplier("model.norm.weight")
+        d, heads = arch.head_dim, arch.num_attention_heads
+        for i in range(arch.num_hidden_layers):
+            p, q = f"model.layers.{i}.", f"layers.{i}."
+            out[q + "input_layernorm"] = multiplier(p + "input_layernorm.weight")
+            out[q + "post_attention_layernorm"] = multiplier(p + "post_attention_layernorm.weight")
+            if i in arch.linear_layers:
+                g = p + "linear_attn."
+                out[q + "gdn.conv_weight"] = get(g + "conv1d.weight").reshape(arch.linear_conv_dim, -1).contiguous()
+                out[q + "gdn.A_log"] = get32(g + "A_log").contiguous()
+                out[q + "gdn.dt_bias"] = get32(g + "dt_bias").contiguous()
+                if arch.architecture == _NEXT:
+                    out[q + "gdn.in_proj"] = _regroup_qkvz_ba(get(g + "in_proj_qkvz.weight"),
+                                                              get(g + "in_proj_ba.weight"), arch)
+                continue
+            a = p + "self_attn."
+            q_gate = get(a + "q_proj.weight").view(heads, 2, d, -1)  # per head: [q; gate]
+            out[q + "qkv_gate_proj"] = torch.cat([q_gate[:, 0].reshape(heads * d, -1), get(a + "k_proj.weight"),
+                                                  get(a + "v_proj.weight"), q_gate[:, 1].reshape(heads * d, -1)])
+            out[q + "q_norm"] = multiplier(a + "q_norm.weight")
+            out[q + "k_norm"] = multiplier(a + "k_norm.weight")
+        return out
+
+    def model_class(self, arch: LlamaArchConfig) -> type[LlamaForCausalLM]:
+        return Qwen3_5ForCausalLM
+
+
+def _regroup_qkvz_ba(qkvz: torch.Tensor, ba: torch.Tensor, arch: Qwen3_5ArchConfig) -> torch.Tensor:
+    """Qwen3-Next's projections, per key head [q; k; v; z] and [b; a] (v, z, b and a for the
+    value heads that key head serves), as Qwen3.5's [q; k; v; z; b; a] over all heads."""
+    nk, dk, dv = arch.linear_num_key_heads, arch.linear_key_head_dim, arch.linear_value_head_dim
+    r = arch.linear_num_value_heads // nk
+    per_head = qkvz.view(nk, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], dim=1)
+    b, a = ba.view(nk, 2 * r, -1).split([r, r], dim=1)
+    return torch.cat([x.reshape(-1, qkvz.shape[-1]) for x in (*per_head, b, a)]).contiguous()
+
+
+FAMILY = Qwen3_5Family()
