@@ -70,8 +70,11 @@ class PagedDriver:
         self.free_slots = list(range(num_state_slots))
         self.slots: dict[str, int] = {}
 
-    def step(self, plan: list[tuple[str, list[int]]]) -> dict[str, torch.Tensor]:
-        """plan: (sequence id, this step's new tokens) in batch order -> logits per sequence."""
+    def step(self, plan: list[tuple[str, list[int]]],
+             saves: dict[str, tuple[int, int]] | None = None) -> dict[str, torch.Tensor]:
+        """plan: (sequence id, this step's new tokens) in batch order -> logits per sequence.
+        `saves` (state models): sequence id -> (the offset in its tokens of the one after which
+        its state is kept, the snapshot slot it goes to)."""
         query_lens, seq_lens, tables, ids, positions = [], [], [], [], []
         for sid, tokens in plan:
             start = self.computed.get(sid, 0)
@@ -91,6 +94,8 @@ class PagedDriver:
                 if sid not in self.slots:
                     self.slots[sid] = self.free_slots.pop()
             meta.state_slots = np.array([self.slots[sid] for sid, _ in plan])
+            row = {sid: i for i, (sid, _) in enumerate(plan)}
+            meta.state_saves = {row[sid]: save for sid, save in (saves or {}).items()}
         assert meta.positions.tolist() == positions
         with torch.no_grad():
             hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, meta)

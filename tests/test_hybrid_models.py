@@ -56,6 +56,29 @@ def test_logits_match_hf_over_chunked_mixed_batches(tiny):
     assert done == {"a": 22, "b": 11, "c": 4, "d": 16}
 
 
+def test_a_snapshot_taken_inside_a_chunk_resumes_to_hfs_logits(tiny):
+    """a's 22 tokens run in one chunk, its state kept after token 11 (a block boundary at 12,
+    taken mid-chunk, in a prompt chunk and not at its end); b shares those 12 tokens: it takes
+    a's first three blocks and resumes from the snapshot, its other tokens give HF's logits."""
+    name, path, hf = tiny
+    model, arch = load_model(path, torch.float32)
+    rng = np.random.default_rng(5)
+    a = rng.integers(4, arch.vocab_size, 22).tolist()
+    b = a[:12] + rng.integers(4, arch.vocab_size, 9).tolist()
+    driver = PagedDriver(model, arch, seed=3)
+    snap = driver.free_slots.pop(0)  # a slot no sequence gets
+    out = driver.step([("a", a)], saves={"a": (11, snap)})
+    torch.testing.assert_close(out["a"], hf_logits(hf, a), atol=1e-4, rtol=1e-4)
+    driver.block_tables["b"] = driver.block_tables["a"][:3]
+    driver.computed["b"] = 12
+    driver.slots["b"] = driver.free_slots.pop()
+    model.copy_states([(snap, driver.slots["b"])])
+    out = driver.step([("b", b[12:16])])
+    out.update({k + "2": v for k, v in driver.step([("b", b[16:])]).items()})
+    ref = hf_logits(hf, b)
+    torch.testing.assert_close(torch.cat([out["b"], out["b2"]]), ref[12:], atol=1e-4, rtol=1e-4)
+
+
 def _hf_greedy(hf, prompts: list[list[int]], n: int) -> list[tuple[list[int], list[list[int]]]]:
     refs = []
     with torch.inference_mode():
