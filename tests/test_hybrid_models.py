@@ -79,6 +79,41 @@ def test_a_snapshot_taken_inside_a_chunk_resumes_to_hfs_logits(tiny):
     torch.testing.assert_close(torch.cat([out["b"], out["b2"]]), ref[12:], atol=1e-4, rtol=1e-4)
 
 
+def test_lfm2_gguf_loads_to_hfs_logits_and_serves(tmp_path, monkeypatch):
+    """llama.cpp's `lfm2` file of the tiny model: the same arch, HF's logits over a chunked
+    mixed batch, and the engine's greedy tokens equal the HF folder's (its tokenizer from the
+    file's metadata)."""
+    from kvflow import LLM, SamplingParams
+    from kvflow.model.arch import load_arch_config
+    from tiny_hybrid_models import save_lfm2, write_lfm2_gguf
+
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    path = save_lfm2(str(tmp_path / "hf"))
+    gguf_path = write_lfm2_gguf(path, str(tmp_path / "lfm2.gguf"))
+    want, got = load_arch_config(path), load_arch_config(gguf_path)
+    same = ("conv_layers", "conv_kernel_size", "intermediate_size", "num_key_value_heads", "qk_norm",
+            "tie_word_embeddings", "rope_theta")
+    assert {f: getattr(got, f) for f in same} == {f: getattr(want, f) for f in same}
+    assert got.rms_norm_eps == pytest.approx(want.rms_norm_eps)  # a float32 in the file
+    hf = hf_model(path)
+    model, arch = load_model(gguf_path, torch.float32)
+    rng = np.random.default_rng(2)
+    tokens = {sid: rng.integers(0, arch.vocab_size, n + 3).tolist() for sid, n in SEQ_LENS.items()}
+    driver = PagedDriver(model, arch, seed=7)
+    done = dict.fromkeys(SEQ_LENS, 0)
+    for step in PLAN:
+        out = driver.step([(sid, tokens[sid][done[sid]: done[sid] + n]) for sid, n in step.items()])
+        for sid, n in step.items():
+            ref = hf_logits(hf, tokens[sid])[done[sid]: done[sid] + n]
+            torch.testing.assert_close(out[sid], ref, atol=1e-4, rtol=1e-4)
+            done[sid] += n
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [rng.integers(4, 320, n).tolist() for n in (7, 19)]
+    outs = [LLM(p, dtype="float32", max_model_len=64).generate(prompts, params, use_tqdm=False)
+            for p in (path, gguf_path)]
+    assert [o.outputs[0].token_ids for o in outs[0]] == [o.outputs[0].token_ids for o in outs[1]]
+
+
 def _hf_greedy(hf, prompts: list[list[int]], n: int) -> list[tuple[list[int], list[list[int]]]]:
     refs = []
     with torch.inference_mode():

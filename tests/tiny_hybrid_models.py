@@ -5,7 +5,7 @@ vary from step to step (at the default, a tiny random LFM2 repeats one token).""
 from __future__ import annotations
 
 from conftest_model_helpers import _save_random, save_byte_tokenizer
-from tiny_arch_models import VOCAB
+from tiny_arch_models import VOCAB, _finish
 
 
 def save_lfm2(path: str) -> str:
@@ -18,7 +18,7 @@ def save_lfm2(path: str) -> str:
                      block_auto_adjust_ff_dim=False, initializer_range=0.1,
                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
     path = _save_random(Lfm2ForCausalLM, cfg, path, seed=9)
-    save_byte_tokenizer(path, VOCAB)
+    _finish(path, "qwen")  # the byte tokenizer with a ChatML template
     return path
 
 
@@ -80,3 +80,56 @@ def save_qwen3_next(path: str) -> str:
 
 
 BUILDERS = {"lfm2": save_lfm2, "qwen3_5": save_qwen3_5, "qwen3_next": save_qwen3_next}
+
+
+def write_lfm2_gguf(hf_dir: str, out_path: str) -> str:
+    """The tiny LFM2 folder as llama.cpp's converter writes an `lfm2` file: head_count_kv per
+    layer (0 for a conv layer), `shortconv.l_cache`, the conv weight squeezed to [hidden, taps],
+    the final norm as `token_embd_norm`, q/k not permuted; the byte tokenizer and f32 weights."""
+    import json
+    import os
+
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from gguf_test_writer import add_hparams
+    from tiny_arch_models import _add_tokenizer
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    t = load_file(os.path.join(hf_dir, "model.safetensors"))
+    types = cfg["layer_types"]
+    w = gguf.GGUFWriter(out_path, "lfm2")
+    add_hparams(w, {**cfg, "rms_norm_eps": cfg["norm_eps"]})
+    w.add_head_count_kv([cfg["num_key_value_heads"] if k != "conv" else 0 for k in types])
+    w.add_shortconv_l_cache(cfg["conv_L_cache"])
+    _add_tokenizer(w, hf_dir)
+
+    def add(name: str, a: np.ndarray) -> None:
+        w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
+
+    add("token_embd.weight", t["model.embed_tokens.weight"])
+    add("token_embd_norm.weight", t["model.embedding_norm.weight"])
+    for i, kind in enumerate(types):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        add(b + "attn_norm.weight", t[p + "operator_norm.weight"])
+        add(b + "ffn_norm.weight", t[p + "ffn_norm.weight"])
+        for ours, theirs in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+            add(b + f"ffn_{ours}.weight", t[p + f"feed_forward.{theirs}.weight"])
+        if kind == "conv":
+            add(b + "shortconv.conv.weight", t[p + "conv.conv.weight"].squeeze(1))
+            add(b + "shortconv.in_proj.weight", t[p + "conv.in_proj.weight"])
+            add(b + "shortconv.out_proj.weight", t[p + "conv.out_proj.weight"])
+            continue
+        a = p + "self_attn."
+        for x in "qkv":
+            add(b + f"attn_{x}.weight", t[a + f"{x}_proj.weight"])
+        add(b + "attn_output.weight", t[a + "out_proj.weight"])
+        add(b + "attn_q_norm.weight", t[a + "q_layernorm.weight"])
+        add(b + "attn_k_norm.weight", t[a + "k_layernorm.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out_path

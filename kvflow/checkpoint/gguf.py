@@ -31,7 +31,7 @@ _LAYER_NAMES = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 _EXPERT_KINDS = {"ffn_gate_exps": 2, "ffn_up_exps": 3, "ffn_down_exps": 4}  # in expert_names' tuple
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_LAYER_RE = re.compile(r"blk\.(\d+)\.([\w.]+)\.(weight|bias)")  # (LFM2's `shortconv.conv`)
 # Mixtral files from before llama.cpp stacked the experts: one tensor per expert
 _LEGACY_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 
@@ -39,9 +39,10 @@ _LEGACY_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 def hf_name(gguf_name: str, arch: LlamaArchConfig) -> str | None:
     """HF parameter name of a GGUF tensor, or None for tensors kvflow does not use (and for
     the 3-D expert tensors, which expert_names splits)."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
     family = family_of(arch.architecture)
+    globals_ = {**_GLOBAL_NAMES, **family.gguf_global_names}
+    if gguf_name in globals_:
+        return globals_[gguf_name]
     legacy = _LEGACY_EXPERT_RE.fullmatch(gguf_name)
     if legacy is not None and arch.num_experts:
         layer, kind, e = legacy.groups()

@@ -287,6 +287,14 @@ def _gguf_stop_ids(reader, eos) -> list[int]:
     return ids
 
 
+def _kv_heads(value) -> int:
+    """`attention.head_count_kv`: one count, or one per layer (0 for a hybrid model's layers
+    without attention, LFM2's): the attention layers' count."""
+    if isinstance(value, (list, tuple)):
+        return max(int(v) for v in value)
+    return int(value)
+
+
 def arch_from_gguf_reader(reader, path: str) -> LlamaArchConfig:
     """Map GGUF metadata (`<arch>.block_count` ...) to a LlamaArchConfig."""
     g = gguf_field(reader, "general.architecture")
@@ -327,7 +335,7 @@ def arch_from_gguf_reader(reader, path: str) -> LlamaArchConfig:
         intermediate_size=int(meta("feed_forward_length", 0)),
         num_hidden_layers=int(meta("block_count")),
         num_attention_heads=heads,
-        num_key_value_heads=int(meta("attention.head_count_kv", heads)),
+        num_key_value_heads=_kv_heads(meta("attention.head_count_kv", heads)),
         head_dim=head_dim,
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(meta("rope.freq_base", 10000.0)),

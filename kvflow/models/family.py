@@ -35,6 +35,9 @@ class ModelFamily:
         (kvflow/checkpoint/gguf.py), mapped to this family's HF names."""
         return {}
 
+    # llama.cpp's model-wide tensor names that differ from the common table, mapped to HF's
+    gguf_global_names: dict[str, str] = {}
+
     def gguf_permutes_qk(self, architecture: str) -> bool:
         """llama.cpp permuted this architecture's q/k rows for interleaved RoPE at conversion."""
         return False

@@ -142,6 +142,25 @@ class Lfm2Family(LlamaFamily):
                 "conv_layers": [i for i, t in enumerate(types) if t == "conv"],
                 "conv_kernel_size": int(cfg.get("conv_L_cache", 3)), "conv_bias": bool(cfg.get("conv_bias", False))}
 
+    gguf_global_names = {"token_embd_norm.weight": "model.embedding_norm.weight"}
+
+    def gguf_fields(self, meta, tensors: dict, architecture: str) -> dict:
+        """llama.cpp's `lfm2`: the conv layers are those with `shortconv` tensors (their
+        head_count_kv is 0), the kernel `shortconv.l_cache`; the MLP width from ffn_gate."""
+        n = int(meta("block_count"))
+        conv = [i for i in range(n) if f"blk.{i}.shortconv.in_proj.weight" in tensors]
+        gate = tensors["blk.0.ffn_gate.weight"]
+        return {"conv_layers": conv, "conv_kernel_size": int(meta("shortconv.l_cache", 3)),
+                "intermediate_size": int(gate.shape[1]), "qk_norm": True,
+                "conv_bias": any(f"blk.{i}.shortconv.in_proj.bias" in tensors for i in conv)}
+
+    def gguf_layer_names(self, architecture: str) -> dict[str, str]:
+        return {"shortconv.conv": "conv.conv", "shortconv.in_proj": "conv.in_proj",
+                "shortconv.out_proj": "conv.out_proj", "attn_norm": "operator_norm",
+                "ffn_norm": "ffn_norm", "attn_q_norm": "self_attn.q_layernorm",
+                "attn_k_norm": "self_attn.k_layernorm", "attn_output": "self_attn.out_proj",
+                "ffn_gate": "feed_forward.w1", "ffn_up": "feed_forward.w3", "ffn_down": "feed_forward.w2"}
+
     def hf_layer_names(self, i: int, arch: Lfm2ArchConfig) -> dict[str, list[str]]:
         p = f"model.layers.{i}."
         m = p + "feed_forward."
