@@ -5,8 +5,8 @@ the C decode rows (fp32 and bf16 caches, the one-byte caches on each path this b
 C prompt kernel, prompt tokens as decode rows (in tiles and one by one), the PyTorch path, the
 shared Attention layer; for GQA (8 query heads over 2 kv heads, head_dim 64), prompts with and
 without earlier context, a sliding window, one and two threads. The same C checks rerun under
-the AVX2 kind (KVFLOW_CPU_ISA=avx2, in a fresh process), and a build without vector code runs
-the scalar rows."""
+the AVX2 kind (KVFLOW_CPU_ISA=avx2, in a fresh process), a build without vector code runs the
+scalar rows, and the Triton kernels run in Triton's interpreter (triton_sink_checks.py)."""
 from __future__ import annotations
 
 import ctypes
@@ -326,3 +326,10 @@ def test_avx2_kind():
     passed = re.search(r"(\d+) passed", out)
     assert passed and int(passed.group(1)) >= 50, out[-2000:]
 
+
+def test_triton_kernels_under_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "KERNEL_CHECKS_DEVICE": "cpu"}
+    out = _run_in_fresh_process(env, [str(HERE / "triton_sink_checks.py")])
+    passed = re.search(r"(\d+) passed", out)
+    assert passed and int(passed.group(1)) >= 6, out[-2000:]
