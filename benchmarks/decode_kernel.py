@@ -78,7 +78,7 @@ def main() -> int:
         for k, v in caches:
             run_kernel(kernel, [q.data_ptr(), h * d, k.data_ptr(), v.data_ptr(), tables.ctypes.data,
                                 per_req, seq_lens.ctypes.data, rows.ctypes.data, h, kvh, d, bs,
-                                out.data_ptr(), h * d, (3 if args.io_bf16 else 0) | (4 if args.prefetch_all else 0), 0],
+                                out.data_ptr(), h * d, (3 if args.io_bf16 else 0) | (4 if args.prefetch_all else 0), 0, 0],
                    b, args.threads, farg=d ** -0.5)
         return time.perf_counter() - t0
 

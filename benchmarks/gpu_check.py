@@ -6,8 +6,9 @@ torch 2.11 + CUDA 13, Triton 3.6, transformers 5.17 and no internet; ~10 minutes
 
 What it does, in order, printing one report at the end (and writing it as JSON with --out):
 
-1. kernels: tests/triton_kernel_checks.py (the Triton paged attention against a PyTorch
-   reference) compiled and run on the GPU, in a pytest subprocess.
+1. kernels: tests/triton_kernel_checks.py and triton_sink_checks.py (the Triton paged
+   attention, with and without attention sinks, against a PyTorch reference) compiled and run
+   on the GPU, in a pytest subprocess.
 2. for each model shape (SmolLM2-135M's and Llama-3-8B's, random weights built from a
    `transformers` config on the GPU, bf16; no weights are carried there):
    - engine (SmolLM2's shape): the model saved as an HF folder and served by kvflow's
@@ -292,7 +293,8 @@ def run_kernel_tests(device_type: str) -> dict:
         env["TRITON_INTERPRET"] = "1"
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           str(ROOT / "tests" / "triton_kernel_checks.py")],
+                           str(ROOT / "tests" / "triton_kernel_checks.py"),
+                           str(ROOT / "tests" / "triton_sink_checks.py")],
                           cwd=ROOT / "tests", env=env, capture_output=True, text=True)
     tail = proc.stdout.strip().splitlines()[-1:] or [proc.stderr.strip()[-300:]]
     return {"ok": proc.returncode == 0, "summary": tail[0], "seconds": time.perf_counter() - t0,

@@ -366,6 +366,9 @@ def test_models_the_graph_does_not_take():
     assert why_not(tiny_model("Q4_1", torch.bfloat16, ISAS[-1])) is None
     qk = tiny_model("Q4_1", torch.bfloat16, ISAS[-1], dataclasses.replace(ARCH, qk_norm=True))
     assert "QK-norm" in why_not(qk)
+    sinks = tiny_model("Q4_1", torch.bfloat16, ISAS[-1])  # decode_step.c takes no sinks
+    sinks.layers[-1].attn.sinks = torch.zeros(sinks.layers[-1].attn.num_heads)
+    assert "attention sinks" in why_not(sinks)
     moe = dataclasses.replace(ARCH, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
     model = LlamaForCausalLM(moe, torch.float32)
     model.pack_weights()

@@ -76,7 +76,7 @@ def test_weighted_split_of_decode_rows_matches_one_thread(threads):
                    [q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                     meta.decode_block_tables.ctypes.data, meta.decode_block_tables.shape[1],
                     meta.decode_seq_lens.ctypes.data, meta.decode_rows.ctypes.data, h, kvh, d, bs,
-                    out.data_ptr(), h * d, 0, 0],
+                    out.data_ptr(), h * d, 0, 0, 0],
                    len(meta.decode_rows), t, farg=d ** -0.5, weights=meta.decode_seq_lens)
         return out
 

@@ -339,7 +339,7 @@ def _check_q8_build(lib, dtype, isas):
         lib.paged_decode_q8(q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(), bt.ctypes.data,
                             bt.shape[1], meta.decode_seq_lens.ctypes.data,
                             meta.decode_rows.ctypes.data, 0, 3, heads, kvh, d, bs, 0.125,
-                            got.data_ptr(), heads * d, 0, 0, A.Q8_KINDS[dtype], isa, one, one)
+                            got.data_ptr(), heads * d, 0, 0, 0, A.Q8_KINDS[dtype], isa, one, one)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 

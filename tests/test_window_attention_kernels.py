@@ -78,7 +78,7 @@ def test_decode_kernel_window_matches_reference(libs, isa, cache_dtype, q_dtype,
     getattr(libs[isa], kernel)(q.data_ptr(), heads * head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
                                bt.ctypes.data, bt.shape[1], seq_lens.ctypes.data, rows.ctypes.data, 0,
                                len(rows), heads, kv_heads, head_dim, bs, scale, out.data_ptr(),
-                               heads * head_dim, int(q_dtype == torch.bfloat16), window)
+                               heads * head_dim, int(q_dtype == torch.bfloat16), window, None)
     tol = 4e-3 if q_dtype == torch.bfloat16 else 1e-5
     for i, n in enumerate(seq_lens):
         want = _reference(q[i], k_cache, v_cache, tables[i], int(n), window, scale, heads, kv_heads, bs)

@@ -44,8 +44,10 @@ def filled_cache(seq_lens: list[int], tables: torch.Tensor, kv_heads: int, head_
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         tables: torch.Tensor, seq_lens: list[int], query_lens: list[int],
                         scale: float, window: int | None = None,
-                        cap: float | None = None, kv_scales=UNIT_KV_SCALES) -> torch.Tensor:
-    """q [T, H, D] flat, sequence i's query_lens[i] rows last in its sequence -> [T, H, D]."""
+                        cap: float | None = None, kv_scales=UNIT_KV_SCALES,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, H, D] flat, sequence i's query_lens[i] rows last in its sequence -> [T, H, D].
+    `sinks` [H]: each head's sink logit, one more column of the softmax whose value is zero."""
     block_size = k_cache.shape[2]
     heads = q.shape[1]
     out = torch.empty(q.shape, dtype=torch.float64)
@@ -66,6 +68,11 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         if window is not None:
             seen &= pos - keys < window
         scores = scores.masked_fill(~seen, float("-inf"))
-        out[row:row + q_len] = torch.einsum("hqs,shd->qhd", scores.softmax(-1), v)
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            column = sinks.double().view(-1, 1, 1).expand(-1, q_len, 1)
+            probs = torch.cat([scores, column], dim=-1).softmax(-1)[..., :-1]
+        out[row:row + q_len] = torch.einsum("hqs,shd->qhd", probs, v)
         row += q_len
     return out

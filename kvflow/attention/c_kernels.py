@@ -37,6 +37,18 @@ def float_bits(x: float) -> int:
     return int(np.array(x, dtype=np.float32).view(np.uint32))
 
 
+def sinks_word(sinks: torch.Tensor | None, num_heads: int) -> tuple[int, torch.Tensor | None]:
+    """The kernels' `sinks` pointer (0: none) and the fp32 [num_heads] tensor it points at (the
+    caller keeps it alive through the call)."""
+    if sinks is None:
+        return 0, None
+    if sinks.shape != (num_heads,):
+        raise ValueError(f"attention sinks must be one logit per query head ({num_heads}), "
+                         f"got shape {tuple(sinks.shape)}")
+    sinks = sinks.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    return sinks.data_ptr(), sinks
+
+
 def q8_isas() -> tuple[str, ...]:
     """The paths of the one-byte-cache decode kernel this build has (scalar always)."""
     lib = library()
@@ -92,42 +104,49 @@ class CAttention:
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata, scale: float, num_kv_heads: int,
                  k: torch.Tensor | None = None, v: torch.Tensor | None = None, *,
-                 kv_scales: tuple[float, float] = UNIT_KV_SCALES) -> torch.Tensor:
+                 kv_scales: tuple[float, float] = UNIT_KV_SCALES,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """The step's K/V must already be in the cache (write_kv); `kv_scales` are the layer's
         fp8 (k_scale, v_scale). `k`/`v`, this step's fresh [T, kv_heads, D], optionally spare
-        a gather for prompts that have no prior context."""
+        a gather for prompts that have no prior context. `sinks`: fp32 [H], each query head's
+        attention-sink logit (None: none), on every path."""
         if k_cache.dtype != self.kv_dtype:
             raise other_cache_error(self.kv_dtype, k_cache.dtype)
         num_tokens, num_heads, head_dim = q.shape
         out = torch.empty(q.shape, dtype=q.dtype)
         # the kernels write fp32 or bf16; another dtype gets one fp32 buffer, converted at the end
         of = out if out.dtype in IO_DTYPES else torch.empty(q.shape)
-        if meta.prefills and not self.prefill(q, k_cache, v_cache, meta, scale, of, kv_scales):
+        if meta.prefills and not self.prefill(q, k_cache, v_cache, meta, scale, of, kv_scales,
+                                              sinks=sinks):
             # Without the prompt kernel, prompt tokens are rows like decodes: each reads its
             # causal prefix from the cache. That ran 1.3-1.5x faster than SDPA per prompt
             # (benchmarks/README.md). Only for head sizes the decode kernel vectorises: its
             # scalar row would be far slower than SDPA.
             if head_dim not in VECTOR_HEAD_DIMS:
                 return attention_with_sdpa(q, k_cache, v_cache, meta, scale, num_kv_heads, k, v,
-                                           decode_kernel=self.decode, kv_scales=kv_scales)
+                                           decode_kernel=self.decode, kv_scales=kv_scales,
+                                           sinks=sinks)
             self.decode(q, k_cache, v_cache, meta, scale, of, all_tokens=True,
-                        kv_scales=kv_scales, tiles=self.prompt_tiles)
+                        kv_scales=kv_scales, tiles=self.prompt_tiles, sinks=sinks)
         elif meta.num_decodes:
-            self.decode(q, k_cache, v_cache, meta, scale, of, kv_scales=kv_scales)
+            self.decode(q, k_cache, v_cache, meta, scale, of, kv_scales=kv_scales, sinks=sinks)
         if of is not out:
             out.copy_(of)
         return out.reshape(num_tokens, num_heads * head_dim)
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, out: torch.Tensor, all_tokens: bool = False,
-               kv_scales: tuple[float, float] = UNIT_KV_SCALES, tiles: bool = True) -> bool:
+               kv_scales: tuple[float, float] = UNIT_KV_SCALES, tiles: bool = True,
+               sinks: torch.Tensor | None = None) -> bool:
         """Decode rows (or, with `all_tokens`, every token, each one query over its own causal
         prefix) through the decode kernel, straight from the paged cache, into `out`; a
         one-byte cache at the layer's `kv_scales` (fp8's k_scale, v_scale). `tiles` (with
         `all_tokens`): consecutive prompt tokens share their loads in tiles where the kernel
         has them (fp32 q and out on an fp32 or bf16 cache; False: each a row of its own, to
-        measure them). True: done (the SDPA backend's `decode_kernel` contract)."""
+        measure them); `sinks`: as __call__'s. True: done (the SDPA backend's `decode_kernel`
+        contract)."""
         num_heads, head_dim = q.shape[1], q.shape[2]
+        sinks_ptr, sinks = sinks_word(sinks, num_heads)
         block_size, num_kv_heads, _ = cache_geometry(k_cache)
         # q may be a strided view of the fused qkv output: only its heads must be dense
         qf = q if q.dtype in IO_DTYPES and q.stride()[1:] == (head_dim, 1) else q.float().contiguous()
@@ -145,7 +164,7 @@ class CAttention:
         words = [qf.data_ptr(), qf.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.ctypes.data,
                  tables.shape[1], lens.ctypes.data, rows.ctypes.data, num_heads, num_kv_heads,
                  head_dim, block_size, of.data_ptr(), num_heads * head_dim, io_bf16,
-                 meta.sliding_window or 0]
+                 meta.sliding_window or 0, sinks_ptr]
         if self.decode_words:
             words += [*self.decode_words, *map(float_bits, kv_scales)]
         run_kernel(self.decode_kernel, words, len(rows), threads, farg=scale, weights=lens)
@@ -156,13 +175,15 @@ class CAttention:
 
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, out: torch.Tensor,
-                kv_scales: tuple[float, float] = UNIT_KV_SCALES) -> bool:
+                kv_scales: tuple[float, float] = UNIT_KV_SCALES,
+                sinks: torch.Tensor | None = None) -> bool:
         """Prompt rows through the flash-style prompt kernel (prefill_attention.c: bf16 cache,
         or a one-byte one widened to bf16 as it is gathered; AVX512-BF16, 16-token blocks) into
         `out` (fp32 or bf16, contiguous); decode rows untouched. q is read in bf16 (an fp32 q is
         rounded first). A sliding window is the kernel's own: it skips the blocks before it.
         fp8 is widened at the layer's `kv_scales`, passed as one word (k_scale's bits low,
-        v_scale's high). False: the kernel does not serve this cache or these heads."""
+        v_scale's high). `sinks`: as __call__'s. False: the kernel does not serve this cache or
+        these heads."""
         if self.prompt_kv_kind is None:
             return False
         num_heads, head_dim = q.shape[1], q.shape[2]
@@ -173,6 +194,7 @@ class CAttention:
         if q.dtype != torch.bfloat16 or q.stride()[1:] != (head_dim, 1):
             q = q.to(torch.bfloat16).contiguous()
         starts, qlens, slens, tables = meta.prefill_arrays()
+        sinks_ptr, sinks = sinks_word(sinks, num_heads)
 
         # work items are (prompt, kv head) pairs, weighted by the query x key count they take
         window = meta.sliding_window or 0
@@ -182,7 +204,8 @@ class CAttention:
                     tables.shape[1], starts.ctypes.data, qlens.ctypes.data, slens.ctypes.data, num_heads,
                     num_kv_heads, head_dim, block_size, out.data_ptr(), out.stride(0),
                     int(out.dtype == torch.bfloat16), window, self.prompt_kv_kind,
-                    float_bits(kv_scales[0]) | float_bits(kv_scales[1]) << 32, int(self.prompt_amx)],
+                    float_bits(kv_scales[0]) | float_bits(kv_scales[1]) << 32, int(self.prompt_amx),
+                    sinks_ptr],
                    len(qlens) * num_kv_heads, torch.get_num_threads(), farg=scale,
                    weights=np.repeat(qlens * keys, num_kv_heads))
         return True
@@ -194,33 +217,35 @@ class CAttention:
 def attention_with_kernels(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float, num_kv_heads: int,
                            k: torch.Tensor | None = None, v: torch.Tensor | None = None, *,
-                           kv_scales: tuple[float, float] = UNIT_KV_SCALES, **choices) -> torch.Tensor:
+                           kv_scales: tuple[float, float] = UNIT_KV_SCALES,
+                           sinks: torch.Tensor | None = None, **choices) -> torch.Tensor:
     """CAttention(k_cache.dtype, **choices) called once; SDPA for a cache it does not read."""
     if k_cache.device.type != "cpu" or not reads(k_cache.dtype):
         return attention_with_sdpa(q, k_cache, v_cache, meta, scale, num_kv_heads, k, v,
-                                   kv_scales=kv_scales)
+                                   kv_scales=kv_scales, sinks=sinks)
     return CAttention(k_cache.dtype, **choices)(q, k_cache, v_cache, meta, scale, num_kv_heads,
-                                                k, v, kv_scales=kv_scales)
+                                                k, v, kv_scales=kv_scales, sinks=sinks)
 
 
 def decode_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        meta: AttentionMetadata, scale: float, out: torch.Tensor,
                        all_tokens: bool = False, q8_isa: str | None = None,
                        prefetch_all: bool = False, kv_scales: tuple[float, float] = UNIT_KV_SCALES,
-                       tiles: bool = True) -> bool:
+                       tiles: bool = True, sinks: torch.Tensor | None = None) -> bool:
     """CAttention.decode for this cache; False: the kernels do not read it."""
     if k_cache.device.type != "cpu" or not reads(k_cache.dtype):
         return False
     return CAttention(k_cache.dtype, prefetch_all=prefetch_all, q8_isa=q8_isa).decode(
-        q, k_cache, v_cache, meta, scale, out, all_tokens, kv_scales, tiles)
+        q, k_cache, v_cache, meta, scale, out, all_tokens, kv_scales, tiles, sinks=sinks)
 
 
 def prefill_with_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, out: torch.Tensor, amx: bool = False,
-                        kv_scales: tuple[float, float] = UNIT_KV_SCALES) -> bool:
+                        kv_scales: tuple[float, float] = UNIT_KV_SCALES,
+                        sinks: torch.Tensor | None = None) -> bool:
     """CAttention.prefill for this cache (`amx`: its prompt_amx); False where it does not serve."""
     if k_cache.device.type != "cpu" or k_cache.dtype not in _PROMPT_KV_KINDS:
         return False
     # the decode path is not taken here: any valid one binds a one-byte cache
     return CAttention(k_cache.dtype, prompt_amx=amx, q8_isa="scalar").prefill(
-        q, k_cache, v_cache, meta, scale, out, kv_scales)
+        q, k_cache, v_cache, meta, scale, out, kv_scales, sinks=sinks)

@@ -44,7 +44,7 @@ def best_q8_isa(features, kv_dtype: torch.dtype | None = None) -> str:
 class AttentionBackend:
     """What serves a model's attention and KV write, with the names for the start-up line."""
 
-    attention: Callable[..., torch.Tensor]  # (q, k_cache, v_cache, meta, scale, num_kv_heads, k, v, *, kv_scales)
+    attention: Callable[..., torch.Tensor]  # (q, k_cache, v_cache, meta, scale, num_kv_heads, k, v, *, kv_scales, sinks)
     write_kv: Callable[..., None]  # (k_cache, v_cache, k, v, slot_mapping, kv_scales)
     name: str
     write_name: str

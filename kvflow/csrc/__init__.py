@@ -37,18 +37,20 @@ _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
     # q, q_stride, k_cache, v_cache, tables, bt_stride, seq_lens, rows, begin, end, H, KVH, D,
     # block_size, scale, out, out_stride, io_bf16 (bit 0: q is bf16, bit 1: out is bf16),
-    # window (a row of seq_len L sees keys L - window .. L - 1; 0: all)
+    # window (a row of seq_len L sees keys L - window .. L - 1; 0: all), sinks (fp32 [H], each
+    # query head's attention-sink logit; NULL: none)
     "paged_decode_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
-                         _i64, _i64, _f32, _ptr, _i64, _i64, _i64],
+                         _i64, _i64, _f32, _ptr, _i64, _i64, _i64, _ptr],
     "paged_decode_bf16": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
-                          _i64, _i64, _f32, _ptr, _i64, _i64, _i64],
+                          _i64, _i64, _f32, _ptr, _i64, _i64, _i64, _ptr],
     # q, q_stride, k_cache, v_cache, tables, bt_stride, token_start, query_len, seq_len,
     # work_begin, work_end, H, KVH, D, block_size, scale, out, out_stride, out_bf16, window (a
     # query at position p sees keys p - window + 1 .. p; 0: all), kv_kind (0 bf16, 1 int8, 2
     # fp8: a one-byte cache widened into its scratch), fp8's scale as float32 bits, isa (0:
-    # AVX512-BF16, 1: AMX where prefill_amx_available())
+    # AVX512-BF16, 1: AMX where prefill_amx_available()), sinks (as the decode kernels')
     "paged_prefill_bf16": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64,
-                           _i64, _i64, _i64, _i64, _f32, _ptr, _i64, _i64, _i64, _i64, _i64, _i64],
+                           _i64, _i64, _i64, _i64, _f32, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
+                           _ptr],
     # residual, delta, weight, out, begin, end, n, eps
     "add_rms_norm_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _f32],
     "add_rms_norm_bf16": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _f32],

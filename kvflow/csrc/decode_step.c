@@ -205,11 +205,12 @@ int64_t decode_layers(const int64_t *step, const int64_t *layers, int64_t num_la
         int64_t keys = 0;
         for (int64_t r = 0; r < M; r++)
             keys += seq_lens[r];
-        const int64_t aargs[20] = {(int64_t)qkv, qkv_n, (int64_t)k_cache, (int64_t)v_cache,
+        /* no attention sinks here: a model with them never takes this step (decode_graph.why_not) */
+        const int64_t aargs[21] = {(int64_t)qkv, qkv_n, (int64_t)k_cache, (int64_t)v_cache,
                                    g[G_TABLES], g[G_BT_STRIDE], g[G_SEQ_LENS], g[G_ROWS], H, KVH, D,
                                    g[G_BLOCK_SIZE], (int64_t)attn, H * D,
                                    bf16 ? 3 | (kv_dtype == KV_BF16 ? step[S_ATTN_IO] : 0) : 0, g[G_WINDOW],
-                                   q8_kind, step[S_Q8_ISA], l[L_K_SCALE], l[L_V_SCALE]};
+                                   0, q8_kind, step[S_Q8_ISA], l[L_K_SCALE], l[L_V_SCALE]};
         kernel_pool_run(q8 ? POOL_DECODE_Q8 : kv_dtype == KV_BF16 ? POOL_DECODE_BF16 : POOL_DECODE_F32,
                         aargs, as_double(l[L_SCALE]), M, seq_lens,
                         keys * H >= PARALLEL_HEAD_KEYS ? threads : 1);

@@ -7,26 +7,27 @@ void paged_decode_f32(const void *q, int64_t q_stride, const float *k_cache, con
                       const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
                       const int64_t *rows, int64_t row_begin, int64_t row_end, int64_t H, int64_t KVH,
                       int64_t D, int64_t block_size, float scale, void *out, int64_t out_stride,
-                      int64_t io_bf16, int64_t window);
+                      int64_t io_bf16, int64_t window, const float *sinks);
 void paged_decode_bf16(const void *q, int64_t q_stride, const uint16_t *k_cache,
                        const uint16_t *v_cache, const int64_t *block_tables, int64_t bt_stride,
                        const int64_t *seq_lens, const int64_t *rows, int64_t row_begin,
                        int64_t row_end, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
                        float scale, void *out, int64_t out_stride, int64_t io_bf16,
-                       int64_t window);
+                       int64_t window, const float *sinks);
 void paged_decode_q8(const void *q, int64_t q_stride, const uint8_t *k_cache,
                      const uint8_t *v_cache, const int64_t *block_tables, int64_t bt_stride,
                      const int64_t *seq_lens, const int64_t *rows, int64_t row_begin,
                      int64_t row_end, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
                      float scale, void *out, int64_t out_stride, int64_t io_bf16, int64_t window,
-                     int64_t kind, int64_t isa, int64_t k_scale_bits, int64_t v_scale_bits);
+                     const float *sinks, int64_t kind, int64_t isa, int64_t k_scale_bits,
+                     int64_t v_scale_bits);
 void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache,
                         const void *v_cache, const int64_t *block_tables, int64_t bt_stride,
                         const int64_t *token_start, const int64_t *query_len, const int64_t *seq_len,
                         int64_t work_begin, int64_t work_end, int64_t H, int64_t KVH, int64_t D,
                         int64_t block_size, float scale, void *out, int64_t out_stride,
                         int64_t out_bf16, int64_t window, int64_t kv_kind, int64_t kv_scale_bits,
-                        int64_t isa);
+                        int64_t isa, const float *sinks);
 int prefill_amx_available(void);
 void add_rms_norm_f32(float *residual, const float *delta, const float *weight, float *out,
                       int64_t begin, int64_t end, int64_t n, float eps);

@@ -34,10 +34,11 @@ static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
 #endif
 
 /* Every row function: q fp32 (and qb, the same row in bf16, or NULL), scores [H][Ls] scratch
- * (Ls >= L + 2), out [H][D] fp32. */
+ * (Ls >= L + 2), out [H][D] fp32; sinks [H] each head's sink logit, or NULL (simd.h). */
 typedef void row_fn(const float *q, const uint16_t *qb, const void *k_cache, const void *v_cache,
                     const int64_t *table, int64_t L, int64_t skip, int64_t H, int64_t KVH, int64_t D,
-                    int64_t bs, float scale, float *scores, int64_t Ls, float *out);
+                    int64_t bs, float scale, float *scores, int64_t Ls, float *out,
+                    const float *sinks);
 
 /* A sliding window's first block may start before the window: its first `skip` keys are
  * masked (their weights come out as exp(-inf) = 0, or exp8's clamp, ~1e-38). */
@@ -51,7 +52,7 @@ static inline void mask_skipped(float *scores, int64_t H, int64_t Ls, int64_t sk
 static void row_scalar_##SUFFIX(const float *q, const uint16_t *qb, const void *kc, const void *vc, \
                                 const int64_t *table, int64_t L, int64_t skip, int64_t H,      \
                                 int64_t KVH, int64_t D, int64_t bs, float scale, float *scores, \
-                                int64_t Ls, float *out) {                                      \
+                                int64_t Ls, float *out, const float *sinks) {                  \
     (void)qb;                                                                                  \
     const KV_T *k_cache = (const KV_T *)kc, *v_cache = (const KV_T *)vc;                       \
     const int64_t G = H / KVH, tile = bs * D;                                                  \
@@ -63,7 +64,7 @@ static void row_scalar_##SUFFIX(const float *q, const uint16_t *qb, const void *
             for (int64_t d = 0; d < D; d++) s += qh[d] * load1_##SUFFIX(k + k_tile_at(t % bs, d, bs)); \
             scores[h * Ls + t] = t < skip ? -INFINITY : s * scale;                             \
         }                                                                                      \
-        const float inv = softmax_unnormalised(scores + h * Ls, L);                            \
+        const float inv = softmax_unnormalised(scores + h * Ls, L, sink_of(sinks, h));         \
         float *a = out + h * D;                                                                \
         memset(a, 0, sizeof(float) * (size_t)D);                                               \
         for (int64_t t = 0; t < L; t++) {                                                      \
@@ -131,7 +132,7 @@ DEFINE_VALUES8(bf16, uint16_t)
 static void row_avx2_##SUFFIX(const float *q, const uint16_t *qb, const void *kc, const void *vc, \
                               const int64_t *table, int64_t L, int64_t skip, int64_t H,        \
                               int64_t KVH, int64_t D, int64_t bs, float scale, float *scores,   \
-                              int64_t Ls, float *out) {                                        \
+                              int64_t Ls, float *out, const float *sinks) {                    \
     (void)qb;                                                                                  \
     const KV_T *k_cache = (const KV_T *)kc, *v_cache = (const KV_T *)vc;                       \
     const int64_t G = H / KVH, tile = bs * D, nb = (L + bs - 1) / bs;                          \
@@ -170,7 +171,7 @@ static void row_avx2_##SUFFIX(const float *q, const uint16_t *qb, const void *kc
     mask_skipped(scores, H, Ls, skip);                                                         \
     float inv_sum[H];                                                                          \
     for (int64_t h = 0; h < H; h++) {                                                          \
-        inv_sum[h] = softmax_unnormalised(scores + h * Ls, L);                                 \
+        inv_sum[h] = softmax_unnormalised(scores + h * Ls, L, sink_of(sinks, h));              \
         scores[h * Ls + L] = 0.f; /* an odd last key's partner */                              \
     }                                                                                          \
     memset(out, 0, sizeof(float) * (size_t)(H * D));                                          \
@@ -217,7 +218,8 @@ DEFINE_AVX2(bf16, uint16_t)
 static void tile_avx2_##SUFFIX(const float *const q[TP], float *const o[TP],                  \
                                const int64_t len[TP], const void *kc, const void *vc,          \
                                const int64_t *table, int64_t kh, int64_t KVH, int64_t D,        \
-                               int64_t bs, float scale, float *scores, int64_t Ls) {            \
+                               int64_t bs, float scale, float *scores, int64_t Ls,              \
+                               const float sink[TP]) {                                         \
     const KV_T *k_cache = (const KV_T *)kc, *v_cache = (const KV_T *)vc;                       \
     int64_t L = 0;                                                                             \
     for (int m = 0; m < TP; m++) L = len[m] > L ? len[m] : L;                                  \
@@ -261,7 +263,7 @@ static void tile_avx2_##SUFFIX(const float *const q[TP], float *const o[TP],    
     }                                                                                          \
     float inv_sum[TP];                                                                         \
     for (int m = 0; m < TP; m++) {                                                             \
-        inv_sum[m] = softmax_unnormalised(scores + m * Ls, len[m]);                            \
+        inv_sum[m] = softmax_unnormalised(scores + m * Ls, len[m], sink[m]);                   \
         for (int64_t t = len[m]; t <= L; t++) scores[m * Ls + t] = 0.f; /* later keys, a partner */ \
         memset(o[m], 0, sizeof(float) * (size_t)D);                                            \
     }                                                                                          \
@@ -295,7 +297,8 @@ DEFINE_TILE_AVX2(f32, float)
 DEFINE_TILE_AVX2(bf16, uint16_t)
 typedef void tile_fn(const float *const q[TP], float *const o[TP], const int64_t len[TP],
                      const void *kc, const void *vc, const int64_t *table, int64_t kh, int64_t KVH,
-                     int64_t D, int64_t bs, float scale, float *scores, int64_t Ls);
+                     int64_t D, int64_t bs, float scale, float *scores, int64_t Ls,
+                     const float sink[TP]);
 
 /* Rows r0 .. r0 + R - 1 (R >= 2 consecutive tokens of one sequence: one table, lens rising by
  * one) through the tiles: per kv head its pairs (token-major) TP at a time, the last tile
@@ -304,21 +307,23 @@ static void prompt_tiles(tile_fn *tile, const float *q, int64_t q_stride, const 
                          const void *vc, const int64_t *table, const int64_t *seq_lens,
                          const int64_t *rows, int64_t r0, int64_t R, int64_t H, int64_t KVH,
                          int64_t D, int64_t bs, float scale, float *scores, int64_t Ls,
-                         float *out, int64_t out_stride, float *spare) {
+                         float *out, int64_t out_stride, float *spare, const float *sinks) {
     const int64_t G = H / KVH, pairs = R * G;
     for (int64_t kh = 0; kh < KVH; kh++)
         for (int64_t p0 = 0; p0 < pairs; p0 += TP) {
             const float *qp[TP];
             float *op[TP];
             int64_t len[TP];
+            float sink[TP];
             for (int m = 0; m < TP; m++) {
                 const int64_t p = p0 + m < pairs ? p0 + m : pairs - 1;
                 const int64_t r = r0 + p / G, h = kh * G + p % G;
                 qp[m] = q + rows[r] * q_stride + h * D;
                 op[m] = p0 + m < pairs ? out + rows[r] * out_stride + h * D : spare;
                 len[m] = seq_lens[r];
+                sink[m] = sink_of(sinks, h);
             }
-            tile(qp, op, len, kc, vc, table, kh, KVH, D, bs, scale, scores, Ls);
+            tile(qp, op, len, kc, vc, table, kh, KVH, D, bs, scale, scores, Ls, sink);
         }
 }
 
@@ -346,7 +351,7 @@ static int64_t prompt_run(const int64_t *rows, const int64_t *seq_lens, const in
  * (a zero after them when n is odd, so weights pair up); returns 1 / the sum of the rounded
  * weights, which the output is scaled by: the weights it applies then sum to one. As in
  * PyTorch's bf16 flash attention, probabilities enter the value products in bf16. */
-static float softmax_bf16(float *s, int64_t n) {
+static float softmax_bf16(float *s, int64_t n, float sink) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     __m512 vm = ninf, vs = _mm512_setzero_ps();
     for (int64_t t = 0; t < n; t += 16) {
@@ -362,7 +367,7 @@ static float softmax_bf16(float *s, int64_t n) {
         _mm256_mask_storeu_epi16(w + t, live, h);
     }
     if (n & 1) w[n] = 0;
-    return 1.f / _mm512_reduce_add_ps(vs);
+    return 1.f / with_sink(_mm512_reduce_add_ps(vs), _mm512_cvtss_f32(vm), sink);
 }
 
 /* bf16 q and cache on AVX512-BF16, bs % 16 == 0, D % 64 == 0, G (a literal) <= 4 heads per kv
@@ -372,7 +377,7 @@ static float softmax_bf16(float *s, int64_t n) {
 static inline __attribute__((always_inline)) void row_dp_group(
         const uint16_t *qb, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table,
         int64_t L, int64_t skip, int64_t KVH, int64_t D, int64_t bs, float scale, float *scores, int64_t Ls,
-        float *out, const int G, const int pf_all) {
+        float *out, const float *sinks, const int G, const int pf_all) {
     const int64_t H = KVH * G, tile = bs * D, half = D / 2, nb = (L + bs - 1) / bs;
     const __m512 sc = _mm512_set1_ps(scale);
     for (int64_t b = 0; b < nb; b++) {
@@ -411,7 +416,7 @@ static inline __attribute__((always_inline)) void row_dp_group(
     }
     mask_skipped(scores, H, Ls, skip);
     float inv_sum[H];
-    for (int64_t h = 0; h < H; h++) inv_sum[h] = softmax_bf16(scores + h * Ls, L);
+    for (int64_t h = 0; h < H; h++) inv_sum[h] = softmax_bf16(scores + h * Ls, L, sink_of(sinks, h));
     memset(out, 0, sizeof(float) * (size_t)(H * D));
     const __m512i first_key = _mm512_set1_epi32(0xFFFF); /* a value word's even key */
     for (int64_t b = 0; b < nb; b++) {
@@ -454,14 +459,15 @@ static inline __attribute__((always_inline)) void row_dp_group(
 #define DEFINE_ROW_DP(NAME, PF_ALL)                                                            \
 static void NAME(const float *q, const uint16_t *qb, const void *kc, const void *vc,          \
                  const int64_t *table, int64_t L, int64_t skip, int64_t H, int64_t KVH, int64_t D, \
-                 int64_t bs, float scale, float *scores, int64_t Ls, float *out) {            \
+                 int64_t bs, float scale, float *scores, int64_t Ls, float *out,              \
+                 const float *sinks) {                                                         \
     (void)q;                                                                                   \
     const uint16_t *k = (const uint16_t *)kc, *v = (const uint16_t *)vc;                       \
     switch (H / KVH) {                                                                         \
-    case 1: row_dp_group(qb, k, v, table, L, skip, KVH, D, bs, scale, scores, Ls, out, 1, PF_ALL); break; \
-    case 2: row_dp_group(qb, k, v, table, L, skip, KVH, D, bs, scale, scores, Ls, out, 2, PF_ALL); break; \
-    case 3: row_dp_group(qb, k, v, table, L, skip, KVH, D, bs, scale, scores, Ls, out, 3, PF_ALL); break; \
-    default: row_dp_group(qb, k, v, table, L, skip, KVH, D, bs, scale, scores, Ls, out, 4, PF_ALL); break; \
+    case 1: row_dp_group(qb, k, v, table, L, skip, KVH, D, bs, scale, scores, Ls, out, sinks, 1, PF_ALL); break; \
+    case 2: row_dp_group(qb, k, v, table, L, skip, KVH, D, bs, scale, scores, Ls, out, sinks, 2, PF_ALL); break; \
+    case 3: row_dp_group(qb, k, v, table, L, skip, KVH, D, bs, scale, scores, Ls, out, sinks, 3, PF_ALL); break; \
+    default: row_dp_group(qb, k, v, table, L, skip, KVH, D, bs, scale, scores, Ls, out, sinks, 4, PF_ALL); break; \
     }                                                                                          \
 }
 DEFINE_ROW_DP(row_dp, 0)
@@ -496,14 +502,16 @@ static row_fn *pick_row(int bf16_cache, int q_bf16, int pf_all, int64_t H, int64
  * 2: the AVX512-BF16 row prefetches every next block, contiguous or not (row_dp_pf). Bit 3:
  * the rows are every token of a step (prompt tokens among them): with fp32 q and out, no
  * window and the AVX2 row's shape, runs of two or more consecutive tokens of one sequence go
- * through prompt_tiles (a run of one, a decode, stays a row as in a decode step). */
+ * through prompt_tiles (a run of one, a decode, stays a row as in a decode step). `sinks`:
+ * [H] fp32, each query head's attention sink (a logit in every softmax's denominator whose
+ * value is zero), or NULL for none. */
 #define DEFINE_DECODE(SUFFIX, KV_T, BF16_CACHE)                                                \
 void paged_decode_##SUFFIX(const void *q, int64_t q_stride, const KV_T *k_cache,              \
                            const KV_T *v_cache, const int64_t *block_tables, int64_t bt_stride, \
                            const int64_t *seq_lens, const int64_t *rows, int64_t row_begin,    \
                            int64_t row_end, int64_t H, int64_t KVH, int64_t D,                 \
                            int64_t block_size, float scale, void *out, int64_t out_stride,     \
-                           int64_t io_bf16, int64_t window) {                                  \
+                           int64_t io_bf16, int64_t window, const float *sinks) {              \
     int64_t max_len = 1;                                                                       \
     for (int64_t r = row_begin; r < row_end; r++)                                              \
         if (seq_lens[r] > max_len) max_len = seq_lens[r];                                      \
@@ -521,7 +529,8 @@ void paged_decode_##SUFFIX(const void *q, int64_t q_stride, const KV_T *k_cache,
             if (run > 1) {                                                                     \
                 PROMPT_TILES(tile_avx2_##SUFFIX, (const float *)q, q_stride, k_cache, v_cache, \
                              block_tables + r * bt_stride, seq_lens, rows, r, run, H, KVH, D,  \
-                             block_size, scale, scores, Ls, (float *)out, out_stride, spare);  \
+                             block_size, scale, scores, Ls, (float *)out, out_stride, spare,   \
+                             sinks);                                                           \
                 r += run - 1;                                                                  \
                 continue;                                                                      \
             }                                                                                  \
@@ -545,7 +554,7 @@ void paged_decode_##SUFFIX(const void *q, int64_t q_stride, const KV_T *k_cache,
             L -= first * block_size;                                                           \
         }                                                                                      \
         row(qr, qb, k_cache, v_cache, table, L, skip, H, KVH, D, block_size, scale, scores, Ls, \
-            orow);                                                                             \
+            orow, sinks);                                                                      \
         if (io_bf16 & 2) {                                                                     \
             uint16_t *ob = (uint16_t *)out + rows[r] * out_stride;                             \
             for (int64_t i = 0; i < H * D; i++) ob[i] = float_to_bf16(o32[i]);                 \

@@ -70,6 +70,7 @@ typedef struct {
     int64_t H, KVH, D, bs, tile; /* tile: bytes of one (block, kv head) */
     int kind;
     float k_scale, v_scale;      /* fp8's per-tensor scales */
+    const float *sinks;          /* [H] each head's attention sink, or NULL (simd.h's sink_of) */
 } q8_geom;
 
 /* Scalar reference: one value at a time. */
@@ -85,7 +86,7 @@ static void row_scalar(const q8_geom *g, const float *q, const int64_t *table, i
             const float ks = g->kind == KV_FP8 ? g->k_scale : tile_scales(k, bs, D)[t % bs];
             scores[h * Ls + t] = t < skip ? -INFINITY : s * scale * ks;
         }
-        const float inv = softmax_unnormalised(scores + h * Ls, L);
+        const float inv = softmax_unnormalised(scores + h * Ls, L, sink_of(g->sinks, h));
         float *a = out + h * D;
         memset(a, 0, sizeof(float) * (size_t)D);
         for (int64_t t = 0; t < L; t++) {
@@ -216,7 +217,8 @@ static void NAME(const q8_geom *g, const float *q, const int64_t *table, int64_t
         for (int64_t t = 0; t < skip; t++) scores[h * Ls + t] = -INFINITY;                     \
     float inv_sum[g->H];                                                                       \
     for (int64_t h = 0; h < g->H; h++)                                                         \
-        inv_sum[h] = softmax_unnormalised(scores + h * Ls, L) * unit * (kind == KV_FP8 ? g->v_scale : 1.f); \
+        inv_sum[h] = softmax_unnormalised(scores + h * Ls, L, sink_of(g->sinks, h))            \
+                     * unit * (kind == KV_FP8 ? g->v_scale : 1.f);                             \
     memset(out, 0, sizeof(float) * (size_t)(g->H * D));                                       \
     for (int64_t b = 0; b < nb; b++) {                                                         \
         const int64_t b0 = b * bs, n = L - b0 < bs ? L - b0 : bs;                              \
@@ -481,17 +483,19 @@ int64_t paged_decode_q8_serves(int64_t isa, int64_t D, int64_t bs) {
     return pick_q8_row(isa, D, bs, KV_FP8) == want;
 }
 
-/* paged_decode_f32's rows over a one-byte cache: kind 0 int8, 1 fp8 (k_scale, v_scale: fp8's
- * per-tensor scales, as float bits in the low 32 bits of kv_scales), isa as above. */
+/* paged_decode_f32's rows over a one-byte cache (sinks as there): kind 0 int8, 1 fp8 (k_scale,
+ * v_scale: fp8's per-tensor scales, as float bits in the low 32 bits of kv_scales), isa as above. */
 void paged_decode_q8(const void *q, int64_t q_stride, const uint8_t *k_cache,
                      const uint8_t *v_cache, const int64_t *block_tables, int64_t bt_stride,
                      const int64_t *seq_lens, const int64_t *rows, int64_t row_begin,
                      int64_t row_end, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
                      float scale, void *out, int64_t out_stride, int64_t io_bf16, int64_t window,
-                     int64_t kind, int64_t isa, int64_t k_scale_bits, int64_t v_scale_bits) {
+                     const float *sinks, int64_t kind, int64_t isa, int64_t k_scale_bits,
+                     int64_t v_scale_bits) {
     union { uint32_t u; float f; } ksc = { (uint32_t)k_scale_bits }, vsc = { (uint32_t)v_scale_bits };
     const q8_geom g = {k_cache, v_cache, H, KVH, D, block_size,
-                       block_size * (D + (kind == KV_INT8 ? 4 : 0)), (int)kind, ksc.f, vsc.f};
+                       block_size * (D + (kind == KV_INT8 ? 4 : 0)), (int)kind, ksc.f, vsc.f,
+                       sinks};
     int64_t max_len = 1;
     for (int64_t r = row_begin; r < row_end; r++)
         if (seq_lens[r] > max_len) max_len = seq_lens[r];

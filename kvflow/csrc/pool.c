@@ -42,15 +42,16 @@ typedef void (*range_fn)(const int64_t *a, double f, int64_t begin, int64_t end)
 #define P(i) ((void *)a[i])
 static void k_decode_f32(const int64_t *a, double f, int64_t b, int64_t e) {
     paged_decode_f32(P(0), a[1], P(2), P(3), P(4), a[5], P(6), P(7), b, e, a[8], a[9], a[10],
-                     a[11], (float)f, P(12), a[13], a[14], a[15]);
+                     a[11], (float)f, P(12), a[13], a[14], a[15], P(16));
 }
 static void k_decode_bf16(const int64_t *a, double f, int64_t b, int64_t e) {
     paged_decode_bf16(P(0), a[1], P(2), P(3), P(4), a[5], P(6), P(7), b, e, a[8], a[9], a[10],
-                      a[11], (float)f, P(12), a[13], a[14], a[15]);
+                      a[11], (float)f, P(12), a[13], a[14], a[15], P(16));
 }
 static void k_prefill_bf16(const int64_t *a, double f, int64_t b, int64_t e) {
     paged_prefill_bf16(P(0), a[1], P(2), P(3), P(4), a[5], P(6), P(7), P(8), b, e, a[9], a[10],
-                       a[11], a[12], (float)f, P(13), a[14], a[15], a[16], a[17], a[18], a[19]);
+                       a[11], a[12], (float)f, P(13), a[14], a[15], a[16], a[17], a[18], a[19],
+                       P(20));
 }
 static void k_norm_f32(const int64_t *a, double f, int64_t b, int64_t e) {
     add_rms_norm_f32(P(0), P(1), P(2), P(3), b, e, a[4], (float)f);
@@ -129,7 +130,8 @@ static void k_lora(const int64_t *a, double f, int64_t b, int64_t e) {
 }
 static void k_decode_q8(const int64_t *a, double f, int64_t b, int64_t e) {
     paged_decode_q8(P(0), a[1], P(2), P(3), P(4), a[5], P(6), P(7), b, e, a[8], a[9], a[10],
-                    a[11], (float)f, P(12), a[13], a[14], a[15], a[16], a[17], a[18], a[19]);
+                    a[11], (float)f, P(12), a[13], a[14], a[15], P(16), a[17], a[18], a[19],
+                    a[20]);
 }
 #undef P
 

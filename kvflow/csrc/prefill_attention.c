@@ -36,7 +36,11 @@
  * P x V (16 key pairs x 16 dims), so a tile of up to 16 (row, head) pairs takes the scores of
  * up to 64 keys in 2 * NB * D / 32 tile products, the softmax runs on AVX-512 over those
  * scores as above, and P (bf16) x V is another D / 8 products per 64 keys, added to the
- * rescaled outputs. */
+ * rescaled outputs.
+ *
+ * Attention sinks (sinks [H] fp32, one logit per query head, or NULL): each (row, head)'s
+ * sink joins its softmax's denominator once, when the tile is stored (tile_store), on both
+ * the AVX512-BF16 and the AMX path. */
 #define _GNU_SOURCE /* syscall(), for AMX's permission */
 #include <math.h>
 #include <stdint.h>
@@ -207,12 +211,16 @@ static int64_t tile_begin(const uint16_t *q, int64_t q_stride, int64_t row0, int
     return window > 0 && pos0 - window + 1 > 0 ? (pos0 - window + 1) / KB : 0;
 }
 
-/* A tile's end: its real rows' outputs over their sums, fp32 or rounded to bf16 */
-static void tile_store(const float *o, const float *sum, int64_t row0, int64_t rows, int64_t D,
-                       int64_t kh, int G, int M, void *out, int64_t out_stride, int out_bf16) {
+/* A tile's end: its real rows' outputs over their sums, fp32 or rounded to bf16. A head's
+ * attention sink (sinks [H], or NULL) joins its sum here, at the row's final max: the online
+ * softmax's outputs and sum are both relative to that max, so exp(sink - max) added to the
+ * sum is the sink's share of every fold (simd.h's with_sink). */
+static void tile_store(const float *o, const float *sum, const float *mx, const float *sinks,
+                       int64_t row0, int64_t rows, int64_t D, int64_t kh, int G, int M, void *out,
+                       int64_t out_stride, int out_bf16) {
     for (int i = 0; i < M && i / G < rows; i++) {
         const int64_t at = (row0 + i / G) * out_stride + (kh * G + i % G) * D;
-        const __m512 inv = _mm512_set1_ps(1.f / sum[i]);
+        const __m512 inv = _mm512_set1_ps(1.f / with_sink(sum[i], mx[i], sink_of(sinks, kh * G + i % G)));
         for (int64_t d = 0; d < D; d += 16) { /* D % 32 == 0 */
             const __m512 r = _mm512_mul_ps(_mm512_loadu_ps(o + i * D + d), inv);
             if (out_bf16)
@@ -280,7 +288,7 @@ static void tile_bf16(const uint16_t *q, int64_t q_stride, const uint32_t *kt, c
                       int64_t row0, int64_t rows, int64_t pos0, int64_t window, int64_t D,
                       int64_t kh, int G,
                       float scale, void *out, int64_t out_stride, int out_bf16, uint32_t *qp,
-                      float *o) {
+                      float *o, const float *sinks) {
     int64_t pos[TILE];
     float mx[TILE], sum[TILE];
     int64_t b = tile_begin(q, q_stride, row0, rows, pos0, window, D, kh, G, TILE, pos,
@@ -290,7 +298,7 @@ static void tile_bf16(const uint16_t *q, int64_t q_stride, const uint32_t *kt, c
         fold_blocks(2, b, kt, vt, qp, pos, last, window, D, scale, mx, sum, o);
     if (b * KB <= last)
         fold_blocks(1, b, kt, vt, qp, pos, last, window, D, scale, mx, sum, o);
-    tile_store(o, sum, row0, rows, D, kh, G, TILE, out, out_stride, out_bf16);
+    tile_store(o, sum, mx, sinks, row0, rows, D, kh, G, TILE, out, out_stride, out_bf16);
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -389,7 +397,7 @@ static void amx_fold(int NB, int64_t b, const uint32_t *kt, const uint32_t *vt, 
 static void tile_amx(const uint16_t *q, int64_t q_stride, const uint32_t *kt, const uint32_t *vt,
                      int64_t row0, int64_t rows, int64_t pos0, int64_t window, int64_t D,
                      int64_t kh, int G, int M, float scale, void *out, int64_t out_stride,
-                     int out_bf16, uint16_t *qa, float *o, float *part) {
+                     int out_bf16, uint16_t *qa, float *o, float *part, const float *sinks) {
     int64_t pos[AMX_ROWS];
     float mx[AMX_ROWS], sum[AMX_ROWS], sc[AMX_ROWS * AMX_KEYS];
     uint16_t pa[AMX_ROWS * AMX_KEYS];
@@ -400,7 +408,7 @@ static void tile_amx(const uint16_t *q, int64_t q_stride, const uint32_t *kt, co
         amx_fold(left < AMX_KEYS / KB ? (int)left : AMX_KEYS / KB, b, kt, vt, qa, M, pos, window,
                  D, scale, mx, sum, o, sc, pa, part);
     }
-    tile_store(o, sum, row0, rows, D, kh, G, M, out, out_stride, out_bf16);
+    tile_store(o, sum, mx, sinks, row0, rows, D, kh, G, M, out, out_stride, out_bf16);
 }
 static void amx_release(void) { _tile_release(); }
 #else /* built without AMX: never chosen (prefill_amx_available() is 0) */
@@ -411,10 +419,10 @@ static void amx_release(void) {}
 static void tile_amx(const uint16_t *q, int64_t q_stride, const uint32_t *kt, const uint32_t *vt,
                      int64_t row0, int64_t rows, int64_t pos0, int64_t window, int64_t D,
                      int64_t kh, int G, int M, float scale, void *out, int64_t out_stride,
-                     int out_bf16, uint16_t *qa, float *o, float *part) {
+                     int out_bf16, uint16_t *qa, float *o, float *part, const float *sinks) {
     (void)q; (void)q_stride; (void)kt; (void)vt; (void)row0; (void)rows; (void)pos0; (void)window;
     (void)D; (void)kh; (void)G; (void)M; (void)scale; (void)out; (void)out_stride; (void)out_bf16;
-    (void)qa; (void)o; (void)part;
+    (void)qa; (void)o; (void)part; (void)sinks;
 }
 #endif
 
@@ -428,7 +436,7 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache
                         int64_t work_begin, int64_t work_end, int64_t H, int64_t KVH, int64_t D,
                         int64_t block_size, float scale, void *out, int64_t out_stride,
                         int64_t out_bf16, int64_t window, int64_t kv_kind, int64_t kv_scale_bits,
-                        int64_t isa) {
+                        int64_t isa, const float *sinks) {
     (void)block_size;
     /* fp8's per-tensor scales: K's float bits in the low 32 bits, V's in the high 32 */
     union { uint32_t u; float f; } k_scale = { (uint32_t)kv_scale_bits },
@@ -461,10 +469,10 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache
             if (amx)
                 tile_amx(q, q_stride, kt, vt, token_start[s] + r, n, first + r, window, D, kh, G,
                          R * G, scale, out, out_stride, (int)out_bf16, (uint16_t *)qp, o,
-                         o + AMX_ROWS * D);
+                         o + AMX_ROWS * D, sinks);
             else
                 tile_bf16(q, q_stride, kt, vt, token_start[s] + r, n, first + r, window, D, kh, G,
-                          scale, out, out_stride, (int)out_bf16, qp, o);
+                          scale, out, out_stride, (int)out_bf16, qp, o, sinks);
         }
     }
     if (amx) amx_release();
@@ -484,8 +492,8 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache
                         int64_t work_begin, int64_t work_end, int64_t H, int64_t KVH, int64_t D,
                         int64_t block_size, float scale, void *out, int64_t out_stride,
                         int64_t out_bf16, int64_t window, int64_t kv_kind, int64_t kv_scale_bits,
-                        int64_t isa) {
-    (void)kv_kind; (void)kv_scale_bits; (void)isa;
+                        int64_t isa, const float *sinks) {
+    (void)kv_kind; (void)kv_scale_bits; (void)isa; (void)sinks;
     (void)q; (void)q_stride; (void)k_cache; (void)v_cache; (void)block_tables; (void)bt_stride;
     (void)token_start; (void)query_len; (void)seq_len; (void)work_begin; (void)work_end; (void)H;
     (void)KVH; (void)D; (void)block_size; (void)scale; (void)out; (void)out_stride;

@@ -122,8 +122,19 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
-/* exp(s - max) in place over n scores; returns 1 / their sum (the caller scales the output). */
-static inline float softmax_unnormalised(float *s, int64_t n) {
+/* A head's attention sink (a learned logit that joins the softmax's denominator as a key whose
+ * value is zero), -inf where the model has none (`sinks` NULL): adding exp(-inf) changes nothing. */
+static inline float sink_of(const float *sinks, int64_t h) { return sinks ? sinks[h] : -INFINITY; }
+
+/* The softmax's denominator over its keys' `sum` (taken at max `m`) with a sink joined: its
+ * exp(sink - m) added (where it overflows, the output is 0 to fp32's precision anyway). */
+static inline float with_sink(float sum, float m, float sink) {
+    return sink > -INFINITY ? sum + expf(sink - m) : sum;
+}
+
+/* exp(s - max) in place over n scores; returns 1 / their sum, `sink` joined (sink_of; the
+ * caller scales the output). */
+static inline float softmax_unnormalised(float *s, int64_t n, float sink) {
     float m = -INFINITY, sum = 0.f;
     int64_t t = 0;
 #ifdef KVFLOW_AVX2
@@ -147,7 +158,7 @@ static inline float softmax_unnormalised(float *s, int64_t n) {
     sum = hsum8(vs);
 #endif
     for (; t < n; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
-    return 1.f / sum;
+    return 1.f / with_sink(sum, m, sink);
 }
 
 #endif

@@ -2,8 +2,10 @@
 fused q|k|v rows after RoPE, writes this step's K/V into the layer's cache, attends through the
 backend chosen at load (the model's `kernels`), and returns the heads' outputs [T, heads * D]
 for the output projection. It holds what an fp8 cache needs per layer (the checkpoint's
-(k_scale, v_scale) and the calibrated key scales) and declares its KV cache spec: a full-context
-layer or a sliding window, which the scheduler's KV cache groups are made of."""
+(k_scale, v_scale) and the calibrated key scales), a family's attention sinks where it has them
+(gpt-oss: one learned logit per query head that joins every softmax's denominator as a key
+whose value is zero), and declares its KV cache spec: a full-context layer or a sliding window,
+which the scheduler's KV cache groups are made of."""
 from __future__ import annotations
 
 import torch
@@ -31,6 +33,9 @@ class Attention(nn.Module):
         # an fp8 KV cache's key scales as the multiplier of q and k after RoPE
         # [(heads + kv_heads) * D] (model/key_scales.py); None: no multiplier
         self.qk_scale: torch.Tensor | None = None
+        # attention sinks: fp32 [num_heads], one logit per query head, set by the family that
+        # has them (None: a plain softmax); every attention backend takes them
+        self.sinks: torch.Tensor | None = None
 
     def kv_cache_spec(self) -> KVCacheSpec:
         if self.sliding_window:
@@ -51,4 +56,4 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, self.kv_scales)
         return kernels.attention(q, k_cache, v_cache, meta, self.scale, self.num_kv_heads, k=k, v=v,
-                                 kv_scales=self.kv_scales)
+                                 kv_scales=self.kv_scales, sinks=self.sinks)

@@ -128,6 +128,8 @@ def why_not(model) -> str | None:
     for layer in model.layers:
         if layer.moe is not None or layer.q_norm is not None or layer.partial_rope:
             return "a layer with experts, QK-norm or partial RoPE"
+        if layer.attn.sinks is not None:  # decode_step.c takes no sinks
+            return "a layer with attention sinks"
         for name in PROJECTIONS:
             p = layer.packed.get(name)
             if p is None or (p.quant is None and not _on_gemv(p, model) and not _on_panels(p, model)):

@@ -6,6 +6,8 @@ and writes a partial output normalised by its own softmax sum, with that sum's l
 second kernel merges the splits by their LSEs. Every sequence is cut into the same number of
 splits (`num_splits`, fixed for a CUDA graph's life), each `ceil(len / num_splits)` keys long,
 so long contexts occupy the GPU (gpu_batch.num_decode_splits chooses) and short ones cost one near-empty program per split.
+Attention sinks (one logit per query head, a key whose value is zero) join in the merge: the
+sink is one more term of the splits' common denominator.
 
 A sequence of length 0 (padding in a captured graph) writes zeros."""
 from __future__ import annotations
@@ -79,9 +81,9 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, block_tabl
 
 
 @triton.jit
-def _merge_splits_kernel(part_out, part_lse, out_ptr, stride_o_tok, stride_o_head,
+def _merge_splits_kernel(part_out, part_lse, out_ptr, sinks_ptr, stride_o_tok, stride_o_head,
                          NUM_SPLITS: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -89,10 +91,15 @@ def _merge_splits_kernel(part_out, part_lse, out_ptr, stride_o_tok, stride_o_hea
     row = (seq * HEADS + head).to(tl.int64) * NUM_SPLITS
     lse = tl.load(part_lse + row + s, mask=s < NUM_SPLITS, other=float("-inf"))
     top = tl.max(lse, axis=0)
+    if HAS_SINKS:  # the sink's logit is one more log-sum-exp, of a zero value
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        top = tl.maximum(top, sink)
     w = tl.where(lse > float("-inf"), tl.exp(lse - tl.where(top > float("-inf"), top, 0.0)), 0.0)
     parts = tl.load(part_out + (row + s)[:, None] * HEAD_DIM + d[None, :],
                     mask=(s[:, None] < NUM_SPLITS) & (d[None, :] < HEAD_DIM), other=0.0)
     total = tl.sum(w, axis=0)
+    if HAS_SINKS:
+        total += tl.exp(sink - top)
     out = tl.sum(w[:, None] * parts, axis=0) / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + seq.to(tl.int64) * stride_o_tok + head * stride_o_head + d,
              out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
@@ -103,12 +110,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  num_splits: int = 1, sliding_window: int | None = None,
                  logits_soft_cap: float | None = None, out: torch.Tensor | None = None,
                  workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 kv_scales: tuple[float, float] = UNIT_KV_SCALES) -> torch.Tensor:
+                 kv_scales: tuple[float, float] = UNIT_KV_SCALES,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q [B, H, D] (row b the last token of sequence b, at position seq_lens[b] - 1)
     over each sequence's cached keys 0..seq_lens[b] - 1 through block_tables [B, max_blocks]
     (int32/int64). Returns out [B, H, D] in q's dtype. `workspace`: preallocated (partial
     outputs [B * H * num_splits, D] fp32, LSEs [B * H * num_splits] fp32), for CUDA graphs;
-    `kv_scales`: an fp8 cache's (k_scale, v_scale)."""
+    `kv_scales`: an fp8 cache's (k_scale, v_scale); `sinks`: fp32 [H], each query head's
+    attention-sink logit (None: none)."""
     batch, heads, head_dim = q.shape
     block_size, kv_heads, cache_dim = cache_geometry(k_cache)
     if cache_dim != head_dim or heads % kv_heads:
@@ -139,10 +148,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=max(triton.next_power_of_2(block_size), 16),
         USE_CAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
         KV_KIND=kv_kind(k_cache))
+    if sinks is not None:
+        sinks = sinks.to(device=q.device, dtype=torch.float32).contiguous()
     _merge_splits_kernel[(batch, heads)](
-        part_out, part_lse, out, out.stride(0), out.stride(1),
+        part_out, part_lse, out, part_lse if sinks is None else sinks, out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, HEADS=heads, HEAD_DIM=head_dim,
-        BLOCK_S=max(triton.next_power_of_2(num_splits), 2), BLOCK_D=triton.next_power_of_2(head_dim))
+        BLOCK_S=max(triton.next_power_of_2(num_splits), 2), BLOCK_D=triton.next_power_of_2(head_dim),
+        HAS_SINKS=sinks is not None)
     if rotated:  # the fp32 sum of rotated values, rotated back
         final.copy_(hadamard_rotate(out))
         return final

@@ -6,7 +6,8 @@ Sequence i owns query rows query_start_loc[i] .. query_start_loc[i + 1] - 1, sit
 positions seq_lens[i] - query_len .. seq_lens[i] - 1; row r sees keys 0..its position (causal
 within the new tokens, all of the earlier context), fewer under a sliding window. A decode is a
 sequence with one query row, so one launch serves a mixed step. Grid (sequence, head, query
-tile); a tile past its sequence's rows does nothing."""
+tile); a tile past its sequence's rows does nothing. Attention sinks (one logit per query head,
+a key whose value is zero) join each row's softmax at the end, as one more fold."""
 from __future__ import annotations
 
 import torch
@@ -20,12 +21,13 @@ from kvflow.model.triton.layout import (key_offset, kv_kind, kv_operands, load_k
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, query_start_loc, out_ptr,
-                    scale, cap, window, k_fp8_scale, v_fp8_scale, stride_q_tok, stride_q_head,
+                    sinks_ptr, scale, cap, window, k_fp8_scale, v_fp8_scale, stride_q_tok, stride_q_head,
                     stride_o_tok, stride_o_head, stride_bt,
                     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, USE_CAP: tl.constexpr, USE_WINDOW: tl.constexpr,
-                    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, KV_KIND: tl.constexpr):
+                    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, KV_KIND: tl.constexpr,
+                    HAS_SINKS: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -83,6 +85,12 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, block_tables, s
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         m = m_new
 
+    if HAS_SINKS:  # one more key, of value zero: the sum and outputs taken to the max with it
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        m_sink = tl.maximum(m, sink)
+        alpha = tl.exp(m - m_sink)
+        l = l * alpha + tl.exp(sink - m_sink)
+        acc = acc * alpha[:, None]
     out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_o_tok + head * stride_o_head + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
@@ -93,11 +101,13 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   query_start_loc: torch.Tensor, max_query_len: int, scale: float, *,
                   sliding_window: int | None = None, logits_soft_cap: float | None = None,
                   out: torch.Tensor | None = None, block_m: int = 32,
-                  block_n: int = 32, kv_scales: tuple[float, float] = UNIT_KV_SCALES) -> torch.Tensor:
+                  block_n: int = 32, kv_scales: tuple[float, float] = UNIT_KV_SCALES,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the flat q [T, H, D] (sequence i's rows from query_start_loc[i], i in
     0..N-1) over each sequence's cached keys through block_tables [N, max_blocks]; the new
     tokens' K/V must already be in the cache. Returns out [T, H, D] in q's dtype. `kv_scales`:
-    an fp8 cache's (k_scale, v_scale)."""
+    an fp8 cache's (k_scale, v_scale); `sinks`: fp32 [H], each query head's attention-sink
+    logit (None: none)."""
     num_tokens, heads, head_dim = q.shape
     block_size, kv_heads, cache_dim = cache_geometry(k_cache)
     if cache_dim != head_dim or heads % kv_heads:
@@ -118,15 +128,18 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, final = hadamard_rotate(q).to(q.dtype), out
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     (kc, ks), (vc, vs) = kv_operands(k_cache), kv_operands(v_cache)
+    if sinks is not None:
+        sinks = sinks.to(device=q.device, dtype=torch.float32).contiguous()
     _prefill_kernel[(num_seqs, heads, triton.cdiv(max_query_len, block_m))](
         q, kc, vc, ks, vs, block_tables, seq_lens, query_start_loc, out,
-        scale, float(logits_soft_cap or 0.0), int(sliding_window or 0),
+        seq_lens if sinks is None else sinks, scale, float(logits_soft_cap or 0.0), int(sliding_window or 0),
         float(kv_scales[0]), float(kv_scales[1]),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         KV_HEADS=kv_heads, GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
         USE_CAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
-        DOT_FP32=dot_fp32, PRECISION=precision, KV_KIND=kv_kind(k_cache))
+        DOT_FP32=dot_fp32, PRECISION=precision, KV_KIND=kv_kind(k_cache),
+        HAS_SINKS=sinks is not None)
     if rotated:  # the fp32 sum of rotated values, rotated back
         final.copy_(hadamard_rotate(out))
         return final
