@@ -1,4 +1,4 @@
-"""A LlamaForCausalLM whose projections, LM head and embedding are quantized weights: from a
+"""A model of its family (kvflow/models/) whose projections, LM head and embedding are quantized weights: from a
 quantized GGUF file as it is stored (`gguf`), or from any float model quantized to int8 W8A8
 at load (`int8`). The model's float parameters for those weights stay on the meta device (no
 memory): the projections are read through `layer.packed[...].quant`, the embedding through
