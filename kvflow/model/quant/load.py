@@ -1,8 +1,9 @@
-"""A model of its family (kvflow/models/) whose projections, LM head and embedding are quantized weights: from a
-quantized GGUF file as it is stored (`gguf`), or from any float model quantized to int8 W8A8
-at load (`int8`). The model's float parameters for those weights stay on the meta device (no
-memory): the projections are read through `layer.packed[...].quant`, the embedding through
-`model.quantized_embedding`. The load reports the weights' bytes and the process's RSS."""
+"""A model of its family (kvflow/models/) whose projections, LM head and embedding are
+quantized weights: from a quantized GGUF file as it is stored (`gguf`), or from any float model
+quantized to int8 W8A8 at load (`int8`). The model's float parameters for those weights stay on
+the meta device (no memory): the projections are read through `layer.packed[...].quant`, the
+embedding through `model.quantized_embedding`. The load reports the weights' bytes and the
+process's RSS."""
 from __future__ import annotations
 
 import dataclasses
