@@ -127,19 +127,19 @@ def _hf_greedy(hf, prompts: list[list[int]], n: int) -> list[tuple[list[int], li
 
 def test_greedy_tokens_match_hf_through_chunks_a_preemption_and_a_shared_prefix(tiny, tmp_path):
     """Five prompts of different lengths at once, a 16-token budget, a pool too small for all of
-    them (a preemption), two prompts sharing a 24-token prefix with the prefix cache on: the
+    them (a preemption), two prompts sharing a 48-token prefix with the prefix cache on: the
     second resumes from the snapshot at the last block boundary the first one's steps crossed
-    within the shared prefix (its chunks end at 16 and 29: the snapshot at 16, 4 blocks)."""
+    within the shared prefix (its 16-token chunks end at 16, 32, 48: all 48 tokens)."""
     from kvflow import LLM, SamplingParams
 
     name, path, hf = tiny
     rng = np.random.default_rng(3)
-    prefix = rng.integers(4, 320, 24).tolist()
+    prefix = rng.integers(4, 320, 48).tolist()
     prompts = [prefix + rng.integers(4, 320, 5).tolist(),
                *[rng.integers(4, 320, n).tolist() for n in (30, 3, 17)], prefix + rng.integers(4, 320, 9).tolist()]
     refs = _hf_greedy(hf, prompts, 24)
     trace = tmp_path / "trace.jsonl"
-    llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, num_blocks=30,
+    llm = LLM(path, dtype="float32", max_model_len=96, block_size=4, num_blocks=36,
               max_num_batched_tokens=16, enable_prefix_caching=True, trace=str(trace))
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     first = llm.generate(prompts[:1], params, use_tqdm=False)[0]
@@ -148,7 +148,7 @@ def test_greedy_tokens_match_hf_through_chunks_a_preemption_and_a_shared_prefix(
     assert any(s["preempted"] for s in steps), "the pool should have forced a preemption"
     assert any({r["phase"] for r in s["requests"]} == {"prefill", "decode"} for s in steps), \
         "prompt chunks and decodes should share steps"
-    assert first.num_cached_tokens == 0 and rest[-1].num_cached_tokens == 16
+    assert first.num_cached_tokens == 0 and rest[-1].num_cached_tokens == 48
     identical = 0
     for i, out in enumerate([first, *rest]):
         got = out.outputs[0].token_ids
