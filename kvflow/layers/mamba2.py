@@ -15,10 +15,10 @@ inputs (model dtype) and S for every head (fp32, as HF's scan keeps it). A reque
 token is in this step (a new prompt, or one recomputed after a preemption) starts from zeros; a
 prompt arriving in chunks carries both across steps; a prefix-cache hit starts from a snapshot
 kept where an earlier request passed a block boundary (`meta.state_saves`: the state after a
-given token of a request's chunk, written into a snapshot slot; `copy_states`). Decodes (one
-token) run the recurrence above for all of them at once; a prompt chunk runs the chunked form
-(SSD over chunks of up to 64 tokens: within a chunk as masked attention, between chunks through
-the state; HF's torch chunk scan).
+given token of a request's chunk, written into a snapshot slot; `copy_states`); the conv
+windows are kvflow/layers/causal_conv.py's. Decodes (one token) run the recurrence above for
+all of them at once; a prompt chunk runs the chunked form (SSD over chunks of up to 64 tokens:
+within a chunk as masked attention, between chunks through the state; HF's torch chunk scan).
 
 Numerics: HF's chunked path (prompts) computes the scan and the gated norm in fp32 and rounds
 once before out_proj; kvflow does that for decodes too (HF's one-token path rounds the scan's
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.attention.metadata import AttentionMetadata
+from kvflow.layers.causal_conv import causal_conv1d
 from kvflow.layers.parameter import weight
 from kvflow.model.kernels import Kernels
 
@@ -86,38 +87,6 @@ def recurrent_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.
     state.mul_((dt * a).exp()[..., None, None])
     state.add_((x * dt[..., None]).unsqueeze(-1) * b.unsqueeze(-2))
     return (state @ c.unsqueeze(-1)).squeeze(-1)
-
-
-def causal_conv1d(conv_state: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
-                  mixed: torch.Tensor, starts: np.ndarray, lens: np.ndarray, slots: torch.Tensor,
-                  saves: dict) -> torch.Tensor:
-    """The causal depthwise convolution (weight [channels, taps], an optional bias) of every
-    request's tokens [T, channels] over its window (its last taps - 1 inputs in `conv_state`
-    [slots, taps - 1, channels], then this step's), all requests at once; the windows' last
-    taps - 1 rows become the new states (and, for a snapshot after token `after` of request
-    i, the taps - 1 rows up to it). Summed in fp32, returned in `mixed`'s dtype."""
-    kernel_size, channels = conv_weight.shape[1], conv_weight.shape[0]
-    taps, n_req, t = kernel_size - 1, len(lens), mixed.shape[0]
-    # each request's rows in one buffer: its state, then its tokens (request i's start moves
-    # down by i windows)
-    shift = np.arange(n_req, dtype=np.int64) * taps
-    offsets = np.asarray(starts[:-1], dtype=np.int64) + shift
-    state_rows = torch.from_numpy((offsets[:, None] + np.arange(taps)).reshape(-1))
-    token_rows = torch.from_numpy(np.arange(t) + np.repeat(shift + taps, lens))
-    buf = torch.empty(t + n_req * taps, channels, dtype=mixed.dtype, device=mixed.device)
-    buf[state_rows] = conv_state[slots].reshape(-1, channels)
-    buf[token_rows] = mixed
-    # out[t] = sum_j w[:, j] * window[t + j]: the last kernel_size inputs up to t
-    w = conv_weight.float()
-    first = token_rows - taps
-    out = sum(buf[first + j].float() * w[:, j] for j in range(kernel_size))
-    if conv_bias is not None:
-        out += conv_bias.float()
-    conv_state[slots] = buf[torch.from_numpy(offsets + lens)[:, None] + torch.arange(taps)]
-    for i, (after, snap) in saves.items():
-        at = int(offsets[i]) + after + 1
-        conv_state[snap] = buf[at:at + taps]
-    return out.to(mixed.dtype)
 
 
 class Mamba2(nn.Module):
@@ -175,7 +144,7 @@ class Mamba2(nn.Module):
         self.conv_state[fresh] = 0
         self.recurrent_state[fresh] = 0
         saves = meta.state_saves or {}
-        xbc = F.silu(causal_conv1d(self.conv_state, self.conv_weight, self.conv_bias, xbc.contiguous(),
+        xbc = F.silu(causal_conv1d(self.conv_state, self.conv_weight, self.conv_bias, xbc,
                                    starts, lens, slots, saves))
         bc = self.n_groups * self.state_size
         x, b, c = xbc.float().split([self.intermediate, bc, bc], dim=-1)
