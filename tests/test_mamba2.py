@@ -1,8 +1,11 @@
 """Mamba2 (Granite 4.0-H) beyond the hybrid tests every state family gets
 (tests/test_hybrid_models.py): the SSD's chunked form against its recurrence and against
-Hugging Face's chunk scan, and a Granite 4.0-H without experts (the shared MLP alone) and with
-RoPE against Hugging Face."""
+Hugging Face's chunk scan, a Granite 4.0-H without experts (the shared MLP alone) and with
+RoPE against Hugging Face, and IBM's config.json as it ships."""
 from __future__ import annotations
+
+import json
+import math
 
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ import torch.nn.functional as F
 from conftest_model_helpers import PagedDriver, _save_random, hf_logits
 from tiny_arch_models import VOCAB, hf_model
 from kvflow.layers.mamba2 import chunk_scan, recurrent_scan
+from kvflow.model.arch import load_arch_config
 
 
 def _inputs(h: int, n: int, p: int, s: int):
@@ -85,3 +89,27 @@ def test_a_dense_granite4h_with_rope_matches_hf_over_chunks(tmp_path):
         got_b += [out["b"]] if "b" in out else []
     torch.testing.assert_close(torch.cat(got_a), ref_a, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(torch.cat(got_b), ref_b, atol=1e-4, rtol=1e-4)
+
+
+def test_a_config_as_ibm_ships_it_is_read(tmp_path):
+    """Granite 4.0-H's config.json names the layers "mamba" / "attention" (transformers 5
+    writes "linear_attention" / "full_attention"), leaves mamba_d_head at "auto" and the
+    time-step limit out; the state per request counts the conv window in the model dtype and
+    the SSM state in fp32."""
+    cfg = {"architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
+           "vocab_size": 100, "hidden_size": 64, "intermediate_size": 32, "shared_intermediate_size": 96,
+           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "layer_types": ["mamba", "mamba", "attention", "mamba"], "mamba_n_heads": 4, "mamba_d_head": "auto",
+           "mamba_expand": 2, "mamba_d_state": 16, "mamba_n_groups": 1, "mamba_d_conv": 4,
+           "num_local_experts": 8, "num_experts_per_tok": 2, "position_embedding_type": "nope",
+           "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0078125,
+           "logits_scaling": 8.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+           "bos_token_id": 1, "eos_token_id": 2}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    arch = load_arch_config(str(tmp_path))
+    assert arch.mamba_layers == [0, 1, 3] and arch.attention_layers() == [2]
+    assert (arch.mamba_d_head, arch.num_experts, arch.moe_intermediate_size, arch.intermediate_size) == (32, 8, 32, 96)
+    assert not arch.use_rope and (arch.time_step_min, arch.time_step_max) == (0.0, math.inf)
+    assert (arch.embedding_multiplier, arch.logits_scaling) == (12.0, 8.0)
+    conv_dim = 4 * 32 + 2 * 16
+    assert arch.state_bytes_per_request(2) == 3 * (3 * conv_dim * 2 + 4 * 32 * 16 * 4)

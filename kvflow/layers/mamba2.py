@@ -23,7 +23,8 @@ within a chunk as masked attention, between chunks through the state; HF's torch
 Numerics: HF's chunked path (prompts) computes the scan and the gated norm in fp32 and rounds
 once before out_proj; kvflow does that for decodes too (HF's one-token path rounds the scan's
 output to the model dtype first, and keeps dt in the model dtype): equal in fp32, within a
-rounding in bf16."""
+rounding in bf16. HF clamps dt to the time-step limit on its chunked path only; kvflow on both
+(the same wherever the limit is HF's default (0, inf), as in Granite 4.0-H's configs)."""
 from __future__ import annotations
 
 import numpy as np
