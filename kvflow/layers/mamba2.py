@@ -85,8 +85,10 @@ def recurrent_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.
                    state: torch.Tensor) -> torch.Tensor:
     """One token of each of R requests, fp32: x [R, H, P], dt [R, H], a [H], b, c [R, H, N];
     `state` [R, H, P, N], updated in place. Returns the outputs [R, H, P] (without the D skip)."""
+    r, h, p, n = state.shape
     state.mul_((dt * a).exp()[..., None, None])
-    state.add_((x * dt[..., None]).unsqueeze(-1) * b.unsqueeze(-2))
+    # the write x dt B^T as a batch of outer products, added in place
+    state.view(r * h, p, n).baddbmm_((x * dt[..., None]).reshape(r * h, p, 1), b.reshape(r * h, 1, n))
     return (state @ c.unsqueeze(-1)).squeeze(-1)
 
 
@@ -158,10 +160,15 @@ class Mamba2(nn.Module):
         y = torch.empty(t, nh, p, dtype=torch.float32, device=h.device)
         one = np.flatnonzero(lens == 1)
         if len(one):  # decodes (and one-token prompts) together: one recurrent update
+            one = one[np.argsort(meta.state_slots[one], kind="stable")]  # in slot order
             rows, s = torch.from_numpy(starts[one]), slots[one]
-            state = self.recurrent_state[s]  # a copy (gathered), written back after
-            y[rows] = recurrent_scan(x[rows], dt[rows], a, b[rows], c[rows], state)
-            self.recurrent_state[s] = state
+            first, last = int(s[0]), int(s[-1])
+            if last - first == len(one) - 1:  # consecutive slots: their states updated in place
+                y[rows] = recurrent_scan(x[rows], dt[rows], a, b[rows], c[rows], self.recurrent_state[first:last + 1])
+            else:
+                state = self.recurrent_state[s]  # a copy (gathered), written back after
+                y[rows] = recurrent_scan(x[rows], dt[rows], a, b[rows], c[rows], state)
+                self.recurrent_state[s] = state
             for i in one:  # a snapshot after its one token: the state just written
                 if i in saves:
                     self.recurrent_state[saves[i][1]] = self.recurrent_state[slots[i]]
