@@ -1,11 +1,15 @@
 """Tiny random hybrid models (layers that keep a state per request beside attention layers)
 saved as HF folders: LFM2's gated short convolutions, Qwen3.5's and Qwen3-Next's Gated
-DeltaNet. Their weights are drawn wider than transformers' default init so that greedy tokens
+DeltaNet, Granite 4.0-H's Mamba2. Their weights are drawn wider than transformers' default init so that greedy tokens
 vary from step to step (at the default, a tiny random LFM2 repeats one token)."""
 from __future__ import annotations
 
+import os
+
+import torch
+
 from conftest_model_helpers import _save_random, save_byte_tokenizer
-from tiny_arch_models import VOCAB, _finish
+from tiny_arch_models import _ROUTER_SCALE, VOCAB, _finish
 
 
 def save_lfm2(path: str) -> str:
@@ -79,7 +83,39 @@ def save_qwen3_next(path: str) -> str:
     return path
 
 
-BUILDERS = {"lfm2": save_lfm2, "qwen3_5": save_qwen3_5, "qwen3_next": save_qwen3_next}
+def save_granite4h(path: str) -> str:
+    """Mamba2, attention (no position embedding, as Granite 4.0-H), Mamba2, Mamba2, attention:
+    GQA 4/2; Mamba2 with 8 heads of 16 dims in 2 groups, a 16-wide state, a 4-tap conv and
+    HF's chunks of 8 tokens (so HF's own scan crosses chunks); 4 experts (top-2) beside a
+    shared MLP; Granite's four multipliers; tied embeddings. The routers are sharpened (top-2
+    never a near tie) and D drawn around 1."""
+    from safetensors.torch import load_file, save_file
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    cfg = GraniteMoeHybridConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, shared_intermediate_size=48,
+                                 num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+                                 layer_types=["mamba", "attention", "mamba", "mamba", "attention"],
+                                 mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2,
+                                 mamba_d_conv=4, mamba_chunk_size=8, num_local_experts=4, num_experts_per_tok=2,
+                                 position_embedding_type="nope", embedding_multiplier=2.0, residual_multiplier=0.7,
+                                 attention_multiplier=0.2, logits_scaling=1.5, max_position_embeddings=512,
+                                 tie_word_embeddings=True, initializer_range=0.1,
+                                 bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    path = _save_random(GraniteMoeHybridForCausalLM, cfg, path, seed=9)
+    file = os.path.join(path, "model.safetensors")
+    tensors, g = load_file(file), torch.Generator().manual_seed(4)
+    for name, t in tensors.items():
+        if name.endswith("router.layer.weight"):
+            tensors[name] = t * _ROUTER_SCALE
+        elif name.endswith("mamba.D"):
+            tensors[name] = t + 0.3 * torch.randn(t.shape, generator=g)
+    save_file(tensors, file, metadata={"format": "pt"})
+    save_byte_tokenizer(path, VOCAB)
+    return path
+
+
+BUILDERS = {"lfm2": save_lfm2, "qwen3_5": save_qwen3_5, "qwen3_next": save_qwen3_next,
+            "granite4h": save_granite4h}
 
 
 def write_lfm2_gguf(hf_dir: str, out_path: str) -> str:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.attention.metadata import AttentionMetadata
+from kvflow.layers.causal_conv import causal_conv1d
 from kvflow.layers.parameter import weight
 from kvflow.model.kernels import Kernels
 
@@ -134,7 +135,8 @@ class GatedDeltaNet(nn.Module):
         self.conv_state[fresh] = 0
         self.recurrent_state[fresh] = 0
         saves = meta.state_saves or {}
-        x = F.silu(self._conv(mixed, meta.query_start_loc, lens, slots, saves))
+        x = F.silu(causal_conv1d(self.conv_state, self.conv_weight, None, mixed, meta.query_start_loc,
+                                  lens, slots, saves))
         q, k, v = x.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         groups = nv // self.num_k_heads  # each q/k head serves this many consecutive v heads
         q = (l2norm(q.view(t, -1, self.head_k_dim)) * self.head_k_dim ** -0.5).repeat_interleave(groups, 1)
@@ -168,32 +170,6 @@ class GatedDeltaNet(nn.Module):
                     self.recurrent_state[snap] = self.recurrent_state[slot]
         return kernels.linear(self._gated_norm(out.to(h.dtype), z).view(t, -1), self.out_proj,
                               packed.get("out_proj"))
-
-    def _conv(self, mixed: torch.Tensor, starts: np.ndarray, lens: np.ndarray,
-              slots: torch.Tensor, saves: dict) -> torch.Tensor:
-        """The causal depthwise convolution of every request's tokens [T, conv_dim] over its
-        window (its last kernel_size - 1 inputs, then this step's), all requests at once; the
-        windows' last kernel_size - 1 rows become the new states (and, for a snapshot after
-        token `after` of request i, the kernel_size - 1 rows up to it)."""
-        taps, n_req, t = self.kernel_size - 1, len(lens), mixed.shape[0]
-        # each request's rows in one buffer: its state, then its tokens (request i's start
-        # moves down by i windows)
-        shift = np.arange(n_req, dtype=np.int64) * taps
-        offsets = np.asarray(starts[:-1], dtype=np.int64) + shift
-        state_rows = torch.from_numpy((offsets[:, None] + np.arange(taps)).reshape(-1))
-        token_rows = torch.from_numpy(np.arange(t) + np.repeat(shift + taps, lens))
-        buf = torch.empty(t + n_req * taps, self.conv_dim, dtype=mixed.dtype, device=mixed.device)
-        buf[state_rows] = self.conv_state[slots].reshape(-1, self.conv_dim)
-        buf[token_rows] = mixed
-        # out[t] = sum_j w[:, j] * window[t + j]: the last kernel_size inputs up to t
-        w = self.conv_weight.float()
-        first = token_rows - taps
-        out = sum(buf[first + j].float() * w[:, j] for j in range(self.kernel_size))
-        self.conv_state[slots] = buf[torch.from_numpy(offsets + lens)[:, None] + torch.arange(taps)]
-        for i, (after, snap) in saves.items():
-            at = int(offsets[i]) + after + 1
-            self.conv_state[snap] = buf[at:at + taps]
-        return out.to(mixed.dtype)
 
     def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each value head, times the weight, times silu(z) (HF's RMSNormGated:

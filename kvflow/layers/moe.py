@@ -8,7 +8,8 @@ step, as one GEMM over all of its tokens through the same `kernels.linear_silu_m
 router weight and the rows are added back to their tokens with one index_add. No loop over
 tokens: the Python loop is over the experts that got any token (at most num_experts).
 
-Qwen2-MoE adds a shared expert that every token goes through, scaled by sigmoid(x . w_gate)."""
+Qwen2-MoE adds a shared expert that every token goes through, scaled by sigmoid(x . w_gate);
+a block whose `shared_gate` is None (Granite 4.0-H's shared MLP) adds it unscaled."""
 from __future__ import annotations
 
 import torch
@@ -80,8 +81,8 @@ class SparseMoeBlock(nn.Module):
         if self.shared_gate_up is not None:
             act = kernels.linear_silu_mul(h, self.shared_gate_up, self.packed.get("shared_gate_up"))
             shared = kernels.linear(act, self.shared_down, self.packed.get("shared_down"))
-            gate = torch.sigmoid(torch.nn.functional.linear(h, self.shared_gate))
-            out += gate * shared
+            out += shared if self.shared_gate is None else torch.sigmoid(
+                torch.nn.functional.linear(h, self.shared_gate)) * shared
         return out
 
 
@@ -100,5 +101,6 @@ def naive_moe_forward(block: SparseMoeBlock, h: torch.Tensor, kernels: Kernels) 
     if block.shared_gate_up is not None:
         act = kernels.linear_silu_mul(h, block.shared_gate_up, block.packed.get("shared_gate_up"))
         shared = kernels.linear(act, block.shared_down, block.packed.get("shared_down"))
-        out += torch.sigmoid(torch.nn.functional.linear(h, block.shared_gate)) * shared
+        out += shared if block.shared_gate is None else torch.sigmoid(
+            torch.nn.functional.linear(h, block.shared_gate)) * shared
     return out

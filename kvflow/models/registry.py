@@ -57,6 +57,7 @@ FAMILIES = (
                 {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}),
     FamilyEntry("olmo2", {"olmo2": "Olmo2ForCausalLM"}, {"olmo2": "Olmo2ForCausalLM"}),
     FamilyEntry("granite", {"granite": "GraniteForCausalLM"}, {"granite": "GraniteForCausalLM"}),
+    FamilyEntry("granitemoehybrid", {"granitemoehybrid": "GraniteMoeHybridForCausalLM"}),
     FamilyEntry("lfm2", {"lfm2": "Lfm2ForCausalLM"}, {"lfm2": "Lfm2ForCausalLM"}),
     FamilyEntry("qwen3_5", {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM",
                             "qwen3_next": "Qwen3NextForCausalLM"},
