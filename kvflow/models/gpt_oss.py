@@ -67,9 +67,8 @@ class GptOssFamily(LlamaFamily):
     config_class = GptOssArchConfig
 
     def hf_fields(self, cfg: dict, architecture: str) -> dict:
-        if cfg.get("quantization_config"):
-            method = cfg["quantization_config"].get("quant_method", "?")
-            raise ValueError(f"gpt-oss with {method} weights is not supported yet; "
+        if (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4":
+            raise ValueError("gpt-oss with MXFP4 experts is not supported yet; "
                              "use a checkpoint with float (bf16) weights")
         return {"attention_bias": bool(cfg.get("attention_bias", True)), "qk_norm": False,
                 "num_experts": int(cfg.get("num_local_experts") or cfg["num_experts"]),
