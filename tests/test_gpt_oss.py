@@ -1,7 +1,8 @@
 """gpt-oss with float weights, beyond the shared equivalence tests (test_arch_equivalence.py runs
 the tiny model through the HF logits, the engine's greedy tokens, bf16, preemption and a prefix
 hit): its expert block against transformers' GptOssMLP, the checkpoint's interleaved gate/up
-columns, the features of the tiny model, and what the family refuses by name."""
+columns, the features of the tiny model, the published gpt-oss-20b config read as transformers
+reads it, and what the family refuses by name."""
 from __future__ import annotations
 
 import json
@@ -92,3 +93,43 @@ def test_mxfp4_checkpoint_is_refused_naming_what_to_use(tmp_path):
         load_model(path, torch.float32)
     with pytest.raises(ValueError, match="MXFP4 experts is not supported yet"):
         load_arch_config(path)
+
+
+# gpt-oss-20b's config.json as published (less its MXFP4 quantization_config, as the bf16
+# copies people convert it to), in transformers 4.x's spelling: rope_theta beside rope_scaling
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+    "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64,
+    "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
+    "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+    "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                            "original_max_position_embeddings": 4096,
+                                            "rope_type": "yarn", "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088}
+
+
+def test_published_gpt_oss_20b_config_reads_as_transformers_builds_it(tmp_path):
+    """The real config: its shapes, windows, YaRN and expert constants, and a parameter count
+    equal to transformers' model built from it (on the meta device)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(GPT_OSS_20B, f)
+    arch = load_arch_config(str(tmp_path))
+    assert (arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size) == (32, 4, 2880)
+    assert arch.layer_windows()[:2] == [128, None] and arch.attention_bias
+    assert (arch.swiglu_alpha, arch.swiglu_limit, arch.rms_norm_eps) == (1.702, 7.0, 1e-5)
+    assert arch.rope_theta == 150000 and arch.rope_scaling["factor"] == 32.0
+    assert arch.rope_scaling["truncate"] is False
+    with torch.device("meta"):
+        hf = GptOssForCausalLM(GptOssConfig.from_pretrained(tmp_path))
+    assert arch.num_parameters() == sum(p.numel() for p in hf.parameters())
+    assert round(arch.num_parameters() / 1e9, 1) == 20.9
+    # without layer_types and a window: transformers' defaults (the even layers slide over 128)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({k: v for k, v in GPT_OSS_20B.items() if k not in ("layer_types", "sliding_window")}, f)
+    assert load_arch_config(str(tmp_path)).layer_windows() == [128, None] * 12
