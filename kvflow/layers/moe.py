@@ -122,7 +122,8 @@ class GptOssMoeBlock(SparseMoeBlock):
         pk = self.packed_experts[e]
         gate, up = kernels.linear(x, self.gate_up[e], pk.get("gate_up"), self.gate_up_bias[e]).chunk(2, dim=-1)
         gate = gate.clamp(max=self.limit)
-        act = (up.clamp(-self.limit, self.limit) + 1) * gate * torch.sigmoid(gate * self.alpha)
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        act = (up.clamp(-self.limit, self.limit) + 1) * glu
         return kernels.linear(act, self.down[e], pk.get("down"), self.down_bias[e])
 
 
