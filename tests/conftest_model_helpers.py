@@ -55,11 +55,15 @@ class PagedDriver:
 
     Each sequence's blocks come from a shuffled pool on demand, so block tables are
     non-contiguous and interleaved across sequences. A model with state layers gets a state
-    slot per sequence (from the top down, so that no slot is its sequence's place in a batch)."""
+    slot per sequence (from the top down, so that no slot is its sequence's place in a batch).
+    A model with sliding-window layers gets one metadata per layer, each carrying its layer's
+    window (the blocks stay whole: the window masks, it frees nothing)."""
 
     def __init__(self, model, arch, num_blocks: int = 64, block_size: int = 4, seed: int = 0,
                  num_state_slots: int = 8):
         self.model, self.block_size = model, block_size
+        windows = arch.kv_layer_windows()
+        self.windows = windows if any(windows) else None
         self.kv_caches = allocate_kv_caches(arch, num_blocks, block_size, model.dtype)
         self.free = list(np.random.default_rng(seed).permutation(num_blocks))
         self.block_tables: dict[str, list[int]] = {}
@@ -97,6 +101,10 @@ class PagedDriver:
             row = {sid: i for i, (sid, _) in enumerate(plan)}
             meta.state_saves = {row[sid]: save for sid, save in (saves or {}).items()}
         assert meta.positions.tolist() == positions
+        if self.windows is not None:
+            metas = {w: build_attention_metadata(np.array(query_lens), np.array(seq_lens), tables,
+                                                 self.block_size, sliding_window=w) for w in set(self.windows)}
+            meta = [metas[w] for w in self.windows]
         with torch.no_grad():
             hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, meta)
             logits = self.model.compute_logits(hidden)

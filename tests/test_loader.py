@@ -162,7 +162,9 @@ def test_transformers_4_rope_fields_and_unknown_rope_type(tmp_path):
         json.dump(cfg, f)
     arch = load_arch_config(path)
     assert arch.rope_theta == cfg["rope_theta"] and arch.rope_scaling["rope_type"] == "llama3"
-    with pytest.raises(ValueError, match="rope scaling type 'yarn'"):
+    with pytest.raises(ValueError, match="rope scaling type 'dynamic'"):
+        LlamaArchConfig(**{**arch.to_dict(), "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
+    with pytest.raises(ValueError, match="yarn rope scaling needs 'original_max_position_embeddings'"):
         LlamaArchConfig(**{**arch.to_dict(), "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
 
 
@@ -213,3 +215,25 @@ def test_the_engine_reads_the_model_config_once(fmt, tmp_path, monkeypatch):
     llm = LLM(path, tokenizer=folder, dtype="float32", max_model_len=64, num_blocks=16)
     assert reads == [path]
     assert llm.engine.core.arch.architecture == "Qwen3ForCausalLM"
+
+
+def test_gguf_with_yarn_scaling_is_refused_naming_the_hf_folder(tmp_path, monkeypatch):
+    """llama.cpp's YaRN keys are not read yet: such a file fails at load, pointing at the HF
+    folder (whose YaRN is transformers')."""
+    import gguf
+
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(tmp_path / "yarn.gguf")
+    w = gguf.GGUFWriter(path, "qwen3")
+    w.add_block_count(2)
+    w.add_embedding_length(64)
+    w.add_head_count(4)
+    w.add_vocab_size(320)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(4.0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="YaRN rope scaling are not supported yet; use the Hugging Face folder"):
+        load_arch_config(path)

@@ -140,6 +140,35 @@ def save_smollm3(path: str) -> str:
     return _finish(_save_random(SmolLM3ForCausalLM, cfg, path, seed=8), "smollm3")
 
 
+YARN_ORIGINAL_CONTEXT = 64  # gpt-oss's original_max_position_embeddings in the tiny model
+GPT_OSS_SWIGLU_LIMIT = 0.2
+
+
+def save_gpt_oss(path: str) -> str:
+    """gpt-oss: four layers alternating a sliding window of 8 and the whole context, GQA 4/2,
+    4 experts top-2 with the clamped SwiGLU (a limit small enough that the tiny model's
+    activations reach it), YaRN over a 64-position original context (factor 8, untruncated
+    as the real models), biases everywhere and the attention sinks drawn away from zero."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": YARN_ORIGINAL_CONTEXT}
+    cfg = GptOssConfig(**{**_BASE, "num_hidden_layers": 4}, head_dim=16, num_local_experts=4,
+                       num_experts_per_tok=2, sliding_window=8,
+                       layer_types=["sliding_attention", "full_attention"] * 2, rope_parameters=rope,
+                       swiglu_limit=GPT_OSS_SWIGLU_LIMIT, tie_word_embeddings=False, pad_token_id=0)
+    path = _save_random(GptOssForCausalLM, cfg, path, seed=9)
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    tensors, g = load_file(file), torch.Generator().manual_seed(9)
+    for name, t in tensors.items():
+        if name.endswith("sinks"):  # a real share of each head's softmax
+            tensors[name] = torch.randn(t.shape, generator=g)
+    save_file(tensors, file, metadata={"format": "pt"})
+    return _finish(path, "qwen")
+
+
 def _perturb_norms(path: str, seed: int) -> None:
     from safetensors.torch import load_file, save_file
 
@@ -153,7 +182,9 @@ def _perturb_norms(path: str, seed: int) -> None:
 
 BUILDERS = {"qwen3": save_qwen3, "phi3": save_phi3, "qwen3_moe": save_qwen3_moe,
             "mixtral": save_mixtral, "qwen2_moe": save_qwen2_moe, "olmo2": save_olmo2,
-            "granite": save_granite, "smollm3": save_smollm3}
+            "granite": save_granite, "smollm3": save_smollm3, "gpt_oss": save_gpt_oss}
+# Families whose GGUF conversion the writer below does not make yet, and why.
+NO_GGUF = {"gpt_oss": "llama.cpp's gpt-oss files store the experts in MXFP4, which kvflow does not read yet"}
 
 
 def family(path: str) -> str:
@@ -172,7 +203,8 @@ def _finish(path: str, family: str) -> str:
     file = os.path.join(path, "model.safetensors")
     tensors = load_file(file)
     for name in tensors:
-        if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+        if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight",
+                          "mlp.router.bias")):
             tensors[name] = tensors[name] * _ROUTER_SCALE
     save_file(tensors, file, metadata={"format": "pt"})
     extra, template = _CHAT[family]

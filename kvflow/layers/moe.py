@@ -1,4 +1,4 @@
-"""A mixture-of-experts block (Qwen3-MoE, Mixtral, Qwen2-MoE) over the flat batch of tokens.
+"""A mixture-of-experts block (Qwen3-MoE, Mixtral, Qwen2-MoE, gpt-oss) over the flat batch of tokens.
 
 The router scores every token (softmax over all experts in fp32, the top k kept, renormalised
 to sum to one where the config says so: transformers' order). Then the (token, expert) pairs
@@ -9,7 +9,9 @@ router weight and the rows are added back to their tokens with one index_add. No
 tokens: the Python loop is over the experts that got any token (at most num_experts).
 
 Qwen2-MoE adds a shared expert that every token goes through, scaled by sigmoid(x . w_gate);
-a block whose `shared_gate` is None (Granite 4.0-H's shared MLP) adds it unscaled."""
+a block whose `shared_gate` is None (Granite 4.0-H's shared MLP) adds it unscaled.
+gpt-oss (GptOssMoeBlock) differs in the router and the experts only: a router bias, the softmax
+over the top-k logits, biases on the experts' projections and a clamped SwiGLU."""
 from __future__ import annotations
 
 import torch
@@ -58,6 +60,12 @@ class SparseMoeBlock(nn.Module):
             weights /= weights.sum(dim=-1, keepdim=True)
         return weights.to(h.dtype), experts
 
+    def expert(self, e: int, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        """Expert e's output for its rows x (a SwiGLU MLP)."""
+        pk = self.packed_experts[e]
+        act = kernels.linear_silu_mul(x, self.gate_up[e], pk.get("gate_up"))
+        return kernels.linear(act, self.down[e], pk.get("down"))
+
     def forward(self, h: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         t, k = h.shape[0], self.top_k
         weights, experts = self.route(h, kernels)
@@ -72,9 +80,7 @@ class SparseMoeBlock(nn.Module):
             if n == 0:
                 continue
             rows = slice(start, start + n)
-            pk = self.packed_experts[e]
-            act = kernels.linear_silu_mul(x[rows], self.gate_up[e], pk.get("gate_up"))
-            y[rows] = kernels.linear(act, self.down[e], pk.get("down"))
+            y[rows] = self.expert(e, x[rows], kernels)
             start += n
         y.mul_(weights.reshape(-1)[order].unsqueeze(1))
         out = torch.zeros_like(h).index_add_(0, tokens, y)
@@ -86,6 +92,42 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
+class GptOssMoeBlock(SparseMoeBlock):
+    """gpt-oss's experts, as Hugging Face's GptOssMLP computes them: router logits x . w + b,
+    the top k of them softmaxed; each expert's [gate; up] and down with biases, and between them
+    the clamped SwiGLU: gate clamped above at `limit`, up to [-limit, limit],
+    (up + 1) * gate * sigmoid(alpha * gate). (HF's checkpoint interleaves gate and up columns;
+    the family's loader splits them into kvflow's [gate; up] rows.) The down bias is part of the
+    expert's output, so it is scaled by the router weight like the rest."""
+
+    def __init__(self, arch: LlamaArchConfig, dtype: torch.dtype, device=None):
+        super().__init__(arch, dtype, device)
+        e, h, inter = arch.num_experts, arch.hidden_size, arch.moe_intermediate_size
+        self.router_bias = weight(e, dtype=dtype, device=device)
+        self.gate_up_bias = weight(e, 2 * inter, dtype=dtype, device=device)
+        self.down_bias = weight(e, h, dtype=dtype, device=device)
+        self.alpha, self.limit = arch.swiglu_alpha, arch.swiglu_limit
+
+    def pack_weights(self, pack) -> None:
+        # [gate; up] packed as a plain projection: the activation is not SiLU
+        self.packed_experts = [{"gate_up": pack(self.gate_up[e]), "down": pack(self.down[e])}
+                               for e in range(self.num_experts)]
+        self.packed = {"router": pack(self.router)}
+
+    def route(self, h: torch.Tensor, kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = kernels.linear(h, self.router, self.packed.get("router"), self.router_bias)
+        top, experts = torch.topk(logits.float(), self.top_k, dim=-1)
+        return torch.softmax(top, dim=-1).to(h.dtype), experts
+
+    def expert(self, e: int, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        pk = self.packed_experts[e]
+        gate, up = kernels.linear(x, self.gate_up[e], pk.get("gate_up"), self.gate_up_bias[e]).chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        act = (up.clamp(-self.limit, self.limit) + 1) * glu
+        return kernels.linear(act, self.down[e], pk.get("down"), self.down_bias[e])
+
+
 def naive_moe_forward(block: SparseMoeBlock, h: torch.Tensor, kernels: Kernels) -> torch.Tensor:
     """The same block computed token by token (each token through its k experts in turn): the
     baseline that benchmarks/moe_layer.py measures the grouped forward against, and a second
@@ -95,9 +137,7 @@ def naive_moe_forward(block: SparseMoeBlock, h: torch.Tensor, kernels: Kernels) 
     for i in range(h.shape[0]):
         row = h[i:i + 1]
         for w, e in zip(weights[i].tolist(), experts[i].tolist()):
-            pk = block.packed_experts[e]
-            act = kernels.linear_silu_mul(row, block.gate_up[e], pk.get("gate_up"))
-            out[i] += w * kernels.linear(act, block.down[e], pk.get("down"))[0]
+            out[i] += w * block.expert(e, row, kernels)[0]
     if block.shared_gate_up is not None:
         act = kernels.linear_silu_mul(h, block.shared_gate_up, block.packed.get("shared_gate_up"))
         shared = kernels.linear(act, block.shared_down, block.packed.get("shared_down"))

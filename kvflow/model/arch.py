@@ -15,7 +15,7 @@ from kvflow.model_path import cache_dir_for, is_gguf
 from kvflow.models.registry import check_architecture, family_of, gguf_architecture, hf_architecture
 from kvflow.utils.files import publish
 
-_ROPE_TYPES = ("llama3", "linear", "longrope")
+_ROPE_TYPES = ("llama3", "linear", "longrope", "yarn")
 ARCH_CACHE_FILE = "arch.json"
 
 
@@ -71,6 +71,9 @@ class LlamaArchConfig:
         if not 0 <= self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
             raise ValueError(f"rotary_dim ({self.rotary_dim}) must be even and at most head_dim ({self.head_dim})")
         self.rope_scaling = _normalise_rope_scaling(self.rope_scaling)
+        if self.rope_scaling and self.rope_scaling["rope_type"] == "yarn" \
+                and not self.rope_scaling.get("original_max_position_embeddings"):
+            raise ValueError("yarn rope scaling needs 'original_max_position_embeddings'")
         if self.rope_scaling and self.rope_scaling["rope_type"] == "longrope":
             self.rope_scaling = _complete_longrope(self.rope_scaling, self.max_position_embeddings)
             for key in ("short_factor", "long_factor"):
@@ -189,10 +192,16 @@ def _from_hf_folder(path: str) -> LlamaArchConfig:
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     partial = rope_params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in ("longrope", "su"):
+    rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type"))
+    if rope_type in ("longrope", "su"):
         # Phi-3 keeps original_max_position_embeddings beside the scaling, not in it
         rope_scaling = {"original_max_position_embeddings": cfg.get("original_max_position_embeddings"),
                         **rope_scaling}
+    elif rope_type == "yarn":  # transformers' order: beside the scaling, in it, the context length
+        original = (cfg.get("original_max_position_embeddings")
+                    or rope_scaling.get("original_max_position_embeddings")
+                    or cfg.get("max_position_embeddings", 2048))
+        rope_scaling = {**rope_scaling, "original_max_position_embeddings": original}
     eos = cfg.get("eos_token_id")
     eos_ids = _eos_list(eos)
     gen_path = os.path.join(path, "generation_config.json")
@@ -321,6 +330,9 @@ def arch_from_gguf_reader(reader, path: str) -> LlamaArchConfig:
                         "short_factor": tensors["rope_factors_short.weight"].data.tolist(),
                         "original_max_position_embeddings": int(meta("rope.scaling.original_context_length")),
                         "attention_factor": meta("rope.scaling.attn_factor")}
+    if scaling_type == "yarn":  # llama.cpp's own YaRN keys are not read yet
+        raise ValueError("GGUF files with YaRN rope scaling are not supported yet; "
+                         "use the Hugging Face folder of this model")
     if "rope_freqs.weight" in tensors:
         raise ValueError("GGUF files with rope_freqs (Llama-3.1 style scaling) are not supported yet; "
                          "use the Hugging Face folder of this model")

@@ -39,6 +39,7 @@ class LlamaDecoderLayer(nn.Module):
     MLP slice) and `tp` all-reduces the row-parallel outputs."""
 
     use_rope = True  # False: q and k attend unrotated (SmolLM3's NoPE layers)
+    moe_block: type[nn.Module] = SparseMoeBlock  # a family's own expert block (gpt-oss's)
 
     def __init__(self, arch: LlamaArchConfig, dtype: torch.dtype, device=None, tp=None,
                  layer_idx: int = 0):
@@ -58,12 +59,13 @@ class LlamaDecoderLayer(nn.Module):
         self.qkv_bias = (weight(q_size + 2 * kv_size, dtype=dtype, device=device)
                          if arch.attention_bias else None)
         self.o_proj = weight(h, q_size, dtype=dtype, device=device)
+        self.o_bias = None  # a family's output projection bias (gpt-oss's), added after the all-reduce
         # Qwen3's QK-norm: one RMSNorm weight over head_dim, shared by the heads
         self.q_norm = weight(d, dtype=dtype, device=device) if arch.qk_norm else None
         self.k_norm = weight(d, dtype=dtype, device=device) if arch.qk_norm else None
         self.partial_rope = arch.rope_dim != d
         # a mixture-of-experts layer has the expert block instead of the dense MLP
-        self.moe = SparseMoeBlock(arch, dtype, device) if arch.is_moe_layer(layer_idx) else None
+        self.moe = self.moe_block(arch, dtype, device) if arch.is_moe_layer(layer_idx) else None
         dense = self.moe is None
         self.gate_up_proj = weight(2 * arch.intermediate_size, h, dtype=dtype, device=device) if dense else None
         self.down_proj = weight(h, arch.intermediate_size, dtype=dtype, device=device) if dense else None
@@ -100,6 +102,8 @@ class LlamaDecoderLayer(nn.Module):
             kernels.lora(o, attn, slots["o"], lora)
         if self.tp is not None:
             self.tp.all_reduce(o)  # row-parallel: each rank holds a partial sum
+        if self.o_bias is not None:
+            o += self.o_bias
         o = self._scaled(o)
         if self.moe is not None:  # under tensor parallelism each rank holds a slice of every expert
             down = self.moe(kernels.add_rms_norm(x, o, self.post_attention_layernorm, self.eps), kernels)

@@ -63,6 +63,7 @@ FAMILIES = (
                             "qwen3_next": "Qwen3NextForCausalLM"},
                 text_part_of={"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM"}),
     FamilyEntry("smollm3", {"smollm3": "SmolLM3ForCausalLM"}, {"smollm3": "SmolLM3ForCausalLM"}),
+    FamilyEntry("gpt_oss", {"gpt_oss": "GptOssForCausalLM"}),
 )
 
 _BY_ARCHITECTURE = {a: e for e in FAMILIES for a in e.architectures.values()}
