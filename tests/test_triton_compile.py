@@ -29,8 +29,8 @@ def _compile(fn, types: dict, consts: dict):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("window,cap", [(False, False), (True, True)])
-def test_decode_and_merge_compile_for_h200(shape, window, cap):
+@pytest.mark.parametrize("window,cap,sinks", [(False, False, False), (True, True, True)])
+def test_decode_and_merge_compile_for_h200(shape, window, cap, sinks):
     from kvflow.model.triton import paged_decode as m
     s = SHAPES[shape]
     group = s["heads"] // s["kv"]
@@ -42,24 +42,25 @@ def test_decode_and_merge_compile_for_h200(shape, window, cap):
                   GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), 2), BLOCK_D=s["d"],
                   BLOCK_N=16, USE_CAP=cap, USE_WINDOW=window, KV_KIND=0))
     _compile(m._merge_splits_kernel,
-             dict(part_out="*fp32", part_lse="*fp32", out_ptr="*bf16", stride_o_tok="i32",
-                  stride_o_head="i32"),
-             dict(NUM_SPLITS=16, HEADS=s["heads"], HEAD_DIM=s["d"], BLOCK_S=16, BLOCK_D=s["d"]))
+             dict(part_out="*fp32", part_lse="*fp32", out_ptr="*bf16", sinks_ptr="*fp32",
+                  stride_o_tok="i32", stride_o_head="i32"),
+             dict(NUM_SPLITS=16, HEADS=s["heads"], HEAD_DIM=s["d"], BLOCK_S=16, BLOCK_D=s["d"],
+                  HAS_SINKS=sinks))
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("window,cap", [(False, False), (True, True)])
-def test_prefill_compiles_for_h200_with_bf16_dots(shape, window, cap):
+@pytest.mark.parametrize("window,cap,sinks", [(False, False, False), (True, True, True)])
+def test_prefill_compiles_for_h200_with_bf16_dots(shape, window, cap, sinks):
     from kvflow.model.triton import paged_prefill as m
     s = SHAPES[shape]
     _compile(m._prefill_kernel,
              dict(q_ptr="*bf16", k_cache="*bf16", v_cache="*bf16", k_scales="*bf16",
-                  v_scales="*bf16", block_tables="*i32", seq_lens="*i32", query_start_loc="*i32", out_ptr="*bf16", scale="fp32",
-                  cap="fp32", window="i32", k_fp8_scale="fp32", v_fp8_scale="fp32", stride_q_tok="i32", stride_q_head="i32",
+                  v_scales="*bf16", block_tables="*i32", seq_lens="*i32", query_start_loc="*i32", out_ptr="*bf16", sinks_ptr="*fp32",
+                  scale="fp32", cap="fp32", window="i32", k_fp8_scale="fp32", v_fp8_scale="fp32", stride_q_tok="i32", stride_q_head="i32",
                   stride_o_tok="i32", stride_o_head="i32", stride_bt="i32"),
              dict(KV_HEADS=s["kv"], GROUP=s["heads"] // s["kv"], HEAD_DIM=s["d"], BLOCK_SIZE=16,
                   BLOCK_M=32, BLOCK_N=32, BLOCK_D=s["d"], USE_CAP=cap, USE_WINDOW=window,
-                  DOT_FP32=False, PRECISION="tf32", KV_KIND=0))
+                  DOT_FP32=False, PRECISION="tf32", KV_KIND=0, HAS_SINKS=sinks))
 
 
 def test_kv_write_and_fused_ops_compile_for_h200():
@@ -100,9 +101,10 @@ def test_one_byte_kv_cache_kernels_compile_for_h200(kind, cache, scales):
                   KV_KIND=kind))
     _compile(paged_prefill._prefill_kernel,
              dict(q_ptr="*bf16", block_tables="*i32", seq_lens="*i32", query_start_loc="*i32",
-                  out_ptr="*bf16", scale="fp32", cap="fp32", window="i32", k_fp8_scale="fp32", v_fp8_scale="fp32", stride_q_tok="i32",
+                  out_ptr="*bf16", sinks_ptr="*fp32", scale="fp32", cap="fp32", window="i32",
+                  k_fp8_scale="fp32", v_fp8_scale="fp32", stride_q_tok="i32",
                   stride_q_head="i32", stride_o_tok="i32", stride_o_head="i32", stride_bt="i32",
                   **kv),
              dict(KV_HEADS=8, GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=32, BLOCK_N=32,
                   BLOCK_D=128, USE_CAP=False, USE_WINDOW=False, DOT_FP32=False,
-                  PRECISION="tf32", KV_KIND=kind))
+                  PRECISION="tf32", KV_KIND=kind, HAS_SINKS=False))

@@ -25,7 +25,8 @@ from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.kernels import Kernels
 from kvflow.models.family import getter
 from kvflow.models.granite import GraniteArchConfig, GraniteFamily
-from kvflow.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from kvflow.models.hybrid import HybridForCausalLM
+from kvflow.models.llama import LlamaDecoderLayer
 from kvflow.models.registry import Supports
 
 _MAMBA_TYPES, _ATTENTION_TYPES = ("mamba", "linear_attention"), ("attention", "full_attention")
@@ -143,45 +144,19 @@ def _layer(arch: GraniteMoeHybridArchConfig, dtype: torch.dtype, device=None, tp
     return GraniteMoeHybridAttentionLayer(arch, dtype, device, tp, layer_idx)
 
 
-class GraniteMoeHybridForCausalLM(LlamaForCausalLM):
+class GraniteMoeHybridForCausalLM(HybridForCausalLM):
     """The Llama module (embedding, final norm, LM head) over Granite 4.0-H's layers, with
     Granite's embedding multiplier and logits divisor. `allocate_state` gives the Mamba2 layers
     their state slots before the first step."""
 
     decoder_layer = staticmethod(_layer)
+    state_attr = "mamba"
 
     def __init__(self, arch: GraniteMoeHybridArchConfig, dtype: torch.dtype, device=None, *args, **kwargs):
         if device is not None and torch.device(device).type == "cuda":
             raise ValueError("Granite 4.0-H runs on the CPU only for now (its Mamba2 layers have no GPU path yet)")
         super().__init__(arch, dtype, device, *args, **kwargs)
         self.embed_scale, self.logits_scaling = arch.embedding_multiplier, arch.logits_scaling
-
-    def _mambas(self) -> list[Mamba2]:
-        return [layer.mamba for layer in self.layers if isinstance(layer, GraniteMoeHybridMambaLayer)]
-
-    def allocate_state(self, num_slots: int) -> None:
-        for mamba in self._mambas():
-            mamba.allocate_state(num_slots, self.dtype)
-
-    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
-        for mamba in self._mambas():
-            mamba.copy_states(pairs)
-
-    def pack_weights(self) -> bool:
-        pack = self.kernels.pack
-        if self.embed_tokens.device.type != "cpu" or pack is None:
-            return False
-        for layer in self.layers:
-            owner = getattr(layer, "mamba", layer)
-            names = ("in_proj", "out_proj") if owner is not layer else ("qkv_proj", "o_proj")
-            layer.packed = {name: pack(getattr(owner, name)) for name in names}
-            if layer.moe is not None:
-                layer.moe.pack_weights(pack)
-                continue
-            layer.packed["gate_up_proj"] = pack(layer.gate_up_proj, gate_up=True)
-            layer.packed["down_proj"] = pack(layer.down_proj)
-        self.packed_lm_head = pack(self.embed_tokens if self.lm_head is None else self.lm_head)
-        return True
 
 
 def _float(value) -> float:

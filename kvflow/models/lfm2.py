@@ -16,10 +16,10 @@ from kvflow.layers.parameter import weight
 from kvflow.layers.short_conv import ShortConv
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.kernels import Kernels
-from kvflow.models.llama import LlamaDecoderLayer, LlamaFamily, LlamaForCausalLM
+from kvflow.models.hybrid import HybridForCausalLM
+from kvflow.models.llama import LlamaDecoderLayer, LlamaFamily
 from kvflow.models.registry import Supports
 
-_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "in_proj", "out_proj")
 
 
 @dataclass
@@ -78,39 +78,17 @@ def _layer(arch: Lfm2ArchConfig, dtype: torch.dtype, device=None, tp=None, layer
     return LlamaDecoderLayer(arch, dtype, device, tp, layer_idx=layer_idx)
 
 
-class Lfm2ForCausalLM(LlamaForCausalLM):
+class Lfm2ForCausalLM(HybridForCausalLM):
     """The Llama module (embedding, RoPE tables, final norm, tied LM head) over LFM2's layers.
     `allocate_state` gives the conv layers their state slots before the first step."""
 
     decoder_layer = staticmethod(_layer)
+    state_attr = "conv"
 
     def __init__(self, arch: Lfm2ArchConfig, dtype: torch.dtype, device=None, *args, **kwargs):
         if device is not None and torch.device(device).type == "cuda":
             raise ValueError("LFM2 runs on the CPU only for now (its conv layers have no GPU kernel)")
         super().__init__(arch, dtype, device, *args, **kwargs)
-
-    def allocate_state(self, num_slots: int) -> None:
-        for layer in self.layers:
-            if isinstance(layer, Lfm2ConvLayer):
-                layer.conv.allocate_state(num_slots, self.dtype)
-
-    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
-        for layer in self.layers:
-            if isinstance(layer, Lfm2ConvLayer):
-                layer.conv.copy_states(pairs)
-
-    def pack_weights(self) -> bool:
-        pack = self.kernels.pack
-        if self.layers[0].gate_up_proj.device.type != "cpu" or pack is None:
-            return False
-        for layer in self.layers:
-            owner = getattr(layer, "conv", layer)
-            layer.packed = {name: pack(getattr(owner if name in ("in_proj", "out_proj") else layer, name),
-                                       gate_up=name == "gate_up_proj")
-                            for name in _PROJECTIONS
-                            if getattr(owner if name in ("in_proj", "out_proj") else layer, name, None) is not None}
-        self.packed_lm_head = pack(self.embed_tokens if self.lm_head is None else self.lm_head)
-        return True
 
 
 class Lfm2Family(LlamaFamily):
@@ -188,7 +166,7 @@ class Lfm2Family(LlamaFamily):
             out[name] = out[name].reshape(arch.hidden_size, arch.conv_kernel_size).contiguous()
         return out
 
-    def model_class(self, arch: LlamaArchConfig) -> type[LlamaForCausalLM]:
+    def model_class(self, arch: LlamaArchConfig) -> type[HybridForCausalLM]:
         return Lfm2ForCausalLM
 
 

@@ -32,7 +32,8 @@ from kvflow.layers.rotary import partial_rope_
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.kernels import Kernels
 from kvflow.models.family import getter
-from kvflow.models.llama import LlamaFamily, LlamaForCausalLM
+from kvflow.models.hybrid import HybridForCausalLM
+from kvflow.models.llama import LlamaFamily
 from kvflow.models.registry import Supports
 
 _TEXT_PREFIX = "model.language_model."  # a Qwen3_5ForConditionalGeneration folder's text model
@@ -165,44 +166,20 @@ def _layer(arch: Qwen3_5ArchConfig, dtype: torch.dtype, device=None, tp=None, la
     return Qwen3_5AttentionLayer(arch, dtype, device, layer_idx)
 
 
-class Qwen3_5ForCausalLM(LlamaForCausalLM):
+class Qwen3_5ForCausalLM(HybridForCausalLM):
     """The Llama module's embedding, RoPE tables (rope_dim wide) and LM head over Qwen3.5's
     layers, with its fp32 final norm multiplier; one rank, layer by layer. `allocate_state`
     gives the Gated DeltaNet layers their state slots before the first step."""
 
     decoder_layer = staticmethod(_layer)
+    state_attr = "gdn"
+    attention_projections = ("qkv_gate_proj", "o_proj")
 
     def __init__(self, arch: Qwen3_5ArchConfig, dtype: torch.dtype, device=None, *args, **kwargs):
         if device is not None and torch.device(device).type == "cuda":
             raise ValueError("Qwen3.5 runs on the CPU only for now (its Gated DeltaNet layers have no GPU path yet)")
         super().__init__(arch, dtype, device, *args, **kwargs)
         self.norm = _norm_weight(arch.hidden_size, device)
-
-    def allocate_state(self, num_slots: int) -> None:
-        for layer in self.layers:
-            if isinstance(layer, Qwen3_5LinearLayer):
-                layer.gdn.allocate_state(num_slots, self.dtype)
-
-    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
-        for layer in self.layers:
-            if isinstance(layer, Qwen3_5LinearLayer):
-                layer.gdn.copy_states(pairs)
-
-    def pack_weights(self) -> bool:
-        pack = self.kernels.pack
-        if self.embed_tokens.device.type != "cpu" or pack is None:
-            return False
-        for layer in self.layers:
-            owner = getattr(layer, "gdn", layer)
-            names = ("in_proj", "out_proj") if owner is not layer else ("qkv_gate_proj", "o_proj")
-            layer.packed = {name: pack(getattr(owner, name)) for name in names}
-            if layer.moe is not None:
-                layer.moe.pack_weights(pack)
-                continue
-            layer.packed["gate_up_proj"] = pack(layer.gate_up_proj, gate_up=True)
-            layer.packed["down_proj"] = pack(layer.down_proj)
-        self.packed_lm_head = pack(self.embed_tokens if self.lm_head is None else self.lm_head)
-        return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | np.ndarray,
                 kv_caches: list, attn_metadata: AttentionMetadata | list[AttentionMetadata],
@@ -300,7 +277,7 @@ class Qwen3_5Family(LlamaFamily):
             out[q + "k_norm"] = multiplier(a + "k_norm.weight")
         return out
 
-    def model_class(self, arch: LlamaArchConfig) -> type[LlamaForCausalLM]:
+    def model_class(self, arch: LlamaArchConfig) -> type[HybridForCausalLM]:
         return Qwen3_5ForCausalLM
 
 
