@@ -260,7 +260,7 @@ class GraniteMoeHybridFamily(GraniteFamily):
     def gguf_fields(self, meta, tensors: dict, architecture: str) -> dict:
         raise ValueError("Granite 4.0-H GGUF files are not supported yet; load its Hugging Face folder")
 
-    def model_class(self, arch: LlamaArchConfig) -> type[LlamaForCausalLM]:
+    def model_class(self, arch: LlamaArchConfig) -> type[HybridForCausalLM]:
         return GraniteMoeHybridForCausalLM
 
 
