@@ -1,9 +1,10 @@
 """Tiny random hybrid models (layers that keep a state per request beside attention layers)
-saved as HF folders: LFM2's gated short convolutions, Qwen3.5's and Qwen3-Next's Gated
-DeltaNet, Granite 4.0-H's Mamba2. Their weights are drawn wider than transformers' default init so that greedy tokens
+saved as HF folders: LFM2's gated short convolutions, Qwen3.5's (dense and MoE) and Qwen3-Next's
+Gated DeltaNet, Granite 4.0-H's Mamba2; and the GGUF files llama.cpp's converter writes of them. Their weights are drawn wider than transformers' default init so that greedy tokens
 vary from step to step (at the default, a tiny random LFM2 repeats one token)."""
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -26,21 +27,72 @@ def save_lfm2(path: str) -> str:
     return path
 
 
-def save_qwen3_5(path: str) -> str:
+_LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "linear_attention", "full_attention"]
+
+
+def _layer_types(full_attention_interval: int | None) -> list[str]:
+    """The tiny models' irregular pattern, or four layers with every interval-th one attention
+    (the pattern llama.cpp's files describe by their `full_attention_interval`)."""
+    if full_attention_interval is None:
+        return _LAYER_TYPES
+    return ["linear_attention" if (i + 1) % full_attention_interval else "full_attention" for i in range(4)]
+
+
+def _note_interval(path: str, full_attention_interval: int | None) -> None:
+    """config.json keeps the interval beside layer_types, as Qwen's own configs do
+    (transformers drops it when it saves)."""
+    if full_attention_interval is None:
+        return
+    file = os.path.join(path, "config.json")
+    with open(file) as f:
+        cfg = json.load(f)
+    with open(file, "w") as f:
+        json.dump({**cfg, "full_attention_interval": full_attention_interval}, f, indent=2)
+
+
+def save_qwen3_5(path: str, full_attention_interval: int | None = None) -> str:
     """Linear, full, linear, linear, full attention: GQA 4/2 with head_dim 16 (a quarter of it
     rotated); Gated DeltaNet with 2 key heads of 16 dims serving 4 value heads of 8, a 4-tap
     conv; tied embeddings."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    cfg = Qwen3_5TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
+    types = _layer_types(full_attention_interval)
+    cfg = Qwen3_5TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=len(types),
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                             linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=512,
-                            layer_types=["linear_attention", "full_attention", "linear_attention",
-                                         "linear_attention", "full_attention"],
+                            layer_types=types,
                             tie_word_embeddings=True, initializer_range=0.1,
                             bos_token_id=1, eos_token_id=2, pad_token_id=0)
     path = _save_random(Qwen3_5ForCausalLM, cfg, path, seed=9)
+    _note_interval(path, full_attention_interval)
+    save_byte_tokenizer(path, VOCAB)
+    return path
+
+
+def save_qwen3_5_moe(path: str, full_attention_interval: int | None = None) -> str:
+    """Qwen3.5's layer pattern and shapes with 4 experts (top-2) and a gated shared expert in
+    every layer; untied. The routers are sharpened (top-2 never a near tie)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    types = _layer_types(full_attention_interval)
+    cfg = Qwen3_5MoeTextConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=len(types),
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                               linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=512,
+                               layer_types=types,
+                               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                               shared_expert_intermediate_size=48, tie_word_embeddings=False,
+                               initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    path = _save_random(Qwen3_5MoeForCausalLM, cfg, path, seed=9)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    for name, t in tensors.items():
+        if name.endswith("mlp.gate.weight"):
+            tensors[name] = t * _ROUTER_SCALE
+    save_file(tensors, file, metadata={"format": "pt"})
+    _note_interval(path, full_attention_interval)
     save_byte_tokenizer(path, VOCAB)
     return path
 
@@ -64,21 +116,22 @@ def save_qwen3_5_vl(path: str) -> str:
     return _save_random(Qwen3_5ForConditionalGeneration, cfg, path, seed=5)
 
 
-def save_qwen3_next(path: str) -> str:
+def save_qwen3_next(path: str, full_attention_interval: int | None = None) -> str:
     """Qwen3.5's layer pattern and shapes with 4 experts (top-2, renormalised) and a gated
     shared expert, the third layer dense (`mlp_only_layers`); untied."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    cfg = Qwen3NextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
+    types = _layer_types(full_attention_interval)
+    cfg = Qwen3NextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=len(types),
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                           linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                           linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=512,
-                          layer_types=["linear_attention", "full_attention", "linear_attention",
-                                       "linear_attention", "full_attention"],
+                          layer_types=types,
                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                           shared_expert_intermediate_size=48, mlp_only_layers=[2], norm_topk_prob=True,
                           initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     path = _save_random(Qwen3NextForCausalLM, cfg, path, seed=9)
+    _note_interval(path, full_attention_interval)
     save_byte_tokenizer(path, VOCAB)
     return path
 
@@ -114,8 +167,8 @@ def save_granite4h(path: str) -> str:
     return path
 
 
-BUILDERS = {"lfm2": save_lfm2, "qwen3_5": save_qwen3_5, "qwen3_next": save_qwen3_next,
-            "granite4h": save_granite4h}
+BUILDERS = {"lfm2": save_lfm2, "qwen3_5": save_qwen3_5, "qwen3_5_moe": save_qwen3_5_moe,
+            "qwen3_next": save_qwen3_next, "granite4h": save_granite4h}
 
 
 def write_lfm2_gguf(hf_dir: str, out_path: str) -> str:

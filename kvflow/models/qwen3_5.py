@@ -1,8 +1,10 @@
-"""Qwen3.5 (Qwen3_5ForCausalLM; a Qwen3_5ForConditionalGeneration folder loads its text part)
-and Qwen3-Next (Qwen3NextForCausalLM): Gated DeltaNet layers (kvflow/layers/gated_deltanet.py, a
+"""Qwen3.5 (Qwen3_5ForCausalLM, and its mixture of experts Qwen3_5MoeForCausalLM; their
+ConditionalGeneration folders load their text part) and Qwen3-Next (Qwen3NextForCausalLM): Gated
+DeltaNet layers (kvflow/layers/gated_deltanet.py, a
 fixed-size state per request) interleaved with gated full-attention layers, each followed by a
-SwiGLU MLP (Qwen3-Next: mostly a mixture of experts with a sigmoid-gated shared expert,
-kvflow/layers/moe.py), pre-norm, as Hugging Face's Qwen3_5TextModel and Qwen3NextModel compute
+SwiGLU MLP (Qwen3-Next and Qwen3.5 MoE: a mixture of experts with a sigmoid-gated shared expert,
+kvflow/layers/moe.py; Qwen3.5 MoE's router always renormalises its top k and every layer has
+experts), pre-norm, as Hugging Face's Qwen3_5TextModel and Qwen3NextModel compute
 them. Only the attention layers hold a KV cache; the
 linear-attention layers hold a state slot per running request (the KV cache coordinator's
 state group).
@@ -35,8 +37,9 @@ from kvflow.models.family import getter
 from kvflow.models.llama import LlamaFamily, LlamaForCausalLM
 from kvflow.models.registry import Supports
 
-_TEXT_PREFIX = "model.language_model."  # a Qwen3_5ForConditionalGeneration folder's text model
+_TEXT_PREFIX = "model.language_model."  # a ConditionalGeneration folder's text model
 _NEXT = "Qwen3NextForCausalLM"
+_MOE = "Qwen3_5MoeForCausalLM"
 
 
 @dataclass
@@ -236,13 +239,15 @@ class Qwen3_5Family(LlamaFamily):
         if cfg.get("attention_bias"):
             raise ValueError("Qwen3.5 with attention_bias is not supported yet")
         experts = {}
-        if architecture == _NEXT:
+        if architecture in (_NEXT, _MOE):
             experts = dict(num_experts=int(cfg["num_experts"]), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
                            moe_intermediate_size=int(cfg["moe_intermediate_size"]),
                            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
                            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
                            decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
                            mlp_only_layers=[int(i) for i in cfg.get("mlp_only_layers") or []])
+        if architecture == _MOE:  # experts in every layer, the top k always renormalised
+            experts.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
         return {"qk_norm": True, "attention_bias": False, **experts,
                 "linear_layers": [i for i, t in enumerate(types) if t == "linear_attention"],
                 **{key: int(cfg[key]) for key in ("linear_conv_kernel_dim", "linear_num_key_heads",
@@ -299,6 +304,20 @@ class Qwen3_5Family(LlamaFamily):
             out[q + "q_norm"] = multiplier(a + "q_norm.weight")
             out[q + "k_norm"] = multiplier(a + "k_norm.weight")
         return out
+
+    def fuse_experts(self, get, arch: Qwen3_5ArchConfig, i: int) -> dict[str, torch.Tensor]:
+        """Layer i's experts as Qwen3.5 MoE checkpoints may keep them, stacked
+        (`experts.gate_up_proj` [experts, 2 * inter, hidden], `experts.down_proj`), or one tensor
+        per expert (LlamaFamily's names)."""
+        p = f"model.layers.{i}.mlp."
+        try:
+            gate_up, down = get(p + "experts.gate_up_proj"), get(p + "experts.down_proj")
+        except ValueError:
+            return super().fuse_experts(get, arch, i)
+        s, q = p + "shared_expert.", f"layers.{i}.moe."
+        return {q + "router": get(p + "gate.weight"), q + "gate_up": gate_up, q + "down": down,
+                q + "shared_gate_up": torch.cat([get(s + "gate_proj.weight"), get(s + "up_proj.weight")]),
+                q + "shared_down": get(s + "down_proj.weight"), q + "shared_gate": get(p + "shared_expert_gate.weight")}
 
     def model_class(self, arch: LlamaArchConfig) -> type[LlamaForCausalLM]:
         return Qwen3_5ForCausalLM

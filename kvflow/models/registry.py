@@ -60,8 +60,10 @@ FAMILIES = (
     FamilyEntry("granitemoehybrid", {"granitemoehybrid": "GraniteMoeHybridForCausalLM"}),
     FamilyEntry("lfm2", {"lfm2": "Lfm2ForCausalLM"}, {"lfm2": "Lfm2ForCausalLM"}),
     FamilyEntry("qwen3_5", {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM",
+                            "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
                             "qwen3_next": "Qwen3NextForCausalLM"},
-                text_part_of={"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM"}),
+                text_part_of={"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+                              "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}),
     FamilyEntry("smollm3", {"smollm3": "SmolLM3ForCausalLM"}, {"smollm3": "SmolLM3ForCausalLM"}),
 )
 
