@@ -254,6 +254,59 @@ class Qwen3_5Family(LlamaFamily):
                                                   "linear_num_value_heads", "linear_key_head_dim",
                                                   "linear_value_head_dim") if key in cfg}}
 
+    def gguf_fields(self, meta, tensors: dict, architecture: str) -> dict:
+        """llama.cpp's `qwen35`, `qwen35moe` and `qwen3next`: the linear-attention layers are those
+        with `ssm_a` (llama.cpp derives the same from `full_attention_interval`); the Gated
+        DeltaNet's sizes in the `ssm.*` keys (state_size: a key head's dims, group_count: key
+        heads, time_step_rank: value heads, inner_size: all value dims)."""
+        n, value_heads = int(meta("block_count")), int(meta("ssm.time_step_rank"))
+        fields = {**super().gguf_fields(meta, tensors, architecture), "qk_norm": True,
+                  "linear_layers": [i for i in range(n) if f"blk.{i}.ssm_a" in tensors],
+                  "linear_conv_kernel_dim": int(meta("ssm.conv_kernel")),
+                  "linear_key_head_dim": int(meta("ssm.state_size")),
+                  "linear_num_key_heads": int(meta("ssm.group_count")),
+                  "linear_num_value_heads": value_heads,
+                  "linear_value_head_dim": int(meta("ssm.inner_size")) // value_heads}
+        if architecture == _MOE:
+            fields.update(norm_topk_prob=True, mlp_only_layers=[])
+        return fields
+
+    def gguf_layer_names(self, architecture: str) -> dict[str, str]:
+        g = "linear_attn."
+        return {"post_attention_norm": "post_attention_layernorm", "attn_qkv": g + "in_proj_qkv",
+                "attn_gate": g + "in_proj_z", "ssm_beta": g + "in_proj_b", "ssm_alpha": g + "in_proj_a",
+                "ssm_ba": g + "in_proj_ba", "ssm_a": g + "A_log", "ssm_dt": g + "dt",
+                "ssm_conv1d": g + "conv1d", "ssm_norm": g + "norm", "ssm_out": g + "out_proj"}
+
+    def gguf_tensor(self, name: str, w: np.ndarray, arch: Qwen3_5ArchConfig) -> tuple[str, np.ndarray]:
+        """Undo llama.cpp's converter: it stores the 1 + weight norms (all but the Gated
+        DeltaNet's) with the 1 added, -exp(A_log) as `ssm_a`, dt_bias as `ssm_dt.bias`; for
+        Qwen3.5 (not Qwen3-Next) it also reorders the value heads from grouped by key head
+        ([k0's v0, k0's v1, k1's v0, ...]) to tiled ([k0's v0, k1's v0, k0's v1, ...]) in every
+        tensor that has them."""
+        if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            return name, w - np.float32(1.0)
+        if ".linear_attn." not in name:
+            return name, w
+        if name.endswith(".A_log"):
+            w = np.log(-w)
+        elif name.endswith(".dt.bias"):
+            name = name[:-len(".dt.bias")] + ".dt_bias"
+        nk, nv = arch.linear_num_key_heads, arch.linear_num_value_heads
+        if arch.architecture == _NEXT or nk == nv:
+            return name, w
+        dv, qk = arch.linear_value_head_dim, 2 * nk * arch.linear_key_head_dim
+        untile = lambda x, axis, d: _untile_value_heads(x, axis, nk, nv // nk, d)  # noqa: E731
+        if name.endswith((".in_proj_qkv.weight", ".conv1d.weight")):
+            return name, np.concatenate([w[:qk], untile(w[qk:], 0, dv)])
+        if name.endswith(".in_proj_z.weight"):
+            return name, untile(w, 0, dv)
+        if name.endswith((".in_proj_b.weight", ".in_proj_a.weight", ".A_log", ".dt_bias")):
+            return name, untile(w, 0, 1)
+        if name.endswith(".out_proj.weight"):
+            return name, untile(w, 1, dv)
+        return name, w
+
     def hf_layer_names(self, i: int, arch: Qwen3_5ArchConfig) -> dict[str, list[str]]:
         """Layer i's tensors; the norms, q's gate rows and the conv weight are fuse_weights'."""
         p = f"model.layers.{i}."
@@ -293,9 +346,12 @@ class Qwen3_5Family(LlamaFamily):
                 out[q + "gdn.conv_weight"] = get(g + "conv1d.weight").reshape(arch.linear_conv_dim, -1).contiguous()
                 out[q + "gdn.A_log"] = get32(g + "A_log").contiguous()
                 out[q + "gdn.dt_bias"] = get32(g + "dt_bias").contiguous()
-                if arch.architecture == _NEXT:
+                if arch.architecture == _NEXT and g + "in_proj_qkvz.weight" in hf:
                     out[q + "gdn.in_proj"] = _regroup_qkvz_ba(get(g + "in_proj_qkvz.weight"),
                                                               get(g + "in_proj_ba.weight"), arch)
+                elif arch.architecture == _NEXT:  # llama.cpp's file: q|k|v and z already regrouped
+                    qkvz = torch.cat([get(g + "in_proj_qkv.weight"), get(g + "in_proj_z.weight")])
+                    out[q + "gdn.in_proj"] = torch.cat([qkvz, _regroup_ba(get(g + "in_proj_ba.weight"), arch)])
                 continue
             a = p + "self_attn."
             q_gate = get(a + "q_proj.weight").view(heads, 2, d, -1)  # per head: [q; gate]
@@ -329,8 +385,22 @@ def _regroup_qkvz_ba(qkvz: torch.Tensor, ba: torch.Tensor, arch: Qwen3_5ArchConf
     nk, dk, dv = arch.linear_num_key_heads, arch.linear_key_head_dim, arch.linear_value_head_dim
     r = arch.linear_num_value_heads // nk
     per_head = qkvz.view(nk, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], dim=1)
-    b, a = ba.view(nk, 2 * r, -1).split([r, r], dim=1)
-    return torch.cat([x.reshape(-1, qkvz.shape[-1]) for x in (*per_head, b, a)]).contiguous()
+    return torch.cat([*(x.reshape(-1, qkvz.shape[-1]) for x in per_head), _regroup_ba(ba, arch)]).contiguous()
+
+
+def _regroup_ba(ba: torch.Tensor, arch: Qwen3_5ArchConfig) -> torch.Tensor:
+    """Qwen3-Next's per key head [b; a] as [b; a] over all heads."""
+    r = arch.linear_num_value_heads // arch.linear_num_key_heads
+    b, a = ba.view(arch.linear_num_key_heads, 2 * r, -1).split([r, r], dim=1)
+    return torch.cat([b.reshape(-1, ba.shape[-1]), a.reshape(-1, ba.shape[-1])])
+
+
+def _untile_value_heads(w: np.ndarray, axis: int, nk: int, r: int, d: int) -> np.ndarray:
+    """llama.cpp's value heads in tiled order (r groups of nk heads of d) back to grouped by
+    key head (nk groups of r), along `axis`."""
+    shape = w.shape
+    tiled = w.reshape(*shape[:axis], r, nk, d, *shape[axis + 1:])
+    return np.ascontiguousarray(np.swapaxes(tiled, axis, axis + 1)).reshape(shape)
 
 
 FAMILY = Qwen3_5Family()
