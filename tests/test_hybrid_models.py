@@ -17,7 +17,8 @@ import torch
 from conftest import assert_matches_reference
 from conftest_model_helpers import PagedDriver, hf_logits
 from tiny_arch_models import hf_model
-from tiny_hybrid_models import BUILDERS
+from tiny_hybrid_models import (BUILDERS, save_granite4h, save_lfm2, save_qwen3_5, save_qwen3_5_moe,
+                                save_qwen3_next, write_granite4h_gguf, write_lfm2_gguf, write_qwen3_5_gguf)
 from kvflow.core.kv_cache.spec import StateSpec
 from kvflow.core.kv_cache.state import StateManager
 from kvflow.model.loader import load_model
@@ -79,22 +80,46 @@ def test_a_snapshot_taken_inside_a_chunk_resumes_to_hfs_logits(tiny):
     torch.testing.assert_close(torch.cat([out["b"], out["b2"]]), ref[12:], atol=1e-4, rtol=1e-4)
 
 
-def test_lfm2_gguf_loads_to_hfs_logits_and_serves(tmp_path, monkeypatch):
-    """llama.cpp's `lfm2` file of the tiny model: the same arch, HF's logits over a chunked
-    mixed batch, and the engine's greedy tokens equal the HF folder's (its tokenizer from the
-    file's metadata)."""
+_QWEN_FIELDS = ("linear_layers", "linear_conv_kernel_dim", "linear_num_key_heads", "linear_num_value_heads",
+                "linear_key_head_dim", "linear_value_head_dim", "rotary_dim", "num_experts", "num_experts_per_tok",
+                "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "mlp_only_layers")
+# llama.cpp's files: (the tiny folder, the converter's writer, the arch fields that must survive)
+GGUF_CASES = {
+    "lfm2": (lambda p: save_lfm2(p), write_lfm2_gguf, ("conv_layers", "conv_kernel_size")),
+    # Qwen's llama.cpp files carry the layer pattern as an interval: the folders keep to one
+    "qwen35": (lambda p: save_qwen3_5(p, full_attention_interval=2), write_qwen3_5_gguf, _QWEN_FIELDS),
+    "qwen35moe": (lambda p: save_qwen3_5_moe(p, full_attention_interval=2), write_qwen3_5_gguf, _QWEN_FIELDS),
+    # (llama.cpp's `qwen3next` has experts in every layer)
+    "qwen3next": (lambda p: save_qwen3_next(p, full_attention_interval=2, mlp_only_layers=()), write_qwen3_5_gguf,
+                  _QWEN_FIELDS),
+    "granitehybrid": (lambda p: save_granite4h(p), write_granite4h_gguf,
+                      ("mamba_layers", "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups",
+                       "mamba_d_conv", "mamba_conv_bias", "mamba_proj_bias", "use_rope", "num_experts",
+                       "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                       "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")),
+}
+
+
+@pytest.mark.parametrize("kind", list(GGUF_CASES))
+def test_llama_cpp_gguf_loads_to_hfs_logits_and_serves(kind, tmp_path, monkeypatch):
+    """llama.cpp's file of the tiny model (`lfm2`, `qwen35`, `qwen35moe`, `qwen3next`,
+    `granitehybrid`): the
+    same arch, HF's logits over a chunked mixed batch, and the engine's greedy tokens equal the
+    HF folder's (its tokenizer from the file's metadata)."""
     from kvflow import LLM, SamplingParams
     from kvflow.model.arch import load_arch_config
-    from tiny_hybrid_models import save_lfm2, write_lfm2_gguf
 
+    build, write, fields = GGUF_CASES[kind]
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "cache"))
-    path = save_lfm2(str(tmp_path / "hf"))
-    gguf_path = write_lfm2_gguf(path, str(tmp_path / "lfm2.gguf"))
+    path = build(str(tmp_path / "hf"))
+    gguf_path = write(path, str(tmp_path / f"{kind}.gguf"))
     want, got = load_arch_config(path), load_arch_config(gguf_path)
-    same = ("conv_layers", "conv_kernel_size", "intermediate_size", "num_key_value_heads", "qk_norm",
-            "tie_word_embeddings", "rope_theta")
-    assert {f: getattr(got, f) for f in same} == {f: getattr(want, f) for f in same}
-    assert got.rms_norm_eps == pytest.approx(want.rms_norm_eps)  # a float32 in the file
+    same = ("architecture", "intermediate_size", "num_key_value_heads", "head_dim", "qk_norm",
+            "tie_word_embeddings", "rope_theta", *fields)
+    exact = [f for f in same if not isinstance(getattr(want, f), float)]
+    assert {f: getattr(got, f) for f in exact} == {f: getattr(want, f) for f in exact}
+    for f in ("rms_norm_eps", *(f for f in same if f not in exact)):  # float32s in the file
+        assert getattr(got, f) == pytest.approx(getattr(want, f)), f
     hf = hf_model(path)
     model, arch = load_model(gguf_path, torch.float32)
     rng = np.random.default_rng(2)

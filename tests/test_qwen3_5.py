@@ -53,3 +53,30 @@ def test_a_vision_language_folder_serves_its_text_part(tmp_path):
     got = torch.cat([driver.step([("a", ids[:13])])["a"], driver.step([("a", ids[13:19])])["a"],
                      driver.step([("a", ids[19:])])["a"]])
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_qwen3_5_moe_experts_stacked_in_the_checkpoint_load_as_per_expert_ones(tmp_path):
+    """Qwen3.5 MoE checkpoints may keep each layer's experts stacked (`experts.gate_up_proj`
+    [experts, 2 * inter, hidden], `experts.down_proj`): the same model as one tensor per expert."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    from kvflow.model.loader import load_model
+    from tiny_hybrid_models import save_qwen3_5_moe
+
+    path = save_qwen3_5_moe(str(tmp_path / "moe"))
+    per_expert = load_model(path, torch.float32)[0].state_dict()
+    file = os.path.join(path, "model.safetensors")
+    t = load_file(file)
+    for i in range(5):
+        p = f"model.layers.{i}.mlp.experts."
+        gate_up = [torch.cat([t.pop(p + f"{e}.gate_proj.weight"), t.pop(p + f"{e}.up_proj.weight")]) for e in range(4)]
+        t[p + "gate_up_proj"] = torch.stack(gate_up)
+        t[p + "down_proj"] = torch.stack([t.pop(p + f"{e}.down_proj.weight") for e in range(4)])
+    save_file(t, file, metadata={"format": "pt"})
+    stacked = load_model(path, torch.float32)[0].state_dict()
+    assert stacked.keys() == per_expert.keys()
+    for name, w in per_expert.items():
+        torch.testing.assert_close(stacked[name], w, atol=0, rtol=0)

@@ -355,7 +355,8 @@ def _add_tokenizer(w, hf_dir: str) -> None:
     w.add_bos_token_id(tok.bos_token_id)
     w.add_eos_token_id(tok.eos_token_id)
     w.add_pad_token_id(0)
-    w.add_chat_template(tok.chat_template)
+    if tok.chat_template:  # (the converter writes one only where the folder has it)
+        w.add_chat_template(tok.chat_template)
 
 
 def hf_model(path: str):

@@ -31,7 +31,8 @@ _LAYER_NAMES = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 _EXPERT_KINDS = {"ffn_gate_exps": 2, "ffn_up_exps": 3, "ffn_down_exps": 4}  # in expert_names' tuple
-_LAYER_RE = re.compile(r"blk\.(\d+)\.([\w.]+)\.(weight|bias)")  # (LFM2's `shortconv.conv`)
+# (LFM2's `shortconv.conv`; the state layers' `ssm_a` and `ssm_d` have no suffix)
+_LAYER_RE = re.compile(r"blk\.(\d+)\.([\w.]+?)(?:\.(weight|bias))?")
 # Mixtral files from before llama.cpp stacked the experts: one tensor per expert
 _LEGACY_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 
@@ -53,7 +54,8 @@ def hf_name(gguf_name: str, arch: LlamaArchConfig) -> str | None:
     names = {**_LAYER_NAMES, **family.gguf_layer_names(arch.architecture)}
     if m.group(2) not in names:
         return None
-    return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
+    suffix = "" if m.group(3) is None else "." + m.group(3)
+    return f"model.layers.{m.group(1)}.{names[m.group(2)]}{suffix}"
 
 
 def expert_names(gguf_name: str, arch: LlamaArchConfig) -> list[str] | None:
@@ -102,5 +104,6 @@ def read_gguf(path: str) -> tuple[LlamaArchConfig, dict[str, np.ndarray]]:
             w = unpermute_qk(w, arch.num_key_value_heads)
         if norm_shift and name.endswith("norm.weight"):
             w = w - np.float32(norm_shift)
+        name, w = family.gguf_tensor(name, w, arch)
         weights[name] = w
     return arch, weights

@@ -212,7 +212,7 @@ def _from_hf_folder(path: str) -> LlamaArchConfig:
         architecture=architecture,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
+        intermediate_size=cfg.get("intermediate_size", 0),  # (none where every layer has experts)
         num_hidden_layers=cfg["num_hidden_layers"],
         num_attention_heads=heads,
         num_key_value_heads=cfg.get("num_key_value_heads") or heads,

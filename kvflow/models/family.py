@@ -44,6 +44,11 @@ class ModelFamily:
 
     gguf_norm_shift = 0.0  # llama.cpp stores some families' norm weights as shift + w
 
+    def gguf_tensor(self, name: str, w, arch: LlamaArchConfig):
+        """(HF name, tensor) of a GGUF tensor already under `name`: undoes what llama.cpp's
+        converter did to this family's tensors beyond renaming them (a numpy float32 array)."""
+        return name, w
+
     # sliding-window defaults where a family's checkpoints leave them out (Gemma 3's files)
     default_sliding_window: int | None = None
     default_sliding_window_pattern: int | None = None  # every n-th layer global

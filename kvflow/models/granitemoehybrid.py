@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -248,7 +249,7 @@ class GraniteMoeHybridFamily(GraniteFamily):
                      dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The shared names, plus each Mamba2 layer's conv weight as [channel, tap] and A_log,
         D and dt_bias in fp32."""
-        out = super().fuse_weights(hf, arch, dtype)
+        out = super().fuse_weights(_join_llama_cpp_splits(hf, arch), arch, dtype)
         get, get32 = getter(hf, dtype), getter(hf, torch.float32)
         for i in arch.mamba_layers:
             m, q = f"model.layers.{i}.mamba.", f"layers.{i}.mamba."
@@ -258,10 +259,72 @@ class GraniteMoeHybridFamily(GraniteFamily):
         return out
 
     def gguf_fields(self, meta, tensors: dict, architecture: str) -> dict:
-        raise ValueError("Granite 4.0-H GGUF files are not supported yet; load its Hugging Face folder")
+        """llama.cpp's `granitehybrid`: the Mamba2 layers are those with `ssm_in` (their
+        head_count_kv is 0); Mamba2's sizes in the `ssm.*` keys (time_step_rank: heads,
+        inner_size: heads x head dims, group_count, state_size, conv_kernel); feed_forward_length
+        is the experts' width; RoPE only where `rope.scaling.finetuned` says so (llama.cpp's
+        rule: Bamba and attention-only files)."""
+        n, heads = int(meta("block_count")), int(meta("ssm.time_step_rank"))
+        mamba = [i for i in range(n) if f"blk.{i}.ssm_in.weight" in tensors]
+        experts = int(meta("expert_count", 0) or 0)
+        shared = int(meta("expert_shared_feed_forward_length", 0) or 0)
+        fields = {**super().gguf_fields(meta, tensors, architecture),
+                  "architecture": architecture, "qk_norm": False, "mamba_layers": mamba,
+                  "mamba_n_heads": heads, "mamba_d_head": int(meta("ssm.inner_size")) // heads,
+                  "mamba_d_state": int(meta("ssm.state_size")), "mamba_n_groups": int(meta("ssm.group_count")),
+                  "mamba_d_conv": int(meta("ssm.conv_kernel")),
+                  "mamba_conv_bias": any(f"blk.{i}.ssm_conv1d.bias" in tensors for i in mamba),
+                  "mamba_proj_bias": any(f"blk.{i}.ssm_in.bias" in tensors for i in mamba),
+                  "use_rope": bool(meta("rope.scaling.finetuned", False)),
+                  "intermediate_size": shared if experts else int(meta("feed_forward_length"))}
+        if experts:
+            fields.update(num_experts=experts, num_experts_per_tok=int(meta("expert_used_count")),
+                          moe_intermediate_size=int(meta("feed_forward_length")),
+                          shared_expert_intermediate_size=shared, mlp_only_layers=[])
+        return fields
+
+    def gguf_layer_names(self, architecture: str) -> dict[str, str]:
+        m = "mamba."
+        return {"ssm_in": m + "in_proj", "ssm_conv1d": m + "conv1d", "ssm_dt": m + "dt", "ssm_a": m + "A_log",
+                "ssm_d": m + "D", "ssm_norm": m + "norm", "ssm_out": m + "out_proj",
+                "ffn_gate_inp": "block_sparse_moe.router.layer",
+                "ffn_gate_shexp": "shared_mlp.gate", "ffn_up_shexp": "shared_mlp.up",
+                "ffn_down_shexp": "shared_mlp.output_linear",  # (with experts; without, ffn_*)
+                "ffn_gate": "shared_mlp.gate", "ffn_up": "shared_mlp.up", "ffn_down": "shared_mlp.output_linear"}
+
+    def gguf_tensor(self, name: str, w, arch: GraniteMoeHybridArchConfig):
+        """Undo llama.cpp's Mamba2 conversion: `ssm_a` is -exp(A_log) and `ssm_d` D, both
+        [heads, 1]; dt_bias is `ssm_dt.bias`; the gated norm is [groups, inner / groups]."""
+        if name.endswith(".mamba.A_log"):
+            return name, np.log(-w).reshape(-1)
+        if name.endswith((".mamba.D", ".mamba.norm.weight")):
+            return name, w.reshape(-1)
+        if name.endswith(".mamba.dt.bias"):
+            return name[:-len(".dt.bias")] + ".dt_bias", w
+        return name, w
 
     def model_class(self, arch: LlamaArchConfig) -> type[HybridForCausalLM]:
         return GraniteMoeHybridForCausalLM
+
+
+def _join_llama_cpp_splits(hf: dict[str, torch.Tensor], arch: GraniteMoeHybridArchConfig) -> dict[str, torch.Tensor]:
+    """What llama.cpp's converter split, joined back under HF's names: the shared MLP's gate and
+    up (`shared_mlp.input_linear`), and the experts, which the GGUF reader hands over one per
+    expert (`mlp.experts.N.*`), stacked as `block_sparse_moe.input_linear` ([gate; up] per
+    expert) and `output_linear`."""
+    hf = dict(hf)
+    for i in range(arch.num_hidden_layers):
+        p = f"model.layers.{i}."
+        if p + "shared_mlp.gate.weight" in hf:
+            hf[p + "shared_mlp.input_linear.weight"] = torch.cat([hf.pop(p + "shared_mlp.gate.weight"),
+                                                                  hf.pop(p + "shared_mlp.up.weight")])
+        e = p + "mlp.experts.{}.{}_proj.weight"
+        if arch.num_experts and e.format(0, "gate") in hf:
+            experts = range(arch.num_experts)
+            hf[p + "block_sparse_moe.input_linear.weight"] = torch.stack(
+                [torch.cat([hf.pop(e.format(x, "gate")), hf.pop(e.format(x, "up"))]) for x in experts])
+            hf[p + "block_sparse_moe.output_linear.weight"] = torch.stack([hf.pop(e.format(x, "down")) for x in experts])
+    return hf
 
 
 FAMILY = GraniteMoeHybridFamily()

@@ -1,8 +1,10 @@
-"""Qwen3.5 (Qwen3_5ForCausalLM; a Qwen3_5ForConditionalGeneration folder loads its text part)
-and Qwen3-Next (Qwen3NextForCausalLM): Gated DeltaNet layers (kvflow/layers/gated_deltanet.py, a
+"""Qwen3.5 (Qwen3_5ForCausalLM, and its mixture of experts Qwen3_5MoeForCausalLM; their
+ConditionalGeneration folders load their text part) and Qwen3-Next (Qwen3NextForCausalLM): Gated
+DeltaNet layers (kvflow/layers/gated_deltanet.py, a
 fixed-size state per request) interleaved with gated full-attention layers, each followed by a
-SwiGLU MLP (Qwen3-Next: mostly a mixture of experts with a sigmoid-gated shared expert,
-kvflow/layers/moe.py), pre-norm, as Hugging Face's Qwen3_5TextModel and Qwen3NextModel compute
+SwiGLU MLP (Qwen3-Next and Qwen3.5 MoE: a mixture of experts with a sigmoid-gated shared expert,
+kvflow/layers/moe.py; Qwen3.5 MoE's router always renormalises its top k and every layer has
+experts), pre-norm, as Hugging Face's Qwen3_5TextModel and Qwen3NextModel compute
 them. Only the attention layers hold a KV cache; the
 linear-attention layers hold a state slot per running request (the KV cache coordinator's
 state group).
@@ -36,8 +38,9 @@ from kvflow.models.hybrid import HybridForCausalLM
 from kvflow.models.llama import LlamaFamily
 from kvflow.models.registry import Supports
 
-_TEXT_PREFIX = "model.language_model."  # a Qwen3_5ForConditionalGeneration folder's text model
+_TEXT_PREFIX = "model.language_model."  # a ConditionalGeneration folder's text model
 _NEXT = "Qwen3NextForCausalLM"
+_MOE = "Qwen3_5MoeForCausalLM"
 
 
 @dataclass
@@ -213,18 +216,73 @@ class Qwen3_5Family(LlamaFamily):
         if cfg.get("attention_bias"):
             raise ValueError("Qwen3.5 with attention_bias is not supported yet")
         experts = {}
-        if architecture == _NEXT:
+        if architecture in (_NEXT, _MOE):
             experts = dict(num_experts=int(cfg["num_experts"]), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
                            moe_intermediate_size=int(cfg["moe_intermediate_size"]),
                            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
                            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
                            decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
                            mlp_only_layers=[int(i) for i in cfg.get("mlp_only_layers") or []])
+        if architecture == _MOE:  # experts in every layer, the top k always renormalised
+            experts.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
         return {"qk_norm": True, "attention_bias": False, **experts,
                 "linear_layers": [i for i, t in enumerate(types) if t == "linear_attention"],
                 **{key: int(cfg[key]) for key in ("linear_conv_kernel_dim", "linear_num_key_heads",
                                                   "linear_num_value_heads", "linear_key_head_dim",
                                                   "linear_value_head_dim") if key in cfg}}
+
+    def gguf_fields(self, meta, tensors: dict, architecture: str) -> dict:
+        """llama.cpp's `qwen35`, `qwen35moe` and `qwen3next`: the linear-attention layers are those
+        with `ssm_a` (llama.cpp derives the same from `full_attention_interval`); the Gated
+        DeltaNet's sizes in the `ssm.*` keys (state_size: a key head's dims, group_count: key
+        heads, time_step_rank: value heads, inner_size: all value dims)."""
+        n, value_heads = int(meta("block_count")), int(meta("ssm.time_step_rank"))
+        fields = {**super().gguf_fields(meta, tensors, architecture), "qk_norm": True,
+                  "linear_layers": [i for i in range(n) if f"blk.{i}.ssm_a" in tensors],
+                  "linear_conv_kernel_dim": int(meta("ssm.conv_kernel")),
+                  "linear_key_head_dim": int(meta("ssm.state_size")),
+                  "linear_num_key_heads": int(meta("ssm.group_count")),
+                  "linear_num_value_heads": value_heads,
+                  "linear_value_head_dim": int(meta("ssm.inner_size")) // value_heads}
+        if architecture == _MOE:
+            fields.update(norm_topk_prob=True, mlp_only_layers=[])
+        return fields
+
+    def gguf_layer_names(self, architecture: str) -> dict[str, str]:
+        g = "linear_attn."
+        return {"post_attention_norm": "post_attention_layernorm", "attn_qkv": g + "in_proj_qkv",
+                "attn_gate": g + "in_proj_z", "ssm_beta": g + "in_proj_b", "ssm_alpha": g + "in_proj_a",
+                "ssm_ba": g + "in_proj_ba", "ssm_a": g + "A_log", "ssm_dt": g + "dt",
+                "ssm_conv1d": g + "conv1d", "ssm_norm": g + "norm", "ssm_out": g + "out_proj"}
+
+    def gguf_tensor(self, name: str, w: np.ndarray, arch: Qwen3_5ArchConfig) -> tuple[str, np.ndarray]:
+        """Undo llama.cpp's converter: it stores the 1 + weight norms (all but the Gated
+        DeltaNet's) with the 1 added, -exp(A_log) as `ssm_a`, dt_bias as `ssm_dt.bias`; for
+        Qwen3.5 (not Qwen3-Next) it also reorders the value heads from grouped by key head
+        ([k0's v0, k0's v1, k1's v0, ...]) to tiled ([k0's v0, k1's v0, k0's v1, ...]) in every
+        tensor that has them."""
+        if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            return name, w - np.float32(1.0)
+        if ".linear_attn." not in name:
+            return name, w
+        if name.endswith(".A_log"):
+            w = np.log(-w)
+        elif name.endswith(".dt.bias"):
+            name = name[:-len(".dt.bias")] + ".dt_bias"
+        nk, nv = arch.linear_num_key_heads, arch.linear_num_value_heads
+        if arch.architecture == _NEXT or nk == nv:
+            return name, w
+        dv, qk = arch.linear_value_head_dim, 2 * nk * arch.linear_key_head_dim
+        untile = lambda x, axis, d: _untile_value_heads(x, axis, nk, nv // nk, d)  # noqa: E731
+        if name.endswith((".in_proj_qkv.weight", ".conv1d.weight")):
+            return name, np.concatenate([w[:qk], untile(w[qk:], 0, dv)])
+        if name.endswith(".in_proj_z.weight"):
+            return name, untile(w, 0, dv)
+        if name.endswith((".in_proj_b.weight", ".in_proj_a.weight", ".A_log", ".dt_bias")):
+            return name, untile(w, 0, 1)
+        if name.endswith(".out_proj.weight"):
+            return name, untile(w, 1, dv)
+        return name, w
 
     def hf_layer_names(self, i: int, arch: Qwen3_5ArchConfig) -> dict[str, list[str]]:
         """Layer i's tensors; the norms, q's gate rows and the conv weight are fuse_weights'."""
@@ -265,9 +323,12 @@ class Qwen3_5Family(LlamaFamily):
                 out[q + "gdn.conv_weight"] = get(g + "conv1d.weight").reshape(arch.linear_conv_dim, -1).contiguous()
                 out[q + "gdn.A_log"] = get32(g + "A_log").contiguous()
                 out[q + "gdn.dt_bias"] = get32(g + "dt_bias").contiguous()
-                if arch.architecture == _NEXT:
+                if arch.architecture == _NEXT and g + "in_proj_qkvz.weight" in hf:
                     out[q + "gdn.in_proj"] = _regroup_qkvz_ba(get(g + "in_proj_qkvz.weight"),
                                                               get(g + "in_proj_ba.weight"), arch)
+                elif arch.architecture == _NEXT:  # llama.cpp's file: q|k|v and z already regrouped
+                    qkvz = torch.cat([get(g + "in_proj_qkv.weight"), get(g + "in_proj_z.weight")])
+                    out[q + "gdn.in_proj"] = torch.cat([qkvz, _regroup_ba(get(g + "in_proj_ba.weight"), arch)])
                 continue
             a = p + "self_attn."
             q_gate = get(a + "q_proj.weight").view(heads, 2, d, -1)  # per head: [q; gate]
@@ -276,6 +337,20 @@ class Qwen3_5Family(LlamaFamily):
             out[q + "q_norm"] = multiplier(a + "q_norm.weight")
             out[q + "k_norm"] = multiplier(a + "k_norm.weight")
         return out
+
+    def fuse_experts(self, get, arch: Qwen3_5ArchConfig, i: int) -> dict[str, torch.Tensor]:
+        """Layer i's experts as Qwen3.5 MoE checkpoints may keep them, stacked
+        (`experts.gate_up_proj` [experts, 2 * inter, hidden], `experts.down_proj`), or one tensor
+        per expert (LlamaFamily's names)."""
+        p = f"model.layers.{i}.mlp."
+        try:
+            gate_up, down = get(p + "experts.gate_up_proj"), get(p + "experts.down_proj")
+        except ValueError:
+            return super().fuse_experts(get, arch, i)
+        s, q = p + "shared_expert.", f"layers.{i}.moe."
+        return {q + "router": get(p + "gate.weight"), q + "gate_up": gate_up, q + "down": down,
+                q + "shared_gate_up": torch.cat([get(s + "gate_proj.weight"), get(s + "up_proj.weight")]),
+                q + "shared_down": get(s + "down_proj.weight"), q + "shared_gate": get(p + "shared_expert_gate.weight")}
 
     def model_class(self, arch: LlamaArchConfig) -> type[HybridForCausalLM]:
         return Qwen3_5ForCausalLM
@@ -287,8 +362,22 @@ def _regroup_qkvz_ba(qkvz: torch.Tensor, ba: torch.Tensor, arch: Qwen3_5ArchConf
     nk, dk, dv = arch.linear_num_key_heads, arch.linear_key_head_dim, arch.linear_value_head_dim
     r = arch.linear_num_value_heads // nk
     per_head = qkvz.view(nk, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], dim=1)
-    b, a = ba.view(nk, 2 * r, -1).split([r, r], dim=1)
-    return torch.cat([x.reshape(-1, qkvz.shape[-1]) for x in (*per_head, b, a)]).contiguous()
+    return torch.cat([*(x.reshape(-1, qkvz.shape[-1]) for x in per_head), _regroup_ba(ba, arch)]).contiguous()
+
+
+def _regroup_ba(ba: torch.Tensor, arch: Qwen3_5ArchConfig) -> torch.Tensor:
+    """Qwen3-Next's per key head [b; a] as [b; a] over all heads."""
+    r = arch.linear_num_value_heads // arch.linear_num_key_heads
+    b, a = ba.view(arch.linear_num_key_heads, 2 * r, -1).split([r, r], dim=1)
+    return torch.cat([b.reshape(-1, ba.shape[-1]), a.reshape(-1, ba.shape[-1])])
+
+
+def _untile_value_heads(w: np.ndarray, axis: int, nk: int, r: int, d: int) -> np.ndarray:
+    """llama.cpp's value heads in tiled order (r groups of nk heads of d) back to grouped by
+    key head (nk groups of r), along `axis`."""
+    shape = w.shape
+    tiled = w.reshape(*shape[:axis], r, nk, d, *shape[axis + 1:])
+    return np.ascontiguousarray(np.swapaxes(tiled, axis, axis + 1)).reshape(shape)
 
 
 FAMILY = Qwen3_5Family()
