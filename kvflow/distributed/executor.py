@@ -27,7 +27,7 @@ from kvflow.distributed.shared_kv import (SharedKVMemory, create_kv_segment, kv_
 from kvflow.distributed.shm_allreduce import (MAX_SLOT_BYTES, ShmAllReduce, create_segment,
                                               shm_supported)
 from kvflow.distributed.pipeline import (PipelineGroup, TAG_RESULT, TAG_STEP, check_pp_size,
-                                         stage_arch, stage_layers)
+                                         stage_arch, stage_layers, stage_place)
 from kvflow.distributed.supervisor import WorkerSupervisor, spawn_worker
 from kvflow.distributed import ray_workers
 from kvflow.logger import init_logger
@@ -166,7 +166,8 @@ class TPExecutor(Executor):
                                                arch=arch)
             self.runner = ModelRunner(self.model, shard, num_blocks, block_size,
                                       kv_dtype, eos_token_id, device=rank0, pp=self.pipe,
-                                      max_model_len=config.model_config.max_model_len or 0)
+                                      max_model_len=config.model_config.max_model_len or 0,
+                                      **stage_place(arch, layers))
             self._wait_for("loaded")
             self._rank_kv = [self.runner.kv_caches] + [
                 allocate_kv_caches(shard, num_blocks, block_size, kv_dtype,

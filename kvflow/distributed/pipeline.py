@@ -27,9 +27,6 @@ def check_pp_size(arch: LlamaArchConfig, pp: int) -> None:
     if pp > arch.num_hidden_layers:
         raise ValueError(f"pipeline_parallel_size {pp} is more than the model's "
                          f"{arch.num_hidden_layers} decoder layers")
-    if any(w is not None for w in arch.layer_windows()):
-        raise ValueError("pipeline parallelism does not split models with sliding-window "
-                         "layers yet (pipeline_parallel_size 1)")
 
 
 def stage_layers(num_layers: int, pp: int, stage: int) -> range:
@@ -38,6 +35,15 @@ def stage_layers(num_layers: int, pp: int, stage: int) -> range:
     base, extra = divmod(num_layers, pp)
     start = stage * base + min(stage, extra)
     return range(start, start + base + (stage < extra))
+
+
+def stage_place(arch: LlamaArchConfig, layers: range | None) -> dict:
+    """The ModelRunner arguments that place a stage's `layers` in the whole model `arch`: the
+    model's KV cache groups (sliding-window layers make several) are the scheduler's, so a
+    stage's layers keep their group and shared tensor (none: one process, nothing to place)."""
+    if layers is None:
+        return {}
+    return {"model_kv_windows": tuple(arch.kv_layer_windows()), "first_layer": layers.start}
 
 
 def stage_arch(shard: LlamaArchConfig, layers: range) -> LlamaArchConfig:

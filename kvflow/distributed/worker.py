@@ -33,7 +33,7 @@ def run_worker(rendezvous: str, rank: int, world_size: int, parent_pid: int | No
     import torch
 
     from kvflow.distributed.parallel import CollectiveError, Rendezvous, TPGroup, rank_device
-    from kvflow.distributed.pipeline import PipelineGroup, stage_arch, stage_layers
+    from kvflow.distributed.pipeline import PipelineGroup, stage_arch, stage_layers, stage_place
     from kvflow.distributed.shared_kv import SharedKVMemory
     from kvflow.distributed.shm_allreduce import ShmAllReduce
     from kvflow.model.arch import LlamaArchConfig
@@ -86,7 +86,8 @@ def run_worker(rendezvous: str, rank: int, world_size: int, parent_pid: int | No
             shard = stage_arch(shard, layers)
         runner = ModelRunner(model, shard, init.num_blocks, init.block_size,
                              getattr(torch, init.kv_dtype), init.eos_token_id, device=device,
-                             kv_memory=kv_memory, pp=pipe, max_model_len=init.max_model_len)
+                             kv_memory=kv_memory, pp=pipe, max_model_len=init.max_model_len,
+                             **stage_place(full, layers))
     except Exception as e:  # noqa: BLE001 - the driver reports it
         store.set(f"error/{rank}", f"{type(e).__name__}: {e}")
         return EXIT_LOAD_FAILED

@@ -82,12 +82,16 @@ class ModelRunner:
                  block_size: int, kv_dtype: torch.dtype,
                  eos_token_id: int | Sequence[int] | None, *, device: torch.device | str = "cpu",
                  graphs: DecodeGraphs | None = None, kv_memory=None, pp=None,
-                 max_model_len: int = 0, num_state_slots: int = 0) -> None:
+                 max_model_len: int = 0, num_state_slots: int = 0,
+                 model_kv_windows: tuple | None = None, first_layer: int = 0) -> None:
         # kv_memory: where the CPU KV cache lives (allocate_kv_caches's `zeros`); a shared file
         # when the tensor-parallel driver moves this rank's blocks (distributed/shared_kv.py)
         # pp: this rank's pipeline stage (kvflow.distributed.pipeline.PipelineGroup): a stage
         # other than the first receives the previous one's hidden states instead of embedding
-        # the tokens, one other than the last sends its own on and samples nothing
+        # the tokens, one other than the last sends its own on and samples nothing.
+        # model_kv_windows, first_layer: a pipeline stage's place in the whole model (every
+        # layer's window, and its first layer's index): the KV cache groups are the whole
+        # model's, as the scheduler's block tables are; the stage holds its layers' tensors
         self.model = model
         self.pp = pp
         self.arch = arch
@@ -100,11 +104,19 @@ class ModelRunner:
         # tensor pair j. A hybrid model's state layers hold none: they read the step's
         # metadata for the requests' state slots (the scheduler's last group: one slot each).
         kv_layers = arch.attention_layers()
-        self.groups = make_kv_cache_groups(arch.kv_layer_windows())
+        if model_kv_windows is not None and len(kv_layers) != arch.num_hidden_layers:
+            raise ValueError("a pipeline stage of a model with state layers is not supported")
+        windows = arch.kv_layer_windows() if model_kv_windows is None else model_kv_windows
+        self.groups = make_kv_cache_groups(windows)
         if not on_cpu and any(g.sliding_window is not None for g in self.groups):
             raise ValueError("sliding-window attention runs on the CPU only for now "
                              "(the GPU kernels take no window)")
-        group_of, tensor_of = layer_slots(self.groups, len(kv_layers))
+        group_of, tensor_of = layer_slots(self.groups, len(windows))
+        group_of, tensor_of = (group_of[first_layer:first_layer + len(kv_layers)],
+                               tensor_of[first_layer:first_layer + len(kv_layers)])
+        # the shared tensors this rank's layers use (all of them but under pipeline parallelism)
+        used = sorted(set(tensor_of))
+        tensor_of = [used.index(t) for t in tensor_of]
         self.state_group = len(self.groups) if num_state_slots else None
         if num_state_slots:
             model.allocate_state(num_state_slots)
@@ -118,7 +130,7 @@ class ModelRunner:
             set_key_scales(model, arch, kv_dtype)
         tensors = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype,
                                      None if on_cpu else self.device,
-                                     num_layers=len(self.groups[0].layers), zeros=kv_memory)
+                                     num_layers=len(used), zeros=kv_memory)
         self.kv_caches = [None] * arch.num_hidden_layers
         for j, i in enumerate(kv_layers):
             self.kv_caches[i] = tensors[tensor_of[j]]
