@@ -166,21 +166,61 @@ def test_tp2_by_pp2_equals_tp1(tiny_model, reference):
     assert "all_reduce_shm" in seen["comm"]["comm_ms_per_step_by_op"]
 
 
-@pytest.mark.slow
-def test_structured_outputs_are_refused_under_pp(tiny_model):
+def constrained_run(model: str, **kwargs) -> tuple[list[str], dict]:
+    """Texts of a batch mixing constrained requests (a regex, a choice, a JSON schema) with free
+    ones, under the squeezed budget, and what happened."""
     from kvflow.entrypoints.llm import LLM
 
-    llm = LLM(tiny_model, **ENGINE, pipeline_parallel_size=2, num_blocks=64)
+    def constrained(**so):
+        return SamplingParams(max_tokens=24, temperature=0.0,
+                              structured_outputs=StructuredOutputsParams(**so))
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    params = [constrained(regex="[a-z]{3,12}"), PARAMS, constrained(choice=["yes", "no", "maybe"]),
+              PARAMS, constrained(json=schema)]
+    prompts = PROMPTS + random_prompts([40], seed=2)
+    llm = LLM(model, **ENGINE, **SQUEEZED, **kwargs)
+    core = llm.engine.core
+    seen = {"in_flight": 0}
+    schedule = core.scheduler.schedule
+
+    def watched():
+        out = schedule()
+        seen["in_flight"] = max(seen["in_flight"], len(core._batch_queue) + (not out.is_empty))
+        return out
+
+    core.scheduler.schedule = watched
     try:
-        params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
-            choice=["yes", "no"]))
-        with pytest.raises(ValueError, match="structured_outputs: not supported with pipeline "
-                                             "parallelism"):
-            llm.generate([PROMPTS[0]], params, use_tqdm=False)
-        # the engine is still fine
-        assert len(llm.generate([PROMPTS[0]], PARAMS, use_tqdm=False)[0].outputs[0].token_ids) == 48
+        outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         llm.engine.shutdown()
+    return [o.outputs[0].text for o in outs], seen
+
+
+@pytest.fixture(scope="module")
+def tiny_full_vocab(tmp_path_factory, default_tokenizer) -> str:
+    """TINY's layers over the default tokenizer's whole vocabulary, which grammars compile for."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = str(tmp_path_factory.mktemp("pp") / "tiny-full-vocab")
+    config = LlamaConfig(**{**TINY, "hidden_size": 64, "vocab_size": len(default_tokenizer)},
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    _save_random(LlamaForCausalLM, config, path, seed=0)
+    default_tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+def test_structured_outputs_under_pp2_equal_one_process(tiny_full_vocab):
+    import re
+
+    tiny_model = tiny_full_vocab
+    reference, _ = constrained_run(tiny_model)
+    assert re.fullmatch("[a-z]{3,12}", reference[0]) and reference[2] in ("yes", "no", "maybe")
+    assert reference[4].startswith("{")  # a random model's integer may outrun 24 tokens
+    out, seen = constrained_run(tiny_model, pipeline_parallel_size=2)
+    assert out == reference
+    assert seen["in_flight"] == 2  # the free requests' steps overlapped in the pipeline
 
 
 # -- on Ray ------------------------------------------------------------------------------------

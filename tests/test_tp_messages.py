@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 
 from kvflow.core.scheduler_output import AdmissionStop, BlockCheck, NewRequestData, SchedulerOutput
-from kvflow.distributed.messages import (BadMessageError, WorkerInit, decode_init, decode_step,
-                                         encode_init, encode_step)
+from kvflow.distributed.messages import (BadMessageError, StepMasks, WorkerInit, decode_init,
+                                         decode_step, encode_init, encode_step)
 from kvflow.sampling_params import SamplingParams
 
 
@@ -32,6 +32,23 @@ def test_a_step_round_trips_exactly():
     assert msg.sched_out.num_prefill_tokens == 5 and msg.sched_out.preempted_req_ids == ["c"]
     assert isinstance(msg.sched_out.scheduled_new_reqs[0].sampling_params, SamplingParams)
     assert decode_step(encode_step(None, {})) is None  # stop
+
+
+def test_a_steps_grammar_masks_reach_the_last_stage_as_the_driver_filled_them():
+    import numpy as np
+
+    class Filled:  # the driver's GrammarBitmask, as the runner reads it
+        req_ids, num_rows = ["a", "b"], [1, 1]
+        bitmask = np.array([[-1, 5, 0], [7, 0, 1 << 30]], dtype=np.int32)
+
+    out = SchedulerOutput(step=1, num_scheduled_tokens={"a": 1, "b": 1}, total_num_scheduled_tokens=2)
+    masks = decode_step(encode_step(out, {}, StepMasks.of(Filled))).grammar
+    assert masks.req_ids == ["a", "b"] and masks.num_rows == [1, 1]
+    assert np.array_equal(masks.bitmask, Filled.bitmask)
+    assert decode_step(encode_step(out, {})).grammar is None
+    with pytest.raises(BadMessageError, match="grammar masks do not match"):
+        StepMasks(["a", "b"], [1, 2], 3, masks.mask_bytes).bitmask  # 3 rows claimed, 2 sent
+    assert StepMasks(["a"], [2], 3, masks.mask_bytes).bitmask.shape == (2, 3)  # one id, 2 rows
 
 
 def test_worker_init_round_trips():

@@ -21,7 +21,8 @@ import torch
 from kvflow.config import EngineConfig
 from kvflow.distributed.parallel import (CollectiveError, CommStats, Rendezvous, rendezvous_timeout,
                                          TPGroup, parse_init_method, rank_device)
-from kvflow.distributed.messages import WorkerInit, decode_result, encode_init, encode_step
+from kvflow.distributed.messages import (StepMasks, WorkerInit, decode_result, encode_init,
+                                         encode_step)
 from kvflow.distributed.shared_kv import (SharedKVMemory, create_kv_segment, kv_segment_bytes,
                                          sweep_orphans as sweep_kv_orphans)
 from kvflow.distributed.shm_allreduce import (MAX_SLOT_BYTES, ShmAllReduce, create_segment,
@@ -240,11 +241,13 @@ class TPExecutor(Executor):
         steps were started, so the handles must be waited on in that order."""
         if self.pipe is None:
             return super().execute_async(sched_out, grammar)
-        if grammar is not None:  # refused when the request comes in; this is the backstop
-            raise ValueError("structured outputs are not supported with pipeline parallelism")
         self.check_health()
         try:
-            data = encode_step(sched_out, self._sampled)
+            # the masks go with the step (only the last stage, which samples, reads them); a
+            # constrained request is not scheduled again before its step is back, so its
+            # grammar has advanced past every token it sampled
+            data = encode_step(sched_out, self._sampled,
+                               None if grammar is None else StepMasks.of(grammar))
             self._sampled = {}  # every rank gets them with this step
             for r in range(1, self.world_size):
                 self.pipe.send_bytes(data, r, TAG_STEP)

@@ -4,6 +4,8 @@ reaches those ports decodes into these types or fails; it cannot run code.
 
     store "init"       WorkerInit      what to load (once)
     step broadcast     StepMessage     the step's SchedulerOutput and last step's sampled tokens
+                                       (and, under pipeline parallelism, its grammar masks for
+                                       the last stage, which samples)
                        nil             stop
     (pipeline parallel: the same step messages go to each rank point to point, and the last
     stage answers each with a StepResult)
@@ -13,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import msgspec
+import numpy as np
 
 from kvflow.core.scheduler_output import SchedulerOutput
 from kvflow.outputs import TokenLogprobs
@@ -45,9 +48,35 @@ class WorkerInit:
     arch: dict | None = None
 
 
+class StepMasks(msgspec.Struct, array_like=True):
+    """A step's grammar masks as the sampling rank reads them (the runner's `grammar`:
+    `req_ids`, `num_rows`, `bitmask`), filled on the driver, where the grammars advance."""
+
+    req_ids: list[str]
+    num_rows: list[int]
+    words: int  # int32 words per row: ceil(vocab / 32)
+    mask_bytes: bytes
+
+    @classmethod
+    def of(cls, grammar) -> "StepMasks":
+        """The driver's GrammarBitmask (waits for its fill)."""
+        bitmask = grammar.bitmask
+        return cls(list(grammar.req_ids), list(grammar.num_rows), int(bitmask.shape[1]),
+                   np.ascontiguousarray(bitmask, dtype=np.int32).tobytes())
+
+    @property
+    def bitmask(self) -> np.ndarray:
+        """int32 [sum(num_rows), words]; a frame whose sizes disagree is a BadMessageError."""
+        rows = sum(self.num_rows)
+        if len(self.req_ids) != len(self.num_rows) or len(self.mask_bytes) != rows * self.words * 4:
+            raise BadMessageError("the step's grammar masks do not match their rows")
+        return np.frombuffer(self.mask_bytes, dtype=np.int32).reshape(rows, self.words)
+
+
 class StepMessage(msgspec.Struct, array_like=True):
     sched_out: SchedulerOutput
     sampled: dict[str, list[int]]  # what the driver sampled in the previous step
+    grammar: StepMasks | None = None  # pipeline parallelism: for the last stage's sampler
 
 
 class StepResult(msgspec.Struct, array_like=True):
@@ -76,11 +105,12 @@ _DECISIONS_CLEARED = dict(is_prefill={}, preempted_for={}, block_checks={}, skip
                           kv_load_errors={})
 
 
-def encode_step(sched_out: SchedulerOutput | None, sampled: dict[str, list[int]]) -> bytes:
+def encode_step(sched_out: SchedulerOutput | None, sampled: dict[str, list[int]],
+                grammar: StepMasks | None = None) -> bytes:
     """One step's broadcast (what the runner reads); `sched_out=None` tells the workers to stop."""
     if sched_out is None:
         return _encoder.encode(None)
-    return _encoder.encode(StepMessage(replace(sched_out, **_DECISIONS_CLEARED), sampled))
+    return _encoder.encode(StepMessage(replace(sched_out, **_DECISIONS_CLEARED), sampled, grammar))
 
 
 def decode_step(data: bytes) -> StepMessage | None:

@@ -111,7 +111,8 @@ def run_worker(rendezvous: str, rank: int, world_size: int, parent_pid: int | No
 
 def _follow_pipeline(pipe, runner) -> int:
     """A pipeline rank's loop: each step message from the driver, in order; the last stage's
-    tp_rank 0 samples and answers each one with what it sampled."""
+    tp_rank 0 samples (through the step's grammar masks, where it has some) and answers each
+    one with what it sampled."""
     from kvflow.distributed.messages import encode_result
     from kvflow.distributed.pipeline import TAG_RESULT, TAG_STEP
 
@@ -123,7 +124,7 @@ def _follow_pipeline(pipe, runner) -> int:
             return 0
         if not samples:  # the sampler appended its own tokens when it sampled them
             runner.append_sampled(msg.sampled)
-        out = runner.execute(msg.sched_out)
+        out = runner.execute(msg.sched_out, msg.grammar if samples else None)
         if samples:
             pipe.send_bytes(encode_result(out.sampled, out.logprobs), 0, TAG_RESULT)
 

@@ -493,8 +493,10 @@ class EngineCore:
                 ids, [reqs[rid].structured_output for rid in ids],
                 also_allowed=sched_out.structured_output_also_allowed,
                 drafts=sched_out.scheduled_spec_decode_tokens)
-            try:
-                handle = CompletedStep(self.executor.execute(sched_out, grammar))
+            try:  # under pipeline parallelism the masks travel with the step to the last stage
+                handle = (self.executor.execute_async(sched_out, grammar)
+                          if self.executor.max_concurrent_batches > 1
+                          else CompletedStep(self.executor.execute(sched_out, grammar)))
             finally:
                 grammar.wait()  # no matcher advances while the fill may still read it
         elif self.executor.max_concurrent_batches > 1:

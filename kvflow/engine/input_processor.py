@@ -84,10 +84,6 @@ class InputProcessor:
         params.verify_token_ids(self.limits.vocab_size)
         if params.prompt_logprobs is not None:
             self.check_prompt_logprobs(params)
-        if params.structured_outputs is not None and \
-                self.config.parallel_config.pipeline_parallel_size > 1:
-            raise ValueError("structured_outputs: not supported with pipeline parallelism yet "
-                             "(pipeline_parallel_size 1)")
         if params.kv_transfer_params is not None and self.config.kv_transfer is None:
             # no KV connector in this engine: nothing there could take it (with one, the
             # connector checks it against its role and cache, and releases a refused lease)
