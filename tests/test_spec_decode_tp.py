@@ -1,8 +1,9 @@
-"""Speculative decoding under tensor parallelism: proposals are made on the driver (n-gram
-lookup over token ids; a draft model unsharded in the driver's process) and the target's
-verification forward runs sharded over the ranks. Greedy outputs with TP=2 and speculation
-equal TP=1 without it, token for token (fp32), with chunked prefill, preemption, a stop string
-and n > 1 in the batch."""
+"""Speculative decoding under tensor and pipeline parallelism: proposals are made on the driver
+(n-gram lookup over token ids; a draft model unsharded in the driver's process) and the
+target's verification forward runs sharded over the ranks, or through the stages (the last one
+verifies and samples). Greedy outputs with TP=2 or PP=2 and speculation equal one process
+without it, token for token (fp32), with chunked prefill, preemption, a stop string and n > 1
+in the batch."""
 from __future__ import annotations
 
 import json
@@ -73,28 +74,34 @@ def reference(target, params):
     return want
 
 
+PARALLEL = [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)]
+
+
+@pytest.mark.parametrize("parallel", PARALLEL, ids=["tp2", "pp2"])
 @pytest.mark.parametrize("spec", [
     {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
     # the target as its own draft: nearly every draft is accepted, so runs of several
     # tokens per step cross the stop string and max_tokens
     "target-as-draft",
 ])
-def test_tp2_with_speculation_equals_tp1_without(target, params, reference, spec, tmp_path):
+def test_parallel_with_speculation_equals_one_process_without(target, params, reference, spec,
+                                                              parallel, tmp_path):
     if spec == "target-as-draft":
         spec = {"method": "draft_model", "model": target, "num_speculative_tokens": 4}
     trace = str(tmp_path / "trace.jsonl")
-    got, stats = run(target, params, trace, tensor_parallel_size=2, speculative_config=spec)
+    got, stats = run(target, params, trace, speculative_config=spec, **parallel)
     assert got == reference
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
     assert preemptions(trace) > 0
 
 
-def test_tp2_with_a_foreign_draft_model_equals_tp1_without(target, params, reference,
-                                                           tmp_path):
+@pytest.mark.parametrize("parallel", PARALLEL, ids=["tp2", "pp2"])
+def test_parallel_with_a_foreign_draft_model_equals_one_process_without(target, params, reference,
+                                                                        parallel, tmp_path):
     # a draft with other weights: most drafts are rejected, so the target's KV slots past
     # each rejection are overwritten on every rank
     draft = save_tiny_llama3(str(tmp_path / "draft"), seed=1)
-    got, stats = run(target, params, tensor_parallel_size=2, speculative_config={
+    got, stats = run(target, params, **parallel, speculative_config={
         "method": "draft_model", "model": draft, "num_speculative_tokens": 3,
         "min_acceptance_rate": 0.0})
     assert got == reference

@@ -116,9 +116,6 @@ class EngineCore:
         if self._on_gpu and config.speculative_config is not None:
             raise ValueError("speculative_config runs on the CPU only for now (its GPU path is "
                              "not verified); drop it or use --device cpu")
-        if self.pp_size > 1 and config.speculative_config is not None:
-            raise ValueError("speculative_config is not supported with pipeline parallelism "
-                             "yet (pipeline_parallel_size 1)")
         if self._on_gpu and self.tp_size > 1 and config.cache_config.num_blocks is None:
             # the profile run that sizes the pool by --gpu-memory-utilization is one process's
             raise ValueError("tensor parallelism on cuda needs --num-blocks: the KV pool is not "
