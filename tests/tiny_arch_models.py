@@ -363,3 +363,69 @@ def hf_model(path: str):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+# -- Gemma 4 (its chat template is not available offline: the folders carry none) ----------------
+GEMMA4_WINDOW = 8
+
+
+def _gemma4_config(**overrides):
+    from transformers import Gemma4TextConfig
+
+    cfg = dict(_BASE, head_dim=16, global_head_dim=32, sliding_window=GEMMA4_WINDOW,
+               final_logit_softcapping=30.0, pad_token_id=0, tie_word_embeddings=True,
+               rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                   "rope_theta": 1_000_000.0}})
+    cfg.update(overrides)
+    return Gemma4TextConfig(**cfg)
+
+
+def _perturb_gemma4(path: str, seed: int) -> None:
+    """Move what transformers initialises to one (layer scalars, router and expert scales) and
+    sharpen the routers, so that each of them matters and no top-k choice is a near-tie."""
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    tensors, g = load_file(file), torch.Generator().manual_seed(seed)
+    for name, t in tensors.items():
+        if name.endswith(("layer_scalar", "router.scale", "router.per_expert_scale")):
+            tensors[name] = t + 0.3 * torch.rand(t.shape, generator=g)
+        elif name.endswith("router.proj.weight"):
+            tensors[name] = t * _ROUTER_SCALE
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def save_gemma4(path: str) -> str:
+    """Gemma 4 with per-layer embeddings (P=8) and the last two of six layers sharing KV
+    (a sliding one with layer 2, a full one with layer 3); sliding (head 16, GQA 4/2, window
+    8) and full layers (head 32, k = v, one kv head), proportional RoPE on the full layers,
+    the double-wide MLP on the shared layers, final logit soft-capping."""
+    from transformers import Gemma4ForCausalLM
+
+    cfg = _gemma4_config(num_hidden_layers=6, layer_types=["sliding_attention", "full_attention"] * 3,
+                         num_kv_shared_layers=2, hidden_size_per_layer_input=8,
+                         vocab_size_per_layer_input=VOCAB, attention_k_eq_v=True,
+                         num_global_key_value_heads=1, use_double_wide_mlp=True)
+    path = _save_random(Gemma4ForCausalLM, cfg, path, seed=10)
+    _perturb_gemma4(path, 10)
+    save_byte_tokenizer(path, VOCAB)
+    return path
+
+
+def save_gemma4_moe(path: str) -> str:
+    """The Gemma 4 mixture of experts: a dense MLP and 4 experts top-2 beside it in each of
+    four layers (sliding, full, sliding, full), no per-layer embeddings, no shared KV."""
+    from transformers import Gemma4ForCausalLM
+
+    cfg = _gemma4_config(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                         hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4,
+                         top_k_experts=2, moe_intermediate_size=32, attention_k_eq_v=True,
+                         num_global_key_value_heads=1, tie_word_embeddings=False)
+    path = _save_random(Gemma4ForCausalLM, cfg, path, seed=11)
+    _perturb_gemma4(path, 11)
+    save_byte_tokenizer(path, VOCAB)
+    return path
+
+
+GEMMA4_BUILDERS = {"gemma4": save_gemma4, "gemma4_moe": save_gemma4_moe}

@@ -50,10 +50,17 @@ class Attention(nn.Module):
         if self.qk_scale is not None:
             qkv[:, :self.q_size + self.kv_size].mul_(self.qk_scale)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, d)
-        k = k.view(t, self.num_kv_heads, d)
-        v = v.view(t, self.num_kv_heads, d)
+        return self.attend(q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d),
+                           v.view(t, self.num_kv_heads, d), kv_cache, meta, kernels)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+               kernels: Kernels, write: bool = True) -> torch.Tensor:
+        """q [T, heads, D], k and v [T, kv_heads, D] (rotated, scaled) -> [T, heads * D].
+        write False: a layer that shares another layer's KV (Gemma 4's last layers) attends
+        over that layer's cache, already written this step, with its k and v."""
         k_cache, v_cache = kv_cache
-        kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, self.kv_scales)
+        if write:
+            kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, self.kv_scales)
         return kernels.attention(q, k_cache, v_cache, meta, self.scale, self.num_kv_heads, k=k, v=v,
                                  kv_scales=self.kv_scales, sinks=self.sinks)

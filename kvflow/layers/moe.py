@@ -67,8 +67,19 @@ class SparseMoeBlock(nn.Module):
         return kernels.linear(act, self.down[e], pk.get("down"))
 
     def forward(self, h: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        out = self.dispatch(h, *self.route(h, kernels), kernels)
+        if self.shared_gate_up is not None:
+            act = kernels.linear_silu_mul(h, self.shared_gate_up, self.packed.get("shared_gate_up"))
+            shared = kernels.linear(act, self.shared_down, self.packed.get("shared_down"))
+            out += shared if self.shared_gate is None else torch.sigmoid(
+                torch.nn.functional.linear(h, self.shared_gate)) * shared
+        return out
+
+    def dispatch(self, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                 kernels: Kernels) -> torch.Tensor:
+        """The routed experts' weighted sum for each row of h, given its routing (a family
+        may route on another input than the one its experts take: Gemma 4)."""
         t, k = h.shape[0], self.top_k
-        weights, experts = self.route(h, kernels)
         flat = experts.reshape(-1)  # pair j = (token j // k, its (j % k)-th expert)
         order = torch.argsort(flat, stable=True)
         tokens = order // k
@@ -83,13 +94,7 @@ class SparseMoeBlock(nn.Module):
             y[rows] = self.expert(e, x[rows], kernels)
             start += n
         y.mul_(weights.reshape(-1)[order].unsqueeze(1))
-        out = torch.zeros_like(h).index_add_(0, tokens, y)
-        if self.shared_gate_up is not None:
-            act = kernels.linear_silu_mul(h, self.shared_gate_up, self.packed.get("shared_gate_up"))
-            shared = kernels.linear(act, self.shared_down, self.packed.get("shared_down"))
-            out += shared if self.shared_gate is None else torch.sigmoid(
-                torch.nn.functional.linear(h, self.shared_gate)) * shared
-        return out
+        return torch.zeros_like(h).index_add_(0, tokens, y)
 
 
 class GptOssMoeBlock(SparseMoeBlock):

@@ -99,7 +99,9 @@ def set_key_scales(model, arch, kv_dtype: torch.dtype) -> bool:
     if not layers:
         return False
     first = layers[0]
-    serves = (kv_dtype == FP8 and all(hasattr(layer, "attn") for layer in layers)
+    # a model whose layers share KV (Gemma 4) reads keys that another layer's scales stored
+    serves = (kv_dtype == FP8 and getattr(model, "takes_key_scales", True)
+              and all(hasattr(layer, "attn") for layer in layers)
               and first.input_layernorm.device.type == "cpu"
               and getattr(first, "tp", None) is None and len(layers) == arch.num_hidden_layers)
     apply_key_scales(model, calibrate_key_scales(model, arch) if serves else None)

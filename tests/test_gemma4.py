@@ -1,0 +1,189 @@
+"""Gemma 4 (text) against Hugging Face transformers on tiny random models
+(tiny_arch_models.GEMMA4_BUILDERS): one with per-layer embeddings, KV shared across its last
+layers, k = v full layers of another head size and the double-wide MLP; one with the expert
+block beside the dense MLP. fp32 logits over chunked mixed batches, greedy tokens through the
+engine with chunked prefill, a prefix-cache hit and preemptions, the text part of a
+Gemma4ForConditionalGeneration folder, and the KV budget counting only the layers that own a
+cache."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import assert_matches_reference
+from conftest_model_helpers import PagedDriver, hf_logits
+from tiny_arch_models import GEMMA4_BUILDERS, GEMMA4_WINDOW, hf_model
+from kvflow.core.kv_cache.groups import make_kv_cache_groups
+from kvflow.model.arch import load_arch_config
+from kvflow.model.loader import load_model
+
+torch.set_num_threads(1)
+ATOL = 1e-4
+SEQ_LENS = {"a": 21, "b": 9, "c": 1, "d": 14}
+# c and d finish their prompts first and decode while a and b arrive in chunks
+PLAN = [{"c": 1, "d": 6, "b": 5}, {"c": 1, "d": 8, "a": 7, "b": 4},
+        {"a": 9, "c": 1, "d": 1}, {"a": 5, "b": 1, "d": 1}, {"a": 1, "b": 1, "c": 1}]
+
+
+@pytest.fixture(scope="module", params=list(GEMMA4_BUILDERS))
+def tiny(request, tmp_path_factory):
+    """(name, HF folder, HF model)."""
+    path = GEMMA4_BUILDERS[request.param](str(tmp_path_factory.mktemp(request.param) / "hf"))
+    return request.param, path, hf_model(path)
+
+
+def _run_plan(model, arch, hf) -> None:
+    rng = np.random.default_rng(1)
+    tokens = {sid: rng.integers(0, 320, n + 3).tolist() for sid, n in SEQ_LENS.items()}
+    refs = {sid: hf_logits(hf, ids) for sid, ids in tokens.items()}
+    driver, done = PagedDriver(model, arch, seed=7), dict.fromkeys(SEQ_LENS, 0)
+    for step in PLAN:
+        out = driver.step([(sid, tokens[sid][done[sid]: done[sid] + n]) for sid, n in step.items()])
+        for sid, n in step.items():
+            torch.testing.assert_close(out[sid], refs[sid][done[sid]: done[sid] + n], atol=ATOL, rtol=1e-4)
+            done[sid] += n
+    assert done == {"a": 22, "b": 11, "c": 4, "d": 16}  # every prompt whole (a past the window), then decodes
+
+
+@pytest.mark.slow
+def test_logits_match_hf_over_chunked_mixed_batches(tiny):
+    name, path, hf = tiny
+    model, arch = load_model(path, torch.float32)
+    assert arch.architecture == "Gemma4ForCausalLM"
+    assert arch.num_parameters() == sum(p.numel() for p in hf.parameters())
+    assert GEMMA4_WINDOW in arch.layer_windows() and None in arch.layer_windows()
+    assert set(arch.layer_head_dims) == {16, 32} and arch.attention_k_eq_v
+    if name == "gemma4":
+        assert arch.per_layer_input_size == 8 and arch.final_logit_softcapping == 30.0
+        assert [layer.owns_kv for layer in model.layers] == [True] * 4 + [False] * 2
+        assert model.layers[5].down_proj.shape[1] == 2 * arch.intermediate_size  # double-wide
+    else:
+        assert all(layer.moe is not None for layer in model.layers)
+    _run_plan(model, arch, hf)
+
+
+@pytest.mark.slow
+def test_conditional_generation_folder_loads_its_text_part(tmp_path):
+    """A Gemma4ForConditionalGeneration folder (the text config nested, the language model's
+    tensors under model.language_model., a vision tensor beside them) runs its text part."""
+    from safetensors.torch import load_file, save_file
+
+    path = GEMMA4_BUILDERS["gemma4"](str(tmp_path / "hf"))
+    hf = hf_model(path)
+    with open(f"{path}/config.json") as f:
+        text = json.load(f)
+    folder = tmp_path / "vlm"
+    folder.mkdir()
+    with open(folder / "config.json", "w") as f:
+        json.dump({"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
+                   "text_config": {**text, "architectures": None}, "tie_word_embeddings": True}, f)
+    tensors = {k.replace("model.", "model.language_model.", 1): v
+               for k, v in load_file(f"{path}/model.safetensors").items()}
+    tensors["model.vision_tower.patch_embedder.weight"] = torch.zeros(4, 4)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    model, arch = load_model(str(folder), torch.float32)
+    assert arch.architecture == "Gemma4ForCausalLM" and arch.num_kv_shared_layers == 2
+    _run_plan(model, arch, hf)
+
+
+@pytest.mark.slow
+def test_engine_keeps_hf_tokens_through_chunks_a_prefix_hit_and_preemption(tiny, tmp_path):
+    """Greedy tokens through the engine equal HF's: a 16-token budget cuts the prompts into
+    chunks, four requests of different lengths run as one mixed batch after a first one, two
+    of them sharing its 48-token prefix (a prefix-cache hit, recorded), and a pool too small for
+    all of them at once forces a preemption."""
+    from kvflow import LLM, SamplingParams
+
+    name, path, hf = tiny
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(4, 320, 48).tolist()
+    prompts = [prefix + rng.integers(4, 320, 5).tolist(), prefix + rng.integers(4, 320, 9).tolist(),
+               rng.integers(4, 320, 30).tolist(), prefix + rng.integers(4, 320, 3).tolist(),
+               rng.integers(4, 320, 7).tolist()]
+    refs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=24, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+            refs.append((out.sequences[0, len(ids):].tolist(), [s[0].topk(3).indices.tolist() for s in out.logits]))
+    trace = tmp_path / "trace.jsonl"
+    llm = LLM(path, dtype="float32", max_model_len=96, block_size=4, num_blocks=40,
+              max_num_batched_tokens=16, trace=str(trace))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    first = llm.generate(prompts[:1], params, use_tqdm=False)[0]
+    rest = llm.generate(prompts[1:], params, use_tqdm=False)
+    assert first.num_cached_tokens == 0 and rest[0].num_cached_tokens == 48
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert any(s["preempted"] for s in steps), "the pool should have forced a preemption"
+    assert all(s["num_scheduled_tokens"] <= 16 for s in steps)
+    assert max(len(s["requests"]) for s in steps) >= 3  # a mixed batch
+    identical = 0
+    for i, out in enumerate([first, *rest]):
+        got = out.outputs[0].token_ids
+        assert_matches_reference(got, refs[i], f"{name} prompt {i}")
+        identical += got == refs[i][0]
+    assert identical >= len(prompts) - 1
+    runner = llm.engine.core.executor.runner
+    owners = load_arch_config(path).attention_layers()
+    assert all((runner.kv_caches[i] is None) == (i not in owners) for i in range(len(runner.kv_caches)))
+
+
+def test_kv_budget_counts_only_the_layers_that_own_a_cache(tmp_path):
+    """Six layers, the last two sharing KV with layers 2 and 3 (the ones transformers picks):
+    KV bytes per token and the scheduler's KV cache groups count the four owners only, at the
+    cache's widest head (32) and most kv heads (2)."""
+    from transformers import Gemma4TextConfig
+
+    from tiny_arch_models import _gemma4_config
+
+    cfg = _gemma4_config(num_hidden_layers=6, layer_types=["sliding_attention", "full_attention"] * 3,
+                         num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=320,
+                         attention_k_eq_v=True, num_global_key_value_heads=1)
+    cfg.architectures = ["Gemma4ForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    arch = load_arch_config(str(tmp_path))
+    assert arch.attention_layers() == [0, 1, 2, 3]
+    assert [arch.kv_source(i) for i in range(6)] == [0, 1, 2, 3, 2, 3]
+    modes = Gemma4TextConfig.from_pretrained(tmp_path).kv_sharing_modes
+    assert [i for i, m in enumerate(modes) if m == "store"] == [2, 3]  # transformers' producers
+    assert (arch.head_dim, arch.num_key_value_heads) == (32, 2)
+    assert arch.kv_bytes_per_token(2) == 4 * 2 * 2 * 32 * 2
+    groups = make_kv_cache_groups(arch.kv_layer_windows())
+    assert sorted(i for g in groups for i in g.layers) == [0, 1, 2, 3]
+
+
+def test_what_gemma4_cannot_run_with_is_refused_by_name(tmp_path):
+    """Tensor and pipeline parallelism and LoRA name the family; llama.cpp's gemma4 GGUF
+    files and bidirectional attention are refused at the config."""
+    from gguf import GGUFWriter
+
+    from kvflow.models.registry import family_of
+
+    supports = family_of("Gemma4ForCausalLM").supports
+    with pytest.raises(ValueError, match="Gemma 4 does not run tensor-parallel"):
+        supports.check("Gemma 4", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="Gemma 4 does not run pipeline-parallel"):
+        supports.check("Gemma 4", pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="Gemma 4 does not take LoRA"):
+        supports.check("Gemma 4", lora=True)
+    assert not supports.decode_step and not supports.quantized
+    gguf_file = str(tmp_path / "g4.gguf")
+    w = GGUFWriter(gguf_file, "gemma4")
+    w.add_block_count(2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="GGUF architecture 'gemma4' is not supported"):
+        load_arch_config(gguf_file)
+    from tiny_arch_models import _gemma4_config
+
+    cfg = _gemma4_config(use_bidirectional_attention="all")
+    cfg.architectures = ["Gemma4ForCausalLM"]
+    cfg.save_pretrained(tmp_path / "bidi")
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        load_arch_config(str(tmp_path / "bidi"))
