@@ -21,8 +21,9 @@ import torch
 from kvflow.config import EngineConfig
 from kvflow.distributed.parallel import (CollectiveError, CommStats, Rendezvous, rendezvous_timeout,
                                          TPGroup, parse_init_method, rank_device)
-from kvflow.distributed.messages import (StepMasks, WorkerInit, decode_result, encode_init,
-                                         encode_step)
+from kvflow.distributed.lora_sync import wait_for_replies
+from kvflow.distributed.messages import (LoRAUpdate, StepMasks, WorkerInit, decode_result,
+                                         encode_init, encode_lora_update, encode_step)
 from kvflow.distributed.shared_kv import (SharedKVMemory, create_kv_segment, kv_segment_bytes,
                                          sweep_orphans as sweep_kv_orphans)
 from kvflow.distributed.shm_allreduce import (MAX_SLOT_BYTES, ShmAllReduce, create_segment,
@@ -63,7 +64,7 @@ class TPExecutor(Executor):
     def __init__(self, config: EngineConfig, model_path: str, arch: LlamaArchConfig,
                  dtype: torch.dtype, kv_dtype: torch.dtype, num_blocks: int, block_size: int,
                  eos_token_id: int | list[int] | None, device: str = "cpu") -> None:
-        pc = config.parallel_config
+        pc, lc = config.parallel_config, config.lora_config
         tp, pp, nnodes = pc.tensor_parallel_size, pc.pipeline_parallel_size, pc.nnodes
         n = tp * pp
         family = family_of(arch.architecture)
@@ -95,6 +96,7 @@ class TPExecutor(Executor):
         self._shm_paths: list[str] = []
         self._kv_paths: list[str] = []
         self._rank_kv = []
+        self._lora_seq = 0  # LoRAUpdates that wait for the ranks' answers, numbered
         self.rdv = None
         try:
             if on_ray:
@@ -139,7 +141,9 @@ class TPExecutor(Executor):
                 stage_shm_paths=self._shm_paths if pp > 1 and self._shm_paths else None,
                 shm_slot_bytes=slot_bytes, device=device, kv_shm_paths=self._kv_paths or None,
                 tp_size=tp, pp_size=pp, driver_pid=os.getpid(),
-                max_model_len=config.model_config.max_model_len or 0, arch=arch.to_dict())))
+                max_model_len=config.model_config.max_model_len or 0, arch=arch.to_dict(),
+                max_loras=lc.max_loras if lc.enable_lora else 0,
+                max_lora_rank=lc.max_lora_rank if lc.enable_lora else 0)))
             if on_ray:
                 self.supervisor.start(self.rdv.address, n)
             else:
@@ -278,6 +282,45 @@ class TPExecutor(Executor):
         self.runner.append_sampled(res.sampled)
         self._sampled.update(res.sampled)  # steps in flight hold different requests
         return ModelRunnerOutput(res.sampled, res.logprobs)
+
+    # -- LoRA adapters (kvflow/distributed/lora_sync.py) ----------------------------------
+    def add_lora(self, lora_request) -> bool:
+        """The driver reads and checks the adapter, then every other rank loads its part of
+        it before the next step; where a rank cannot, it is dropped everywhere and refused."""
+        if not super().add_lora(lora_request):
+            return False
+        self._lora_seq += 1
+        seq = self._lora_seq
+        self._send_lora(LoRAUpdate(seq, [lora_request], []))
+        try:
+            errors = wait_for_replies(self.rdv.store, seq, range(1, self.world_size),
+                                      self.check_health, rendezvous_timeout().total_seconds())
+        except TimeoutError as e:
+            self._fail(f"loading LoRA adapter {lora_request.lora_name!r}: {e}")
+        if errors:
+            self.remove_lora(lora_request.lora_int_id)
+            rank, why = min(errors.items())
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: rank {rank} could not "
+                             f"load it ({why})")
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        removed = super().remove_lora(lora_int_id)
+        self._send_lora(LoRAUpdate(0, [], [lora_int_id]))
+        return removed
+
+    def _send_lora(self, update: LoRAUpdate) -> None:
+        """To every other rank, in the step stream (after the steps sent, before the next)."""
+        self.check_health()
+        data = encode_lora_update(update)
+        try:
+            if self.pipe is not None:
+                for r in range(1, self.world_size):
+                    self.pipe.send_bytes(data, r, TAG_STEP)
+            else:
+                self.group.broadcast_bytes(data)
+        except CollectiveError as e:
+            self._lost_rank(e)
 
     def _lost_rank(self, e: Exception) -> None:
         blame = self.supervisor.wait_failure(BLAME_WAIT_S)

@@ -6,6 +6,7 @@ reaches those ports decodes into these types or fails; it cannot run code.
     step broadcast     StepMessage     the step's SchedulerOutput and last step's sampled tokens
                                        (and, under pipeline parallelism, its grammar masks for
                                        the last stage, which samples)
+                       LoRAUpdate      adapters to register or drop before the next step
                        nil             stop
     (pipeline parallel: the same step messages go to each rank point to point, and the last
     stage answers each with a StepResult)
@@ -18,6 +19,7 @@ import msgspec
 import numpy as np
 
 from kvflow.core.scheduler_output import SchedulerOutput
+from kvflow.lora_request import LoRARequest
 from kvflow.outputs import TokenLogprobs
 
 
@@ -46,6 +48,8 @@ class WorkerInit:
     # the model's arch config as the driver resolved it (LlamaArchConfig.to_dict): no rank
     # reads config.json or the GGUF header again
     arch: dict | None = None
+    max_loras: int = 0  # enable_lora: adapter slots on every rank (0: off)
+    max_lora_rank: int = 0
 
 
 class StepMasks(msgspec.Struct, array_like=True):
@@ -73,10 +77,21 @@ class StepMasks(msgspec.Struct, array_like=True):
         return np.frombuffer(self.mask_bytes, dtype=np.int32).reshape(rows, self.words)
 
 
-class StepMessage(msgspec.Struct, array_like=True):
+class StepMessage(msgspec.Struct, array_like=True, tag=True):
     sched_out: SchedulerOutput
     sampled: dict[str, list[int]]  # what the driver sampled in the previous step
     grammar: StepMasks | None = None  # pipeline parallelism: for the last stage's sampler
+
+
+class LoRAUpdate(msgspec.Struct, array_like=True, tag=True):
+    """Adapters every rank registers (`add`, read from their folders) or drops (`remove`, by
+    id) between two steps: in the step stream, so that every rank sees the same adapters at
+    every step and assigns them the same slots. `seq` > 0: each rank answers in the store
+    under `lora/SEQ/RANK` ("" or why it could not load one)."""
+
+    seq: int
+    add: list[LoRARequest]
+    remove: list[int]
 
 
 class StepResult(msgspec.Struct, array_like=True):
@@ -88,7 +103,7 @@ class StepResult(msgspec.Struct, array_like=True):
 
 _encoder = msgspec.msgpack.Encoder()
 _result_decoder = msgspec.msgpack.Decoder(StepResult)
-_step_decoder = msgspec.msgpack.Decoder(StepMessage | None)
+_step_decoder = msgspec.msgpack.Decoder(StepMessage | LoRAUpdate | None)
 _init_decoder = msgspec.msgpack.Decoder(WorkerInit)
 
 
@@ -113,7 +128,11 @@ def encode_step(sched_out: SchedulerOutput | None, sampled: dict[str, list[int]]
     return _encoder.encode(StepMessage(replace(sched_out, **_DECISIONS_CLEARED), sampled, grammar))
 
 
-def decode_step(data: bytes) -> StepMessage | None:
+def encode_lora_update(update: LoRAUpdate) -> bytes:
+    return _encoder.encode(update)
+
+
+def decode_step(data: bytes) -> StepMessage | LoRAUpdate | None:
     try:
         return _step_decoder.decode(data)
     except (msgspec.DecodeError, ValueError, TypeError) as e:

@@ -7,7 +7,8 @@ step by step: each broadcast carries the step's SchedulerOutput and the tokens t
 sampled in the previous step; the worker runs the same forward (taking part in the
 all-reduces and the logits gather) and never samples. `None` ends the loop. Under pipeline
 parallelism (kvflow/distributed/pipeline.py) it runs its stage's layers and the last stage's
-tp_rank 0 samples.
+tp_rank 0 samples. A LoRAUpdate between steps registers or drops adapters on this rank
+(kvflow/distributed/lora_sync.py).
 
 Run as `python -m kvflow.distributed.worker --rendezvous HOST:PORT --rank R --world-size N`."""
 from __future__ import annotations
@@ -17,7 +18,8 @@ import logging
 import os
 import sys
 
-from kvflow.distributed.messages import BadMessageError, decode_init, decode_step
+from kvflow.distributed.lora_sync import apply_lora_update
+from kvflow.distributed.messages import BadMessageError, LoRAUpdate, decode_init, decode_step
 from kvflow.utils.process import parent_alive, pid_alive, start_child_process
 
 # Exit codes the supervisor tells apart.
@@ -88,17 +90,22 @@ def run_worker(rendezvous: str, rank: int, world_size: int, parent_pid: int | No
                              getattr(torch, init.kv_dtype), init.eos_token_id, device=device,
                              kv_memory=kv_memory, pp=pipe, max_model_len=init.max_model_len,
                              **stage_place(full, layers))
+        if init.max_loras:  # slots in this rank's projections; adapters come between steps
+            runner.enable_lora(init.max_loras, init.max_lora_rank)
     except Exception as e:  # noqa: BLE001 - the driver reports it
         store.set(f"error/{rank}", f"{type(e).__name__}: {e}")
         return EXIT_LOAD_FAILED
     store.set(f"loaded/{rank}", "1")
     try:
         if pipe is not None:
-            return _follow_pipeline(pipe, runner)
+            return _follow_pipeline(pipe, runner, store)
         while True:
             msg = decode_step(group.broadcast_bytes())
             if msg is None:
                 return 0
+            if isinstance(msg, LoRAUpdate):
+                apply_lora_update(runner, msg, store, rank)
+                continue
             runner.append_sampled(msg.sampled)
             runner.execute(msg.sched_out)
     except BadMessageError as e:  # the ranks cannot stay in step after a frame it cannot read
@@ -109,7 +116,7 @@ def run_worker(rendezvous: str, rank: int, world_size: int, parent_pid: int | No
         return EXIT_PEER_LOST
 
 
-def _follow_pipeline(pipe, runner) -> int:
+def _follow_pipeline(pipe, runner, store) -> int:
     """A pipeline rank's loop: each step message from the driver, in order; the last stage's
     tp_rank 0 samples (through the step's grammar masks, where it has some) and answers each
     one with what it sampled."""
@@ -122,6 +129,9 @@ def _follow_pipeline(pipe, runner) -> int:
         if msg is None:
             pipe.flush()
             return 0
+        if isinstance(msg, LoRAUpdate):
+            apply_lora_update(runner, msg, store, pipe.rank)
+            continue
         if not samples:  # the sampler appended its own tokens when it sampled them
             runner.append_sampled(msg.sampled)
         out = runner.execute(msg.sched_out, msg.grammar if samples else None)

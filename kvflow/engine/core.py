@@ -120,9 +120,6 @@ class EngineCore:
             # the profile run that sizes the pool by --gpu-memory-utilization is one process's
             raise ValueError("tensor parallelism on cuda needs --num-blocks: the KV pool is not "
                              "sized from --gpu-memory-utilization across ranks yet")
-        if config.lora_config.enable_lora and self.num_ranks > 1:
-            raise ValueError("enable_lora with tensor or pipeline parallelism (tensor_parallel_size or "
-                             "pipeline_parallel_size > 1) is not supported yet")
 
     def _load_model(self):
         """The model in this process (None when the executor's ranks load their shards; never
@@ -333,7 +330,7 @@ class EngineCore:
             return ""
         lc = self.config.lora_config
         return (f"LoRA {lc.max_loras} slots of rank {lc.max_lora_rank} "
-                f"({lora.slots.nbytes / 2**20:.0f} MiB, kernel "
+                f"({lora.slots.nbytes / 2**20:.0f} MiB{' on the driver' if self.num_ranks > 1 else ''}, kernel "
                 f"{self.executor.runner.model.kernels.lora_name}), "
                 f"{len(lora.adapters)} adapters loaded; ")
 
@@ -410,7 +407,7 @@ class EngineCore:
         if lora is None:
             raise ValueError(f"model {lora_request.lora_name!r} is a LoRA adapter: the engine "
                              f"serves adapters only with enable_lora (--enable-lora)")
-        added = lora.add(lora_request)
+        added = self.executor.add_lora(lora_request)  # on every rank
         if added:
             logger.info("kvflow: LoRA adapter %s (id %d, rank %d) from %s", lora_request.lora_name,
                         lora_request.lora_int_id, lora.adapters[lora_request.lora_int_id].rank,
@@ -420,6 +417,7 @@ class EngineCore:
                 busy = {r.lora_int_id for r in self.scheduler.requests.values()
                         if r.lora_int_id and not r.is_finished} | {lora_request.lora_int_id}
                 for lid in lora.trim(cap, busy):
+                    self.executor.remove_lora(lid)  # the other ranks' parts too
                     logger.info("kvflow: LoRA adapter %d dropped from host memory "
                                 "(max_cpu_loras %d)", lid, cap)
         return added
@@ -433,7 +431,7 @@ class EngineCore:
                     if r.lora_int_id == lora_int_id and not r.is_finished)
         if users:
             raise ValueError(f"LoRA adapter {lora_int_id} is in use by {users} unfinished requests")
-        return lora.remove(lora_int_id)
+        return self.executor.remove_lora(lora_int_id)
 
     def list_loras(self) -> list[int]:
         lora = self.executor.runner.lora

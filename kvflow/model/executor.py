@@ -54,6 +54,16 @@ class Executor(ABC):
     def shutdown(self) -> None:
         """Stop what the executor started; safe to call twice."""
 
+    def add_lora(self, lora_request) -> bool:
+        """Read, check and register an adapter on every rank (False: this id is registered
+        already with this path); ValueError naming the problem, nothing registered, if it
+        cannot be served. The runner has LoRA slots (enable_lora)."""
+        return self.runner.lora.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter on every rank (False: it was not registered here)."""
+        return self.runner.lora.remove(lora_int_id)
+
     def rank_kv_caches(self) -> list:
         """Each rank's KV cache (rank order, in this process's memory): what KV transfer
         reads and writes. One process holds one, all heads."""

@@ -23,6 +23,7 @@ import torch
 
 from kvflow.lora_request import LoRARequest
 from kvflow.model.arch import LlamaArchConfig
+from kvflow.model.lora_shard import lora_shard_of, shard_adapter
 from kvflow.models.registry import family_of
 
 # PEFT module names -> the fused projection of kvflow's decoder layer and its slice there
@@ -208,7 +209,9 @@ class LoRASlots:
     """`max_loras` slots of `max_rank` in every projection of every layer, and which adapter
     sits in each: assigned per step, an idle adapter's slot reused least recently used first."""
 
-    def __init__(self, model, arch: LlamaArchConfig, max_loras: int, max_rank: int) -> None:
+    def __init__(self, model, arch: LlamaArchConfig, max_loras: int, max_rank: int,
+                 first_layer: int = 0) -> None:
+        # `arch`: the shapes of this rank's shard (its heads, MLP rows and stage's layers)
         shapes = module_shapes(arch)
         device = lora_device(model)
         self.max_loras, self.max_rank, self.arch = max_loras, max_rank, arch
@@ -216,7 +219,7 @@ class LoRASlots:
         for i, layer in enumerate(model.layers):
             projs = {}
             for fused, mods in FUSED.items():
-                if fused in ("gate_up", "down") and arch.is_moe_layer(i):
+                if fused in ("gate_up", "down") and arch.is_moe_layer(first_layer + i):
                     continue
                 k = shapes[mods[0]][0]
                 bounds = [0]
@@ -280,17 +283,21 @@ class LoRASlots:
 
 class LoRAManager:
     """The registered adapters of one model (read and checked once, kept on the host) and its
-    slots; `step` maps a step's requests to slots."""
+    slots; `step` maps a step's requests to slots. Under tensor or pipeline parallelism the
+    model is a rank's shard (`first_layer`: its stage's first layer) and each adapter is kept
+    cut to it (model/lora_shard.py)."""
 
-    def __init__(self, model, arch: LlamaArchConfig, max_loras: int, max_lora_rank: int) -> None:
+    def __init__(self, model, arch: LlamaArchConfig, max_loras: int, max_lora_rank: int,
+                 first_layer: int = 0) -> None:
         family = family_of(arch.architecture)
         family.supports.check(family.name, lora=True)
-        if model.tp is not None:
-            raise ValueError("LoRA adapters with tensor parallelism are not supported yet")
-        self.arch, self.max_lora_rank = arch, max_lora_rank
+        self.max_lora_rank = max_lora_rank
+        self.shard = lora_shard_of(model, first_layer)
+        # adapters are checked against the whole model, on every rank
+        self.arch = arch if self.shard is None else model.arch
         # registered adapters, least recently used first (a step's adapters move to the end)
         self.adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()
-        self.slots = LoRASlots(model, arch, max_loras, max_lora_rank)
+        self.slots = LoRASlots(model, arch, max_loras, max_lora_rank, first_layer)
         self.device = lora_device(model)
 
     def add(self, request: LoRARequest) -> bool:
@@ -302,7 +309,10 @@ class LoRAManager:
                 raise ValueError(f"lora_int_id {request.lora_int_id} is {old.name!r} at "
                                  f"{old.path!r} already")
             return False
-        self.adapters[request.lora_int_id] = load_adapter(request, self.arch, self.max_lora_rank)
+        adapter = load_adapter(request, self.arch, self.max_lora_rank)
+        if self.shard is not None:
+            adapter = shard_adapter(adapter, self.shard, self.arch.head_dim)
+        self.adapters[request.lora_int_id] = adapter
         return True
 
     def trim(self, max_adapters: int, busy: set[int]) -> list[int]:

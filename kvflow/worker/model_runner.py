@@ -95,6 +95,7 @@ class ModelRunner:
         self.model = model
         self.pp = pp
         self.arch = arch
+        self.first_layer = first_layer
         self.block_size = block_size
         self.eos_token_ids = eos_ids(eos_token_id)  # the model's, all of them
         self.device = torch.device(device)
@@ -170,10 +171,11 @@ class ModelRunner:
 
     def enable_lora(self, max_loras: int, max_lora_rank: int) -> None:
         """Give the model `max_loras` adapter slots of `max_lora_rank` (ValueError where
-        adapters cannot be served: other architectures, tensor parallelism)."""
+        adapters cannot be served: other architectures). Under tensor or pipeline parallelism
+        every rank does, and holds its part of each adapter."""
         from kvflow.model.lora import LoRAManager
 
-        self.lora = LoRAManager(self.model, self.arch, max_loras, max_lora_rank)
+        self.lora = LoRAManager(self.model, self.arch, max_loras, max_lora_rank, self.first_layer)
 
     def _update_states(self, out: SchedulerOutput) -> None:
         for rid in out.finished_req_ids:
