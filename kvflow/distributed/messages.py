@@ -46,6 +46,9 @@ class WorkerInit:
     # the model's arch config as the driver resolved it (LlamaArchConfig.to_dict): no rank
     # reads config.json or the GGUF header again
     arch: dict | None = None
+    # how the weights are served, as the engine resolved it: gguf (a GGUF file's shard as
+    # stored) or none (float weights)
+    quantization: str = "none"
 
 
 class StepMasks(msgspec.Struct, array_like=True):
