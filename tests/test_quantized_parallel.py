@@ -164,3 +164,16 @@ def test_quantization_none_still_widens_to_floats_under_tp(files):
     _, held = generate(files["Q8_0"], tensor_parallel_size=2, quantization="none")
     assert held["quant"] is None and held["qkv_device"] == "cpu"
     assert "weights per rank (float)" in held["startup"]
+
+
+def test_pp2_on_ray_equals_one_process(files, reference):
+    ray = pytest.importorskip("ray")
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2,
+             logging_level="WARNING")
+    try:
+        got, held = generate(files["Q4_0"], pipeline_parallel_size=2,
+                             distributed_executor_backend="ray")
+    finally:
+        ray.shutdown()
+    assert held["quant"] is not None and "ray executor" in held["startup"]
+    assert got == reference["Q4_0"]
