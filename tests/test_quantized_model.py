@@ -22,8 +22,8 @@ def test_quantization_defaults_to_gguf_for_a_gguf_file_only(tmp_path):
     assert resolve_quantization(None, str(folder)) == "none"
     assert resolve_quantization("int8", str(folder)) == "int8"
     assert resolve_quantization("none", str(gguf)) == "none"
-    # quantized weights are not sharded: the default falls back, an explicit choice is refused
-    assert resolve_quantization(None, str(gguf), tp_size=2) == "none"
+    # a GGUF file is sharded as stored (gguf_shard.py); int8 W8A8 is not, and is refused
+    assert resolve_quantization(None, str(gguf), tp_size=2) == "gguf"
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         resolve_quantization("int8", str(folder), tp_size=2)
     with pytest.raises(ValueError, match="needs a .gguf model file"):

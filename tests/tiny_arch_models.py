@@ -220,14 +220,16 @@ def _finish(path: str, family: str) -> str:
 
 
 # -- GGUF, the way convert_hf_to_gguf.py writes these models -----------------------------------
-_GGUF_ARCH = {"Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Qwen3MoeForCausalLM": "qwen3moe",
+_GGUF_ARCH = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Qwen3MoeForCausalLM": "qwen3moe",
               "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe", "Olmo2ForCausalLM": "olmo2",
               "GraniteForCausalLM": "granite", "SmolLM3ForCausalLM": "smollm3"}
 
 
 def write_gguf(hf_dir: str, out_path: str, quant: str = "F32", legacy_experts: bool = False) -> str:
-    """Convert the tiny HF folder to a GGUF file; `quant` "F32" or "Q8_0" (the 2-D and 3-D
-    projections quantised, norms and small tensors kept in F32, as llama.cpp does).
+    """Convert the tiny HF folder to a GGUF file; `quant` "F32", or "Q8_0", "Q4_0" or "Q4_1"
+    (the 2-D and 3-D projections quantised, norms and small tensors kept in F32, as llama.cpp
+    does), or a K-quant ("Q4_K", "Q6_K": gguf has no quantizer for them, so matrices 256 wide
+    get random blocks with sane scales, seeded: a file that loads, not the folder's weights).
     `legacy_experts`: Mixtral's experts one tensor each (`blk.N.ffn_gate.E.weight`), as
     llama.cpp wrote them before it stacked them."""
     import gguf
@@ -254,9 +256,13 @@ def write_gguf(hf_dir: str, out_path: str, quant: str = "F32", legacy_experts: b
 
     def add(name: str, a: np.ndarray) -> None:
         a = np.ascontiguousarray(a, dtype=np.float32)
-        if quant == "Q8_0" and a.ndim >= 2 and a.shape[-1] % 32 == 0:
-            q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        if quant.endswith("_K") and a.ndim == 2 and a.shape[-1] % 256 == 0:
+            q = random_kquant_blocks(quant, *a.shape, seed=len(name))
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType[quant])
+        elif quant != "F32" and not quant.endswith("_K") and a.ndim >= 2 and a.shape[-1] % 32 == 0:
+            qtype = gguf.GGMLQuantizationType[quant]
+            q = gguf.quants.quantize(a, qtype)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
         else:
             w.add_tensor(name, a)
 
@@ -308,7 +314,7 @@ def write_gguf(hf_dir: str, out_path: str, quant: str = "F32", legacy_experts: b
         if arch == "phi3":
             add(b + "ffn_up.weight", t[m + "gate_up_proj.weight"])  # [gate; up], as Phi-3 ships it
             add(b + "ffn_down.weight", t[m + "down_proj.weight"])
-        elif arch == "llama":  # Mixtral
+        elif arch == "llama" and experts:  # Mixtral
             e = p + "block_sparse_moe."
             add(b + "ffn_gate_inp.weight", t[e + "gate.weight"])
             for kind, hf in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
@@ -335,6 +341,23 @@ def write_gguf(hf_dir: str, out_path: str, quant: str = "F32", legacy_experts: b
     w.write_tensors_to_file()
     w.close()
     return out_path
+
+
+def random_kquant_blocks(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """n rows of k values in random Q4_K / Q5_K / Q6_K blocks with small fp16 scales (every
+    bit pattern of the rest is valid), as bytes [n, row bytes]."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    raw = rng.integers(0, 256, (n * k // block, size), dtype=np.uint8)
+    d = (rng.uniform(0.5, 1.5, len(raw)) * 1e-3).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    if type_name == "Q6_K":
+        raw[:, -2:] = d
+    else:  # d then dmin
+        raw[:, 0:2] = d
+        raw[:, 2:4] = (rng.uniform(0.5, 1.5, len(raw)) * 5e-4).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw.reshape(n, -1)
 
 
 def _add_tokenizer(w, hf_dir: str) -> None:

@@ -37,7 +37,7 @@ from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.kv_cache import allocate_kv_caches
 from kvflow.model.executor import Executor
 from kvflow.attention.kv_layout import cache_shape
-from kvflow.model.loader import load_sharded_model
+from kvflow.model.loader import load_sharded_model, weight_bytes
 from kvflow.model.sharding import check_tp_size, local_arch
 from kvflow.models.registry import family_of
 from kvflow.worker.model_runner import ModelRunner, ModelRunnerOutput
@@ -63,7 +63,8 @@ class TPExecutor(Executor):
 
     def __init__(self, config: EngineConfig, model_path: str, arch: LlamaArchConfig,
                  dtype: torch.dtype, kv_dtype: torch.dtype, num_blocks: int, block_size: int,
-                 eos_token_id: int | list[int] | None, device: str = "cpu") -> None:
+                 eos_token_id: int | list[int] | None, device: str = "cpu",
+                 quantization: str = "none") -> None:
         pc, lc = config.parallel_config, config.lora_config
         tp, pp, nnodes = pc.tensor_parallel_size, pc.pipeline_parallel_size, pc.nnodes
         n = tp * pp
@@ -97,6 +98,7 @@ class TPExecutor(Executor):
         self._kv_paths: list[str] = []
         self._rank_kv = []
         self._lora_seq = 0  # LoRAUpdates that wait for the ranks' answers, numbered
+        self.rank_weight_bytes: list[int] = []  # each rank's weights, for the start-up line
         self.rdv = None
         try:
             if on_ray:
@@ -143,7 +145,8 @@ class TPExecutor(Executor):
                 tp_size=tp, pp_size=pp, driver_pid=os.getpid(),
                 max_model_len=config.model_config.max_model_len or 0, arch=arch.to_dict(),
                 max_loras=lc.max_loras if lc.enable_lora else 0,
-                max_lora_rank=lc.max_lora_rank if lc.enable_lora else 0)))
+                max_lora_rank=lc.max_lora_rank if lc.enable_lora else 0,
+                quantization=quantization)))
             if on_ray:
                 self.supervisor.start(self.rdv.address, n)
             else:
@@ -168,12 +171,14 @@ class TPExecutor(Executor):
                 self.group = TPGroup(self.rdv, 0, n, shm=shm, device=rank0)
             self.model, _ = load_sharded_model(model_path, dtype, self.group,
                                                rank0 if rank0.type != "cpu" else None, layers=layers,
-                                               arch=arch)
+                                               arch=arch, quantization=quantization)
             self.runner = ModelRunner(self.model, shard, num_blocks, block_size,
                                       kv_dtype, eos_token_id, device=rank0, pp=self.pipe,
                                       max_model_len=config.model_config.max_model_len or 0,
                                       **stage_place(arch, layers))
             self._wait_for("loaded")
+            self.rank_weight_bytes = [weight_bytes(self.model)] + [
+                int(self.rdv.store.get(f"loaded/{r}")) for r in range(1, n)]
             self._rank_kv = [self.runner.kv_caches] + [
                 allocate_kv_caches(shard, num_blocks, block_size, kv_dtype,
                                    zeros=SharedKVMemory(p).zeros) for p in self._kv_paths]

@@ -50,6 +50,9 @@ class WorkerInit:
     arch: dict | None = None
     max_loras: int = 0  # enable_lora: adapter slots on every rank (0: off)
     max_lora_rank: int = 0
+    # how the weights are served, as the engine resolved it: gguf (a GGUF file's shard as
+    # stored) or none (float weights)
+    quantization: str = "none"
 
 
 class StepMasks(msgspec.Struct, array_like=True):

@@ -39,7 +39,7 @@ def run_worker(rendezvous: str, rank: int, world_size: int, parent_pid: int | No
     from kvflow.distributed.shared_kv import SharedKVMemory
     from kvflow.distributed.shm_allreduce import ShmAllReduce
     from kvflow.model.arch import LlamaArchConfig
-    from kvflow.model.loader import load_sharded_model
+    from kvflow.model.loader import load_sharded_model, weight_bytes
     from kvflow.model.sharding import local_arch
     from kvflow.worker.model_runner import ModelRunner
 
@@ -80,7 +80,7 @@ def run_worker(rendezvous: str, rank: int, world_size: int, parent_pid: int | No
             layers = stage_layers(full.num_hidden_layers, init.pp_size, pipe.stage)
         model, arch = load_sharded_model(init.model_path, dtype, group,
                                          device if device.type != "cpu" else None, layers=layers,
-                                         arch=full)
+                                         arch=full, quantization=init.quantization)
         kv_memory = (SharedKVMemory(init.kv_shm_paths[rank - 1]).zeros if init.kv_shm_paths
                      else None)  # the driver reads and writes it for KV transfer
         shard = local_arch(arch, tp) if tp > 1 else arch
@@ -95,7 +95,7 @@ def run_worker(rendezvous: str, rank: int, world_size: int, parent_pid: int | No
     except Exception as e:  # noqa: BLE001 - the driver reports it
         store.set(f"error/{rank}", f"{type(e).__name__}: {e}")
         return EXIT_LOAD_FAILED
-    store.set(f"loaded/{rank}", "1")
+    store.set(f"loaded/{rank}", str(weight_bytes(model)))  # the driver's start-up line reports it
     try:
         if pipe is not None:
             return _follow_pipeline(pipe, runner, store)

@@ -126,7 +126,8 @@ class EngineCore:
         the whole model here then); sets `arch` and `max_model_len`."""
         mc, on_gpu = self.config.model_config, self._on_gpu
         # quantized weights are the CPU's, one process's (refused here, before anything loads)
-        quantization = resolve_quantization(mc.quantization, self.model_path, self.num_ranks, on_gpu)
+        self.quantization = quantization = resolve_quantization(mc.quantization, self.model_path,
+                                                                self.num_ranks, on_gpu)
         weight_dtype = storage_dtype(mc.weight_dtype, self.dtype, not on_gpu, quantization,
                                      self.num_ranks)
         self.arch = load_arch_config(self.model_path)  # read once: passed to the loader and the ranks
@@ -237,7 +238,8 @@ class EngineCore:
         cc, sc, a = self.cache_config, self.scheduler_config, self.arch
         if self.num_ranks > 1:
             return TPExecutor(self.config, self.model_path, a, self.dtype, self.kv_dtype,
-                              cc.num_blocks, cc.block_size, a.eos_token_ids, self.device.type)
+                              cc.num_blocks, cc.block_size, a.eos_token_ids, self.device.type,
+                              self.quantization)
         # an expert block groups tokens on the host (moe.py): no CUDA graph
         graphs = (decode_graphs_for(a, cc.block_size, sc.max_num_seqs, self.max_model_len,
                                     self.device,
@@ -316,13 +318,22 @@ class EngineCore:
                 + (f"pipeline-parallel size {self.pp_size} (KV per stage, up to "
                    f"{self.pp_size} steps in flight); " if self.pp_size > 1 else "")
                 + (f"{self.config.parallel_config.distributed_executor_backend} executor; "
-                   if self.num_ranks > 1 else "")
+                   f"{self._rank_weights_report()}; " if self.num_ranks > 1 else "")
                 + (self._gpu_report() if self.device.type == "cuda" else "")
                 + f"{self.executor.runner.model.kernels.describe()}; "
                 + self._lora_report()
                 + (f"{self.spec.describe()}; " if self.spec is not None else "")
                 + (f"{self.kv_connector.describe()}; " if self.kv_connector.describe() else "")
                 + f"ready in {self.startup_time:.1f}s")
+
+    def _rank_weights_report(self) -> str:
+        """Each rank's weights in memory, as each rank loaded them (quantized: as stored)."""
+        sizes = getattr(self.executor, "rank_weight_bytes", None)
+        if not sizes:
+            return "weights per rank unknown"
+        quantized = getattr(getattr(self.executor, "model", None), "quant_report", None)
+        kind = f"{self.quantization}, as stored" if quantized else "float"
+        return (f"weights per rank ({kind}) " + "/".join(f"{b / 1e6:.1f}" for b in sizes) + " MB")
 
     def _lora_report(self) -> str:
         lora = self.executor.runner.lora

@@ -105,12 +105,13 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None 
 
 def load_sharded_model(path: str, dtype: torch.dtype, tp,
                        device: torch.device | str | None = None,
-                       layers: range | None = None, arch: LlamaArchConfig | None = None
-                       ) -> tuple[torch.nn.Module, LlamaArchConfig]:
+                       layers: range | None = None, arch: LlamaArchConfig | None = None,
+                       quantization: str = "none") -> tuple[torch.nn.Module, LlamaArchConfig]:
     """Rank `tp.rank`'s shard of the model (built on the meta device, then given its slices;
     moved to `device` when given) and the full model's arch. `tp` None: one rank, all heads;
     `layers`: a pipeline stage's decoder layers only (default: all); `arch`: the full model's,
-    as the engine resolved it (else read here)."""
+    as the engine resolved it (else read here). `quantization` gguf: the shard of a quantized
+    GGUF file as stored (kvflow/model/quant/gguf_shard.py); none: float weights."""
     rank, size = (0, 1) if tp is None else (tp.rank, tp.world_size)
     if checkpoint_method(path) is not None:  # raises: quantized checkpoints are not sharded
         resolve_quantization(None, path, tp_size=max(size, 2))
@@ -118,6 +119,17 @@ def load_sharded_model(path: str, dtype: torch.dtype, tp,
     family = family_of(arch.architecture)
     family.supports.check(family.name, tensor_parallel_size=size,
                           pipeline_parallel_size=1 if layers is None else 2)
+    if quantization != "none" and family.supports.quantized and device is None:
+        from kvflow.model.quant.load import load_quantized_model
+
+        loaded = load_quantized_model(path, dtype, quantization, arch=arch, tp=tp, layers=layers)
+        if loaded is not None:
+            apply_kv_scales(loaded[0], path, arch.num_hidden_layers, arch.num_key_value_heads,
+                            first_layer=0 if layers is None else layers.start)
+            return loaded
+    elif quantization != "none" and not family.supports.quantized:
+        logger.warning("kvflow: quantization %r does not serve %s yet; its weights are "
+                       "dequantised at load", quantization, family.name)
     weights = load_shard(path, arch, dtype, rank, size, layers)
     kernels = select_kernels(dtype, device=device) if device is not None else None
     model = family.model_class(arch)(arch, dtype, device="meta", tp=tp, kernels=kernels, layers=layers)
@@ -129,3 +141,13 @@ def load_sharded_model(path: str, dtype: torch.dtype, tp,
     apply_kv_scales(model, path, arch.num_hidden_layers, arch.num_key_value_heads,
                     first_layer=0 if layers is None else layers.start)
     return model, arch
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes a loaded model (or one rank's shard of it) holds as weights: a quantized one's
+    panels and float tensors (its load's count), else its float parameters (prepacked copies
+    not counted)."""
+    report = getattr(model, "quant_report", None)
+    if report is not None:
+        return report["weight_bytes"]
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta")

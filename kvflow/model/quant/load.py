@@ -34,13 +34,14 @@ def resolve_quantization(requested: str | None, path: str, tp_size: int = 1,
     """The option's value -> what serves: default `gguf` for a GGUF file (a float GGUF then
     loads as floats), `compressed-tensors` for an HF folder whose config.json says so (as
     vLLM reads it; an explicit other choice is refused), else `none`. Quantized weights are
-    the CPU kernels', and not sharded across ranks yet: there the default is `none` and an
-    explicit choice is refused (a quantized checkpoint cannot fall back, so it is refused)."""
+    the CPU kernels'. `tp_size`: the ranks the model is split over (tensor x pipeline): a
+    GGUF file is sharded as stored (gguf_shard.py); int8 W8A8 is not sharded, so an explicit
+    int8 is refused there, and so is a compressed-tensors checkpoint (it cannot fall back)."""
     method = checkpoint_method(path)
     if method is not None:
         return _checkpoint_quantization(method, requested, path, tp_size, on_gpu)
     if requested is None:
-        return "gguf" if is_gguf(path) and tp_size == 1 and not on_gpu else "none"
+        return "gguf" if is_gguf(path) and not on_gpu else "none"
     if requested not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {requested!r}")
     if requested == "gguf" and not is_gguf(path):
@@ -48,8 +49,13 @@ def resolve_quantization(requested: str | None, path: str, tp_size: int = 1,
     if requested == METHOD:
         raise ValueError("quantization compressed-tensors needs an HF folder whose config.json has "
                          "quantization_config with quant_method compressed-tensors")
-    if requested != "none" and tp_size > 1:
-        raise ValueError(f"quantization {requested} is not supported with tensor_parallel_size > 1")
+    if requested == "int8" and tp_size > 1:
+        raise ValueError(f"quantization int8 is not sharded across ranks ({tp_size} ranks: "
+                         "tensor_parallel_size x pipeline_parallel_size): under tensor parallelism "
+                         "its per-token activation scales span each projection's whole input, which "
+                         "a row-parallel rank does not hold, and pipeline stages do not load it "
+                         "yet. Serve it on one rank, or a GGUF file quantized to Q8_0 "
+                         "(--quantization gguf, sharded as stored), or --quantization none")
     if requested != "none" and on_gpu:
         raise ValueError(f"quantization {requested} runs on the CPU only (device cuda: pass "
                          "--quantization none)")
@@ -69,7 +75,11 @@ def _checkpoint_quantization(method: str, requested: str | None, path: str, tp_s
     check_scheme(quantization_config(path))
     if tp_size > 1:
         raise ValueError(f"quantization {METHOD}: int8 checkpoints are not sharded across ranks "
-                         "yet; pass tensor_parallel_size 1")
+                         f"({tp_size} ranks: tensor_parallel_size x pipeline_parallel_size): under "
+                         "tensor parallelism their per-token activation scales span each "
+                         "projection's whole input, which a row-parallel rank does not hold, and "
+                         "pipeline stages do not load them yet. Serve it with tensor_parallel_size 1 "
+                         "and pipeline_parallel_size 1")
     if on_gpu:
         raise ValueError(f"quantization {METHOD}: int8 checkpoints run on the CPU only "
                          "(pass --device cpu)")
@@ -86,21 +96,31 @@ def rss_bytes() -> int:
 
 
 class QuantizedEmbedding:
-    """Token ids -> embedding rows, dequantised from the quantized table on lookup."""
+    """Token ids -> embedding rows, dequantised from the quantized table on lookup. With `tp`
+    the table is this rank's vocab rows (vocab-parallel): ids outside them give zero rows, and
+    the all-reduce over the ranks is the whole embedding (as tp_layers.vocab_parallel_embedding)."""
 
-    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype):
-        self.weight, self.dtype = weight, dtype
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype, tp=None):
+        self.weight, self.dtype, self.tp = weight, dtype, tp
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        return dequantize_rows(w.kind, w.packed, w.k, ids.reshape(-1).long(), self.dtype)
+        w, ids = self.weight, ids.reshape(-1).long()
+        if self.tp is None:
+            return dequantize_rows(w.kind, w.packed, w.k, ids, self.dtype)
+        local = ids - self.tp.rank * w.n
+        outside = (local < 0) | (local >= w.n)
+        x = dequantize_rows(w.kind, w.packed, w.k, local.masked_fill(outside, 0), self.dtype)
+        x.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(x)
 
 
 def load_quantized_model(path: str, dtype: torch.dtype, quantization: str,
-                         kernels: Kernels | None = None, arch: LlamaArchConfig | None = None):
+                         kernels: Kernels | None = None, arch: LlamaArchConfig | None = None,
+                         tp=None, layers: range | None = None):
     """(model, arch), or None to load floats instead: a GGUF file with no quantized matrices,
     or no kernel library (no C compiler, or KVFLOW_NO_KERNELS=1). `arch`: the model's, where
-    the caller resolved it."""
+    the caller resolved it. `tp` (a tensor-parallel group) and `layers` (a pipeline stage's):
+    this rank's shard of a GGUF file only (gguf_shard.py), packed at each start."""
     kernels = select_kernels(dtype) if kernels is None else kernels
     if not kernels.options.c_kernels or library() is None:
         logger.warning("kvflow: quantization %s needs kvflow's C kernels; loading float weights",
@@ -113,6 +133,10 @@ def load_quantized_model(path: str, dtype: torch.dtype, quantization: str,
                        "has %s); loading float weights", quantization,
                        "experts" if arch.num_experts else "QK-norm")
         return None
+    rank, size = (0, 1) if tp is None else (tp.rank, tp.world_size)
+    sharded = tp is not None or layers is not None
+    if sharded and quantization != "gguf":  # resolve_quantization refuses these first
+        raise ValueError(f"quantization {quantization} is not sharded across ranks")
     rss0, t0 = rss_bytes(), time.perf_counter()
     if quantization == "gguf":
         from kvflow.model.quant.gguf_native import gguf_is_quantized, load_gguf_native
@@ -122,6 +146,10 @@ def load_quantized_model(path: str, dtype: torch.dtype, quantization: str,
 
             if not gguf_is_quantized(GGUFReader(path)):
                 raise _FloatFile
+            if sharded:
+                from kvflow.model.quant.gguf_shard import load_gguf_shard
+
+                return load_gguf_shard(path, arch, dtype, isa, rank, size, layers)
             return load_gguf_native(path, dtype, isa)[1:]
         source_bytes = os.path.getsize(path)
     elif quantization == METHOD:
@@ -135,7 +163,7 @@ def load_quantized_model(path: str, dtype: torch.dtype, quantization: str,
             return _int8_weights(path, dtype, isa, arch)
         source_bytes = _float_bytes(path)
     try:
-        if is_gguf(path):  # packed once, then read from kvflow's cache
+        if is_gguf(path) and not sharded:  # packed once, then read from kvflow's cache
             from kvflow.model.quant.cache import cached_weights
 
             plain, quant = cached_weights(path, quantization, dtype, isa, build)
@@ -143,7 +171,9 @@ def load_quantized_model(path: str, dtype: torch.dtype, quantization: str,
             plain, quant = build()
     except _FloatFile:
         return None
-    model = family_of(arch.architecture).model_class(arch)(arch, dtype, device="meta", kernels=kernels)
+    shard = dict(tp=tp, layers=layers) if sharded else {}
+    model = family_of(arch.architecture).model_class(arch)(arch, dtype, device="meta",
+                                                          kernels=kernels, **shard)
     missing, unexpected = model.load_state_dict(plain, strict=False, assign=True)
     left = set(missing) - set(quant)
     if left or unexpected:
@@ -156,17 +186,19 @@ def load_quantized_model(path: str, dtype: torch.dtype, quantization: str,
                         for p in _PROJECTIONS}
     if "lm_head" in quant:
         model.packed_lm_head = PackedWeight(quant=quant["lm_head"])
-    else:
+    elif getattr(model, "pp_last", True):
         model.packed_lm_head = pack(model.embed_tokens if model.lm_head is None else model.lm_head)
-    if "embed_tokens" in quant:
-        model.quantized_embedding = QuantizedEmbedding(quant["embed_tokens"], dtype)
+    if "embed_tokens" in quant and getattr(model, "pp_first", True):
+        model.quantized_embedding = QuantizedEmbedding(quant["embed_tokens"], dtype, tp)
     weight_bytes = sum(w.nbytes for w in {id(w): w for w in quant.values()}.values())
     weight_bytes += sum(t.numel() * t.element_size() for t in plain.values())
     from kvflow.model.quant.gguf_native import describe
 
     rss = rss_bytes()
-    logger.info("kvflow: %s weights (%s) via %s: %.1f MB in memory (source %.1f MB); RSS %.1f MB "
-                "after load (+%.1f MB), %.1f s", quantization, describe(quant), isa,
+    where = "" if not sharded else f" on rank {rank} of {size}" + (
+        "" if layers is None else f", layers {layers.start}-{layers.stop - 1}")
+    logger.info("kvflow: %s weights (%s) via %s%s: %.1f MB in memory (source %.1f MB); RSS %.1f MB "
+                "after load (+%.1f MB), %.1f s", quantization, describe(quant), isa, where,
                 weight_bytes / 1e6, source_bytes / 1e6, rss / 1e6, (rss - rss0) / 1e6,
                 time.perf_counter() - t0)
     model.quant_report = {"weight_bytes": weight_bytes, "rss_after_load": rss, "isa": isa}
