@@ -344,6 +344,7 @@ def parse_init_method(init_method: str) -> tuple[str, int]:
 
 
 EXECUTOR_BACKENDS = ("mp", "ray")
+DP_BACKENDS = ("mp", "ray")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 MAX_DATA_PARALLEL = 64
 
@@ -382,12 +383,19 @@ class ParallelConfig:
     data_parallel_size: int = option(
         1, "kvflow serve: this many engine-core replicas behind one API server, requests "
         "balanced by load and prefix (docs/data_parallel_and_routing.md)", short="-dp")
+    data_parallel_backend: str = option(
+        "mp", "who starts the data-parallel replicas' engine cores: `mp` (child processes) or "
+        "`ray` (Ray actors, one CPU each, anywhere in the cluster)", short="-dpb",
+        choices=DP_BACKENDS)
 
     def __post_init__(self) -> None:
         tp, nnodes = self.tensor_parallel_size, self.nnodes
         if not 1 <= self.data_parallel_size <= MAX_DATA_PARALLEL:
             raise ValueError(f"data_parallel_size must be in 1..{MAX_DATA_PARALLEL}, got "
                              f"{self.data_parallel_size}")
+        if self.data_parallel_backend not in DP_BACKENDS:
+            raise ValueError(f"data_parallel_backend must be one of {', '.join(DP_BACKENDS)}, "
+                             f"got {self.data_parallel_backend!r}")
         if self.data_parallel_size > 1 and nnodes > 1:
             raise ValueError("data_parallel_size > 1 runs its replicas on this machine; it does "
                              "not combine with nnodes > 1")

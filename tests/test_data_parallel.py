@@ -100,3 +100,29 @@ def test_data_parallel_size_is_checked_and_refused_where_it_cannot_work():
     from kvflow.engine.llm_engine import LLMEngine
     with pytest.raises(ValueError, match="kvflow serve"):
         LLMEngine(engine_config(data_parallel_size=2))
+
+
+@pytest.mark.slow
+def test_replicas_as_ray_actors_serve_and_a_dead_one_is_the_servers():
+    """--data-parallel-backend ray: each engine core is a Ray actor (Ray starts a local cluster
+    on the loopback interface here), reached over TCP; requests spread over both, and killing
+    one actor's process makes the server unhealthy and exit."""
+    pytest.importorskip("ray")
+    import psutil
+
+    srv = ServerProcess("--data-parallel-size", "2", "--data-parallel-backend", "ray",
+                        "--max-model-len", "512", "--num-blocks", "64")
+    try:
+        pids = [int(p) for p in re.search(r"engine cores \(pids ([\d, ]+)\)", srv.output()).group(1).split(", ")]
+        actors = [psutil.Process(p) for p in pids]
+        assert all("EngineCoreActor" in " ".join(a.cmdline()) for a in actors), \
+            [a.cmdline() for a in actors]
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            futs = [pool.submit(complete, srv.url, f"Count from {i} to {i + 5}:", 8) for i in range(6)]
+            assert all(f.result(GUARD_S).status_code == 200 for f in futs)
+        done = per_engine(srv.url, "kvflow:engine_requests_finished_total")
+        assert set(done) == {"0", "1"} and all(v > 0 for v in done.values()), done
+        actors[1].kill()
+        assert srv.proc.wait(GUARD_S) == 1  # one replica's death is the server's
+    finally:
+        srv.close()

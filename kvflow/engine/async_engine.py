@@ -52,7 +52,9 @@ class AsyncLLM:
         self.stall_timeout = stall_timeout  # seconds; 0 = no heartbeat
         self.model_path = resolve_model_path(config.model_config.model)  # fail fast on a bad path
         self.tokenizer_path = tokenizer_source(config.model_config.tokenizer, self.model_path)
-        self.client = EngineCoreClient(config)
+        pc = config.parallel_config
+        self.client = EngineCoreClient(config, on_ray=pc.data_parallel_size > 1
+                                       and pc.data_parallel_backend == "ray")
         self.stat_logger = stat_logger or StatLogger()
         self.tokenizer = None
         self.processor: OutputProcessor | None = None

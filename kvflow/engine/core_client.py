@@ -1,6 +1,7 @@
 """EngineCoreClient: the frontend's handle on the engine-core process (spawn, ZeroMQ, death)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import multiprocessing
 import os
@@ -52,11 +53,18 @@ class EngineCoreClient:
     """Starts the core process and talks to it. Sends are synchronous (a PUSH socket with no
     high-water mark never blocks), so aborting works from any `finally` block."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
+    def __init__(self, config: EngineConfig, on_ray: bool = False) -> None:
+        # on_ray: the core is a Ray actor (engine/ray_core.py), which may run on another node,
+        # so the sockets are TCP on this node's cluster address rather than ipc files
+        self.config, self.on_ray = config, on_ray
         self._dir = tempfile.mkdtemp(prefix="kvflow-")
-        self.input_addr = f"ipc://{os.path.join(self._dir, 'input')}"
-        self.output_addr = f"ipc://{os.path.join(self._dir, 'output')}"
+        if on_ray:
+            from kvflow.engine.ray_core import ray_host
+            host = ray_host(config)
+            self.input_addr = self.output_addr = f"tcp://{host}:*"
+        else:
+            self.input_addr = f"ipc://{os.path.join(self._dir, 'input')}"
+            self.output_addr = f"ipc://{os.path.join(self._dir, 'output')}"
         self.ctx = zmq.asyncio.Context()
         self.input_sock = zmq.Context.instance().socket(zmq.PUSH)
         self.input_sock.setsockopt(zmq.SNDHWM, 0)
@@ -66,6 +74,9 @@ class EngineCoreClient:
         self.output_sock.setsockopt(zmq.RCVHWM, 0)
         self.output_sock.setsockopt(zmq.LINGER, 0)
         self.output_sock.bind(self.output_addr)
+        if on_ray:  # the ports the system chose
+            self.input_addr = self.input_sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.output_addr = self.output_sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.encoder = msgspec.msgpack.Encoder()
         self.outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self.snapshot_decoder = msgspec.msgpack.Decoder(EngineSnapshot)
@@ -75,11 +86,17 @@ class EngineCoreClient:
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> EngineCoreReady:
-        """Spawn the core and wait until it has loaded the model (or say why it could not)."""
-        mp = multiprocessing.get_context("spawn")
-        self.proc = mp.Process(target=run_engine_core, name="kvflow-engine-core", daemon=True,
-                               args=(self.config, self.input_addr, self.output_addr, os.getpid()))
-        self.proc.start()
+        """Spawn the core (or start its actor) and wait until it has loaded the model (or say
+        why it could not)."""
+        if self.on_ray:
+            from kvflow.engine.ray_core import RayEngineCore
+            self.proc = await asyncio.to_thread(RayEngineCore, self.config, self.input_addr,
+                                                self.output_addr)
+        else:
+            mp = multiprocessing.get_context("spawn")
+            self.proc = mp.Process(target=run_engine_core, name="kvflow-engine-core", daemon=True,
+                                   args=(self.config, self.input_addr, self.output_addr, os.getpid()))
+            self.proc.start()
         while True:
             if await self.output_sock.poll(int(DEATH_POLL_S * 1000)):
                 kind, payload = await self.output_sock.recv_multipart()

@@ -30,7 +30,8 @@ from kvflow.utils.process import parent_alive, start_child_process
 _IDLE_POLL_MS = 1000   # how often an idle core checks that its parent still lives
 
 
-def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int) -> None:
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
+                    parent_pid: int | None) -> None:
     """Process entry point: load the model, report ready (or why not), then serve steps."""
     if not start_child_process(parent_pid):
         return  # the frontend is already gone
@@ -77,7 +78,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
 class EngineCoreLoop:
     """Drain input, step, send outputs; block while idle."""
 
-    def __init__(self, core, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid: int) -> None:
+    def __init__(self, core, in_sock: zmq.Socket, out_sock: zmq.Socket,
+                 parent_pid: int | None) -> None:
         self.core = core
         self.in_sock, self.out_sock = in_sock, out_sock
         self.parent_pid = parent_pid
@@ -96,8 +98,8 @@ class EngineCoreLoop:
 
     def run(self) -> None:
         while self.running:
-            if not parent_alive(self.parent_pid):
-                return  # orphaned: the frontend is gone
+            if self.parent_pid is not None and not parent_alive(self.parent_pid):
+                return  # orphaned: the frontend is gone (a Ray actor: Ray ends it)
             busy = self.core.has_unfinished_requests()
             if not busy and not self.poller.poll(self.snapshots.wait_ms(_IDLE_POLL_MS)):
                 self.core.check_health()  # a dead tensor-parallel worker ends an idle engine too
