@@ -58,14 +58,14 @@ SAVERS = {"gemma3": save_tiny_gemma3, "mistral": save_tiny_mistral_window,
 _GGUF_ARCH = {"gemma3_text": "gemma3", "mistral": "llama", "qwen2": "qwen2"}
 
 
-def save_tiny_gguf(hf_path: str, out_file: str) -> str:
-    """The HF folder's model as an fp32 GGUF file the way llama.cpp's converter writes it:
-    its tensor and metadata names, q/k rows permuted for `llama`, Gemma's norms stored as
-    1 + w, the window and which layers use it."""
+def save_tiny_gguf(hf_path: str, out_file: str, quant: str = "F32") -> str:
+    """The HF folder's model as a GGUF file the way llama.cpp's converter writes it: its
+    tensor and metadata names, q/k rows permuted for `llama`, Gemma's norms stored as 1 + w,
+    the window and which layers use it; `quant` "Q8_0": the matrices quantised, the rest F32."""
     import json
     import os
 
-    from gguf import GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
     from safetensors.torch import load_file
 
     with open(os.path.join(hf_path, "config.json")) as f:
@@ -89,10 +89,17 @@ def save_tiny_gguf(hf_path: str, out_file: str) -> str:
     def norm(x: np.ndarray) -> np.ndarray:
         return x + 1.0 if gemma else x
 
-    w.add_tensor("token_embd.weight", hf["model.embed_tokens.weight"])
+    def add(name: str, x: np.ndarray) -> None:
+        if quant == "F32" or x.ndim != 2:
+            return w.add_tensor(name, x)
+        qtype = GGMLQuantizationType[quant]
+        q = quants.quantize(np.ascontiguousarray(x), qtype)
+        w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+
+    add("token_embd.weight", hf["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", norm(hf["model.norm.weight"]))
     if "lm_head.weight" in hf and not cfg.get("tie_word_embeddings"):
-        w.add_tensor("output.weight", hf["lm_head.weight"])
+        add("output.weight", hf["lm_head.weight"])
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm"}
@@ -107,7 +114,7 @@ def save_tiny_gguf(hf_path: str, out_file: str) -> str:
                     continue
                 if arch == "llama" and part in ("attn_q", "attn_k"):
                     x = permute_rope_rows(x, heads if part == "attn_q" else kv_heads)
-                w.add_tensor(f"blk.{i}.{part}.{kind}", norm(x) if "norm" in part else x)
+                add(f"blk.{i}.{part}.{kind}", norm(x) if "norm" in part else x)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

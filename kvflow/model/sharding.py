@@ -1,11 +1,13 @@
-"""Tensor-parallel sharding of the Llama family: which rows and columns of each fused weight a
-rank owns, and reading just those from the checkpoint.
+"""Tensor-parallel sharding of the Llama module's families (Llama and its relatives, Gemma 3):
+which rows and columns of each fused weight a rank owns, and reading just those from the
+checkpoint; the family (kvflow/models/) names its tensors and says how a norm is held.
 
 Megatron's layout, as in vLLM: Q/K/V and gate/up are column-parallel (each rank computes its
 own heads and its slice of the MLP), O and down are row-parallel (partial sums, all-reduced),
 the embedding and LM head are split by vocabulary rows. KV heads are split across ranks; with
 fewer KV heads than ranks each KV head is replicated on the ranks whose query heads read it.
-Norms and RoPE are replicated. An expert layer splits every expert (and Qwen2-MoE's shared
+Norms (the family's `hf_norm_names`, as its `norm_weight` holds them) and RoPE are
+replicated. An expert layer splits every expert (and Qwen2-MoE's shared
 expert) along its intermediate dimension like a dense MLP, the router and the shared expert's
 gate replicated, so each rank routes every token and all-reduces its partial sums. Slices are read with safetensors' `get_slice`, so a rank never
 holds more than its share of the model (plus one tensor's slice in flight); the loader builds
@@ -92,33 +94,39 @@ def kv_bytes_per_token_per_rank(arch: LlamaArchConfig, size: int, dtype_bytes: i
 class _Checkpoint:
     """Tensors by name across a checkpoint's files; `read` returns only the requested slice."""
 
-    def __init__(self, files: list[str], names: dict[str, str] | None = None) -> None:
+    def __init__(self, files: list[str], rename=None) -> None:
+        """`rename`: a stored name -> the name it is read by (default: itself)."""
         from safetensors import safe_open
 
+        rename = rename or (lambda name: name)
         self._handles = {f: safe_open(f, framework="pt") for f in files}
-        self._file_of = {}
+        self._stored: dict[str, tuple[str, str]] = {}  # read name -> (file, stored name)
         for f, h in self._handles.items():
             for name in h.keys():
-                self._file_of[name] = f
+                self._stored[rename(name)] = (f, name)
         self._mapped: dict[str, torch.Tensor] = {}
 
     @classmethod
-    def from_torch_bin(cls, path: str) -> "_Checkpoint":
+    def from_torch_bin(cls, path: str, rename=None) -> "_Checkpoint":
         ckpt = cls([])
         # mmap: slicing touches only the pages of the slice
-        ckpt._mapped = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        mapped = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        ckpt._mapped = mapped if rename is None else {rename(k): v for k, v in mapped.items()}
         return ckpt
 
     def __contains__(self, name: str) -> bool:
-        return name in self._file_of or name in self._mapped
+        return name in self._stored or name in self._mapped
 
     def read(self, name: str, rows: tuple[int, int] | None = None,
              cols: tuple[int, int] | None = None, index: tuple | None = None) -> torch.Tensor:
         """The whole tensor, or its `rows`, its `cols`, or any `index` (a tuple of slices)."""
         if name not in self:
             raise ValueError(f"weight {name!r} is missing from the checkpoint")
-        src = self._mapped[name] if name in self._mapped else \
-            self._handles[self._file_of[name]].get_slice(name)
+        if name in self._mapped:
+            src = self._mapped[name]
+        else:
+            f, stored = self._stored[name]
+            src = self._handles[f].get_slice(stored)
         if index is not None:
             return src[index]
         if rows is not None:
@@ -160,9 +168,7 @@ def _fused_names(i: int, arch: LlamaArchConfig) -> dict[str, tuple[str, int]]:
             "q_bias": (p + "qkv_bias", 0), "k_bias": (p + "qkv_bias", q),
             "v_bias": (p + "qkv_bias", q + kv), "o": (p + "o_proj", 0),
             "gate": (p + "gate_up_proj", 0), "up": (p + "gate_up_proj", inter),
-            "down": (p + "down_proj", 0), "input_layernorm": (p + "input_layernorm", 0),
-            "q_norm": (p + "q_norm", 0), "k_norm": (p + "k_norm", 0),
-            "post_attention_layernorm": (p + "post_attention_layernorm", 0)}
+            "down": (p + "down_proj", 0)}
 
 
 def _expert_shard(ckpt: "_Checkpoint", arch: LlamaArchConfig, i: int, fused: bool, rank: int,
@@ -208,14 +214,18 @@ def load_shard(path: str, arch: LlamaArchConfig, dtype: torch.dtype, rank: int,
     layers = range(arch.num_hidden_layers) if layers is None else layers
     first, last = layers.start == 0, layers.stop == arch.num_hidden_layers
     lay = shard_layout(arch, rank, size)
-    if is_gguf(path):
+    family = family_of(arch.architecture)
+    if is_gguf(path):  # the conversion cache: kvflow's names, norms as the module holds them
         ckpt, fused = _Checkpoint([ensure_gguf_cache(path, dtype)]), True
-        glob_names = {"embed": "embed_tokens", "lm_head": "lm_head", "norm": "norm"}
+        glob_names = {name: name for name in ("embed_tokens", "lm_head", "norm")}
     else:
-        ckpt, fused = _open_hf_folder(path), False
-        glob_names = {"embed": "model.embed_tokens.weight", "lm_head": "lm_head.weight",
-                      "norm": "model.norm.weight"}
+        ckpt, fused = _open_hf_folder(path, family.hf_name), False
+        glob_names = family.hf_global_names
     d = arch.head_dim
+
+    def norm(name: str) -> torch.Tensor:
+        w = ckpt.read(name)
+        return w if fused else family.norm_weight(w.to(dtype), dtype)
 
     def rows(names: dict, piece: str, start: int, count: int) -> torch.Tensor:
         name, offset = names[piece]
@@ -228,9 +238,9 @@ def load_shard(path: str, arch: LlamaArchConfig, dtype: torch.dtype, rank: int,
 
     out = {}
     if first or (last and arch.tie_word_embeddings):
-        out["embed_tokens"] = vocab_rows(glob_names["embed"])
+        out["embed_tokens"] = vocab_rows(glob_names["embed_tokens"])
     if last:
-        out["norm"] = ckpt.read(glob_names["norm"]).to(dtype)
+        out["norm"] = norm(glob_names["norm"])
         if not arch.tie_word_embeddings:
             out["lm_head"] = vocab_rows(glob_names["lm_head"])
     q0, nq = lay.q_head_start * d, lay.num_heads * d
@@ -239,9 +249,8 @@ def load_shard(path: str, arch: LlamaArchConfig, dtype: torch.dtype, rank: int,
     for i in layers:
         names = _fused_names(i, arch) if fused else _hf_pieces(i, arch)
         p = f"layers.{i}."
-        for norm in ("input_layernorm", "post_attention_layernorm") + (
-                ("q_norm", "k_norm") if arch.qk_norm else ()):  # QK-norm weights span head_dim: replicated
-            out[p + norm] = ckpt.read(names[norm][0]).to(dtype)
+        for name, hf_name in family.hf_norm_names(i, arch).items():  # replicated
+            out[p + name] = norm(p + name if fused else hf_name)
         out[p + "qkv_proj"] = torch.cat([rows(names, "q", q0, nq), rows(names, "k", k0, nk),
                                          rows(names, "v", k0, nk)])
         if arch.attention_bias:
@@ -266,6 +275,6 @@ def _renumber(name: str, offset: int) -> str:
     return f"layers.{int(i) - offset}.{rest}"
 
 
-def _open_hf_folder(path: str) -> _Checkpoint:
+def _open_hf_folder(path: str, rename=None) -> _Checkpoint:
     files, bin_path = hf_weight_files(path)
-    return _Checkpoint(files) if bin_path is None else _Checkpoint.from_torch_bin(bin_path)
+    return _Checkpoint(files, rename) if bin_path is None else _Checkpoint.from_torch_bin(bin_path, rename)

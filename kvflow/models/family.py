@@ -57,6 +57,25 @@ class ModelFamily:
     hf_global_names = {"embed_tokens": "model.embed_tokens.weight", "norm": "model.norm.weight",
                        "lm_head": "lm_head.weight"}
 
+    def hf_norm_names(self, i: int, arch: LlamaArchConfig) -> dict[str, str]:
+        """Layer i's norms, which every tensor-parallel rank holds whole (QK-norm's weights
+        span one head): kvflow's name -> HF's."""
+        p = f"model.layers.{i}."
+        names = {n: p + n + ".weight" for n in ("input_layernorm", "post_attention_layernorm")}
+        if arch.qk_norm:
+            names.update(q_norm=p + "self_attn.q_norm.weight", k_norm=p + "self_attn.k_norm.weight")
+        return names
+
+    def norm_weight(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A norm's HF weight (in the model's dtype, as the checkpoint readers hand it over)
+        -> the tensor the module holds (Gemma's: the fp32 multiplier 1 + w)."""
+        return w.to(dtype)
+
+    def hf_name(self, stored: str) -> str:
+        """A checkpoint's tensor name -> the name this family's HF names use (a vision-language
+        folder's text part under the text model's names)."""
+        return stored
+
     def hf_layer_names(self, i: int, arch: LlamaArchConfig) -> dict[str, list[str]]:
         """Layer i's dense tensors: kvflow's name -> the HF names whose rows it concatenates
         (one name: a tensor the checkpoint already fuses)."""

@@ -170,9 +170,8 @@ class LlamaForCausalLM(nn.Module):
         # cos/sin in fp32 like HF; on the CPU even when the weights start on the meta device
         rope_device = None if device is None or torch.device(device).type == "meta" else device
         n_pos = max_position or min(arch.max_position_embeddings, ROPE_CACHE_MAX)
-        cos, sin = rope_tables(arch, n_pos)
-        self.register_buffer("rope_cos", cos.to(rope_device), persistent=False)
-        self.register_buffer("rope_sin", sin.to(rope_device), persistent=False)
+        for name, table in self._rope_tables(n_pos).items():
+            self.register_buffer(name, table.to(rope_device), persistent=False)
         self.kernels = kernels if kernels is not None else select_kernels(dtype, device=rope_device)
         self.packed_lm_head: PackedWeight | None = None
         # a family's multiplier of the embeddings and divisor of the logits (Granite's)
@@ -203,9 +202,15 @@ class LlamaForCausalLM(nn.Module):
         """Make the cos/sin tables hold positions 0..n_pos-1 (the kernels index them without a
         bound check): the runner calls this with the longest sequence the engine admits."""
         if n_pos > self.rope_cos.shape[0]:
-            cos, sin = rope_tables(self.arch, n_pos)
-            self.rope_cos = cos.to(self.rope_cos.device)
-            self.rope_sin = sin.to(self.rope_sin.device)
+            device = self.rope_cos.device
+            for name, table in self._rope_tables(n_pos).items():
+                setattr(self, name, table.to(device))
+
+    def _rope_tables(self, n_pos: int) -> dict[str, torch.Tensor]:
+        """The cos/sin buffers for positions 0..n_pos-1 by name (a family with a second pair
+        adds it: Gemma 3's local layers')."""
+        cos, sin = rope_tables(self.arch, n_pos)
+        return {"rope_cos": cos, "rope_sin": sin}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | np.ndarray,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -351,14 +356,11 @@ class LlamaFamily(ModelFamily):
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
         fused = arch.architecture == _FUSED_IN_CHECKPOINT
-        names = {"input_layernorm": [p + "input_layernorm.weight"],
-                 "post_attention_layernorm": [p + "post_attention_layernorm.weight"],
-                 "qkv_proj": [a + "qkv_proj.weight"] if fused else [a + f"{x}_proj.weight" for x in "qkv"],
-                 "o_proj": [a + "o_proj.weight"]}
+        names = {name: [hf] for name, hf in self.hf_norm_names(i, arch).items()}
+        names.update(qkv_proj=[a + "qkv_proj.weight"] if fused else [a + f"{x}_proj.weight" for x in "qkv"],
+                     o_proj=[a + "o_proj.weight"])
         if arch.attention_bias:
             names["qkv_bias"] = [a + f"{x}_proj.bias" for x in "qkv"]
-        if arch.qk_norm:
-            names["q_norm"], names["k_norm"] = [a + "q_norm.weight"], [a + "k_norm.weight"]
         if not arch.is_moe_layer(i):
             names["gate_up_proj"] = [m + "gate_up_proj.weight"] if fused else [m + "gate_proj.weight", m + "up_proj.weight"]
             names["down_proj"] = [m + "down_proj.weight"]
