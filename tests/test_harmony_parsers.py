@@ -125,3 +125,14 @@ def test_a_constraint_holds_from_the_first_token_under_harmony():
         make_reasoning_parser("gpt_oss")
     with pytest.raises(ValueError, match="tool_call_parser must be one of .*openai"):
         make_tool_parser("harmony")
+
+
+def test_a_required_tool_choice_reads_the_constrained_json_past_the_harmony_parser():
+    """Under `openai_gptoss` a constraint holds from the first token: the output is the JSON
+    array of `tool_choice: required` with no headers, content to the reasoning parser."""
+    from kvflow.entrypoints.openai.tool_parsers import JsonArrayToolParser
+
+    message = read(lambda: MessageParser(make_reasoning_parser("openai_gptoss"),
+                                         JsonArrayToolParser()),
+                   '[{"name": "f", "arguments": {"a": 1}}]')
+    assert calls(message) == [("f", {"a": 1})] and "reasoning_content" not in message
