@@ -25,6 +25,7 @@ from kvflow.entrypoints.openai.errors import APIError, renamed, validation_messa
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest
 from kvflow.entrypoints.openai.serving_chat import OpenAIServingChat, tool_dicts
 from kvflow.entrypoints.openai.serving_engine import STREAM_ERRORS, until_disconnected
+from kvflow.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 _PARAMS = {"stop": "stop_sequences", "max_completion_tokens": "max_tokens",
            "response_format": "output_config.format", "structured_outputs": "output_config.format"}
@@ -99,7 +100,7 @@ def chat_request(req: MessagesRequest, auto_tools: bool) -> ChatCompletionReques
         body["response_format"] = {"type": "json_schema", "json_schema": {"schema": fmt.schema_}}
     if req.tools and body.get("tool_choice", "auto") == "auto" and not auto_tools:
         raise APIError(400, 'tool_choice: {"type": "auto"} (the default with tools) needs the '
-                            "server started with --tool-call-parser (hermes or llama3_json); "
+                            f"server started with --tool-call-parser ({', '.join(TOOL_PARSERS)}); "
                             'or use {"type": "any"} or {"type": "tool", "name": ...}',
                        param="tool_choice", code="invalid_value")
     return validated(body)

@@ -4,15 +4,20 @@ streams (`reasoning_content` apart from `content`).
 `deepseek_r1`: the output is reasoning from its start (the chat template opened the `<think>`;
 a `<think>` the model writes itself is dropped) up to `</think>`. `qwen3`: the output is
 reasoning only when it begins with `<think>` (Qwen3 writes it; with thinking switched off
-there is none), else all content. Text that may still become a tag is held back."""
+there is none), else all content. Text that may still become a tag is held back.
+
+`openai_gptoss`: gpt-oss's harmony messages (harmony.py): the analysis channel is reasoning,
+the final channel (and commentary meant for the user) content."""
 from __future__ import annotations
 
+from kvflow.entrypoints.openai.harmony import HarmonyReader
 from kvflow.entrypoints.openai.tool_parsers import held_back
 
 
 class ReasoningParser:
     START, END = "<think>", "</think>"
     starts_in_reasoning = False
+    think_tags = True  # the prompt and the constraint's gate follow <think> and </think>
 
     def __init__(self, starts_in_reasoning: bool | None = None) -> None:
         """`starts_in_reasoning`: what the rendered prompt decided (`prompt_starts_in_reasoning`):
@@ -61,7 +66,46 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
     starts_in_reasoning = True
 
 
-REASONING_PARSERS = {"qwen3": Qwen3ReasoningParser, "deepseek_r1": DeepSeekR1ReasoningParser}
+class GptOssReasoningParser(ReasoningParser):
+    """Harmony: analysis is reasoning; final, commentary without a recipient and text outside
+    the format are content. A message to a recipient (a tool call) is dropped, or, with
+    `pass_calls` (the `openai` tool parser reads the content next), handed on as content in
+    its harmony text, header and end tag included."""
+
+    think_tags = False
+
+    def __init__(self, starts_in_reasoning: bool | None = None) -> None:
+        super().__init__(starts_in_reasoning)
+        self.reader = HarmonyReader()
+        self.pass_calls = False
+        self.kind = "content"  # of the current message: reasoning | content | call | drop
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        events = self.reader.feed(text) if text else []
+        if final:
+            events += self.reader.finish()
+        reasoning, content = [], []
+        for event in events:
+            if event[0] == "message":
+                header = event[1]
+                if header.recipient is not None:
+                    self.kind = "call" if self.pass_calls else "drop"
+                    if self.pass_calls:
+                        content.append(header.raw)
+                else:
+                    self.kind = "reasoning" if header.channel == "analysis" else "content"
+            elif event[0] == "text":
+                if self.kind == "reasoning":
+                    reasoning.append(event[1])
+                elif self.kind != "drop":
+                    content.append(event[1])
+            elif self.kind == "call":  # its end: the tool parser closes the call here
+                content.append("<|call|>")
+        return "".join(reasoning), "".join(content)
+
+
+REASONING_PARSERS = {"qwen3": Qwen3ReasoningParser, "deepseek_r1": DeepSeekR1ReasoningParser,
+                     "openai_gptoss": GptOssReasoningParser}
 
 
 def prompt_starts_in_reasoning(name: str, prompt: str) -> bool | None:
@@ -70,8 +114,10 @@ def prompt_starts_in_reasoning(name: str, prompt: str) -> bool | None:
     `<think>\n\n</think>\n\n`), True when it opened it (ends in `<think>`) or the parser
     always starts there (deepseek_r1), None when the output decides (qwen3: it reasons only if
     it begins with `<think>`). The parser that splits the text and the constraint's gate both
-    follow this one answer."""
+    follow this one answer. Harmony's prompt says nothing of it: None."""
     cls = REASONING_PARSERS[name]
+    if not cls.think_tags:
+        return None
     tail = prompt.rstrip()
     if tail.endswith(cls.END):
         return False
@@ -90,8 +136,14 @@ def reasoning_token_ids(name: str, encode, prompt: str) -> dict:
     `<think>\n\n</think>\n\n`) has none to wait for; one that opened it (ends in `<think>`)
     starts in reasoning, as deepseek_r1 always does. Otherwise, qwen3 reasons only when its
     output begins with `<think>`: a tokenizer without a one-token `<think>` is not a thinking
-    one, and its output is constrained from the start."""
+    one, and its output is constrained from the start.
+
+    openai_gptoss: none; a constraint holds from the first token, so a constrained gpt-oss
+    answer is the constrained text itself, without analysis (vLLM instead lets it reason
+    first and constrains the final channel)."""
     cls = REASONING_PARSERS[name]
+    if not cls.think_tags:
+        return {}
     starts = prompt_starts_in_reasoning(name, prompt)
     if starts is False:
         return {}

@@ -9,7 +9,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from kvflow.entrypoints.openai.errors import APIError, validation_message
-from kvflow.entrypoints.openai.protocol import (MAX_TOOLS, OpenAIBaseModel, _absent,
+from kvflow.entrypoints.openai.protocol import (MAX_TOOLS, OpenAIBaseModel,
+                                                StructuredOutputsRequest, _absent,
                                                 _refuse_unimplemented)
 from kvflow.entrypoints.openai.serving_engine import MAX_MESSAGES
 
@@ -165,6 +166,7 @@ class ResponsesRequest(OpenAIBaseModel):
     temperature: float | None = None
     top_p: float | None = None
     text: TextConfig | None = None
+    structured_outputs: StructuredOutputsRequest | None = None  # vLLM's: as in chat
     tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool = True

@@ -29,12 +29,14 @@ class ServerSettings:
         "hits on the dashboard (off: they tell one tenant whether another's prompt is cached)")
     tool_call_parser: str | None = option(
         None, "read the model's own tool calls (tool_choice auto) in this format: hermes "
-        "(<tool_call>{...}</tool_call>) or llama3_json (a bare JSON object)",
-        choices=("hermes", "llama3_json"))
+        "(<tool_call>{...}</tool_call>), llama3_json (a bare JSON object) or openai (gpt-oss's "
+        "harmony messages to functions.NAME)",
+        choices=("hermes", "llama3_json", "openai"))
     reasoning_parser: str | None = option(
-        None, "split <think>...</think> into message.reasoning_content: qwen3 (only when the "
-        "output begins with <think>) or deepseek_r1 (the output begins in reasoning)",
-        choices=("qwen3", "deepseek_r1"))
+        None, "split the reasoning into message.reasoning_content: qwen3 (<think>...</think>, "
+        "only when the output begins with <think>), deepseek_r1 (the output begins in "
+        "reasoning, up to </think>) or openai_gptoss (gpt-oss's harmony analysis channel)",
+        choices=("qwen3", "deepseek_r1", "openai_gptoss"))
     lora_allowed_root: str | None = option(
         None, "the folder under which POST /v1/load_lora_adapter may load adapters (with "
         "KVFLOW_ALLOW_RUNTIME_LORA_UPDATING=1; without this option run-time loads are refused)")

@@ -16,11 +16,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvflow.entrypoints.openai.chat_output import MessageParser, merge_delta
 from kvflow.entrypoints.openai.errors import APIError, bad_request
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool
-from kvflow.entrypoints.openai.reasoning_parsers import make_reasoning_parser, reasoning_token_ids
+from kvflow.entrypoints.openai.reasoning_parsers import (GptOssReasoningParser,
+                                                         make_reasoning_parser,
+                                                         reasoning_token_ids)
 from kvflow.entrypoints.openai.serving_completion import prompt_logprobs_json
 from kvflow.entrypoints.openai.serving_engine import (MAX_MESSAGES, OpenAIServing, off_loop, sse,
                                                       until_disconnected, usage_info)
-from kvflow.entrypoints.openai.tool_parsers import (JsonArrayToolParser, NamedToolParser,
+from kvflow.entrypoints.openai.tool_parsers import (TOOL_PARSERS, JsonArrayToolParser,
+                                                    NamedToolParser, OpenAIToolParser,
                                                     make_tool_parser)
 from kvflow.entrypoints.openai.tool_schema import named_tool_schema, required_tools_schema
 from kvflow.outputs import Logprob
@@ -54,6 +57,8 @@ class ChatJob:
                  NamedToolParser(self.tool_name) if self.tool_mode == "named" else None)
         reasoning = (make_reasoning_parser(self.reasoning_parser, self.prompt)
                      if self.reasoning_parser else None)
+        if isinstance(reasoning, GptOssReasoningParser):  # harmony calls go on to `openai`
+            reasoning.pass_calls = isinstance(tools, OpenAIToolParser)
         one_call = self.tool_mode == "auto" and not self.parallel_tool_calls
         return MessageParser(reasoning, tools, max_calls=1 if one_call else None)
 
@@ -182,7 +187,7 @@ class OpenAIServingChat(OpenAIServing):
         if choice is None or choice == "auto":
             if self.settings.tool_call_parser is None:
                 raise APIError(400, 'tool_choice: "auto" needs the server started with '
-                                    "--tool-call-parser (hermes or llama3_json); or use "
+                                    f"--tool-call-parser ({', '.join(TOOL_PARSERS)}); or use "
                                     'tool_choice "required" or a named function',
                                param="tool_choice", code="invalid_value")
             return "auto", None
@@ -221,6 +226,10 @@ class OpenAIServingChat(OpenAIServing):
                 raise APIError(400, f"tools: a parameter schema cannot be enforced: {e.message}",
                                param="tools", code=e.code) from None
             raise
+        if self.settings.reasoning_parser == "openai_gptoss" or (
+                tool_mode == "auto" and self.settings.tool_call_parser == "openai"):
+            # harmony's parsers read its special tokens; the text they give out has none
+            params.skip_special_tokens = False
         prompt, ids = await self.render(req.messages, req.add_generation_prompt, tools,
                                         req.chat_template_kwargs)
         if self.settings.reasoning_parser and params.structured_outputs is not None:

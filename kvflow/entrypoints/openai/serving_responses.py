@@ -70,6 +70,9 @@ def chat_request(req: ResponsesRequest, messages: list[dict]) -> ChatCompletionR
             "name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict}}
     elif fmt is not None:
         body["response_format"] = {"type": fmt.type}
+    if req.structured_outputs is not None:
+        body["structured_outputs"] = req.structured_outputs.model_dump(by_alias=True,
+                                                                       exclude_none=True)
     if req.tools:
         body["tools"] = [{"type": "function", "function": t.model_dump(
             include={"name", "description", "parameters", "strict"}, exclude_none=True)}

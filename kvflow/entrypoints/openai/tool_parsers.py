@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 
+from kvflow.entrypoints.openai.harmony import HarmonyReader
+
 ARGS_KEYS = ("arguments", "parameters")
 CALL_KEYS = ("name", *ARGS_KEYS)
 
@@ -347,7 +349,55 @@ class NamedToolParser(ToolParser):
         return events
 
 
-TOOL_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
+class OpenAIToolParser(ToolParser):
+    """gpt-oss's harmony calls (harmony.py): a message to `functions.NAME` is a call of NAME,
+    its body the arguments (JSON text, passed through as it streams). Final and commentary
+    text without a recipient is content; analysis, and messages to other recipients (the
+    built-in browser and python tools), are not."""
+
+    PREFIX = "functions."
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reader = HarmonyReader()
+        self.kind = "content"  # of the current message: content | call | drop
+        self.args_sent = False
+
+    def _parse(self, final: bool) -> list[tuple]:
+        text, self.pending = self.pending, ""
+        raw = self.reader.feed(text) if text else []
+        if final:
+            raw += self.reader.finish()
+        events: list[tuple] = []
+        for event in raw:
+            if event[0] == "message":
+                header = event[1]
+                if header.recipient is not None and header.recipient.startswith(self.PREFIX) \
+                        and len(header.recipient) > len(self.PREFIX):
+                    self.kind, self.args_sent = "call", False
+                    events.append(("call", self.index, header.recipient[len(self.PREFIX):]))
+                elif header.recipient is not None or header.channel == "analysis":
+                    self.kind = "drop"
+                else:
+                    self.kind = "content"
+            elif event[0] == "text":
+                if self.kind == "call":
+                    fragment = event[1].lstrip() if not self.args_sent else event[1]
+                    if fragment:
+                        self.args_sent = True
+                        events.append(("args", self.index, fragment))
+                elif self.kind == "content":
+                    events.append(("content", event[1]))
+            elif self.kind == "call":  # the call's end
+                if not self.args_sent:
+                    events.append(("args", self.index, "{}"))
+                self.index += 1
+                self.kind = "content"
+        return events
+
+
+TOOL_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
+                "openai": OpenAIToolParser}
 
 
 def make_tool_parser(name: str) -> ToolParser:
