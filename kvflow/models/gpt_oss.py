@@ -7,8 +7,9 @@ experts with a clamped SwiGLU), as Hugging Face's GptOssModel computes it.
 
 HF's checkpoint stores the experts as [experts, in, out] matrices with gate and up columns
 interleaved (`gate_up_proj[..., ::2]` is the gate); they are split and transposed at load into
-kvflow's [experts, out, in] with [gate; up] rows. The MXFP4 checkpoints the models ship as, and
-llama.cpp's gpt-oss GGUF files, are not read here yet."""
+kvflow's [experts, out, in] with [gate; up] rows. The MXFP4 checkpoints the models ship as keep
+their experts as stored (kvflow/model/quant/mxfp4_load.py, the same regrouping on the packed
+blocks); llama.cpp's gpt-oss GGUF files are not read here yet."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -67,9 +68,6 @@ class GptOssFamily(LlamaFamily):
     config_class = GptOssArchConfig
 
     def hf_fields(self, cfg: dict, architecture: str) -> dict:
-        if (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4":
-            raise ValueError("gpt-oss with MXFP4 experts is not supported yet; "
-                             "use a checkpoint with float (bf16) weights")
         return {"attention_bias": bool(cfg.get("attention_bias", True)), "qk_norm": False,
                 "num_experts": int(cfg.get("num_local_experts") or cfg["num_experts"]),
                 "num_experts_per_tok": int(cfg.get("num_experts_per_tok") or cfg["experts_per_token"]),

@@ -1,0 +1,111 @@
+"""gpt-oss as published: an HF folder whose config.json has `quantization_config` with
+`quant_method: mxfp4` (transformers' Mxfp4Config), the experts' projections stored as
+`model.layers.N.mlp.experts.{gate_up,down}_proj_{blocks,scales}` and everything else (attention,
+router, biases, embedding, LM head) in floats. The experts are served as stored: one layer's
+blocks at a time are read, regrouped into kvflow's [gate; up] rows and packed into MXFP4
+panels (kvflow/model/quant/mxfp4.py; no larger than the file's bytes), then dropped, so no
+float copy of an expert ever exists and the process peaks near the file's size. The floats
+load as a float gpt-oss's do (the family's fuse_weights), with the experts' float weights
+left on the meta device.
+
+Without kvflow's C kernels (no compiler, KVFLOW_NO_KERNELS=1) the experts are dequantised to
+floats instead, with a warning, as transformers does on machines without its MXFP4 kernels."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+import torch
+
+from kvflow.checkpoint.hf_folder import hf_weight_files
+from kvflow.csrc import library
+from kvflow.model.arch import LlamaArchConfig
+from kvflow.model.kernels import Kernels, select_kernels
+from kvflow.model.packed_linear import PackedWeight
+from kvflow.model.quant.load import rss_bytes
+from kvflow.model.quant.mxfp4 import dequantize, hf_experts, mxfp4_weight
+from kvflow.model.quant.qlinear import best_isa
+from kvflow.models.registry import family_of
+
+logger = logging.getLogger("kvflow")
+MXFP4 = "mxfp4"
+_FAMILIES = ("gpt-oss",)  # the families whose experts a checkpoint may store in MXFP4
+_SUFFIXES = ("_blocks", "_scales")
+
+
+def _tensor_files(path: str) -> dict[str, str]:
+    """Every tensor's name -> the safetensors file that holds it."""
+    from safetensors import safe_open
+
+    files, _ = hf_weight_files(path)
+    where = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            where.update({name: file for name in f.keys()})
+    return where
+
+
+def _read(where: dict[str, str], name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    if name not in where:
+        raise ValueError(f"weight {name!r} is missing from the MXFP4 checkpoint")
+    with safe_open(where[name], framework="pt") as f:
+        return f.get_tensor(name)
+
+
+def load_mxfp4_model(path: str, dtype: torch.dtype, kernels: Kernels | None,
+                     arch: LlamaArchConfig) -> tuple[torch.nn.Module, LlamaArchConfig]:
+    """(model, arch) of an MXFP4 gpt-oss folder, its experts served by gemm_mxfp4.c."""
+    family = family_of(arch.architecture)
+    if family.name not in _FAMILIES:
+        raise ValueError(f"quantization mxfp4: kvflow reads MXFP4 experts of gpt-oss only, not "
+                         f"of {family.name}")
+    kernels = select_kernels(dtype) if kernels is None else kernels
+    isa = best_isa(kernels.features) if kernels.options.c_kernels and library() is not None else None
+    if isa is None:
+        logger.warning("kvflow: MXFP4 experts need kvflow's C kernels; dequantising them to %s", dtype)
+    rss0, t0 = rss_bytes(), time.perf_counter()
+    where = _tensor_files(path)
+    hf = {name: _read(where, name).to(dtype) for name in where if not name.endswith(_SUFFIXES)}
+    h, inter, e = arch.hidden_size, arch.moe_intermediate_size, arch.num_experts
+    experts: dict[int, list[tuple]] = {}
+    for i in range(arch.num_hidden_layers):
+        p = f"model.layers.{i}.mlp.experts."
+        gate_up = hf_experts(_read(where, p + "gate_up_proj_blocks"), _read(where, p + "gate_up_proj_scales"), True)
+        down = hf_experts(_read(where, p + "down_proj_blocks"), _read(where, p + "down_proj_scales"), False)
+        if isa is None:  # HF's float layout: gate_up [E, H, 2I] (columns interleaved), down [E, I, H]
+            g = torch.stack([dequantize(*x) for x in gate_up])  # [E, 2I, H] as [gate; up]
+            hf[p + "gate_up_proj"] = torch.stack([g[:, :inter], g[:, inter:]], dim=2).reshape(e, 2 * inter, h) \
+                .transpose(1, 2).to(dtype)
+            hf[p + "down_proj"] = torch.stack([dequantize(*x) for x in down]).transpose(1, 2).to(dtype)
+            continue
+        experts[i] = [(mxfp4_weight(*g, isa), mxfp4_weight(*d, isa)) for g, d in zip(gate_up, down)]
+        hf[p + "gate_up_proj"] = torch.empty(e, h, 2 * inter, dtype=dtype, device="meta")
+        hf[p + "down_proj"] = torch.empty(e, inter, h, dtype=dtype, device="meta")
+        del gate_up, down
+    plain = family.fuse_weights(hf, arch, dtype)
+    del hf
+    model = family.model_class(arch)(arch, dtype, device="meta", kernels=kernels)
+    model.load_state_dict(plain, strict=True, assign=True)
+    model.eval()
+    model.pack_weights()
+    if isa is None:
+        return model, arch
+    for i, layer in enumerate(model.layers):
+        layer.moe.packed_experts = [{"gate_up": PackedWeight(quant=g), "down": PackedWeight(quant=d)}
+                                    for g, d in experts[i]]
+    expert_bytes = sum(g.nbytes + d.nbytes for pairs in experts.values() for g, d in pairs)
+    float_bytes = sum(t.numel() * t.element_size() for t in plain.values() if not t.is_meta)
+    source_bytes = sum(os.path.getsize(f) for f in set(where.values()))
+    rss = rss_bytes()
+    logger.info("kvflow: mxfp4 experts via %s: %.1f MB (+ %.1f MB of floats) in memory (source "
+                "%.1f MB); RSS %.1f MB after load (+%.1f MB), %.1f s", isa, expert_bytes / 1e6,
+                float_bytes / 1e6, source_bytes / 1e6, rss / 1e6, (rss - rss0) / 1e6,
+                time.perf_counter() - t0)
+    model.quant_report = {"expert_bytes": expert_bytes, "weight_bytes": expert_bytes + float_bytes,
+                          "rss_after_load": rss, "isa": isa}
+    model.kernels = dataclasses.replace(kernels, names={**kernels.names, "experts": f"mxfp4-{isa}"})
+    return model, arch
