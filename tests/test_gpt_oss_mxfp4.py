@@ -131,3 +131,25 @@ def test_what_mxfp4_cannot_run_with_is_refused_by_name(tiny):
         load_model(path, torch.float32)  # quantization none: the checkpoint says otherwise
     with pytest.raises(ValueError, match="does not match"):
         LLM(path, dtype="float32", quantization="none")
+
+
+def test_a_gguf_gpt_oss_file_is_refused_naming_what_to_use(tmp_path):
+    """llama.cpp's gpt-oss files (arch `gpt-oss`, MXFP4 expert tensors): a clear error at the
+    config read, before anything loads."""
+    import gguf
+
+    from kvflow.model.arch import load_arch_config
+
+    path = str(tmp_path / "gpt-oss.gguf")
+    w = gguf.GGUFWriter(path, "gpt-oss")
+    w.add_block_count(1)
+    w.add_embedding_length(64)
+    w.add_tensor("blk.0.ffn_down_exps.weight",
+                 gguf.quants.quantize(np.ones((2, 64, 64), dtype=np.float32), gguf.GGMLQuantizationType.MXFP4),
+                 raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="gpt-oss GGUF files .* not read yet; use the model's Hugging Face folder"):
+        load_arch_config(path)
