@@ -14,6 +14,7 @@ from conftest import NEW_TOKENS
 from conftest_model_helpers import PagedDriver, hf_logits
 from mxfp4_models import dequantised_hf_model, save_gpt_oss_mxfp4
 from kvflow.model.loader import load_model
+from kvflow.model.quant.qlinear import available_isas
 
 pytestmark = pytest.mark.slow  # loads models (make test-fast leaves it out)
 
@@ -77,6 +78,34 @@ def test_logits_match_transformers_over_chunked_mixed_batches(tiny):
             assert torch.equal(got.argmax(-1), want.argmax(-1))
             done[sid] += n
     assert done == {"a": 22, "b": 11, "c": 4, "d": 16}
+
+
+@pytest.mark.parametrize("isa", available_isas())
+def test_each_kernel_path_serves_the_model(tiny, isa, monkeypatch):
+    """The experts packed for each path this machine has (as a CPU with only AVX2, or none,
+    would choose at load) give the same logits, and the start-up line names the path."""
+    import kvflow.model.quant.mxfp4_load as mxfp4_load
+
+    path, hf, _, arch = tiny
+    monkeypatch.setattr(mxfp4_load, "best_isa", lambda features: isa)
+    model, _ = load_model(path, torch.float32, quantization="mxfp4")
+    assert model.kernels.names["experts"] == f"mxfp4-{isa}"
+    assert all(pk["down"].quant.isa == isa for layer in model.layers for pk in layer.moe.packed_experts)
+    ids = np.random.default_rng(3).integers(0, 320, 12).tolist()
+    got = PagedDriver(model, arch).step([("a", ids)])["a"]
+    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
+def test_bf16_model_follows_the_reference(tiny):
+    """dtype bfloat16 (what `auto` picks on CPUs with native bf16): the experts take bf16
+    activations; logits within bf16's rounding of the fp32 reference, the same top token."""
+    path, hf, _, arch = tiny
+    model, _ = load_model(path, torch.bfloat16, quantization="mxfp4")
+    ids = np.random.default_rng(4).integers(0, 320, 30).tolist()
+    got = PagedDriver(model, arch).step([("a", ids)])["a"].float()
+    want = hf_logits(hf, ids)
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=0)  # 6e-3 seen
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
 
 
 def test_greedy_tokens_match_transformers_through_the_engine_with_chunked_prefill(tiny, tmp_path):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kvflow.csrc
-from kvflow.model.quant.mxfp4 import dequantize, gguf_codes, hf_codes, hf_experts, mxfp4_weight
+from kvflow.model.quant.mxfp4 import dequantize, gguf_codes, hf_codes, hf_expert, mxfp4_weight
 from kvflow.model.quant.packing import RECORD_BYTES
 from kvflow.model.quant.qlinear import available_isas, quant_linear, quantize_activations
 
@@ -109,7 +109,8 @@ def test_hf_blocks_read_as_transformers_dequantises_them():
     blocks = torch.from_numpy(rng.integers(0, 256, (e, rows, kb, 16), dtype=np.uint8))
     scales = torch.from_numpy(rng.integers(118, 130, (e, rows, kb), dtype=np.uint8))
     theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, K, rows]
-    for i, (codes, e8m0) in enumerate(hf_experts(blocks, scales, gate_up=True)):
+    for i in range(e):
+        codes, e8m0 = hf_expert(blocks[i].numpy(), scales[i].numpy(), gate_up=True)
         want = torch.cat([theirs[i][:, 0::2], theirs[i][:, 1::2]], dim=1).T
         assert torch.equal(dequantize(codes, e8m0), want)
     codes = hf_codes(blocks[0].numpy())

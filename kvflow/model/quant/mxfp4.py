@@ -52,17 +52,11 @@ def dequantize(codes: np.ndarray, e8m0: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(w.reshape(n, k))
 
 
-def hf_experts(blocks: torch.Tensor, scales: torch.Tensor, gate_up: bool
-               ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """A layer's HF `{gate_up,down}_proj_{blocks,scales}` -> per expert (codes, e8m0) of kvflow's
+def hf_expert(blocks: np.ndarray, scales: np.ndarray, gate_up: bool) -> tuple[np.ndarray, np.ndarray]:
+    """One expert's HF `{gate_up,down}_proj_{blocks,scales}` slice -> (codes, e8m0) of kvflow's
     (N, K): down [H, I] as stored; gate_up's rows interleave gate and up (row 2i gate i, row
     2i + 1 up i), regrouped as [gate; up] [2I, H]."""
-    b, s = blocks.numpy(), scales.numpy()
-    out = []
-    for e in range(b.shape[0]):
-        be, se = b[e], s[e]
-        if gate_up:
-            be = np.concatenate([be[0::2], be[1::2]])
-            se = np.concatenate([se[0::2], se[1::2]])
-        out.append((hf_codes(be), np.ascontiguousarray(se)))
-    return out
+    if gate_up:
+        blocks = np.concatenate([blocks[0::2], blocks[1::2]])
+        scales = np.concatenate([scales[0::2], scales[1::2]])
+    return hf_codes(blocks), np.ascontiguousarray(scales)

@@ -2,7 +2,7 @@
 `quant_method: mxfp4` (transformers' Mxfp4Config), the experts' projections stored as
 `model.layers.N.mlp.experts.{gate_up,down}_proj_{blocks,scales}` and everything else (attention,
 router, biases, embedding, LM head) in floats. The experts are served as stored: one layer's
-blocks at a time are read, regrouped into kvflow's [gate; up] rows and packed into MXFP4
+blocks are read an expert at a time, regrouped into kvflow's [gate; up] rows and packed into MXFP4
 panels (kvflow/model/quant/mxfp4.py; no larger than the file's bytes), then dropped, so no
 float copy of an expert ever exists and the process peaks near the file's size. The floats
 load as a float gpt-oss's do (the family's fuse_weights), with the experts' float weights
@@ -25,7 +25,7 @@ from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.kernels import Kernels, select_kernels
 from kvflow.model.packed_linear import PackedWeight
 from kvflow.model.quant.load import rss_bytes
-from kvflow.model.quant.mxfp4 import dequantize, hf_experts, mxfp4_weight
+from kvflow.model.quant.mxfp4 import dequantize, hf_expert, mxfp4_weight
 from kvflow.model.quant.qlinear import best_isa
 from kvflow.models.registry import family_of
 
@@ -56,6 +56,21 @@ def _read(where: dict[str, str], name: str) -> torch.Tensor:
         return f.get_tensor(name)
 
 
+def _experts(where: dict[str, str], prefix: str, gate_up: bool):
+    """Per expert, (codes, e8m0) of `prefix`_blocks / _scales, read one expert's slice at a
+    time (a whole layer's blocks are 400 MB in gpt-oss-20b, their codes twice that)."""
+    from safetensors import safe_open
+
+    for name in (prefix + "_blocks", prefix + "_scales"):
+        if name not in where:
+            raise ValueError(f"weight {name!r} is missing from the MXFP4 checkpoint")
+    with safe_open(where[prefix + "_blocks"], framework="np") as fb, \
+            safe_open(where[prefix + "_scales"], framework="np") as fs:
+        blocks, scales = fb.get_slice(prefix + "_blocks"), fs.get_slice(prefix + "_scales")
+        for e in range(blocks.get_shape()[0]):
+            yield hf_expert(blocks[e], scales[e], gate_up)
+
+
 def load_mxfp4_model(path: str, dtype: torch.dtype, kernels: Kernels | None,
                      arch: LlamaArchConfig) -> tuple[torch.nn.Module, LlamaArchConfig]:
     """(model, arch) of an MXFP4 gpt-oss folder, its experts served by gemm_mxfp4.c."""
@@ -74,18 +89,16 @@ def load_mxfp4_model(path: str, dtype: torch.dtype, kernels: Kernels | None,
     experts: dict[int, list[tuple]] = {}
     for i in range(arch.num_hidden_layers):
         p = f"model.layers.{i}.mlp.experts."
-        gate_up = hf_experts(_read(where, p + "gate_up_proj_blocks"), _read(where, p + "gate_up_proj_scales"), True)
-        down = hf_experts(_read(where, p + "down_proj_blocks"), _read(where, p + "down_proj_scales"), False)
+        gate_up, down = _experts(where, p + "gate_up_proj", True), _experts(where, p + "down_proj", False)
         if isa is None:  # HF's float layout: gate_up [E, H, 2I] (columns interleaved), down [E, I, H]
-            g = torch.stack([dequantize(*x) for x in gate_up])  # [E, 2I, H] as [gate; up]
+            g = torch.stack([dequantize(*x).to(dtype) for x in gate_up])  # [E, 2I, H] as [gate; up]
             hf[p + "gate_up_proj"] = torch.stack([g[:, :inter], g[:, inter:]], dim=2).reshape(e, 2 * inter, h) \
-                .transpose(1, 2).to(dtype)
-            hf[p + "down_proj"] = torch.stack([dequantize(*x) for x in down]).transpose(1, 2).to(dtype)
+                .transpose(1, 2)
+            hf[p + "down_proj"] = torch.stack([dequantize(*x).to(dtype) for x in down]).transpose(1, 2)
             continue
         experts[i] = [(mxfp4_weight(*g, isa), mxfp4_weight(*d, isa)) for g, d in zip(gate_up, down)]
         hf[p + "gate_up_proj"] = torch.empty(e, h, 2 * inter, dtype=dtype, device="meta")
         hf[p + "down_proj"] = torch.empty(e, inter, h, dtype=dtype, device="meta")
-        del gate_up, down
     plain = family.fuse_weights(hf, arch, dtype)
     del hf
     model = family.model_class(arch)(arch, dtype, device="meta", kernels=kernels)
