@@ -53,14 +53,15 @@ def save_gpt_oss_mxfp4(path: str) -> str:
     return path
 
 
-def dequantised_hf_model(path: str):
-    """transformers' fp32 gpt-oss with the folder's experts as transformers dequantises them."""
+def dequantised_hf_model(path: str, **overrides):
+    """transformers' fp32 gpt-oss with the folder's experts as transformers dequantises them;
+    `overrides`: config fields changed (a GGUF file's: llama.cpp's fixed SwiGLU limit)."""
     from safetensors.torch import load_file
     from transformers import GptOssConfig, GptOssForCausalLM
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     with open(os.path.join(path, "config.json")) as f:
-        cfg = {k: v for k, v in json.load(f).items() if k != "quantization_config"}
+        cfg = {**{k: v for k, v in json.load(f).items() if k != "quantization_config"}, **overrides}
     model = GptOssForCausalLM(GptOssConfig(**cfg)).float()
     tensors = load_file(os.path.join(path, "model.safetensors"))
     for name in [n[: -len("_blocks")] for n in tensors if n.endswith("_blocks")]:
@@ -68,3 +69,70 @@ def dequantised_hf_model(path: str):
                                                    dtype=torch.float32)
     model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
     return model.eval()
+
+
+def write_gpt_oss_gguf(hf_dir: str, out_path: str) -> str:
+    """The MXFP4 folder converted as llama.cpp's convert_hf_to_gguf.py converts gpt-oss: arch
+    `gpt-oss`; the experts' blocks repacked as stored into GGUF's MXFP4 blocks (e8m0, then 16
+    bytes of element j | element j + 16 << 4), gate and up rows apart (`ffn_gate_exps`,
+    `ffn_up_exps`) and their biases split likewise; `attn_sinks.weight`, `post_attention_norm`,
+    the router as `ffn_gate_inp`; YaRN as rope.scaling keys and the window as
+    attention.sliding_window; the other tensors F32."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    from gguf_test_writer import add_hparams
+    from tiny_arch_models import _add_tokenizer
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    t = load_file(os.path.join(hf_dir, "model.safetensors"))
+    rope = cfg["rope_parameters"]
+    w = gguf.GGUFWriter(out_path, "gpt-oss")
+    add_hparams(w, cfg)
+    _add_tokenizer(w, hf_dir)
+    w.add_expert_count(cfg["num_local_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(cfg["intermediate_size"])
+    w.add_sliding_window(cfg["sliding_window"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+
+    def add(name: str, a: np.ndarray) -> None:
+        w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
+
+    def add_mxfp4(name: str, blocks: np.ndarray, scales: np.ndarray) -> None:
+        codes = np.empty((*blocks.shape[:-1], 32), dtype=np.uint8)
+        codes[..., 0::2], codes[..., 1::2] = blocks & 0x0F, blocks >> 4  # HF: element 2j | 2j + 1 << 4
+        qs = codes[..., :16] | (codes[..., 16:] << 4)
+        data = np.concatenate([scales[..., None], qs], axis=-1)  # [E, rows, K/32, 17]
+        w.add_tensor(name, np.ascontiguousarray(data.reshape(*data.shape[:2], -1)),
+                     raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+
+    add("token_embd.weight", t["model.embed_tokens.weight"])
+    add("output_norm.weight", t["model.norm.weight"])
+    add("output.weight", t["lm_head.weight"])
+    for i in range(cfg["num_hidden_layers"]):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        add(b + "attn_norm.weight", t[p + "input_layernorm.weight"])
+        add(b + "post_attention_norm.weight", t[p + "post_attention_layernorm.weight"])
+        for x, name in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
+            add(b + name + ".weight", t[p + f"self_attn.{x}_proj.weight"])
+            add(b + name + ".bias", t[p + f"self_attn.{x}_proj.bias"])
+        add(b + "attn_sinks.weight", t[p + "self_attn.sinks"])
+        add(b + "ffn_gate_inp.weight", t[p + "mlp.router.weight"])
+        add(b + "ffn_gate_inp.bias", t[p + "mlp.router.bias"])
+        e = p + "mlp.experts."
+        gu_b, gu_s, gu_bias = t[e + "gate_up_proj_blocks"], t[e + "gate_up_proj_scales"], t[e + "gate_up_proj_bias"]
+        add_mxfp4(b + "ffn_gate_exps.weight", gu_b[:, 0::2], gu_s[:, 0::2])
+        add_mxfp4(b + "ffn_up_exps.weight", gu_b[:, 1::2], gu_s[:, 1::2])
+        add_mxfp4(b + "ffn_down_exps.weight", t[e + "down_proj_blocks"], t[e + "down_proj_scales"])
+        add(b + "ffn_gate_exps.bias", gu_bias[:, 0::2])
+        add(b + "ffn_up_exps.bias", gu_bias[:, 1::2])
+        add(b + "ffn_down_exps.bias", t[e + "down_proj_bias"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out_path

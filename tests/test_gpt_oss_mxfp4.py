@@ -1,7 +1,8 @@
-"""gpt-oss as published, its experts in MXFP4 (tests/mxfp4_models.py writes the tiny one):
-served as stored, it gives transformers' fp32 logits on the dequantised experts over chunked
-mixed batches and its greedy tokens through the engine; the experts occupy the checkpoint's
-MXFP4 bytes, never floats; what cannot run with them is refused by name."""
+"""gpt-oss as published, its experts in MXFP4 (tests/mxfp4_models.py writes the tiny one), and
+the same model converted by llama.cpp's converter to a GGUF file: served as stored, each gives
+transformers' fp32 logits on the dequantised experts over chunked mixed batches and its greedy
+tokens through the engine; the experts occupy the checkpoint's MXFP4 bytes, never floats; what
+cannot run with them is refused by name."""
 from __future__ import annotations
 
 import os
@@ -12,7 +13,7 @@ import torch
 
 from conftest import NEW_TOKENS
 from conftest_model_helpers import PagedDriver, hf_logits
-from mxfp4_models import dequantised_hf_model, save_gpt_oss_mxfp4
+from mxfp4_models import dequantised_hf_model, save_gpt_oss_mxfp4, write_gpt_oss_gguf
 from kvflow.model.loader import load_model
 from kvflow.model.quant.qlinear import available_isas
 
@@ -33,6 +34,33 @@ def tiny(tmp_path_factory):
     path = save_gpt_oss_mxfp4(str(tmp_path_factory.mktemp("gpt_oss_mxfp4") / "hf"))
     model, arch = load_model(path, torch.float32, quantization="mxfp4")
     return path, dequantised_hf_model(path), model, arch
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tiny, tmp_path_factory):
+    """(GGUF path, HF reference with llama.cpp's fixed SwiGLU limit 7, which the file cannot
+    carry: the tiny model's own 0.2 is not a GGUF key). Its conversion cache in a temp folder."""
+    folder = tmp_path_factory.mktemp("gguf")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVFLOW_CACHE_DIR", str(folder / "cache"))
+        yield write_gpt_oss_gguf(tiny[0], str(folder / "gpt-oss.gguf")), dequantised_hf_model(tiny[0], swiglu_limit=7.0)
+
+
+def _run_plan(model, arch, hf, atol: float) -> None:
+    """The chunked mixed batches of PLAN: every row's logits against transformers'."""
+    rng = np.random.default_rng(1)
+    tokens = {sid: rng.integers(0, 320, n + 3).tolist() for sid, n in SEQ_LENS.items()}
+    refs = {sid: hf_logits(hf, ids) for sid, ids in tokens.items()}
+    driver = PagedDriver(model, arch, seed=7)
+    done = dict.fromkeys(SEQ_LENS, 0)
+    for step in PLAN:
+        out = driver.step([(sid, tokens[sid][done[sid]: done[sid] + n]) for sid, n in step.items()])
+        for sid, n in step.items():
+            got, want = out[sid], refs[sid][done[sid]: done[sid] + n]
+            torch.testing.assert_close(got, want, atol=atol, rtol=0)
+            assert torch.equal(got.argmax(-1), want.argmax(-1))
+            done[sid] += n
+    assert done == {"a": 22, "b": 11, "c": 4, "d": 16}
 
 
 def test_experts_occupy_the_checkpoints_mxfp4_bytes(tiny):
@@ -64,19 +92,35 @@ def test_logits_match_transformers_over_chunked_mixed_batches(tiny):
     """Prompts arriving in chunks beside decodes: each row's logits are transformers' fp32
     model's on the dequantised experts, and its top token the same."""
     _, hf, model, arch = tiny
-    rng = np.random.default_rng(1)
-    tokens = {sid: rng.integers(0, 320, n + 3).tolist() for sid, n in SEQ_LENS.items()}
-    refs = {sid: hf_logits(hf, ids) for sid, ids in tokens.items()}
-    driver = PagedDriver(model, arch, seed=7)
-    done = dict.fromkeys(SEQ_LENS, 0)
-    for step in PLAN:
-        out = driver.step([(sid, tokens[sid][done[sid]: done[sid] + n]) for sid, n in step.items()])
-        for sid, n in step.items():
-            got, want = out[sid], refs[sid][done[sid]: done[sid] + n]
-            torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
-            assert torch.equal(got.argmax(-1), want.argmax(-1))
-            done[sid] += n
-    assert done == {"a": 22, "b": 11, "c": 4, "d": 16}
+    _run_plan(model, arch, hf, ATOL)
+
+
+def test_llama_cpp_gguf_serves_the_same_mxfp4_bytes(tiny, gguf_file):
+    """llama.cpp's gpt-oss file (`--quantization gguf`, its default): the experts' panels are
+    byte for byte the HF folder's, the arch the folder's (YaRN from llama.cpp's keys, the even
+    layers sliding), and the logits transformers' over chunked mixed batches."""
+    import dataclasses
+
+    path, _, folder_model, folder_arch = tiny
+    gguf_path, hf = gguf_file
+    model, arch = load_model(gguf_path, torch.float32, quantization="gguf")
+    for ours, theirs in zip(model.layers, folder_model.layers):
+        for a, b in zip(ours.moe.packed_experts, theirs.moe.packed_experts):
+            assert torch.equal(a["gate_up"].quant.packed, b["gate_up"].quant.packed)
+            assert torch.equal(a["down"].quant.packed, b["down"].quant.packed)
+    differ = {k for k, v in dataclasses.asdict(arch).items() if v != dataclasses.asdict(folder_arch)[k]}
+    assert differ == {"name", "rms_norm_eps", "swiglu_limit"}  # file name, fp32 epsilon, llama.cpp's 7
+    assert abs(arch.rms_norm_eps - folder_arch.rms_norm_eps) < 1e-9 and arch.swiglu_limit == 7.0
+    _run_plan(model, arch, hf, ATOL)
+
+
+def test_llama_cpp_gguf_dequantised_is_transformers_model(gguf_file):
+    """`--quantization none`: the experts dequantised by the gguf package give transformers'
+    logits to float rounding (the same values as its dequantisation of the HF blocks)."""
+    gguf_path, hf = gguf_file
+    model, arch = load_model(gguf_path, torch.float32, quantization="none")
+    assert not model.layers[0].moe.gate_up.is_meta
+    _run_plan(model, arch, hf, 1e-4)
 
 
 @pytest.mark.parametrize("isa", available_isas())
@@ -107,13 +151,14 @@ def test_bf16_model_follows_the_reference(tiny):
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
 
 
-def test_greedy_tokens_match_transformers_through_the_engine_with_chunked_prefill(tiny, tmp_path):
-    """LLM on the MXFP4 folder (its quantization read from config.json), four prompts in
-    16-token chunks beside decodes: greedy tokens equal transformers' generate() on the
-    dequantised experts over 32 steps."""
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_greedy_tokens_match_transformers_through_the_engine_with_chunked_prefill(tiny, gguf_file, source):
+    """LLM on the MXFP4 folder (its quantization read from config.json) or llama.cpp's file, four
+    prompts in 16-token chunks beside decodes: greedy tokens equal transformers' generate() on
+    the dequantised experts over 32 steps."""
     from kvflow import LLM, SamplingParams
 
-    path, hf, _, _ = tiny
+    path, hf = (tiny[0], tiny[1]) if source == "hf" else gguf_file
     prompts = [np.random.default_rng(i).integers(4, 320, n).tolist() for i, n in enumerate((37, 5, 19, 2))]
     refs = []
     with torch.inference_mode():
@@ -159,25 +204,3 @@ def test_what_mxfp4_cannot_run_with_is_refused_by_name(tiny):
         load_model(path, torch.float32)  # quantization none: the checkpoint says otherwise
     with pytest.raises(ValueError, match="does not match"):
         LLM(path, dtype="float32", quantization="none")
-
-
-def test_a_gguf_gpt_oss_file_is_refused_naming_what_to_use(tmp_path):
-    """llama.cpp's gpt-oss files (arch `gpt-oss`, MXFP4 expert tensors): a clear error at the
-    config read, before anything loads."""
-    import gguf
-
-    from kvflow.model.arch import load_arch_config
-
-    path = str(tmp_path / "gpt-oss.gguf")
-    w = gguf.GGUFWriter(path, "gpt-oss")
-    w.add_block_count(1)
-    w.add_embedding_length(64)
-    w.add_tensor("blk.0.ffn_down_exps.weight",
-                 gguf.quants.quantize(np.ones((2, 64, 64), dtype=np.float32), gguf.GGMLQuantizationType.MXFP4),
-                 raw_dtype=gguf.GGMLQuantizationType.MXFP4)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(ValueError, match="gpt-oss GGUF files .* not read yet; use the model's Hugging Face folder"):
-        load_arch_config(path)

@@ -68,7 +68,7 @@ FAMILIES = (
                 text_part_of={"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
                               "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}),
     FamilyEntry("smollm3", {"smollm3": "SmolLM3ForCausalLM"}, {"smollm3": "SmolLM3ForCausalLM"}),
-    FamilyEntry("gpt_oss", {"gpt_oss": "GptOssForCausalLM"}),
+    FamilyEntry("gpt_oss", {"gpt_oss": "GptOssForCausalLM"}, {"gpt-oss": "GptOssForCausalLM"}),
 )
 
 _BY_ARCHITECTURE = {a: e for e in FAMILIES for a in e.architectures.values()}
@@ -85,18 +85,8 @@ def hf_architecture(cfg: dict) -> str:
     return _TEXT_PART_OF.get(archs[0], archs[0])
 
 
-# GGUF architectures of a family kvflow serves from its HF folder only, and why
-GGUF_NOT_READ = {
-    "gpt-oss": "llama.cpp's gpt-oss GGUF files (experts in GGUF's MXFP4, YaRN in llama.cpp's keys) "
-               "are not read yet; use the model's Hugging Face folder, whose MXFP4 experts kvflow "
-               "serves as stored",
-}
-
-
 def gguf_architecture(name: str) -> str:
     """The architecture of a GGUF file's `general.architecture`; ValueError when no family has it."""
-    if name in GGUF_NOT_READ:
-        raise ValueError(GGUF_NOT_READ[name])
     if name not in _BY_GGUF:
         raise ValueError(f"GGUF architecture {name!r} is not supported ({', '.join(_BY_GGUF)})")
     return _BY_GGUF[name]

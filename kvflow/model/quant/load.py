@@ -27,6 +27,7 @@ from kvflow.models.registry import family_of
 logger = logging.getLogger("kvflow")
 QUANTIZATIONS = ("gguf", "int8", "compressed-tensors", "mxfp4", "none")
 MXFP4 = "mxfp4"  # a checkpoint's own (gpt-oss's experts): kvflow/model/quant/mxfp4_load.py
+MXFP4_FAMILIES = ("gpt-oss",)  # whose experts checkpoints (and llama.cpp's files) store in MXFP4
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
