@@ -88,8 +88,8 @@ static inline __m256i bcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
-/* a tile of rows against one panel, in two halves of 8 outputs; 8 pairs of 12 * 127 stay
- * under 2^15 in int16 */
+/* a tile of rows against one panel, in two halves of 8 outputs; a block's 32 products of at
+ * most 12 * 127, summed in int16 (pairs by vpmaddubsw, then 8 of those), stay under 2^15 */
 static void tile_avx2(const int8_t *qx, const float *dx, int64_t Kb, int rows,
                       const uint8_t *panel, float *res)
 {
