@@ -70,9 +70,10 @@ class ModelConfig:
         None, "weights served quantized: `gguf` keeps a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 blocks "
         "(other types as 8-bit blocks) and multiplies them in int8, `int8` quantizes a float "
         "model to W8A8 at load, `compressed-tensors` serves an int8 W8A8 checkpoint as stored, "
-        "`none` dequantises (default: `gguf` for a quantized GGUF file, `compressed-tensors` "
-        "for an HF folder whose config.json says so, else `none`)",
-        choices=("gguf", "int8", "compressed-tensors", "none"))
+        "`mxfp4` serves gpt-oss's MXFP4 experts as stored, `none` dequantises (default: `gguf` "
+        "for a quantized GGUF file, `compressed-tensors` or `mxfp4` for an HF folder whose "
+        "config.json says so, else `none`)",
+        choices=("gguf", "int8", "compressed-tensors", "mxfp4", "none"))
     max_model_len: int | None = option(
         None, "longest sequence (prompt + output) served (default: the model's context length)")
     seed: int = option(
@@ -95,8 +96,8 @@ class ModelConfig:
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got "
                              f"{self.weight_dtype!r}")
-        if self.quantization not in (None, "gguf", "int8", "compressed-tensors", "none"):
-            raise ValueError("quantization must be gguf, int8, compressed-tensors or none, got "
+        if self.quantization not in (None, "gguf", "int8", "compressed-tensors", "mxfp4", "none"):
+            raise ValueError("quantization must be gguf, int8, compressed-tensors, mxfp4 or none, got "
                              f"{self.quantization!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")

@@ -46,8 +46,10 @@ def get_tokenizer(path: str):
             try:
                 tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path),
                                                           gguf_file=os.path.basename(path))
-            except ValueError as e:
-                if "is not supported yet" not in str(e):
+            except (ValueError, TypeError) as e:
+                # TypeError: transformers' gpt-oss GGUF reader fails on llama.cpp's rope.scaling
+                # keys (it reads a field's first part, the key's length, as its value)
+                if isinstance(e, ValueError) and "is not supported yet" not in str(e):
                     raise
                 tokenizer = _from_gguf_metadata(path)
             if not getattr(tokenizer, "chat_template", None):  # a GGUF without one

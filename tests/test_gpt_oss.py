@@ -2,7 +2,7 @@
 the tiny model through the HF logits, the engine's greedy tokens, bf16, preemption and a prefix
 hit): its expert block against transformers' GptOssMLP, the checkpoint's interleaved gate/up
 columns, the features of the tiny model, the published gpt-oss-20b config read as transformers
-reads it, and what the family refuses by name."""
+reads it, and what the family refuses by name. Its MXFP4 checkpoints: test_gpt_oss_mxfp4.py."""
 from __future__ import annotations
 
 import json
@@ -79,20 +79,6 @@ def test_what_gpt_oss_is_not_tested_with_is_refused_by_name(tiny, caplog):
         quantized, _ = load_model(path, torch.float32, quantization="int8")
     assert "does not serve gpt-oss" in caplog.text
     assert all(p is None or p.quant is None for layer in quantized.layers for p in layer.packed.values())
-
-
-def test_mxfp4_checkpoint_is_refused_naming_what_to_use(tmp_path):
-    """gpt-oss as published (experts in MXFP4): a clear error, not a load of garbage."""
-    path = BUILDERS["gpt_oss"](str(tmp_path / "hf"))
-    with open(f"{path}/config.json") as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    with open(f"{path}/config.json", "w") as f:
-        json.dump(cfg, f)
-    with pytest.raises(ValueError, match="mxfp4"):
-        load_model(path, torch.float32)
-    with pytest.raises(ValueError, match="MXFP4 experts is not supported yet"):
-        load_arch_config(path)
 
 
 # gpt-oss-20b's config.json as published (less its MXFP4 quantization_config, as the bf16

@@ -30,7 +30,7 @@ def test_quantization_defaults_to_gguf_for_a_gguf_file_only(tmp_path):
         resolve_quantization("gguf", str(folder))
     with pytest.raises(ValueError, match="quantization must be"):
         resolve_quantization("awq", str(folder))
-    with pytest.raises(ValueError, match="quantization must be gguf, int8, compressed-tensors or none"):
+    with pytest.raises(ValueError, match="quantization must be gguf, int8, compressed-tensors, mxfp4 or none"):
         ModelConfig(quantization="q4")
 
 

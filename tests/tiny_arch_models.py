@@ -184,7 +184,8 @@ BUILDERS = {"qwen3": save_qwen3, "phi3": save_phi3, "qwen3_moe": save_qwen3_moe,
             "mixtral": save_mixtral, "qwen2_moe": save_qwen2_moe, "olmo2": save_olmo2,
             "granite": save_granite, "smollm3": save_smollm3, "gpt_oss": save_gpt_oss}
 # Families whose GGUF conversion the writer below does not make yet, and why.
-NO_GGUF = {"gpt_oss": "llama.cpp's gpt-oss files store the experts in MXFP4, which kvflow does not read yet"}
+NO_GGUF = {"gpt_oss": "llama.cpp converts gpt-oss from its MXFP4 checkpoints: test_gpt_oss_mxfp4.py writes and "
+                      "tests that file"}
 
 
 def family(path: str) -> str:

@@ -64,6 +64,8 @@ def expert_names(gguf_name: str, arch: LlamaArchConfig) -> list[str] | None:
     m = _LAYER_RE.fullmatch(gguf_name)
     if m is None or m.group(2) not in _EXPERT_KINDS:
         return None
+    if m.group(2) in family_of(arch.architecture).gguf_layer_names(arch.architecture):
+        return None  # the family keeps this one stacked, under its own name (gpt-oss)
     fmt = family_of(arch.architecture).expert_names(int(m.group(1)), arch)[_EXPERT_KINDS[m.group(2)]]
     return [fmt.format(e) for e in range(arch.num_experts)]
 
@@ -74,8 +76,11 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def read_gguf(path: str) -> tuple[LlamaArchConfig, dict[str, np.ndarray]]:
-    """Dequantise every tensor (Q4_*/Q8_0/F16/BF16/F32...) to float32 with HF names and shapes."""
+def read_gguf(path: str, raw_types: tuple[str, ...] = (), raw: dict | None = None
+              ) -> tuple[LlamaArchConfig, dict[str, np.ndarray]]:
+    """Dequantise every tensor (Q4_*/Q8_0/F16/BF16/F32...) to float32 with HF names and shapes;
+    tensors of `raw_types` (GGUF type names) go to `raw` under their HF names as the reader's
+    tensors instead, their blocks untouched (gpt-oss's MXFP4 experts, served as stored)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -89,6 +94,9 @@ def read_gguf(path: str) -> tuple[LlamaArchConfig, dict[str, np.ndarray]]:
         name = hf_name(tensor.name, arch)
         experts = expert_names(tensor.name, arch)
         if name is None and experts is None:
+            continue
+        if tensor.tensor_type.name in raw_types and name is not None:
+            raw[name] = tensor
             continue
         w = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         # GGUF lists dims innermost first; numpy's row-major shape is the reverse = HF's (out, in)

@@ -27,8 +27,8 @@ logger = logging.getLogger("kvflow")
 _DIR = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [os.path.join(_DIR, f) for f in ("paged_attention.c", "paged_attention_quant.c",
                                               "prefill_attention.c", "fused_ops.c", "gemm_bf16.c",
-                                              "gemm_quant.c", "gemm_quant_wide.c", "gemv_f32.c",
-                                              "pool.c", "populate.c", "decode_step.c", "lora.c")]
+                                              "gemm_quant.c", "gemm_mxfp4.c", "gemm_quant_wide.c",
+                                              "gemv_f32.c", "pool.c", "populate.c", "decode_step.c", "lora.c")]
 _HEADERS = [os.path.join(_DIR, f) for f in ("simd.h", "kernels.h", "tiles.h", "rotation.h")]  # part of the build key, not of the command line
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC", "-std=c11",
           "-pthread"]
@@ -147,6 +147,7 @@ def library() -> ctypes.CDLL | None:
         fn.restype, fn.argtypes = None, argtypes
     lib.gemm_quant_isas.restype, lib.gemm_quant_isas.argtypes = _i64, []
     lib.gemm_quant_wide_isas.restype, lib.gemm_quant_wide_isas.argtypes = _i64, []
+    lib.gemm_mxfp4_isas.restype, lib.gemm_mxfp4_isas.argtypes = _i64, []
     lib.gemv_f32_isas.restype, lib.gemv_f32_isas.argtypes = _i64, []
     lib.lora_isas.restype, lib.lora_isas.argtypes = _i64, []
     lib.paged_decode_q8_isas.restype, lib.paged_decode_q8_isas.argtypes = _i64, []

@@ -92,20 +92,28 @@ static void k_quantize_q8(const int64_t *a, double f, int64_t b, int64_t e) {
     (void)f;
     quantize_rows_q8(P(0), a[1], a[2], a[3], a[4], a[5], P(6), P(7), P(8), b, e);
 }
-/* qx, dx, dxs, Kb, packed, kind, isa, bias, out, out_stride, N, out_bf16, M (rows) */
+/* qx, dx, dxs, Kb, packed, kind, isa, bias, out, out_stride, N, out_bf16, M (rows); kind
+ * QUANT_KIND_MXFP4 goes to gemm_mxfp4.c, the others to gemm_quant.c */
 static void k_qgemm_rows(const int64_t *a, double f, int64_t b, int64_t e) {
     (void)f;
     const int64_t kb = a[3];
     char *out = (char *)a[8] + b * a[9] * (a[11] ? 2 : 4);
-    gemm_quant_panels((const int8_t *)a[0] + b * kb * 32, (const float *)a[1] + b * kb,
-                      (const float *)a[2] + b * kb, kb, e - b, P(4), a[5], a[6], P(7), out, a[9],
-                      a[10], a[11], 0, (a[10] + 15) / 16);
+    if (a[5] == QUANT_KIND_MXFP4)
+        gemm_mxfp4_panels((const int8_t *)a[0] + b * kb * 32, (const float *)a[1] + b * kb, kb,
+                          e - b, P(4), a[6], P(7), out, a[9], a[10], a[11], 0, (a[10] + 15) / 16);
+    else
+        gemm_quant_panels((const int8_t *)a[0] + b * kb * 32, (const float *)a[1] + b * kb,
+                          (const float *)a[2] + b * kb, kb, e - b, P(4), a[5], a[6], P(7), out,
+                          a[9], a[10], a[11], 0, (a[10] + 15) / 16);
 }
 /* the same words; the ranges are panels of 16 outputs, every thread takes all M rows */
 static void k_qgemm_panels(const int64_t *a, double f, int64_t b, int64_t e) {
     (void)f;
-    gemm_quant_panels(P(0), P(1), P(2), a[3], a[12], P(4), a[5], a[6], P(7), P(8), a[9], a[10],
-                      a[11], b, e);
+    if (a[5] == QUANT_KIND_MXFP4)
+        gemm_mxfp4_panels(P(0), P(1), a[3], a[12], P(4), a[6], P(7), P(8), a[9], a[10], a[11], b, e);
+    else
+        gemm_quant_panels(P(0), P(1), P(2), a[3], a[12], P(4), a[5], a[6], P(7), P(8), a[9],
+                          a[10], a[11], b, e);
 }
 /* x, x_stride, K, Kb, x_bf16, M, packed, kind, isa, bias, out, out_stride, N, out_bf16,
  * failed (int64_t *): the ranges are groups of 64 outputs, every thread takes all M rows */
@@ -309,7 +317,7 @@ int64_t quant_linear(const void *x, int64_t x_stride, int64_t K, int64_t Kb, int
                         M * (N / 2) >= PARALLEL_VALUES ? threads : 1);
         return 0;
     }
-    if (M >= wide_rows && gemm_quant_wide_takes(isa, K, x_bf16, out_bf16)) {
+    if (M >= wide_rows && kind != QUANT_KIND_MXFP4 && gemm_quant_wide_takes(isa, K, x_bf16, out_bf16)) {
         int64_t failed = 0;
         const int64_t wargs[15] = {(int64_t)x, x_stride, K, Kb, x_bf16, M, (int64_t)packed, kind,
                                    isa, (int64_t)bias, (int64_t)out, N, N, out_bf16,

@@ -114,10 +114,12 @@ class GptOssMoeBlock(SparseMoeBlock):
         self.alpha, self.limit = arch.swiglu_alpha, arch.swiglu_limit
 
     def pack_weights(self, pack) -> None:
+        self.packed = {"router": pack(self.router)}
+        if self.gate_up.is_meta:  # MXFP4 experts as stored: their loader sets packed_experts
+            return
         # [gate; up] packed as a plain projection: the activation is not SiLU
         self.packed_experts = [{"gate_up": pack(self.gate_up[e]), "down": pack(self.down[e])}
                                for e in range(self.num_experts)]
-        self.packed = {"router": pack(self.router)}
 
     def route(self, h: torch.Tensor, kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
         logits = kernels.linear(h, self.router, self.packed.get("router"), self.router_bias)

@@ -330,7 +330,7 @@ def arch_from_gguf_reader(reader, path: str) -> LlamaArchConfig:
                         "short_factor": tensors["rope_factors_short.weight"].data.tolist(),
                         "original_max_position_embeddings": int(meta("rope.scaling.original_context_length")),
                         "attention_factor": meta("rope.scaling.attn_factor")}
-    if scaling_type == "yarn":  # llama.cpp's own YaRN keys are not read yet
+    if scaling_type == "yarn" and not family.gguf_reads_yarn:  # llama.cpp's own YaRN keys
         raise ValueError("GGUF files with YaRN rope scaling are not supported yet; "
                          "use the Hugging Face folder of this model")
     if "rope_freqs.weight" in tensors:

@@ -15,7 +15,7 @@ from kvflow.model.arch import LlamaArchConfig, load_arch_config
 from kvflow.model.cpu_features import cpu_features
 from kvflow.model.kernels import KernelOptions, Kernels, select_kernels
 from kvflow.model.kv_scales import apply_kv_scales
-from kvflow.model.quant.load import resolve_quantization
+from kvflow.model.quant.load import MXFP4, MXFP4_FAMILIES, resolve_quantization
 from kvflow.model.sharding import load_shard
 from kvflow.model.weight_dtype import check_checkpoint, round_weights
 from kvflow.model_path import is_gguf
@@ -69,6 +69,16 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None 
             resolve_quantization(quantization, path)  # raises: the checkpoint says how it is quantized
         arch = load_arch_config(path)
     family = family_of(arch.architecture)
+    if quantization == MXFP4 or (quantization == "gguf" and is_gguf(path) and family.name in MXFP4_FAMILIES):
+        from kvflow.model.quant.mxfp4_load import load_mxfp4_model
+
+        # gpt-oss's MXFP4 experts as stored, the rest as floats (None: a GGUF file's experts
+        # are not MXFP4, or no C kernels: floats below)
+        loaded = load_mxfp4_model(path, dtype, kernels, arch)
+        if loaded is not None:
+            apply_kv_scales(loaded[0], path, arch.num_hidden_layers, arch.num_key_value_heads)
+            return loaded
+        quantization = "none"
     if quantization not in ("none", METHOD) and not family.supports.quantized:
         logger.warning("kvflow: quantization %r does not serve %s yet; its weights "
                        "are dequantised at load", quantization, family.name)

@@ -43,6 +43,7 @@ class ModelFamily:
         return False
 
     gguf_norm_shift = 0.0  # llama.cpp stores some families' norm weights as shift + w
+    gguf_reads_yarn = False  # its gguf_fields read llama.cpp's YaRN keys (gpt-oss)
 
     def gguf_tensor(self, name: str, w, arch: LlamaArchConfig):
         """(HF name, tensor) of a GGUF tensor already under `name`: undoes what llama.cpp's
@@ -112,4 +113,5 @@ def getter(hf: dict[str, torch.Tensor], dtype: torch.dtype):
         if name not in hf:
             raise ValueError(f"weight {name!r} is missing from the checkpoint")
         return hf[name].to(dtype)
+    get.has = hf.__contains__  # for families whose tensors come under two spellings
     return get

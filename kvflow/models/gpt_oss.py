@@ -7,8 +7,9 @@ experts with a clamped SwiGLU), as Hugging Face's GptOssModel computes it.
 
 HF's checkpoint stores the experts as [experts, in, out] matrices with gate and up columns
 interleaved (`gate_up_proj[..., ::2]` is the gate); they are split and transposed at load into
-kvflow's [experts, out, in] with [gate; up] rows. The MXFP4 checkpoints the models ship as, and
-llama.cpp's gpt-oss GGUF files, are not read here yet."""
+kvflow's [experts, out, in] with [gate; up] rows. The MXFP4 checkpoints the models ship as keep
+their experts as stored (kvflow/model/quant/mxfp4_load.py, the same regrouping on the packed
+blocks); llama.cpp's gpt-oss GGUF files likewise, their gate and up experts apart (gguf_*)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -61,15 +62,14 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
 class GptOssFamily(LlamaFamily):
     name = "gpt-oss"
+    gguf_reads_yarn = True
+    default_sliding_window_pattern = 2  # llama.cpp's: the even layers slide
     # one rank, float weights, no adapters, layer by layer (not tested with the others yet)
     supports = Supports(tensor_parallel=False, pipeline_parallel=False, lora=False, quantized=False,
                         decode_step=False)
     config_class = GptOssArchConfig
 
     def hf_fields(self, cfg: dict, architecture: str) -> dict:
-        if (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4":
-            raise ValueError("gpt-oss with MXFP4 experts is not supported yet; "
-                             "use a checkpoint with float (bf16) weights")
         return {"attention_bias": bool(cfg.get("attention_bias", True)), "qk_norm": False,
                 "num_experts": int(cfg.get("num_local_experts") or cfg["num_experts"]),
                 "num_experts_per_tok": int(cfg.get("num_experts_per_tok") or cfg["experts_per_token"]),
@@ -79,6 +79,27 @@ class GptOssFamily(LlamaFamily):
                 "swiglu_limit": float(cfg.get("swiglu_limit", _SWIGLU_LIMIT)),
                 # every other layer slides (the even ones) where the config lists no layer types
                 **hf_pattern_fields({"sliding_window": _SLIDING_WINDOW, **cfg}, default_pattern=2)}
+
+    def gguf_fields(self, meta, tensors: dict, architecture: str) -> dict:
+        """llama.cpp's gpt-oss keys: the experts, YaRN (its betas where the file has them, else
+        gpt-oss's; untruncated, as the published config), the window from gguf_pattern_fields."""
+        return {"num_experts": int(meta("expert_count")), "num_experts_per_tok": int(meta("expert_used_count")),
+                "moe_intermediate_size": int(meta("expert_feed_forward_length")), "norm_topk_prob": True,
+                "qk_norm": False, "attention_bias": True,
+                "rope_scaling": {"rope_type": "yarn", "factor": float(meta("rope.scaling.factor")),
+                                 "original_max_position_embeddings": int(meta("rope.scaling.original_context_length")),
+                                 "beta_fast": float(meta("rope.scaling.yarn_beta_fast", 32.0)),
+                                 "beta_slow": float(meta("rope.scaling.yarn_beta_slow", 1.0)),
+                                 "truncate": False}}
+
+    def gguf_layer_names(self, architecture: str) -> dict[str, str]:
+        # the experts stay stacked [E, out, in], gate and up apart (fuse_experts joins them)
+        return {"attn_sinks": "self_attn.sinks", "post_attention_norm": "post_attention_layernorm",
+                "ffn_gate_inp": "mlp.router", "ffn_gate_exps": "mlp.experts.gate_proj",
+                "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"}
+
+    def gguf_tensor(self, name: str, w, arch: LlamaArchConfig):
+        return (name[: -len(".weight")], w) if name.endswith("self_attn.sinks.weight") else (name, w)
 
     def hf_layer_names(self, i: int, arch: GptOssArchConfig) -> dict[str, list[str]]:
         p = f"model.layers.{i}."
@@ -94,14 +115,19 @@ class GptOssFamily(LlamaFamily):
 
     def fuse_experts(self, get, arch: GptOssArchConfig, i: int) -> dict[str, torch.Tensor]:
         """The router and its bias; the experts' interleaved [E, H, 2I] gate_up as [E, 2I, H]
-        rows [gate; up] (its bias likewise), the down [E, I, H] as [E, H, I]."""
+        rows [gate; up] (its bias likewise), the down [E, I, H] as [E, H, I]; or a GGUF file's
+        gate, up and down, already [E, out, in]."""
         p, q = f"model.layers.{i}.mlp.", f"layers.{i}.moe."
-        gate_up, gate_up_bias = get(p + "experts.gate_up_proj"), get(p + "experts.gate_up_proj_bias")
-        return {q + "router": get(p + "router.weight"), q + "router_bias": get(p + "router.bias"),
-                q + "gate_up": torch.cat([gate_up[..., 0::2], gate_up[..., 1::2]], dim=2).transpose(1, 2),
+        out = {q + "router": get(p + "router.weight"), q + "router_bias": get(p + "router.bias")}
+        e = p + "experts."
+        if get.has(e + "gate_proj.weight"):  # llama.cpp's: gate, up [E, I, H] and down [E, H, I] apart
+            return {**out, q + "gate_up": torch.cat([get(e + "gate_proj.weight"), get(e + "up_proj.weight")], dim=1),
+                    q + "gate_up_bias": torch.cat([get(e + "gate_proj.bias"), get(e + "up_proj.bias")], dim=1),
+                    q + "down": get(e + "down_proj.weight"), q + "down_bias": get(e + "down_proj.bias")}
+        gate_up, gate_up_bias = get(e + "gate_up_proj"), get(e + "gate_up_proj_bias")
+        return {**out, q + "gate_up": torch.cat([gate_up[..., 0::2], gate_up[..., 1::2]], dim=2).transpose(1, 2),
                 q + "gate_up_bias": torch.cat([gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]], dim=1),
-                q + "down": get(p + "experts.down_proj").transpose(1, 2),
-                q + "down_bias": get(p + "experts.down_proj_bias")}
+                q + "down": get(e + "down_proj").transpose(1, 2), q + "down_bias": get(e + "down_proj_bias")}
 
     def fuse_weights(self, hf: dict[str, torch.Tensor], arch: GptOssArchConfig,
                      dtype: torch.dtype) -> dict[str, torch.Tensor]:

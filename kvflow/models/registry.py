@@ -70,7 +70,7 @@ FAMILIES = (
                 text_part_of={"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
                               "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}),
     FamilyEntry("smollm3", {"smollm3": "SmolLM3ForCausalLM"}, {"smollm3": "SmolLM3ForCausalLM"}),
-    FamilyEntry("gpt_oss", {"gpt_oss": "GptOssForCausalLM"}),
+    FamilyEntry("gpt_oss", {"gpt_oss": "GptOssForCausalLM"}, {"gpt-oss": "GptOssForCausalLM"}),
 )
 
 _BY_ARCHITECTURE = {a: e for e in FAMILIES for a in e.architectures.values()}

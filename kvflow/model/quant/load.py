@@ -25,7 +25,9 @@ from kvflow.model_path import is_gguf
 from kvflow.models.registry import family_of
 
 logger = logging.getLogger("kvflow")
-QUANTIZATIONS = ("gguf", "int8", "compressed-tensors", "none")
+QUANTIZATIONS = ("gguf", "int8", "compressed-tensors", "mxfp4", "none")
+MXFP4 = "mxfp4"  # a checkpoint's own (gpt-oss's experts): kvflow/model/quant/mxfp4_load.py
+MXFP4_FAMILIES = ("gpt-oss",)  # whose experts checkpoints (and llama.cpp's files) store in MXFP4
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
@@ -38,6 +40,8 @@ def resolve_quantization(requested: str | None, path: str, tp_size: int = 1,
     GGUF file is sharded as stored (gguf_shard.py); int8 W8A8 is not sharded, so an explicit
     int8 is refused there, and so is a compressed-tensors checkpoint (it cannot fall back)."""
     method = checkpoint_method(path)
+    if method == MXFP4:
+        return _mxfp4_quantization(requested, tp_size, on_gpu)
     if method is not None:
         return _checkpoint_quantization(method, requested, path, tp_size, on_gpu)
     if requested is None:
@@ -46,6 +50,9 @@ def resolve_quantization(requested: str | None, path: str, tp_size: int = 1,
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {requested!r}")
     if requested == "gguf" and not is_gguf(path):
         raise ValueError("quantization gguf needs a .gguf model file")
+    if requested == MXFP4:
+        raise ValueError("quantization mxfp4 needs an HF gpt-oss folder whose config.json has "
+                         "quantization_config with quant_method mxfp4")
     if requested == METHOD:
         raise ValueError("quantization compressed-tensors needs an HF folder whose config.json has "
                          "quantization_config with quant_method compressed-tensors")
@@ -60,6 +67,20 @@ def resolve_quantization(requested: str | None, path: str, tp_size: int = 1,
         raise ValueError(f"quantization {requested} runs on the CPU only (device cuda: pass "
                          "--quantization none)")
     return requested
+
+
+def _mxfp4_quantization(requested: str | None, tp_size: int, on_gpu: bool) -> str:
+    """gpt-oss's MXFP4 experts (mxfp4_load.py): served as stored, or a ValueError saying why not."""
+    if requested not in (None, MXFP4):
+        raise ValueError(f"quantization method specified in the model config ({MXFP4}) does not "
+                         f"match the quantization argument ({requested}): omit --quantization or "
+                         f"pass {MXFP4}")
+    if tp_size > 1:
+        raise ValueError("quantization mxfp4: MXFP4 experts are not sharded across ranks yet; "
+                         "pass tensor_parallel_size 1")
+    if on_gpu:
+        raise ValueError("quantization mxfp4: MXFP4 experts run on the CPU only (pass --device cpu)")
+    return MXFP4
 
 
 def _checkpoint_quantization(method: str, requested: str | None, path: str, tp_size: int,

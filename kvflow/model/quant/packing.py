@@ -5,7 +5,9 @@ output and block of 32 inputs: weight = d * q + m. Two kinds:
 
 - q4: q in 0..15, any d and m (GGUF Q4_0 has m = -8 d, Q4_1 and Q4_K their own mins);
 - q8: q in -128..127 and m = 0 (GGUF Q8_0, everything requantized to it, int8 W8A8; only
-  compressed-tensors checkpoints reach -128).
+  compressed-tensors checkpoints reach -128);
+- mxfp4: q the e2m1 codes 0..15 (bit 3 the sign) and d the e8m0 exponent bytes, no m
+  (gpt-oss's experts, kvflow/model/quant/mxfp4.py; served by kvflow/csrc/gemm_mxfp4.c).
 
 Outputs go in panels of 16; each panel is one run of records, one per block of 32 inputs
 (the C file's header has the bytes). N is padded to whole panels with zero weights."""
@@ -16,7 +18,7 @@ import torch
 
 PANEL = 16
 BLOCK = 32
-RECORD_BYTES = {"q4": 320, "q8": 608}
+RECORD_BYTES = {"q4": 320, "q8": 608, "mxfp4": 272}
 
 
 def _panels(a: np.ndarray, n_pad: int) -> np.ndarray:
@@ -29,7 +31,7 @@ def _panels(a: np.ndarray, n_pad: int) -> np.ndarray:
 
 
 def pack(kind: str, q: np.ndarray, d: np.ndarray, m: np.ndarray | None = None) -> torch.Tensor:
-    """q (N, K) (uint8 0..15 for q4, int8 for q8), d and m (N, K/32) -> the packed uint8 panels
+    """q (N, K) (uint8 0..15 for q4 and mxfp4, int8 for q8), d and m (N, K/32) -> the packed uint8 panels
     [ceil(N/16) * K/32 * record bytes]."""
     n, k = q.shape
     kb = k // BLOCK
@@ -38,9 +40,13 @@ def pack(kind: str, q: np.ndarray, d: np.ndarray, m: np.ndarray | None = None) -
     p = n_pad // PANEL
     # quads: [P, 16 outputs, Kb, 8 quads, 4] -> [P, Kb, 8, 16, 4]
     quads = _panels(q, n_pad).reshape(p, PANEL, kb, 8, 4).transpose(0, 2, 3, 1, 4)
-    scale = np.ascontiguousarray(_panels(d.astype(np.float16), n_pad).reshape(p, PANEL, kb).transpose(0, 2, 1))
+    scale_type = np.uint8 if kind == "mxfp4" else np.float16
+    scale = np.ascontiguousarray(_panels(d.astype(scale_type), n_pad).reshape(p, PANEL, kb).transpose(0, 2, 1))
     parts = []
-    if kind == "q4":
+    if kind == "mxfp4":  # q4's nibbles, then the e8m0 bytes
+        u = quads.astype(np.uint8)
+        parts = [(u[:, :, :4] | (u[:, :, 4:] << 4)).reshape(p, kb, 256), scale]
+    elif kind == "q4":
         u = quads.astype(np.uint8)
         data = (u[:, :, :4] | (u[:, :, 4:] << 4)).reshape(p, kb, 256)
         mins = np.ascontiguousarray(_panels(m.astype(np.float16), n_pad).reshape(p, PANEL, kb).transpose(0, 2, 1))

@@ -13,6 +13,8 @@ from kvflow.csrc import library, run_kernel
 from kvflow.model.quant.packing import BLOCK, PANEL
 
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512-vnni": 2}
+# the C kernels' kinds (kernels.h): q4 and q8 in gemm_quant.c, MXFP4 in gemm_mxfp4.c
+KIND_CODES = {"q4": 0, "q8": 1, "mxfp4": 2}
 # Rows from which 8-bit weights are widened to bf16 (benchmarks/README.md, "The quantized linear
 # at batch sizes" and "8-bit weights at decode-sized batches", Zen 4, one thread): the int8 GEMM of 8-bit weights runs 25-30% behind the bf16 GEMM from
 # ~100 rows (its records are twice a 4-bit one's) and the widened path within 5% of it; level at
@@ -22,6 +24,9 @@ ISA_CODES = {"scalar": 0, "avx2": 1, "avx512-vnni": 2}
 # 8-512 rows.
 # Per-row activation scales (int8 W8A8) take the same threshold: their row maximum is found in
 # vector code like the per-block ones (it was scalar, and then widening from 16-32 rows paid).
+# MXFP4 (gpt-oss's experts) is never widened: one expert's gate_up (5760 x 2880) ran ahead of the
+# bf16 panel GEMM at every row count from 1 to 256 (0.36 vs 2.13 ms at 1 row, 8.4 vs 10.5 at 64,
+# 33.9 vs 39.0 at 256; one thread, Zen 4).
 WIDE_ROWS = {"q8": 64}
 NEVER = 1 << 62
 
@@ -38,7 +43,7 @@ class QuantizedWeight:
     """One (n, k) projection in the panel layout (packing.py). `source` names where it came
     from (a GGUF type like Q4_1, or int8), `per_row`: quantize activations per row (W8A8)."""
 
-    kind: str  # q4 | q8
+    kind: str  # q4 | q8 | mxfp4
     n: int
     k: int
     packed: torch.Tensor  # uint8
@@ -120,7 +125,7 @@ def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
         wide_rows = (w.wide_rows if isa is None else widen_from(w.kind, k, isa, True)) \
             if bf16 else NEVER
     rc = _lib().quant_linear(x.data_ptr(), x.stride(0), k, w.kb, bf16, int(w.per_row),
-                             w.packed.data_ptr(), int(w.kind == "q8"), ISA_CODES[isa or w.isa],
+                             w.packed.data_ptr(), KIND_CODES[w.kind], ISA_CODES[isa or w.isa],
                              None if bias is None else bias.data_ptr(), out.data_ptr(), w.n, bf16,
                              m, torch.get_num_threads() if threads is None else threads, wide_rows,
                              int(silu_mul))
@@ -144,7 +149,7 @@ def norm_quant_linear(residual: torch.Tensor, delta: torch.Tensor | None, norm_w
     bf16 = int(residual.dtype is torch.bfloat16)
     rc = _lib().quant_linear_normed(
         residual.data_ptr(), None if delta is None else delta.data_ptr(), norm_weight.data_ptr(), eps,
-        k, w.kb, bf16, int(w.per_row), w.packed.data_ptr(), int(w.kind == "q8"), ISA_CODES[w.isa],
+        k, w.kb, bf16, int(w.per_row), w.packed.data_ptr(), KIND_CODES[w.kind], ISA_CODES[w.isa],
         None if bias is None else bias.data_ptr(), out.data_ptr(), w.n, bf16, m,
         torch.get_num_threads(), w.wide_rows if bf16 else NEVER, int(silu_mul))
     if rc != 0:
