@@ -66,8 +66,9 @@ LENS, SLOTS, SAVES = np.array([1, 6, 1]), np.array([5, 1, 3]), {1: (2, 0), 2: (0
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kernel_size,bias,silu", [(4, False, True), (4, True, True), (3, True, False)])
+@pytest.mark.parametrize("saves", [SAVES, {}], ids=["snapshots", "none"])
 def test_conv_matches_the_reference_over_decodes_chunks_and_snapshots(isa, dtype, kernel_size, bias,
-                                                                      silu, threads):
+                                                                      silu, saves, threads):
     _need(isa)
     g = torch.Generator().manual_seed(0)
     c = 300
@@ -78,10 +79,10 @@ def test_conv_matches_the_reference_over_decodes_chunks_and_snapshots(isa, dtype
     wide = torch.randn(int(starts[-1]), c + 20, generator=g).to(dtype)  # strided rows
     x = wide[:, 7:7 + c]
     ref_state = state.clone()
-    ref = causal_conv1d(ref_state, weight, b, x, starts, LENS, torch.from_numpy(SLOTS), SAVES)
+    ref = causal_conv1d(ref_state, weight, b, x, starts, LENS, torch.from_numpy(SLOTS), saves)
     if silu:
         ref = F.silu(ref)
-    got = su.causal_conv(state, weight, b, x, starts, LENS, SLOTS, SAVES, silu, isa)
+    got = su.causal_conv(state, weight, b, x, starts, LENS, SLOTS, saves, silu, isa)
     assert torch.equal(state, ref_state)  # windows and snapshots: copies, exact
     torch.testing.assert_close(got, ref, **(F32_TOL if dtype == torch.float32 else BF16_TOL))
 
@@ -127,6 +128,32 @@ def test_gated_delta_step_matches_the_recurrence(isa, dtype, dk, dv, threads):
 
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_delta_step_with_the_gated_norm_matches_the_layers(isa, dtype, threads):
+    """The decode-only step's fused output: the layer's _gated_norm of the step's output."""
+    _need(isa)
+    g = torch.Generator().manual_seed(5)
+    nk, nv, dk, dv, t = 2, 4, 32, 36, 3
+    layer = GatedDeltaNet(16, nk, nv, dk, dv, 4, 1e-6, dtype)
+    with torch.no_grad():
+        layer.norm.copy_(torch.randn(dv, generator=g))
+    rows, slots = np.arange(t), np.array([4, 1, 2])
+    x = torch.randn(t, 2 * nk * dk + nv * dv, generator=g).to(dtype)
+    proj = torch.randn(t, nv * dv + 2 * nv, generator=g).to(dtype)  # z, then b and a
+    z, ba = proj[:, :nv * dv], proj[:, nv * dv:]
+    a_log, dt_bias = torch.randn(nv, generator=g) * 0.5, torch.randn(nv, generator=g)
+    state = torch.randn(7, nv, dk, dv, generator=g)
+    ref_state, out = state.clone(), torch.empty(t, nv, dv)
+    su.gated_delta_decode(x, ba, a_log, dt_bias, ref_state, rows, slots, out, nk, "scalar")
+    ref = layer._gated_norm(out.to(dtype), z)
+    gated = torch.empty(t, nv, dv, dtype=dtype)
+    su.gated_delta_decode(x, ba, a_log, dt_bias, state, rows, slots, gated, nk, isa,
+                          gate=(z, layer.norm, layer.eps))
+    torch.testing.assert_close(state, ref_state, **F32_TOL)
+    torch.testing.assert_close(gated, ref, **(F32_TOL if dtype == torch.float32 else BF16_TOL))
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("limit", [(0.0, float("inf")), (0.05, 0.4)])
 @pytest.mark.parametrize("p,n", [(24, 40), (16, 64)])
 def test_ssm_step_matches_the_recurrence(isa, dtype, limit, p, n, threads):
@@ -151,6 +178,25 @@ def test_ssm_step_matches_the_recurrence(isa, dtype, limit, p, n, threads):
     su.ssm_decode(x, dt, a_log, dt_bias, state, rows, slots, y, groups, limit, isa)
     torch.testing.assert_close(y[rows], ref, **F32_TOL)
     torch.testing.assert_close(state, ref_state, **F32_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_ssm_gated_norm_matches_the_layers(dtype, groups):
+    """The decode-only step's output: the D skip, then the layer's _gated_norm, rounded once."""
+    g = torch.Generator().manual_seed(6)
+    nh, p, n, t = 4, 24, 16, 3
+    layer = Mamba2(16, nh, p, n, groups, 4, 1e-5, True, False, (0.0, float("inf")), dtype)
+    with torch.no_grad():
+        layer.norm.copy_(torch.randn(nh * p, generator=g))
+        layer.D.copy_(torch.randn(nh, generator=g))
+    y = torch.randn(t, nh, p, generator=g)
+    x = torch.randn(t, nh * p + 2 * groups * n, generator=g).to(dtype)
+    z = torch.randn(t, nh * p + 5, generator=g).to(dtype)[:, 5:]
+    ref = (y + layer.D[:, None] * x[:, :nh * p].float().view(t, nh, p)).view(t, -1)
+    ref = layer._gated_norm(ref, z).to(dtype)
+    got = su.ssm_gated_norm(y, x, z, layer.D, layer.norm, layer.eps, groups)
+    torch.testing.assert_close(got, ref, **(F32_TOL if dtype == torch.float32 else BF16_TOL))
 
 
 def test_wrong_shapes_are_refused():

@@ -15,6 +15,9 @@
  *                      softplus(dt + dt_bias) clamped, then
  *                          S <- exp(dt A) S + dt x B^T;  y = S C      (the D skip is the caller's)
  *                      S [P][N] fp32. Work units: (request, head).
+ *   ssm_gated_norm_rows  then, in a decode-only step, the D skip, the gate silu(z) and the
+ *                      RMSNorm over each group's channels, times the weight, rounded once
+ *                      into the model dtype. Work units: rows.
  *
  * Activations are the model's dtype (bf16 or fp32, `bf16` flags); sums in fp32, each in the
  * PyTorch reference's order up to FMA contraction (fp32 rounding). Paths (chosen at load,
@@ -65,21 +68,22 @@ static void conv_scalar(const float *wt, int64_t K, int64_t cb, const void *cons
     }
 }
 
-static void gdn_read_scalar(const float *S, int64_t dk, int64_t dv, float eg, const float *k,
-                            float *kv)
+/* one head's step over columns [j0, dv) of S [dk][dv]: kv = (eg S)^T k, delta = beta (v - kv),
+ * S <- eg S + k delta^T, o = S^T q (the vector paths' tails, and the scalar path: j0 = 0) */
+static void gdn_head_columns(float *S, int64_t dk, int64_t dv, int64_t j0, float eg, float beta,
+                             const float *k, const float *v, const float *q, float *o)
 {
-    for (int64_t j = 0; j < dv; j++) kv[j] = 0.f;
+    float kv[HEAD_MAX];
+    for (int64_t j = j0; j < dv; j++) kv[j] = 0.f;
     for (int64_t i = 0; i < dk; i++)
-        for (int64_t j = 0; j < dv; j++) kv[j] += S[i * dv + j] * eg * k[i];
-}
-
-static void gdn_write_scalar(float *S, int64_t dk, int64_t dv, float eg, const float *k,
-                             const float *delta, const float *q, float *o)
-{
-    for (int64_t j = 0; j < dv; j++) o[j] = 0.f;
+        for (int64_t j = j0; j < dv; j++) kv[j] += S[i * dv + j] * eg * k[i];
+    for (int64_t j = j0; j < dv; j++) {
+        kv[j] = (v[j] - kv[j]) * beta;
+        o[j] = 0.f;
+    }
     for (int64_t i = 0; i < dk; i++)
-        for (int64_t j = 0; j < dv; j++) {
-            const float s = S[i * dv + j] * eg + k[i] * delta[j];
+        for (int64_t j = j0; j < dv; j++) {
+            const float s = S[i * dv + j] * eg + k[i] * kv[j];
             S[i * dv + j] = s;
             o[j] += s * q[i];
         }
@@ -150,50 +154,29 @@ static void conv_avx2(const float *wt, int64_t K, int64_t cb, const void *const 
     }
 }
 
-static void gdn_read_avx2(const float *S, int64_t dk, int64_t dv, float eg, const float *k,
-                          float *kv)
+/* one head's step, 8 columns of S at a time: its S^T k read, then (the column block still in
+ * L1) its update and output; S crosses the memory once */
+static void gdn_head_avx2(float *S, int64_t dk, int64_t dv, float eg, float beta, const float *k,
+                          const float *v, const float *q, float *o)
 {
     const __m256 veg = _mm256_set1_ps(eg);
     int64_t j = 0;
     for (; j + 8 <= dv; j += 8) {
-        __m256 acc = _mm256_setzero_ps();
+        __m256 kv = _mm256_setzero_ps();
         for (int64_t i = 0; i < dk; i++)
-            acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(S + i * dv + j), veg),
-                                  _mm256_set1_ps(k[i]), acc);
-        _mm256_storeu_ps(kv + j, acc);
-    }
-    for (; j < dv; j++) {
-        float acc = 0.f;
-        for (int64_t i = 0; i < dk; i++) acc += S[i * dv + j] * eg * k[i];
-        kv[j] = acc;
-    }
-}
-
-static void gdn_write_avx2(float *S, int64_t dk, int64_t dv, float eg, const float *k,
-                           const float *delta, const float *q, float *o)
-{
-    const __m256 veg = _mm256_set1_ps(eg);
-    int64_t j = 0;
-    for (; j + 8 <= dv; j += 8) {
-        const __m256 d = _mm256_loadu_ps(delta + j);
+            kv = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(S + i * dv + j), veg),
+                                 _mm256_set1_ps(k[i]), kv);
+        const __m256 d = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(v + j), kv), _mm256_set1_ps(beta));
         __m256 acc = _mm256_setzero_ps();
         for (int64_t i = 0; i < dk; i++) {
             float *s = S + i * dv + j;
-            const __m256 v = _mm256_fmadd_ps(_mm256_set1_ps(k[i]), d, _mm256_mul_ps(_mm256_loadu_ps(s), veg));
-            _mm256_storeu_ps(s, v);
-            acc = _mm256_fmadd_ps(v, _mm256_set1_ps(q[i]), acc);
+            const __m256 x = _mm256_fmadd_ps(_mm256_set1_ps(k[i]), d, _mm256_mul_ps(_mm256_loadu_ps(s), veg));
+            _mm256_storeu_ps(s, x);
+            acc = _mm256_fmadd_ps(x, _mm256_set1_ps(q[i]), acc);
         }
         _mm256_storeu_ps(o + j, acc);
     }
-    for (; j < dv; j++) {
-        float acc = 0.f;
-        for (int64_t i = 0; i < dk; i++) {
-            const float s = S[i * dv + j] * eg + k[i] * delta[j];
-            S[i * dv + j] = s;
-            acc += s * q[i];
-        }
-        o[j] = acc;
-    }
+    if (j < dv) gdn_head_columns(S, dk, dv, j, eg, beta, k, v, q, o);
 }
 
 static void ssm_avx2(float *S, int64_t P, int64_t N, float dA, const float *xdt, const float *B,
@@ -265,50 +248,27 @@ static void conv_avx512(const float *wt, int64_t K, int64_t cb, const void *cons
     }
 }
 
-static void gdn_read_avx512(const float *S, int64_t dk, int64_t dv, float eg, const float *k,
-                            float *kv)
+static void gdn_head_avx512(float *S, int64_t dk, int64_t dv, float eg, float beta,
+                            const float *k, const float *v, const float *q, float *o)
 {
     const __m512 veg = _mm512_set1_ps(eg);
     int64_t j = 0;
     for (; j + 16 <= dv; j += 16) {
-        __m512 acc = _mm512_setzero_ps();
+        __m512 kv = _mm512_setzero_ps();
         for (int64_t i = 0; i < dk; i++)
-            acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(S + i * dv + j), veg),
-                                  _mm512_set1_ps(k[i]), acc);
-        _mm512_storeu_ps(kv + j, acc);
-    }
-    for (; j < dv; j++) {
-        float acc = 0.f;
-        for (int64_t i = 0; i < dk; i++) acc += S[i * dv + j] * eg * k[i];
-        kv[j] = acc;
-    }
-}
-
-static void gdn_write_avx512(float *S, int64_t dk, int64_t dv, float eg, const float *k,
-                             const float *delta, const float *q, float *o)
-{
-    const __m512 veg = _mm512_set1_ps(eg);
-    int64_t j = 0;
-    for (; j + 16 <= dv; j += 16) {
-        const __m512 d = _mm512_loadu_ps(delta + j);
+            kv = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(S + i * dv + j), veg),
+                                 _mm512_set1_ps(k[i]), kv);
+        const __m512 d = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(v + j), kv), _mm512_set1_ps(beta));
         __m512 acc = _mm512_setzero_ps();
         for (int64_t i = 0; i < dk; i++) {
             float *s = S + i * dv + j;
-            const __m512 v = _mm512_fmadd_ps(_mm512_set1_ps(k[i]), d, _mm512_mul_ps(_mm512_loadu_ps(s), veg));
-            _mm512_storeu_ps(s, v);
-            acc = _mm512_fmadd_ps(v, _mm512_set1_ps(q[i]), acc);
+            const __m512 x = _mm512_fmadd_ps(_mm512_set1_ps(k[i]), d, _mm512_mul_ps(_mm512_loadu_ps(s), veg));
+            _mm512_storeu_ps(s, x);
+            acc = _mm512_fmadd_ps(x, _mm512_set1_ps(q[i]), acc);
         }
         _mm512_storeu_ps(o + j, acc);
     }
-    for (; j < dv; j++) {
-        float acc = 0.f;
-        for (int64_t i = 0; i < dk; i++) {
-            const float s = S[i * dv + j] * eg + k[i] * delta[j];
-            S[i * dv + j] = s;
-            acc += s * q[i];
-        }
-        o[j] = acc;
-    }
+    if (j < dv) gdn_head_columns(S, dk, dv, j, eg, beta, k, v, q, o);
 }
 
 static void ssm_avx512(float *S, int64_t P, int64_t N, float dA, const float *xdt,
@@ -350,7 +310,8 @@ int64_t state_update_isas(void)
 /* The conv over requests' tokens. x [T][x_stride] and out [T][out_stride] (channels
  * contiguous), state [slots][taps][C], all in the model dtype (`bf16`); weight [C][K] and bias
  * [C] (or NULL) too. Request i: tokens [starts[i], starts[i] + lens[i]), its state in slot
- * slots[i]; snap_slot[i] >= 0 keeps the window after its token snap_after[i] there. Units:
+ * slots[i]; snap_slot[i] >= 0 keeps the window after its token snap_after[i] there (both
+ * NULL: no snapshots). Units:
  * i * blocks + b for blocks = ceil(C / CONV_BLOCK). */
 void causal_conv_rows(const void *x, int64_t x_stride, void *out, int64_t out_stride, void *state,
                       const void *weight, const void *bias, const int64_t *starts,
@@ -390,7 +351,7 @@ void causal_conv_rows(const void *x, int64_t x_stride, void *out, int64_t out_st
                 conv_scalar(wt, K, cb, src, bf, bp, (int)silu, dst);
             }
         }
-        if (snap_slot[i] >= 0) { /* before the state moves on: it may read the state's rows */
+        if (snap_slot && snap_slot[i] >= 0) { /* before the state moves on: it may read the state's rows */
             char *snap = (char *)state + snap_slot[i] * taps * C * esz;
             for (int64_t r = 0; r < taps; r++)
                 memcpy(snap + (r * C + c0) * esz, WINDOW(snap_after[i] + 1 + r), (size_t)(cb * esz));
@@ -404,17 +365,21 @@ void causal_conv_rows(const void *x, int64_t x_stride, void *out, int64_t out_st
 /* Gated DeltaNet's step for one token of each request r: its token's row rows[r] of x
  * [T][x_stride] (the conv's output q|k|v: nk * dk, nk * dk, nv * dv channels) and of ba
  * [T][ba_stride] (b's nv values, then a's), its state in slot slots[r] of state
- * [slots][nv][dk][dv]; out [T][nv][dv] fp32. Units: r * nv + h. */
+ * [slots][nv][dk][dv]; out [T][nv][dv] fp32. With z (the gate, [T][z_stride], nv * dv
+ * values a row) the head's output is gated-normed as the layer's _gated_norm does (RMSNorm
+ * with eps, times norm [dv], times silu(z), each rounding of the model dtype kept) into gated
+ * [T][gated_stride] in the model dtype instead, and out is not written. Units: r * nv + h. */
 void gdn_decode_rows(const void *x, int64_t x_stride, const void *ba, int64_t ba_stride,
                      const float *A_log, const float *dt_bias, float *state,
                      const int64_t *rows, const int64_t *slots, float *out, int64_t nk,
-                     int64_t nv, int64_t dk, int64_t dv, int64_t bf16, int64_t isa,
-                     int64_t begin, int64_t end)
+                     int64_t nv, int64_t dk, int64_t dv, const void *z, int64_t z_stride,
+                     const void *norm, float eps, void *gated, int64_t gated_stride,
+                     int64_t bf16, int64_t isa, int64_t begin, int64_t end)
 {
     const int bf = (int)bf16;
     const int64_t groups = nv / nk;
     const float scale = 1.f / sqrtf((float)dk);
-    float q[HEAD_MAX], k[HEAD_MAX], kv[HEAD_MAX];
+    float q[HEAD_MAX], k[HEAD_MAX], v[HEAD_MAX];
     int64_t normed = -1; /* the (row, k head) q and k hold */
     for (int64_t u = begin; u < end; u++) {
         const int64_t r = u / nv, h = u % nv, kh = h / groups, row = rows[r];
@@ -437,30 +402,33 @@ void gdn_decode_rows(const void *x, int64_t x_stride, const void *ba, int64_t ba
         const float beta = round_to(bf, 1.f / (1.f + expf(-ld(ba, bf, row * ba_stride + h))));
         const float g = -expf(A_log[h]) * softplus(ld(ba, bf, row * ba_stride + nv + h) + dt_bias[h]);
         const float eg = expf(g);
-        float *S = state + (slots[r] * nv + h) * dk * dv, *o = out + (row * nv + h) * dv;
+        float *S = state + (slots[r] * nv + h) * dk * dv, ob[HEAD_MAX];
+        float *o = z ? ob : out + (row * nv + h) * dv;
         const int64_t xv = xr + 2 * nk * dk + h * dv;
+        for (int64_t j = 0; j < dv; j++) v[j] = ld(x, bf, xv + j);
         if (isa == 2) {
 #ifdef STATE_AVX512
-            gdn_read_avx512(S, dk, dv, eg, k, kv);
+            gdn_head_avx512(S, dk, dv, eg, beta, k, v, q, o);
 #endif
         } else if (isa == 1) {
 #ifdef STATE_AVX2
-            gdn_read_avx2(S, dk, dv, eg, k, kv);
+            gdn_head_avx2(S, dk, dv, eg, beta, k, v, q, o);
 #endif
         } else {
-            gdn_read_scalar(S, dk, dv, eg, k, kv);
+            gdn_head_columns(S, dk, dv, 0, eg, beta, k, v, q, o);
         }
-        for (int64_t j = 0; j < dv; j++) kv[j] = (ld(x, bf, xv + j) - kv[j]) * beta; /* delta */
-        if (isa == 2) {
-#ifdef STATE_AVX512
-            gdn_write_avx512(S, dk, dv, eg, k, kv, q, o);
-#endif
-        } else if (isa == 1) {
-#ifdef STATE_AVX2
-            gdn_write_avx2(S, dk, dv, eg, k, kv, q, o);
-#endif
-        } else {
-            gdn_write_scalar(S, dk, dv, eg, k, kv, q, o);
+        if (z) { /* RMSNorm over the head (o rounded to the model dtype first), the weight, silu(z) */
+            float ss = 0.f;
+            for (int64_t j = 0; j < dv; j++) {
+                o[j] = round_to(bf, o[j]);
+                ss += o[j] * o[j];
+            }
+            const float inv = 1.f / sqrtf(ss / (float)dv + eps);
+            for (int64_t j = 0; j < dv; j++) {
+                const float zj = ld(z, bf, row * z_stride + h * dv + j);
+                const float n = round_to(bf, round_to(bf, o[j] * inv) * ld(norm, bf, j));
+                st(gated, bf, row * gated_stride + h * dv + j, n * (zj / (1.f + expf(-zj))));
+            }
         }
     }
 }
@@ -506,4 +474,31 @@ void ssm_decode_rows(const void *x, int64_t x_stride, const void *dt, int64_t dt
             ssm_scalar(S, P, N, dA, xdt, B, C, o);
         }
     }
+}
+
+/* Mamba2's output after the scan for rows [begin, end) of a step: y [T][nh * P] fp32 (the
+ * scan's), x [T][x_stride] (the conv's output, its first nh * P channels), z [T][z_stride],
+ * D [nh] fp32, norm [nh * P] (all but y and D in the model dtype):
+ *     g = (y + D x) silu(z);  out = norm * g / sqrt(mean over the group's channels of g^2 + eps)
+ * out [T][nh * P] in the model dtype (as the layer's _gated_norm, fp32 then one rounding). */
+void ssm_gated_norm_rows(const float *y, const void *x, int64_t x_stride, const void *z,
+                         int64_t z_stride, const float *D, const void *norm, float eps, void *out,
+                         int64_t nh, int64_t P, int64_t G, int64_t bf16, int64_t begin, int64_t end)
+{
+    const int bf = (int)bf16;
+    const int64_t width = nh * P, per = width / G;
+    float g[HEAD_MAX * 8];
+    for (int64_t t = begin; t < end; t++)
+        for (int64_t grp = 0; grp < G; grp++) {
+            float ss = 0.f;
+            for (int64_t c = 0; c < per; c++) {
+                const int64_t ch = grp * per + c;
+                const float zc = ld(z, bf, t * z_stride + ch);
+                g[c] = (y[t * width + ch] + D[ch / P] * ld(x, bf, t * x_stride + ch)) * (zc / (1.f + expf(-zc)));
+                ss += g[c] * g[c];
+            }
+            const float inv = 1.f / sqrtf(ss / (float)per + eps);
+            for (int64_t c = 0; c < per; c++)
+                st(out, bf, t * width + grp * per + c, ld(norm, bf, grp * per + c) * (g[c] * inv));
+        }
 }

@@ -19,7 +19,8 @@ recurrence above for all of them at once; a prompt chunk runs the chunked form (
 over chunks of up to 64 tokens through a triangular solve, HF's torch_chunk_gated_delta_rule).
 Where the backend has the C kernels (`kernels.state_isa`), the conv (decodes and chunks) and
 the decodes' step run in kvflow/csrc/state_update.c on the states in their slots, the step with
-its l2norm, beta and g fused; the chunked form stays in PyTorch."""
+its l2norm, beta and g fused (and, in a decode-only step, the gated norm); the chunked form
+stays in PyTorch."""
 from __future__ import annotations
 
 import numpy as np
@@ -154,8 +155,16 @@ class GatedDeltaNet(nn.Module):
         else:
             x = F.silu(causal_conv1d(self.conv_state, self.conv_weight, None, mixed, starts, lens,
                                      slots, saves))
-        out = torch.empty(t, nv, self.head_v_dim, dtype=torch.float32, device=h.device)
         one = np.flatnonzero(lens == 1)
+        if isa and len(one) == len(lens):  # a decode-only step: the step and the gated norm in C
+            gated = torch.empty(t, nv, self.head_v_dim, dtype=h.dtype)
+            state_update.gated_delta_decode(x, proj[:, self.conv_dim + self.value_dim:], self.A_log,
+                                            self.dt_bias, self.recurrent_state, starts[one],
+                                            slot_ids[one], gated, self.num_k_heads, isa,
+                                            gate=(z, self.norm, self.eps))
+            self._snapshots_after_one_token(one, saves, slots)
+            return kernels.linear(gated.view(t, -1), self.out_proj, packed.get("out_proj"))
+        out = torch.empty(t, nv, self.head_v_dim, dtype=torch.float32, device=h.device)
         heads = self._heads(x, b, a) if not isa or len(one) < len(lens) else None
         if len(one) and isa:  # decodes: the C step reads and writes the states in their slots
             state_update.gated_delta_decode(x, proj[:, self.conv_dim + self.value_dim:], self.A_log,
@@ -166,9 +175,7 @@ class GatedDeltaNet(nn.Module):
             state = self.recurrent_state[s]  # a copy (gathered), written back after
             out[rows] = recurrent_gated_delta_rule(*(y[rows] for y in heads), state)
             self.recurrent_state[s] = state
-        for i in one:  # a snapshot after its one token: the state just written
-            if i in saves:
-                self.recurrent_state[saves[i][1]] = self.recurrent_state[slots[i]]
+        self._snapshots_after_one_token(one, saves, slots)
         for i in np.flatnonzero(lens > 1):  # prompt chunks, one by one, in the chunked form
             start, n, slot = int(starts[i]), int(lens[i]), int(slots[i])
             # a snapshot after token `after` splits the chunk there
@@ -184,6 +191,11 @@ class GatedDeltaNet(nn.Module):
                     self.recurrent_state[snap] = self.recurrent_state[slot]
         return kernels.linear(self._gated_norm(out.to(h.dtype), z).view(t, -1), self.out_proj,
                               packed.get("out_proj"))
+
+    def _snapshots_after_one_token(self, one: np.ndarray, saves: dict, slots: torch.Tensor) -> None:
+        for i in one:  # a snapshot after its one token: the state just written
+            if i in saves:
+                self.recurrent_state[saves[i][1]] = self.recurrent_state[slots[i]]
 
     def _heads(self, x: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The recurrence's inputs, fp32: q, k [T, nv, dk] (normalised, q scaled; each q/k head

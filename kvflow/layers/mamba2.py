@@ -20,8 +20,9 @@ windows are kvflow/layers/causal_conv.py's. Decodes (one token) run the recurren
 all of them at once; a prompt chunk runs the chunked form (SSD over chunks of up to 64 tokens:
 within a chunk as masked attention, between chunks through the state; HF's torch chunk scan).
 Where the backend has the C kernels (`kernels.state_isa`), the conv (decodes and chunks) and the
-decodes' update (dt's softplus and clamp fused) run in kvflow/csrc/state_update.c on the states
-in their slots; the chunked form stays in PyTorch.
+decodes' update (dt's softplus and clamp fused; in a decode-only step also the D skip and the
+gated norm) run in kvflow/csrc/state_update.c on the states in their slots; the chunked form
+stays in PyTorch.
 
 Numerics: HF's chunked path (prompts) computes the scan and the gated norm in fp32 and rounds
 once before out_proj; kvflow does that for decodes too (HF's one-token path rounds the scan's
@@ -166,20 +167,24 @@ class Mamba2(nn.Module):
         else:
             xbc = F.silu(causal_conv1d(self.conv_state, self.conv_weight, self.conv_bias, xbc,
                                        starts, lens, slots, saves))
-        bc = self.n_groups * self.state_size
-        x, b, c = xbc.float().split([self.intermediate, bc, bc], dim=-1)
-        x = x.view(t, nh, p)
-        per_group = nh // self.n_groups  # each group's B and C serve this many consecutive heads
         y = torch.empty(t, nh, p, dtype=torch.float32, device=h.device)
         one = np.flatnonzero(lens == 1)
         if isa and len(one):  # decodes: the C step reads and writes the states in their slots
             state_update.ssm_decode(xbc, dt, self.A_log, self.dt_bias, self.recurrent_state,
                                     starts[one], slot_ids[one], y, self.n_groups,
                                     self.time_step_limit, isa)
-        if not isa or len(one) < len(lens):
-            b = b.view(t, self.n_groups, -1).repeat_interleave(per_group, 1)  # [T, H, N]
-            c = c.view(t, self.n_groups, -1).repeat_interleave(per_group, 1)
-            dt = F.softplus(dt.float() + self.dt_bias).clamp(*self.time_step_limit)
+            if len(one) == len(lens):  # a decode-only step: D, the gate and the norm in C too
+                self._snapshots_after_one_token(one, saves, slots)
+                out = state_update.ssm_gated_norm(y, xbc, z, self.D, self.norm, self.eps,
+                                                  self.n_groups)
+                return kernels.linear(out, self.out_proj, packed.get("out_proj"), self.out_bias)
+        bc = self.n_groups * self.state_size
+        x, b, c = xbc.float().split([self.intermediate, bc, bc], dim=-1)
+        x = x.view(t, nh, p)
+        per_group = nh // self.n_groups  # each group's B and C serve this many consecutive heads
+        b = b.view(t, self.n_groups, -1).repeat_interleave(per_group, 1)  # [T, H, N]
+        c = c.view(t, self.n_groups, -1).repeat_interleave(per_group, 1)
+        dt = F.softplus(dt.float() + self.dt_bias).clamp(*self.time_step_limit)
         a = -self.A_log.exp()
         if len(one) and not isa:  # decodes (and one-token prompts) together: one recurrent update
             one = one[np.argsort(meta.state_slots[one], kind="stable")]  # in slot order
@@ -191,9 +196,7 @@ class Mamba2(nn.Module):
                 state = self.recurrent_state[s]  # a copy (gathered), written back after
                 y[rows] = recurrent_scan(x[rows], dt[rows], a, b[rows], c[rows], state)
                 self.recurrent_state[s] = state
-        for i in one:  # a snapshot after its one token: the state just written
-            if i in saves:
-                self.recurrent_state[saves[i][1]] = self.recurrent_state[slots[i]]
+        self._snapshots_after_one_token(one, saves, slots)
         for i in np.flatnonzero(lens > 1):  # prompt chunks, one by one, in the chunked form
             start, n, slot = int(starts[i]), int(lens[i]), int(slots[i])
             # a snapshot after token `after` splits the chunk there
@@ -211,6 +214,11 @@ class Mamba2(nn.Module):
         y += self.D[:, None] * x
         return kernels.linear(self._gated_norm(y.view(t, -1), z).to(h.dtype), self.out_proj,
                               packed.get("out_proj"), self.out_bias)
+
+    def _snapshots_after_one_token(self, one: np.ndarray, saves: dict, slots: torch.Tensor) -> None:
+        for i in one:  # a snapshot after its one token: the state just written
+            if i in saves:
+                self.recurrent_state[saves[i][1]] = self.recurrent_state[slots[i]]
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """y times silu(z), RMS-normed over each group's channels, times the weight, in fp32
