@@ -266,3 +266,31 @@ def test_a_layer_gives_the_same_outputs_and_states_with_the_kernels(name, dtype)
     for a, b, e in zip(got, ref, exact):
         err_c, err_torch = (a - e).abs().max(), (b - e).abs().max()
         assert err_c <= 1.25 * err_torch + 1e-3 * e.abs().max(), (err_c, err_torch)
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_a_decode_reads_only_its_state_whatever_the_context(name):
+    """The same state decoded at context 10 and at 100,000 gives the same output and state:
+    nothing the layer holds or reads grows with the context."""
+    _isas_here()
+    torch.manual_seed(7)
+    layer = LAYERS[name](torch.float32)
+    with torch.no_grad():
+        for prm in layer.parameters():
+            prm.copy_(torch.randn_like(prm) * 0.3)
+    kernels = select_kernels(torch.float32)
+    layer.allocate_state(4, torch.float32)
+    names = [n for n in ("state", "conv_state", "recurrent_state") if getattr(layer, n, None) is not None]
+    with torch.no_grad():
+        layer(torch.randn(9, 48), _meta([9], [9], [2]), kernels, {})  # a prompt fills slot 2
+        before = [getattr(layer, n).clone() for n in names]
+        h = torch.randn(1, 48)
+        results = []
+        for context in (10, 100_000):
+            for n, saved in zip(names, before):
+                getattr(layer, n).copy_(saved)
+            out = layer(h, _meta([1], [context], [2]), kernels, {})
+            results.append([out] + [getattr(layer, n).clone() for n in names])
+    assert [t.shape for t in before] == [t.shape for t in results[1][1:]]
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
