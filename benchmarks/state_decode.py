@@ -131,12 +131,15 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     kernels = select_kernels(dtype)
     print(kernels.describe(), flush=True)
+    load_before = os.getloadavg()  # the host is shared: its load, for reading the numbers
     rows = [r for name in FAMILIES for b in args.batches
             for r in bench_family(name, dtype, b, args.contexts, args.rounds, args.reps)]
     result = {"schema": "kvflow-bench/1", "kind": "table",
               "title": "state layers' decode step: C kernels against the PyTorch paths",
               "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "commit": git_commit(ROOT),
               "command": "benchmarks/state_decode.py " + " ".join(sys.argv[1:]), "cpu": cpu_info(),
+              "source": "benchmarks/state_decode.py",
+              "host_check": {"before": f"load average {load_before}", "after": f"load average {os.getloadavg()}"},
               "notes": [f"threads {args.threads}, dtype {args.dtype}, state isa {kernels.state_isa}; "
                         f"alternating rounds ({args.rounds} x {args.reps} calls), medians; "
                         "'state part': the layer with its two projections replaced by copies of "
