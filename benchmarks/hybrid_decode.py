@@ -128,6 +128,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     THREADS["num_threads"] = args.threads
+    load_before = os.getloadavg()  # the host is shared: its load, for reading the numbers
     folders = {k: build(k, os.path.join(HERE, "results", f"random-{k}-350m-shape")) for k in ("lfm2", "llama")}
     rows = []
     for context in args.contexts:
@@ -146,6 +147,8 @@ def main() -> None:
     result = {"schema": "kvflow-bench/1", "kind": "table", "title": "hybrid vs attention: decode step by context; W1-shaped",
               "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "commit": git_commit(ROOT),
               "command": "benchmarks/hybrid_decode.py " + " ".join(sys.argv[1:]), "cpu": cpu_info(),
+              "source": "benchmarks/hybrid_decode.py",
+              "host_check": {"before": f"load average {load_before}", "after": f"load average {os.getloadavg()}"},
               "notes": [f"threads {args.threads}, dtype {args.dtype}, random weights of LFM2-350M's shape "
                         "and a same-width 16-layer Llama; W1-shaped: 16 prompts x 256 tokens, 64 out",
                         f"w1 output tok/s: {json.dumps(w1)}"],

@@ -164,13 +164,14 @@ def test_off_the_cpu_everything_is_pytorch():
     k = select_kernels(torch.bfloat16, device="meta", options=ALL_ON)
     assert k.pack is None and k.attention is A.attention_with_sdpa
     assert k.describe() == ("kernels [meta]: linear=torch, gate_up=torch+torch-silu, "
-                            "attention=sdpa, norm=torch, rope=torch, kv_write=torch, argmax=torch")
+                            "attention=sdpa, norm=torch, rope=torch, kv_write=torch, argmax=torch, "
+                            "state=torch")
 
 
 def test_describe_names_every_operation():
     text = select_kernels(torch.float32).describe()
     assert text.startswith(f"kernels [{cpu_features().isa}]: ")
-    for op in ("linear", "gate_up", "attention", "norm", "rope", "kv_write", "argmax"):
+    for op in ("linear", "gate_up", "attention", "norm", "rope", "kv_write", "argmax", "state"):
         assert f"{op}=" in text
 
 
@@ -205,7 +206,7 @@ def test_no_kernels_gives_the_same_tokens(tiny_path, monkeypatch):
     plain, _ = load_model(tiny_path, torch.float32)
     assert plain.kernels.names == {"linear": "torch", "gate_up": "torch+torch-silu", "attention": "sdpa",
                                    "norm": "torch", "rope": "torch", "kv_write": "torch",
-                                   "argmax": "torch"}
+                                   "argmax": "torch", "state": "torch"}
     assert plain.layers[0].packed == {} and plain.packed_lm_head is None
     want_tokens, want_logits = _greedy(plain, arch, prompts, steps=8)
     got_tokens, got_logits = _greedy(fast, arch, prompts, steps=8)

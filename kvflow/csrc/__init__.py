@@ -28,7 +28,8 @@ _DIR = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [os.path.join(_DIR, f) for f in ("paged_attention.c", "paged_attention_quant.c",
                                               "prefill_attention.c", "fused_ops.c", "gemm_bf16.c",
                                               "gemm_quant.c", "gemm_mxfp4.c", "gemm_quant_wide.c",
-                                              "gemv_f32.c", "pool.c", "populate.c", "decode_step.c", "lora.c")]
+                                              "gemv_f32.c", "pool.c", "populate.c", "decode_step.c", "lora.c",
+                                              "state_update.c")]
 _HEADERS = [os.path.join(_DIR, f) for f in ("simd.h", "kernels.h", "tiles.h", "rotation.h")]  # part of the build key, not of the command line
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC", "-std=c11",
           "-pthread"]
@@ -150,6 +151,7 @@ def library() -> ctypes.CDLL | None:
     lib.gemm_mxfp4_isas.restype, lib.gemm_mxfp4_isas.argtypes = _i64, []
     lib.gemv_f32_isas.restype, lib.gemv_f32_isas.argtypes = _i64, []
     lib.lora_isas.restype, lib.lora_isas.argtypes = _i64, []
+    lib.state_update_isas.restype, lib.state_update_isas.argtypes = _i64, []
     lib.paged_decode_q8_isas.restype, lib.paged_decode_q8_isas.argtypes = _i64, []
     lib.hadamard_lanes.restype, lib.hadamard_lanes.argtypes = _i64, []
     lib.paged_decode_q8_serves.restype = _i64
@@ -183,7 +185,8 @@ POOL_KERNELS = {name: i for i, name in enumerate((
     "paged_decode_f32", "paged_decode_bf16", "paged_prefill_bf16", "add_rms_norm_f32",
     "add_rms_norm_bf16", "rope_f32", "rope_bf16", "silu_mul_f32", "silu_mul_bf16",
     "gemm_rows", "gemm_panels", "quantize_q8", "qgemm_rows", "qgemm_panels",
-    "qgemm_wide", "gemv_f32", "lora", "paged_decode_q8"))}
+    "qgemm_wide", "gemv_f32", "lora", "paged_decode_q8", "causal_conv", "gdn_decode",
+    "ssm_decode", "ssm_gated_norm"))}
 
 
 def run_kernel(name: str, words: list, num_rows: int, threads: int, farg: float = 0.0,

@@ -16,7 +16,11 @@ zeros; a prompt arriving in chunks carries both across steps; a prefix-cache hit
 snapshot kept where an earlier request passed a block boundary (`meta.state_saves`: the state
 after a given token of a request's chunk, copied into a snapshot slot; `copy_states`). Decodes (one token) run the
 recurrence above for all of them at once; a prompt chunk runs the chunked form (the delta rule
-over chunks of up to 64 tokens through a triangular solve, HF's torch_chunk_gated_delta_rule)."""
+over chunks of up to 64 tokens through a triangular solve, HF's torch_chunk_gated_delta_rule).
+Where the backend has the C kernels (`kernels.state_isa`), the conv (decodes and chunks) and
+the decodes' step run in kvflow/csrc/state_update.c on the states in their slots, the step with
+its l2norm, beta and g fused (and, in a decode-only step, the gated norm); the chunked form
+stays in PyTorch."""
 from __future__ import annotations
 
 import numpy as np
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.attention.metadata import AttentionMetadata
+from kvflow.csrc import state_update
 from kvflow.layers.causal_conv import causal_conv1d
 from kvflow.layers.parameter import weight
 from kvflow.model.kernels import Kernels
@@ -110,12 +115,17 @@ class GatedDeltaNet(nn.Module):
         # [slots, kernel_size - 1, conv_dim] and [slots, num_v_heads, head_k_dim, head_v_dim]
         self.conv_state: torch.Tensor | None = None
         self.recurrent_state: torch.Tensor | None = None
+        self.c_kernels = False  # set by allocate_state
 
     def allocate_state(self, num_slots: int, dtype: torch.dtype) -> None:
         device = self.in_proj.device
         self.conv_state = torch.zeros(num_slots, self.kernel_size - 1, self.conv_dim, dtype=dtype, device=device)
         self.recurrent_state = torch.zeros(num_slots, self.num_v_heads, self.head_k_dim, self.head_v_dim,
                                            dtype=torch.float32, device=device)
+        # whether the C kernels can serve these shapes and dtypes (where the backend has them)
+        self.c_kernels = (device.type == "cpu" and dtype == self.in_proj.dtype
+                          and state_update.supports(dtype, self.head_k_dim, self.head_v_dim)
+                          and self.kernel_size <= state_update.CONV_MAX_TAPS)
 
     def copy_states(self, pairs: list[tuple[int, int]]) -> None:
         """Copy slot `a`'s state into slot `b` for each (a, b)."""
@@ -129,32 +139,43 @@ class GatedDeltaNet(nn.Module):
         t, nv = h.shape[0], self.num_v_heads
         proj = kernels.linear(h, self.in_proj, packed.get("in_proj"))
         mixed, z, b, a = proj.split([self.conv_dim, self.value_dim, nv, nv], dim=-1)
-        lens, seq_lens = meta.query_lens, meta.seq_lens
-        slots = torch.from_numpy(np.asarray(meta.state_slots, dtype=np.int64))
-        fresh = slots[torch.from_numpy(seq_lens == lens)]  # their first token is in this step
-        self.conv_state[fresh] = 0
-        self.recurrent_state[fresh] = 0
+        lens, seq_lens, starts = meta.query_lens, meta.seq_lens, meta.query_start_loc
+        slot_ids = np.asarray(meta.state_slots, dtype=np.int64)
+        slots = torch.from_numpy(slot_ids)
+        fresh_rows = seq_lens == lens  # their first token is in this step: they start from zeros
+        if fresh_rows.any():
+            fresh = slots[torch.from_numpy(fresh_rows)]
+            self.conv_state[fresh] = 0
+            self.recurrent_state[fresh] = 0
         saves = meta.state_saves or {}
-        x = F.silu(causal_conv1d(self.conv_state, self.conv_weight, None, mixed, meta.query_start_loc,
-                                  lens, slots, saves))
-        q, k, v = x.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        groups = nv // self.num_k_heads  # each q/k head serves this many consecutive v heads
-        q = (l2norm(q.view(t, -1, self.head_k_dim)) * self.head_k_dim ** -0.5).repeat_interleave(groups, 1)
-        k = l2norm(k.view(t, -1, self.head_k_dim)).repeat_interleave(groups, 1)
-        v = v.view(t, nv, self.head_v_dim)
-        beta = b.sigmoid().float()
-        g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
-        out = torch.empty(t, nv, self.head_v_dim, dtype=torch.float32, device=h.device)
-        starts = meta.query_start_loc
+        isa = kernels.state_isa if self.c_kernels else None
+        if isa:  # conv + SiLU in one pass, windows moved on in place
+            x = state_update.causal_conv(self.conv_state, self.conv_weight, None, mixed, starts, lens,
+                                         slot_ids, saves, True, isa)
+        else:
+            x = F.silu(causal_conv1d(self.conv_state, self.conv_weight, None, mixed, starts, lens,
+                                     slots, saves))
         one = np.flatnonzero(lens == 1)
-        if len(one):  # decodes (and one-token prompts) together: one recurrent update
+        if isa and len(one) == len(lens):  # a decode-only step: the step and the gated norm in C
+            gated = torch.empty(t, nv, self.head_v_dim, dtype=h.dtype)
+            state_update.gated_delta_decode(x, proj[:, self.conv_dim + self.value_dim:], self.A_log,
+                                            self.dt_bias, self.recurrent_state, starts[one],
+                                            slot_ids[one], gated, self.num_k_heads, isa,
+                                            gate=(z, self.norm, self.eps))
+            self._snapshots_after_one_token(one, saves, slots)
+            return kernels.linear(gated.view(t, -1), self.out_proj, packed.get("out_proj"))
+        out = torch.empty(t, nv, self.head_v_dim, dtype=torch.float32, device=h.device)
+        heads = self._heads(x, b, a) if not isa or len(one) < len(lens) else None
+        if len(one) and isa:  # decodes: the C step reads and writes the states in their slots
+            state_update.gated_delta_decode(x, proj[:, self.conv_dim + self.value_dim:], self.A_log,
+                                            self.dt_bias, self.recurrent_state, starts[one],
+                                            slot_ids[one], out, self.num_k_heads, isa)
+        elif len(one):  # decodes (and one-token prompts) together: one recurrent update
             rows, s = torch.from_numpy(starts[one]), slots[one]
             state = self.recurrent_state[s]  # a copy (gathered), written back after
-            out[rows] = recurrent_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], state)
+            out[rows] = recurrent_gated_delta_rule(*(y[rows] for y in heads), state)
             self.recurrent_state[s] = state
-            for i in one:  # a snapshot after its one token: the state just written
-                if i in saves:
-                    self.recurrent_state[saves[i][1]] = self.recurrent_state[slots[i]]
+        self._snapshots_after_one_token(one, saves, slots)
         for i in np.flatnonzero(lens > 1):  # prompt chunks, one by one, in the chunked form
             start, n, slot = int(starts[i]), int(lens[i]), int(slots[i])
             # a snapshot after token `after` splits the chunk there
@@ -164,12 +185,28 @@ class GatedDeltaNet(nn.Module):
                     continue
                 span = slice(start + lo, start + hi)
                 o, self.recurrent_state[slot] = chunk_gated_delta_rule(
-                    *(y[span].transpose(0, 1) for y in (q, k, v, g, beta)), self.recurrent_state[slot])
+                    *(y[span].transpose(0, 1) for y in heads), self.recurrent_state[slot])
                 out[span] = o.transpose(0, 1)
                 if snap is not None and hi == after + 1:
                     self.recurrent_state[snap] = self.recurrent_state[slot]
         return kernels.linear(self._gated_norm(out.to(h.dtype), z).view(t, -1), self.out_proj,
                               packed.get("out_proj"))
+
+    def _snapshots_after_one_token(self, one: np.ndarray, saves: dict, slots: torch.Tensor) -> None:
+        for i in one:  # a snapshot after its one token: the state just written
+            if i in saves:
+                self.recurrent_state[saves[i][1]] = self.recurrent_state[slots[i]]
+
+    def _heads(self, x: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The recurrence's inputs, fp32: q, k [T, nv, dk] (normalised, q scaled; each q/k head
+        repeated for the v heads it serves), v [T, nv, dv], g and beta [T, nv]."""
+        t, nv = x.shape[0], self.num_v_heads
+        q, k, v = x.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        groups = nv // self.num_k_heads  # each q/k head serves this many consecutive v heads
+        q = (l2norm(q.view(t, -1, self.head_k_dim)) * self.head_k_dim ** -0.5).repeat_interleave(groups, 1)
+        k = l2norm(k.view(t, -1, self.head_k_dim)).repeat_interleave(groups, 1)
+        g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
+        return q, k, v.view(t, nv, self.head_v_dim), g, b.sigmoid().float()
 
     def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each value head, times the weight, times silu(z) (HF's RMSNormGated:

@@ -19,6 +19,10 @@ given token of a request's chunk, written into a snapshot slot; `copy_states`); 
 windows are kvflow/layers/causal_conv.py's. Decodes (one token) run the recurrence above for
 all of them at once; a prompt chunk runs the chunked form (SSD over chunks of up to 64 tokens:
 within a chunk as masked attention, between chunks through the state; HF's torch chunk scan).
+Where the backend has the C kernels (`kernels.state_isa`), the conv (decodes and chunks) and the
+decodes' update (dt's softplus and clamp fused; in a decode-only step also the D skip and the
+gated norm) run in kvflow/csrc/state_update.c on the states in their slots; the chunked form
+stays in PyTorch.
 
 Numerics: HF's chunked path (prompts) computes the scan and the gated norm in fp32 and rounds
 once before out_proj; kvflow does that for decodes too (HF's one-token path rounds the scan's
@@ -33,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.attention.metadata import AttentionMetadata
+from kvflow.csrc import state_update
 from kvflow.layers.causal_conv import causal_conv1d
 from kvflow.layers.parameter import weight
 from kvflow.model.kernels import Kernels
@@ -122,12 +127,17 @@ class Mamba2(nn.Module):
         # [slots, kernel_size - 1, conv_dim] and [slots, num_heads, head_dim, state_size]
         self.conv_state: torch.Tensor | None = None
         self.recurrent_state: torch.Tensor | None = None
+        self.c_kernels = False  # set by allocate_state
 
     def allocate_state(self, num_slots: int, dtype: torch.dtype) -> None:
         device = self.in_proj.device
         self.conv_state = torch.zeros(num_slots, self.kernel_size - 1, self.conv_dim, dtype=dtype, device=device)
         self.recurrent_state = torch.zeros(num_slots, self.num_heads, self.head_dim, self.state_size,
                                            dtype=torch.float32, device=device)
+        # whether the C kernels can serve these shapes and dtypes (where the backend has them)
+        self.c_kernels = (device.type == "cpu" and dtype == self.in_proj.dtype
+                          and state_update.supports(dtype, self.head_dim, self.state_size)
+                          and self.kernel_size <= state_update.CONV_MAX_TAPS)
 
     def copy_states(self, pairs: list[tuple[int, int]]) -> None:
         """Copy slot `a`'s state into slot `b` for each (a, b)."""
@@ -142,13 +152,32 @@ class Mamba2(nn.Module):
         proj = kernels.linear(h, self.in_proj, packed.get("in_proj"), self.in_bias)
         z, xbc, dt = proj.split([self.intermediate, self.conv_dim, nh], dim=-1)
         lens, seq_lens, starts = meta.query_lens, meta.seq_lens, meta.query_start_loc
-        slots = torch.from_numpy(np.asarray(meta.state_slots, dtype=np.int64))
-        fresh = slots[torch.from_numpy(seq_lens == lens)]  # their first token is in this step
-        self.conv_state[fresh] = 0
-        self.recurrent_state[fresh] = 0
+        slot_ids = np.asarray(meta.state_slots, dtype=np.int64)
+        slots = torch.from_numpy(slot_ids)
+        fresh_rows = seq_lens == lens  # their first token is in this step: they start from zeros
+        if fresh_rows.any():
+            fresh = slots[torch.from_numpy(fresh_rows)]
+            self.conv_state[fresh] = 0
+            self.recurrent_state[fresh] = 0
         saves = meta.state_saves or {}
-        xbc = F.silu(causal_conv1d(self.conv_state, self.conv_weight, self.conv_bias, xbc,
-                                   starts, lens, slots, saves))
+        isa = kernels.state_isa if self.c_kernels else None
+        if isa:  # conv + bias + SiLU in one pass, windows moved on in place
+            xbc = state_update.causal_conv(self.conv_state, self.conv_weight, self.conv_bias, xbc,
+                                           starts, lens, slot_ids, saves, True, isa)
+        else:
+            xbc = F.silu(causal_conv1d(self.conv_state, self.conv_weight, self.conv_bias, xbc,
+                                       starts, lens, slots, saves))
+        y = torch.empty(t, nh, p, dtype=torch.float32, device=h.device)
+        one = np.flatnonzero(lens == 1)
+        if isa and len(one):  # decodes: the C step reads and writes the states in their slots
+            state_update.ssm_decode(xbc, dt, self.A_log, self.dt_bias, self.recurrent_state,
+                                    starts[one], slot_ids[one], y, self.n_groups,
+                                    self.time_step_limit, isa)
+            if len(one) == len(lens):  # a decode-only step: D, the gate and the norm in C too
+                self._snapshots_after_one_token(one, saves, slots)
+                out = state_update.ssm_gated_norm(y, xbc, z, self.D, self.norm, self.eps,
+                                                  self.n_groups)
+                return kernels.linear(out, self.out_proj, packed.get("out_proj"), self.out_bias)
         bc = self.n_groups * self.state_size
         x, b, c = xbc.float().split([self.intermediate, bc, bc], dim=-1)
         x = x.view(t, nh, p)
@@ -157,9 +186,7 @@ class Mamba2(nn.Module):
         c = c.view(t, self.n_groups, -1).repeat_interleave(per_group, 1)
         dt = F.softplus(dt.float() + self.dt_bias).clamp(*self.time_step_limit)
         a = -self.A_log.exp()
-        y = torch.empty(t, nh, p, dtype=torch.float32, device=h.device)
-        one = np.flatnonzero(lens == 1)
-        if len(one):  # decodes (and one-token prompts) together: one recurrent update
+        if len(one) and not isa:  # decodes (and one-token prompts) together: one recurrent update
             one = one[np.argsort(meta.state_slots[one], kind="stable")]  # in slot order
             rows, s = torch.from_numpy(starts[one]), slots[one]
             first, last = int(s[0]), int(s[-1])
@@ -169,9 +196,7 @@ class Mamba2(nn.Module):
                 state = self.recurrent_state[s]  # a copy (gathered), written back after
                 y[rows] = recurrent_scan(x[rows], dt[rows], a, b[rows], c[rows], state)
                 self.recurrent_state[s] = state
-            for i in one:  # a snapshot after its one token: the state just written
-                if i in saves:
-                    self.recurrent_state[saves[i][1]] = self.recurrent_state[slots[i]]
+        self._snapshots_after_one_token(one, saves, slots)
         for i in np.flatnonzero(lens > 1):  # prompt chunks, one by one, in the chunked form
             start, n, slot = int(starts[i]), int(lens[i]), int(slots[i])
             # a snapshot after token `after` splits the chunk there
@@ -189,6 +214,11 @@ class Mamba2(nn.Module):
         y += self.D[:, None] * x
         return kernels.linear(self._gated_norm(y.view(t, -1), z).to(h.dtype), self.out_proj,
                               packed.get("out_proj"), self.out_bias)
+
+    def _snapshots_after_one_token(self, one: np.ndarray, saves: dict, slots: torch.Tensor) -> None:
+        for i in one:  # a snapshot after its one token: the state just written
+            if i in saves:
+                self.recurrent_state[saves[i][1]] = self.recurrent_state[slots[i]]
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """y times silu(z), RMS-normed over each group's channels, times the weight, in fp32

@@ -7,13 +7,17 @@ slot `meta.state_slots[i]` of this layer's state tensor [slots, kernel_size - 1,
 steps, so a prompt can arrive in chunks over several steps and decodes read only the state,
 whatever the context length. A request whose first token is in this step (a new prompt, or one
 recomputed after a preemption) starts from zeros; one whose prompt starts with cached blocks
-starts from the snapshot kept at their end (`meta.state_saves` names where a step keeps one)."""
+starts from the snapshot kept at their end (`meta.state_saves` names where a step keeps one).
+Where the backend has the C kernels (`kernels.state_isa`), one call of
+kvflow/csrc/state_update.c convolves every request's tokens in their slots."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
 from kvflow.attention.metadata import AttentionMetadata
+from kvflow.csrc import state_update
 from kvflow.layers.parameter import weight
 from kvflow.model.kernels import Kernels
 
@@ -29,6 +33,7 @@ class ShortConv(nn.Module):
         self.out_bias = weight(hidden_size, dtype=dtype, device=device) if bias else None
         self.conv_bias = weight(hidden_size, dtype=dtype, device=device) if bias else None
         self.state: torch.Tensor | None = None  # [slots, kernel_size - 1, hidden] (allocate_state)
+        self.c_kernels = False  # set by allocate_state
 
     def state_bytes(self, dtype: torch.dtype) -> int:
         """One request's state."""
@@ -37,6 +42,10 @@ class ShortConv(nn.Module):
     def allocate_state(self, num_slots: int, dtype: torch.dtype) -> None:
         self.state = torch.zeros(num_slots, self.kernel_size - 1, self.hidden_size, dtype=dtype,
                                  device=self.in_proj.device)
+        # whether the C kernels can serve it (where the backend has them)
+        self.c_kernels = (self.state.device.type == "cpu" and dtype == self.in_proj.dtype
+                          and state_update.supports(dtype)
+                          and self.kernel_size <= state_update.CONV_MAX_TAPS)
 
     def copy_states(self, pairs: list[tuple[int, int]]) -> None:
         """Copy slot `a`'s state into slot `b` for each (a, b): a prefix-cache snapshot kept,
@@ -50,6 +59,9 @@ class ShortConv(nn.Module):
         bcx = kernels.linear(h, self.in_proj, packed.get("in_proj"), self.in_bias)
         b, c, x = bcx.split(self.hidden_size, dim=-1)
         bx = b * x
+        if kernels.state_isa and self.c_kernels:  # every request's conv in one C call
+            return kernels.linear(c * self._conv_c(bx, meta, kernels.state_isa), self.out_proj,
+                                  packed.get("out_proj"), self.out_bias)
         conv = torch.empty_like(bx)
         state, taps = self.state, self.kernel_size - 1
         starts, lens, seq_lens = meta.query_start_loc, meta.query_lens, meta.seq_lens
@@ -70,3 +82,15 @@ class ShortConv(nn.Module):
         if self.conv_bias is not None:
             conv += self.conv_bias
         return kernels.linear(c * conv, self.out_proj, packed.get("out_proj"), self.out_bias)
+
+    def _conv_c(self, bx: torch.Tensor, meta: AttentionMetadata, isa: str) -> torch.Tensor:
+        """The convolution plus bias of all requests' tokens (decodes and prompt chunks) over
+        their windows, the states moved on in place (kvflow/csrc/state_update.c). Its sums
+        are fp32, rounded once (the loop above rounds each product in bf16)."""
+        lens, slots = meta.query_lens, np.asarray(meta.state_slots, dtype=np.int64)
+        fresh_rows = meta.seq_lens == lens  # their first token is in this step: no earlier inputs
+        if fresh_rows.any():
+            self.state[torch.from_numpy(slots[fresh_rows])] = 0
+        return state_update.causal_conv(self.state, self.conv_weight, self.conv_bias, bx,
+                                        meta.query_start_loc, lens, slots, meta.state_saves or {},
+                                        False, isa)

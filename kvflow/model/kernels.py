@@ -16,6 +16,9 @@ What serves here, and why:
   csrc/gemv_f32.c), which streams a decode step's weights faster than oneDNN, from fp32
   panels or, with `weight_dtype` bfloat16/float16, from half-precision ones (half the bytes);
   on AVX2 it serves every batch (a GEMM ahead of oneDNN's there) and oneDNN keeps no copy;
+- the state layers' (short conv, Gated DeltaNet, Mamba2) causal conv and one-token state
+  updates: csrc/state_update.c (AVX-512, AVX2 or scalar, chosen once) where the kernels built,
+  else PyTorch; their prompt chunks' scans stay in PyTorch;
 - attention, norm, RoPE, SiLU, KV write, argmax: the C kernels (kvflow/csrc) where they built,
   else PyTorch; attention's prompt kernel exists only where the CPU has AVX512-BF16, elsewhere
   prompt tokens run as rows of the decode kernel; a one-byte KV cache (`kv_cache_dtype` fp8 or
@@ -48,6 +51,7 @@ from kvflow.attention.selector import select_attention
 from kvflow.csrc import library, ops
 from kvflow.csrc.gemv import GEMV_ALL_ROWS, GEMV_MAX_ROWS, best_gemv_isa
 from kvflow.csrc.lora import best_lora_isa, lora_add, lora_add_torch
+from kvflow.csrc.state_update import best_state_isa
 from kvflow.model import packed_linear
 from kvflow.model.cpu_features import CpuFeatures, cpu_features
 from kvflow.model.packed_linear import AMX_PANEL_ROWS, AMX_PANEL_ROWS_LARGE
@@ -113,6 +117,9 @@ class Kernels:
     # slots, step) (model/lora.py's LoRAProjection and LoRAStep)
     lora: Callable[..., None] | None = None
     lora_name: str = "torch"  # what serves it, for the start-up line's LoRA part
+    # the state layers' conv and one-token state updates (csrc/state_update.py): the C path's
+    # instruction set, None for their PyTorch paths
+    state_isa: str | None = None
 
     def norm_linear(self, x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,
                     eps: float, w: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -212,6 +219,8 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
              "attention": attn.name, "norm": c_name, "rope": c_name, "kv_write": attn.write_name,
              "argmax": "c" if c and dtype == bf16 else "torch"}
     lora_isa = best_lora_isa(features) if c else None
+    state_isa = best_state_isa(features) if c else None
+    names["state"] = f"c-{state_isa}" if state_isa else "torch"
     pack = (partial(packed_linear.pack_weight, panels=panels, onednn=onednn, gemv_isa=gemv_isa,
                     gemv_rows=GEMV_MAX_ROWS.get(gemv_isa, 0), gemv_dtype=gemv_dtype,
                     amx=amx)
@@ -231,5 +240,6 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
         argmax=ops.argmax_rows if c else ops.argmax_rows_torch,
         lora=partial(_lora_c, isa=lora_isa) if lora_isa else _lora_torch,
         lora_name=f"c-{lora_isa}" if lora_isa else "torch",
+        state_isa=state_isa,
     )
 
