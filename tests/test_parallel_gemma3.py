@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from conftest_model_helpers import save_byte_tokenizer
-from window_model_helpers import save_tiny_gemma3, save_tiny_gguf
+from window_model_helpers import generate_counting_preemptions, save_tiny_gemma3, save_tiny_gguf
 
-from kvflow.entrypoints.llm import LLM
 from kvflow.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -36,22 +35,7 @@ def gemma3(tmp_path_factory) -> str:
 
 def run(model: str, **kwargs) -> tuple[list[list[int]], int]:
     """Each prompt's tokens from a fresh engine, and how many preemptions it made."""
-    llm = LLM(model, **{**ENGINE, **SQUEEZED, **kwargs})
-    core = llm.engine.core
-    preempted = [0]
-    schedule = core.scheduler.schedule
-
-    def watched():
-        out = schedule()
-        preempted[0] += len(out.preempted_req_ids)
-        return out
-
-    core.scheduler.schedule = watched
-    try:
-        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-    finally:
-        llm.engine.shutdown()
-    return [list(o.outputs[0].token_ids) for o in outs], preempted[0]
+    return generate_counting_preemptions(model, PROMPTS, PARAMS, **{**ENGINE, **SQUEEZED, **kwargs})
 
 
 @pytest.fixture(scope="module")

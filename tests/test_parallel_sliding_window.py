@@ -11,9 +11,9 @@ import random
 import pytest
 
 from conftest_model_helpers import _save_random
+from window_model_helpers import generate_counting_preemptions
 
 from kvflow.core.kv_cache.groups import make_kv_cache_groups
-from kvflow.entrypoints.llm import LLM
 from kvflow.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -56,27 +56,15 @@ def mistral_window(tmp_path_factory, default_tokenizer) -> str:
 def run(model: str, **kwargs) -> tuple[list[list[int]], int]:
     """Each prompt's tokens from a fresh engine, and how many preemptions it made; checks that
     the driver's rank holds one KV tensor pair (a page of each of the groups' one layer)."""
-    llm = LLM(model, **ENGINE, **SQUEEZED, **kwargs)
-    core = llm.engine.core
-    preempted = [0]
-    schedule = core.scheduler.schedule
-
-    def watched():
-        out = schedule()
-        preempted[0] += len(out.preempted_req_ids)
-        return out
-
-    core.scheduler.schedule = watched
-    try:
+    def check(core) -> None:
         # Qwen2's full layer and its three window layers: four groups of one layer each
         groups = make_kv_cache_groups(core.cache_config.layer_windows)
         assert len(groups) == (1 if "mw" in model else 4)
         if "mw" not in model:  # stage 0's two window layers: two groups, one shared tensor
             assert len({id(kv) for kv in core.executor.runner.kv_caches}) == 1
-        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-    finally:
-        llm.engine.shutdown()
-    return [list(o.outputs[0].token_ids) for o in outs], preempted[0]
+
+    return generate_counting_preemptions(model, PROMPTS, PARAMS, check, **ENGINE, **SQUEEZED,
+                                         **kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -170,3 +170,29 @@ class WindowedPagedDriver:
             out[sid] = logits[offset: offset + len(tokens)]
             offset += len(tokens)
         return out
+
+
+def generate_counting_preemptions(model: str, prompts: list[list[int]], params, check=None,
+                                  **engine) -> tuple[list[list[int]], int]:
+    """Each prompt's tokens from a fresh `LLM(model, **engine)` (shut down afterwards), and how
+    many preemptions its scheduler made; `check(core)` looks at the engine before it runs."""
+    from kvflow.entrypoints.llm import LLM
+
+    llm = LLM(model, **engine)
+    core = llm.engine.core
+    preempted = [0]
+    schedule = core.scheduler.schedule
+
+    def watched():
+        out = schedule()
+        preempted[0] += len(out.preempted_req_ids)
+        return out
+
+    core.scheduler.schedule = watched
+    try:
+        if check is not None:
+            check(core)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outs], preempted[0]
