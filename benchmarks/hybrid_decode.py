@@ -12,7 +12,7 @@ generate (one padded batch), output tokens per second.
     .venv/bin/python benchmarks/hybrid_decode.py [--contexts 512 1024 2048 4096 8192]
         [--threads 2] [--dtype bfloat16] [--skip-hf]
 
-Writes benchmarks/results/<date>-hybrid-decode.json (results_io's "table" kind)."""
+Writes benchmarks/results/<date>-<time>-hybrid-decode.json (results_io's "table" kind)."""
 from __future__ import annotations
 
 import argparse
@@ -143,7 +143,7 @@ def main() -> None:
     if not args.skip_hf:
         w1["hf_lfm2"] = round(hf_throughput(folders["lfm2"], args.dtype, prompts, 64), 1)
     print("w1", w1, flush=True)
-    stamp = time.strftime("%Y%m%d")
+    stamp = time.strftime("%Y%m%d-%H%M", time.gmtime())
     result = {"schema": "kvflow-bench/1", "kind": "table", "title": "hybrid vs attention: decode step by context; W1-shaped",
               "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "commit": git_commit(ROOT),
               "command": "benchmarks/hybrid_decode.py " + " ".join(sys.argv[1:]), "cpu": cpu_info(),

@@ -10,11 +10,12 @@ import random
 import pytest
 import torch
 
-from conftest_model_helpers import _save_random
+from conftest_model_helpers import _save_random, save_byte_tokenizer
 from kvflow import LLM, LoRARequest, SamplingParams
 from kvflow.model.lora_shard import ROW_PARALLEL, LoRAShard, shard_adapter
 from kvflow.model.sharding import shard_layout
 from lora_helpers import save_random_adapter
+from tiny_arch_models import write_gguf
 
 pytestmark = pytest.mark.slow  # starts ranks
 
@@ -53,7 +54,7 @@ def run(model: tuple[str, str, str], **kwargs) -> list[list[int]]:
     loaded at run time by its request, in a batch of every prompt under the base, `a` and `b`."""
     path, a, b = model
     la, lb = LoRARequest("a", 1, a), LoRARequest("b", 2, b)
-    llm = LLM(path, **ENGINE, lora_modules=[f"a={a}"], **kwargs)
+    llm = LLM(path, **{**ENGINE, **kwargs}, lora_modules=[f"a={a}"])
     try:
         first = llm.generate(PROMPTS[:2], PARAMS, use_tqdm=False, lora_request=[None, la])
         assert llm.engine.core.list_loras() == [1]
@@ -121,6 +122,23 @@ def test_pp2_equals_one_process(tiny, reference):
 
 def test_tp2_by_pp2_equals_one_process(tiny, reference):
     assert run(tiny, tensor_parallel_size=2, pipeline_parallel_size=2) == reference
+
+
+@pytest.fixture(scope="module")
+def tiny_q8_0(tmp_path_factory) -> tuple[str, str, str]:
+    """The tiny model as a Q8_0 GGUF file (served as stored under PP), with its adapters."""
+    root = tmp_path_factory.mktemp("lora_q8_0")
+    path, a, b = _model(root, kv_heads=2)
+    save_byte_tokenizer(path, SHAPE["vocab_size"])
+    return write_gguf(path, str(root / "q8_0.gguf"), quant="Q8_0"), a, b
+
+
+def test_adapters_over_quantized_weights_under_pp2_equal_one_process(tiny_q8_0):
+    # each stage's packed blocks are one process's, and a stage changes no sum: exact
+    reference = run(tiny_q8_0, quantization="gguf")
+    mixed = reference[2:]
+    assert all(mixed[3 * j] != mixed[3 * j + 1] != mixed[3 * j + 2] for j in range(len(PROMPTS)))
+    assert run(tiny_q8_0, quantization="gguf", pipeline_parallel_size=2) == reference
 
 
 def test_tp2_with_replicated_kv_heads_equals_one_process(tmp_path_factory, default_tokenizer):
