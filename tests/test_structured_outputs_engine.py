@@ -656,7 +656,7 @@ def test_constraints_hold_under_tensor_parallelism(llm, default_model_path):
     prompts = [p for p, _, _ in cases] + ["The capital of France is"]
     one = llm.generate(prompts, params, use_tqdm=False)
     tp = LLM(default_model_path, dtype="float32", max_model_len=512, num_blocks=256,
-             warmup=False, tensor_parallel_size=3)
+             warmup=False, tensor_parallel_size=3, quantization="none")
     try:
         three = tp.generate(prompts, params, use_tqdm=False)
     finally:

@@ -164,7 +164,7 @@ def test_tp3_default_model_equals_tp1(prompt_ids, smol_reference):
 
 def test_kvflow_serve_tp3_equals_tp1(prompt_ids, smol_reference):
     srv = ServerProcess("--tensor-parallel-size", "3", "--dtype", "float32", "--max-model-len",
-                        "512", "--num-blocks", "256")
+                        "512", "--num-blocks", "256", "--quantization", "none")
     try:
         workers = [p for p in srv.children if "kvflow.distributed.worker" in " ".join(p.cmdline())]
         assert len(workers) == 2
