@@ -31,6 +31,7 @@ def tokenizer_source(tokenizer: str | None, model_path: str) -> str:
 
 def get_tokenizer(path: str):
     """A `transformers` tokenizer (with chat template and `eos_token_id`) for `path`."""
+    from huggingface_hub.errors import StrictDataclassFieldValidationError
     from transformers import AutoTokenizer
 
     if not is_gguf(path):
@@ -46,9 +47,10 @@ def get_tokenizer(path: str):
             try:
                 tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path),
                                                           gguf_file=os.path.basename(path))
-            except (ValueError, TypeError) as e:
+            except (ValueError, TypeError, StrictDataclassFieldValidationError) as e:
                 # TypeError: transformers' gpt-oss GGUF reader fails on llama.cpp's rope.scaling
-                # keys (it reads a field's first part, the key's length, as its value)
+                # keys (it reads a field's first part, the key's length, as its value); the
+                # validation error: its gemma4 config takes no per-layer feed_forward_length
                 if isinstance(e, ValueError) and "is not supported yet" not in str(e):
                     raise
                 tokenizer = _from_gguf_metadata(path)

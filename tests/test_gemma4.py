@@ -3,8 +3,9 @@
 layers, k = v full layers of another head size and the double-wide MLP; one with the expert
 block beside the dense MLP. fp32 logits over chunked mixed batches, greedy tokens through the
 engine with chunked prefill, a prefix-cache hit and preemptions, the text part of a
-Gemma4ForConditionalGeneration folder, and the KV budget counting only the layers that own a
-cache."""
+Gemma4ForConditionalGeneration folder, the KV budget counting only the layers that own a
+cache, and each model converted to GGUF as llama.cpp's converter writes it (the same logits and
+greedy tokens from the file)."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ import torch
 
 from conftest import assert_matches_reference
 from conftest_model_helpers import PagedDriver, hf_logits
-from tiny_arch_models import GEMMA4_BUILDERS, GEMMA4_WINDOW, hf_model
+from tiny_arch_models import GEMMA4_BUILDERS, GEMMA4_WINDOW, hf_model, write_gemma4_gguf
 from kvflow.core.kv_cache.groups import make_kv_cache_groups
 from kvflow.model.arch import load_arch_config
 from kvflow.model.loader import load_model
@@ -66,6 +67,42 @@ def test_logits_match_hf_over_chunked_mixed_batches(tiny):
 
 
 @pytest.mark.slow
+def test_gguf_conversion_loads_to_the_same_model(tiny, tmp_path, monkeypatch):
+    """llama.cpp's gemma4 file of each model: the same config as the folder's and the same
+    weights (norms as stored, the experts' and router's scales, rope_freqs' partial rotation),
+    so the same logits over the chunked plan."""
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    name, path, hf = tiny
+    gguf_path = write_gemma4_gguf(path, str(tmp_path / f"{name}.gguf"))
+    model, arch = load_model(gguf_path, torch.float32)
+    folder = load_arch_config(path)
+    same = ("architecture", "layer_types", "sliding_window", "head_dim", "num_key_value_heads",
+            "layer_head_dims", "layer_kv_heads", "rope_per_type", "per_layer_input_size",
+            "per_layer_vocab_size", "num_kv_shared_layers", "attention_k_eq_v", "double_wide_mlp",
+            "intermediate_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+            "tie_word_embeddings", "final_logit_softcapping", "qk_norm", "rotary_dim")
+    assert {f: getattr(arch, f) for f in same} == {f: getattr(folder, f) for f in same}
+    assert arch.num_parameters() == folder.num_parameters()
+    _run_plan(model, arch, hf)
+
+
+def test_f16_gguf_loads_its_weights_as_stored(tmp_path, monkeypatch):
+    """An F16 file (matrices F16, vectors F32, as the converter writes them): every weight is
+    the folder's rounded to fp16, the norms and scales exact."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    path = GEMMA4_BUILDERS["gemma4_moe"](str(tmp_path / "hf"))
+    model, _ = load_model(write_gemma4_gguf(path, str(tmp_path / "f16.gguf"), dtype="F16"), torch.float32)
+    hf = load_file(f"{path}/model.safetensors")
+    layer = model.layers[1]
+    assert torch.equal(layer.moe.gate_up, hf["model.layers.1.experts.gate_up_proj"].half().float())
+    assert torch.equal(layer.moe.per_expert_scale, hf["model.layers.1.router.per_expert_scale"])
+    assert torch.equal(layer.pre_feedforward_layernorm_2, hf["model.layers.1.pre_feedforward_layernorm_2.weight"])
+    assert torch.equal(layer.layer_scalar, hf["model.layers.1.layer_scalar"])
+
+
+@pytest.mark.slow
 def test_conditional_generation_folder_loads_its_text_part(tmp_path):
     """A Gemma4ForConditionalGeneration folder (the text config nested, the language model's
     tensors under model.language_model., a vision tensor beside them) runs its text part."""
@@ -90,14 +127,18 @@ def test_conditional_generation_folder_loads_its_text_part(tmp_path):
 
 
 @pytest.mark.slow
-def test_engine_keeps_hf_tokens_through_chunks_a_prefix_hit_and_preemption(tiny, tmp_path):
-    """Greedy tokens through the engine equal HF's: a 16-token budget cuts the prompts into
-    chunks, four requests of different lengths run as one mixed batch after a first one, two
-    of them sharing its 48-token prefix (a prefix-cache hit, recorded), and a pool too small for
-    all of them at once forces a preemption."""
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_engine_keeps_hf_tokens_through_chunks_a_prefix_hit_and_preemption(tiny, fmt, tmp_path, monkeypatch):
+    """Greedy tokens through the engine equal HF's, from the folder and from its GGUF file: a
+    16-token budget cuts the prompts into chunks, four requests of different lengths run as one
+    mixed batch after a first one, two of them sharing its 48-token prefix (a prefix-cache hit,
+    recorded), and a pool too small for all of them at once forces a preemption."""
     from kvflow import LLM, SamplingParams
 
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "cache"))
     name, path, hf = tiny
+    if fmt == "gguf":
+        path = write_gemma4_gguf(path, str(tmp_path / f"{name}.gguf"))
     rng = np.random.default_rng(3)
     prefix = rng.integers(4, 320, 48).tolist()
     prompts = [prefix + rng.integers(4, 320, 5).tolist(), prefix + rng.integers(4, 320, 9).tolist(),
@@ -157,10 +198,8 @@ def test_kv_budget_counts_only_the_layers_that_own_a_cache(tmp_path):
 
 
 def test_what_gemma4_cannot_run_with_is_refused_by_name(tmp_path):
-    """Tensor and pipeline parallelism and LoRA name the family; llama.cpp's gemma4 GGUF
-    files and bidirectional attention are refused at the config."""
-    from gguf import GGUFWriter
-
+    """Tensor and pipeline parallelism and LoRA name the family; bidirectional attention is
+    refused at the config."""
     from kvflow.models.registry import family_of
 
     supports = family_of("Gemma4ForCausalLM").supports
@@ -171,15 +210,6 @@ def test_what_gemma4_cannot_run_with_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="Gemma 4 does not take LoRA"):
         supports.check("Gemma 4", lora=True)
     assert not supports.decode_step and not supports.quantized
-    gguf_file = str(tmp_path / "g4.gguf")
-    w = GGUFWriter(gguf_file, "gemma4")
-    w.add_block_count(2)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(ValueError, match="GGUF architecture 'gemma4' is not supported"):
-        load_arch_config(gguf_file)
     from tiny_arch_models import _gemma4_config
 
     cfg = _gemma4_config(use_bidirectional_attention="all")

@@ -453,3 +453,76 @@ def save_gemma4_moe(path: str) -> str:
 
 
 GEMMA4_BUILDERS = {"gemma4": save_gemma4, "gemma4_moe": save_gemma4_moe}
+
+
+def write_gemma4_gguf(hf_dir: str, out_path: str, dtype: str = "F32") -> str:
+    """Convert a tiny Gemma 4 folder the way llama.cpp's Gemma4Model does: the gguf package's
+    tensor names, the norms as they are, `layer_scalar` and the stacked experts named `.weight`,
+    the router's scale and the experts' scales as `ffn_gate_inp.scale` and `ffn_down_exps.scale`,
+    each layer type's head size, kv heads and MLP widths in their keys, and `rope_freqs` (1 for
+    the dim pairs the full layers' proportional RoPE turns, 1e30 for the still ones). `dtype`
+    "F32", or "F16" for the matrices (vectors stay F32, as the converter keeps them)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    t = load_file(os.path.join(hf_dir, "model.safetensors"))
+    n, types = cfg["num_hidden_layers"], cfg["layer_types"]
+    swa = [x == "sliding_attention" for x in types]
+    shared = cfg.get("num_kv_shared_layers") or 0
+    rope = cfg["rope_parameters"]
+    # the full layers' head size and kv heads (global_head_dim and num_global_key_value_heads,
+    # which this transformers saves as per_layer_config)
+    full = (cfg.get("per_layer_config") or {}).get(str(types.index("full_attention"))) or {}
+    full_d = full.get("head_dim") or cfg["global_head_dim"]
+    kv_full = full.get("num_key_value_heads") or cfg.get("num_global_key_value_heads")
+    w = gguf.GGUFWriter(out_path, "gemma4")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(n)
+    ffn = cfg["intermediate_size"]
+    w.add_feed_forward_length([ffn * (2 if i >= n - shared else 1) for i in range(n)]
+                              if cfg.get("use_double_wide_mlp") else ffn)
+    w.add_head_count(cfg["num_attention_heads"])
+    kv = cfg["num_key_value_heads"]
+    w.add_head_count_kv([kv if s else kv_full for s in swa] if kv_full is not None else kv)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_key_length(full_d)
+    w.add_value_length(full_d)
+    w.add_key_length_swa(cfg["head_dim"])
+    w.add_value_length_swa(cfg["head_dim"])
+    w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    w.add_rope_dimension_count(full_d)
+    w.add_rope_dimension_count_swa(cfg["head_dim"])
+    w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    w.add_sliding_window(cfg["sliding_window"])
+    w.add_shared_kv_layers(shared)
+    w.add_embedding_length_per_layer_input(cfg.get("hidden_size_per_layer_input") or 0)
+    w.add_sliding_window_pattern(swa)
+    if cfg.get("enable_moe_block"):
+        w.add_expert_count(cfg["num_experts"])
+        w.add_expert_used_count(cfg["top_k_experts"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    _add_tokenizer(w, hf_dir)
+    turning = int(full_d * rope["full_attention"]["partial_rotary_factor"] / 2)
+    w.add_tensor("rope_freqs.weight", np.array([1.0] * turning + [1e30] * (full_d // 2 - turning), dtype=np.float32))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, n)
+    for name, a in t.items():
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        if name.endswith("router.scale"):
+            new = names.get_name(name.replace("router.scale", "router.proj")) + ".scale"
+        elif name.endswith("router.per_expert_scale"):
+            new = names.get_name(name.replace("router.per_expert_scale", "experts.down_proj")) + ".scale"
+        elif name.endswith(("layer_scalar", "experts.gate_up_proj", "experts.down_proj")):
+            new = names.get_name(name) + ".weight"
+        else:
+            new = names.get_name(name, try_suffixes=(".weight",))
+        assert new, name
+        w.add_tensor(new, a.astype(np.float16) if dtype == "F16" and a.ndim >= 2 else a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out_path

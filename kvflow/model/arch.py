@@ -304,6 +304,12 @@ def _kv_heads(value) -> int:
     return int(value)
 
 
+def _first_layer(value) -> int:
+    """`feed_forward_length`: one width, or one per layer (Gemma 4's double-wide MLP on its
+    KV-shared layers): the first layer's; the family reads the rest."""
+    return int(value[0] if isinstance(value, (list, tuple)) else value)
+
+
 def arch_from_gguf_reader(reader, path: str) -> LlamaArchConfig:
     """Map GGUF metadata (`<arch>.block_count` ...) to a LlamaArchConfig."""
     g = gguf_field(reader, "general.architecture")
@@ -333,7 +339,7 @@ def arch_from_gguf_reader(reader, path: str) -> LlamaArchConfig:
     if scaling_type == "yarn" and not family.gguf_reads_yarn:  # llama.cpp's own YaRN keys
         raise ValueError("GGUF files with YaRN rope scaling are not supported yet; "
                          "use the Hugging Face folder of this model")
-    if "rope_freqs.weight" in tensors:
+    if "rope_freqs.weight" in tensors and not family.gguf_reads_rope_freqs:
         raise ValueError("GGUF files with rope_freqs (Llama-3.1 style scaling) are not supported yet; "
                          "use the Hugging Face folder of this model")
     rope_dim = int(meta("rope.dimension_count", head_dim))
@@ -344,7 +350,7 @@ def arch_from_gguf_reader(reader, path: str) -> LlamaArchConfig:
         architecture=architecture,
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(meta("feed_forward_length", 0)),
+        intermediate_size=_first_layer(meta("feed_forward_length", 0)),
         num_hidden_layers=int(meta("block_count")),
         num_attention_heads=heads,
         num_key_value_heads=_kv_heads(meta("attention.head_count_kv", heads)),

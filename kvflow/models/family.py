@@ -44,6 +44,7 @@ class ModelFamily:
 
     gguf_norm_shift = 0.0  # llama.cpp stores some families' norm weights as shift + w
     gguf_reads_yarn = False  # its gguf_fields read llama.cpp's YaRN keys (gpt-oss)
+    gguf_reads_rope_freqs = False  # its gguf_fields read the `rope_freqs` tensor (Gemma 4)
 
     def gguf_tensor(self, name: str, w, arch: LlamaArchConfig):
         """(HF name, tensor) of a GGUF tensor already under `name`: undoes what llama.cpp's

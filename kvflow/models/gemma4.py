@@ -430,6 +430,91 @@ class Gemma4Family(ModelFamily):
                 "moe_intermediate_size": int(cfg["moe_intermediate_size"]) if moe else 0,
                 "norm_topk_prob": True, "qk_norm": False, "attention_bias": False}
 
+    # llama.cpp's gemma4 files (convert_hf_to_gguf.py's Gemma4Model): the norms stored as they
+    # are (no 1 + w), the router's scale and the experts' scales beside the router and the down
+    # experts, the experts kept stacked, and a `rope_freqs` tensor that stills the unturned
+    # dims of the full layers' proportional RoPE
+    gguf_reads_rope_freqs = True
+    gguf_global_names = {"per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+                         "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+                         "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight"}
+
+    def gguf_layer_names(self, architecture: str) -> dict[str, str]:
+        return {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm", "post_ffw_norm_1": "post_feedforward_layernorm_1",
+                "post_ffw_norm_2": "post_feedforward_layernorm_2", "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+                "inp_gate": "per_layer_input_gate", "proj": "per_layer_projection",
+                "post_norm": _PLE_NORM, "layer_output_scale": "layer_scalar",
+                "ffn_gate_inp": "router.proj", "ffn_gate_inp.scale": "router.scale",
+                "ffn_down_exps.scale": "router.per_expert_scale",
+                "ffn_gate_up_exps": "experts.gate_up_proj", "ffn_down_exps": "experts.down_proj"}
+
+    def gguf_tensor(self, name: str, w: np.ndarray, arch: LlamaArchConfig) -> tuple[str, np.ndarray]:
+        """The converter named HF's suffix-less parameters (layer_scalar, the stacked experts)
+        `.weight`; back to HF's names."""
+        if name.endswith(("layer_scalar.weight", "experts.gate_up_proj.weight", "experts.down_proj.weight")):
+            name = name.removesuffix(".weight")
+        return name, w
+
+    def gguf_fields(self, meta, tensors: dict, architecture: str) -> dict:
+        """Layer types from the bool per layer; the full layers' head size in key_length, the
+        sliding ones' in key_length_swa; kv heads and MLP widths once or per layer; the full
+        layers' partial rotation from `rope_freqs` (1 where a dim pair turns, 1e30 where it
+        stays still); k = v where a full layer that owns its cache has no attn_v."""
+        n = int(meta("block_count"))
+        pattern = meta("attention.sliding_window_pattern")
+        if not isinstance(pattern, (list, tuple)) or len(pattern) != n:
+            raise ValueError("a gemma4 GGUF file needs attention.sliding_window_pattern, one bool per layer")
+        types = [SLIDING if s else FULL for s in pattern]
+        full_d = int(meta("attention.key_length"))
+        dims = {FULL: full_d, SLIDING: int(meta("attention.key_length_swa", full_d))}
+        if (int(meta("attention.value_length", full_d)), int(meta("attention.value_length_swa", dims[SLIDING]))) \
+                != (full_d, dims[SLIDING]):
+            raise ValueError("Gemma 4 needs value heads as wide as key heads")
+        if int(meta("rope.dimension_count_swa", dims[SLIDING])) != dims[SLIDING] or \
+                int(meta("rope.dimension_count", full_d)) != full_d:
+            raise ValueError("Gemma 4 GGUF with partial RoPE other than rope_freqs' is not supported")
+        kv = meta("attention.head_count_kv")
+        kv_heads = [int(v) for v in kv] if isinstance(kv, (list, tuple)) else [int(kv)] * n
+        head_dims = [dims[t] for t in types]
+        shared = int(meta("attention.shared_kv_layers", 0))
+        owners = range(n - shared)
+        ffn = meta("feed_forward_length")
+        ffn = [int(v) for v in ffn] if isinstance(ffn, (list, tuple)) else [int(ffn)] * n
+        double = [ffn[0] * (2 if i >= n - shared else 1) for i in range(n)]
+        if ffn != [ffn[0]] * n and ffn != double:
+            raise ValueError(f"Gemma 4 GGUF feed_forward_length {ffn} is neither one width nor double-wide "
+                             "on the KV-shared layers")
+        rope_per_type = {SLIDING: {"rope_theta": float(meta("rope.freq_base_swa", 10_000.0)),
+                                   "partial_rotary_factor": 1.0, "factor": 1.0},
+                         FULL: {"rope_theta": float(meta("rope.freq_base", 1_000_000.0)),
+                                "partial_rotary_factor": 1.0, "factor": 1.0}}
+        if "rope_freqs.weight" in tensors:
+            factors = np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float64)
+            turning = int((factors == 1.0).sum())
+            if factors.size != full_d // 2 or not (factors[:turning] == 1.0).all() or \
+                    not (factors[turning:] >= 1e29).all():
+                raise ValueError("Gemma 4 GGUF rope_freqs other than 1 (turning) then 1e30 (still) "
+                                 "is not supported")
+            rope_per_type[FULL]["partial_rotary_factor"] = 2 * turning / full_d
+        p = int(meta("embedding_length_per_layer_input", 0) or 0)
+        experts = int(meta("expert_count", 0) or 0)
+        return {"layer_types": types, "sliding_window": int(meta("attention.sliding_window") or 512),
+                "head_dim": max(head_dims[i] for i in owners),
+                "num_key_value_heads": max(kv_heads[i] for i in owners),
+                "layer_head_dims": head_dims, "layer_kv_heads": kv_heads,
+                "rope_per_type": {t: rope_per_type[t] for t in set(types)}, "rope_scaling": None,
+                "rope_theta": rope_per_type[FULL]["rope_theta"],
+                "rope_local_theta": rope_per_type[SLIDING]["rope_theta"], "rotary_dim": 0,
+                "intermediate_size": ffn[0], "double_wide_mlp": ffn != [ffn[0]] * n,
+                "per_layer_input_size": p,
+                "per_layer_vocab_size": int(tensors["per_layer_token_embd.weight"].shape[-1]) if p else 0,
+                "num_kv_shared_layers": shared,
+                "attention_k_eq_v": any(types[i] == FULL and f"blk.{i}.attn_v.weight" not in tensors for i in owners),
+                "num_experts": experts, "num_experts_per_tok": int(meta("expert_used_count", 0)) if experts else 0,
+                "moe_intermediate_size": int(meta("expert_feed_forward_length", 0)) if experts else 0,
+                "norm_topk_prob": True, "qk_norm": False, "attention_bias": False}
+
     def fuse_weights(self, hf: dict[str, torch.Tensor], arch: Gemma4ArchConfig,
                      dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The language model's tensors (vision and audio ones dropped) under kvflow's names:

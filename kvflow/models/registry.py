@@ -56,6 +56,7 @@ FAMILIES = (
                 {"gemma3": "Gemma3ForCausalLM"},
                 {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}),
     FamilyEntry("gemma4", {"gemma4_text": "Gemma4ForCausalLM", "gemma4": "Gemma4ForCausalLM"},
+                {"gemma4": "Gemma4ForCausalLM"},
                 text_part_of={"Gemma4ForConditionalGeneration": "Gemma4ForCausalLM"}),
     FamilyEntry("olmo2", {"olmo2": "Olmo2ForCausalLM"}, {"olmo2": "Olmo2ForCausalLM"}),
     FamilyEntry("granite", {"granite": "GraniteForCausalLM"}, {"granite": "GraniteForCausalLM"}),
