@@ -102,7 +102,10 @@ class FullAttentionManager:
             block, parent = table[i], self._parent(table, i)
             if block is self.null_block or (parent is not None and parent.block_hash is None):
                 break  # its parent is not findable (another block won its hash): nor is it
-            self.block_pool.cache_block(block, hashes[i] + self.hash_suffix, self.block_key(req, i, parent))
+            self.block_pool.cache_block(block, hashes[i] + self.hash_suffix,
+                                        self.block_key(req, i, parent),
+                                        parent.block_hash if parent is not None else None,
+                                        req.lora_int_id or None)
         self.num_cached_blocks[rid] = num_full
 
     # -- taking and giving back ------------------------------------------------------------
