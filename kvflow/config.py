@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvflow import envs
 from kvflow.pooling_params import PoolerConfig
@@ -491,6 +491,79 @@ class KVTransferConfig:
         return cls(**value)
 
 
+KV_EVENTS_PUBLISHERS = ("zmq", "null")
+
+
+@dataclass
+class KVEventsConfig:
+    """The prefix cache's events (vLLM's `--kv-events-config` JSON, its keys): each step's
+    BlockStored / BlockRemoved / AllBlocksCleared, published over a ZeroMQ PUB socket as
+    multipart [topic, sequence number, msgpack KVEventBatch]; `kvflow router
+    --kv-events-endpoints` subscribes (docs/data_parallel_and_routing.md)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # zmq | null; default: zmq when enabled, else null
+    endpoint: str = "tcp://*:5557"  # binds where it has a wildcard (or ipc://), else connects
+    replay_endpoint: str | None = None  # a ROUTER socket that resends buffered batches
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread; past it, dropped
+    topic: str = ""
+    # set per data-parallel replica by for_rank (stamped on its batches); not a key of the JSON
+    data_parallel_rank: int | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
+        if self.publisher not in KV_EVENTS_PUBLISHERS:
+            raise ValueError("kv_events_config: publisher must be zmq or null, got "
+                             f"{self.publisher!r}")
+        for name in ("endpoint", "replay_endpoint"):
+            v = getattr(self, name)
+            if v is None and name == "replay_endpoint":
+                continue
+            if not isinstance(v, str) or not v.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"kv_events_config: {name} must be a tcp://, ipc:// or "
+                                 f"inproc:// address, got {v!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"kv_events_config: {name} must be a positive integer, got {v!r}")
+        if not isinstance(self.topic, str):
+            raise ValueError(f"kv_events_config: topic must be a string, got {self.topic!r}")
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    def for_rank(self, rank: int) -> KVEventsConfig:
+        """Data-parallel replica `rank`'s config: its tcp ports `rank` above these (vLLM's
+        convention), an ipc/inproc address suffixed `_dp{rank}`."""
+        def offset(addr: str | None) -> str | None:
+            if addr is None or rank == 0:
+                return addr
+            if addr.startswith("tcp://"):
+                host, _, port = addr.rpartition(":")
+                return f"{host}:{int(port) + rank}"
+            return f"{addr}_dp{rank}"
+        return replace(self, endpoint=offset(self.endpoint),
+                       replay_endpoint=offset(self.replay_endpoint), data_parallel_rank=rank)
+
+    @classmethod
+    def parse(cls, value: str | dict | KVEventsConfig) -> KVEventsConfig:
+        """From the flag's JSON text (or a dict); an unknown key is refused, naming it."""
+        if isinstance(value, KVEventsConfig):
+            return value
+        value = json_object_option(value, "kv_events_config",
+                                   '{"enable_kv_cache_events": true}')
+        known = set(cls.__dataclass_fields__) - {"data_parallel_rank"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"kv_events_config: unknown key(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(known))}")
+        return cls(**value)
+
+
 @dataclass
 class EngineConfig:
     """The whole engine's configuration: one dataclass per concern, plus the process-wide
@@ -519,12 +592,20 @@ class EngineConfig:
     kv_transfer_config: str | None = option(
         None, "prefill/decode disaggregation, vLLM's JSON, e.g. {\"kv_role\": \"kv_producer\", "
         "\"kv_port\": 14579}; roles kv_producer, kv_consumer, kv_both (docs/disaggregation.md)")
-    # parsed from kv_transfer_config
+    kv_events_config: str | dict | None = option(
+        None, "publish the prefix cache's block events, vLLM's JSON, e.g. "
+        "{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}: ZeroMQ PUB of "
+        "msgpack KVEventBatch (BlockStored, BlockRemoved, AllBlocksCleared) that `kvflow router "
+        "--kv-events-endpoints` routes by (docs/data_parallel_and_routing.md)")
+    # parsed from kv_transfer_config, kv_events_config
     kv_transfer: KVTransferConfig | None = field(default=None, init=False, repr=False)
+    kv_events: KVEventsConfig | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.kv_transfer_config is not None:
             self.kv_transfer = KVTransferConfig.parse(self.kv_transfer_config)
+        if self.kv_events_config is not None:
+            self.kv_events = KVEventsConfig.parse(self.kv_events_config)
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.num_threads is None:

@@ -15,6 +15,7 @@ from kvflow.core.scheduler import Scheduler, SchedulerOutput
 from kvflow.distributed.executor import TPExecutor
 from kvflow.distributed.pipeline import stage_layers
 from kvflow.engine.input_processor import InputProcessor, RequestLimits
+from kvflow.engine.kv_events import KVEventBatch, make_publisher, to_wire
 from kvflow.engine.kv_sizing import max_concurrency, num_kv_blocks
 from kvflow.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kvflow.engine.speculator import build_speculator
@@ -83,6 +84,8 @@ class EngineCore:
         if config.kv_transfer is not None:  # refused before any worker starts
             check_engine(self.cache_config, self.device.type)
         self._batch_queue: deque[_StartedStep] = deque()  # steps started, not yet finished
+        # the prefix cache's block events, drained once a step (docs: --kv-events-config)
+        self.kv_event_publisher = None
         self.executor = self._make_executor(model)
         self.scheduler.max_concurrent_batches = self.executor.max_concurrent_batches
         try:
@@ -259,6 +262,9 @@ class EngineCore:
             self.scheduler.max_loras = lc.max_loras
             for i, (name, path) in enumerate(lc.modules(), start=1):
                 self.add_lora(LoRARequest(name, i, path))
+        self.kv_event_publisher = make_publisher(config.kv_events)
+        if self.kv_event_publisher is not None:
+            self.scheduler.kv_cache_manager.record_events()
         if config.kv_transfer is not None:
             self.kv_connector = PDConnector(config.kv_transfer, self.kv_compat(),
                                             self._paged_kv(), cc.block_size)
@@ -457,10 +463,28 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         """Clear the prefix cache; refused (False) while requests are running."""
-        return self.scheduler.reset_prefix_cache()
+        done = self.scheduler.reset_prefix_cache()
+        self.publish_kv_events()
+        return done
+
+    def publish_kv_events(self) -> None:
+        """Hand the block events recorded since the last call to the publisher, as one batch
+        (the publisher's thread sends it)."""
+        if self.kv_event_publisher is None:
+            return
+        events = self.scheduler.kv_cache_manager.take_events()
+        if events:
+            medium = "GPU" if self._on_gpu else "CPU"
+            self.kv_event_publisher.publish(KVEventBatch(time.time(), to_wire(events, medium)))
 
     # -- the loop ------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
+        """One turn of the loop (_step), then its KV events out."""
+        out = self._step()
+        self.publish_kv_events()
+        return out
+
+    def _step(self) -> EngineCoreOutputs:
         """One turn of the loop: schedule a step and start it, then finish the oldest step in
         flight. With one step in flight at most (no pipeline) that is the step just started;
         under pipeline parallelism (vLLM's batch queue) up to `max_concurrent_batches` steps
@@ -569,6 +593,9 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
+            self.kv_event_publisher = None
         self.structured.shutdown()
         self.kv_connector.shutdown()
         self.kv_connector = KVConnector()
