@@ -132,10 +132,7 @@ class Request:
     def salt_bytes(self) -> bytes:
         """block_salt as its blocks' hashes take it: the salt's UTF-8, then 0xff (a byte that
         UTF-8 never holds, so no salt can pose as an adapter) and the adapter's id."""
-        salt = self.cache_salt.encode("utf-8", "surrogatepass") if self.cache_salt else b""
-        if self.lora_request is None:
-            return salt
-        return salt + b"\xff" + self.lora_request.lora_int_id.to_bytes(8, "little")
+        return block_salt_bytes(self.cache_salt, self.lora_int_id)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -256,3 +253,12 @@ def check_request_fits(num_prompt_tokens: int, max_tokens: int | None, max_model
                 f"prompt and max_tokens need {total} tokens ({blocks} KV blocks) but the KV cache "
                 f"holds only {num_blocks} blocks; lower max_tokens", "max_tokens")
     return max_tokens
+
+
+def block_salt_bytes(cache_salt: str | None, lora_int_id: int = 0) -> bytes:
+    """Request.salt_bytes from its parts (`lora_int_id` 0: the base model), for whoever hashes
+    a prompt's blocks without a Request (a router scoring replicas by their KV events)."""
+    salt = cache_salt.encode("utf-8", "surrogatepass") if cache_salt else b""
+    if not lora_int_id:
+        return salt
+    return salt + b"\xff" + lora_int_id.to_bytes(8, "little")

@@ -104,3 +104,27 @@ class KVEventListener:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(1.0)
+
+
+class KVEventListeners:
+    """A BlockIndex of several replicas and a listener for each replica followed."""
+
+    def __init__(self, topic: str = "", index: BlockIndex | None = None) -> None:
+        self.index = index or BlockIndex()
+        self.topic = topic
+        self.listeners: dict[Hashable, KVEventListener] = {}
+
+    def listen(self, replica: Hashable, endpoint: str) -> None:
+        self.drop(replica)
+        self.listeners[replica] = KVEventListener(replica, endpoint, self.index, self.topic)
+
+    def drop(self, replica: Hashable) -> None:
+        """Stop following `replica`, and forget what it held."""
+        listener = self.listeners.pop(replica, None)
+        if listener is not None:
+            listener.close()
+        self.index.cleared(replica)
+
+    def close(self) -> None:
+        for replica in list(self.listeners):
+            self.drop(replica)

@@ -15,13 +15,11 @@ the adapter's id on the replica, which the router does not know: they find no bl
 routed by load."""
 from __future__ import annotations
 
-from collections.abc import Hashable
-
 import httpx
 
-from kvflow.core.block_index import BlockIndex
 from kvflow.core.kv_cache.block_pool import hash_token_blocks
-from kvflow.engine.kv_events_subscriber import KVEventListener, check_endpoint
+from kvflow.engine.kv_events_subscriber import KVEventListeners, check_endpoint
+from kvflow.request import block_salt_bytes
 
 TOKENIZED = ("/v1/completions", "/v1/chat/completions")
 TOKENIZE_TIMEOUT_S = 10.0
@@ -47,26 +45,8 @@ def tokenize_body(path: str, body: dict) -> dict | list[int] | None:
     return None
 
 
-class KVEventRouting:
-    """The index, and one listener per worker that has an events endpoint."""
-
-    def __init__(self, topic: str = "") -> None:
-        self.index = BlockIndex()
-        self.topic = topic
-        self.listeners: dict[Hashable, KVEventListener] = {}
-
-    def listen(self, worker: Hashable, endpoint: str) -> None:
-        self.listeners[worker] = KVEventListener(worker, endpoint, self.index, self.topic)
-
-    def drop(self, worker: Hashable) -> None:
-        listener = self.listeners.pop(worker, None)
-        if listener is not None:
-            listener.close()
-        self.index.cleared(worker)
-
-    def close(self) -> None:
-        for worker in list(self.listeners):
-            self.drop(worker)
+class KVEventRouting(KVEventListeners):
+    """The index, one listener per worker that has an events endpoint, and the hashing."""
 
     async def block_hashes(self, client: httpx.AsyncClient, tokenizer_url: str, path: str,
                            body: dict, headers: dict) -> list[bytes] | None:
@@ -90,9 +70,9 @@ class KVEventRouting:
                 or not all(type(t) is int for t in ids)):
             return None
         salt = body.get("cache_salt")
-        salt = salt.encode("utf-8", "surrogatepass") if isinstance(salt, str) and salt else b""
         try:
-            return hash_token_blocks(ids, bs, salt) or None
+            return hash_token_blocks(ids, bs, block_salt_bytes(
+                salt if isinstance(salt, str) else None)) or None
         except OverflowError:  # an id past int64: no engine took it either
             return None
 
