@@ -169,3 +169,34 @@ def test_the_data_parallel_front_routes_by_its_replicas_events(tiny_model, tmp_p
         asyncio.run(front.shutdown())
         for p in publishers:
             p.shutdown()
+
+
+def test_the_replay_socket_resends_buffered_batches_from_a_sequence_number(tmp_path):
+    from kvflow.config import KVEventsConfig
+    from kvflow.engine.kv_events import END_SEQ, ZmqEventPublisher
+
+    pub = ZmqEventPublisher(KVEventsConfig(
+        enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/pub",
+        replay_endpoint=f"ipc://{tmp_path}/replay", buffer_steps=2))
+    replay = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        for i in range(3):  # the buffer keeps the last two
+            pub.publish(KVEventBatch(float(i), [BlockRemoved([bytes([i]) * 32], "CPU")]))
+        replay.connect(f"ipc://{tmp_path}/replay")
+        deadline = time.monotonic() + 10
+        got = []
+        while len(got) < 2:  # until the publisher's thread has sent (and buffered) the last
+            assert time.monotonic() < deadline
+            replay.send_multipart([b"", (0).to_bytes(8, "big")])
+            got = []
+            while True:
+                assert replay.poll(5000), "no replay answer"
+                _, seq, payload = replay.recv_multipart()
+                if seq == END_SEQ:
+                    break
+                got.append((int.from_bytes(seq, "big"),
+                            msgspec.msgpack.Decoder(KVEventBatch).decode(payload).ts))
+        assert got == [(1, 1.0), (2, 2.0)]
+    finally:
+        replay.close(linger=0)
+        pub.shutdown()

@@ -596,12 +596,16 @@ class Router:
 
     def listing(self) -> dict:
         """The workers, the policy and, for a worker whose KV events are followed, how many
-        blocks its prefix cache holds as they say."""
+        blocks its prefix cache holds as they say, the batches applied, the gaps in their
+        numbering (batches lost) and the messages skipped as malformed."""
         out = dict(self.workers.listing(), policy=self.policy_name)
         if self.kv_events is not None:
             for w, b in zip(out["workers"], self.workers.all):
-                if b.kv_events_endpoint is not None:
-                    w["kv_cache_blocks"] = self.kv_events.index.size(b)
+                listener = self.kv_events.listeners.get(b)
+                if listener is not None:
+                    w.update(kv_cache_blocks=self.kv_events.index.size(b),
+                             kv_event_batches=listener.batches, kv_event_gaps=listener.gaps,
+                             kv_event_bad_messages=listener.bad)
         return out
 
     async def remove_worker(self, url: str | None) -> Response:
