@@ -16,6 +16,11 @@ rounds of each policy, and the ratios.
 
     flock /tmp/kvflow-bench.lock .venv/bin/python benchmarks/router_cache_aware.py \\
         [--sessions 8] [--turns 5] [--rounds 3] [--output-len 24] [--save-json PATH]
+
+With `--kv-events` the replicas publish their KV events, and a variant's flags may name
+`{events}`, their endpoints in order: `--variant 'events=--policy cache_aware
+--kv-events-endpoints {events}'` routes by the blocks the replicas report rather than by the
+text tree (compare under cache pressure, a small `--kv-cache-memory`, where they evict).
 """
 from __future__ import annotations
 
@@ -185,6 +190,8 @@ def main() -> None:
                    help="a router to compare, e.g. 'cache_aware=--policy cache_aware' "
                         "(repeatable; default: cache_aware, cache_aware with SGLang's balance "
                         "threshold of 32, and round_robin)")
+    p.add_argument("--kv-events", action="store_true",
+                   help="replicas publish KV events; `{events}` in a variant's flags names them")
     p.add_argument("--save-json", default=os.path.join(REPO, "benchmarks", "results",
                                                        "router_cache_aware.json"))
     args = p.parse_args()
@@ -196,9 +203,16 @@ def main() -> None:
     procs = []
     try:
         replicas = []
+        events = []
         for _ in range(args.replicas):
+            extra = []
+            if args.kv_events:
+                port = free_port()
+                events.append(f"tcp://127.0.0.1:{port}")
+                extra = ["--kv-events-config", json.dumps(
+                    {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})]
             proc, url, log = start(["serve", "--num-threads", "1", "--max-model-len", "2048",
-                                    "--kv-cache-memory", args.kv_cache_memory], "/health")
+                                    "--kv-cache-memory", args.kv_cache_memory, *extra], "/health")
             procs.append((proc, log))
             replicas.append((proc, url, log))
         for proc, url, log in replicas:
@@ -206,6 +220,7 @@ def main() -> None:
         urls = [u for _, u, _ in replicas]
         routers = {}
         for name, flags in variants.items():
+            flags = flags.replace("{events}", " ".join(events))
             proc, url, log = start(["router", "--replicas", *urls, *flags.split()], "/health")
             procs.append((proc, log))
             wait_ready(proc, url, "/list_workers", log)
@@ -248,6 +263,8 @@ def main() -> None:
                   "sessions": args.sessions, "turns": args.turns, "rounds": args.rounds,
                   "system_words": args.system_words, "user_words": args.user_words,
                   "output_len": args.output_len, "variants": variants,
+                  "kv_cache_memory_per_replica": args.kv_cache_memory,
+                  "kv_events": args.kv_events,
                   "model": "SmolLM2-135M-Instruct Q4_1 (default)"},
         "median": summary,
         f"ratio_over_{base}": {name: {

@@ -82,3 +82,29 @@ def test_an_adapters_blocks_carry_its_id():
     run(s, "a", prompt, lora_request=LoRARequest("sql", 3, "/nowhere"))
     (e,) = s.kv_cache_manager.take_events()
     assert e.lora_id == 3
+
+
+def test_with_several_groups_each_event_names_its_group_and_the_sequences_own_hashes():
+    from kvflow.core.kv_cache.coordinator import KVCacheCoordinator
+    from kvflow.core.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
+
+    kv = KVCacheCoordinator([FullAttentionSpec(), SlidingWindowSpec(sliding_window=4)], 12, BS,
+                            max_num_batched_tokens=4)
+    kv.record_events()
+    prompt = list(range(100, 109))
+    req = Request("a", prompt, SamplingParams(max_tokens=1))
+    assert kv.allocate_slots(req, len(prompt)) is not None
+    stored = kv.take_events()
+    assert [e.group_idx for e in stored] == [0, 1]
+    assert all(e.block_hashes == hash_token_blocks(prompt, BS) for e in stored)
+    kv.free(req)
+    other = Request("b", list(range(300, 300 + 4 * 8)), SamplingParams(max_tokens=1))
+    while other.num_computed_tokens < other.num_tokens:  # in chunks: a window holds 2 blocks
+        assert kv.allocate_slots(other, BS) is not None  # 8 + 2 of the 11 blocks: evicts a's
+        other.num_computed_tokens += BS
+    removed = [e for e in kv.take_events() if type(e) is BlockRemoved]
+    assert removed and {e.group_idx for e in removed} <= {0, 1}
+    # the sequences' own hashes, no group suffix: a's, and b's own window blocks left behind
+    known = set(hash_token_blocks(prompt, BS)) | set(hash_token_blocks(other.prompt_token_ids, BS))
+    gone = [h for e in removed for h in e.block_hashes]
+    assert set(gone) <= known and set(gone) & set(hash_token_blocks(prompt, BS))

@@ -104,7 +104,7 @@ class FullAttentionManager:
                 break  # its parent is not findable (another block won its hash): nor is it
             self.block_pool.cache_block(block, hashes[i] + self.hash_suffix,
                                         self.block_key(req, i, parent),
-                                        parent.block_hash if parent is not None else None,
+                                        hashes[i - 1] + self.hash_suffix if i else None,
                                         req.lora_int_id or None)
         self.num_cached_blocks[rid] = num_full
 
