@@ -46,7 +46,7 @@ def test_an_engine_publishes_stored_removed_and_cleared_batches(tiny_model, tmp_
         a, b, c = ([base + i for i in range(3 * BS)] for base in (10, 60, 110))
         llm.generate([a], ONE, use_tqdm=False)
         topic, seq, batch = receive(sub)
-        assert topic == b"kv" and seq == 0 and batch.ts > 0
+        assert topic == b"kv" and seq == 0 and batch.ts > 0 and batch.data_parallel_rank == 0
         assert batch.events == [BlockStored(hash_token_blocks(a, BS), None, a, BS, None, "CPU",
                                             None)]
 

@@ -188,6 +188,24 @@ def test_the_router_follows_the_replicas_events_and_an_eviction_changes_the_rout
     assert reasons(router)["fewest_blocks"] == 2
 
 
+def test_a_worker_added_at_run_time_brings_its_events_endpoint(cluster):
+    router, a, b = cluster
+    r = httpx.post(router.url + "/add_worker", params={
+        "url": "http://127.0.0.1:9", "kv_events_endpoint": "tcp://*:5557"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_events_endpoint"
+    c = FakeReplica("C")
+    try:
+        r = httpx.post(router.url + "/add_worker", params={"url": c.url,
+                                                           "kv_events_endpoint": c.events})
+        assert r.status_code == 200, r.text
+        publish_until(router, c, 9, stored(PROMPT))
+        assert complete(router, PROMPT) == "C"
+        httpx.post(router.url + "/remove_worker", params={"url": c.url})
+        assert c.url not in router.workers()
+    finally:
+        c.close()
+
+
 def test_endpoints_must_match_the_replicas():
     from kvflow.entrypoints.router import Router
 

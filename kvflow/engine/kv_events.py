@@ -94,7 +94,7 @@ class ZmqEventPublisher:
 
     def __init__(self, config: KVEventsConfig) -> None:
         self.config = config
-        self.data_parallel_rank = config.data_parallel_rank
+        self.data_parallel_rank = config.data_parallel_rank or 0  # vLLM stamps 0 on one engine
         self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._topic = config.topic.encode("utf-8")

@@ -15,8 +15,8 @@ Replicas (and prefill instances) are picked by `--policy` (kvflow/core/routing.p
 SGLang router's cache-aware one over an approximate tree of the prompts' text each was sent;
 with `--kv-events-endpoints`, over the blocks each replica's prefix cache really holds, as its
 KV events say (kvflow/entrypoints/router_kv_events.py); load is requests in flight through this
-router. A replica that fails before any token reached
-the client (unreachable, a 5xx, a stream cut before its first token) is retried once on another.
+router. A replica that fails before any token reached the client (unreachable, a 5xx, a stream
+cut before its first token) is retried once on another.
 Workers join and leave at run time (kvflow/entrypoints/router_workers.py). The router holds no
 model and no KV: it only moves JSON and SSE bytes."""
 from __future__ import annotations
