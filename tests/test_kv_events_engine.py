@@ -51,7 +51,7 @@ def test_an_engine_publishes_stored_removed_and_cleared_batches(tiny_model, tmp_
                                             None)]
 
         llm.generate([b], ONE, use_tqdm=False)  # the free blocks: nothing evicted
-        llm.generate([c], ONE, use_tqdm=False)  # takes the three blocks a left (a prompt takes three)
+        llm.generate([c], ONE, use_tqdm=False)  # takes the three blocks a left
         seen = []
         while not any(type(e) is BlockRemoved for e in seen):
             _, seq, batch = receive(sub)

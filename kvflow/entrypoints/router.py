@@ -762,9 +762,9 @@ def register(sub) -> None:
                         f"{d.max_tree_size})")
     g.add_argument("--kv-events-endpoints", nargs="+", metavar="ADDR",
                    help="each replica's (PD: each prefill instance's) KV events publisher, "
-                        "tcp://HOST:PORT, in the order of --replicas (--prefill): cache_aware "
-                        "and least_load then score by the blocks each one really holds "
-                        "(replicas started with --kv-events-config)")
+                        "tcp://HOST:PORT or ipc://PATH, in the order of --replicas (--prefill): "
+                        "cache_aware and least_load then score by the blocks each one really "
+                        "holds (replicas started with --kv-events-config)")
     g.add_argument("--kv-events-topic", default="",
                    help="the topic the replicas publish under (kv_events_config's `topic`)")
     h = HealthConfig()
