@@ -43,12 +43,18 @@ def test_the_replica_holding_the_longest_leading_run_wins_and_an_eviction_moves_
     choice = policy.choose({"a": 0, "b": 0, "c": 0}, PROMPT, hashes)
     assert (choice.replica, choice.reason, choice.matched) == ("b", "kv_cache_hit", len(hashes))
     policy.routed("b", PROMPT)  # the text tree now says b too: the events decide regardless
-    index.removed("b", hashes[4:5])  # b keeps 4 leading blocks of 9: under the threshold
+    index.removed("b", hashes[4:5])  # b keeps 4 leading blocks of 9, a 3: any real run counts
     choice = policy.choose({"a": 0, "b": 0, "c": 0}, PROMPT, hashes)
-    assert (choice.replica, choice.reason) == ("a", "fewest_blocks")  # a holds 3, b 8, c 8
-    index.cleared("a")
-    index.stored("c", hashes[:1], BS)
-    assert policy.choose({"a": 0, "b": 0, "c": 0}, PROMPT, hashes).replica == "c"
+    assert (choice.replica, choice.reason, choice.matched) == ("b", "kv_cache_hit", 4)
+    index.removed("b", hashes[:1])  # b lost the first block: its other blocks serve nothing
+    choice = policy.choose({"a": 0, "b": 0, "c": 0}, PROMPT, hashes)
+    assert (choice.replica, choice.matched) == ("a", 3)
+    index.cleared("a")  # nobody holds the first block: the emptiest takes it
+    choice = policy.choose({"a": 0, "b": 0, "c": 0}, PROMPT, hashes)
+    assert (choice.replica, choice.reason) == ("a", "fewest_blocks")  # a 0, b 7, c 8
+    index.stored("c", hashes[:1], BS)  # c computed the first block: its whole run is there
+    choice = policy.choose({"a": 0, "b": 0, "c": 0}, PROMPT, hashes)
+    assert (choice.replica, choice.matched) == ("c", len(hashes))
     # without hashes (a prompt under one block, no tokenizer answer) the text tree routes
     choice = policy.choose({"a": 0, "b": 0, "c": 0}, PROMPT, None)
     assert (choice.replica, choice.reason) == ("b", "cache_hit")

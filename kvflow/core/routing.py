@@ -13,7 +13,8 @@ than `cache_threshold` of the key, else the replica whose tree is smallest (most
 Given a BlockIndex (the replicas' KV events: kvflow/core/block_index.py) and a request's block
 hashes, `cache_aware` and `least_load`'s ties score by the blocks each replica really holds
 instead of the tree: the longest run of the prompt's leading blocks in its cache (reason
-`kv_cache_hit`), else the replica holding the fewest blocks (`fewest_blocks`). A request without
+`kv_cache_hit`; any run, `cache_threshold` is the tree's), else the replica holding the fewest
+blocks (`fewest_blocks`). A request without
 hashes (none computed, or a prompt shorter than a block) is routed by the tree as before."""
 from __future__ import annotations
 
@@ -177,14 +178,18 @@ class CacheAware(RoutingPolicy):
         return Choice(pick, "smallest_tree", per.get(pick, 0))
 
     def _by_blocks(self, candidates, hashes):
-        """The replica holding the longest run of the prompt's leading blocks, if it covers
-        more than `cache_threshold` of them; else the one holding the fewest blocks."""
+        """The replica holding the longest run of the prompt's leading blocks (the less loaded
+        among equals); where none holds even the first, the one holding the fewest blocks.
+        No `cache_threshold` here: the tree's guess needs one, while a block a replica reports
+        is a block it will not compute again (measured: with the threshold, sessions whose
+        replica kept under half of their prompt moved to one that held none of it, and hit
+        less, benchmarks/router_cache_aware.py under cache pressure)."""
         per = self.blocks.matched(list(candidates), hashes)
         pick = max(per, key=lambda r: (per[r], -candidates[r]))
-        if per[pick] / len(hashes) > self.config.cache_threshold:
+        if per[pick]:
             return Choice(pick, "kv_cache_hit", per[pick])
         pick = min(candidates, key=lambda r: (self.blocks.size(r), candidates[r]))
-        return Choice(pick, "fewest_blocks", per[pick])
+        return Choice(pick, "fewest_blocks", 0)
 
     def routed(self, replica, key):
         self.tree.insert(key, replica)
