@@ -97,6 +97,16 @@ def routed(router: str) -> dict[str, float]:
     return out
 
 
+def reasons(router: str) -> dict[str, float]:
+    """Requests routed so far by why (cache_hit, balance, kv_cache_hit, ...)."""
+    out: dict[str, float] = {}
+    text = httpx.get(router + "/metrics", timeout=30).text
+    for why, v in re.findall(r'^kvflow_router:backend_requests_total\{[^}]*reason="([^"]+)"'
+                             r'[^}]*\} (\S+)$', text, re.M):
+        out[why] = out.get(why, 0.0) + float(v)
+    return out
+
+
 def sentence(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n)) + "."
 
@@ -150,6 +160,7 @@ def run_round(policy: str, router: str, replicas: list[str], system: str, seed: 
     reset_caches(replicas)
     before = [replica_counts(u) for u in replicas]
     sent_before = routed(router)
+    why_before = reasons(router)
     rngs = [random.Random(seed * 1000 + s) for s in range(args.sessions)]
 
     async def run():
@@ -167,12 +178,15 @@ def run_round(policy: str, router: str, replicas: list[str], system: str, seed: 
     ttfts = sorted(t for s in results for t, _ in s)
     tokens = sum(n for s in results for _, n in s)
     share = [sent_after.get(u, 0) - sent_before.get(u, 0) for u in replicas]
+    why = {k: v - why_before.get(k, 0) for k, v in reasons(router).items()
+           if v - why_before.get(k, 0)}
     return {"policy": policy, "seed": seed, "wall_s": wall, "requests": len(ttfts),
             "prefix_hit_rate": hits / queries if queries else 0.0,
             "prompt_tokens": int(queries), "prompt_tokens_from_cache": int(hits),
             "ttft_p50_s": ttfts[len(ttfts) // 2],
             "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))],
-            "completion_tokens_per_s": tokens / wall, "requests_per_replica": share}
+            "completion_tokens_per_s": tokens / wall, "requests_per_replica": share,
+            "reasons": why}
 
 
 def main() -> None:
@@ -236,7 +250,7 @@ def main() -> None:
             print(f"round {k} {policy:12s} hit rate {r['prefix_hit_rate']:.3f}  TTFT p50 "
                   f"{r['ttft_p50_s'] * 1e3:7.0f} ms  p99 {r['ttft_p99_s'] * 1e3:7.0f} ms  "
                   f"{r['completion_tokens_per_s']:6.1f} tok/s  wall {r['wall_s']:6.1f} s  "
-                  f"per replica {r['requests_per_replica']}", flush=True)
+                  f"per replica {r['requests_per_replica']}  {r['reasons']}", flush=True)
     finally:
         for proc, log in procs:
             if proc.poll() is None:
