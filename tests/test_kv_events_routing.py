@@ -60,6 +60,20 @@ def test_the_replica_holding_the_longest_leading_run_wins_and_an_eviction_moves_
     assert (choice.replica, choice.reason) == ("b", "cache_hit")
 
 
+def test_a_running_requests_prompt_counts_as_held_until_it_ends():
+    index = BlockIndex()
+    policy = make_policy("cache_aware", CacheAwareConfig(), blocks=index)
+    hashes = hash_token_blocks(ids(PROMPT), BS)
+    index.stored("a", hash_token_blocks(ids("Another prompt, another story"), BS), BS)
+    index.running("b", hashes, 1)  # sent to b, its BlockStored not back yet
+    index.running("b", hashes, 1)
+    choice = policy.choose({"a": 0, "b": 2}, PROMPT, hashes)
+    assert (choice.replica, choice.reason) == ("b", "kv_cache_hit")  # a burst follows it
+    index.running("b", hashes, -1)
+    index.running("b", hashes, -1)  # both ended, and no event said b kept the blocks
+    assert policy.choose({"a": 0, "b": 0}, PROMPT, hashes).reason == "fewest_blocks"
+
+
 def test_least_load_breaks_ties_by_the_blocks_held_and_load_still_comes_first():
     index = BlockIndex()
     policy = make_policy("least_load", blocks=index)

@@ -11,6 +11,7 @@ thread while requests are routed on another."""
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Hashable, Sequence
 
 HASH_BYTES = 32  # kvflow's block hashes are sha256 digests
@@ -18,7 +19,12 @@ HASH_BYTES = 32  # kvflow's block hashes are sha256 digests
 
 class BlockIndex:
     """replica -> the set of block hashes it holds, at most `max_blocks` per replica (past it a
-    stored block is not recorded: the replica seems to hold less than it does, never more)."""
+    stored block is not recorded: the replica seems to hold less than it does, never more).
+
+    Besides what the events say, the prompt blocks of the requests in flight on a replica
+    (`running`, counted by whoever sends them) count as held: a running request's blocks are in
+    its replica's cache and cannot be evicted, and a burst of one prompt then follows its first
+    request instead of spreading before that request's BlockStored comes back."""
 
     def __init__(self, max_blocks: int = 2**21) -> None:
         if max_blocks < 1:
@@ -26,7 +32,19 @@ class BlockIndex:
         self.max_blocks = max_blocks
         self.block_size: int | None = None  # learnt from the first BlockStored
         self._held: dict[Hashable, set[bytes]] = {}
+        self._running: dict[Hashable, Counter] = {}  # replica -> hash -> requests in flight
         self._lock = threading.Lock()
+
+    def running(self, replica: Hashable, block_hashes: Sequence[bytes], delta: int) -> None:
+        """A request with these prompt blocks started (+1) or ended (-1) on `replica`."""
+        with self._lock:
+            counts = self._running.setdefault(replica, Counter())
+            for h in block_hashes:
+                n = counts[h] + delta
+                if n > 0:
+                    counts[h] = n
+                else:
+                    del counts[h]
 
     def stored(self, replica: Hashable, block_hashes: Sequence, block_size: int,
                group_idx: int | None = None) -> None:
@@ -64,14 +82,15 @@ class BlockIndex:
         with self._lock:
             for r in replicas:
                 held = self._held.get(r, ())
+                running = self._running.get(r, ())
                 n = 0
                 for h in block_hashes:
-                    if h not in held:
+                    if h not in held and h not in running:
                         break
                     n += 1
                 out[r] = n
         return out
 
     def size(self, replica: Hashable) -> int:
-        """Blocks the replica holds."""
+        """Blocks the replica holds, as its events say."""
         return len(self._held.get(replica, ()))

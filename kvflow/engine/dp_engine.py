@@ -124,6 +124,11 @@ class DPAsyncLLM:
     # -- requests --------------------------------------------------------------------
     def choose(self, prompt_token_ids: list[int], cache_salt: str | None = None,
                lora_request: LoRARequest | None = None) -> int:
+        return self._pick(prompt_token_ids, cache_salt, lora_request)[0]
+
+    def _pick(self, prompt_token_ids: list[int], cache_salt: str | None = None,
+              lora_request: LoRARequest | None = None) -> tuple[int, list[bytes] | None]:
+        """The replica for a prompt, and its block hashes where KV events are followed."""
         # a salted prompt (or an adapter's) shares cached blocks only with its own salt
         # (adapter): its key starts with it
         key = prompt_token_ids
@@ -138,35 +143,43 @@ class DPAsyncLLM:
                                        block_salt_bytes(cache_salt, lora_id))
         i = self.policy.choose(dict(enumerate(self.inflight)), key, hashes).replica
         self.policy.routed(i, key)
-        return i
+        return i, hashes
+
+    def _started(self, i: int, hashes: list[bytes] | None, delta: int) -> None:
+        """A request began (+1) or ended (-1) on replica i: its prompt's blocks count as held
+        there while it runs (kvflow/core/block_index.py)."""
+        self.inflight[i] += delta
+        if hashes:
+            self.kv_events.index.running(i, hashes, delta)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, **kwargs) -> AsyncIterator[RequestOutput]:
         """AsyncLLM.generate on the chosen replica."""
         if self.dead_error is not None:
             raise type(self.dead_error)(str(self.dead_error))
-        i = self.choose(prompt_token_ids, kwargs.get("cache_salt"), kwargs.get("lora_request"))
-        self.inflight[i] += 1
+        i, hashes = self._pick(prompt_token_ids, kwargs.get("cache_salt"),
+                               kwargs.get("lora_request"))
+        self._started(i, hashes, 1)
         self.routed[i] += 1
         try:
             async for out in self.replicas[i].generate(prompt_token_ids, params, request_id,
                                                        **kwargs):
                 yield out
         finally:
-            self.inflight[i] -= 1
+            self._started(i, hashes, -1)
 
     async def encode(self, prompt_token_ids: list[int], params: PoolingParams, request_id: str,
                      **kwargs) -> EmbeddingRequestOutput:
         """AsyncLLM.encode on the chosen replica."""
         if self.dead_error is not None:
             raise type(self.dead_error)(str(self.dead_error))
-        i = self.choose(prompt_token_ids, lora_request=kwargs.get("lora_request"))
-        self.inflight[i] += 1
+        i, hashes = self._pick(prompt_token_ids, lora_request=kwargs.get("lora_request"))
+        self._started(i, hashes, 1)
         self.routed[i] += 1
         try:
             return await self.replicas[i].encode(prompt_token_ids, params, request_id, **kwargs)
         finally:
-            self.inflight[i] -= 1
+            self._started(i, hashes, -1)
 
     async def add_lora(self, lora_request: LoRARequest) -> None:
         """Load the adapter in every replica (any may be chosen for its requests); a refusal

@@ -229,7 +229,11 @@ class Router:
         pool = self.pool(role) if role else self.backends
         return min(pool, key=lambda b: (not b.healthy, b.inflight), default=None)
 
-    def _count(self, b: Backend, delta: int) -> None:
+    def _count(self, b: Backend, delta: int, hashes: list[bytes] | None = None) -> None:
+        """A request started (+1) or ended (-1) on `b`; with KV events followed, its prompt's
+        blocks count as `b`'s while it runs (block_index.py)."""
+        if hashes and self.kv_events is not None:
+            self.kv_events.index.running(b, hashes, delta)
         b.inflight += delta
         if self.workers.find(b.url) is b:  # a removed worker's gauge stays removed
             self.metrics.inflight.labels(b.url).set(b.inflight)
@@ -239,12 +243,13 @@ class Router:
         if unreachable:
             self.workers.take_out(b)
 
-    async def _post(self, b: Backend, path: str, body: dict, headers: dict) -> httpx.Response:
-        self._count(b, 1)
+    async def _post(self, b: Backend, path: str, body: dict, headers: dict,
+                    hashes: list[bytes] | None = None) -> httpx.Response:
+        self._count(b, 1, hashes)
         try:
             return await self.client.post(b.url + path, json=body, headers=headers)
         finally:
-            self._count(b, -1)
+            self._count(b, -1, hashes)
 
     async def _forward(self, role: str, path: str, body: dict, headers: dict, key: str,
                        mode: str, retries: int, reply_headers: dict | None = None,
@@ -266,7 +271,7 @@ class Router:
             tried.add(b)
             try:
                 return await self._attempt(b, path, body, headers, mode, retries > 0,
-                                           reply_headers, on_id)
+                                           reply_headers, on_id, hashes)
             except (httpx.TransportError, StreamCutError) as e:
                 self._failed(b, unreachable=True)
                 if retries <= 0:
@@ -279,9 +284,10 @@ class Router:
             self.metrics.retries.inc()
 
     async def _attempt(self, b: Backend, path: str, body: dict, headers: dict, mode: str,
-                       may_retry: bool, reply_headers: dict | None, on_id=None) -> Response:
+                       may_retry: bool, reply_headers: dict | None, on_id=None,
+                       hashes: list[bytes] | None = None) -> Response:
         """One try on `b`; raises (with nothing sent to the client) where a retry may follow."""
-        self._count(b, 1)
+        self._count(b, 1, hashes)
         resp = None
         handed_over = False
         try:
@@ -305,14 +311,14 @@ class Router:
             self.metrics.requests.labels(mode, "ok" if resp.status_code < 400 else "error").inc()
             handed_over = True
             scan = ResponseIdScan(lambda rid: on_id(rid, b)) if on_id is not None else None
-            return StreamingResponse(self._relay(b, resp, held, chunks, scan),
+            return StreamingResponse(self._relay(b, resp, held, chunks, scan, hashes),
                                      status_code=resp.status_code, media_type=ctype,
                                      headers=reply_headers)
         finally:
             if not handed_over:
                 if resp is not None:
                     await resp.aclose()
-                self._count(b, -1)
+                self._count(b, -1, hashes)
 
     @staticmethod
     async def _hold_until_first_token(chunks) -> bytes:
@@ -334,7 +340,7 @@ class Router:
         raise StreamCutError("the stream ended before its first token")
 
     async def _relay(self, b: Backend, resp: httpx.Response, held: bytes, chunks,
-                     scan: ResponseIdScan | None = None):
+                     scan: ResponseIdScan | None = None, hashes: list[bytes] | None = None):
         try:
             if held:
                 if scan is not None:
@@ -348,7 +354,7 @@ class Router:
             self._failed(b, unreachable=True)  # cut mid-answer: the client sees it end early
         finally:  # the client went away or the stream ended: the instance is told by the close
             await resp.aclose()
-            self._count(b, -1)
+            self._count(b, -1, hashes)
 
     async def handle(self, path: str, raw: Request) -> Response:
         """One client request; if the client leaves before the answer, the instances' calls are
@@ -418,7 +424,7 @@ class Router:
                 return error(503, "router: no prefill instance could take the request")
             tried.add(b)
             try:
-                resp = await self._post(b, path, prefill_body, headers)
+                resp = await self._post(b, path, prefill_body, headers, hashes)
             except httpx.TransportError:
                 resp = None
             if resp is not None and resp.status_code < 500:
