@@ -10,9 +10,9 @@ ids, exactly as the replica will see them (chat template and all): it asks one r
 ids as the engine does (block size learnt from the events, the request's `cache_salt`), and the
 cache-aware policy routes by the longest run of leading blocks a replica holds. Where that is
 not possible (no event yet, /tokenize failed, another endpoint, a prompt shorter than a block)
-the request is routed by the text tree as without events. Requests for a LoRA adapter hash under
-the adapter's id on the replica, which the router does not know: they find no block and are
-routed by load."""
+the request is routed by the text tree as without events. A request for a LoRA adapter is
+hashed as the base model's prompt (the replica salts its blocks with the adapter's id, which the
+router does not know), so it is scored by base-model blocks it cannot use."""
 from __future__ import annotations
 
 import httpx
