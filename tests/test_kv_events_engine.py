@@ -33,6 +33,7 @@ def receive(sub: zmq.Socket, timeout_s: float = 10.0) -> tuple[bytes, int, KVEve
     return topic, int.from_bytes(seq, "big"), msgspec.msgpack.Decoder(KVEventBatch).decode(payload)
 
 
+@pytest.mark.slow  # loads a (tiny) model
 def test_an_engine_publishes_stored_removed_and_cleared_batches(tiny_model, tmp_path):
     endpoint = f"ipc://{tmp_path}/kv-events"
     llm = LLM(tiny_model, dtype="float32", max_model_len=24, block_size=BS, num_blocks=6,
@@ -133,6 +134,7 @@ def test_data_parallel_replicas_publish_their_batches_under_their_rank(tiny_mode
         srv.close()
 
 
+@pytest.mark.slow  # loads a (tiny) model
 def test_the_data_parallel_front_routes_by_its_replicas_events(tiny_model, tmp_path):
     """The front (not started: its replicas' endpoints are fed by publishers here) picks the
     replica whose events say it holds the prompt, and moves when that one evicts it."""

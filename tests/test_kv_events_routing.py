@@ -185,6 +185,7 @@ def reasons(router: RouterProcess) -> dict[str, float]:
     return out
 
 
+@pytest.mark.slow  # starts a router
 def test_the_router_follows_the_replicas_events_and_an_eviction_changes_the_route(cluster):
     router, a, b = cluster
     hashes = stored(PROMPT).block_hashes
@@ -208,6 +209,7 @@ def test_the_router_follows_the_replicas_events_and_an_eviction_changes_the_rout
     assert reasons(router)["fewest_blocks"] == 2
 
 
+@pytest.mark.slow  # starts a router
 def test_a_worker_added_at_run_time_brings_its_events_endpoint(cluster):
     router, a, b = cluster
     r = httpx.post(router.url + "/add_worker", params={
