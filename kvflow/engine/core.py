@@ -265,6 +265,9 @@ class EngineCore:
         self.kv_event_publisher = make_publisher(config.kv_events)
         if self.kv_event_publisher is not None:
             self.scheduler.kv_cache_manager.record_events()
+            logger.info("KV events: publishing on %s%s", config.kv_events.endpoint,
+                        f" (replay on {config.kv_events.replay_endpoint})"
+                        if config.kv_events.replay_endpoint else "")
         if config.kv_transfer is not None:
             self.kv_connector = PDConnector(config.kv_transfer, self.kv_compat(),
                                             self._paged_kv(), cc.block_size)
