@@ -27,6 +27,7 @@ from kvflow.engine.protocol import (CoreMessage, EngineCoreOutputs, EngineCoreRe
                                     EngineCoreRequestType, SchedulerStats, UtilityCall)
 from kvflow.lora_request import LoRARequest
 from kvflow.model_path import resolve_model_path
+from kvflow.multimodal.inputs import MultiModalData
 from kvflow.outputs import EmbeddingRequestOutput, RequestOutput
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
@@ -117,18 +118,20 @@ class AsyncLLM:
                        prompt: str | None = None, arrival_time: float | None = None,
                        priority: int = 0, cache_salt: str | None = None,
                        lora_request: LoRARequest | None = None, checked: bool = False,
+                       multi_modal_data: MultiModalData | None = None,
                        ) -> AsyncIterator[RequestOutput]:
         """Stream DELTA RequestOutputs for one request (all its `n` samples) until finished.
         The input processor checks it first (ValueError naming the field: a 400), unless the
-        caller did (`checked`: the server checks every prompt of a request before any runs)."""
+        caller did (`checked`: the server checks every prompt of a request before any runs).
+        `multi_modal_data`: its images, `{"image": [ImageItem, ...]}` in the prompt's order."""
         if self.dead_error is not None:
             raise type(self.dead_error)(str(self.dead_error))  # keeps its code
         if not checked:
-            self.input_processor.process(prompt_token_ids, params, lora_request)
+            self.input_processor.process(prompt_token_ids, params, lora_request, multi_modal_data)
         core_reqs = self.processor.add_request(
             request_id, prompt, prompt_token_ids, params, OutputKind.DELTA,
             arrival_time=arrival_time or time.time(), priority=priority, cache_salt=cache_salt,
-            lora_request=lora_request, checked=True)
+            lora_request=lora_request, checked=True, multi_modal_data=multi_modal_data)
         finished = False
         # From here on the request is counted; every way out (an encode or send error, a
         # cancelled task, an error from the output path) passes the `finally` that uncounts it.

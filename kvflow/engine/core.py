@@ -71,10 +71,12 @@ class EngineCore:
             model, block_bytes_per_token, free_at_start)  # block count from the memory budget
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config,
                                    self._kv_cache_specs(), self.num_state_slots or None)
+        # whether the loaded family takes images: the frontends refuse image parts otherwise
+        self.supports_images = False
         # checks what callers other than the frontends hand add_request (EngineCoreRequest.checked)
         self.input_processor = InputProcessor(config, RequestLimits(
             self.arch.vocab_size, self.max_model_len, self.cache_config.block_size,
-            self.cache_config.num_blocks))
+            self.cache_config.num_blocks, self.supports_images))
         self.structured = self._structured_outputs()
         self.spec = self._speculator()
         self.trace = None

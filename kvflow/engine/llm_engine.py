@@ -6,6 +6,7 @@ from kvflow.engine.core import EngineCore
 from kvflow.engine.input_processor import InputProcessor
 from kvflow.engine.output_processor import OutputKind, OutputProcessor
 from kvflow.lora_request import LoRARequest
+from kvflow.multimodal.inputs import MultiModalData
 from kvflow.outputs import EmbeddingRequestOutput, RequestOutput
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
@@ -36,16 +37,19 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, kind: OutputKind = OutputKind.FINAL,
                     priority: int = 0, cache_salt: str | None = None,
-                    lora_request: LoRARequest | None = None, checked: bool = False) -> None:
+                    lora_request: LoRARequest | None = None, checked: bool = False,
+                    multi_modal_data: MultiModalData | None = None) -> None:
         """Queue a request; ValueError naming the field if the input processor refuses it
-        (`checked`: the caller ran `input_processor.process` on it already)."""
+        (`checked`: the caller ran `input_processor.process` on it already).
+        `multi_modal_data`: its images, `{"image": [ImageItem, ...]}` in the prompt's order."""
         if not checked:
-            self.input_processor.process(prompt_token_ids, params, lora_request)
+            self.input_processor.process(prompt_token_ids, params, lora_request, multi_modal_data)
         if lora_request is not None:  # loaded on first use, as vLLM does
             self.core.add_lora(lora_request)
         core_reqs = self.output_processor.add_request(
             request_id, prompt, prompt_token_ids, params, kind, self.eos_token_ids,
-            priority=priority, cache_salt=cache_salt, lora_request=lora_request, checked=True)
+            priority=priority, cache_salt=cache_salt, lora_request=lora_request, checked=True,
+            multi_modal_data=multi_modal_data)
         try:
             for r in core_reqs:
                 self.core.add_request(r)

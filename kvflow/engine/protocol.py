@@ -93,6 +93,7 @@ class EngineCoreReady(msgspec.Struct, array_like=True):
     max_num_seqs: int
     vocab_size: int
     startup_report: str
+    supports_images: bool = False  # the loaded model takes images (RequestLimits)
 
 
 class LoRAResult(msgspec.Struct, array_like=True, omit_defaults=True):
