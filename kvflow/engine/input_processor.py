@@ -155,9 +155,13 @@ class InputProcessor:
             validate_structured_outputs(params.structured_outputs,
                                         self.config.structured_outputs_backend)
 
-    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """The prompt's ids within the vocabulary, then `check_fits`."""
+    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams,
+                     multi_modal_data: MultiModalData | None = None,
+                     image_names: list[str] | None = None) -> None:
+        """The prompt's ids within the vocabulary, its images (`check_multi_modal`), then
+        `check_fits`."""
         check_token_ids("prompt", prompt_token_ids, self.limits.vocab_size)
+        self.check_multi_modal(multi_modal_data, image_names)
         self.check_fits(prompt_token_ids, params)
 
     def check_fits(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -14,8 +14,6 @@ from typing import Any
 
 from kvflow.request import InvalidRequestError
 
-IMAGE_PART_TYPES = ("image_url", "image_pil")
-
 
 @dataclass(frozen=True)
 class ImageRef:
@@ -26,9 +24,10 @@ class ImageRef:
     image: Any = None  # a PIL image given in-process
 
 
-def template_content(content: Any, where: str, refs: list[ImageRef]) -> Any:
+def template_content(content: Any, where: str, refs: list[ImageRef], offline: bool = True) -> Any:
     """`content` (a string, None, or a list of parts) as the template takes it; image parts are
-    appended to `refs`. ValueError naming the part for one that cannot be read."""
+    appended to `refs`. ValueError naming the part for one that cannot be read. `image_pil`
+    parts (a PIL image in-process) only `offline`."""
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -43,7 +42,7 @@ def template_content(content: Any, where: str, refs: list[ImageRef]) -> Any:
             if not isinstance(text, str):
                 raise InvalidRequestError(f"{at}.text: a text part needs its text", at)
             parts.append({"type": "text", "text": text})
-        elif kind in IMAGE_PART_TYPES:
+        elif kind == "image_url" or (kind == "image_pil" and offline):
             refs.append(_image_ref(part, kind, at))
             parts.append({"type": "image"})
             has_image = True
