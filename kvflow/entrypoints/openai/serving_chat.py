@@ -185,11 +185,17 @@ def render_and_encode(tokenizer, convo: list[dict], add_generation_prompt: bool,
 
 class OpenAIServingChat(OpenAIServing):
     async def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                     tools: list[dict] | None = None, template_kwargs: dict | None = None,
-                     images: list[ImageRef] | None = None) -> tuple[str, list[int]]:
-        """Template and tokenize, with the input bounded first and big work off the loop.
-        Image parts go to `images` in order (None: a 400 naming the first)."""
-        convo = conversation(messages, images)
+                     tools: list[dict] | None = None,
+                     template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+        """Template and tokenize, with the input bounded first and big work off the loop (an
+        image part is a 400 naming it: `prepare` reads images)."""
+        return await self.render_conversation(conversation(messages), add_generation_prompt,
+                                              tools, template_kwargs)
+
+    async def render_conversation(self, convo: list[dict], add_generation_prompt: bool = True,
+                                  tools: list[dict] | None = None,
+                                  template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+        """`render` of messages already as the template takes them (`conversation`)."""
         chars = sum(content_chars(m["content"]) + len(m["role"]) for m in convo)
         # tool calls' arguments and the tools are templated too (as JSON)
         chars += sum(json_chars(m["tool_calls"], "messages") for m in convo if "tool_calls" in m)
@@ -261,9 +267,13 @@ class OpenAIServingChat(OpenAIServing):
             # harmony's parsers read its special tokens; the text they give out has none
             params.skip_special_tokens = False
         refs: list[ImageRef] = []
-        prompt, ids = await self.render(req.messages, req.add_generation_prompt, tools,
-                                        req.chat_template_kwargs, refs)
+        convo = conversation(req.messages, refs)
+        # images are read and checked (a hostile one named as such), then refused by a model
+        # that takes none, before its template sees their parts
         mm_data, image_names = await self.load_images(refs)
+        self.check_multi_modal(mm_data, image_names)
+        prompt, ids = await self.render_conversation(convo, req.add_generation_prompt, tools,
+                                                     req.chat_template_kwargs)
         if self.settings.reasoning_parser and params.structured_outputs is not None:
             # the thinking is free; the constraint holds from the token after `</think>`
             extra = reasoning_token_ids(

@@ -147,12 +147,20 @@ class OpenAIServing:
         except ValueError as e:
             raise refused(e) from None
 
+    def check_multi_modal(self, multi_modal_data: MultiModalData | None,
+                          image_names: list[str] | None) -> None:
+        """The input processor's image check (the model takes them, their count), as a 400."""
+        try:
+            self.input_processor.check_multi_modal(multi_modal_data, image_names)
+        except ValueError as e:
+            raise refused(e) from None
+
     async def load_images(self, refs: list[ImageRef]
                           ) -> tuple[MultiModalData | None, list[str] | None]:
         """The request's images, counted before any is read, then each read and bounded
         (kvflow/multimodal/media.py) off the event loop, one at a time; a 400 naming the
-        part. Whether the model takes images at all is `check_prompt`'s, after these checks,
-        so that a hostile part is named as such on any model."""
+        part. Whether the model takes images at all is `check_multi_modal`'s, after these
+        checks, so that a hostile part is named as such on any model."""
         if not refs:
             return None, None
         names = [r.where for r in refs]
