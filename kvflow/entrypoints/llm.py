@@ -134,7 +134,10 @@ class LLM:
         for c, convo in enumerate(conversations):
             where = "messages" if len(conversations) == 1 else f"messages[{c}]"
             convo, refs = conversation_images(convo, where)
-            mm_data.append(self._load_images(refs))
+            mm, names = self._load_images(refs)
+            # a model that takes no images refuses them before its template sees their parts
+            self.engine.input_processor.check_multi_modal(mm, names)
+            mm_data.append((mm, names))
             rendered.append(render_chat(self.tokenizer, convo, add_generation_prompt,
                                         chat_template_kwargs=chat_template_kwargs))
         return self.generate([ids for _, ids in rendered], sampling_params, use_tqdm,
@@ -157,9 +160,11 @@ class LLM:
         if not isinstance(prompt, dict) or prompt.get("multi_modal_data") is None:
             return None, None
         mm = prompt["multi_modal_data"]
-        if not isinstance(mm, dict) or set(mm) - {"image"}:
-            raise ValueError(f"prompts[{i}].multi_modal_data: a dict with the key 'image' only "
-                             "(kvflow takes images)")
+        if not isinstance(mm, dict):
+            raise ValueError(f"prompts[{i}].multi_modal_data: a dict such as {{'image': [...]}}")
+        for key in set(mm) - {"image"}:
+            raise ValueError(f"prompts[{i}].multi_modal_data: {key!r} is not a modality kvflow "
+                             "takes (only 'image')")
         images = mm.get("image")
         images = list(images) if isinstance(images, (list, tuple)) else [images]
         names = [f"prompts[{i}].multi_modal_data.image[{k}]" for k in range(len(images))]

@@ -96,8 +96,8 @@ class MediaConnector:
 
     def load_file(self, url: str, where: str) -> ImageItem:
         if self.allowed_local_media_path is None:
-            raise refuse(where, "file:// image URLs are refused (the server was started without "
-                                "--allowed-local-media-path)")
+            raise refuse(where, "file:// image URLs are refused (without "
+                                "--allowed-local-media-path / allowed_local_media_path)")
         parsed = urllib.parse.urlparse(url)
         if parsed.netloc not in ("", "localhost"):
             raise refuse(where, f"a file:// URL names no host, got {parsed.netloc[:64]!r}")
@@ -145,8 +145,8 @@ class MediaConnector:
         if parsed.scheme not in ("http", "https") or not host:
             raise refuse(where, f"{url[:64]!r} is not an http(s) URL")
         if host not in self.allowed_media_domains:
-            why = ("http(s) image URLs are refused (the server was started without "
-                   "--allowed-media-domains)" if not self.allowed_media_domains else
+            why = ("http(s) image URLs are refused (without --allowed-media-domains / "
+                   "allowed_media_domains)" if not self.allowed_media_domains else
                    f"{host[:64]!r} is not in --allowed-media-domains")
             raise refuse(where, why)
 
