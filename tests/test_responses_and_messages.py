@@ -228,6 +228,8 @@ def responses_cases() -> list[tuple[dict | bytes, str]]:
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
         ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0]"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+         "input[0].content[0]"),
+        ({"input": [{"role": "assistant", "content": [{"type": "input_image", "image_url": "x"}]}]},
          "input[0]"),
         ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "x"}] * 300}]},
          "input[0]"),
