@@ -1,8 +1,8 @@
 """Images through the offline `LLM` and down to the engine: `LLM.chat` image parts and
 `LLM.generate` with `multi_modal_data` are read, checked and refused by name on a text-only model
-(never dropped); with a model that takes images (the capability stubbed here), the images reach
-the engine's `add_request` in the prompt's order, and the chat server's job hands them to
-`engine.generate`."""
+(never dropped, not even by the engine); with a model that takes images (the capability stubbed
+here), the images reach the engine's `add_request` in the prompt's order, and the chat server's
+job hands them to `engine.generate`."""
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +17,6 @@ from kvflow import LLM, SamplingParams
 from kvflow.chat_templates import GEMMA3
 from kvflow.config import EngineConfig, MultiModalConfig
 from kvflow.engine.input_processor import InputProcessor, RequestLimits
-from kvflow.engine.output_processor import OutputProcessor
 from kvflow.multimodal.inputs import ImageItem, image_item
 
 pytestmark = pytest.mark.slow  # loads a model
@@ -80,18 +79,18 @@ def test_hostile_parts_are_refused_before_the_capability(llm):
 
 @pytest.fixture
 def vision_llm(llm, monkeypatch):
-    """`llm` as if its model took images, with Gemma 3's template, and the engine's hand-off
-    to the output processor recorded instead of run."""
+    """`llm` as if its model took images, with Gemma 3's template, and what it hands the
+    engine's add_request recorded instead of run."""
     ip = llm.engine.input_processor
     monkeypatch.setattr(ip, "limits", dataclasses.replace(ip.limits, supports_images=True))
     monkeypatch.setattr(llm.tokenizer, "chat_template", GEMMA3)
     seen = []
 
-    def add_request(request_id, prompt, prompt_token_ids, params, kind, eos, **kw):
+    def add_request(request_id, prompt_token_ids, params, prompt=None, **kw):
         seen.append((prompt, prompt_token_ids, kw["multi_modal_data"]))
         raise RuntimeError("recorded")
 
-    monkeypatch.setattr(llm.engine.output_processor, "add_request", add_request)
+    monkeypatch.setattr(llm.engine, "add_request", add_request)
     return llm, seen
 
 
@@ -129,12 +128,15 @@ def test_generate_multi_modal_data_reaches_add_request(vision_llm):
         llm.generate({"prompt": "x", "multi_modal_data": {"image": big}}, use_tqdm=False)
 
 
-def test_the_output_processor_never_drops_images(default_tokenizer):
-    out = OutputProcessor(default_tokenizer)
+def test_the_engine_of_a_text_model_never_drops_images(llm):
     item = image_item(PIL.Image.new("RGB", (2, 2)))
-    with pytest.raises(ValueError, match="multi_modal_data"):
-        out.add_request("r", None, [1, 2], SamplingParams(), multi_modal_data={"image": [item]})
-    assert not out.has_unfinished_requests()
+    for checked in (False, True):  # even past the frontend's checks
+        with pytest.raises(ValueError, match="multi_modal_data: this model does not take "
+                                             "images") as e:
+            llm.engine.add_request("img", [1, 2], SamplingParams(max_tokens=2), checked=checked,
+                                   multi_modal_data={"image": [item]})
+        assert e.value.param == "multi_modal_data"
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_the_input_processor_checks_images():

@@ -26,9 +26,10 @@ from kvflow.engine.output_processor import OutputKind, OutputProcessor
 from kvflow.engine.protocol import (CoreMessage, EngineCoreOutputs, EngineCoreReady,
                                     EngineCoreRequestType, SchedulerStats, UtilityCall)
 from kvflow.lora_request import LoRARequest
-from kvflow.model_path import resolve_model_path
 from kvflow.multimodal.inputs import MultiModalData
+from kvflow.model_path import resolve_model_path
 from kvflow.outputs import EmbeddingRequestOutput, RequestOutput
+from kvflow.request import InvalidRequestError
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 from kvflow.tokenizer import get_tokenizer, tokenizer_source
@@ -123,15 +124,20 @@ class AsyncLLM:
         """Stream DELTA RequestOutputs for one request (all its `n` samples) until finished.
         The input processor checks it first (ValueError naming the field: a 400), unless the
         caller did (`checked`: the server checks every prompt of a request before any runs).
-        `multi_modal_data`: its images, `{"image": [ImageItem, ...]}` in the prompt's order."""
+        `multi_modal_data`: its images, one per image-start token of the prompt, in order: the
+        prompt is expanded for them (off the event loop) and checked again."""
         if self.dead_error is not None:
             raise type(self.dead_error)(str(self.dead_error))  # keeps its code
+        if multi_modal_data:
+            # no model here takes images: refused by name, never dropped
+            raise InvalidRequestError("multi_modal_data: this model does not take images",
+                                      "multi_modal_data")
         if not checked:
-            self.input_processor.process(prompt_token_ids, params, lora_request, multi_modal_data)
+            self.input_processor.process(prompt_token_ids, params, lora_request)
         core_reqs = self.processor.add_request(
             request_id, prompt, prompt_token_ids, params, OutputKind.DELTA,
             arrival_time=arrival_time or time.time(), priority=priority, cache_salt=cache_salt,
-            lora_request=lora_request, checked=True, multi_modal_data=multi_modal_data)
+            lora_request=lora_request, checked=True)
         finished = False
         # From here on the request is counted; every way out (an encode or send error, a
         # cancelled task, an error from the output path) passes the `finally` that uncounts it.

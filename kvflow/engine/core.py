@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvflow.models.registry import family_of
 from kvflow.config import EngineConfig
 from kvflow.core.kv_cache.groups import make_kv_cache_groups
 from kvflow.core.kv_cache.spec import StateSpec
@@ -71,9 +72,9 @@ class EngineCore:
             model, block_bytes_per_token, free_at_start)  # block count from the memory budget
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config,
                                    self._kv_cache_specs(), self.num_state_slots or None)
-        # whether the loaded family takes images: the frontends refuse image parts otherwise
-        self.supports_images = False
         # checks what callers other than the frontends hand add_request (EngineCoreRequest.checked)
+        self.supports_images = bool(getattr(family_of(self.arch.architecture).model_class(self.arch),
+                                            "supports_images", False))
         self.input_processor = InputProcessor(config, RequestLimits(
             self.arch.vocab_size, self.max_model_len, self.cache_config.block_size,
             self.cache_config.num_blocks, self.supports_images))

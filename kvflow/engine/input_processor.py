@@ -29,19 +29,19 @@ from kvflow.structured import validate_structured_outputs
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
     """What the loaded model and its KV cache allow one request: known once the core is ready
-    (EngineCoreReady carries the same fields to the frontend)."""
+    (EngineCoreReady carries the same four numbers to the frontend)."""
 
     vocab_size: int
     max_model_len: int
     block_size: int
     num_blocks: int
-    supports_images: bool = False  # the loaded model takes images (a vision-language family)
+    supports_images: bool = False  # the loaded model takes images
 
     @classmethod
     def of(cls, ready) -> "RequestLimits":
         """The limits an EngineCoreReady (or anything with these fields) reports."""
         return cls(ready.vocab_size, ready.max_model_len, ready.block_size, ready.num_blocks,
-                   bool(getattr(ready, "supports_images", False)))
+                   getattr(ready, "supports_images", False))
 
 
 class InputProcessor:

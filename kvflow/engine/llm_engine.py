@@ -7,6 +7,7 @@ from kvflow.engine.input_processor import InputProcessor
 from kvflow.engine.output_processor import OutputKind, OutputProcessor
 from kvflow.lora_request import LoRARequest
 from kvflow.multimodal.inputs import MultiModalData
+from kvflow.request import InvalidRequestError
 from kvflow.outputs import EmbeddingRequestOutput, RequestOutput
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
@@ -40,16 +41,20 @@ class LLMEngine:
                     lora_request: LoRARequest | None = None, checked: bool = False,
                     multi_modal_data: MultiModalData | None = None) -> None:
         """Queue a request; ValueError naming the field if the input processor refuses it
-        (`checked`: the caller ran `input_processor.process` on it already).
-        `multi_modal_data`: its images, `{"image": [ImageItem, ...]}` in the prompt's order."""
+        (`checked`: the caller ran `input_processor.process` on it already). With
+        `multi_modal_data` ({"image": [ImageItem, ...]}, one per image-start token of the
+        prompt, in order) the prompt is expanded by the model's processor first."""
+        if multi_modal_data:
+            # no model here takes images: refused by name, never dropped
+            raise InvalidRequestError("multi_modal_data: this model does not take images",
+                                      "multi_modal_data")
         if not checked:
-            self.input_processor.process(prompt_token_ids, params, lora_request, multi_modal_data)
+            self.input_processor.process(prompt_token_ids, params, lora_request)
         if lora_request is not None:  # loaded on first use, as vLLM does
             self.core.add_lora(lora_request)
         core_reqs = self.output_processor.add_request(
             request_id, prompt, prompt_token_ids, params, kind, self.eos_token_ids,
-            priority=priority, cache_salt=cache_salt, lora_request=lora_request, checked=True,
-            multi_modal_data=multi_modal_data)
+            priority=priority, cache_salt=cache_salt, lora_request=lora_request, checked=True)
         try:
             for r in core_reqs:
                 self.core.add_request(r)

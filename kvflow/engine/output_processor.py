@@ -86,16 +86,11 @@ class OutputProcessor:
                     params: SamplingParams, kind: OutputKind = OutputKind.FINAL,
                     eos_token_ids: list[int] | None = None, arrival_time: float | None = None,
                     priority: int = 0, cache_salt: str | None = None,
-                    lora_request=None, checked: bool = False,
-                    multi_modal_data=None) -> list[EngineCoreRequest]:
+                    lora_request=None, checked: bool = False) -> list[EngineCoreRequest]:
         """Register a request; returns the core requests to send (one per sample), marked
         `checked` when the input processor has passed it."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if multi_modal_data and multi_modal_data.get("image"):
-            # never dropped: images reach a core request only through the model's processor
-            raise ValueError("multi_modal_data: this engine has no image processor for the "
-                             "loaded model")
         arrival = arrival_time or time.time()
         state = RequestState(request_id, prompt, list(prompt_token_ids), [], kind, arrival)
         core_reqs = []

@@ -93,7 +93,7 @@ class EngineCoreReady(msgspec.Struct, array_like=True):
     max_num_seqs: int
     vocab_size: int
     startup_report: str
-    supports_images: bool = False  # the loaded model takes images (RequestLimits)
+    supports_images: bool = False  # the model takes images (multi_modal_data)
 
 
 class LoRAResult(msgspec.Struct, array_like=True, omit_defaults=True):
