@@ -34,11 +34,13 @@ class RequestLimits:
     max_model_len: int
     block_size: int
     num_blocks: int
+    supports_images: bool = False  # the loaded model takes images
 
     @classmethod
     def of(cls, ready) -> "RequestLimits":
-        """The limits an EngineCoreReady (or anything with these four fields) reports."""
-        return cls(ready.vocab_size, ready.max_model_len, ready.block_size, ready.num_blocks)
+        """The limits an EngineCoreReady (or anything with these fields) reports."""
+        return cls(ready.vocab_size, ready.max_model_len, ready.block_size, ready.num_blocks,
+                   getattr(ready, "supports_images", False))
 
 
 class InputProcessor:

@@ -14,7 +14,7 @@ from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 from kvflow.tokenizer import render_chat
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict  # a dict: {"prompt" or "prompt_token_ids", "multi_modal_data"}
 Message = dict[str, str]
 
 
@@ -44,8 +44,8 @@ class LLM:
         different `cache_salt` never share prefix-cache blocks. `lora_request`: the LoRA
         adapter all prompts run under, or one per prompt (None: the base model); needs
         enable_lora, and an adapter is loaded on its first use."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -61,15 +61,18 @@ class LLM:
         encoded = [self._encode(p) for p in prompts]
         if prompt_texts is not None:
             encoded = [(text, ids) for text, (_, ids) in zip(prompt_texts, encoded)]
+        images = [_images(p) for p in prompts]
         check = self.engine.input_processor
-        for (_, ids), p, lr in zip(encoded, params, loras):
+        for (_, ids), p, lr, mm in zip(encoded, params, loras, images):
+            if mm:  # checked once expanded for its images
+                ids = self.engine.process_images(ids, mm)[0]
             check.process(ids, p, lr)  # every prompt, before any is queued
         order = {}
-        for (text, ids), p, prio, lr in zip(encoded, params, priority, loras):
+        for (text, ids), p, prio, lr, mm in zip(encoded, params, priority, loras, images):
             rid = str(next(self._ids))
             order[rid] = len(order)
             self.engine.add_request(rid, ids, p, prompt=text, priority=prio, cache_salt=cache_salt,
-                                    lora_request=lr, checked=True)
+                                    lora_request=lr, checked=not mm, multi_modal_data=mm)
         return self._run(order, use_tqdm)
 
     def embed(self, prompts: Prompt | Sequence[Prompt],
@@ -129,6 +132,10 @@ class LLM:
         return loras
 
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
             return prompt, ids
@@ -155,3 +162,16 @@ class LLM:
                     bar.update(1)
         bar.close()
         return results
+
+
+def _images(prompt: Prompt) -> dict | None:
+    """A dict prompt's multi_modal_data with each image an ImageItem (a PIL image is converted
+    and hashed); None for a prompt without images."""
+    from kvflow.multimodal.inputs import ImageItem, image_item
+
+    mm = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+    if not mm:
+        return None
+    return {k: [v if isinstance(v, ImageItem) else image_item(v)
+                for v in (items if isinstance(items, (list, tuple)) else [items])]
+            for k, items in mm.items()}
