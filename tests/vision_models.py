@@ -53,16 +53,22 @@ def hf_pixel_values(path: str, images) -> torch.Tensor:
     return AutoImageProcessor.from_pretrained(path)(images, return_tensors="pt")["pixel_values"]
 
 
-def hf_greedy(path: str, token_ids: list[int], images, max_tokens: int) -> list[int]:
-    """HF's greedy tokens (fp32) for expanded `token_ids` with `images` in order."""
+def hf_model(path: str):
     from transformers import Gemma3ForConditionalGeneration
 
-    model = Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    ids = torch.tensor([token_ids])
-    kwargs = {}
-    if images:
-        kwargs = dict(pixel_values=hf_pixel_values(path, images), token_type_ids=(ids == IMAGE).long())
+    return Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy(path: str, model, token_ids: list[int], images, max_tokens: int) -> list[int]:
+    """HF's greedy tokens (fp32) for expanded `token_ids` with `images` in order: the image
+    tokens marked in token_type_ids, as Gemma3Processor marks them (their bidirectional mask);
+    one whole forward per token, end-of-sequence tokens included (as ignore_eos samples)."""
+    pixels = hf_pixel_values(path, images) if images else None
+    ids = list(token_ids)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                             do_sample=False, min_new_tokens=max_tokens, **kwargs)
-    return out[0, len(token_ids):].tolist()
+        for _ in range(max_tokens):
+            t = torch.tensor([ids])
+            kwargs = dict(pixel_values=pixels, token_type_ids=(t == IMAGE).long()) if images else {}
+            logits = model(input_ids=t, attention_mask=torch.ones_like(t), **kwargs).logits
+            ids.append(int(logits[0, -1].argmax()))
+    return ids[len(token_ids):]

@@ -1,0 +1,170 @@
+"""Gemma 3 with its vision tower (a tiny random Gemma3ForConditionalGeneration, fp32): greedy
+tokens through LLM.generate with token ids and images equal HF transformers' for one image and
+for two images of different sizes in a mixed batch; with chunked prefill whose chunks stop
+before image runs (never inside one) and preemptions; the prefix cache hits on a repeated image
+and misses on a different image behind the same token ids; and the bidirectional attention
+over an image's run is what makes them equal."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vision_models import BOI, IMAGE, MM_TOKENS, hf_greedy, hf_model, save_tiny_gemma3_vision
+
+from kvflow.multimodal.inputs import image_item
+from kvflow.sampling_params import SamplingParams
+
+ENGINE = dict(dtype="float32", max_model_len=256, num_threads=1, quantization="none")
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def _image(h: int, w: int, seed: int):
+    rng = np.random.default_rng(seed)
+    return image_item(Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)))
+
+
+A, B, C = _image(40, 50, 0), _image(20, 64, 1), _image(33, 33, 2)
+ONE = ([1, 40, 41, BOI, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60], [A])
+TWO = ([1, 70, BOI, 71, 72, 73, BOI, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83], [B, A])
+TEXT = ([1] + list(range(100, 121)), [])
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    return save_tiny_gemma3_vision(str(tmp_path_factory.mktemp("g3v") / "m"))
+
+
+@pytest.fixture(scope="module")
+def hf(folder):
+    return hf_model(folder)
+
+
+def _prompt(p):
+    ids, images = p
+    return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
+
+
+def _reference(folder, hf, out, images, params=PARAMS) -> list[int]:
+    return hf_greedy(folder, hf, list(out.prompt_token_ids), [i.image for i in images],
+                     params.max_tokens)
+
+
+def _watch(llm) -> list:
+    """Every SchedulerOutput the engine's scheduler makes from now on."""
+    sched = llm.engine.core.scheduler
+    seen, schedule = [], sched.schedule
+
+    def watched():
+        seen.append(schedule())
+        return seen[-1]
+
+    sched.schedule = watched
+    return seen
+
+
+def test_one_and_two_images_in_a_mixed_batch_equal_hf(folder, hf):
+    from kvflow import LLM
+
+    llm = LLM(folder, **ENGINE)
+    try:
+        outs = llm.generate([_prompt(p) for p in (ONE, TWO, TEXT)], PARAMS, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    for out, (ids, images) in zip(outs, (ONE, TWO, TEXT)):
+        expanded = list(out.prompt_token_ids)
+        assert expanded.count(IMAGE) == MM_TOKENS * len(images)
+        assert list(out.outputs[0].token_ids) == _reference(folder, hf, out, images)
+
+
+def test_chunked_prefill_stops_before_image_runs_and_preemption_stay_exact(folder, hf):
+    """9 tokens a step: a chunk that would end inside an image's run stops before it, and
+    the run is computed whole in the next step, with its encoder; 27 blocks of 4 cannot hold
+    the three requests growing by 20 tokens at once: some are preempted and recomputed,
+    images included."""
+    from kvflow import LLM
+
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    llm = LLM(folder, **ENGINE, max_num_batched_tokens=9, block_size=4, num_blocks=27,
+              enable_prefix_caching=False)
+    seen = _watch(llm)
+    prompts = (ONE, TWO, TEXT)
+    try:
+        outs = llm.generate([_prompt(p) for p in prompts], params, use_tqdm=False)
+        features = {}
+        for out in seen:
+            for new in out.scheduled_new_reqs:
+                features[new.req_id] = new.mm_features
+    finally:
+        llm.engine.shutdown()
+    cuts = [why for out in seen for why in out.encoder_cuts.values()]
+    assert "image_run" in cuts
+    assert sum(len(out.preempted_req_ids) for out in seen) > 0
+    encoded = 0
+    for out in seen:
+        for rid, n in out.num_scheduled_tokens.items():
+            start = out.num_computed_tokens[rid]
+            for i, f in enumerate(features.get(rid, ())):
+                overlaps = start < f.end and start + n > f.offset
+                assert not overlaps or start + n >= f.end, "a chunk ended inside an image run"
+                assert overlaps == (i in out.scheduled_encoder_inputs.get(rid, ()))
+                encoded += overlaps
+    assert encoded > 3  # three images, recomputed after a preemption
+    for out, (_, images) in zip(outs, prompts):
+        assert list(out.outputs[0].token_ids) == _reference(folder, hf, out, images, params)
+
+
+def test_prefix_cache_hits_a_repeated_image_and_misses_a_different_one(folder, hf):
+    from kvflow import LLM
+
+    llm = LLM(folder, **ENGINE, block_size=4)
+    ids = ONE[0]
+    try:
+        first = llm.generate(_prompt((ids, [A])), PARAMS, use_tqdm=False)[0]
+        again = llm.generate(_prompt((ids, [A])), PARAMS, use_tqdm=False)[0]
+        other = llm.generate(_prompt((ids, [C])), PARAMS, use_tqdm=False)[0]
+    finally:
+        llm.engine.shutdown()
+    expanded = list(first.prompt_token_ids)
+    assert list(other.prompt_token_ids) == expanded  # the same token ids, another image
+    run_start = expanded.index(IMAGE)
+    run_end = run_start + MM_TOKENS
+    assert first.num_cached_tokens == 0
+    assert again.num_cached_tokens >= run_end  # the image's blocks hit
+    assert other.num_cached_tokens <= run_start // 4 * 4  # no block holding the image does
+    assert list(again.outputs[0].token_ids) == list(first.outputs[0].token_ids)
+    assert list(first.outputs[0].token_ids) == _reference(folder, hf, first, [A])
+    assert list(other.outputs[0].token_ids) == _reference(folder, hf, other, [C])
+
+
+def test_the_image_run_attends_bidirectionally(folder, monkeypatch):
+    """Without the bidirectional pass over the image runs (causal only), the prompt's last
+    logits move: the equivalence above rests on it."""
+    import kvflow.layers.attention as attention
+    from kvflow import LLM
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=3)
+    llm = LLM(folder, **ENGINE)
+    try:
+        exact = llm.generate(_prompt(TWO), params, use_tqdm=False)[0].outputs[0].logprobs[0]
+        monkeypatch.setattr(attention, "attend_runs", lambda out, *a, **k: out)
+        llm.reset_prefix_cache()
+        causal = llm.generate(_prompt(TWO), params, use_tqdm=False)[0].outputs[0].logprobs[0]
+    finally:
+        llm.engine.shutdown()
+    top = max(exact, key=lambda t: exact[t].logprob)
+    assert top in causal and abs(exact[top].logprob - causal[top].logprob) > 1e-4
+
+
+def test_images_must_pair_with_image_start_tokens(folder):
+    from kvflow import LLM
+    from kvflow.request import InvalidRequestError
+
+    llm = LLM(folder, **ENGINE)
+    try:
+        with pytest.raises(InvalidRequestError, match="multi_modal_data"):
+            llm.generate(_prompt((ONE[0], [A, B])), PARAMS, use_tqdm=False)
+        assert llm.engine.input_processor.limits.supports_images
+        assert not llm.engine.has_unfinished_requests()
+    finally:
+        llm.engine.shutdown()
