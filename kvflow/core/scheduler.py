@@ -109,7 +109,7 @@ class Scheduler(RemoteKVMixin):
         for f in req.mm_features:
             if f.length > room or f.length > c.encoder_budget:
                 raise InvalidRequestError(
-                    f"an image takes {f.length} tokens, more than one step computes "
+                    f"multi_modal_data: an image takes {f.length} tokens, more than one step computes "
                     f"(max_num_batched_tokens {c.max_num_batched_tokens}, long_prefill_token_threshold "
                     f"{c.long_prefill_token_threshold}, encoder budget {c.encoder_budget})",
                     "multi_modal_data")
