@@ -168,3 +168,31 @@ def test_images_must_pair_with_image_start_tokens(folder):
         assert not llm.engine.has_unfinished_requests()
     finally:
         llm.engine.shutdown()
+
+
+def test_the_served_engine_takes_images_in_its_core_process(folder, hf):
+    """AsyncLLM (the server's engine, its core in another process): the prompt is expanded and
+    the pixel values made in the frontend, carried to the core in its message; the tokens
+    equal HF's."""
+    import asyncio
+
+    from kvflow.config import CacheConfig, EngineConfig, ModelConfig
+    from kvflow.engine.async_engine import AsyncLLM
+
+    async def main():
+        engine = AsyncLLM(EngineConfig(ModelConfig(folder, dtype="float32", max_model_len=256),
+                                       CacheConfig(num_blocks=64), warmup=False))
+        await engine.start()
+        try:
+            assert engine.input_processor.limits.supports_images
+            tokens, prompt_ids = [], None
+            async for out in engine.generate(TWO[0], PARAMS, "a",
+                                             multi_modal_data={"image": TWO[1]}):
+                tokens += out.outputs[0].token_ids
+                prompt_ids = out.prompt_token_ids
+            return tokens, prompt_ids
+        finally:
+            await engine.shutdown()
+
+    tokens, prompt_ids = asyncio.run(main())
+    assert tokens == hf_greedy(folder, hf, list(prompt_ids), [i.image for i in TWO[1]], 8)
