@@ -196,3 +196,30 @@ def test_the_served_engine_takes_images_in_its_core_process(folder, hf):
 
     tokens, prompt_ids = asyncio.run(main())
     assert tokens == hf_greedy(folder, hf, list(prompt_ids), [i.image for i in TWO[1]], 8)
+
+
+def test_the_processor_expands_and_preprocesses_as_hf_gemma3_processor(folder):
+    """Token ids with one image-start token per image -> the ids HF's Gemma3Processor makes of
+    the text, each image's placeholder run where its token_type_ids mark the image, and each
+    image's pixel values as its image processor makes them."""
+    from transformers import AutoImageProcessor, AutoTokenizer, Gemma3Processor
+
+    from kvflow.model.arch import load_arch_config
+    from kvflow.multimodal.processor import multimodal_processor
+
+    tok = AutoTokenizer.from_pretrained(folder, extra_special_tokens={
+        "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+        "image_token": "<image_soft_token>"})
+    hf_proc = Gemma3Processor(AutoImageProcessor.from_pretrained(folder), tok,
+                              image_seq_length=MM_TOKENS)
+    text = "Look: <start_of_image> and then <start_of_image> what differs?"
+    images = [B, C]
+    ref = hf_proc(text=text, images=[i.image for i in images], return_tensors="np")
+    ours = multimodal_processor(folder, load_arch_config(folder), tok)
+    ids, features = ours.apply(tok.encode(text), {"image": images})
+    assert ids == ref["input_ids"][0].tolist()
+    marked = np.flatnonzero(ref["token_type_ids"][0]).tolist()
+    assert marked == [p for f in features for p in range(f.offset, f.end)]
+    assert [f.identifier for f in features] == [B.content_hash, C.content_hash]
+    for f, pixels in zip(features, ref["pixel_values"]):
+        np.testing.assert_array_equal(np.frombuffer(f.data, dtype=np.float32).reshape(f.shape), pixels)
