@@ -28,6 +28,7 @@ A, B, C = _image(40, 50, 0), _image(20, 64, 1), _image(33, 33, 2)
 ONE = ([1, 40, 41, BOI, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60], [A])
 TWO = ([1, 70, BOI, 71, 72, 73, BOI, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83], [B, A])
 TEXT = ([1] + list(range(100, 121)), [])
+TWICE = ([1, BOI, 90, 91, BOI, 92, 93, 94], [C, C])  # one image twice: encoded once a step
 
 
 @pytest.fixture(scope="module")
@@ -64,14 +65,15 @@ def _watch(llm) -> list:
 
 
 def test_one_and_two_images_in_a_mixed_batch_equal_hf(folder, hf):
+    """One image; two of different sizes; none; the same image twice: one batch, HF's tokens."""
     from kvflow import LLM
 
     llm = LLM(folder, **ENGINE)
     try:
-        outs = llm.generate([_prompt(p) for p in (ONE, TWO, TEXT)], PARAMS, use_tqdm=False)
+        outs = llm.generate([_prompt(p) for p in (ONE, TWO, TEXT, TWICE)], PARAMS, use_tqdm=False)
     finally:
         llm.engine.shutdown()
-    for out, (ids, images) in zip(outs, (ONE, TWO, TEXT)):
+    for out, (ids, images) in zip(outs, (ONE, TWO, TEXT, TWICE)):
         expanded = list(out.prompt_token_ids)
         assert expanded.count(IMAGE) == MM_TOKENS * len(images)
         assert list(out.outputs[0].token_ids) == _reference(folder, hf, out, images)
@@ -223,3 +225,27 @@ def test_the_processor_expands_and_preprocesses_as_hf_gemma3_processor(folder):
     assert [f.identifier for f in features] == [B.content_hash, C.content_hash]
     for f, pixels in zip(features, ref["pixel_values"]):
         np.testing.assert_array_equal(np.frombuffer(f.data, dtype=np.float32).reshape(f.shape), pixels)
+
+
+def test_a_prefix_hit_that_ends_inside_an_image_run_stays_exact(folder, hf):
+    """Blocks of 8: the image's run [6, 10) spans two blocks. A second prompt that differs
+    after the run hits the first block only, so it starts inside the run: the run's remaining
+    tokens are computed with the image encoded again, attending to the cached ones."""
+    from kvflow import LLM
+
+    ids = ONE[0]
+    changed = ids[:5] + [99] + ids[6:]  # a token after the image, inside the run's second block
+    llm = LLM(folder, **ENGINE, block_size=8)
+    seen = _watch(llm)
+    try:
+        llm.generate(_prompt((ids, [A])), PARAMS, use_tqdm=False)
+        out = llm.generate(_prompt((changed, [A])), PARAMS, use_tqdm=False)[0]
+    finally:
+        llm.engine.shutdown()
+    expanded = list(out.prompt_token_ids)
+    run_start = expanded.index(IMAGE)
+    assert run_start < out.num_cached_tokens < run_start + MM_TOKENS
+    last = [o for o in seen if o.scheduled_encoder_inputs][-1]
+    (rid, start), = last.num_computed_tokens.items()
+    assert start == out.num_cached_tokens and last.scheduled_encoder_inputs == {rid: [0]}
+    assert list(out.outputs[0].token_ids) == _reference(folder, hf, out, [A])
