@@ -187,17 +187,33 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = option(
         0, "cap on one request's prefill tokens per step, so long prompts don't starve short "
         "ones (0: no cap)")
+    max_num_encoder_input_tokens: int = option(
+        0, "encoder budget of one step: image tokens whose encoder outputs a step may compute "
+        "(0: max_num_batched_tokens)")
+    encoder_cache_size: int = option(
+        0, "image tokens whose encoder outputs may be held at once, awaiting their placeholders "
+        "(0: max_num_batched_tokens)")
     # a waiting request that lacks blocks may be passed over this many steps, then it goes first
     max_admission_skips: int = 16
     policy: str = option(
         "fcfs", "`fcfs`, or `priority`: lower per-request `priority` first, then arrival",
         choices=("fcfs", "priority"), name="scheduling_policy")
 
+    @property
+    def encoder_budget(self) -> int:
+        """Image tokens a step may encode: the encoder budget, within the encoder cache (an
+        encoder output is consumed in the step that computes it: the scheduler never splits
+        an image's placeholder run)."""
+        return min(self.max_num_encoder_input_tokens or self.max_num_batched_tokens,
+                   self.encoder_cache_size or self.max_num_batched_tokens)
+
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be fcfs or priority, got {self.policy!r}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
+        if self.max_num_encoder_input_tokens < 0 or self.encoder_cache_size < 0:
+            raise ValueError("max_num_encoder_input_tokens and encoder_cache_size must be >= 0")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_num_seqs <= 0:

@@ -402,7 +402,8 @@ class EngineCore:
         eos = r.eos_token_ids if r.eos_token_ids is not None else self.arch.eos_token_ids
         req = Request(r.request_id, r.prompt_token_ids, params, eos_token_id=eos,
                       arrival_time=r.arrival_time or time.time(), priority=r.priority,
-                      cache_salt=r.cache_salt, lora_request=r.lora_request)
+                      cache_salt=r.cache_salt, lora_request=r.lora_request,
+                      mm_features=list(r.mm_features or ()))
         if so is not None:
             req.structured_output = self.structured.request(so)  # compiles off the loop
         try:

@@ -72,13 +72,16 @@ class LLM:
             encoded = [(text, ids) for text, (_, ids) in zip(prompt_texts, encoded)]
         check = self.engine.input_processor
         for (_, ids), p, lr, (mm, names) in zip(encoded, params, loras, mm_data):
+            if mm:  # the part named first, then checked once expanded for its images
+                check.check_multi_modal(mm, names)
+                ids = self.engine.process_images(ids, mm)[0]
             check.process(ids, p, lr, mm, names)  # every prompt, before any is queued
         order = {}
         for (text, ids), p, prio, lr, (mm, _) in zip(encoded, params, priority, loras, mm_data):
             rid = str(next(self._ids))
             order[rid] = len(order)
             self.engine.add_request(rid, ids, p, prompt=text, priority=prio, cache_salt=cache_salt,
-                                    lora_request=lr, checked=True, multi_modal_data=mm)
+                                    lora_request=lr, checked=not mm, multi_modal_data=mm)
         return self._run(order, use_tqdm)
 
     def embed(self, prompts: Prompt | Sequence[Prompt],
@@ -216,3 +219,4 @@ class LLM:
                     bar.update(1)
         bar.close()
         return results
+
