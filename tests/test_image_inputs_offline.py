@@ -91,6 +91,7 @@ def vision_llm(llm, monkeypatch):
         raise RuntimeError("recorded")
 
     monkeypatch.setattr(llm.engine, "add_request", add_request)
+    monkeypatch.setattr(llm.engine, "process_images", lambda ids, mm: (ids, []))
     return llm, seen
 
 
