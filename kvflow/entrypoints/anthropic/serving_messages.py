@@ -204,6 +204,9 @@ class MessageStream:
         if not chunk["choices"]:
             usage = chunk.get("usage") or {}
             self.message["usage"]["output_tokens"] = usage.get("completion_tokens", 0)
+            # the prompt as the engine ran it (an image's tokens counted once it was expanded)
+            self.message["usage"]["input_tokens"] = usage.get(
+                "prompt_tokens", self.message["usage"]["input_tokens"])
             return []
         choice = chunk["choices"][0]
         delta = choice["delta"]

@@ -312,9 +312,12 @@ class OpenAIServingChat(OpenAIServing):
                                         "logprobs": None, "finish_reason": None}], **extra}
         completion_tokens = 0
         cached_tokens = 0
+        n_prompt = len(job.prompt_ids)
         parsers: dict[int, MessageParser] = {}
         prompt_lps = None  # on the next chunk, once the engine has them
         async for out in gen:
+            # the prompt as the engine runs it: a model's processor expands each image there
+            n_prompt = len(out.prompt_token_ids)
             cached_tokens = max(cached_tokens, out.num_cached_tokens)
             if out.prompt_logprobs is not None and job.prompt_logprobs:
                 prompt_lps = prompt_logprobs_json(out.prompt_logprobs)
@@ -343,7 +346,6 @@ class OpenAIServingChat(OpenAIServing):
                     more["kv_transfer_params"] = out.kv_transfer_params
                 yield {**head, "choices": [choice], **more}
         if job.include_usage:
-            n_prompt = len(job.prompt_ids)
             details = self.settings.enable_prompt_tokens_details
             yield {**head, "choices": [], "usage": usage_info(
                 n_prompt, completion_tokens, cached_tokens if details else None)}
