@@ -66,6 +66,14 @@ def test_the_content_hash_follows_the_pixels_not_the_encoding():
     assert len({a.content_hash, c.content_hash, d.content_hash}) == 3
 
 
+def test_a_cameras_jpeg_with_a_preview_is_a_jpeg():
+    buf = io.BytesIO()
+    frames = [PIL.Image.new("RGB", (6, 4), (0, 128, 255)), PIL.Image.new("RGB", (3, 2))]
+    frames[0].save(buf, format="MPO", save_all=True, append_images=frames[1:])
+    item = MediaConnector().load_url(data_url(buf.getvalue(), "image/jpeg"), WHERE)
+    assert item.image.size == (6, 4)
+
+
 def test_modes_other_than_rgb_are_converted():
     item = MediaConnector().load_url(data_url(encoded(mode="RGBA", color=(1, 2, 3, 4))), WHERE)
     assert item.image.mode == "RGB" and item.image.getpixel((0, 0)) == (1, 2, 3)
@@ -265,6 +273,9 @@ def test_fetch_refusals_name_the_part(server):
     refused(conn.load_url, f"{server}/gzip", WHERE, match="compressed")
     refused(conn.load_url, f"{server}/redirect-out", WHERE, match="'localhost' is not in")
     refused(conn.load_url, f"{server}/loop", WHERE, match="redirects")
+    refused(conn.load_url, "http://[::1/x.png", WHERE, match="not a valid URL")
+    refused(MediaConnector(allowed_local_media_path="/tmp").load_url, "file://[x/a.png", WHERE,
+            match="not a valid URL")
     refused(conn.load_url, f"{server}/huge", WHERE, match="1000000000 bytes")
     refused(MediaConnector(allowed_media_domains=("127.0.0.1",), max_image_bytes=2**20).load_url,
             f"{server}/endless", WHERE, match="over max_image_bytes")

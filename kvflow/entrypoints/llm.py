@@ -44,7 +44,6 @@ class LLM:
                  cache_salt: str | None = None,
                  prompt_texts: Sequence[str] | None = None,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-                 mm_data: Sequence[tuple[MultiModalData | None, list[str] | None]] | None = None,
                  ) -> list[RequestOutput]:
         """Generate for each prompt (text, token ids, or vLLM's dict with `prompt` or
         `prompt_token_ids` and `multi_modal_data={"image": [...]}`: PIL images, for a model
@@ -66,7 +65,7 @@ class LLM:
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
         loras = self._loras(lora_request, len(prompts))
-        mm_data = mm_data or [self._multi_modal_data(p, i) for i, p in enumerate(prompts)]
+        mm_data = [self._multi_modal_data(p, i) for i, p in enumerate(prompts)]
         encoded = [self._encode(p) for p in prompts]
         if prompt_texts is not None:
             encoded = [(text, ids) for text, (_, ids) in zip(prompt_texts, encoded)]
@@ -143,9 +142,10 @@ class LLM:
             mm_data.append((mm, names))
             rendered.append(render_chat(self.tokenizer, convo, add_generation_prompt,
                                         chat_template_kwargs=chat_template_kwargs))
-        return self.generate([ids for _, ids in rendered], sampling_params, use_tqdm,
-                             prompt_texts=[text for text, _ in rendered], lora_request=lora_request,
-                             mm_data=mm_data)
+        prompts = [{"prompt_token_ids": ids, "multi_modal_data": mm}
+                   for (_, ids), (mm, _) in zip(rendered, mm_data)]
+        return self.generate(prompts, sampling_params, use_tqdm,
+                             prompt_texts=[text for text, _ in rendered], lora_request=lora_request)
 
     def _load_images(self, refs: list[ImageRef]) -> tuple[MultiModalData | None, list[str] | None]:
         """The images of one prompt, counted before any is read, each read and bounded."""

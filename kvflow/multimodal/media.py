@@ -98,7 +98,10 @@ class MediaConnector:
         if self.allowed_local_media_path is None:
             raise refuse(where, "file:// image URLs are refused (without "
                                 "--allowed-local-media-path / allowed_local_media_path)")
-        parsed = urllib.parse.urlparse(url)
+        try:
+            parsed = urllib.parse.urlparse(url)
+        except ValueError:
+            raise refuse(where, f"{url[:64]!r} is not a valid URL") from None
         if parsed.netloc not in ("", "localhost"):
             raise refuse(where, f"a file:// URL names no host, got {parsed.netloc[:64]!r}")
         root = Path(self.allowed_local_media_path).resolve()
@@ -135,13 +138,16 @@ class MediaConnector:
                             url = str(resp.url.join(resp.headers.get("location", "")))
                             continue
                         return self._read_response(resp, where, deadline)
-                except httpx.HTTPError as e:
+                except (httpx.HTTPError, httpx.InvalidURL) as e:
                     raise refuse(where, f"fetching the image failed: {type(e).__name__}") from None
         raise refuse(where, f"more than {MAX_REDIRECTS} redirects")
 
     def check_domain(self, url: str, where: str) -> None:
-        parsed = urllib.parse.urlparse(url)
-        host = (parsed.hostname or "").lower().rstrip(".")
+        try:
+            parsed = urllib.parse.urlparse(url)
+            host = (parsed.hostname or "").lower().rstrip(".")
+        except ValueError:  # e.g. an unclosed IPv6 bracket
+            raise refuse(where, f"{url[:64]!r} is not a valid URL") from None
         if parsed.scheme not in ("http", "https") or not host:
             raise refuse(where, f"{url[:64]!r} is not an http(s) URL")
         if host not in self.allowed_media_domains:
@@ -197,8 +203,9 @@ class MediaConnector:
             raise refuse(where, "the data is not an image kvflow reads (PNG, JPEG, WEBP or GIF), "
                                 "or it is corrupt") from None
         with img:
-            if media_type is not None and self.format_of(media_type, where) != img.format:
-                raise refuse(where, f"the data is {img.format}, not {media_type}")
+            fmt = "JPEG" if img.format == "MPO" else img.format  # a camera's JPEG with previews
+            if media_type is not None and self.format_of(media_type, where) != fmt:
+                raise refuse(where, f"the data is {fmt}, not {media_type}")
             w, h = img.size
             if w * h > self.max_image_pixels:
                 raise refuse(where, f"the image is {w}x{h}, {w * h} pixels; max_image_pixels is "
@@ -207,7 +214,7 @@ class MediaConnector:
                 img.load()
                 return image_item(img)
             except Exception:  # noqa: BLE001 - truncated or corrupt pixel data
-                raise refuse(where, f"the {img.format} image is truncated or corrupt") from None
+                raise refuse(where, f"the {fmt} image is truncated or corrupt") from None
 
     def check_image(self, img: PIL.Image.Image, where: str) -> ImageItem:
         """A PIL image handed over in-process (offline `LLM`): bounded like any other."""
