@@ -273,3 +273,10 @@ def test_the_core_checks_the_images_a_direct_caller_hands_it(folder):
             llm.engine.core.step()
     finally:
         llm.engine.shutdown()
+
+
+def test_the_vision_tower_under_tensor_parallelism_is_refused_by_name(folder):
+    from kvflow import LLM
+
+    with pytest.raises(ValueError, match="vision tower does not run tensor- or pipeline-parallel"):
+        LLM(folder, **ENGINE, tensor_parallel_size=2)
