@@ -249,3 +249,34 @@ def test_a_prefix_hit_that_ends_inside_an_image_run_stays_exact(folder, hf):
     (rid, start), = last.num_computed_tokens.items()
     assert start == out.num_cached_tokens and last.scheduled_encoder_inputs == {rid: [0]}
     assert list(out.outputs[0].token_ids) == _reference(folder, hf, out, [A])
+
+
+def test_the_core_checks_the_images_a_direct_caller_hands_it(folder):
+    """An EngineCoreRequest not checked by a frontend: runs outside the prompt or overlapping,
+    and pixel values that do not fill their shape, are refused naming multi_modal_data."""
+    from kvflow import LLM
+    from kvflow.engine.protocol import EngineCoreRequest
+    from kvflow.request import InvalidRequestError, MultiModalFeatureSpec, PlaceholderRange
+
+    llm = LLM(folder, **ENGINE)
+    ids, features = llm.engine.process_images(ONE[0], {"image": [A]})
+    f = features[0]
+    bad = [[MultiModalFeatureSpec("image", "x", PlaceholderRange(len(ids) - 2, 4), f.data, f.shape)],
+           [f, f],
+           [MultiModalFeatureSpec("image", "x", f.mm_position, f.data[:-4], f.shape)]]
+    try:
+        for i, feats in enumerate(bad):
+            with pytest.raises(InvalidRequestError, match="multi_modal_data"):
+                llm.engine.core.add_request(EngineCoreRequest(f"bad{i}", ids, PARAMS, mm_features=feats))
+        llm.engine.core.add_request(EngineCoreRequest("good", ids, PARAMS, mm_features=features))
+        while llm.engine.core.has_unfinished_requests():
+            llm.engine.core.step()
+    finally:
+        llm.engine.shutdown()
+
+
+def test_the_vision_tower_under_tensor_parallelism_is_refused_by_name(folder):
+    from kvflow import LLM
+
+    with pytest.raises(ValueError, match="vision tower does not run tensor- or pipeline-parallel"):
+        LLM(folder, **ENGINE, tensor_parallel_size=2)

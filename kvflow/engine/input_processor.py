@@ -171,11 +171,34 @@ class InputProcessor:
         check_request_fits(len(prompt_token_ids), params.max_tokens, lim.max_model_len,
                            lim.block_size, lim.num_blocks, params.min_tokens)
 
+    def check_mm_features(self, prompt_len: int, features) -> None:
+        """Processed images (request.MultiModalFeatureSpec) a core request carries: a model
+        that takes images, placeholder runs in order inside the prompt, pixel values that fill
+        their shape (float32)."""
+        if not self.limits.supports_images:
+            raise InvalidRequestError("multi_modal_data: this model does not take images",
+                                      "multi_modal_data")
+        end = 0
+        for f in features:
+            if f.offset < end or f.length <= 0 or f.end > prompt_len:
+                raise InvalidRequestError("multi_modal_data: image placeholder runs must lie in "
+                                          "the prompt, in order, without overlapping",
+                                          "multi_modal_data")
+            n = 4
+            for d in f.shape:
+                n *= d
+            if not f.shape or n != len(f.data):
+                raise InvalidRequestError("multi_modal_data: an image's pixel values do not fill "
+                                          f"its shape {tuple(f.shape)}", "multi_modal_data")
+            end = f.end
+
     # -- the core's door --------------------------------------------------------------------
     def process_core_request(self, r) -> None:
         """The whole check of an EngineCoreRequest handed to the core by a caller that did not
         go through a frontend (its `checked` is False)."""
         check_token_ids("eos_token_ids", r.eos_token_ids, self.limits.vocab_size)
+        if r.mm_features:
+            self.check_mm_features(len(r.prompt_token_ids), r.mm_features)
         if r.pooling_params is not None:
             self.process_pooling(r.prompt_token_ids, r.pooling_params, r.lora_request)
         else:

@@ -11,6 +11,9 @@ is the placeholder the image's embeddings replace. Here the expansion is done on
 part stays its own token where HF's text-level expansion could merge it with the "\\n\\n"."""
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+
 import numpy as np
 
 from kvflow.multimodal.inputs import ImageItem
@@ -21,6 +24,8 @@ class Gemma3MultiModalProcessor:
     """Built once per engine from the model folder (its preprocessor_config.json), the model's
     architecture (its image token ids, tokens per image) and the tokenizer."""
 
+    RECENT = 8  # images whose pixel values are kept
+
     def __init__(self, model_path: str, arch, tokenizer) -> None:
         from transformers import AutoImageProcessor
 
@@ -28,11 +33,25 @@ class Gemma3MultiModalProcessor:
         self.boi, self.eoi, self.image = arch.boi_token_id, arch.eoi_token_id, arch.image_token_id
         self.num_tokens = arch.mm_tokens_per_image
         self.newlines = list(tokenizer.encode("\n\n", add_special_tokens=False))
+        # the last few images' pixel values by content hash: a prompt checked before it is
+        # queued, or an image sent again, is not preprocessed twice
+        self._recent: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()  # the server processes requests in threads
 
     def pixel_values(self, item: ImageItem) -> np.ndarray:
         """One image's [C, H, W] float32 pixel values, as the HF processor makes them."""
+        with self._lock:
+            px = self._recent.get(item.content_hash)
+            if px is not None:
+                self._recent.move_to_end(item.content_hash)
+                return px
         out = self.image_processor([item.image], return_tensors="np", do_pan_and_scan=False)
-        return np.ascontiguousarray(out["pixel_values"][0], dtype=np.float32)
+        px = np.ascontiguousarray(out["pixel_values"][0], dtype=np.float32)
+        with self._lock:
+            self._recent[item.content_hash] = px
+            if len(self._recent) > self.RECENT:
+                self._recent.popitem(last=False)
+        return px
 
     def apply(self, prompt_token_ids: list[int],
               mm_data: dict[str, list[ImageItem]]) -> tuple[list[int], list[MultiModalFeatureSpec]]:
