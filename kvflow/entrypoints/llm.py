@@ -47,8 +47,9 @@ class LLM:
                  ) -> list[RequestOutput]:
         """Generate for each prompt (text, token ids, or vLLM's dict with `prompt` or
         `prompt_token_ids` and `multi_modal_data={"image": [...]}`: PIL images, for a model
-        that takes images); outputs come back in input order. `priority` (lower first) applies with scheduling_policy="priority"; requests with
-        different `cache_salt` never share prefix-cache blocks. `lora_request`: the LoRA
+        that takes images); outputs come back in input order. `priority` (lower first)
+        applies with scheduling_policy="priority"; requests with different `cache_salt` never
+        share prefix-cache blocks. `lora_request`: the LoRA
         adapter all prompts run under, or one per prompt (None: the base model); needs
         enable_lora, and an adapter is loaded on its first use."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
