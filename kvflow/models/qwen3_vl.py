@@ -130,8 +130,11 @@ class Qwen3VLForConditionalGeneration(LlamaForCausalLM):
             pos = positions if isinstance(positions, np.ndarray) else positions.numpy()
             mrope_positions = np.broadcast_to(np.asarray(pos, dtype=np.int64), (3, len(pos)))
         cos, sin = self._mrope_tables(mrope_positions)
-        rope = (np.arange(x.shape[0], dtype=np.int64), cos, sin)  # one table row per token
         metas = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata] * len(self.layers)
+        rows = np.arange(x.shape[0], dtype=np.int64)  # one table row per token
+        if metas[0].device_positions is not None:  # on a GPU: the kernels read device tensors
+            rows = torch.from_numpy(rows).to(x.device)
+        rope = (rows, cos.to(x.device), sin.to(x.device))
         kernels, delta = self.kernels, None
         for i, (layer, kv_cache, meta) in enumerate(zip(self.layers, kv_caches, metas)):
             x, delta = layer(x, delta, rope, kv_cache, meta, kernels, lora)
