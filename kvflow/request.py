@@ -75,6 +75,9 @@ class MultiModalFeatureSpec:
     mm_position: PlaceholderRange
     data: bytes = b""
     shape: tuple[int, ...] = ()
+    # the grid (t, h, w) its placeholder tokens lie on, for a model that places them on one
+    # (Qwen3-VL's M-RoPE); empty otherwise
+    grid: tuple[int, ...] = ()
 
     @property
     def offset(self) -> int:

@@ -54,6 +54,7 @@ FAMILIES = (
                  "qwen2moe": "Qwen2MoeForCausalLM"}),
     FamilyEntry("gemma3", {"gemma3_text": "Gemma3ForCausalLM"}, {"gemma3": "Gemma3ForCausalLM"}),
     FamilyEntry("gemma3_mm", {"gemma3": "Gemma3ForConditionalGeneration"}),
+    FamilyEntry("qwen3_vl", {"qwen3_vl": "Qwen3VLForConditionalGeneration"}),
     FamilyEntry("gemma4", {"gemma4_text": "Gemma4ForCausalLM", "gemma4": "Gemma4ForCausalLM"},
                 {"gemma4": "Gemma4ForCausalLM"},
                 text_part_of={"Gemma4ForConditionalGeneration": "Gemma4ForCausalLM"}),

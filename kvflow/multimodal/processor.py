@@ -88,8 +88,59 @@ class Gemma3MultiModalProcessor:
         return ids, features
 
 
+class Qwen3VLMultiModalProcessor:
+    """Qwen3-VL (HF's Qwen3VLProcessor): each `<|image_pad|>` (the chat template writes it
+    between `<|vision_start|>` and `<|vision_end|>`) becomes one token per merged patch of its
+    image, which the image processor resizes to a multiple of patch x merge pixels within its
+    pixel bounds: t x h x w patches, (h / merge) x (w / merge) tokens."""
+
+    def __init__(self, model_path: str, arch, tokenizer) -> None:
+        from transformers import AutoImageProcessor
+
+        self.image_processor = AutoImageProcessor.from_pretrained(model_path)
+        self.image = arch.image_token_id
+        self.merge = int(arch.vision_config.get("spatial_merge_size", 2))
+
+    def apply(self, prompt_token_ids: list[int],
+              mm_data: dict[str, list[ImageItem]]) -> tuple[list[int], list[MultiModalFeatureSpec]]:
+        images = _images_of(mm_data)
+        pads = sum(1 for t in prompt_token_ids if t == self.image)
+        if pads != len(images):
+            raise InvalidRequestError(
+                f"multi_modal_data: {len(images)} image(s) but the prompt has {pads} image "
+                f"token(s) ({self.image})", "multi_modal_data")
+        ids: list[int] = []
+        features = []
+        it = iter(images)
+        for tok in prompt_token_ids:
+            if tok != self.image:
+                ids.append(tok)
+                continue
+            item = next(it)
+            out = self.image_processor([item.image], return_tensors="np")
+            px = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
+            t, h, w = (int(v) for v in out["image_grid_thw"][0])
+            grid = (t, h // self.merge, w // self.merge)
+            n = grid[0] * grid[1] * grid[2]
+            features.append(MultiModalFeatureSpec(
+                "image", item.content_hash, PlaceholderRange(len(ids), n), px.tobytes(),
+                (t, h, w, px.shape[-1]), grid))
+            ids += [self.image] * n
+        return ids, features
+
+
+def _images_of(mm_data: dict[str, list[ImageItem]]) -> list[ImageItem]:
+    unknown = set(mm_data) - {"image"}
+    if unknown:
+        raise InvalidRequestError(f"multi_modal_data: {', '.join(sorted(unknown))} is not "
+                                  "supported (only image)", "multi_modal_data")
+    return list(mm_data.get("image") or [])
+
+
 def multimodal_processor(model_path: str, arch, tokenizer):
     """The image processing of a model that takes images (None for one that does not)."""
-    if getattr(arch, "vision_config", None):
-        return Gemma3MultiModalProcessor(model_path, arch, tokenizer)
-    return None
+    if not getattr(arch, "vision_config", None):
+        return None
+    if arch.architecture == "Qwen3VLForConditionalGeneration":
+        return Qwen3VLMultiModalProcessor(model_path, arch, tokenizer)
+    return Gemma3MultiModalProcessor(model_path, arch, tokenizer)

@@ -289,7 +289,12 @@ class ModelRunner:
             if out.scheduled_encoder_inputs:  # images: their embeddings and bidirectional runs
                 embeds = self._place_images(out, ids, states, starts, seq_lens,
                                             meta.query_start_loc, req_ids, metas)
-            hidden = self._forward(ids, layer_metas, lora, embeds)
+            mrope = None
+            if getattr(self.model, "uses_mrope", False):  # each token's (t, h, w) positions
+                mrope = np.concatenate([self.model.mrope_positions(s.mm_features, b, e)
+                                        for s, b, e in zip(states, starts.tolist(), seq_lens.tolist())],
+                                       axis=1)
+            hidden = self._forward(ids, layer_metas, lora, embeds, mrope)
 
         result = ModelRunnerOutput()
         if self.pp is not None and not self.pp.is_last:
@@ -456,12 +461,14 @@ class ModelRunner:
                 rows.append(torch.arange(row, row + f.end - first))
                 parts.append(outputs[f.identifier][first - f.offset:])
                 runs.append(BidirectionalRun(b, row, first, f.end))
-        for m in metas:
-            m.bidirectional_runs = runs
+        if getattr(self.model, "bidirectional_images", True):
+            for m in metas:
+                m.bidirectional_runs = runs
         return self.model.embed_input_ids(ids, torch.cat(parts), torch.cat(rows).to(self.device))
 
     def _forward(self, input_ids: torch.Tensor, meta, lora=None,
-                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                 inputs_embeds: torch.Tensor | None = None,
+                 mrope_positions: np.ndarray | None = None) -> torch.Tensor:
         """`meta`: one AttentionMetadata, or one per layer (its KV cache group's); `lora`: the
         step's adapter rows (model/lora.py), if any; `inputs_embeds`: the step's embeddings
         where images were placed in them."""
@@ -470,6 +477,8 @@ class ModelRunner:
         extra = {} if lora is None else {"lora": lora}
         if inputs_embeds is not None:
             extra["inputs_embeds"] = inputs_embeds
+        if mrope_positions is not None:
+            extra["mrope_positions"] = mrope_positions
         if pp is None:
             return self.model(input_ids, positions, self.kv_caches, meta, **extra)
         hidden = (None if pp.is_first else
