@@ -1,9 +1,10 @@
 """Chat templates for GGUF files that ship none (llama.cpp keeps such built-in templates too,
 recognised by the model's tokens). The Gemma 3 GGUF that kvflow tests with has no
-`tokenizer.chat_template`; this is Gemma 3's own template (text parts), as its instruction-
-tuned checkpoints on Hugging Face carry it: turns between `<start_of_turn>` and
-`<end_of_turn>`, the assistant's role named `model`, a system message folded into the first
-user turn."""
+`tokenizer.chat_template`; this is Gemma 3's own template, as its instruction-tuned
+checkpoints on Hugging Face carry it: turns between `<start_of_turn>` and `<end_of_turn>`, the
+assistant's role named `model`, a system message folded into the first user turn, an image part
+(`{"type": "image"}`) written as `<start_of_image>`, which the model's processor expands into
+the image's tokens."""
 from __future__ import annotations
 
 GEMMA3 = (
@@ -30,7 +31,8 @@ GEMMA3 = (
     "{{ message['content'] | trim }}"
     "{%- elif message['content'] is iterable -%}"
     "{%- for item in message['content'] -%}"
-    "{%- if item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
+    "{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}"
+    "{%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
     "{%- endfor -%}"
     "{%- else -%}"
     "{{ raise_exception('Invalid content type') }}"

@@ -187,17 +187,33 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = option(
         0, "cap on one request's prefill tokens per step, so long prompts don't starve short "
         "ones (0: no cap)")
+    max_num_encoder_input_tokens: int = option(
+        0, "encoder budget of one step: image tokens whose encoder outputs a step may compute "
+        "(0: max_num_batched_tokens)")
+    encoder_cache_size: int = option(
+        0, "image tokens whose encoder outputs may be held at once, awaiting their placeholders "
+        "(0: max_num_batched_tokens)")
     # a waiting request that lacks blocks may be passed over this many steps, then it goes first
     max_admission_skips: int = 16
     policy: str = option(
         "fcfs", "`fcfs`, or `priority`: lower per-request `priority` first, then arrival",
         choices=("fcfs", "priority"), name="scheduling_policy")
 
+    @property
+    def encoder_budget(self) -> int:
+        """Image tokens a step may encode: the encoder budget, within the encoder cache (an
+        encoder output is consumed in the step that computes it: the scheduler never splits
+        an image's placeholder run)."""
+        return min(self.max_num_encoder_input_tokens or self.max_num_batched_tokens,
+                   self.encoder_cache_size or self.max_num_batched_tokens)
+
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be fcfs or priority, got {self.policy!r}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
+        if self.max_num_encoder_input_tokens < 0 or self.encoder_cache_size < 0:
+            raise ValueError("max_num_encoder_input_tokens and encoder_cache_size must be >= 0")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_num_seqs <= 0:
@@ -564,6 +580,62 @@ class KVEventsConfig:
         return cls(**value)
 
 
+MM_MODALITIES = ("image",)
+
+
+@dataclass
+class MultiModalConfig:
+    """Images in (vLLM's flags): how many a prompt may carry and where they may come from. Every
+    source is bounded before its bytes are decoded (kvflow/multimodal/media.py)."""
+
+    limit_mm_per_prompt: dict | str | None = option(
+        None, "most items of each modality one prompt may carry, as JSON, e.g. `{\"image\": 4}` "
+        "(default: `{\"image\": 8}`; 0 refuses images)")
+    allowed_local_media_path: str | None = option(
+        None, "a folder whose files requests may name as `file://` image URLs (default: none; "
+        "`file://` URLs are refused)")
+    allowed_media_domains: list[str] | None = option(
+        None, "host names requests may fetch `http(s)://` image URLs from (default: none; such "
+        "URLs are refused)")
+    max_image_bytes: int | str = option(
+        "20MiB", "largest encoded image (a data URL's decoded bytes, a file, a download)")
+    max_image_pixels: int = option(
+        4096 * 4096, "largest image in pixels (width x height), read from its header before it "
+        "is decoded")
+    media_fetch_timeout: float = option(
+        5.0, "seconds an `http(s)://` image download may take in all")
+
+    def __post_init__(self) -> None:
+        limits = {"image": 8}
+        if self.limit_mm_per_prompt is not None:
+            given = json_object_option(self.limit_mm_per_prompt, "limit_mm_per_prompt",
+                                       '{"image": 4}')
+            for key, value in given.items():
+                if key not in MM_MODALITIES:
+                    raise ValueError(f"limit_mm_per_prompt: {key!r} is not a modality kvflow "
+                                     f"takes ({', '.join(MM_MODALITIES)})")
+                if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 256:
+                    raise ValueError(f"limit_mm_per_prompt.{key} must be an integer in 0..256, "
+                                     f"got {value!r}")
+            limits.update(given)
+        self.limit_mm_per_prompt = limits
+        if isinstance(self.allowed_media_domains, str):
+            self.allowed_media_domains = [self.allowed_media_domains]
+        self.allowed_media_domains = [d.strip().lower().rstrip(".")
+                                      for d in self.allowed_media_domains or () if d.strip()]
+        self.max_image_bytes = parse_memory(self.max_image_bytes)
+        if self.max_image_bytes <= 0:
+            raise ValueError(f"max_image_bytes must be positive, got {self.max_image_bytes}")
+        if not isinstance(self.max_image_pixels, int) or self.max_image_pixels <= 0:
+            raise ValueError(f"max_image_pixels must be positive, got {self.max_image_pixels!r}")
+        if not 0 < self.media_fetch_timeout <= 600:
+            raise ValueError("media_fetch_timeout must be in (0, 600] seconds, got "
+                             f"{self.media_fetch_timeout}")
+
+    def limit(self, modality: str) -> int:
+        return self.limit_mm_per_prompt.get(modality, 0)
+
+
 @dataclass
 class EngineConfig:
     """The whole engine's configuration: one dataclass per concern, plus the process-wide
@@ -575,6 +647,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     lora_config: LoRAConfig = field(default_factory=LoRAConfig)
+    multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)
     num_threads: int | None = option(
         None, "compute threads: torch's and kvflow's kernel pool (default: KVFLOW_NUM_THREADS, "
         "else 1, which leaves the second core to the server's frontend)")

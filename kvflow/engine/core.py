@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvflow.models.registry import family_of
 from kvflow.config import EngineConfig
 from kvflow.core.kv_cache.groups import make_kv_cache_groups
 from kvflow.core.kv_cache.spec import StateSpec
@@ -73,9 +74,11 @@ class EngineCore:
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config,
                                    self._kv_cache_specs(), self.num_state_slots or None)
         # checks what callers other than the frontends hand add_request (EngineCoreRequest.checked)
+        self.supports_images = bool(getattr(family_of(self.arch.architecture).model_class(self.arch),
+                                            "supports_images", False))
         self.input_processor = InputProcessor(config, RequestLimits(
             self.arch.vocab_size, self.max_model_len, self.cache_config.block_size,
-            self.cache_config.num_blocks))
+            self.cache_config.num_blocks, self.supports_images))
         self.structured = self._structured_outputs()
         self.spec = self._speculator()
         self.trace = None
@@ -408,7 +411,8 @@ class EngineCore:
         eos = r.eos_token_ids if r.eos_token_ids is not None else self.arch.eos_token_ids
         req = Request(r.request_id, r.prompt_token_ids, params, eos_token_id=eos,
                       arrival_time=r.arrival_time or time.time(), priority=r.priority,
-                      cache_salt=r.cache_salt, lora_request=r.lora_request)
+                      cache_salt=r.cache_salt, lora_request=r.lora_request,
+                      mm_features=list(r.mm_features or ()))
         if so is not None:
             req.structured_output = self.structured.request(so)  # compiles off the loop
         try:

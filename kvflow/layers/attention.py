@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvflow.attention.bidirectional import attend_runs
 from kvflow.attention.kv_layout import UNIT_KV_SCALES
 from kvflow.attention.metadata import AttentionMetadata
 from kvflow.core.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
@@ -62,5 +63,8 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         if write:
             kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, self.kv_scales)
-        return kernels.attention(q, k_cache, v_cache, meta, self.scale, self.num_kv_heads, k=k, v=v,
-                                 kv_scales=self.kv_scales, sinks=self.sinks)
+        out = kernels.attention(q, k_cache, v_cache, meta, self.scale, self.num_kv_heads, k=k, v=v,
+                                kv_scales=self.kv_scales, sinks=self.sinks)
+        if meta.bidirectional_runs:  # an image's tokens see each other (attention/bidirectional.py)
+            out = attend_runs(out, q, k_cache, v_cache, meta, self.scale, self.kv_scales)
+        return out

@@ -11,6 +11,7 @@ from kvflow.core.kv_cache.groups import layer_slots, make_kv_cache_groups
 from kvflow.core.scheduler_output import SchedulerOutput
 from kvflow.model import hugepages
 from kvflow.model.arch import LlamaArchConfig
+from kvflow.attention.bidirectional import BidirectionalRun
 from kvflow.attention.metadata import build_attention_metadata
 from kvflow.model.kv_cache import allocate_kv_caches
 from kvflow.model.cuda_graphs import DecodeGraphs
@@ -40,6 +41,7 @@ class CachedRequestState:
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None  # made once, used every step
     pooling: PoolingState | None = None  # an embedding request: pooled, never sampled
     prompt_logprobs: int | None = None  # top-N of each prompt position, while its prompt runs
+    mm_features: list = field(default_factory=list)  # its images (request.MultiModalFeatureSpec)
 
     @property
     def reads_prompt_rows(self) -> bool:
@@ -198,7 +200,7 @@ class ModelRunner:
                 # resumed with outputs: its prompt's logprobs were all sent before
                 prompt_logprobs=(p.prompt_logprobs if pp is None
                                  and len(new.token_ids) == new.num_prompt_tokens else None),
-                lora_int_id=new.lora_int_id)
+                lora_int_id=new.lora_int_id, mm_features=list(new.mm_features))
             if state.reads_prompt_rows:
                 self._num_reading_prompt_rows += 1
 
@@ -282,8 +284,17 @@ class ModelRunner:
             layer_metas = meta if len(metas) == 1 else [metas[g] for g in self.layer_group]
             if out.state_restores:  # prefix-cache hits resume from state snapshots
                 self.model.copy_states(out.state_restores)
-            hidden = self._forward(torch.tensor(input_ids, dtype=torch.long).to(self.device),
-                                   layer_metas, lora)
+            ids = torch.tensor(input_ids, dtype=torch.long).to(self.device)
+            embeds = None
+            if out.scheduled_encoder_inputs:  # images: their embeddings and bidirectional runs
+                embeds = self._place_images(out, ids, states, starts, seq_lens,
+                                            meta.query_start_loc, req_ids, metas)
+            mrope = None
+            if getattr(self.model, "uses_mrope", False):  # each token's (t, h, w) positions
+                mrope = np.concatenate([self.model.mrope_positions(s.mm_features, b, e)
+                                        for s, b, e in zip(states, starts.tolist(), seq_lens.tolist())],
+                                       axis=1)
+            hidden = self._forward(ids, layer_metas, lora, embeds, mrope)
 
         result = ModelRunnerOutput()
         if self.pp is not None and not self.pp.is_last:
@@ -415,12 +426,59 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.capture_all(self._forward, self.block_size)
 
-    def _forward(self, input_ids: torch.Tensor, meta, lora=None) -> torch.Tensor:
+    def _place_images(self, out: SchedulerOutput, ids: torch.Tensor, states, starts: np.ndarray,
+                      seq_lens: np.ndarray, query_start_loc: np.ndarray, req_ids: list[str],
+                      metas) -> torch.Tensor:
+        """The step's input embeddings with the scheduled images' encoder outputs at their
+        placeholder rows; each run's rows computed this step also go to every metadata as a
+        bidirectional run (attention/bidirectional.py). An image's encoder output is computed
+        once per step however many requests hold it (by content hash), and is consumed in the
+        step: the scheduler schedules a placeholder run whole."""
+        row_of = {r: i for i, r in enumerate(req_ids)}
+        wanted = {}  # content hash -> feature
+        for rid, items in out.scheduled_encoder_inputs.items():
+            for i in items:
+                f = states[row_of[rid]].mm_features[i]
+                wanted.setdefault(f.identifier, f)
+        outputs = {}
+        by_shape: dict[tuple, list] = {}
+        for f in wanted.values():
+            by_shape.setdefault(tuple(f.shape), []).append(f)
+        for shape, feats in by_shape.items():
+            pixels = torch.stack([torch.frombuffer(bytearray(f.data), dtype=torch.float32).view(shape)
+                                  for f in feats]).to(self.device)
+            for f, e in zip(feats, self.model.embed_multimodal(pixels)):
+                outputs[f.identifier] = e
+        rows, parts, runs = [], [], []
+        for rid, items in out.scheduled_encoder_inputs.items():
+            b = row_of[rid]
+            start, end = int(starts[b]), int(seq_lens[b])
+            for i in items:
+                f = states[b].mm_features[i]
+                first = max(start, f.offset)
+                assert f.end <= end, "the scheduler schedules a placeholder run whole"
+                row = int(query_start_loc[b]) + first - start
+                rows.append(torch.arange(row, row + f.end - first))
+                parts.append(outputs[f.identifier][first - f.offset:])
+                runs.append(BidirectionalRun(b, row, first, f.end))
+        if getattr(self.model, "bidirectional_images", True):
+            for m in metas:
+                m.bidirectional_runs = runs
+        return self.model.embed_input_ids(ids, torch.cat(parts), torch.cat(rows).to(self.device))
+
+    def _forward(self, input_ids: torch.Tensor, meta, lora=None,
+                 inputs_embeds: torch.Tensor | None = None,
+                 mrope_positions: np.ndarray | None = None) -> torch.Tensor:
         """`meta`: one AttentionMetadata, or one per layer (its KV cache group's); `lora`: the
-        step's adapter rows (model/lora.py), if any."""
+        step's adapter rows (model/lora.py), if any; `inputs_embeds`: the step's embeddings
+        where images were placed in them."""
         positions = (meta[0] if isinstance(meta, list) else meta).positions
         pp = self.pp
         extra = {} if lora is None else {"lora": lora}
+        if inputs_embeds is not None:
+            extra["inputs_embeds"] = inputs_embeds
+        if mrope_positions is not None:
+            extra["mrope_positions"] = mrope_positions
         if pp is None:
             return self.model(input_ids, positions, self.kv_caches, meta, **extra)
         hidden = (None if pp.is_first else

@@ -48,11 +48,12 @@ class BlockKey(NamedTuple):
     """What a cached block holds, compared on every hit so that even a hash collision can
     never serve another prompt's K/V: the cache id of the block before it (0 for a first
     block), its token ids, and the salt (first blocks only; later ones inherit it): the cache
-    salt, or with a LoRA adapter (cache salt, adapter id)."""
+    salt, or with a LoRA adapter (cache salt, adapter id); and the images it holds."""
 
     parent_id: int
     token_ids: tuple[int, ...]
     salt: str | tuple[str | None, int] | None
+    mm_keys: tuple[str, ...] = ()  # the content hashes of the images in the block
 
 
 @dataclass(slots=True)

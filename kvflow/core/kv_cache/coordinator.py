@@ -137,7 +137,12 @@ class KVCacheCoordinator:
         salt = req.salt_bytes
         parent = hashes[-1] if hashes else None
         for i in range(num_full_blocks - start):
-            parent = hash_block(parent, data[i * n:(i + 1) * n], salt)
+            extra = salt
+            if req.mm_features:  # the images in the block (0xfe: never in a UTF-8 salt)
+                keys = req.block_mm_keys(start + i, bs)
+                if keys:
+                    extra = salt + b"\xfe" + "|".join(keys).encode()
+            parent = hash_block(parent, data[i * n:(i + 1) * n], extra)
             hashes.append(parent)
         return hashes
 

@@ -61,7 +61,8 @@ class FullAttentionManager:
         bs = self.block_size
         return BlockKey(parent.cache_id if parent is not None else 0,
                         tuple(req.all_token_ids[i * bs:(i + 1) * bs]),
-                        req.block_salt if parent is None else None)
+                        req.block_salt if parent is None else None,
+                        req.block_mm_keys(i, bs) if req.mm_features else ())
 
     def _parent(self, table: list[KVBlock], i: int) -> KVBlock | None:
         return table[i - 1] if i else None
