@@ -124,3 +124,28 @@ def test_mrope_positions_of_any_range_equal_hf_get_rope_index(folder, hf):
     # generated tokens: their index shifted as HF's rope delta says
     np.testing.assert_array_equal(mrope_positions(features, n, n + 3),
                                   np.arange(n, n + 3)[None].repeat(3, 0) + int(delta))
+
+
+def test_the_served_engine_carries_the_image_grid_to_its_core_process(folder, hf):
+    """AsyncLLM: the features (pixel values, their grid for M-RoPE) cross to the core process
+    in its message; the tokens equal HF's."""
+    import asyncio
+
+    from kvflow.config import CacheConfig, EngineConfig, ModelConfig
+    from kvflow.engine.async_engine import AsyncLLM
+
+    async def main():
+        engine = AsyncLLM(EngineConfig(ModelConfig(folder, dtype="float32", max_model_len=256),
+                                       CacheConfig(num_blocks=64), warmup=False))
+        await engine.start()
+        try:
+            tokens, prompt_ids = [], None
+            async for out in engine.generate(TWO[0], PARAMS, "a", multi_modal_data={"image": TWO[1]}):
+                tokens += out.outputs[0].token_ids
+                prompt_ids = out.prompt_token_ids
+            return tokens, prompt_ids
+        finally:
+            await engine.shutdown()
+
+    tokens, prompt_ids = asyncio.run(main())
+    assert tokens == hf_greedy(folder, hf, list(prompt_ids), [i.image for i in TWO[1]], 6)
