@@ -28,25 +28,11 @@
 
 #include "kernels.h"
 #include "simd.h"
+#include "state.h"
 
 #define CONV_BLOCK 128   /* channels per conv work unit */
 #define CONV_MAX_TAPS 8  /* kernel sizes up to this (the models': 3 and 4) */
 #define HEAD_MAX 512     /* dk, dv, P and N up to this (state_update.py checks) */
-
-static inline float ld(const void *p, int bf, int64_t i)
-{
-    return bf ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline float round_to(int bf, float v) { return bf ? bf16_to_float(float_to_bf16(v)) : v; }
-
-static inline void st(void *p, int bf, int64_t i, float v)
-{
-    if (bf) ((uint16_t *)p)[i] = float_to_bf16(v);
-    else ((float *)p)[i] = v;
-}
-
-static inline float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 
 /* the conv's output for one channel: bias, rounding to the model dtype, then SiLU (PyTorch's
  * F.silu on the rounded tensor) */
