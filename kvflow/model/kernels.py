@@ -17,8 +17,8 @@ What serves here, and why:
   panels or, with `weight_dtype` bfloat16/float16, from half-precision ones (half the bytes);
   on AVX2 it serves every batch (a GEMM ahead of oneDNN's there) and oneDNN keeps no copy;
 - the state layers' (short conv, Gated DeltaNet, Mamba2) causal conv and one-token state
-  updates: csrc/state_update.c (AVX-512, AVX2 or scalar, chosen once) where the kernels built,
-  else PyTorch; their prompt chunks' scans stay in PyTorch;
+  updates: csrc/state_update.c, and their prompt chunks' scans: csrc/state_scan.c (AVX-512,
+  AVX2 or scalar, chosen once) where the kernels built, else PyTorch;
 - attention, norm, RoPE, SiLU, KV write, argmax: the C kernels (kvflow/csrc) where they built,
   else PyTorch; attention's prompt kernel exists only where the CPU has AVX512-BF16, elsewhere
   prompt tokens run as rows of the decode kernel; a one-byte KV cache (`kv_cache_dtype` fp8 or
