@@ -69,20 +69,24 @@ def bench_family(name: str, dtype: torch.dtype, tokens: int, threads: list[int],
         cases = {(part, path): (_Prepared(k, outs) if part == "state part" else k)
                  for part in ("layer", "state part") for path, k in paths.items()}
         times = {key: [] for key in cases}
+        cpu = {key: [] for key in cases}  # process CPU time: on a shared host, the steadier figure
         with torch.no_grad():
             for k in cases.values():  # warm
                 layer(h, meta, k, packed)
             for _ in range(rounds):  # alternating: every case once per round
                 for key, k in cases.items():
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     layer(h, meta, k, packed)
                     times[key].append(time.perf_counter() - t0)
+                    cpu[key].append(time.process_time() - c0)
         for part in ("layer", "state part"):
             base = statistics.median(times[(part, "torch")])
+            base_cpu = statistics.median(cpu[(part, "torch")])
             for path in paths:
-                med = statistics.median(times[(part, path)])
+                med, med_cpu = statistics.median(times[(part, path)]), statistics.median(cpu[(part, path)])
                 rows.append([name, n_threads, part, path, tokens, round(med * 1e3, 2),
-                             round(tokens / med), round(base / med, 2)])
+                             round(tokens / med), round(base / med, 2), round(med_cpu * 1e3, 2),
+                             round(base_cpu / med_cpu, 2)])
                 print(rows[-1], flush=True)
     return rows
 
@@ -114,9 +118,10 @@ def main() -> None:
                         f"chunk; alternating rounds ({args.rounds}), medians; 'torch': the layers' "
                         "chunked forms (64-token chunks), 'c <isa>': kvflow/csrc/state_scan.c; "
                         "'state part': the layer with its two projections replaced by copies of "
-                        "prepared outputs; the machine was shared with other jobs (noisy)"],
+                        "prepared outputs; the machine was shared with other jobs (noisy): 'cpu ms' is the "
+                        "process's CPU time (all threads), steadier than wall time there"],
               "columns": ["family", "threads", "part", "path", "tokens", "ms", "tokens/s",
-                          "speed-up over torch"],
+                          "speed-up over torch", "cpu ms (all threads)", "cpu speed-up"],
               "rows": rows}
     out = args.out or os.path.join(HERE, "results", time.strftime("%Y%m%d-%H%M") + "-state-prompt.json")
     with open(out, "w") as f:

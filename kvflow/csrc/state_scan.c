@@ -9,13 +9,13 @@
  *                        S <- exp(dt A) S + dt x B^T;  y = S C      (the D skip is the caller's)
  *
  * Why sequential, not the chunked (WY / SSD) matrix form: a head's work is O(T dk dv) either
- * way, and for chunks of a few hundred tokens the one pass keeps a strip of S in L1 across all
- * of a block's tokens (Gated DeltaNet: 16 or 8 columns x dk rows; Mamba2: a row of S in
- * registers), with no triangular solves and no T x T products. Work units: (chunk, head); a
- * unit prepares its tokens' inputs SCAN_BLOCK at a time (normalised q and k, v, the gates) in
- * fp32. Paths: 0 scalar (the tests' reference), 1 AVX2 + FMA, 2 AVX-512; each follows the
- * one-token kernel's order of operations, so a chunk gives the decodes' numbers (up to the
- * order of the final sums). */
+ * way, and for chunks of a few hundred tokens the one pass keeps the state near the core
+ * across a block's tokens (Gated DeltaNet: strips of S, 32 or 16 columns x dk rows, in L1,
+ * one pass over them per token; Mamba2: a row of S in registers), with no triangular solves
+ * and no T x T products. Work units: (chunk, head); a unit prepares its tokens' inputs
+ * SCAN_BLOCK at a time (normalised q and k, v, the gates) in fp32. Paths: 0 scalar (the
+ * tests' reference, the one-token kernel's order of operations), 1 AVX2 + FMA, 2 AVX-512
+ * (the same sums, grouped differently: fp32 rounding apart). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -78,33 +78,52 @@ static void ssm_tokens_columns(float *S, int64_t P, int64_t N, int64_t n0, int64
 
 /* -- AVX2 ------------------------------------------------------------------------------------ */
 #ifdef KVFLOW_AVX2
-/* 8 columns of S at a time: the strip (dk rows, 32 bytes each) stays in L1 for all nb tokens */
+/* as the AVX-512 path (below): W strips of 8 columns, one pass over them per token */
+#define GDN_STRIPS_AVX2(W)                                                                     \
+    do {                                                                                         \
+        __m256 kv[W], d[W], acc[W], nkv[W];                                                      \
+        for (int w = 0; w < W; w++) kv[w] = _mm256_setzero_ps();                                 \
+        for (int64_t i = 0; i < dk; i++)                                                         \
+            for (int w = 0; w < W; w++)                                                          \
+                kv[w] = _mm256_fmadd_ps(_mm256_loadu_ps(S + i * dv + j + 8 * w),                \
+                                        _mm256_set1_ps(k[i]), kv[w]);                            \
+        for (int64_t t = 0; t < nb; t++) {                                                       \
+            const float *kt = k + t * dk, *qt = q + t * dk;                                      \
+            const float *kn = t + 1 < nb ? kt + dk : kt; /* the last token's: unused */          \
+            const __m256 veg = _mm256_set1_ps(eg[t]), vb = _mm256_set1_ps(beta[t]);              \
+            for (int w = 0; w < W; w++) {                                                        \
+                d[w] = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(v + t * dv + j + 8 * w),     \
+                                                   _mm256_mul_ps(kv[w], veg)), vb);              \
+                acc[w] = nkv[w] = _mm256_setzero_ps();                                           \
+            }                                                                                    \
+            for (int64_t i = 0; i < dk; i++) {                                                   \
+                const __m256 vk = _mm256_set1_ps(kt[i]), vq = _mm256_set1_ps(qt[i]);             \
+                const __m256 vn = _mm256_set1_ps(kn[i]);                                         \
+                for (int w = 0; w < W; w++) {                                                    \
+                    float *s = S + i * dv + j + 8 * w;                                          \
+                    const __m256 x = _mm256_fmadd_ps(vk, d[w], _mm256_mul_ps(_mm256_loadu_ps(s), veg)); \
+                    _mm256_storeu_ps(s, x);                                                      \
+                    acc[w] = _mm256_fmadd_ps(x, vq, acc[w]);                                     \
+                    nkv[w] = _mm256_fmadd_ps(x, vn, nkv[w]);                                     \
+                }                                                                                \
+            }                                                                                    \
+            for (int w = 0; w < W; w++) {                                                        \
+                _mm256_storeu_ps(o + t * o_stride + j + 8 * w, acc[w]);                         \
+                kv[w] = nkv[w];                                                                  \
+            }                                                                                    \
+        }                                                                                        \
+    } while (0)
+
 static void gdn_tokens_avx2(float *S, int64_t dk, int64_t dv, int64_t nb, const float *q,
                             const float *k, const float *v, const float *eg, const float *beta,
                             float *o, int64_t o_stride)
 {
     int64_t j = 0;
-    for (; j + 8 <= dv; j += 8)
-        for (int64_t t = 0; t < nb; t++) {
-            const float *kt = k + t * dk, *qt = q + t * dk;
-            const __m256 veg = _mm256_set1_ps(eg[t]);
-            __m256 kv = _mm256_setzero_ps();
-            for (int64_t i = 0; i < dk; i++)
-                kv = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(S + i * dv + j), veg),
-                                     _mm256_set1_ps(kt[i]), kv);
-            const __m256 d = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(v + t * dv + j), kv),
-                                           _mm256_set1_ps(beta[t]));
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t i = 0; i < dk; i++) {
-                float *s = S + i * dv + j;
-                const __m256 x = _mm256_fmadd_ps(_mm256_set1_ps(kt[i]), d, _mm256_mul_ps(_mm256_loadu_ps(s), veg));
-                _mm256_storeu_ps(s, x);
-                acc = _mm256_fmadd_ps(x, _mm256_set1_ps(qt[i]), acc);
-            }
-            _mm256_storeu_ps(o + t * o_stride + j, acc);
-        }
+    for (; j + 16 <= dv; j += 16) GDN_STRIPS_AVX2(2);
+    for (; j + 8 <= dv; j += 8) GDN_STRIPS_AVX2(1);
     if (j < dv) gdn_tokens_columns(S, dk, dv, j, nb, q, k, v, eg, beta, o, o_stride);
 }
+#undef GDN_STRIPS_AVX2
 
 /* a row of S, 32 columns at a time, in registers for all nb tokens */
 static void ssm_tokens_avx2(float *S, int64_t P, int64_t N, int64_t nb, const float *dA,
@@ -141,32 +160,55 @@ static void ssm_tokens_avx2(float *S, int64_t P, int64_t N, int64_t nb, const fl
 
 /* -- AVX-512 --------------------------------------------------------------------------------- */
 #ifdef __AVX512F__
+/* W strips of 16 columns (W = 2, or 1 for the last odd one) through nb tokens, one pass over
+ * the strips per token: the pass that writes S_t also reads S_t^T q_t (the output) and
+ * S_t^T k_{t+1} (the next token's read), so only the block's first token needs a pass of its
+ * own. The strips (dk rows x 64 bytes each) stay in L1 across the block. */
+#define GDN_STRIPS_AVX512(W)                                                                     \
+    do {                                                                                         \
+        __m512 kv[W], d[W], acc[W], nkv[W];                                                      \
+        for (int w = 0; w < W; w++) kv[w] = _mm512_setzero_ps();                                 \
+        for (int64_t i = 0; i < dk; i++)                                                         \
+            for (int w = 0; w < W; w++)                                                          \
+                kv[w] = _mm512_fmadd_ps(_mm512_loadu_ps(S + i * dv + j + 16 * w),                \
+                                        _mm512_set1_ps(k[i]), kv[w]);                            \
+        for (int64_t t = 0; t < nb; t++) {                                                       \
+            const float *kt = k + t * dk, *qt = q + t * dk;                                      \
+            const float *kn = t + 1 < nb ? kt + dk : kt; /* the last token's: unused */          \
+            const __m512 veg = _mm512_set1_ps(eg[t]), vb = _mm512_set1_ps(beta[t]);              \
+            for (int w = 0; w < W; w++) {                                                        \
+                d[w] = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(v + t * dv + j + 16 * w),     \
+                                                   _mm512_mul_ps(kv[w], veg)), vb);              \
+                acc[w] = nkv[w] = _mm512_setzero_ps();                                           \
+            }                                                                                    \
+            for (int64_t i = 0; i < dk; i++) {                                                   \
+                const __m512 vk = _mm512_set1_ps(kt[i]), vq = _mm512_set1_ps(qt[i]);             \
+                const __m512 vn = _mm512_set1_ps(kn[i]);                                         \
+                for (int w = 0; w < W; w++) {                                                    \
+                    float *s = S + i * dv + j + 16 * w;                                          \
+                    const __m512 x = _mm512_fmadd_ps(vk, d[w], _mm512_mul_ps(_mm512_loadu_ps(s), veg)); \
+                    _mm512_storeu_ps(s, x);                                                      \
+                    acc[w] = _mm512_fmadd_ps(x, vq, acc[w]);                                     \
+                    nkv[w] = _mm512_fmadd_ps(x, vn, nkv[w]);                                     \
+                }                                                                                \
+            }                                                                                    \
+            for (int w = 0; w < W; w++) {                                                        \
+                _mm512_storeu_ps(o + t * o_stride + j + 16 * w, acc[w]);                         \
+                kv[w] = nkv[w];                                                                  \
+            }                                                                                    \
+        }                                                                                        \
+    } while (0)
+
 static void gdn_tokens_avx512(float *S, int64_t dk, int64_t dv, int64_t nb, const float *q,
                               const float *k, const float *v, const float *eg, const float *beta,
                               float *o, int64_t o_stride)
 {
     int64_t j = 0;
-    for (; j + 16 <= dv; j += 16)
-        for (int64_t t = 0; t < nb; t++) {
-            const float *kt = k + t * dk, *qt = q + t * dk;
-            const __m512 veg = _mm512_set1_ps(eg[t]);
-            __m512 kv = _mm512_setzero_ps();
-            for (int64_t i = 0; i < dk; i++)
-                kv = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(S + i * dv + j), veg),
-                                     _mm512_set1_ps(kt[i]), kv);
-            const __m512 d = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(v + t * dv + j), kv),
-                                           _mm512_set1_ps(beta[t]));
-            __m512 acc = _mm512_setzero_ps();
-            for (int64_t i = 0; i < dk; i++) {
-                float *s = S + i * dv + j;
-                const __m512 x = _mm512_fmadd_ps(_mm512_set1_ps(kt[i]), d, _mm512_mul_ps(_mm512_loadu_ps(s), veg));
-                _mm512_storeu_ps(s, x);
-                acc = _mm512_fmadd_ps(x, _mm512_set1_ps(qt[i]), acc);
-            }
-            _mm512_storeu_ps(o + t * o_stride + j, acc);
-        }
+    for (; j + 32 <= dv; j += 32) GDN_STRIPS_AVX512(2);
+    for (; j + 16 <= dv; j += 16) GDN_STRIPS_AVX512(1);
     if (j < dv) gdn_tokens_columns(S, dk, dv, j, nb, q, k, v, eg, beta, o, o_stride);
 }
+#undef GDN_STRIPS_AVX512
 
 static void ssm_tokens_avx512(float *S, int64_t P, int64_t N, int64_t nb, const float *dA,
                               const float *xdt, const float *B, const float *C, float *y,
