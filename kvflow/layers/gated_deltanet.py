@@ -149,6 +149,15 @@ class GatedDeltaNet(nn.Module):
             self.conv_state[fresh] = 0
             self.recurrent_state[fresh] = 0
         saves = meta.state_saves or {}
+        if kernels.state_triton is not None and (lens == 1).all():  # a GPU's decode-only step
+            gpu, rows = kernels.state_triton, starts[:-1]
+            x = gpu.causal_conv_update(self.conv_state, self.conv_weight, None, mixed, rows, slot_ids, True)
+            out = torch.empty(t, nv, self.head_v_dim, dtype=torch.float32, device=h.device)
+            gpu.gated_delta_decode(x, proj[:, self.conv_dim + self.value_dim:], self.A_log, self.dt_bias,
+                                   self.recurrent_state, rows, slot_ids, out, self.num_k_heads)
+            self._decode_snapshots(saves, slots)
+            return kernels.linear(self._gated_norm(out.to(h.dtype), z).view(t, -1), self.out_proj,
+                                  packed.get("out_proj"))
         isa = kernels.state_isa if self.c_kernels else None
         if isa:  # conv + SiLU in one pass, windows moved on in place
             x = state_update.causal_conv(self.conv_state, self.conv_weight, None, mixed, starts, lens,
@@ -206,6 +215,11 @@ class GatedDeltaNet(nn.Module):
                 out[span] = o.transpose(0, 1)
                 if snap is not None and hi == after + 1:
                     self.recurrent_state[snap] = self.recurrent_state[slot]
+
+    def _decode_snapshots(self, saves: dict, slots: torch.Tensor) -> None:
+        for i, (_, snap) in saves.items():  # after a decode's one token: both states as they are now
+            self.conv_state[snap] = self.conv_state[slots[i]]
+            self.recurrent_state[snap] = self.recurrent_state[slots[i]]
 
     def _snapshots_after_one_token(self, one: np.ndarray, saves: dict, slots: torch.Tensor) -> None:
         for i in one:  # a snapshot after its one token: the state just written

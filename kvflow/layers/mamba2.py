@@ -162,6 +162,19 @@ class Mamba2(nn.Module):
             self.conv_state[fresh] = 0
             self.recurrent_state[fresh] = 0
         saves = meta.state_saves or {}
+        if kernels.state_triton is not None and (lens == 1).all():  # a GPU's decode-only step
+            gpu, rows = kernels.state_triton, starts[:-1]
+            xbc = gpu.causal_conv_update(self.conv_state, self.conv_weight, self.conv_bias, xbc, rows,
+                                         slot_ids, True)
+            y = torch.empty(t, nh, p, dtype=torch.float32, device=h.device)
+            gpu.ssm_decode(xbc, dt, self.A_log, self.dt_bias, self.recurrent_state, rows, slot_ids, y,
+                           self.n_groups, self.time_step_limit)
+            for i, (_, snap) in saves.items():  # after a decode's one token: both states as they are now
+                self.conv_state[snap] = self.conv_state[slots[i]]
+                self.recurrent_state[snap] = self.recurrent_state[slots[i]]
+            y += self.D[:, None] * xbc[:, :self.intermediate].float().view(t, nh, p)
+            return kernels.linear(self._gated_norm(y.view(t, -1), z).to(h.dtype), self.out_proj,
+                                  packed.get("out_proj"), self.out_bias)
         isa = kernels.state_isa if self.c_kernels else None
         if isa:  # conv + bias + SiLU in one pass, windows moved on in place
             xbc = state_update.causal_conv(self.conv_state, self.conv_weight, self.conv_bias, xbc,

@@ -59,6 +59,9 @@ class ShortConv(nn.Module):
         bcx = kernels.linear(h, self.in_proj, packed.get("in_proj"), self.in_bias)
         b, c, x = bcx.split(self.hidden_size, dim=-1)
         bx = b * x
+        if kernels.state_triton is not None and (meta.query_lens == 1).all():  # a GPU's decodes
+            return kernels.linear(c * self._conv_triton(bx, meta, kernels.state_triton), self.out_proj,
+                                  packed.get("out_proj"), self.out_bias)
         if kernels.state_isa and self.c_kernels:  # every request's conv in one C call
             return kernels.linear(c * self._conv_c(bx, meta, kernels.state_isa), self.out_proj,
                                   packed.get("out_proj"), self.out_bias)
@@ -94,3 +97,16 @@ class ShortConv(nn.Module):
         return state_update.causal_conv(self.state, self.conv_weight, self.conv_bias, bx,
                                         meta.query_start_loc, lens, slots, meta.state_saves or {},
                                         False, isa)
+
+    def _conv_triton(self, bx: torch.Tensor, meta: AttentionMetadata, gpu) -> torch.Tensor:
+        """A decode-only step's convolution plus bias on a GPU (kvflow/model/triton/
+        state_update.py), the windows moved on in place; snapshots copied after."""
+        slots = np.asarray(meta.state_slots, dtype=np.int64)
+        fresh_rows = meta.seq_lens == meta.query_lens  # one-token prompts: no earlier inputs
+        if fresh_rows.any():
+            self.state[torch.from_numpy(slots[fresh_rows])] = 0
+        out = gpu.causal_conv_update(self.state, self.conv_weight, self.conv_bias, bx,
+                                     meta.query_start_loc[:-1], slots, False)
+        for i, (_, snap) in (meta.state_saves or {}).items():
+            self.state[snap] = self.state[int(slots[i])]
+        return out

@@ -27,8 +27,9 @@ What serves here, and why:
   Attention's backend and the KV writer are kvflow/attention/selector.py's choice, made here
   once the KV cache's dtype is known (`with_kv_dtype` when the runner's cache differs).
 
-On an NVIDIA GPU (device cuda) the set is gpu_kernels.py's: torch GEMMs in bf16 and the Triton
-paged attention of kvflow/model/triton.
+On an NVIDIA GPU (device cuda) the set is gpu_kernels.py's: torch GEMMs in bf16, the Triton
+paged attention of kvflow/model/triton and, in a decode-only step, the state layers' Triton
+conv and state updates (triton/state_update.py).
 
 Quantized weights (kvflow/model/quant) are served by kvflow/csrc/gemm_quant.c (and, for 8-bit
 weights at batch sizes, gemm_quant_wide.c) through the same `linear(x, w, packed)` seam: their
@@ -120,6 +121,9 @@ class Kernels:
     # the state layers' conv and one-token state updates (csrc/state_update.py): the C path's
     # instruction set, None for their PyTorch paths
     state_isa: str | None = None
+    # on an NVIDIA GPU: the state layers' one-token updates in Triton (the module
+    # kvflow/model/triton/state_update.py, imported with the GPU set); None elsewhere
+    state_triton: object | None = None
 
     def norm_linear(self, x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,
                     eps: float, w: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
