@@ -100,8 +100,8 @@ def test_cuda_kernel_choice_is_triton_attention_and_torch_gemms():
     assert k.names["attention"] == "triton-paged" and k.names["linear"] == "torch" and k.pack is None
     assert k.names["norm"] == k.names["rope"] == k.names["kv_write"] == "triton"
     # the state layers: Triton's one-token updates, never the CPU's C kernels
-    assert k.state_isa is None and k.state_triton.__name__ == "kvflow.model.triton.state_update"
-    assert k.names["state"].startswith("triton")
+    assert k.state_isa is None and k.names["state"] == k.state_triton.name == "triton"
+    assert k.state_triton.gated_delta_chunks.__module__ == "kvflow.model.triton.state_scan"
     assert k.describe().startswith("kernels [cuda]: linear=torch")
     assert k.with_kv_dtype(torch.float32).names == k.names
 

@@ -111,27 +111,31 @@ def test_one_byte_kv_cache_kernels_compile_for_h200(kind, cache, scales):
 
 
 @pytest.mark.parametrize("shape", ["qwen3.5-0.8b", "granite-4.0-h-tiny"])
-def test_state_updates_compile_for_h200(shape):
-    """The state layers' one-token updates (kvflow/model/triton/state_update.py) at the launch
-    parameters its wrappers choose: Qwen3.5-0.8B's Gated DeltaNet (16 q/k and 16 v heads of
-    128, conv channels 6144) or Granite-4.0-H-tiny's Mamba2 (48 heads of 64, state 128, 1
-    group, conv channels 3328), bf16 activations, fp32 states."""
-    from kvflow.model.triton import state_update as m
-    rows = dict(rows_ptr="*i64", slots_ptr="*i64")
-    channels = 6144 if shape == "qwen3.5-0.8b" else 3328
-    _compile(m._conv_update_kernel,
+def test_state_kernels_compile_for_h200(shape):
+    """The state layers' kernels (kvflow/model/triton/state_update.py, state_scan.py) at the
+    launch parameters their wrappers choose: Qwen3.5-0.8B's Gated DeltaNet (16 q/k and 16 v
+    heads of 128, conv channels 6144) or Granite-4.0-H-tiny's Mamba2 (48 heads of 64, state
+    128, 1 group, conv channels 3328), bf16 activations, fp32 states."""
+    from kvflow.model.triton import state_scan as scan
+    from kvflow.model.triton import state_update as step
+    chunks = dict(starts_ptr="*i64", lens_ptr="*i64", slots_ptr="*i64", snap_after_ptr="*i64",
+                  snap_slot_ptr="*i64")
+    gdn = shape == "qwen3.5-0.8b"
+    _compile(scan._conv_kernel,
              dict(x_ptr="*bf16", stride_x="i32", out_ptr="*bf16", stride_o="i32", state_ptr="*bf16",
-                  w_ptr="*bf16", bias_ptr="*bf16", C="i32", **rows),
-             dict(TAPS=3, HAS_BIAS=shape != "qwen3.5-0.8b", SILU=True, BLOCK_C=256))
-    if shape == "qwen3.5-0.8b":
-        _compile(m._gdn_decode_kernel,
-                 dict(x_ptr="*bf16", stride_x="i32", ba_ptr="*bf16", stride_ba="i32",
+                  w_ptr="*bf16", bias_ptr="*bf16", C="i32", **chunks),
+             dict(TAPS=3, K_P2=4, TAPS_P2=4, HAS_BIAS=not gdn, SILU=True, HAS_SNAP=True, BLOCK_C=256))
+    if gdn:
+        common = dict(x_ptr="*bf16", stride_x="i32", ba_ptr="*bf16", stride_ba="i32",
                       a_log_ptr="*fp32", dt_bias_ptr="*fp32", state_ptr="*fp32", out_ptr="*fp32",
-                      scale="fp32", **rows),
-                 dict(NK=16, NV=16, DK=128, DV=128, BLOCK_K=128, BLOCK_V=32))
+                      scale="fp32")
+        consts = dict(NK=16, NV=16, DK=128, DV=128, BLOCK_K=128, BLOCK_V=32)
+        _compile(step._gdn_decode_kernel, dict(common, rows_ptr="*i64", slots_ptr="*i64"), consts)
+        _compile(scan._gdn_chunk_kernel, dict(common, **chunks), consts)
     else:
-        _compile(m._ssm_decode_kernel,
-                 dict(x_ptr="*bf16", stride_x="i32", dt_ptr="*bf16", stride_dt="i32",
+        common = dict(x_ptr="*bf16", stride_x="i32", dt_ptr="*bf16", stride_dt="i32",
                       a_log_ptr="*fp32", dt_bias_ptr="*fp32", state_ptr="*fp32", y_ptr="*fp32",
-                      dt_min="fp32", dt_max="fp32", **rows),
-                 dict(NH=48, G=1, P=64, N=128, BLOCK_P=16, BLOCK_N=128))
+                      dt_min="fp32", dt_max="fp32")
+        consts = dict(NH=48, G=1, P=64, N=128, BLOCK_P=16, BLOCK_N=128)
+        _compile(step._ssm_decode_kernel, dict(common, rows_ptr="*i64", slots_ptr="*i64"), consts)
+        _compile(scan._ssm_chunk_kernel, dict(common, **chunks), consts)

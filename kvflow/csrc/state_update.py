@@ -8,6 +8,8 @@ gated_deltanet.py's `recurrent_gated_delta_rule` / `chunk_gated_delta_rule` and 
 from __future__ import annotations
 
 import struct
+from functools import lru_cache, partial
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -266,3 +268,13 @@ def ssm_chunks(x: torch.Tensor, dt: torch.Tensor, a_log: torch.Tensor, dt_bias: 
                              _f32_bits(dt_limit[1]), int(x.dtype == torch.bfloat16),
                              STATE_ISAS[isa]],
                len(lens) * nh, _threads(int(lens.sum()) * p * n), weights=np.repeat(lens, nh))
+
+
+@lru_cache(maxsize=None)
+def ops(isa: str) -> SimpleNamespace:
+    """The state layers' operations on this CPU's path `isa`, by the names the layers call (the
+    GPU's are kvflow/model/triton/state_scan.py's `ops()`); built once per path."""
+    return SimpleNamespace(name=f"c-{isa}", causal_conv=partial(causal_conv, isa=isa),
+                           gated_delta_decode=partial(gated_delta_decode, isa=isa),
+                           gated_delta_chunks=partial(gated_delta_chunks, isa=isa),
+                           ssm_decode=partial(ssm_decode, isa=isa), ssm_chunks=partial(ssm_chunks, isa=isa))

@@ -21,7 +21,9 @@ Where the backend has the C kernels (`kernels.state_isa`), the conv (decodes and
 the decodes' step run in kvflow/csrc/state_update.c on the states in their slots, the step with
 its l2norm, beta and g fused (and, in a decode-only step, the gated norm); a prompt chunk runs
 the same recurrence token after token in kvflow/csrc/state_scan.c (on a CPU the one pass, a
-strip of S in L1 across the tokens, is faster than the chunked form's solves and products)."""
+strip of S in L1 across the tokens, is faster than the chunked form's solves and products).
+On a GPU (`kernels.state_triton`) the conv, the decodes' step and the chunks' scan are the
+Triton kernels of kvflow/model/triton/state_update.py and state_scan.py, the same way."""
 from __future__ import annotations
 
 import numpy as np
@@ -149,19 +151,12 @@ class GatedDeltaNet(nn.Module):
             self.conv_state[fresh] = 0
             self.recurrent_state[fresh] = 0
         saves = meta.state_saves or {}
-        if kernels.state_triton is not None and (lens == 1).all():  # a GPU's decode-only step
-            gpu, rows = kernels.state_triton, starts[:-1]
-            x = gpu.causal_conv_update(self.conv_state, self.conv_weight, None, mixed, rows, slot_ids, True)
-            out = torch.empty(t, nv, self.head_v_dim, dtype=torch.float32, device=h.device)
-            gpu.gated_delta_decode(x, proj[:, self.conv_dim + self.value_dim:], self.A_log, self.dt_bias,
-                                   self.recurrent_state, rows, slot_ids, out, self.num_k_heads)
-            self._decode_snapshots(saves, slots)
-            return kernels.linear(self._gated_norm(out.to(h.dtype), z).view(t, -1), self.out_proj,
-                                  packed.get("out_proj"))
         isa = kernels.state_isa if self.c_kernels else None
-        if isa:  # conv + SiLU in one pass, windows moved on in place
-            x = state_update.causal_conv(self.conv_state, self.conv_weight, None, mixed, starts, lens,
-                                         slot_ids, saves, True, isa)
+        # the kernels' operations: C on this CPU's path, or Triton on a GPU; None: PyTorch
+        ops = kernels.state_triton or (state_update.ops(isa) if isa else None)
+        if ops:  # conv + SiLU in one pass, windows moved on in place
+            x = ops.causal_conv(self.conv_state, self.conv_weight, None, mixed, starts, lens,
+                                slot_ids, saves, True)
         else:
             x = F.silu(causal_conv1d(self.conv_state, self.conv_weight, None, mixed, starts, lens,
                                      slots, saves))
@@ -176,17 +171,17 @@ class GatedDeltaNet(nn.Module):
             return kernels.linear(gated.view(t, -1), self.out_proj, packed.get("out_proj"))
         out = torch.empty(t, nv, self.head_v_dim, dtype=torch.float32, device=h.device)
         chunks = np.flatnonzero(lens > 1)
-        if isa:  # the C kernels: decodes' step, then the prompt chunks' scan, in their slots
+        if ops:  # the kernels: decodes' step, then the prompt chunks' scan, in their slots
             ba = proj[:, self.conv_dim + self.value_dim:]
             if len(one):
-                state_update.gated_delta_decode(x, ba, self.A_log, self.dt_bias, self.recurrent_state,
-                                                starts[one], slot_ids[one], out, self.num_k_heads, isa)
+                ops.gated_delta_decode(x, ba, self.A_log, self.dt_bias, self.recurrent_state,
+                                       starts[one], slot_ids[one], out, self.num_k_heads)
             self._snapshots_after_one_token(one, saves, slots)
             if len(chunks):
                 chunk_saves = {j: saves[i] for j, i in enumerate(chunks) if i in saves}
-                state_update.gated_delta_chunks(x, ba, self.A_log, self.dt_bias, self.recurrent_state,
-                                                starts[chunks], lens[chunks], slot_ids[chunks],
-                                                chunk_saves, out, self.num_k_heads, isa)
+                ops.gated_delta_chunks(x, ba, self.A_log, self.dt_bias, self.recurrent_state,
+                                       starts[chunks], lens[chunks], slot_ids[chunks], chunk_saves,
+                                       out, self.num_k_heads)
         else:
             self._torch_recurrence(x, b, a, out, one, chunks, starts, lens, slots, saves)
         return kernels.linear(self._gated_norm(out.to(h.dtype), z).view(t, -1), self.out_proj,
@@ -215,11 +210,6 @@ class GatedDeltaNet(nn.Module):
                 out[span] = o.transpose(0, 1)
                 if snap is not None and hi == after + 1:
                     self.recurrent_state[snap] = self.recurrent_state[slot]
-
-    def _decode_snapshots(self, saves: dict, slots: torch.Tensor) -> None:
-        for i, (_, snap) in saves.items():  # after a decode's one token: both states as they are now
-            self.conv_state[snap] = self.conv_state[slots[i]]
-            self.recurrent_state[snap] = self.recurrent_state[slots[i]]
 
     def _snapshots_after_one_token(self, one: np.ndarray, saves: dict, slots: torch.Tensor) -> None:
         for i in one:  # a snapshot after its one token: the state just written

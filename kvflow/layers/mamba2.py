@@ -23,7 +23,9 @@ Where the backend has the C kernels (`kernels.state_isa`), the conv (decodes and
 decodes' update (dt's softplus and clamp fused), the D skip and the gated norm run in
 kvflow/csrc/state_update.c on the states in their slots, and a prompt chunk runs the same
 recurrence token after token in kvflow/csrc/state_scan.c (a row of S held in registers across
-the tokens: on a CPU faster than the chunked form's products).
+the tokens: on a CPU faster than the chunked form's products). On a GPU (`kernels.state_triton`)
+the conv, the decodes' update and the chunks' scan are the Triton kernels of
+kvflow/model/triton/state_update.py and state_scan.py; D, the gate and the norm in PyTorch.
 
 Numerics: HF's chunked path (prompts) computes the scan and the gated norm in fp32 and rounds
 once before out_proj; kvflow does that for decodes too (HF's one-token path rounds the scan's
@@ -162,40 +164,32 @@ class Mamba2(nn.Module):
             self.conv_state[fresh] = 0
             self.recurrent_state[fresh] = 0
         saves = meta.state_saves or {}
-        if kernels.state_triton is not None and (lens == 1).all():  # a GPU's decode-only step
-            gpu, rows = kernels.state_triton, starts[:-1]
-            xbc = gpu.causal_conv_update(self.conv_state, self.conv_weight, self.conv_bias, xbc, rows,
-                                         slot_ids, True)
-            y = torch.empty(t, nh, p, dtype=torch.float32, device=h.device)
-            gpu.ssm_decode(xbc, dt, self.A_log, self.dt_bias, self.recurrent_state, rows, slot_ids, y,
-                           self.n_groups, self.time_step_limit)
-            for i, (_, snap) in saves.items():  # after a decode's one token: both states as they are now
-                self.conv_state[snap] = self.conv_state[slots[i]]
-                self.recurrent_state[snap] = self.recurrent_state[slots[i]]
-            y += self.D[:, None] * xbc[:, :self.intermediate].float().view(t, nh, p)
-            return kernels.linear(self._gated_norm(y.view(t, -1), z).to(h.dtype), self.out_proj,
-                                  packed.get("out_proj"), self.out_bias)
         isa = kernels.state_isa if self.c_kernels else None
-        if isa:  # conv + bias + SiLU in one pass, windows moved on in place
-            xbc = state_update.causal_conv(self.conv_state, self.conv_weight, self.conv_bias, xbc,
-                                           starts, lens, slot_ids, saves, True, isa)
+        # the kernels' operations: C on this CPU's path, or Triton on a GPU; None: PyTorch
+        ops = kernels.state_triton or (state_update.ops(isa) if isa else None)
+        if ops:  # conv + bias + SiLU in one pass, windows moved on in place
+            xbc = ops.causal_conv(self.conv_state, self.conv_weight, self.conv_bias, xbc, starts, lens,
+                                  slot_ids, saves, True)
         else:
             xbc = F.silu(causal_conv1d(self.conv_state, self.conv_weight, self.conv_bias, xbc,
                                        starts, lens, slots, saves))
         y = torch.empty(t, nh, p, dtype=torch.float32, device=h.device)
         one, chunks = np.flatnonzero(lens == 1), np.flatnonzero(lens > 1)
-        if isa:  # the C kernels: decodes' step, the prompt chunks' scan, then D, gate and norm
+        if ops:  # the kernels: decodes' step, the prompt chunks' scan, then D, gate and norm
             if len(one):
-                state_update.ssm_decode(xbc, dt, self.A_log, self.dt_bias, self.recurrent_state,
-                                        starts[one], slot_ids[one], y, self.n_groups,
-                                        self.time_step_limit, isa)
+                ops.ssm_decode(xbc, dt, self.A_log, self.dt_bias, self.recurrent_state, starts[one],
+                               slot_ids[one], y, self.n_groups, self.time_step_limit)
             self._snapshots_after_one_token(one, saves, slots)
             if len(chunks):
                 chunk_saves = {j: saves[i] for j, i in enumerate(chunks) if i in saves}
-                state_update.ssm_chunks(xbc, dt, self.A_log, self.dt_bias, self.recurrent_state,
-                                        starts[chunks], lens[chunks], slot_ids[chunks], chunk_saves,
-                                        y, self.n_groups, self.time_step_limit, isa)
-            out = state_update.ssm_gated_norm(y, xbc, z, self.D, self.norm, self.eps, self.n_groups)
+                ops.ssm_chunks(xbc, dt, self.A_log, self.dt_bias, self.recurrent_state, starts[chunks],
+                               lens[chunks], slot_ids[chunks], chunk_saves, y, self.n_groups,
+                               self.time_step_limit)
+            if isa:  # D, the gate and the norm in C, rounded once
+                out = state_update.ssm_gated_norm(y, xbc, z, self.D, self.norm, self.eps, self.n_groups)
+            else:
+                y += self.D[:, None] * xbc[:, :self.intermediate].float().view(t, nh, p)
+                out = self._gated_norm(y.view(t, -1), z).to(h.dtype)
             return kernels.linear(out, self.out_proj, packed.get("out_proj"), self.out_bias)
         bc = self.n_groups * self.state_size
         x, b, c = xbc.float().split([self.intermediate, bc, bc], dim=-1)

@@ -28,8 +28,8 @@ What serves here, and why:
   once the KV cache's dtype is known (`with_kv_dtype` when the runner's cache differs).
 
 On an NVIDIA GPU (device cuda) the set is gpu_kernels.py's: torch GEMMs in bf16, the Triton
-paged attention of kvflow/model/triton and, in a decode-only step, the state layers' Triton
-conv and state updates (triton/state_update.py).
+paged attention of kvflow/model/triton and the state layers' Triton conv, state updates and
+prompt scans (triton/state_update.py, triton/state_scan.py).
 
 Quantized weights (kvflow/model/quant) are served by kvflow/csrc/gemm_quant.c (and, for 8-bit
 weights at batch sizes, gemm_quant_wide.c) through the same `linear(x, w, packed)` seam: their
@@ -121,8 +121,8 @@ class Kernels:
     # the state layers' conv and one-token state updates (csrc/state_update.py): the C path's
     # instruction set, None for their PyTorch paths
     state_isa: str | None = None
-    # on an NVIDIA GPU: the state layers' one-token updates in Triton (the module
-    # kvflow/model/triton/state_update.py, imported with the GPU set); None elsewhere
+    # on an NVIDIA GPU: the state layers' conv, one-token updates and prompt-chunk scans in
+    # Triton (kvflow/model/triton/state_scan.py's `ops()`, imported with the GPU set); None elsewhere
     state_triton: object | None = None
 
     def norm_linear(self, x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,

@@ -1,9 +1,6 @@
 """The state layers' one-token updates for NVIDIA GPUs in Triton, with the semantics (and the
 signatures, less the instruction set) of the C kernels in kvflow/csrc/state_update.py:
 
-- causal_conv_update: each decode's causal depthwise conv over its window (conv state
-  [slots, taps, C], then its token), bias, rounding to the model dtype, optional SiLU; the
-  window moves on in place;
 - gated_delta_decode: Gated DeltaNet's recurrent step (q, k L2-normalised, q scaled by dk^-0.5,
   beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias)):
       S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  o = S^T q
@@ -12,7 +9,8 @@ signatures, less the instruction set) of the C kernels in kvflow/csrc/state_upda
 
 Each program owns one request's head (and a block of the state's columns or rows), reads the
 state from the request's slot and writes it back there: no gather, no scatter. The states are
-fp32, the activations the model's dtype; sums in fp32."""
+fp32, the activations the model's dtype; sums in fp32. The conv and the prompt chunks are
+state_scan.py's."""
 from __future__ import annotations
 
 import numpy as np
@@ -35,32 +33,6 @@ def _round_to(x, dtype: tl.constexpr):
         u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
         x = u.to(tl.float32, bitcast=True)
     return x
-
-
-@triton.jit
-def _conv_update_kernel(x_ptr, stride_x, out_ptr, stride_o, state_ptr, w_ptr, bias_ptr, rows_ptr,
-                        slots_ptr, C, TAPS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        SILU: tl.constexpr, BLOCK_C: tl.constexpr):
-    r = tl.program_id(0)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    ok = c < C
-    row = tl.load(rows_ptr + r).to(tl.int64)
-    state = state_ptr + tl.load(slots_ptr + r).to(tl.int64) * TAPS * C
-    x = tl.load(x_ptr + row * stride_x + c, mask=ok, other=0.0)
-    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for j in tl.static_range(TAPS):  # window row j: the state's row j (then the token)
-        s = tl.load(state + j * C + c, mask=ok, other=0.0)
-        acc += s.to(tl.float32) * tl.load(w_ptr + c * (TAPS + 1) + j, mask=ok, other=0.0).to(tl.float32)
-        if j > 0:  # rows move up by one; the token becomes the last
-            tl.store(state + (j - 1) * C + c, s, mask=ok)
-    acc += x.to(tl.float32) * tl.load(w_ptr + c * (TAPS + 1) + TAPS, mask=ok, other=0.0).to(tl.float32)
-    tl.store(state + (TAPS - 1) * C + c, x, mask=ok)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + c, mask=ok, other=0.0).to(tl.float32)
-    acc = _round_to(acc, out_ptr.dtype.element_ty)  # rounded, then SiLU (as F.silu on it)
-    if SILU:
-        acc = acc * tl.sigmoid(acc)
-    tl.store(out_ptr + row * stride_o + c, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -127,29 +99,6 @@ def _rows_of(x: torch.Tensor, name: str) -> None:
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"{name}: expected a [T, width] tensor with contiguous rows, got "
                          f"{tuple(x.shape)} strides {x.stride()}")
-
-
-def causal_conv_update(conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                       x: torch.Tensor, rows, slots, silu: bool) -> torch.Tensor:
-    """One token of each request (rows `rows` of x [T, C], rows may be strided) through its
-    window in slot `slots` of conv_state [slots, taps, C] (moved on in place); the conv's
-    output rows (bias, rounded, then SiLU where `silu`) in x's dtype, other rows unwritten."""
-    _rows_of(x, "causal_conv_update")
-    c, k = weight.shape
-    if not (x.dtype == conv_state.dtype and x.shape[1] == c and conv_state.shape[1:] == (k - 1, c)
-            and conv_state.is_contiguous() and k > 1):
-        raise ValueError(f"causal_conv_update: x {tuple(x.shape)} {x.dtype}, state "
-                         f"{tuple(conv_state.shape)} {conv_state.dtype} and weight "
-                         f"{tuple(weight.shape)} do not fit")
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rows, slots = _index(rows, x.device), _index(slots, x.device)
-    if len(rows):
-        block = min(triton.next_power_of_2(c), 256)
-        _conv_update_kernel[(len(rows), triton.cdiv(c, block))](
-            x, x.stride(0), out, out.stride(0), conv_state, weight.contiguous(),
-            weight if bias is None else bias.contiguous(), rows, slots, c, TAPS=k - 1,
-            HAS_BIAS=bias is not None, SILU=silu, BLOCK_C=block)
-    return out
 
 
 def gated_delta_decode(x: torch.Tensor, ba: torch.Tensor, a_log: torch.Tensor,
