@@ -32,6 +32,8 @@ FOLDER = os.path.join(HERE, "results", "random-lfm2-350m-shape")
 GGUF = FOLDER + "-bf16.gguf"
 
 # run by llama.cpp's venv: argv = gguf, threads, context, steps; prints the step times (s)
+# (llama.cpp's eval computes each step's logits as kvflow's step does; kvflow also samples
+# greedily, llama.cpp is fed the prompt's tokens again)
 LLAMACPP = r"""
 import json, sys, time
 import numpy as np
@@ -44,7 +46,7 @@ llm.eval(ids)
 times = []
 for i in range(steps):
     t0 = time.perf_counter()
-    llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])  # greedy: the last logits' argmax
+    llm.eval([ids[i]])  # one token, its logits computed (which token does not move the time)
     times.append(time.perf_counter() - t0)
 print(json.dumps({"times": times, "version": llama_cpp.__version__}))
 """
@@ -104,7 +106,7 @@ def main() -> None:
               "engines": {"kvflow": git_commit(ROOT), "llama.cpp": f"llama-cpp-python {version}"},
               "host_check": {"before": f"load average {load_before}", "after": f"load average {os.getloadavg()}"},
               "notes": [f"one request: a {args.context}-token prompt, then {args.steps} greedy decode "
-                        "steps; the median step; random weights of LFM2-350M's shape in one bf16 GGUF "
+                        "steps (kvflow greedy; llama.cpp fed tokens, its logits computed each step); the median step; random weights of LFM2-350M's shape in one bf16 GGUF "
                         "(llama.cpp's converter) that both engines load; the machine was shared with "
                         "other jobs (noisy)"],
               "columns": ["engine", "threads", "context", "decode step ms", "decode tok/s"], "rows": rows}

@@ -153,6 +153,21 @@ def test_gated_delta_step_with_the_gated_norm_matches_the_layers(isa, dtype, thr
     torch.testing.assert_close(gated, ref, **(F32_TOL if dtype == torch.float32 else BF16_TOL))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_delta_gated_norm_matches_the_layers(dtype, threads):
+    """A prompt step's output: the layer's _gated_norm of the recurrence's rows."""
+    g = torch.Generator().manual_seed(8)
+    nk, nv, dk, dv, t = 2, 4, 16, 36, 7
+    layer = GatedDeltaNet(16, nk, nv, dk, dv, 4, 1e-6, dtype)
+    with torch.no_grad():
+        layer.norm.copy_(torch.randn(dv, generator=g))
+    out = torch.randn(t, nv, dv, generator=g)
+    z = torch.randn(t, nv * dv + 3, generator=g).to(dtype)[:, 3:]  # strided rows
+    got = su.gdn_gated_norm(out, z, layer.norm, layer.eps)
+    ref = layer._gated_norm(out.to(dtype), z)
+    torch.testing.assert_close(got, ref, **(F32_TOL if dtype == torch.float32 else BF16_TOL))
+
+
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("limit", [(0.0, float("inf")), (0.05, 0.4)])

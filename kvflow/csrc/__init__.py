@@ -186,7 +186,7 @@ POOL_KERNELS = {name: i for i, name in enumerate((
     "add_rms_norm_bf16", "rope_f32", "rope_bf16", "silu_mul_f32", "silu_mul_bf16",
     "gemm_rows", "gemm_panels", "quantize_q8", "qgemm_rows", "qgemm_panels",
     "qgemm_wide", "gemv_f32", "lora", "paged_decode_q8", "causal_conv", "gdn_decode",
-    "ssm_decode", "ssm_gated_norm", "gdn_chunk", "ssm_chunk"))}
+    "ssm_decode", "ssm_gated_norm", "gdn_chunk", "ssm_chunk", "gdn_gated_norm"))}
 
 
 def run_kernel(name: str, words: list, num_rows: int, threads: int, farg: float = 0.0,

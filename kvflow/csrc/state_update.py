@@ -141,6 +141,24 @@ def gated_delta_decode(x: torch.Tensor, ba: torch.Tensor, a_log: torch.Tensor,
                len(rows) * nv, _threads(len(rows) * nv * dk * dv), farg=eps)
 
 
+def gdn_gated_norm(out: torch.Tensor, z: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gated DeltaNet's output of a step: the layer's _gated_norm of out [T, nv, dv] fp32 (the
+    recurrence's, rounded to z's dtype first) with z [T, nv dv] (rows may be strided) and the
+    norm weight [dv]; [T, nv, dv] in z's dtype."""
+    _rows_of(z, "gdn_gated_norm")
+    t, nv, dv = out.shape
+    if not (out.dtype == torch.float32 and out.is_contiguous() and z.shape == (t, nv * dv)
+            and norm.dtype == z.dtype and norm.shape == (dv,) and dv <= HEAD_MAX):
+        raise ValueError(f"gdn_gated_norm: out {tuple(out.shape)} {out.dtype}, z {tuple(z.shape)} "
+                         f"and norm {tuple(norm.shape)} {norm.dtype} do not fit")
+    gated = torch.empty(t, nv, dv, dtype=z.dtype)
+    norm = norm.contiguous()
+    run_kernel("gdn_gated_norm", [out.data_ptr(), z.data_ptr(), z.stride(0), norm.data_ptr(),
+                                  gated.data_ptr(), nv * dv, nv, dv, int(z.dtype == torch.bfloat16)],
+               t * nv, _threads(t * nv * dv * 8), farg=eps)
+    return gated
+
+
 def _f32_bits(v: float) -> int:
     return struct.unpack("<I", struct.pack("<f", v))[0]
 

@@ -182,6 +182,9 @@ class GatedDeltaNet(nn.Module):
                 ops.gated_delta_chunks(x, ba, self.A_log, self.dt_bias, self.recurrent_state,
                                        starts[chunks], lens[chunks], slot_ids[chunks], chunk_saves,
                                        out, self.num_k_heads)
+            if isa:  # the gated norm in C too
+                gated = state_update.gdn_gated_norm(out, z, self.norm, self.eps)
+                return kernels.linear(gated.view(t, -1), self.out_proj, packed.get("out_proj"))
         else:
             self._torch_recurrence(x, b, a, out, one, chunks, starts, lens, slots, saves)
         return kernels.linear(self._gated_norm(out.to(h.dtype), z).view(t, -1), self.out_proj,
