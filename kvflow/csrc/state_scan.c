@@ -125,37 +125,46 @@ static void gdn_tokens_avx2(float *S, int64_t dk, int64_t dv, int64_t nb, const 
 }
 #undef GDN_STRIPS_AVX2
 
-/* a row of S, 32 columns at a time, in registers for all nb tokens */
+/* as the AVX-512 path (below): R rows of S, 32 columns each, in registers for all nb tokens */
+#define SSM_ROWS_AVX2(R)                                                                       \
+    do {                                                                                         \
+        __m256 st[R][4];                                                                         \
+        for (int r = 0; r < R; r++)                                                              \
+            for (int v = 0; v < 4; v++) st[r][v] = _mm256_loadu_ps(S + (p + r) * N + n0 + 8 * v); \
+        for (int64_t t = 0; t < nb; t++) {                                                       \
+            const float *b = B + t * N + n0, *c = C + t * N + n0;                                \
+            const __m256 vda = _mm256_set1_ps(dA[t]);                                            \
+            __m256 bv[4], cv[4];                                                                 \
+            for (int v = 0; v < 4; v++) {                                                        \
+                bv[v] = _mm256_loadu_ps(b + 8 * v);                                             \
+                cv[v] = _mm256_loadu_ps(c + 8 * v);                                             \
+            }                                                                                    \
+            for (int r = 0; r < R; r++) {                                                        \
+                const __m256 vx = _mm256_set1_ps(xdt[t * P + p + r]);                            \
+                for (int v = 0; v < 4; v++)                                                      \
+                    st[r][v] = _mm256_fmadd_ps(vx, bv[v], _mm256_mul_ps(st[r][v], vda));         \
+                __m256 acc = _mm256_mul_ps(st[r][0], cv[0]);                                     \
+                for (int v = 1; v < 4; v++) acc = _mm256_fmadd_ps(st[r][v], cv[v], acc);         \
+                y[t * y_stride + p + r] += hsum8(acc);                            \
+            }                                                                                    \
+        }                                                                                        \
+        for (int r = 0; r < R; r++)                                                              \
+            for (int v = 0; v < 4; v++) _mm256_storeu_ps(S + (p + r) * N + n0 + 8 * v, st[r][v]); \
+    } while (0)
+
 static void ssm_tokens_avx2(float *S, int64_t P, int64_t N, int64_t nb, const float *dA,
                             const float *xdt, const float *B, const float *C, float *y,
                             int64_t y_stride)
 {
     int64_t n0 = 0;
-    for (; n0 + 32 <= N; n0 += 32)
-        for (int64_t p = 0; p < P; p++) {
-            float *s = S + p * N + n0;
-            __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
-            __m256 s2 = _mm256_loadu_ps(s + 16), s3 = _mm256_loadu_ps(s + 24);
-            for (int64_t t = 0; t < nb; t++) {
-                const float *b = B + t * N + n0, *c = C + t * N + n0;
-                const __m256 vda = _mm256_set1_ps(dA[t]), vx = _mm256_set1_ps(xdt[t * P + p]);
-                s0 = _mm256_fmadd_ps(vx, _mm256_loadu_ps(b), _mm256_mul_ps(s0, vda));
-                s1 = _mm256_fmadd_ps(vx, _mm256_loadu_ps(b + 8), _mm256_mul_ps(s1, vda));
-                s2 = _mm256_fmadd_ps(vx, _mm256_loadu_ps(b + 16), _mm256_mul_ps(s2, vda));
-                s3 = _mm256_fmadd_ps(vx, _mm256_loadu_ps(b + 24), _mm256_mul_ps(s3, vda));
-                __m256 acc = _mm256_mul_ps(s0, _mm256_loadu_ps(c));
-                acc = _mm256_fmadd_ps(s1, _mm256_loadu_ps(c + 8), acc);
-                acc = _mm256_fmadd_ps(s2, _mm256_loadu_ps(c + 16), acc);
-                acc = _mm256_fmadd_ps(s3, _mm256_loadu_ps(c + 24), acc);
-                y[t * y_stride + p] += hsum8(acc);
-            }
-            _mm256_storeu_ps(s, s0);
-            _mm256_storeu_ps(s + 8, s1);
-            _mm256_storeu_ps(s + 16, s2);
-            _mm256_storeu_ps(s + 24, s3);
-        }
+    for (; n0 + 32 <= N; n0 += 32) {
+        int64_t p = 0;
+        for (; p + 2 <= P; p += 2) SSM_ROWS_AVX2(2);
+        for (; p < P; p++) SSM_ROWS_AVX2(1);
+    }
     if (n0 < N) ssm_tokens_columns(S, P, N, n0, nb, dA, xdt, B, C, y, y_stride);
 }
+#undef SSM_ROWS_AVX2
 #endif
 
 /* -- AVX-512 --------------------------------------------------------------------------------- */
@@ -210,36 +219,48 @@ static void gdn_tokens_avx512(float *S, int64_t dk, int64_t dv, int64_t nb, cons
 }
 #undef GDN_STRIPS_AVX512
 
+/* R rows of S (p .. p + R - 1), 64 columns each from n0, in registers for all nb tokens; the
+ * rows share each token's B and C loads, and their R independent chains keep the FMA units
+ * busy (one row alone waits on its multiply-add latency token after token) */
+#define SSM_ROWS_AVX512(R)                                                                       \
+    do {                                                                                         \
+        __m512 st[R][4];                                                                         \
+        for (int r = 0; r < R; r++)                                                              \
+            for (int v = 0; v < 4; v++) st[r][v] = _mm512_loadu_ps(S + (p + r) * N + n0 + 16 * v); \
+        for (int64_t t = 0; t < nb; t++) {                                                       \
+            const float *b = B + t * N + n0, *c = C + t * N + n0;                                \
+            const __m512 vda = _mm512_set1_ps(dA[t]);                                            \
+            __m512 bv[4], cv[4];                                                                 \
+            for (int v = 0; v < 4; v++) {                                                        \
+                bv[v] = _mm512_loadu_ps(b + 16 * v);                                             \
+                cv[v] = _mm512_loadu_ps(c + 16 * v);                                             \
+            }                                                                                    \
+            for (int r = 0; r < R; r++) {                                                        \
+                const __m512 vx = _mm512_set1_ps(xdt[t * P + p + r]);                            \
+                for (int v = 0; v < 4; v++)                                                      \
+                    st[r][v] = _mm512_fmadd_ps(vx, bv[v], _mm512_mul_ps(st[r][v], vda));         \
+                __m512 acc = _mm512_mul_ps(st[r][0], cv[0]);                                     \
+                for (int v = 1; v < 4; v++) acc = _mm512_fmadd_ps(st[r][v], cv[v], acc);         \
+                y[t * y_stride + p + r] += _mm512_reduce_add_ps(acc);                            \
+            }                                                                                    \
+        }                                                                                        \
+        for (int r = 0; r < R; r++)                                                              \
+            for (int v = 0; v < 4; v++) _mm512_storeu_ps(S + (p + r) * N + n0 + 16 * v, st[r][v]); \
+    } while (0)
+
 static void ssm_tokens_avx512(float *S, int64_t P, int64_t N, int64_t nb, const float *dA,
                               const float *xdt, const float *B, const float *C, float *y,
                               int64_t y_stride)
 {
     int64_t n0 = 0;
-    for (; n0 + 64 <= N; n0 += 64)
-        for (int64_t p = 0; p < P; p++) {
-            float *s = S + p * N + n0;
-            __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
-            __m512 s2 = _mm512_loadu_ps(s + 32), s3 = _mm512_loadu_ps(s + 48);
-            for (int64_t t = 0; t < nb; t++) {
-                const float *b = B + t * N + n0, *c = C + t * N + n0;
-                const __m512 vda = _mm512_set1_ps(dA[t]), vx = _mm512_set1_ps(xdt[t * P + p]);
-                s0 = _mm512_fmadd_ps(vx, _mm512_loadu_ps(b), _mm512_mul_ps(s0, vda));
-                s1 = _mm512_fmadd_ps(vx, _mm512_loadu_ps(b + 16), _mm512_mul_ps(s1, vda));
-                s2 = _mm512_fmadd_ps(vx, _mm512_loadu_ps(b + 32), _mm512_mul_ps(s2, vda));
-                s3 = _mm512_fmadd_ps(vx, _mm512_loadu_ps(b + 48), _mm512_mul_ps(s3, vda));
-                __m512 acc = _mm512_mul_ps(s0, _mm512_loadu_ps(c));
-                acc = _mm512_fmadd_ps(s1, _mm512_loadu_ps(c + 16), acc);
-                acc = _mm512_fmadd_ps(s2, _mm512_loadu_ps(c + 32), acc);
-                acc = _mm512_fmadd_ps(s3, _mm512_loadu_ps(c + 48), acc);
-                y[t * y_stride + p] += _mm512_reduce_add_ps(acc);
-            }
-            _mm512_storeu_ps(s, s0);
-            _mm512_storeu_ps(s + 16, s1);
-            _mm512_storeu_ps(s + 32, s2);
-            _mm512_storeu_ps(s + 48, s3);
-        }
+    for (; n0 + 64 <= N; n0 += 64) {
+        int64_t p = 0;
+        for (; p + 2 <= P; p += 2) SSM_ROWS_AVX512(2);
+        for (; p < P; p++) SSM_ROWS_AVX512(1);
+    }
     if (n0 < N) ssm_tokens_columns(S, P, N, n0, nb, dA, xdt, B, C, y, y_stride);
 }
+#undef SSM_ROWS_AVX512
 #endif
 
 /* the next block of a chunk's tokens from t0 (of n): SCAN_BLOCK at most, ending after token
