@@ -257,6 +257,36 @@ def test_gated_delta_chunks_match_the_recurrence_token_by_token(isa, dtype, dk, 
 
 
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+def test_gated_delta_chunk_split_over_column_groups_matches_the_recurrence(isa, monkeypatch):
+    """More threads than heads: each head's columns in groups (here 3 of dv 100: 48, 48 and a
+    tail of 4), each group its own unit; the same outputs, state and snapshot."""
+    _need(isa)
+    monkeypatch.setattr(su, "MIN_PARALLEL_VALUES", 0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(8)
+    try:
+        g = torch.Generator().manual_seed(14)
+        nk, nv, dk, dv, t = 1, 2, 32, 100, 37
+        x = torch.randn(t, 2 * nk * dk + nv * dv, generator=g)
+        ba = torch.randn(t, 2 * nv, generator=g)
+        a_log, dt_bias = torch.randn(nv, generator=g) * 0.5, torch.randn(nv, generator=g)
+        state = torch.randn(3, nv, dk, dv, generator=g) * 0.3
+        ref_state, ref = state.clone(), torch.empty(t, nv, dv)
+        for row in range(t):
+            ref[row] = _gdn_reference(x, ba, a_log, dt_bias, ref_state, torch.tensor([row]),
+                                      torch.tensor([1]), nk, dk, dv)[0]
+            if row == 20:
+                ref_state[2] = ref_state[1]
+        out = torch.empty(t, nv, dv)
+        su.gated_delta_chunks(x, ba, a_log, dt_bias, state, np.array([0, t]), np.array([t]),
+                              np.array([1]), {0: (20, 2)}, out, nk, isa)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, ref, **F32_TOL)
+    torch.testing.assert_close(state, ref_state, **F32_TOL)
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("limit", [(0.0, float("inf")), (0.05, 0.4)])
 # n 40: tails past the vector paths' 64 and 32 columns; n 128: whole blocks

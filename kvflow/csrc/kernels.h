@@ -116,7 +116,7 @@ void gdn_chunk_rows(const void *x, int64_t x_stride, const void *ba, int64_t ba_
                     const float *A_log, const float *dt_bias, float *state, const int64_t *starts,
                     const int64_t *lens, const int64_t *slots, const int64_t *snap_after,
                     const int64_t *snap_slot, float *out, int64_t nk, int64_t nv, int64_t dk,
-                    int64_t dv, int64_t bf16, int64_t isa, int64_t begin, int64_t end);
+                    int64_t dv, int64_t cols, int64_t bf16, int64_t isa, int64_t begin, int64_t end);
 void ssm_chunk_rows(const void *x, int64_t x_stride, const void *dt, int64_t dt_stride,
                     const float *A_log, const float *dt_bias, float *state, const int64_t *starts,
                     const int64_t *lens, const int64_t *slots, const int64_t *snap_after,

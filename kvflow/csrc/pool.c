@@ -172,7 +172,7 @@ static void k_ssm_gated_norm(const int64_t *a, double f, int64_t b, int64_t e) {
 static void k_gdn_chunk(const int64_t *a, double f, int64_t b, int64_t e) {
     (void)f;
     gdn_chunk_rows(P(0), a[1], P(2), a[3], P(4), P(5), P(6), P(7), P(8), P(9), P(10), P(11),
-                   P(12), a[13], a[14], a[15], a[16], a[17], a[18], b, e);
+                   P(12), a[13], a[14], a[15], a[16], a[17], a[18], a[19], b, e);
 }
 static void k_ssm_chunk(const int64_t *a, double f, int64_t b, int64_t e) {
     (void)f;

@@ -28,10 +28,10 @@
 #define HEAD_MAX 512    /* dk, dv, P and N up to this (state_update.py checks) */
 #define SCAN_BLOCK 32   /* tokens whose inputs a unit prepares at a time */
 
-/* -- Gated DeltaNet: nb tokens over columns [j0, dv) of S [dk][dv] --------------------------
+/* -- Gated DeltaNet: nb tokens over columns [j0, je) of S [dk][dv] --------------------------
  * q, k [nb][dk] (normalised, q scaled), v [nb][dv], eg = exp(g) and beta [nb]; o row t at
- * o + t * o_stride. The scalar path (j0 = 0) and the vector paths' tails. */
-static void gdn_tokens_columns(float *S, int64_t dk, int64_t dv, int64_t j0, int64_t nb,
+ * o + t * o_stride. The scalar path and the vector paths' tails. */
+static void gdn_tokens_columns(float *S, int64_t dk, int64_t dv, int64_t j0, int64_t je, int64_t nb,
                                const float *q, const float *k, const float *v, const float *eg,
                                const float *beta, float *o, int64_t o_stride)
 {
@@ -39,15 +39,15 @@ static void gdn_tokens_columns(float *S, int64_t dk, int64_t dv, int64_t j0, int
     for (int64_t t = 0; t < nb; t++) {
         const float *kt = k + t * dk, *qt = q + t * dk, *vt = v + t * dv;
         float *ot = o + t * o_stride;
-        for (int64_t j = j0; j < dv; j++) kv[j] = 0.f;
+        for (int64_t j = j0; j < je; j++) kv[j] = 0.f;
         for (int64_t i = 0; i < dk; i++)
-            for (int64_t j = j0; j < dv; j++) kv[j] += S[i * dv + j] * eg[t] * kt[i];
-        for (int64_t j = j0; j < dv; j++) {
+            for (int64_t j = j0; j < je; j++) kv[j] += S[i * dv + j] * eg[t] * kt[i];
+        for (int64_t j = j0; j < je; j++) {
             kv[j] = (vt[j] - kv[j]) * beta[t];
             ot[j] = 0.f;
         }
         for (int64_t i = 0; i < dk; i++)
-            for (int64_t j = j0; j < dv; j++) {
+            for (int64_t j = j0; j < je; j++) {
                 const float s = S[i * dv + j] * eg[t] + kt[i] * kv[j];
                 S[i * dv + j] = s;
                 ot[j] += s * qt[i];
@@ -114,14 +114,14 @@ static void ssm_tokens_columns(float *S, int64_t P, int64_t N, int64_t n0, int64
         }                                                                                        \
     } while (0)
 
-static void gdn_tokens_avx2(float *S, int64_t dk, int64_t dv, int64_t nb, const float *q,
+static void gdn_tokens_avx2(float *S, int64_t dk, int64_t dv, int64_t j0, int64_t je, int64_t nb, const float *q,
                             const float *k, const float *v, const float *eg, const float *beta,
                             float *o, int64_t o_stride)
 {
-    int64_t j = 0;
-    for (; j + 16 <= dv; j += 16) GDN_STRIPS_AVX2(2);
-    for (; j + 8 <= dv; j += 8) GDN_STRIPS_AVX2(1);
-    if (j < dv) gdn_tokens_columns(S, dk, dv, j, nb, q, k, v, eg, beta, o, o_stride);
+    int64_t j = j0;
+    for (; j + 16 <= je; j += 16) GDN_STRIPS_AVX2(2);
+    for (; j + 8 <= je; j += 8) GDN_STRIPS_AVX2(1);
+    if (j < je) gdn_tokens_columns(S, dk, dv, j, je, nb, q, k, v, eg, beta, o, o_stride);
 }
 #undef GDN_STRIPS_AVX2
 
@@ -208,14 +208,14 @@ static void ssm_tokens_avx2(float *S, int64_t P, int64_t N, int64_t nb, const fl
         }                                                                                        \
     } while (0)
 
-static void gdn_tokens_avx512(float *S, int64_t dk, int64_t dv, int64_t nb, const float *q,
+static void gdn_tokens_avx512(float *S, int64_t dk, int64_t dv, int64_t j0, int64_t je, int64_t nb, const float *q,
                               const float *k, const float *v, const float *eg, const float *beta,
                               float *o, int64_t o_stride)
 {
-    int64_t j = 0;
-    for (; j + 32 <= dv; j += 32) GDN_STRIPS_AVX512(2);
-    for (; j + 16 <= dv; j += 16) GDN_STRIPS_AVX512(1);
-    if (j < dv) gdn_tokens_columns(S, dk, dv, j, nb, q, k, v, eg, beta, o, o_stride);
+    int64_t j = j0;
+    for (; j + 32 <= je; j += 32) GDN_STRIPS_AVX512(2);
+    for (; j + 16 <= je; j += 16) GDN_STRIPS_AVX512(1);
+    if (j < je) gdn_tokens_columns(S, dk, dv, j, je, nb, q, k, v, eg, beta, o, o_stride);
 }
 #undef GDN_STRIPS_AVX512
 
@@ -275,25 +275,28 @@ static int64_t block_end(int64_t t0, int64_t n, int64_t after)
  * [T][x_stride] (the conv's output q|k|v: nk * dk, nk * dk, nv * dv channels) and ba
  * [T][ba_stride] (b's nv values, then a's), its state in slot slots[i] of state
  * [slots][nv][dk][dv] fp32; snap_slot[i] >= 0 gets the state after its token snap_after[i]
- * (both NULL: no snapshots). out [T][nv][dv] fp32. Units: i * nv + h. */
+ * (both NULL: no snapshots). out [T][nv][dv] fp32. Units: (i * nv + h) * cols + c, each
+ * head's columns in `cols` groups (1, unless there are more threads than heads to split). */
 void gdn_chunk_rows(const void *x, int64_t x_stride, const void *ba, int64_t ba_stride,
                     const float *A_log, const float *dt_bias, float *state, const int64_t *starts,
                     const int64_t *lens, const int64_t *slots, const int64_t *snap_after,
                     const int64_t *snap_slot, float *out, int64_t nk, int64_t nv, int64_t dk,
-                    int64_t dv, int64_t bf16, int64_t isa, int64_t begin, int64_t end)
+                    int64_t dv, int64_t cols, int64_t bf16, int64_t isa, int64_t begin, int64_t end)
 {
     const int bf = (int)bf16;
-    const int64_t groups = nv / nk, head = dk * dv;
+    const int64_t groups = nv / nk, head = dk * dv, width = (dv / cols + 15) / 16 * 16;
     const float scale = 1.f / sqrtf((float)dk);
     float *buf = malloc(sizeof(float) * SCAN_BLOCK * (2 * dk + dv + 2));
     if (!buf) abort();
     float *q = buf, *k = q + SCAN_BLOCK * dk, *v = k + SCAN_BLOCK * dk, *eg = v + SCAN_BLOCK * dv;
     float *beta = eg + SCAN_BLOCK;
     for (int64_t u = begin; u < end; u++) {
-        const int64_t i = u / nv, h = u % nv, kh = h / groups, n = lens[i];
+        const int64_t i = u / cols / nv, h = u / cols % nv, kh = h / groups, n = lens[i];
+        const int64_t j0 = u % cols * width, je = j0 + width < dv ? j0 + width : dv;
         const int64_t after = snap_slot && snap_slot[i] >= 0 ? snap_after[i] : -1;
         const float A = -expf(A_log[h]);
         float *S = state + (slots[i] * nv + h) * head;
+        if (j0 >= je) continue;
         for (int64_t t0 = 0, t1; t0 < n; t0 = t1) {
             t1 = block_end(t0, n, after);
             for (int64_t t = t0; t < t1; t++) { /* this block's inputs, as the one-token step's */
@@ -310,23 +313,26 @@ void gdn_chunk_rows(const void *x, int64_t x_stride, const void *ba, int64_t ba_
                     qb[c] = qb[c] * iq * scale;
                     kb[c] *= ik;
                 }
-                for (int64_t c = 0; c < dv; c++) v[b * dv + c] = ld(x, bf, xr + 2 * nk * dk + h * dv + c);
+                for (int64_t c = j0; c < je; c++) v[b * dv + c] = ld(x, bf, xr + 2 * nk * dk + h * dv + c);
                 beta[b] = round_to(bf, 1.f / (1.f + expf(-ld(ba, bf, row * ba_stride + h))));
                 eg[b] = expf(A * softplus(ld(ba, bf, row * ba_stride + nv + h) + dt_bias[h]));
             }
             float *o = out + ((starts[i] + t0) * nv + h) * dv;
             if (isa == 2) {
 #ifdef __AVX512F__
-                gdn_tokens_avx512(S, dk, dv, t1 - t0, q, k, v, eg, beta, o, nv * dv);
+                gdn_tokens_avx512(S, dk, dv, j0, je, t1 - t0, q, k, v, eg, beta, o, nv * dv);
 #endif
             } else if (isa == 1) {
 #ifdef KVFLOW_AVX2
-                gdn_tokens_avx2(S, dk, dv, t1 - t0, q, k, v, eg, beta, o, nv * dv);
+                gdn_tokens_avx2(S, dk, dv, j0, je, t1 - t0, q, k, v, eg, beta, o, nv * dv);
 #endif
             } else {
-                gdn_tokens_columns(S, dk, dv, 0, t1 - t0, q, k, v, eg, beta, o, nv * dv);
+                gdn_tokens_columns(S, dk, dv, j0, je, t1 - t0, q, k, v, eg, beta, o, nv * dv);
             }
-            if (t1 - 1 == after) memcpy(state + (snap_slot[i] * nv + h) * head, S, sizeof(float) * head);
+            if (t1 - 1 == after) /* this unit's columns of the state, into the snapshot's */
+                for (int64_t r = 0; r < dk; r++)
+                    memcpy(state + (snap_slot[i] * nv + h) * head + r * dv + j0, S + r * dv + j0,
+                           sizeof(float) * (size_t)(je - j0));
         }
     }
     free(buf);

@@ -246,15 +246,18 @@ def gated_delta_chunks(x: torch.Tensor, ba: torch.Tensor, a_log: torch.Tensor,
                          f"{tuple(state.shape)} and out {tuple(out.shape)} {out.dtype} do not fit")
     (starts, lens, slots), snap_after, snap_slot = _chunks(starts, lens, slots, saves)
     a_log, dt_bias = a_log.contiguous(), dt_bias.contiguous()
+    threads = _threads(int(lens.sum()) * dk * dv)
+    # more threads than heads to split: each head's columns in groups of 32 or more (a group
+    # prepares its tokens' q and k again, so no more groups than the threads need)
+    cols = max(1, min(dv // 32, -(-threads // (len(lens) * nv))))
     run_kernel("gdn_chunk", [x.data_ptr(), x.stride(0), ba.data_ptr(), ba.stride(0),
                              a_log.data_ptr(), dt_bias.data_ptr(), state.data_ptr(),
                              starts.ctypes.data, lens.ctypes.data, slots.ctypes.data,
                              None if snap_after is None else snap_after.ctypes.data,
                              None if snap_slot is None else snap_slot.ctypes.data,
-                             out.data_ptr(), num_k_heads, nv, dk, dv,
+                             out.data_ptr(), num_k_heads, nv, dk, dv, cols,
                              int(x.dtype == torch.bfloat16), STATE_ISAS[isa]],
-               len(lens) * nv, _threads(int(lens.sum()) * dk * dv),
-               weights=np.repeat(lens, nv))
+               len(lens) * nv * cols, threads, weights=np.repeat(lens, nv * cols))
 
 
 def ssm_chunks(x: torch.Tensor, dt: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
