@@ -12,7 +12,8 @@
  * way, and for chunks of a few hundred tokens the one pass keeps the state near the core
  * across a block's tokens (Gated DeltaNet: strips of S, 32 or 16 columns x dk rows, in L1,
  * one pass over them per token; Mamba2: a row of S in registers), with no triangular solves
- * and no T x T products. Work units: (chunk, head); a unit prepares its tokens' inputs
+ * and no T x T products. Work units: (chunk, head) (Gated DeltaNet: and a group of the head's
+ * columns, where there are more threads than heads); a unit prepares its tokens' inputs
  * SCAN_BLOCK at a time (normalised q and k, v, the gates) in fp32. Paths: 0 scalar (the
  * tests' reference, the one-token kernel's order of operations), 1 AVX2 + FMA, 2 AVX-512
  * (the same sums, grouped differently: fp32 rounding apart). */
