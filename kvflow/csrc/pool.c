@@ -168,6 +168,25 @@ static void k_ssm_gated_norm(const int64_t *a, double f, int64_t b, int64_t e) {
     ssm_gated_norm_rows(P(0), P(1), a[2], P(3), a[4], P(5), P(6), (float)f, P(7), a[8], a[9],
                         a[10], a[11], b, e);
 }
+/* state_scan.c's prompt chunks; the SSD's dt_min and dt_max as float32 bits */
+static void k_gdn_chunk(const int64_t *a, double f, int64_t b, int64_t e) {
+    (void)f;
+    gdn_chunk_rows(P(0), a[1], P(2), a[3], P(4), P(5), P(6), P(7), P(8), P(9), P(10), P(11),
+                   P(12), a[13], a[14], a[15], a[16], a[17], a[18], a[19], b, e);
+}
+static void k_ssm_chunk(const int64_t *a, double f, int64_t b, int64_t e) {
+    (void)f;
+    float lo, hi;
+    const uint32_t lo_bits = (uint32_t)a[17], hi_bits = (uint32_t)a[18];
+    memcpy(&lo, &lo_bits, 4);
+    memcpy(&hi, &hi_bits, 4);
+    ssm_chunk_rows(P(0), a[1], P(2), a[3], P(4), P(5), P(6), P(7), P(8), P(9), P(10), P(11),
+                   P(12), a[13], a[14], a[15], a[16], lo, hi, a[19], a[20], b, e);
+}
+/* the float: the gated norm's eps */
+static void k_gdn_gated_norm(const int64_t *a, double f, int64_t b, int64_t e) {
+    gdn_gated_norm_rows(P(0), P(1), a[2], P(3), (float)f, P(4), a[5], a[6], a[7], a[8], b, e);
+}
 #undef P
 
 /* in enum pool_kernel's order (kernels.h) */
@@ -175,7 +194,8 @@ static const range_fn KERNELS[] = {
     k_decode_f32, k_decode_bf16, k_prefill_bf16, k_norm_f32, k_norm_bf16, k_rope_f32,
     k_rope_bf16, k_silu_f32, k_silu_bf16, k_gemm_rows, k_gemm_panels, k_quantize_q8,
     k_qgemm_rows, k_qgemm_panels, k_qgemm_wide, k_gemv_f32, k_lora, k_decode_q8,
-    k_causal_conv, k_gdn_decode, k_ssm_decode, k_ssm_gated_norm,
+    k_causal_conv, k_gdn_decode, k_ssm_decode, k_ssm_gated_norm, k_gdn_chunk, k_ssm_chunk,
+    k_gdn_gated_norm,
 };
 #define NUM_KERNELS ((int64_t)(sizeof KERNELS / sizeof KERNELS[0]))
 
