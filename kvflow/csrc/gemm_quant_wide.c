@@ -27,7 +27,7 @@
 #define QP 16
 #define QB 32
 #define Q4_REC 320
-#define Q8_REC 608
+#define Q8_REC 544
 #define GROUP 4 /* quantized panels per widened panel of 64 outputs (gemm_bf16.c's width) */
 
 static __thread struct { void *buf; size_t cap; } wide_scratch;

@@ -18,7 +18,7 @@ import torch
 
 PANEL = 16
 BLOCK = 32
-RECORD_BYTES = {"q4": 320, "q8": 608, "mxfp4": 272}
+RECORD_BYTES = {"q4": 320, "q8": 544, "mxfp4": 272}
 
 
 def _panels(a: np.ndarray, n_pad: int) -> np.ndarray:
@@ -53,8 +53,7 @@ def pack(kind: str, q: np.ndarray, d: np.ndarray, m: np.ndarray | None = None) -
         parts = [data, scale.view(np.uint8), mins.view(np.uint8)]
     elif kind == "q8":
         data = quads.astype(np.int8).reshape(p, kb, 512)
-        bias = -128 * quads.astype(np.int32).sum(axis=(2, 4))  # [P, Kb, 16]
-        parts = [data.view(np.uint8), scale.view(np.uint8), np.ascontiguousarray(bias, dtype=np.int32).view(np.uint8)]
+        parts = [data.view(np.uint8), scale.view(np.uint8)]
     else:
         raise ValueError(f"unknown quantized kind {kind!r}")
     rec = np.concatenate([np.ascontiguousarray(x).reshape(p, kb, -1) for x in parts], axis=2)
