@@ -27,12 +27,15 @@ def gguf_is_quantized(reader) -> bool:
 
 def _quantized(parts: list[tuple], n_k: tuple[int, int], isa: str, source: str) -> QuantizedWeight:
     kinds = {p[0] for p in parts}
+    if kinds == {"q4", "q4s"}:  # Q4_0 beside Q4_1 or Q4_K: all with mins (Q4_0's m = -8 d)
+        parts = [("q4", q, d, -8.0 * d if kind == "q4s" else m) for kind, q, d, m in parts]
+        kinds = {"q4"}
     if len(kinds) == 1:
         kind = kinds.pop()
         q = np.concatenate([p[1] for p in parts])
         d = np.concatenate([p[2] for p in parts])
-        m = np.concatenate([p[3] for p in parts]) if kind == "q4" else None
-    else:  # parts of different kinds (Q4_K q/k with a Q6_K v): all as q8
+        m = np.concatenate([p[3] for p in parts]) if kind in ("q4", "q6") else None
+    else:  # parts of different kinds (Q4_K q/k with a Q6_K v): all requantized to q8
         kind = "q8"
         pairs = [to_q8(*p) for p in parts]
         q, d, m = np.concatenate([a for a, _ in pairs]), np.concatenate([b for _, b in pairs]), None
