@@ -27,7 +27,7 @@ logger = logging.getLogger("kvflow")
 _DIR = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [os.path.join(_DIR, f) for f in ("paged_attention.c", "paged_attention_quant.c",
                                               "prefill_attention.c", "fused_ops.c", "gemm_bf16.c",
-                                              "gemm_quant.c", "gemm_q6.c", "gemm_mxfp4.c", "gemm_quant_wide.c",
+                                              "gemm_quant.c", "gemm_q6.c", "gemm_q4k.c", "gemm_mxfp4.c", "gemm_quant_wide.c",
                                               "gemv_f32.c", "pool.c", "populate.c", "decode_step.c", "lora.c",
                                               "state_update.c")]
 _HEADERS = [os.path.join(_DIR, f) for f in ("simd.h", "kernels.h", "tiles.h", "rotation.h")]  # part of the build key, not of the command line

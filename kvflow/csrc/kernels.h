@@ -50,9 +50,15 @@ void gemm_quant_panels(const int8_t *qx, const float *dx, const float *dxs, int6
                        int64_t M, const uint8_t *packed, int64_t kind, int64_t isa,
                        const float *bias, void *out, int64_t out_stride, int64_t N,
                        int64_t out_bf16, int64_t p_begin, int64_t p_end);
-/* the quantized kinds: 0 q4, 1 q8, 3 q4s (gemm_quant.c), 2 MXFP4 (gemm_mxfp4.c), 4 q6 (gemm_q6.c) */
+/* the quantized kinds: 0 q4, 1 q8, 3 q4s (gemm_quant.c), 2 MXFP4 (gemm_mxfp4.c), 4 q6 (gemm_q6.c),
+ * 5 q4k (gemm_q4k.c) */
 #define QUANT_KIND_MXFP4 2
 #define QUANT_KIND_Q6 4
+#define QUANT_KIND_Q4K 5
+void gemm_q4k_panels(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb, int64_t M,
+                     const uint8_t *packed, int64_t isa, const float *bias, void *out,
+                     int64_t out_stride, int64_t N, int64_t out_bf16, int64_t p_begin,
+                     int64_t p_end);
 void gemm_q6_panels(const int8_t *qx, const float *dx, int64_t Kb, int64_t M,
                     const uint8_t *packed, int64_t isa, const float *bias, void *out,
                     int64_t out_stride, int64_t N, int64_t out_bf16, int64_t p_begin,

@@ -94,8 +94,8 @@ static void k_quantize_q8(const int64_t *a, double f, int64_t b, int64_t e) {
     quantize_rows_q8(P(0), a[1], a[2], a[3], a[4], a[5], P(6), P(7), P(8), b, e);
 }
 /* qx, dx, dxs, Kb, packed, kind, isa, bias, out, out_stride, N, out_bf16, M (rows); kind
- * QUANT_KIND_MXFP4 goes to gemm_mxfp4.c, QUANT_KIND_Q6 to gemm_q6.c, the others to
- * gemm_quant.c */
+ * QUANT_KIND_MXFP4 goes to gemm_mxfp4.c, QUANT_KIND_Q6 to gemm_q6.c, QUANT_KIND_Q4K to
+ * gemm_q4k.c, the others to gemm_quant.c */
 static void k_qgemm_rows(const int64_t *a, double f, int64_t b, int64_t e) {
     (void)f;
     const int64_t kb = a[3];
@@ -106,6 +106,10 @@ static void k_qgemm_rows(const int64_t *a, double f, int64_t b, int64_t e) {
     else if (a[5] == QUANT_KIND_Q6)
         gemm_q6_panels((const int8_t *)a[0] + b * kb * 32, (const float *)a[1] + b * kb, kb,
                        e - b, P(4), a[6], P(7), out, a[9], a[10], a[11], 0, (a[10] + 15) / 16);
+    else if (a[5] == QUANT_KIND_Q4K)
+        gemm_q4k_panels((const int8_t *)a[0] + b * kb * 32, (const float *)a[1] + b * kb,
+                        (const float *)a[2] + b * kb, kb, e - b, P(4), a[6], P(7), out, a[9], a[10],
+                        a[11], 0, (a[10] + 15) / 16);
     else
         gemm_quant_panels((const int8_t *)a[0] + b * kb * 32, (const float *)a[1] + b * kb,
                           (const float *)a[2] + b * kb, kb, e - b, P(4), a[5], a[6], P(7), out,
@@ -118,6 +122,8 @@ static void k_qgemm_panels(const int64_t *a, double f, int64_t b, int64_t e) {
         gemm_mxfp4_panels(P(0), P(1), a[3], a[12], P(4), a[6], P(7), P(8), a[9], a[10], a[11], b, e);
     else if (a[5] == QUANT_KIND_Q6)
         gemm_q6_panels(P(0), P(1), a[3], a[12], P(4), a[6], P(7), P(8), a[9], a[10], a[11], b, e);
+    else if (a[5] == QUANT_KIND_Q4K)
+        gemm_q4k_panels(P(0), P(1), P(2), a[3], a[12], P(4), a[6], P(7), P(8), a[9], a[10], a[11], b, e);
     else
         gemm_quant_panels(P(0), P(1), P(2), a[3], a[12], P(4), a[5], a[6], P(7), P(8), a[9],
                           a[10], a[11], b, e);

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from kvflow.checkpoint.gguf import hf_name, unpermute_qk
-from kvflow.checkpoint.gguf_blocks import decode, to_q8
+from kvflow.checkpoint.gguf_blocks import as_q4, decode, to_q8
 from kvflow.model.arch import LlamaArchConfig, arch_from_gguf_reader, save_arch_cache
 from kvflow.model.quant.packing import pack
 from kvflow.model.quant.qlinear import QuantizedWeight
@@ -27,14 +27,14 @@ def gguf_is_quantized(reader) -> bool:
 
 def _quantized(parts: list[tuple], n_k: tuple[int, int], isa: str, source: str) -> QuantizedWeight:
     kinds = {p[0] for p in parts}
-    if kinds == {"q4", "q4s"}:  # Q4_0 beside Q4_1 or Q4_K: all with mins (Q4_0's m = -8 d)
-        parts = [("q4", q, d, -8.0 * d if kind == "q4s" else m) for kind, q, d, m in parts]
+    if len(kinds) > 1 and kinds <= {"q4", "q4s", "q4k"}:  # 4-bit parts of different GGUF types:
+        parts = [as_q4(*p) for p in parts]                 # all as q4, a d and m per 32
         kinds = {"q4"}
     if len(kinds) == 1:
         kind = kinds.pop()
         q = np.concatenate([p[1] for p in parts])
         d = np.concatenate([p[2] for p in parts])
-        m = np.concatenate([p[3] for p in parts]) if kind in ("q4", "q6") else None
+        m = np.concatenate([p[3] for p in parts]) if kind in ("q4", "q6", "q4k") else None
     else:  # parts of different kinds (Q4_K q/k with a Q6_K v): all requantized to q8
         kind = "q8"
         pairs = [to_q8(*p) for p in parts]

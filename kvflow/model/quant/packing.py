@@ -8,6 +8,10 @@ output and block of 32 inputs: weight = d * q + m. Two kinds:
 - q6: GGUF Q6_K as stored: q in 0..63, weight = d * sc * (q - 32) with d per output and
   super-block of 256 inputs (given as `d`, (N, K/256)) and int8 sc per 16 (given as `m`,
   (N, K/16)): 26.25 B per 32, served by kvflow/csrc/gemm_q6.c (its header has the bytes);
+- q4k: GGUF Q4_K as stored: q in 0..15, per output and super-block of 256 inputs fp16 d and
+  dmin (given as `d`, (N, 2 K/256): d, dmin, d, dmin, ...) and the file's 12 bytes of 6-bit
+  sub-block scales and mins (given as `m`, (N, 12 K/256) uint8): 18 B per 32, served by
+  kvflow/csrc/gemm_q4k.c;
 - q8: q in -128..127 and m = 0 (GGUF Q8_0, everything requantized to it, int8 W8A8; only
   compressed-tensors checkpoints reach -128);
 - mxfp4: q the e2m1 codes 0..15 (bit 3 the sign) and d the e8m0 exponent bytes, no m
@@ -22,7 +26,8 @@ import torch
 
 PANEL = 16
 BLOCK = 32
-RECORD_BYTES = {"q4": 320, "q4s": 288, "q8": 544, "mxfp4": 272, "q6": 420}  # per 32 inputs
+RECORD_BYTES = {"q4": 320, "q4s": 288, "q8": 544, "mxfp4": 272, "q6": 420, "q4k": 288}  # per 32 inputs
+Q4K_RECORD = 2304  # per 256 inputs
 Q6_SUPER = 256
 Q6_RECORD = 3360  # per 256 inputs
 
@@ -59,11 +64,28 @@ def _pack_q6(q: np.ndarray, d: np.ndarray, sc: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(rec).reshape(-1))
 
 
+def _pack_q4k(q: np.ndarray, d: np.ndarray, scales: np.ndarray) -> torch.Tensor:
+    n, k = q.shape
+    s, kb = k // Q6_SUPER, k // BLOCK
+    assert k % Q6_SUPER == 0 and d.shape == (n, 2 * s) and scales.shape == (n, 12 * s)
+    n_pad = -(-n // PANEL) * PANEL
+    p = n_pad // PANEL
+    u = _panels(q.astype(np.uint8), n_pad).reshape(p, PANEL, kb, 8, 4).transpose(0, 2, 3, 1, 4)
+    nibbles = (u[:, :, :4] | (u[:, :, 4:] << 4)).reshape(p, s, 8 * 256)
+    sc = _panels(scales.astype(np.uint8), n_pad).reshape(p, PANEL, s, 12).transpose(0, 2, 3, 1).reshape(p, s, 192)
+    ds = _panels(d.astype(np.float16), n_pad).reshape(p, PANEL, s, 2).transpose(0, 2, 3, 1)
+    rec = np.concatenate([nibbles, sc, np.ascontiguousarray(ds).view(np.uint8).reshape(p, s, 64)], axis=2)
+    assert rec.shape[2] == Q4K_RECORD
+    return torch.from_numpy(np.ascontiguousarray(rec).reshape(-1))
+
+
 def pack(kind: str, q: np.ndarray, d: np.ndarray, m: np.ndarray | None = None) -> torch.Tensor:
     """q (N, K) (uint8 0..15 for q4 and mxfp4, int8 for q8), d and m (N, K/32) -> the packed uint8 panels
     [ceil(N/16) * K/32 * record bytes]. q6: q uint8 0..63, d (N, K/256), m the int8 scales (N, K/16)."""
     if kind == "q6":
         return _pack_q6(q, d, m)
+    if kind == "q4k":
+        return _pack_q4k(q, d, m)
     n, k = q.shape
     kb = k // BLOCK
     assert k % BLOCK == 0 and d.shape == (n, kb), (q.shape, d.shape)
@@ -99,6 +121,8 @@ def dequantize_rows(kind: str, packed: torch.Tensor, k: int, rows: torch.Tensor,
     lookup of a tied model reads its quantized LM head this way."""
     if kind == "q6":
         return _q6_rows(packed, k, rows).to(dtype)
+    if kind == "q4k":
+        return _q4k_rows(packed, k, rows).to(dtype)
     kb = k // BLOCK
     p, c = rows // PANEL, rows % PANEL
     rec = packed.view(-1, kb, RECORD_BYTES[kind])[p]  # [T, Kb, record]: only the rows' panels
@@ -130,6 +154,21 @@ def _q6_rows(packed: torch.Tensor, k: int, rows: torch.Tensor) -> torch.Tensor:
     sc = rec[:, :, 3072:3328].contiguous().view(torch.int8).reshape(n_rows, s, 16, PANEL)[t, :, :, c].float()
     d = rec[:, :, 3328:].contiguous().view(torch.float16).reshape(n_rows, s, PANEL)[t, :, c].float()
     return (q * (d[..., None] * sc)[..., None]).reshape(n_rows, k)
+
+
+def _q4k_rows(packed: torch.Tensor, k: int, rows: torch.Tensor) -> torch.Tensor:
+    from gguf.quants import Q4_K
+
+    s, n_rows = k // Q6_SUPER, len(rows)
+    p, c, t = rows // PANEL, rows % PANEL, torch.arange(n_rows)
+    rec = packed.view(-1, s, Q4K_RECORD)[p]  # [T, S, record]
+    nib = rec[:, :, :2048].reshape(n_rows, s, 8, 4, PANEL, 4)[t, :, :, :, c, :]  # [T, S, 8, 4, 4]
+    q = torch.cat([nib & 0x0F, nib >> 4], dim=3).reshape(n_rows, s, 8, 32).float()
+    raw = rec[:, :, 2048:2240].reshape(n_rows, s, 12, PANEL)[t, :, :, c].contiguous().numpy()
+    sc, mn = (torch.from_numpy(a.astype(np.float32)).reshape(n_rows, s, 8) for a in Q4_K.get_scale_min(raw.reshape(-1, 12)))
+    d = rec[:, :, 2240:].contiguous().view(torch.float16).reshape(n_rows, s, 2, PANEL)[t, :, :, c].float()
+    w = (d[..., 0:1] * sc)[..., None] * q - (d[..., 1:2] * mn)[..., None]
+    return w.reshape(n_rows, k)
 
 
 def quantize_q8_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
