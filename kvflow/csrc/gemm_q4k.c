@@ -30,13 +30,35 @@
 #define Q4K_D 2240     /* fp16 d[16], then dmin[16] */
 #define Q4K_REC 2304   /* per 256 inputs */
 #define Q4K_PREFETCH 8192
-#define Q4K_TILE 4
+#define Q4K_TILE 8 /* rows, AVX-512 (AVX2: 4, its 16 registers) */
+#define Q4K_PANEL_BLOCK (128 * 1024)
 
 static inline void store_out(void *out, int64_t i, float v, int bf16) {
     if (bf16)
         ((uint16_t *)out)[i] = float_to_bf16(v);
     else
         ((float *)out)[i] = v;
+}
+
+/* one row's sums of a panel (+ bias) -> out: 16 at once where the build has AVX512-BF16 (the
+ * rounding store_out's: to nearest even), else one by one */
+static inline void store_row(const float *res, const float *bias, int64_t n0, int64_t nv, void *out,
+                             int64_t at, int bf16)
+{
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    if (nv == QP) {
+        __m512 v = _mm512_loadu_ps(res);
+        if (bias)
+            v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0));
+        if (bf16)
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), (__m256i)_mm512_cvtneps_pbh(v));
+        else
+            _mm512_storeu_ps((float *)out + at, v);
+        return;
+    }
+#endif
+    for (int64_t o = 0; o < nv; o++)
+        store_out(out, at + o, res[o] + (bias ? bias[n0 + o] : 0.f), bf16);
 }
 
 /* sub-block j's 6-bit scale and min from the 12 bytes s (ggml's get_scale_min_k4) */
@@ -111,6 +133,16 @@ static inline void unpack_scales_vec(const uint8_t *rec, float dsc[8][QP], float
         mn[j + 4] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(s[j + 8], 4), m4),
                                  _mm_and_si128(_mm_srli_epi16(s[j + 4], 2), top));
     }
+#ifdef __AVX512F__
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + Q4K_D)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + Q4K_D + 32)));
+    for (int j = 0; j < 8; j++) {
+        _mm512_storeu_ps(dsc[j], _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc[j]))));
+        _mm512_storeu_ps(mmn[j], _mm512_xor_ps(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn[j]))),
+                                               _mm512_set1_ps(-0.f)));
+    }
+    return;
+#endif
     for (int h = 0; h < 2; h++) {
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + Q4K_D + 16 * h)));
         const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + Q4K_D + 32 + 16 * h)));
@@ -135,7 +167,7 @@ tile_avx2(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb, int r
           const uint8_t *panel, float *res)
 {
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
-    __m256 acc[Q4K_TILE][2];
+    __m256 acc[4][2];
     float dsc[8][QP], mmn[8][QP];
     for (int r = 0; r < rows; r++)
         acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -154,6 +186,7 @@ tile_avx2(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb, int r
                 w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
             }
             const __m256 ds = _mm256_loadu_ps(dsc[b % 8] + 8 * h), mm = _mm256_loadu_ps(mmn[b % 8] + 8 * h);
+#pragma GCC unroll 4
             for (int r = 0; r < rows; r++) {
                 const int8_t *xq = qx + r * Kb * QB + b * QB;
                 __m256i s16 = _mm256_maddubs_epi16(w[0], bcast4(xq)); /* 8 pairs of 15 * 127 fit int16 */
@@ -180,8 +213,9 @@ static inline __m512i dpbusd_bcast(__m512i acc, __m512i a, const int8_t *p) {
     return acc;
 }
 
-/* low nibbles (quads 0..3) and high ones in place (v & 0xf0: 16x the value, exact in int32,
- * shifted down once per row), in two chains */
+/* One row: the low nibbles (quads 0..3) and the high ones in place (v & 0xf0: 16x the value,
+ * exact in int32, shifted down once), in two chains. More rows: the high nibbles shifted once
+ * per block for all of them (the row loop's shift and add cost more than that). */
 static inline __attribute__((always_inline)) void
 tile_vnni(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb, int rows,
           const uint8_t *panel, float *res)
@@ -202,9 +236,10 @@ tile_vnni(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb, int r
         for (int j = 0; j < 4; j++) {
             const __m512i v = _mm512_loadu_si512(blk + 64 * j);
             wl[j] = _mm512_and_si512(v, low);
-            wh[j] = _mm512_and_si512(v, high);
+            wh[j] = rows == 1 ? _mm512_and_si512(v, high) : _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         }
         const __m512 ds = _mm512_loadu_ps(dsc[b % 8]), mm = _mm512_loadu_ps(mmn[b % 8]);
+#pragma GCC unroll 8
         for (int r = 0; r < rows; r++) {
             const int8_t *xq = qx + r * Kb * QB + b * QB;
             __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
@@ -212,7 +247,7 @@ tile_vnni(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb, int r
                 lo = dpbusd_bcast(lo, wl[j], xq + 4 * j);
                 hi = dpbusd_bcast(hi, wh[j], xq + 16 + 4 * j);
             }
-            const __m512i dot = _mm512_add_epi32(lo, _mm512_srai_epi32(hi, 4));
+            const __m512i dot = _mm512_add_epi32(lo, rows == 1 ? _mm512_srai_epi32(hi, 4) : hi);
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ds, _mm512_set1_ps(dx[r * Kb + b])), acc[r]);
             acc[r] = _mm512_fmadd_ps(mm, _mm512_set1_ps(dxs[r * Kb + b]), acc[r]);
         }
@@ -230,11 +265,13 @@ typedef void (*q4ktile_fn)(const int8_t *, const float *, const float *, int64_t
         int64_t Kb, const uint8_t *panel, float *res) { tile_##P(qx, dx, dxs, Kb, R, panel, res); }
 #ifdef Q4K_AVX2
 Q4K_FN(avx2, 1) Q4K_FN(avx2, 2) Q4K_FN(avx2, 3) Q4K_FN(avx2, 4)
-static const q4ktile_fn AVX2_TILES[Q4K_TILE + 1] = {0, avx2_1, avx2_2, avx2_3, avx2_4};
+static const q4ktile_fn AVX2_TILES[5] = {0, avx2_1, avx2_2, avx2_3, avx2_4};
 #endif
 #ifdef Q4K_VNNI
 Q4K_FN(vnni, 1) Q4K_FN(vnni, 2) Q4K_FN(vnni, 3) Q4K_FN(vnni, 4)
-static const q4ktile_fn VNNI_TILES[Q4K_TILE + 1] = {0, vnni_1, vnni_2, vnni_3, vnni_4};
+Q4K_FN(vnni, 5) Q4K_FN(vnni, 6) Q4K_FN(vnni, 7) Q4K_FN(vnni, 8)
+static const q4ktile_fn VNNI_TILES[Q4K_TILE + 1] = {0, vnni_1, vnni_2, vnni_3, vnni_4, vnni_5, vnni_6,
+                                                     vnni_7, vnni_8};
 #endif
 
 /* Panels [p_begin, p_end) of out[M, N] (bf16 or fp32, row stride out_stride) for all M rows of
@@ -246,29 +283,37 @@ void gemm_q4k_panels(const int8_t *qx, const float *dx, const float *dxs, int64_
 {
     const int64_t panel_bytes = (Kb / 8) * Q4K_REC;
     const q4ktile_fn *tiles = 0;
+    int max_tile = 4;
     (void)isa;
 #ifdef Q4K_AVX2
     if (isa == 1)
         tiles = AVX2_TILES;
 #endif
 #ifdef Q4K_VNNI
-    if (isa == 2)
+    if (isa == 2) {
         tiles = VNNI_TILES;
+        max_tile = (out_stride * (out_bf16 ? 2 : 4)) % 4096 ? 8 : 4; /* gemm_quant.c: rows 4 KiB
+                                                 apart share an L1 set, past 4 rows they thrash */
+    }
 #endif
-    for (int64_t p = p_begin; p < p_end; p++) {
-        const int64_t n0 = p * QP, nv = N - n0 < QP ? N - n0 : QP;
-        const uint8_t *panel = packed + p * panel_bytes;
-        for (int64_t m0 = 0; m0 < M; m0 += Q4K_TILE) {
-            const int rows = M - m0 < Q4K_TILE ? (int)(M - m0) : Q4K_TILE;
-            float res[Q4K_TILE * QP];
-            if (tiles)
-                tiles[rows](qx + m0 * Kb * QB, dx + m0 * Kb, dxs + m0 * Kb, Kb, panel, res);
-            else
-                panel_scalar(qx + m0 * Kb * QB, dx + m0 * Kb, dxs + m0 * Kb, Kb, rows, panel, res);
-            for (int r = 0; r < rows; r++)
-                for (int64_t o = 0; o < nv; o++)
-                    store_out(out, (m0 + r) * out_stride + n0 + o,
-                              res[r * QP + o] + (bias ? bias[n0 + o] : 0.f), (int)out_bf16);
+    /* panels in blocks of about Q4K_PANEL_BLOCK bytes (kept in L2), each tile of rows over a
+     * whole block before the next tile (gemm_quant.c's order for many rows) */
+    const int64_t block = panel_bytes >= Q4K_PANEL_BLOCK ? 1 : Q4K_PANEL_BLOCK / panel_bytes;
+    for (int64_t p0 = p_begin; p0 < p_end; p0 += block) {
+        const int64_t p1 = p0 + block < p_end ? p0 + block : p_end;
+        for (int64_t m0 = 0; m0 < M; m0 += max_tile) {
+            const int rows = M - m0 < max_tile ? (int)(M - m0) : max_tile;
+            for (int64_t p = p0; p < p1; p++) {
+                const int64_t n0 = p * QP, nv = N - n0 < QP ? N - n0 : QP;
+                const uint8_t *panel = packed + p * panel_bytes;
+                float res[Q4K_TILE * QP];
+                if (tiles)
+                    tiles[rows](qx + m0 * Kb * QB, dx + m0 * Kb, dxs + m0 * Kb, Kb, panel, res);
+                else
+                    panel_scalar(qx + m0 * Kb * QB, dx + m0 * Kb, dxs + m0 * Kb, Kb, rows, panel, res);
+                for (int r = 0; r < rows; r++)
+                    store_row(res + r * QP, bias, n0, nv, out, (m0 + r) * out_stride + n0, (int)out_bf16);
+            }
         }
     }
 }

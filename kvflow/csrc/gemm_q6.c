@@ -34,13 +34,35 @@
 #define Q6_D 3328      /* the fp16 d's */
 #define Q6_REC 3360    /* per 256 inputs */
 #define Q6_PREFETCH 8192
-#define Q6_TILE 4
+#define Q6_TILE 8 /* rows, AVX-512 (AVX2: 4, its 16 registers) */
+#define Q6_PANEL_BLOCK (128 * 1024)
 
 static inline void store_out(void *out, int64_t i, float v, int bf16) {
     if (bf16)
         ((uint16_t *)out)[i] = float_to_bf16(v);
     else
         ((float *)out)[i] = v;
+}
+
+/* one row's sums of a panel (+ bias) -> out: 16 at once where the build has AVX512-BF16 (the
+ * rounding store_out's: to nearest even), else one by one */
+static inline void store_row(const float *res, const float *bias, int64_t n0, int64_t nv, void *out,
+                             int64_t at, int bf16)
+{
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    if (nv == QP) {
+        __m512 v = _mm512_loadu_ps(res);
+        if (bias)
+            v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0));
+        if (bf16)
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), (__m256i)_mm512_cvtneps_pbh(v));
+        else
+            _mm512_storeu_ps((float *)out + at, v);
+        return;
+    }
+#endif
+    for (int64_t o = 0; o < nv; o++)
+        store_out(out, at + o, res[o] + (bias ? bias[n0 + o] : 0.f), bf16);
 }
 
 /* the 6-bit value of output o, input 4j + t of block `blk` (j: quad 0..7) */
@@ -156,7 +178,7 @@ static inline __attribute__((always_inline)) void
 tile_avx2(const int8_t *qx, const float *dx, const int32_t *s16, int64_t Kb, int rows,
           const uint8_t *panel, float *res)
 {
-    __m256 acc[Q6_TILE][2];
+    __m256 acc[4][2];
     for (int r = 0; r < rows; r++)
         acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < Kb; b++) {
@@ -168,6 +190,7 @@ tile_avx2(const int8_t *qx, const float *dx, const int32_t *s16, int64_t Kb, int
             __m256i q[8];
             unpack_avx2(blk, h, q);
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + Q6_D + 16 * h)));
+#pragma GCC unroll 4
             for (int r = 0; r < rows; r++)
                 acc[r][h] = block_avx2(q, qx + r * Kb * QB + b * QB, s16 + (r * Kb + b) * 2, sc, h,
                                        _mm256_mul_ps(d, _mm256_set1_ps(dx[r * Kb + b])), acc[r][h]);
@@ -244,6 +267,7 @@ tile_vnni(const int8_t *qx, const float *dx, const int32_t *s16, int64_t Kb, int
         __m512i q[8];
         unpack_vnni(blk, q);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + Q6_D)));
+#pragma GCC unroll 8
         for (int r = 0; r < rows; r++)
             acc[r] = block_vnni(q, qx + r * Kb * QB + b * QB, s16 + (r * Kb + b) * 2, sc,
                                 _mm512_mul_ps(d, _mm512_set1_ps(dx[r * Kb + b])), acc[r]);
@@ -261,11 +285,13 @@ typedef void (*q6tile_fn)(const int8_t *, const float *, const int32_t *, int64_
         int64_t Kb, const uint8_t *panel, float *res) { tile_##P(qx, dx, s16, Kb, R, panel, res); }
 #ifdef Q6_AVX2
 Q6_FN(avx2, 1) Q6_FN(avx2, 2) Q6_FN(avx2, 3) Q6_FN(avx2, 4)
-static const q6tile_fn AVX2_TILES[Q6_TILE + 1] = {0, avx2_1, avx2_2, avx2_3, avx2_4};
+static const q6tile_fn AVX2_TILES[5] = {0, avx2_1, avx2_2, avx2_3, avx2_4};
 #endif
 #ifdef Q6_VNNI
 Q6_FN(vnni, 1) Q6_FN(vnni, 2) Q6_FN(vnni, 3) Q6_FN(vnni, 4)
-static const q6tile_fn VNNI_TILES[Q6_TILE + 1] = {0, vnni_1, vnni_2, vnni_3, vnni_4};
+Q6_FN(vnni, 5) Q6_FN(vnni, 6) Q6_FN(vnni, 7) Q6_FN(vnni, 8)
+static const q6tile_fn VNNI_TILES[Q6_TILE + 1] = {0, vnni_1, vnni_2, vnni_3, vnni_4, vnni_5, vnni_6,
+                                                     vnni_7, vnni_8};
 #endif
 
 /* Panels [p_begin, p_end) of out[M, N] (bf16 or fp32, row stride out_stride) for all M rows of
@@ -277,32 +303,40 @@ void gemm_q6_panels(const int8_t *qx, const float *dx, int64_t Kb, int64_t M,
 {
     const int64_t panel_bytes = (Kb / 8) * Q6_REC;
     const q6tile_fn *tiles = 0;
+    int max_tile = 4;
     (void)isa;
 #ifdef Q6_AVX2
     if (isa == 1)
         tiles = AVX2_TILES;
 #endif
 #ifdef Q6_VNNI
-    if (isa == 2)
+    if (isa == 2) {
         tiles = VNNI_TILES;
+        max_tile = (out_stride * (out_bf16 ? 2 : 4)) % 4096 ? 8 : 4; /* gemm_quant.c: rows 4 KiB
+                                                 apart share an L1 set, past 4 rows they thrash */
+    }
 #endif
     const int32_t *s16 = tiles ? sums16(qx, (size_t)(M * Kb * 2)) : 0;
     if (!s16)
         tiles = 0; /* no memory for the sums: the scalar reference */
-    for (int64_t p = p_begin; p < p_end; p++) {
-        const int64_t n0 = p * QP, nv = N - n0 < QP ? N - n0 : QP;
-        const uint8_t *panel = packed + p * panel_bytes;
-        for (int64_t m0 = 0; m0 < M; m0 += Q6_TILE) {
-            const int rows = M - m0 < Q6_TILE ? (int)(M - m0) : Q6_TILE;
-            float res[Q6_TILE * QP];
-            if (tiles)
-                tiles[rows](qx + m0 * Kb * QB, dx + m0 * Kb, s16 + m0 * Kb * 2, Kb, panel, res);
-            else
-                panel_scalar(qx + m0 * Kb * QB, dx + m0 * Kb, Kb, rows, panel, res);
-            for (int r = 0; r < rows; r++)
-                for (int64_t o = 0; o < nv; o++)
-                    store_out(out, (m0 + r) * out_stride + n0 + o,
-                              res[r * QP + o] + (bias ? bias[n0 + o] : 0.f), (int)out_bf16);
+    /* panels in blocks of about Q6_PANEL_BLOCK bytes (kept in L2), each tile of rows over a
+     * whole block before the next tile (gemm_quant.c's order for many rows) */
+    const int64_t block = panel_bytes >= Q6_PANEL_BLOCK ? 1 : Q6_PANEL_BLOCK / panel_bytes;
+    for (int64_t p0 = p_begin; p0 < p_end; p0 += block) {
+        const int64_t p1 = p0 + block < p_end ? p0 + block : p_end;
+        for (int64_t m0 = 0; m0 < M; m0 += max_tile) {
+            const int rows = M - m0 < max_tile ? (int)(M - m0) : max_tile;
+            for (int64_t p = p0; p < p1; p++) {
+                const int64_t n0 = p * QP, nv = N - n0 < QP ? N - n0 : QP;
+                const uint8_t *panel = packed + p * panel_bytes;
+                float res[Q6_TILE * QP];
+                if (tiles)
+                    tiles[rows](qx + m0 * Kb * QB, dx + m0 * Kb, s16 + m0 * Kb * 2, Kb, panel, res);
+                else
+                    panel_scalar(qx + m0 * Kb * QB, dx + m0 * Kb, Kb, rows, panel, res);
+                for (int r = 0; r < rows; r++)
+                    store_row(res + r * QP, bias, n0, nv, out, (m0 + r) * out_stride + n0, (int)out_bf16);
+            }
         }
     }
 }
