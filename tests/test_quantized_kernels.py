@@ -366,13 +366,18 @@ WIDE_ISAS = [isa for isa in ISAS if isa != "scalar"]
 
 
 @pytest.mark.parametrize("isa", WIDE_ISAS)
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1", "Q6_K"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 # N: a partial last panel of 16 and a partial group of 64 (and whole groups)
 @pytest.mark.parametrize("m,n,k", [(70, 72, 256), (9, 200, 64)])
 def test_widened_path_matches_dequantise_then_matmul(isa, type_name, dtype, m, n, k):
     """gemm_quant_wide.c: on AVX-512 (bf16 activations: the bf16 panels and vdpbf16ps; fp32:
-    the FMA path) and on AVX2 (the FMA path), with a bias, split over two threads."""
+    the FMA path) and on AVX2 (the FMA path), with a bias, split over two threads. Q6_K records
+    widen on the bf16 path only (elsewhere the call stays on the int8 GEMM)."""
+    if type_name == "Q6_K":
+        if not (isa == "avx512-vnni" and dtype == torch.bfloat16):
+            return
+        k = 256 * -(-k // 256)  # whole super-blocks
     w, ref_w = quantized(type_name, n, k, isa)
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=g).to(dtype)
@@ -408,22 +413,27 @@ def test_which_rows_take_the_widened_path(isa):
     activations): from 64 rows, with per-block activation scales (GGUF Q8_0) and per-row ones
     (int8 W8A8), whatever the number of outputs. Never with fp32 activations or on AVX2,
     where the widened path is the fp32-FMA one and the int8 GEMM beat it at every row count
-    measured; never 4-bit weights."""
+    measured; never 4-bit weights. 6-bit weights (Q6_K) as 8-bit ones, on the bf16 path only."""
     g = torch.Generator().manual_seed(0)
     weights = {("Q8_0", 48): quantized("Q8_0", 48, 128, isa)[0],
-               ("Q4_1", 48): quantized("Q4_1", 48, 128, isa)[0]}
+               ("Q4_1", 48): quantized("Q4_1", 48, 128, isa)[0],
+               ("Q6_K", 48): quantized("Q6_K", 48, 256, isa)[0]}
     for n in (48, 1040, 4112):
         weights["int8", n] = quantize_int8(torch.randn(n, 128, generator=g), isa)
-    widen_from = {("Q8_0", 48): 64, ("int8", 48): 64, ("int8", 1040): 64, ("int8", 4112): 64}
+    widen_from = {("Q8_0", 48): 64, ("Q6_K", 48): 64, ("int8", 48): 64, ("int8", 1040): 64,
+                  ("int8", 4112): 64}
     for (name, n), w in weights.items():
         for dtype in (torch.bfloat16, torch.float32):
             vnni_bf16 = isa == "avx512-vnni" and dtype == torch.bfloat16
             rows = widen_from.get((name, n)) if vnni_bf16 else None
             for m in (15, 16, 31, 32, 63, 64):
-                x = torch.randn(m, 128, generator=g).to(dtype)
+                x = torch.randn(m, w.k, generator=g).to(dtype)
                 int8 = quant_linear(x, w, threads=1, wide_rows=NEVER)
                 wide = quant_linear(x, w, threads=1, wide_rows=1)
-                assert not torch.equal(int8, wide)  # the two paths tell themselves apart
+                if name == "Q6_K" and not vnni_bf16:  # no widened path: the int8 GEMM's numbers
+                    assert torch.equal(int8, wide)
+                else:
+                    assert not torch.equal(int8, wide)  # the two paths tell themselves apart
                 want = wide if rows is not None and m >= rows else int8
                 assert torch.equal(quant_linear(x, w, threads=1), want), (name, n, dtype, m)
 

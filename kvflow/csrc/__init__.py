@@ -30,7 +30,7 @@ _SOURCES = [os.path.join(_DIR, f) for f in ("paged_attention.c", "paged_attentio
                                               "gemm_quant.c", "gemm_q6.c", "gemm_q4k.c", "gemm_mxfp4.c", "gemm_quant_wide.c",
                                               "gemv_f32.c", "pool.c", "populate.c", "decode_step.c", "lora.c",
                                               "state_update.c")]
-_HEADERS = [os.path.join(_DIR, f) for f in ("simd.h", "kernels.h", "tiles.h", "rotation.h")]  # part of the build key, not of the command line
+_HEADERS = [os.path.join(_DIR, f) for f in ("simd.h", "kernels.h", "tiles.h", "rotation.h", "q6.h")]  # part of the build key, not of the command line
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC", "-std=c11",
           "-pthread"]
 

@@ -25,14 +25,11 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "q6.h"
 #include "simd.h"
 
 #define QP 16
 #define QB 32
-#define Q6_BLOCK 384   /* one block of 32 inputs' values */
-#define Q6_SC 3072     /* the sub-block scales' offset in a record */
-#define Q6_D 3328      /* the fp16 d's */
-#define Q6_REC 3360    /* per 256 inputs */
 #define Q6_PREFETCH 8192
 #define Q6_TILE 8 /* rows, AVX-512 (AVX2: 4, its 16 registers) */
 #define Q6_PANEL_BLOCK (128 * 1024)
@@ -211,30 +208,6 @@ static inline __m512i dpbusd_bcast(__m512i acc, __m512i a, const int8_t *p) {
     return acc;
 }
 
-static inline __m512i top2_512(__m512i h, int s) {
-    const __m512i m = _mm512_set1_epi8(0x30);
-    switch (s) {
-    case 0: return _mm512_and_si512(_mm512_slli_epi16(h, 4), m);
-    case 1: return _mm512_and_si512(_mm512_slli_epi16(h, 2), m);
-    case 2: return _mm512_and_si512(h, m);
-    default: return _mm512_and_si512(_mm512_srli_epi16(h, 2), m);
-    }
-}
-
-/* (v & 0x0f) | t in one instruction */
-static inline __m512i low_or(__m512i v, __m512i t) {
-    return _mm512_ternarylogic_epi32(v, _mm512_set1_epi8(0x0f), t, 0xEA);
-}
-
-static inline __attribute__((always_inline)) void unpack_vnni(const uint8_t *blk, __m512i q[8]) {
-    const __m512i h0 = _mm512_loadu_si512(blk + 256), h1 = _mm512_loadu_si512(blk + 320);
-    for (int j = 0; j < 4; j++) {
-        const __m512i v = _mm512_loadu_si512(blk + 64 * j);
-        q[j] = low_or(v, top2_512(h0, j));
-        q[j + 4] = low_or(_mm512_srli_epi16(v, 4), top2_512(h1, j));
-    }
-}
-
 /* one row's block: two sub-blocks in two chains, each from -32 * its activations' sum */
 static inline __attribute__((always_inline)) __m512
 block_vnni(const __m512i q[8], const int8_t *xq, const int32_t *s16, const int8_t *sc, __m512 ddx,
@@ -265,7 +238,7 @@ tile_vnni(const int8_t *qx, const float *dx, const int32_t *s16, int64_t Kb, int
             for (int l = 0; l < Q6_BLOCK; l += 64)
                 _mm_prefetch((const char *)blk + Q6_PREFETCH + l, _MM_HINT_T0);
         __m512i q[8];
-        unpack_vnni(blk, q);
+        q6_unpack512(blk, q);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + Q6_D)));
 #pragma GCC unroll 8
         for (int r = 0; r < rows; r++)

@@ -67,7 +67,7 @@ void gemm_mxfp4_panels(const int8_t *qx, const float *dx, int64_t Kb, int64_t M,
                        const uint8_t *packed, int64_t isa, const float *bias, void *out,
                        int64_t out_stride, int64_t N, int64_t out_bf16, int64_t p_begin,
                        int64_t p_end);
-int64_t gemm_quant_wide_takes(int64_t isa, int64_t K, int64_t x_bf16, int64_t out_bf16);
+int64_t gemm_quant_wide_takes(int64_t kind, int64_t isa, int64_t K, int64_t x_bf16, int64_t out_bf16);
 int64_t gemm_quant_wide(const void *x, int64_t x_stride, int64_t K, int64_t Kb, int64_t x_bf16,
                         int64_t M, const uint8_t *packed, int64_t kind, int64_t isa,
                         const float *bias, void *out, int64_t out_stride, int64_t N,

@@ -357,7 +357,7 @@ int64_t quant_linear(const void *x, int64_t x_stride, int64_t K, int64_t Kb, int
                         M * (N / 2) >= PARALLEL_VALUES ? threads : 1);
         return 0;
     }
-    if (M >= wide_rows && kind <= 1 && gemm_quant_wide_takes(isa, K, x_bf16, out_bf16)) {
+    if (M >= wide_rows && gemm_quant_wide_takes(kind, isa, K, x_bf16, out_bf16)) {
         int64_t failed = 0;
         const int64_t wargs[15] = {(int64_t)x, x_stride, K, Kb, x_bf16, M, (int64_t)packed, kind,
                                    isa, (int64_t)bias, (int64_t)out, N, N, out_bf16,

@@ -25,10 +25,15 @@ KIND_CODES = {"q4": 0, "q8": 1, "mxfp4": 2, "q4s": 3, "q6": 4, "q4k": 5}
 # 8-512 rows.
 # Per-row activation scales (int8 W8A8) take the same threshold: their row maximum is found in
 # vector code like the per-block ones (it was scalar, and then widening from 16-32 rows paid).
+# 6-bit weights (Q6_K as stored, which were requantized to 8 bits before) take the same
+# threshold, on the bf16 path only, so a Q4_K_M file's prefill runs its Q6_K tensors as it did:
+# widened, q6 and q8 records alike cost 21.9 and 21.6 ms at 64 rows of 2048x8192 (one thread,
+# Sapphire Rapids, CPU time). There the int8 GEMM was the faster one at 16-128 rows for both
+# (q6 11.4 ms, q8 8.1 at 64 rows): a threshold per CPU kind is still to be measured.
 # MXFP4 (gpt-oss's experts) is never widened: one expert's gate_up (5760 x 2880) ran ahead of the
 # bf16 panel GEMM at every row count from 1 to 256 (0.36 vs 2.13 ms at 1 row, 8.4 vs 10.5 at 64,
 # 33.9 vs 39.0 at 256; one thread, Zen 4).
-WIDE_ROWS = {"q8": 64}
+WIDE_ROWS = {"q8": 64, "q6": 64}
 NEVER = 1 << 62
 
 
