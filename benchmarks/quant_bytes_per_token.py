@@ -26,8 +26,9 @@ HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 2048, 8192, 16, 32, 8, 6
 # GGUF bytes per weight
 GGUF_BYTES = {"Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q4_K": 144 / 256, "Q6_K": 210 / 256}
 # kvflow's kind per GGUF type, before and now (gguf_blocks.decode); a fused weight whose parts
-# differ takes q4 for Q4_0 beside Q4_1/Q4_K, else q8
-KIND_NOW = {"Q8_0": "q8", "Q4_0": "q4s", "Q4_1": "q4", "Q4_K": "q4", "Q6_K": "q6"}
+# differ took q4 where all were 4-bit, else q8; now each part keeps its kind
+# (gguf_native._quantized: every shape here fills whole panels)
+KIND_NOW = {"Q8_0": "q8", "Q4_0": "q4s", "Q4_1": "q4", "Q4_K": "q4k", "Q6_K": "q6"}
 KIND_BEFORE = {"Q8_0": "q8", "Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4", "Q6_K": "q8"}
 BEFORE_RECORD = {"q4": 320, "q8": 608}  # per 16 outputs x 32 inputs
 
@@ -59,7 +60,7 @@ def kind_of(types: list[str], table: dict[str, str]) -> str:
     kinds = {table[x] for x in types}
     if len(kinds) == 1:
         return kinds.pop()
-    return "q4" if kinds == {"q4", "q4s"} else "q8"
+    return "q4" if kinds <= {"q4", "q4s", "q4k"} else "q8"
 
 
 def bytes_per_token(ftype: str) -> dict[str, float]:
@@ -69,7 +70,10 @@ def bytes_per_token(ftype: str) -> dict[str, float]:
         gguf += sum(r * k * GGUF_BYTES[x] for r, x in parts)
         kb = kind_of([x for _, x in parts], KIND_BEFORE)
         before += -(-n // 16) * (k // 32) * BEFORE_RECORD[kb]
-        now += packed_bytes(kind_of([x for _, x in parts], KIND_NOW), n, k)
+        if len({KIND_NOW[x] for _, x in parts}) > 1:  # each part in its own kind (pack_parts)
+            now += sum(packed_bytes(KIND_NOW[x], r, k) for r, x in parts)
+        else:
+            now += packed_bytes(KIND_NOW[parts[0][1]], n, k)
     return {"gguf_MB": round(gguf / 1e6, 1), "before_MB": round(before / 1e6, 1),
             "now_MB": round(now / 1e6, 1), "now_over_gguf": round(now / gguf, 3),
             "before_over_now": round(before / now, 3)}

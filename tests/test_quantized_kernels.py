@@ -223,6 +223,52 @@ def test_packed_records_take_the_files_bytes(type_name, kind):
     assert w.kind == kind and w.nbytes == raw.nbytes
 
 
+def _fused(specs: list[tuple[str, int]], k: int, isa: str) -> tuple[QuantizedWeight, list, torch.Tensor]:
+    from kvflow.model.quant.gguf_native import _quantized
+
+    raws = [gguf_weight(t, n, k, seed=i) for i, (t, n) in enumerate(specs)]
+    parts = [decode(raw, t, n, k) for raw, (t, n) in zip(raws, specs)]
+    w = _quantized(parts, (sum(n for _, n in specs), k), isa, "mixed")
+    ref = np.concatenate([dequantize(raw, GGMLQuantizationType[t]).reshape(n, k) for raw, (t, n) in zip(raws, specs)])
+    return w, parts, torch.from_numpy(ref.astype(np.float32))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m", [1, 7, 2048])
+def test_a_fused_weight_of_different_kinds_runs_each_part_as_stored(isa, m):
+    """A Q4_K_M file's qkv (Q4_K q and k, a Q6_K v) is packed part by part in its own kind
+    (no part widened to 8 bits): its bytes are the parts' (and a 64-byte header), and one call
+    gives, column for column, what each part alone gives (bias included), for one row, a tile
+    and rows split over two threads."""
+    k = 512
+    w, parts, ref_w = _fused([("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 40)], k, isa)
+    alone = [QuantizedWeight(kind=p[0], n=p[1].shape[0], k=k, packed=pack(*p), isa=isa, source="") for p in parts]
+    assert w.kind == "parts" and w.nbytes == 128 + sum(-(-a.nbytes // 64) * 64 for a in alone)
+    g = torch.Generator().manual_seed(m)
+    x, bias = torch.randn(m, k, generator=g), torch.randn(136, generator=g)
+    got = quant_linear(x, w, bias, threads=2, wide_rows=NEVER)
+    n0 = 0
+    for a in alone:
+        part = quant_linear(x, a, bias[n0:n0 + a.n], threads=2, wide_rows=NEVER)
+        assert torch.equal(got[:, n0:n0 + a.n], part)
+        n0 += a.n
+    ref = reference(x, ref_w, w.kb, per_row=False) + bias.double()
+    assert (got.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+def test_parts_off_whole_panels_are_requantized_to_8_bits():
+    """Parts of different kinds whose first part does not fill whole panels of 16 cannot be
+    packed apart: they go to q8 (4-bit ones to q4), as close to the file's numbers as 8 bits
+    allow."""
+    w, _, ref_w = _fused([("Q4_K", 40), ("Q6_K", 24)], 256, "scalar")
+    assert w.kind == "q8"
+    w4, _, _ = _fused([("Q4_K", 40), ("Q4_0", 24)], 256, "scalar")
+    assert w4.kind == "q4"
+    x = torch.randn(3, 256)
+    ref = reference(x, ref_w, w.kb, per_row=False)
+    assert (quant_linear(x, w).double() - ref).abs().max().item() <= 1.5e-2 * ref.abs().max().item()
+
+
 def test_avx2_path_from_a_build_without_avx512(tmp_path):
     """gemm_quant.c compiled for an AVX2-only CPU (Zen 3: AVX-512 off) has the scalar and AVX2
     paths only, and its AVX2 path gives the scalar reference's numbers."""

@@ -55,6 +55,7 @@ void gemm_quant_panels(const int8_t *qx, const float *dx, const float *dxs, int6
 #define QUANT_KIND_MXFP4 2
 #define QUANT_KIND_Q6 4
 #define QUANT_KIND_Q4K 5
+#define QUANT_KIND_PARTS 6 /* parts of different kinds (pool.c) */
 void gemm_q4k_panels(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb, int64_t M,
                      const uint8_t *packed, int64_t isa, const float *bias, void *out,
                      int64_t out_stride, int64_t N, int64_t out_bf16, int64_t p_begin,

@@ -14,6 +14,8 @@ output and block of 32 inputs: weight = d * q + m. Two kinds:
   kvflow/csrc/gemm_q4k.c;
 - q8: q in -128..127 and m = 0 (GGUF Q8_0, everything requantized to it, int8 W8A8; only
   compressed-tensors checkpoints reach -128);
+- parts: a fused projection whose parts are packed in different kinds (a Q4_K_M file's qkv with
+  a Q6_K v), each as its own panels after an int64 header (pack_parts; kvflow/csrc/pool.c);
 - mxfp4: q the e2m1 codes 0..15 (bit 3 the sign) and d the e8m0 exponent bytes, no m
   (gpt-oss's experts, kvflow/model/quant/mxfp4.py; served by kvflow/csrc/gemm_mxfp4.c).
 
@@ -115,10 +117,32 @@ def pack(kind: str, q: np.ndarray, d: np.ndarray, m: np.ndarray | None = None) -
     return torch.from_numpy(np.ascontiguousarray(rec).reshape(-1))
 
 
+def pack_parts(parts: list[tuple[str, int, torch.Tensor]]) -> torch.Tensor:
+    """[(kind, outputs, packed)] stacked by outputs -> one buffer: int64 words [count, then per
+    part: its kind's code, first output, outputs, byte offset], then each part's panels at a
+    64-byte boundary. Every part but the last has whole panels (outputs a multiple of 16)."""
+    from kvflow.model.quant.qlinear import KIND_CODES
+
+    assert all(n % PANEL == 0 for _, n, _ in parts[:-1])
+    words, chunks, n0 = [len(parts)], [], 0
+    at = -(-8 * (1 + 4 * len(parts)) // 64) * 64
+    for kind, n, packed in parts:
+        words += [KIND_CODES[kind], n0, n, at]
+        chunks.append((at, packed))
+        n0, at = n0 + n, at + -(-packed.numel() // 64) * 64
+    out = torch.zeros(at, dtype=torch.uint8)
+    out[: 8 * len(words)] = torch.tensor(words, dtype=torch.int64).view(torch.uint8)
+    for offset, packed in chunks:
+        out[offset: offset + packed.numel()] = packed
+    return out
+
+
 def dequantize_rows(kind: str, packed: torch.Tensor, k: int, rows: torch.Tensor,
                     dtype: torch.dtype) -> torch.Tensor:
     """Rows `rows` of the (N, K) weight in `packed`, as floats [len(rows), K]: the embedding
     lookup of a tied model reads its quantized LM head this way."""
+    if kind == "parts":
+        raise ValueError("rows of a fused weight of several kinds are not read as an embedding")
     if kind == "q6":
         return _q6_rows(packed, k, rows).to(dtype)
     if kind == "q4k":
