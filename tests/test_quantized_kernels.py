@@ -244,6 +244,7 @@ def test_a_fused_weight_of_different_kinds_runs_each_part_as_stored(isa, m):
     w, parts, ref_w = _fused([("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 40)], k, isa)
     alone = [QuantizedWeight(kind=p[0], n=p[1].shape[0], k=k, packed=pack(*p), isa=isa, source="") for p in parts]
     assert w.kind == "parts" and w.nbytes == 128 + sum(-(-a.nbytes // 64) * 64 for a in alone)
+    assert torch.equal(dequantize_rows("parts", w.packed, k, torch.arange(136), torch.float32), ref_w)
     g = torch.Generator().manual_seed(m)
     x, bias = torch.randn(m, k, generator=g), torch.randn(136, generator=g)
     got = quant_linear(x, w, bias, threads=2, wide_rows=NEVER)

@@ -137,12 +137,27 @@ def pack_parts(parts: list[tuple[str, int, torch.Tensor]]) -> torch.Tensor:
     return out
 
 
+def _parts_rows(packed: torch.Tensor, k: int, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    from kvflow.model.quant.qlinear import KIND_CODES
+
+    names = {code: name for name, code in KIND_CODES.items()}
+    count = int(packed[:8].view(torch.int64))
+    words = packed[8: 8 + 32 * count].view(torch.int64).reshape(count, 4).tolist()
+    out = torch.empty(len(rows), k, dtype=dtype)
+    for i, (code, n0, n, at) in enumerate(words):
+        end = words[i + 1][3] if i + 1 < count else packed.numel()
+        mine = (rows >= n0) & (rows < n0 + n)
+        if mine.any():
+            out[mine] = dequantize_rows(names[code], packed[at:end], k, rows[mine] - n0, dtype)
+    return out
+
+
 def dequantize_rows(kind: str, packed: torch.Tensor, k: int, rows: torch.Tensor,
                     dtype: torch.dtype) -> torch.Tensor:
     """Rows `rows` of the (N, K) weight in `packed`, as floats [len(rows), K]: the embedding
     lookup of a tied model reads its quantized LM head this way."""
     if kind == "parts":
-        raise ValueError("rows of a fused weight of several kinds are not read as an embedding")
+        return _parts_rows(packed, k, rows, dtype)
     if kind == "q6":
         return _q6_rows(packed, k, rows).to(dtype)
     if kind == "q4k":
