@@ -627,6 +627,7 @@ void gemm_quant_panels(const int8_t *qx, const float *dx, const float *dxs, int6
                        int64_t out_bf16, int64_t p_begin, int64_t p_end)
 {
     const int k = (int)kind, slot = k == KQ4S ? 2 : k, bf16 = (int)out_bf16;
+    (void)slot; /* a build without vector paths */
     const int64_t panel_bytes = Kb * rec_bytes_of(k), Kp = Kb * QB;
     int max_tile = 1;
     const qtile_fn *tiles = 0;
