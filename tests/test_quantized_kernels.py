@@ -257,6 +257,19 @@ def test_a_fused_weight_of_different_kinds_runs_each_part_as_stored(isa, m):
     assert (got.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
 
 
+def test_a_fused_weight_of_different_kinds_read_at_any_byte_offset():
+    """The packed-weights cache may place a weight at any byte of its buffer: a parts weight's
+    header is read there as well (same numbers and rows)."""
+    k = 256
+    w, _, ref_w = _fused([("Q4_K", 32), ("Q6_K", 24)], k, ISAS[-1])
+    buf = torch.zeros(w.nbytes + 3, dtype=torch.uint8)
+    buf[3:] = w.packed
+    moved = QuantizedWeight(kind="parts", n=w.n, k=k, packed=buf[3:], isa=w.isa, source="")
+    x = torch.randn(2, k)
+    assert torch.equal(quant_linear(x, moved), quant_linear(x, w))
+    assert torch.equal(dequantize_rows("parts", moved.packed, k, torch.arange(w.n), torch.float32), ref_w)
+
+
 def test_parts_off_whole_panels_are_requantized_to_8_bits():
     """Parts of different kinds whose first part does not fill whole panels of 16 cannot be
     packed apart: they go to q8 (4-bit ones to q4), as close to the file's numbers as 8 bits

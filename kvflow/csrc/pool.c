@@ -121,9 +121,12 @@ static void qgemm_kind(const int64_t *a, int64_t kind, const uint8_t *packed, in
 static void qgemm_parts(const int64_t *a, const int8_t *qx, const float *dx, const float *dxs,
                         int64_t M, char *out, int64_t pb, int64_t pe)
 {
-    const int64_t *h = (const int64_t *)a[4];
-    for (int64_t i = 0; i < h[0]; i++) {
-        const int64_t *part = h + 1 + 4 * i, p0 = part[1] / 16, p1 = p0 + (part[2] + 15) / 16;
+    int64_t count;
+    memcpy(&count, (const void *)a[4], 8); /* a cached weight may start at any byte */
+    for (int64_t i = 0; i < count; i++) {
+        int64_t part[4];
+        memcpy(part, (const char *)a[4] + 8 + 32 * i, sizeof part);
+        const int64_t p0 = part[1] / 16, p1 = p0 + (part[2] + 15) / 16;
         const int64_t lo = pb > p0 ? pb : p0, hi = pe < p1 ? pe : p1;
         if (lo < hi)
             qgemm_kind(a, part[0], (const uint8_t *)a[4] + part[3], part[1], part[2], qx, dx, dxs, M,

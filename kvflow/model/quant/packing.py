@@ -141,8 +141,8 @@ def _parts_rows(packed: torch.Tensor, k: int, rows: torch.Tensor, dtype: torch.d
     from kvflow.model.quant.qlinear import KIND_CODES
 
     names = {code: name for name, code in KIND_CODES.items()}
-    count = int(packed[:8].view(torch.int64))
-    words = packed[8: 8 + 32 * count].view(torch.int64).reshape(count, 4).tolist()
+    count = int(packed[:8].clone().view(torch.int64))  # clones: a cached weight starts at any byte
+    words = packed[8: 8 + 32 * count].clone().view(torch.int64).reshape(count, 4).tolist()
     out = torch.empty(len(rows), k, dtype=dtype)
     for i, (code, n0, n, at) in enumerate(words):
         end = words[i + 1][3] if i + 1 < count else packed.numel()
