@@ -27,10 +27,12 @@ logger = logging.getLogger("kvflow")
 _DIR = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [os.path.join(_DIR, f) for f in ("paged_attention.c", "paged_attention_quant.c",
                                               "prefill_attention.c", "fused_ops.c", "gemm_bf16.c",
-                                              "gemm_quant.c", "gemm_mxfp4.c", "gemm_quant_wide.c",
+                                              "gemm_quant.c", "gemm_q6.c", "gemm_q4k.c", "gemm_mxfp4.c",
+                                              "gemm_quant_wide.c",
                                               "gemv_f32.c", "pool.c", "populate.c", "decode_step.c", "lora.c",
                                               "state_update.c", "state_scan.c")]
-_HEADERS = [os.path.join(_DIR, f) for f in ("simd.h", "kernels.h", "tiles.h", "rotation.h", "state.h")]  # part of the build key, not of the command line
+_HEADERS = [os.path.join(_DIR, f) for f in ("simd.h", "kernels.h", "tiles.h", "rotation.h", "state.h",
+                                            "q6.h")]  # part of the build key, not of the command line
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC", "-std=c11",
           "-pthread"]
 

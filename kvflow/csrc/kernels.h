@@ -50,13 +50,25 @@ void gemm_quant_panels(const int8_t *qx, const float *dx, const float *dxs, int6
                        int64_t M, const uint8_t *packed, int64_t kind, int64_t isa,
                        const float *bias, void *out, int64_t out_stride, int64_t N,
                        int64_t out_bf16, int64_t p_begin, int64_t p_end);
-/* the quantized kinds: 0 q4, 1 q8 (gemm_quant.c), 2 MXFP4 (gemm_mxfp4.c) */
+/* the quantized kinds: 0 q4, 1 q8, 3 q4s (gemm_quant.c), 2 MXFP4 (gemm_mxfp4.c), 4 q6 (gemm_q6.c),
+ * 5 q4k (gemm_q4k.c) */
 #define QUANT_KIND_MXFP4 2
+#define QUANT_KIND_Q6 4
+#define QUANT_KIND_Q4K 5
+#define QUANT_KIND_PARTS 6 /* parts of different kinds (pool.c) */
+void gemm_q4k_panels(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb, int64_t M,
+                     const uint8_t *packed, int64_t isa, const float *bias, void *out,
+                     int64_t out_stride, int64_t N, int64_t out_bf16, int64_t p_begin,
+                     int64_t p_end);
+void gemm_q6_panels(const int8_t *qx, const float *dx, int64_t Kb, int64_t M,
+                    const uint8_t *packed, int64_t isa, const float *bias, void *out,
+                    int64_t out_stride, int64_t N, int64_t out_bf16, int64_t p_begin,
+                    int64_t p_end);
 void gemm_mxfp4_panels(const int8_t *qx, const float *dx, int64_t Kb, int64_t M,
                        const uint8_t *packed, int64_t isa, const float *bias, void *out,
                        int64_t out_stride, int64_t N, int64_t out_bf16, int64_t p_begin,
                        int64_t p_end);
-int64_t gemm_quant_wide_takes(int64_t isa, int64_t K, int64_t x_bf16, int64_t out_bf16);
+int64_t gemm_quant_wide_takes(int64_t kind, int64_t isa, int64_t K, int64_t x_bf16, int64_t out_bf16);
 int64_t gemm_quant_wide(const void *x, int64_t x_stride, int64_t K, int64_t Kb, int64_t x_bf16,
                         int64_t M, const uint8_t *packed, int64_t kind, int64_t isa,
                         const float *bias, void *out, int64_t out_stride, int64_t N,
