@@ -280,3 +280,31 @@ def test_the_vision_tower_under_tensor_parallelism_is_refused_by_name(folder):
 
     with pytest.raises(ValueError, match="vision tower does not run tensor- or pipeline-parallel"):
         LLM(folder, **ENGINE, tensor_parallel_size=2)
+
+
+def test_the_dashboard_steps_show_the_image_tokens_encoded(folder):
+    """Each step's stats count the image tokens whose encoder ran in it; the dashboard's step
+    record carries them beside the prefill and decode split."""
+    from kvflow import LLM
+    from kvflow.engine.snapshot import SnapshotSource
+
+    llm = LLM(folder, **ENGINE)
+    try:
+        core = llm.engine.core
+        source = SnapshotSource(core.scheduler, interval_s=0.0)
+        step, encoded = core.step, []
+
+        def recorded():
+            out = step()
+            encoded.append(out.scheduler_stats.num_encoder_tokens)
+            source.after_step(out.scheduler_stats)
+            return out
+
+        core.step = recorded
+        llm.generate([_prompt(TWO)], PARAMS, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    assert sum(encoded) == 2 * MM_TOKENS and encoded[-1] == 0  # both images, then decodes
+    steps = list(source.steps)
+    assert sum(s.encoder for s in steps) == 2 * MM_TOKENS
+    assert all(s.encoder <= s.prefill for s in steps)

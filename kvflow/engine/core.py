@@ -592,7 +592,8 @@ class EngineCore:
             spec_decode_num_drafts=s.spec_stats.num_drafts,
             spec_decode_num_draft_tokens=s.spec_stats.num_draft_tokens,
             spec_decode_num_accepted_tokens=s.spec_stats.num_accepted_tokens,
-            kv_transfer=self.kv_connector.stats(s))
+            kv_transfer=self.kv_connector.stats(s),
+            num_encoder_tokens=sched_out.num_encoder_tokens)
 
     def check_health(self) -> None:
         """WorkerFailedError if a tensor-parallel worker has died (checked while idle, so that

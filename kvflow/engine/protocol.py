@@ -139,6 +139,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     kv_transfer: KVTransferStats | None = None  # with --kv-transfer-config
+    num_encoder_tokens: int = 0  # image tokens encoded this step (within the prompt tokens)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -170,11 +171,13 @@ class RequestView(msgspec.Struct):
 
 
 class StepTokens(msgspec.Struct, array_like=True):
-    """Tokens one step scheduled, split by phase."""
+    """Tokens one step scheduled, split by phase; `encoder`: of the prefill tokens, the image
+    tokens whose encoder ran in this step."""
 
     step: int
     prefill: int
     decode: int
+    encoder: int = 0
 
 
 class EngineSnapshot(msgspec.Struct):
