@@ -152,7 +152,10 @@ def test_engine_keeps_hf_tokens_through_chunks_a_prefix_hit_and_preemption(tiny,
                               return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
             refs.append((out.sequences[0, len(ids):].tolist(), [s[0].topk(3).indices.tolist() for s in out.logits]))
     trace = tmp_path / "trace.jsonl"
-    llm = LLM(path, dtype="float32", max_model_len=96, block_size=4, num_blocks=40,
+    arch = load_arch_config(path)
+    groups = make_kv_cache_groups(arch.kv_layer_windows(), arch.kv_layer_shapes())
+    # 80 positions in each KV cache group (a token takes a block's slot in each)
+    llm = LLM(path, dtype="float32", max_model_len=96, block_size=4, num_blocks=20 * len(groups),
               max_num_batched_tokens=16, trace=str(trace))
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     first = llm.generate(prompts[:1], params, use_tqdm=False)[0]
@@ -169,14 +172,27 @@ def test_engine_keeps_hf_tokens_through_chunks_a_prefix_hit_and_preemption(tiny,
         identical += got == refs[i][0]
     assert identical >= len(prompts) - 1
     runner = llm.engine.core.executor.runner
-    owners = load_arch_config(path).attention_layers()
+    owners = arch.attention_layers()
     assert all((runner.kv_caches[i] is None) == (i not in owners) for i in range(len(runner.kv_caches)))
+
+
+def _own_kv_bytes_per_token(config: dict, dtype_bytes: int) -> int:
+    """K and V of one token in every layer that owns a cache, each at its own shape, from
+    config.json as transformers writes it (each full layer's head size and, where they differ,
+    kv heads in `per_layer_config`)."""
+    n, shared = config["num_hidden_layers"], config.get("num_kv_shared_layers") or 0
+    total = 0
+    for i in range(n - shared):
+        own = config.get("per_layer_config", {}).get(str(i), {})
+        kv = own.get("num_key_value_heads", config["num_key_value_heads"])
+        total += 2 * kv * own.get("head_dim", config["head_dim"]) * dtype_bytes
+    return total
 
 
 def test_kv_budget_counts_only_the_layers_that_own_a_cache(tmp_path):
     """Six layers, the last two sharing KV with layers 2 and 3 (the ones transformers picks):
-    KV bytes per token and the scheduler's KV cache groups count the four owners only, at the
-    cache's widest head (32) and most kv heads (2)."""
+    KV bytes per token and the scheduler's KV cache groups count the four owners only, each
+    at its own head size and kv heads (sliding: 16 x 2, full: 32 x 1)."""
     from transformers import Gemma4TextConfig
 
     from tiny_arch_models import _gemma4_config
@@ -191,10 +207,39 @@ def test_kv_budget_counts_only_the_layers_that_own_a_cache(tmp_path):
     assert [arch.kv_source(i) for i in range(6)] == [0, 1, 2, 3, 2, 3]
     modes = Gemma4TextConfig.from_pretrained(tmp_path).kv_sharing_modes
     assert [i for i, m in enumerate(modes) if m == "store"] == [2, 3]  # transformers' producers
-    assert (arch.head_dim, arch.num_key_value_heads) == (32, 2)
-    assert arch.kv_bytes_per_token(2) == 4 * 2 * 2 * 32 * 2
-    groups = make_kv_cache_groups(arch.kv_layer_windows())
+    assert arch.kv_layer_shapes() == [(2, 16), (1, 32)] * 2
+    with open(tmp_path / "config.json") as f:
+        assert arch.kv_bytes_per_token(2) == _own_kv_bytes_per_token(json.load(f), 2) == 4 * 2 * 32 * 2
+    groups = make_kv_cache_groups(arch.kv_layer_windows(), arch.kv_layer_shapes())
     assert sorted(i for g in groups for i in g.layers) == [0, 1, 2, 3]
+    assert {(g.num_kv_heads, g.head_size) for g in groups} == {(2, 16), (1, 32)}
+
+
+@pytest.mark.parametrize("name", list(GEMMA4_BUILDERS))
+def test_engine_kv_cache_is_sized_per_layer(name, tmp_path):
+    """The engine's KV bytes per token (the start-up line's) is the sum of the cache-owning
+    layers' own K/V sizes, computed here from config.json; each owner's cache has its own
+    shape, and the pool's memory is exactly that per token of each KV cache group (no padding
+    to the widest head: in gemma4_moe the full layers' pages hold two sliding layers' each)."""
+    from kvflow import LLM
+
+    path = GEMMA4_BUILDERS[name](str(tmp_path / "hf"))
+    with open(f"{path}/config.json") as f:
+        config = json.load(f)
+    expected = _own_kv_bytes_per_token(config, 4)
+    llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, num_blocks=12, warmup=False)
+    core = llm.engine.core
+    assert core.kv_bytes_per_token == expected
+    assert f"KV float32 {expected} B/token" in core.startup_report()
+    arch, runner = core.arch, core.executor.runner
+    for i, (kv, d) in zip(arch.attention_layers(), arch.kv_layer_shapes()):
+        assert runner.kv_caches[i][0].shape[1:] == (kv, 4, d)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for pair in runner.kv_caches if pair is not None for t in pair}
+    groups = make_kv_cache_groups(core.cache_config.layer_windows, core.cache_config.layer_kv_shapes)
+    assert sum(storages.values()) == 12 * 4 * expected // len(groups)
+    if name == "gemma4_moe":
+        assert max(g.pages_per_slot for g in groups) == 2
 
 
 def test_what_gemma4_cannot_run_with_is_refused_by_name(tmp_path):
