@@ -181,9 +181,10 @@ def _own_kv_bytes_per_token(config: dict, dtype_bytes: int) -> int:
     config.json as transformers writes it (each full layer's head size and, where they differ,
     kv heads in `per_layer_config`)."""
     n, shared = config["num_hidden_layers"], config.get("num_kv_shared_layers") or 0
+    per_layer = {int(k): v for k, v in (config.get("per_layer_config") or {}).items()}  # "04", "34"
     total = 0
     for i in range(n - shared):
-        own = config.get("per_layer_config", {}).get(str(i), {})
+        own = per_layer.get(i, {})
         kv = own.get("num_key_value_heads", config["num_key_value_heads"])
         total += 2 * kv * own.get("head_dim", config["head_dim"]) * dtype_bytes
     return total
@@ -213,6 +214,23 @@ def test_kv_budget_counts_only_the_layers_that_own_a_cache(tmp_path):
     groups = make_kv_cache_groups(arch.kv_layer_windows(), arch.kv_layer_shapes())
     assert sorted(i for g in groups for i in g.layers) == [0, 1, 2, 3]
     assert {(g.num_kv_heads, g.head_size) for g in groups} == {(2, 16), (1, 32)}
+
+
+def test_per_layer_config_keys_are_read_as_transformers_writes_them(tmp_path):
+    """transformers writes `per_layer_config`'s keys zero-padded past nine layers ("04" beside
+    "11"): every full layer still gets its head size (Gemma 4 E2B has 35 layers)."""
+    from tiny_arch_models import _gemma4_config
+
+    types = (["sliding_attention"] * 3 + ["full_attention"]) * 3
+    cfg = _gemma4_config(num_hidden_layers=12, layer_types=types, num_kv_shared_layers=4,
+                         hidden_size_per_layer_input=0)
+    cfg.architectures = ["Gemma4ForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    with open(tmp_path / "config.json") as f:
+        assert "03" in json.load(f)["per_layer_config"]
+    arch = load_arch_config(str(tmp_path))
+    assert arch.layer_head_dims == [32 if t == "full_attention" else 16 for t in types]
+    assert arch.kv_layer_shapes() == [(2, 32) if t == "full_attention" else (2, 16) for t in types[:8]]
 
 
 @pytest.mark.parametrize("name", list(GEMMA4_BUILDERS))

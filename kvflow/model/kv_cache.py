@@ -39,8 +39,14 @@ def kv_cache_groups(arch: LlamaArchConfig, kv_dtype: torch.dtype,
     """The model's KV cache groups (core/kv_cache/groups.py) for a cache of `kv_dtype`: by
     window and by each cache-owning layer's own (kv heads, head dim). `windows`: the whole
     model's, for a pipeline stage (default: the arch's)."""
-    return make_kv_cache_groups(arch.kv_layer_windows() if windows is None else windows,
-                                kv_layer_shapes(arch, kv_dtype))
+    shapes = kv_layer_shapes(arch, kv_dtype)
+    if windows is None:
+        windows = arch.kv_layer_windows()
+    elif len(windows) != len(shapes):  # a pipeline stage's arch holds its own layers only
+        if len(set(shapes)) > 1:
+            raise ValueError("a pipeline stage of a model whose layers differ in KV shape is not supported")
+        shapes = shapes[:1] * len(windows)
+    return make_kv_cache_groups(windows, shapes)
 
 
 def kv_layer_shapes(arch: LlamaArchConfig, kv_dtype: torch.dtype) -> tuple[tuple[int, int], ...]:

@@ -400,7 +400,10 @@ class Gemma4Family(ModelFamily):
             if k_eq_v and cfg.get("num_global_key_value_heads") is not None:
                 full["num_key_value_heads"] = cfg["num_global_key_value_heads"]
             per_layer = {str(i): full for i, t in enumerate(types) if t == FULL}
-        entries = [per_layer.get(str(i)) or per_layer.get(i) or {} for i in range(n)]
+        # keyed by the layer's index as a string, zero-padded to the widest (transformers
+        # writes "04" beside "34")
+        per_layer = {int(k): v for k, v in per_layer.items()}
+        entries = [per_layer.get(i) or {} for i in range(n)]
         head_dims = [int(e.get("head_dim", d)) for e in entries]
         kv_heads = [int(e.get("num_key_value_heads", kv)) for e in entries]
         shared = int(cfg.get("num_kv_shared_layers") or 0)

@@ -116,7 +116,7 @@ class ModelRunner:
         num_kv = sum(len(g.layers) for g in self.groups)
         group_of, _ = layer_slots(self.groups, num_kv)
         page_of = layer_pages(self.groups, num_kv)
-        # one metadata per (group, page of its tensors' pages): the first of each group's
+        # one metadata per group and place in its tensors' pages; each group's first one's index
         first_meta = np.cumsum([0] + [g.pages_per_slot for g in self.groups]).tolist()
         self.meta_pages = [g.pages_per_slot for g in self.groups for _ in range(g.pages_per_slot)]
         self.state_group = len(self.groups) if num_state_slots else None
@@ -260,7 +260,7 @@ class ModelRunner:
             for g, group in enumerate(self.groups):
                 k = group.pages_per_slot
                 group_tables = [t[g] for t in tables]
-                for page in range(k):  # block b of a layer k to a page is its page k * b + its place
+                for page in range(k):  # k layers to a page: block b is page k * b + the layer's place
                     metas.append(build_attention_metadata(
                         query_lens, seq_lens,
                         group_tables if k == 1 else [np.asarray(t, dtype=np.int64) * k + page for t in group_tables],
