@@ -1,12 +1,13 @@
-"""Peak RSS while loading a gpt-oss MXFP4 folder, against the folder's size: a random folder
-whose experts dominate (tests/mxfp4_models.save_random_gpt_oss_mxfp4: hidden = expert width
-1024, 32 experts, 4 layers: 214 MB of experts, 24 MB of bf16 floats), loaded in bf16 in a fresh
-process whose high-water mark is reset after the runtime every load needs (torch, kvflow, the
-C kernels, torch's meta-device ops). Each checkout given loads it in turn.
+"""Peak RSS while loading a gpt-oss MXFP4 checkpoint, against its size: a random folder whose
+experts dominate (tests/mxfp4_models.save_random_gpt_oss_mxfp4: hidden = expert width 1024, 32
+experts, 4 layers: 214 MB of experts, 24 MB of bf16 floats) and llama.cpp's GGUF file of the
+same model (its floats F32: 262 MB), each loaded in bf16 in a fresh process whose high-water
+mark is reset after the runtime every load needs (torch, kvflow, the C kernels, torch's
+meta-device ops). Each checkout given loads each in turn.
 
     .venv/bin/python benchmarks/mxfp4_load_rss.py [--checkout DIR ...] [--rounds 3] [--out FILE]
 
-Writes the medians per checkout (bytes and ratios to the file's size) as json."""
+Writes the medians per checkout and format (bytes and ratios to the file's size) as json."""
 from __future__ import annotations
 
 import argparse
@@ -31,18 +32,26 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     checkouts = args.checkout or [ROOT]
+    import torch
+
+    from mxfp4_models import write_gpt_oss_gguf
+
     with tempfile.TemporaryDirectory() as tmp:
-        path = save_random_gpt_oss_mxfp4(os.path.join(tmp, "gpt-oss-mxfp4"))
-        runs = {c: [] for c in checkouts}
+        os.environ["KVFLOW_CACHE_DIR"] = os.path.join(tmp, "cache")
+        paths = {"hf": save_random_gpt_oss_mxfp4(os.path.join(tmp, "gpt-oss-mxfp4")),
+                 "gguf": write_gpt_oss_gguf(save_random_gpt_oss_mxfp4(os.path.join(tmp, "fp32"),
+                                                                      float_dtype=torch.float32),
+                                            os.path.join(tmp, "gpt-oss-mxfp4.gguf"))}
+        runs = {(c, fmt): [] for c in checkouts for fmt in paths}
         for _ in range(args.rounds):  # checkouts alternate within a round
-            for c in checkouts:
-                runs[c].append(measure_load_rss(path, c))
+            for (c, fmt) in runs:
+                runs[c, fmt].append(measure_load_rss(paths[fmt], c))
     report = {"cpu": _cpu(), "rounds": args.rounds, "results": []}
-    for c, rs in runs.items():
+    for (c, fmt), rs in runs.items():
         file_bytes = rs[0]["file_bytes"]
         peak = statistics.median(r["peak"] - r["before"] for r in rs)
         after = statistics.median(r["after"] - r["before"] for r in rs)
-        row = {"checkout": c, "file_bytes": file_bytes, "expert_bytes": rs[0]["expert_bytes"],
+        row = {"checkout": c, "format": fmt, "file_bytes": file_bytes, "expert_bytes": rs[0]["expert_bytes"],
                "peak_over_start": int(peak), "after_over_start": int(after),
                "peak_ratio": round(peak / file_bytes, 3), "after_ratio": round(after / file_bytes, 3),
                "load_s": round(statistics.median(r["load_s"] for r in rs), 2)}

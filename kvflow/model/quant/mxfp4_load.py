@@ -11,7 +11,8 @@ second copy of an expert ever exists and the process peaks near the file's size
 fuse_weights), with the experts' float weights left on the meta device.
 
 llama.cpp's gpt-oss GGUF files (their experts in GGUF's MXFP4 blocks, gate and up apart) load the
-same way from the memory-mapped file, into the same panels.
+same way from the memory-mapped file, into the same panels, each expert's mapped pages dropped
+from the process once copied.
 
 Without kvflow's C kernels (no compiler, KVFLOW_NO_KERNELS=1) the experts are dequantised to
 floats instead, with a warning, as transformers does on machines without its MXFP4 kernels."""
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import mmap
 import os
 import time
 
@@ -70,16 +72,21 @@ def _gguf_parts(path: str, dtype: torch.dtype, arch: LlamaArchConfig):
     if any(name not in raw for name in names):
         return None
     hf = {k: torch.tensor(v).to(dtype) for k, v in arrays.items()}
+    if arrays:
+        _release_pages(next(iter(arrays.values())))
     del arrays
 
     def gate_up(gate, up):  # [gate; up] rows, one expert at a time
         for x in range(n):
             (gc, ge), (uc, ue) = gguf_codes(gate.data[x], inter, h), gguf_codes(up.data[x], inter, h)
+            _release_pages(gate.data)  # copied: the mapped pages leave this process's RSS
             yield np.concatenate([gc, uc]), np.concatenate([ge, ue])
 
     def down_proj(down):
         for x in range(n):
-            yield gguf_codes(down.data[x], h, inter)
+            codes = gguf_codes(down.data[x], h, inter)
+            _release_pages(down.data)
+            yield codes
 
     layers = []
     for i in range(arch.num_hidden_layers):
@@ -89,6 +96,21 @@ def _gguf_parts(path: str, dtype: torch.dtype, arch: LlamaArchConfig):
         for x, shape in (("gate", (n, inter, h)), ("up", (n, inter, h)), ("down", (n, h, inter))):
             hf[e + f"{x}_proj.weight"] = torch.empty(shape, dtype=dtype, device="meta")
     return hf, layers
+
+
+def _release_pages(array: np.ndarray) -> None:
+    """Drop the pages of the file mapping under `array` (a view of the memory-mapped GGUF file)
+    from this process: what was read from it has been copied, and a mapped page counts in RSS
+    for as long as it stays mapped (the page cache keeps it; a later read faults it back)."""
+    base = array
+    while base is not None and getattr(base, "_mmap", None) is None:
+        base = getattr(base, "base", None)
+    mapping = getattr(base, "_mmap", None)
+    if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+        try:
+            mapping.madvise(mmap.MADV_DONTNEED)
+        except (OSError, ValueError):
+            pass
 
 
 def load_mxfp4_model(path: str, dtype: torch.dtype, kernels: Kernels | None,
