@@ -280,3 +280,28 @@ def test_what_gemma4_cannot_run_with_is_refused_by_name(tmp_path):
     cfg.save_pretrained(tmp_path / "bidi")
     with pytest.raises(ValueError, match="use_bidirectional_attention"):
         load_arch_config(str(tmp_path / "bidi"))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
+def test_one_byte_kv_caches_keep_their_layout_rules(kv_cache_dtype, tmp_path):
+    """fp8 keeps each layer's own shape (one byte a value: the owners' own sizes); int8's
+    per-token scales after each tile make the sliding and full pages no multiples of each
+    other, so every layer takes the widest shape (head 32 + 4 scale bytes, two kv heads) and
+    pads to it. Both serve the tiny model's requests."""
+    from kvflow import LLM, SamplingParams
+
+    path = GEMMA4_BUILDERS["gemma4_moe"](str(tmp_path / "hf"))
+    with open(f"{path}/config.json") as f:
+        config = json.load(f)
+    llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, num_blocks=24,
+              kv_cache_dtype=kv_cache_dtype, warmup=False)
+    core = llm.engine.core
+    owners = core.arch.attention_layers()
+    expected = (_own_kv_bytes_per_token(config, 1) if kv_cache_dtype == "fp8"
+                else len(owners) * 2 * 2 * (32 + 4))
+    assert core.kv_bytes_per_token == expected
+    shapes = {tuple(core.executor.runner.kv_caches[i][0].shape[1:]) for i in owners}
+    assert shapes == ({(2, 4, 16), (2, 4, 32)} if kv_cache_dtype == "fp8" else {(2, 4, 36)})
+    out = llm.generate([[5, 6, 7, 8, 9] * 4], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8
