@@ -304,7 +304,8 @@ class EngineCore:
         # with several groups a token takes a block's slot in each (a lower bound on the
         # concurrency: local groups need only their window)
         tokens = cc.num_blocks * cc.block_size // len(groups)
-        group_note = (f" in {len(groups)} KV cache groups of {len(groups[0].layers)} layers"
+        sizes = sorted({len(g.layers) for g in groups})  # layers packed k to a page: k times as many
+        group_note = (f" in {len(groups)} KV cache groups of {'/'.join(map(str, sizes))} layers"
                       if len(groups) > 1 else "")
         return (f"kvflow: model {self.model_path} ({a.architecture}, "
                 f"{a.num_parameters() / 1e6:.1f}M params, {str(self.dtype).removeprefix('torch.')}); "
