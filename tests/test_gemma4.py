@@ -305,3 +305,25 @@ def test_one_byte_kv_caches_keep_their_layout_rules(kv_cache_dtype, tmp_path):
     out = llm.generate([[5, 6, 7, 8, 9] * 4], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                        use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 8
+
+
+def test_sdpa_path_reads_each_layers_own_cache_shape(tmp_path, monkeypatch):
+    """With the PyTorch paths (KVFLOW_NO_KERNELS=1: SDPA attention, the Python KV write) the
+    packed layout (gemma4_moe: two sliding layers to a full layer's page) gives HF's greedy
+    tokens through chunked prefill and a mixed batch, as the C kernels do."""
+    from kvflow import LLM, SamplingParams
+
+    monkeypatch.setenv("KVFLOW_NO_KERNELS", "1")
+    path = GEMMA4_BUILDERS["gemma4_moe"](str(tmp_path / "hf"))
+    hf = hf_model(path)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(4, 320, 30).tolist(), rng.integers(4, 320, 11).tolist()]
+    llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, num_blocks=60,
+              max_num_batched_tokens=16, warmup=False)
+    assert llm.engine.core.executor.runner.model.kernels.names["attention"] == "sdpa"
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    with torch.inference_mode():
+        for ids, out in zip(prompts, outs):
+            ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+            assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()
