@@ -152,6 +152,9 @@ class CacheConfig:
     # set by the engine from the model: each layer's sliding window (None: full attention);
     # any window gives the scheduler one block table per KV cache group. Not an option.
     layer_windows: tuple = ()
+    # and each one's (kv heads, head dim) in the cache, where they differ (Gemma 4): layers of
+    # different shapes are different KV cache groups. Not an option.
+    layer_kv_shapes: tuple = ()
 
     def __post_init__(self) -> None:
         if self.cache_dtype in ("fp8", "fp8_e4m3", "int8"):

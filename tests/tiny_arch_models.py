@@ -443,13 +443,15 @@ def save_gemma4(path: str) -> str:
 
 def save_gemma4_moe(path: str) -> str:
     """The Gemma 4 mixture of experts: a dense MLP and 4 experts top-2 beside it in each of
-    four layers (sliding, full, sliding, full), no per-layer embeddings, no shared KV."""
+    four layers (sliding, full, sliding, full), no per-layer embeddings, no shared KV; the full
+    layers keep twice the sliding ones' K/V per token (head 32 vs 16, two kv heads each), so
+    the KV cache packs both sliding layers into one full layer's page."""
     from transformers import Gemma4ForCausalLM
 
     cfg = _gemma4_config(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
                          hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4,
                          top_k_experts=2, moe_intermediate_size=32, attention_k_eq_v=True,
-                         num_global_key_value_heads=1, tie_word_embeddings=False)
+                         num_global_key_value_heads=2, tie_word_embeddings=False)
     path = _save_random(Gemma4ForCausalLM, cfg, path, seed=11)
     _perturb_gemma4(path, 11)
     save_byte_tokenizer(path, VOCAB)

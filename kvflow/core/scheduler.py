@@ -41,7 +41,8 @@ class Scheduler(RemoteKVMixin):
     was admitted or skipped, who was preempted for whom, which tokens are prefill.
 
     `kv_cache_specs`: one KV cache spec per KV cache group of the model (core/kv_cache/),
-    attention groups first; by default the groups of `cache_config.layer_windows`. A model
+    attention groups first; by default the groups of `cache_config.layer_windows` (and
+    `layer_kv_shapes`). A model
     with state layers adds a StateSpec and `num_state_slots` (default: max_num_seqs, so
     that a slot never limits the batch)."""
 
@@ -54,7 +55,8 @@ class Scheduler(RemoteKVMixin):
         self.block_size = cache_config.block_size
         if kv_cache_specs is None:
             windows = cache_config.layer_windows
-            kv_cache_specs = ([g.spec for g in make_kv_cache_groups(windows)] if windows
+            kv_cache_specs = ([g.spec for g in make_kv_cache_groups(windows, cache_config.layer_kv_shapes)]
+                              if windows
                               else [FullAttentionSpec()])
         self.kv_cache_manager = KVCacheCoordinator(
             kv_cache_specs, cache_config.num_blocks, cache_config.block_size,

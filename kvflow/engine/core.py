@@ -32,6 +32,7 @@ from kvflow.model.executor import CompletedStep, Executor, UniProcExecutor
 from kvflow.model import gpu_memory
 from kvflow.model.cuda_graphs import decode_graphs_for
 from kvflow.model.key_scales import key_scales_digest
+from kvflow.model.kv_cache import kv_bytes_per_token, kv_cache_groups, kv_layer_shapes
 from kvflow.attention.kv_layout import INT8_SCALE_BYTES, resolve_kv_dtype
 from kvflow.model.loader import load_model, resolve_device, resolve_dtype
 from kvflow.model.quant.load import resolve_quantization
@@ -175,7 +176,8 @@ class EngineCore:
 
     def _kv_cache_specs(self) -> list:
         """One spec per KV cache group, attention groups first, then the state layers'."""
-        specs = [g.spec for g in make_kv_cache_groups(self.cache_config.layer_windows or (None,))]
+        cc = self.cache_config
+        specs = [g.spec for g in make_kv_cache_groups(cc.layer_windows or (None,), cc.layer_kv_shapes)]
         if self.num_state_slots:
             specs.append(StateSpec(self.state_bytes_per_request, snapshots=self._state_snapshots))
         return specs
@@ -190,9 +192,11 @@ class EngineCore:
         num_layers = self.arch.num_hidden_layers
         if self.pp_size > 1:  # a stage holds its layers' KV only; the largest stage decides
             return (per_token * len(stage_layers(num_layers, self.pp_size, 0)) // num_layers,) * 2
-        # with sliding windows a block spans one KV cache group's layers, not all of them
-        windows = tuple(self.arch.kv_layer_windows())
-        return per_token, per_token * len(make_kv_cache_groups(windows)[0].layers) // len(windows)
+        if self.tp_size > 1:  # with sliding windows a block spans one group's layers, not all
+            windows = tuple(self.arch.kv_layer_windows())
+            return per_token, per_token * len(make_kv_cache_groups(windows)[0].layers) // len(windows)
+        # each layer at its own shape; a block spans one group's tensors (kv_cache.py)
+        return kv_bytes_per_token(kv_cache_groups(self.arch, self.kv_dtype), self.kv_dtype)
 
     def _cache_configs(self, model, block_bytes_per_token: int, free_at_start: int):
         """The scheduler's and the cache's configs, resolved: max_model_len, and the block
@@ -213,7 +217,8 @@ class EngineCore:
             num_blocks = num_kv_blocks(replace(cc, kv_cache_memory=max(cc.kv_cache_memory - state, 0)),
                                        block_bytes_per_token)
         return sc, replace(cc, num_blocks=num_blocks,
-                           layer_windows=tuple(self.arch.kv_layer_windows()))
+                           layer_windows=tuple(self.arch.kv_layer_windows()),
+                           layer_kv_shapes=kv_layer_shapes(self.arch, self.kv_dtype))
 
     def _structured_outputs(self) -> StructuredOutputManager:
         # grammars compile in its thread; the tokenizer loads there on the first constrained request
@@ -307,11 +312,12 @@ class EngineCore:
 
     def startup_report(self) -> str:
         cc, a = self.cache_config, self.arch
-        groups = make_kv_cache_groups(cc.layer_windows or (None,))
+        groups = make_kv_cache_groups(cc.layer_windows or (None,), cc.layer_kv_shapes)
         # with several groups a token takes a block's slot in each (a lower bound on the
         # concurrency: local groups need only their window)
         tokens = cc.num_blocks * cc.block_size // len(groups)
-        group_note = (f" in {len(groups)} KV cache groups of {len(groups[0].layers)} layers"
+        sizes = sorted({len(g.layers) for g in groups})  # layers packed k to a page: k times as many
+        group_note = (f" in {len(groups)} KV cache groups of {'/'.join(map(str, sizes))} layers"
                       if len(groups) > 1 else "")
         return (f"kvflow: model {self.model_path} ({a.architecture}, "
                 f"{a.num_parameters() / 1e6:.1f}M params, {str(self.dtype).removeprefix('torch.')}); "

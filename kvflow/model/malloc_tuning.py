@@ -45,3 +45,17 @@ def retain_freed_memory() -> bool:
         logger.warning("kvflow: mallopt refused the thresholds; activations keep fresh pages")
     _done = ok
     return ok
+
+
+def release_free_memory() -> bool:
+    """Hand the free memory inside malloc's heaps back to the OS (glibc's malloc_trim): after
+    a load that made and freed many large temporaries (one expert's codes and packing buffers
+    at a time), the heap keeps their high-water mark otherwise. True where it ran."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
