@@ -589,8 +589,9 @@ class MultiModalConfig:
     source is bounded before its bytes are decoded (kvflow/multimodal/media.py)."""
 
     limit_mm_per_prompt: dict | str | None = option(
-        None, "most items of each modality one prompt may carry, as JSON, e.g. `{\"image\": 4}` "
-        "(default: `{\"image\": 8}`; 0 refuses images)")
+        None, "most items of each modality one prompt may carry, as JSON, e.g. `{\"image\": 4}`, "
+        "or vLLM's dotted form `--limit-mm-per-prompt.image 4` (default: `{\"image\": 8}`; 0 "
+        "refuses images)")
     allowed_local_media_path: str | None = option(
         None, "a folder whose files requests may name as `file://` image URLs (default: none; "
         "`file://` URLs are refused)")
