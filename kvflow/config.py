@@ -207,6 +207,11 @@ class SchedulerConfig:
         return min(self.max_num_encoder_input_tokens or self.max_num_batched_tokens,
                    self.encoder_cache_size or self.max_num_batched_tokens)
 
+    @property
+    def encoder_cache_tokens(self) -> int:
+        """Image tokens of encoder outputs the runner keeps across steps and requests."""
+        return self.encoder_cache_size or self.max_num_batched_tokens
+
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be fcfs or priority, got {self.policy!r}")
