@@ -191,8 +191,8 @@ class SchedulerConfig:
         0, "encoder budget of one step: image tokens whose encoder outputs a step may compute "
         "(0: max_num_batched_tokens)")
     encoder_cache_size: int = option(
-        0, "image tokens whose encoder outputs may be held at once, awaiting their placeholders "
-        "(0: max_num_batched_tokens)")
+        0, "image tokens whose encoder outputs may be held at once: a step's, and those kept "
+        "by content hash for later steps and requests (0: max_num_batched_tokens)")
     # a waiting request that lacks blocks may be passed over this many steps, then it goes first
     max_admission_skips: int = 16
     policy: str = option(
