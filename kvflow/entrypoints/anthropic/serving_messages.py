@@ -293,8 +293,8 @@ class AnthropicServingMessages:
         names: dict[str, str] = {}
         chat_req = validated({"messages": chat_messages(req, names), **_tools_and_choice(req)})
         try:
-            ids = (await self.chat.render_with_images(chat_req.messages, True,
-                                                      tool_dicts(chat_req.tools))).prompt_ids
+            ids = (await self.chat.render(chat_req.messages, True,
+                                          tool_dicts(chat_req.tools))).prompt_ids
         except APIError as e:
             raise renamed(e, names) from None
         return {"input_tokens": len(ids)}

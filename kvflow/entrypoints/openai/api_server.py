@@ -231,9 +231,8 @@ def build_app(engine: AsyncLLM | DPAsyncLLM, settings: ServerSettings,
         completions.check_model(req.model)
         if req.messages is not None:
             # images counted as the engine runs them: each expanded to its tokens (vLLM's count)
-            ids = (await chat.render_with_images(req.messages, req.add_generation_prompt,
-                                                 tool_dicts(req.tools),
-                                                 req.chat_template_kwargs)).prompt_ids
+            ids = (await chat.render(req.messages, req.add_generation_prompt,
+                                     tool_dicts(req.tools), req.chat_template_kwargs)).prompt_ids
         elif req.prompt is not None:
             completions.check_text_size(len(req.prompt), "prompt")
             ids = await off_loop(engine.tokenizer.encode, req.prompt,

@@ -197,20 +197,11 @@ def render_and_encode(tokenizer, convo: list[dict], add_generation_prompt: bool,
 class OpenAIServingChat(OpenAIServing):
     async def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                      tools: list[dict] | None = None,
-                     template_kwargs: dict | None = None) -> tuple[str, list[int]]:
-        """Template and tokenize, with the input bounded first and big work off the loop (an
-        image part is a 400 naming it: `prepare` reads images)."""
-        return await self.render_conversation(conversation(messages), add_generation_prompt,
-                                              tools, template_kwargs)
-
-    async def render_with_images(self, messages: list[ChatMessage],
-                                 add_generation_prompt: bool = True,
-                                 tools: list[dict] | None = None,
-                                 template_kwargs: dict | None = None) -> RenderedChat:
-        """`render` of messages that may carry images: each read and checked (a hostile one
-        named as such), refused by a model that takes none before its template sees their
-        parts, and the prompt expanded for them by the model's processor, so that its length
-        is the one the engine runs (and that vLLM's /tokenize counts)."""
+                     template_kwargs: dict | None = None) -> RenderedChat:
+        """Template and tokenize, with the input bounded first and big work off the loop. Each
+        image is read and checked (a hostile one named as such), refused by a model that takes
+        none before its template sees its part, and the prompt expanded for the images by the
+        model's processor: its length is the one the engine runs (and vLLM's /tokenize counts)."""
         refs: list[ImageRef] = []
         convo = conversation(messages, refs)
         mm_data, image_names = await self.load_images(refs)
@@ -296,8 +287,8 @@ class OpenAIServingChat(OpenAIServing):
                 tool_mode == "auto" and self.settings.tool_call_parser == "openai"):
             # harmony's parsers read its special tokens; the text they give out has none
             params.skip_special_tokens = False
-        rendered = await self.render_with_images(req.messages, req.add_generation_prompt, tools,
-                                                 req.chat_template_kwargs)
+        rendered = await self.render(req.messages, req.add_generation_prompt, tools,
+                                     req.chat_template_kwargs)
         prompt, ids = rendered.prompt, rendered.prompt_ids
         if self.settings.reasoning_parser and params.structured_outputs is not None:
             # the thinking is free; the constraint holds from the token after `</think>`
