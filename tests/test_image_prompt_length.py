@@ -14,7 +14,6 @@ import PIL.Image
 import pytest
 
 from kvflow.chat_templates import GEMMA3
-from kvflow.options import expand_dotted_flags
 from server_helpers import ServerProcess, assert_server_clean
 from vision_models import IMAGE, MM_TOKENS, save_tiny_gemma3_vision
 
@@ -129,20 +128,3 @@ def test_the_dotted_limit_mm_per_prompt_flag(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[3]", r.text
     assert_server_clean(server)
 
-
-def test_dotted_flags_merge_into_the_json_option():
-    assert expand_dotted_flags(["serve", "--limit-mm-per-prompt.image", "4", "--port", "1"]) == \
-        ["serve", "--limit-mm-per-prompt", '{"image": 4}', "--port", "1"]
-    # the JSON form and dotted keys merge in order, at the option's first place
-    assert expand_dotted_flags(["--limit-mm-per-prompt", '{"image": 2}', "-x",
-                                "--limit-mm-per-prompt.image=3"]) == \
-        ["--limit-mm-per-prompt", '{"image": 3}', "-x"]
-    assert expand_dotted_flags(["--speculative-config.method", "ngram",
-                                "--speculative-config.a.b", "x"]) == \
-        ["--speculative-config", '{"method": "ngram", "a": {"b": "x"}}']
-    plain = ["--limit-mm-per-prompt", '{"image": 2}', "--model.x", "1"]  # not a JSON option
-    assert expand_dotted_flags(plain) == plain
-    with pytest.raises(ValueError, match="limit-mm-per-prompt.image: expected a value"):
-        expand_dotted_flags(["--limit-mm-per-prompt.image"])
-    with pytest.raises(ValueError, match="must be a JSON object"):
-        expand_dotted_flags(["--limit-mm-per-prompt", "[1]", "--limit-mm-per-prompt.image", "1"])
