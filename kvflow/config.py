@@ -194,8 +194,8 @@ class SchedulerConfig:
         0, "encoder budget of one step: image tokens whose encoder outputs a step may compute "
         "(0: max_num_batched_tokens)")
     encoder_cache_size: int = option(
-        0, "image tokens whose encoder outputs may be held at once, awaiting their placeholders "
-        "(0: max_num_batched_tokens)")
+        0, "image tokens whose encoder outputs may be held at once: a step's, and those kept "
+        "by content hash for later steps and requests (0: max_num_batched_tokens)")
     # a waiting request that lacks blocks may be passed over this many steps, then it goes first
     max_admission_skips: int = 16
     policy: str = option(
@@ -209,6 +209,11 @@ class SchedulerConfig:
         an image's placeholder run)."""
         return min(self.max_num_encoder_input_tokens or self.max_num_batched_tokens,
                    self.encoder_cache_size or self.max_num_batched_tokens)
+
+    @property
+    def encoder_cache_tokens(self) -> int:
+        """Image tokens of encoder outputs the runner keeps across steps and requests."""
+        return self.encoder_cache_size or self.max_num_batched_tokens
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
@@ -592,8 +597,9 @@ class MultiModalConfig:
     source is bounded before its bytes are decoded (kvflow/multimodal/media.py)."""
 
     limit_mm_per_prompt: dict | str | None = option(
-        None, "most items of each modality one prompt may carry, as JSON, e.g. `{\"image\": 4}` "
-        "(default: `{\"image\": 8}`; 0 refuses images)")
+        None, "most items of each modality one prompt may carry, as JSON, e.g. `{\"image\": 4}`, "
+        "or vLLM's dotted form `--limit-mm-per-prompt.image 4` (default: `{\"image\": 8}`; 0 "
+        "refuses images)")
     allowed_local_media_path: str | None = option(
         None, "a folder whose files requests may name as `file://` image URLs (default: none; "
         "`file://` URLs are refused)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import types
 import typing
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ class Option:
     choices: tuple[str, ...] | None = None
     short: str | None = None
     cli_default: str | None = None
+    takes_dict: bool = False  # a JSON object: its keys may also be given as dotted flags
 
     @property
     def flag(self) -> str:
@@ -67,8 +69,10 @@ def fields_as_options(cls: type, section: str | None = None) -> list[Option]:
             continue
         t, optional = _scalar_type(hints[f.name])
         m = f.metadata
+        hint = hints[f.name]
+        takes_dict = hint is dict or dict in typing.get_args(hint)
         out.append(Option(m["name"] or f.name, section, f.name, t, optional, f.default, m["help"],
-                          m["choices"], m["short"], m["cli_default"]))
+                          m["choices"], m["short"], m["cli_default"], takes_dict))
     return out
 
 
@@ -140,6 +144,76 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults: Any) -> None:
     for section in SECTIONS:
         group = parser.add_argument_group(titles[section])
         add_option_args(group, [o for o in OPTIONS.values() if o.section == section], defaults)
+
+
+def expand_dotted_flags(argv: list[str]) -> list[str]:
+    """vLLM's dotted form of a JSON-object option: `--limit-mm-per-prompt.image 4` (or
+    `...image=4`, or deeper `--x.a.b v`) sets one key of `--limit-mm-per-prompt`'s object.
+    Where an option has dotted keys, they and its JSON form merge in order (a later key wins)
+    into the one JSON flag, at its first place. A value is read as JSON where it parses
+    (`4`, `true`, `{...}`), else as text. ValueError naming the flag for a bad one."""
+    flags = {o.flag for o in OPTIONS.values() if o.takes_dict}
+    end = argv.index("--") if "--" in argv else len(argv)
+    dotted = {a.partition("=")[0].partition(".")[0] for a in argv[:end]
+              if a.startswith("--") and "." in a.partition("=")[0]} & flags
+    if not dotted:
+        return list(argv)
+    out: list[str] = []
+    merged: dict[str, dict] = {}
+    i = 0
+    while i < end:
+        arg = argv[i]
+        name, eq, value = arg.partition("=")
+        base, _, keys = name.partition(".")
+        if not arg.startswith("--") or base not in dotted:
+            out.append(arg)
+            i += 1
+            continue
+        if not eq:  # the value is the next word
+            if i + 1 >= end:
+                raise ValueError(f"{name}: expected a value")
+            value = argv[i + 1]
+            i += 1
+        i += 1
+        if base not in merged:
+            merged[base] = {}
+            out += [base, ""]  # filled in below, at this flag's first place
+        if keys:
+            if not all(keys.split(".")):
+                raise ValueError(f"{name}: an empty key")
+            *path, last = keys.split(".")
+            node = merged[base]
+            for k in path:
+                if not isinstance(node.get(k), dict):
+                    node[k] = {}
+                node = node[k]
+            node[last] = _json_or_text(value)
+        else:
+            try:
+                given = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{base} is not valid JSON: {e}") from None
+            if not isinstance(given, dict):
+                raise ValueError(f"{base} must be a JSON object to merge with its dotted keys")
+            _merge(merged[base], given)
+    for base, value in merged.items():
+        out[out.index(base) + 1] = json.dumps(value)
+    return out + list(argv[end:])
+
+
+def _json_or_text(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
+def _merge(into: dict, given: dict) -> None:
+    for k, v in given.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _merge(into[k], v)
+        else:
+            into[k] = v
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

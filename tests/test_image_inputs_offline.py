@@ -163,13 +163,14 @@ def test_the_input_processor_checks_images():
 
 
 def test_the_chat_server_hands_images_to_engine_generate(default_tokenizer, monkeypatch):
-    """OpenAIServingChat.prepare -> chunks -> engine.generate(..., multi_modal_data=...), with
-    an engine whose model takes images."""
+    """OpenAIServingChat.prepare -> engine.process_images (the prompt expanded before its
+    checks) -> chunks -> engine.generate(expanded ids, mm_features=...), with an engine whose
+    model takes images."""
     from kvflow.entrypoints.openai.protocol import ChatCompletionRequest
     from kvflow.entrypoints.openai.server_settings import ServerSettings
     from kvflow.entrypoints.openai.serving_chat import OpenAIServingChat
 
-    calls = []
+    calls, processed = [], []
 
     class Engine:
         config = EngineConfig()
@@ -178,6 +179,10 @@ def test_the_chat_server_hands_images_to_engine_generate(default_tokenizer, monk
         is_dead = False
         input_processor = InputProcessor(config, RequestLimits(
             len(default_tokenizer), 512, 16, 100, supports_images=True))
+
+        async def process_images(self, ids, mm):
+            processed.append((list(ids), mm))
+            return ids + [7] * 3 * len(mm["image"]), ["feature"] * len(mm["image"])
 
         async def generate(self, ids, params, request_id, **kw):
             calls.append((ids, kw))
@@ -196,6 +201,8 @@ def test_the_chat_server_hands_images_to_engine_generate(default_tokenizer, monk
         return job
 
     job = asyncio.run(run())
+    rendered, mm = processed[0]
+    assert [i.image.size for i in mm["image"]] == [(6, 6), (9, 2)]
     ids, kw = calls[0]
-    assert ids == job.prompt_ids and job.prompt.count("<start_of_image>") == 2
-    assert [i.image.size for i in kw["multi_modal_data"]["image"]] == [(6, 6), (9, 2)]
+    assert ids == job.prompt_ids == rendered + [7] * 6 and job.prompt.count("<start_of_image>") == 2
+    assert kw["mm_features"] == ["feature", "feature"] and kw["checked"]

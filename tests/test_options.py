@@ -12,7 +12,8 @@ from kvflow import envs, options
 from kvflow.config import SchedulerConfig, option
 from kvflow.entrypoints.serve_cli import register as register_serve
 from kvflow.entrypoints.serve_cli import server_settings
-from kvflow.options import OPTIONS, add_engine_args, engine_config, engine_kwargs
+from kvflow.options import (OPTIONS, add_engine_args, engine_config, engine_kwargs,
+                            expand_dotted_flags)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -193,3 +194,21 @@ def test_tokenizer_option_loads_the_tokenizer_from_there(default_model_path):
     llm = LLM(tokenizer=default_model_path, num_blocks=64, max_model_len=128)
     assert llm.tokenizer.encode("Hello") == llm.engine.tokenizer.encode("Hello")
     llm.engine.shutdown()
+
+
+def test_dotted_flags_merge_into_the_json_option():
+    assert expand_dotted_flags(["serve", "--limit-mm-per-prompt.image", "4", "--port", "1"]) == \
+        ["serve", "--limit-mm-per-prompt", '{"image": 4}', "--port", "1"]
+    # the JSON form and dotted keys merge in order, at the option's first place
+    assert expand_dotted_flags(["--limit-mm-per-prompt", '{"image": 2}', "-x",
+                                "--limit-mm-per-prompt.image=3"]) == \
+        ["--limit-mm-per-prompt", '{"image": 3}', "-x"]
+    assert expand_dotted_flags(["--speculative-config.method", "ngram",
+                                "--speculative-config.a.b", "x"]) == \
+        ["--speculative-config", '{"method": "ngram", "a": {"b": "x"}}']
+    plain = ["--limit-mm-per-prompt", '{"image": 2}', "--model.x", "1"]  # not a JSON option
+    assert expand_dotted_flags(plain) == plain
+    with pytest.raises(ValueError, match="limit-mm-per-prompt.image: expected a value"):
+        expand_dotted_flags(["--limit-mm-per-prompt.image"])
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        expand_dotted_flags(["--limit-mm-per-prompt", "[1]", "--limit-mm-per-prompt.image", "1"])

@@ -144,6 +144,7 @@ class TPExecutor(Executor):
                 shm_slot_bytes=slot_bytes, device=device, kv_shm_paths=self._kv_paths or None,
                 tp_size=tp, pp_size=pp, driver_pid=os.getpid(),
                 max_model_len=config.model_config.max_model_len or 0, arch=arch.to_dict(),
+                encoder_cache_size=config.scheduler_config.encoder_cache_tokens,
                 max_loras=lc.max_loras if lc.enable_lora else 0,
                 max_lora_rank=lc.max_lora_rank if lc.enable_lora else 0,
                 quantization=quantization)))
@@ -175,6 +176,7 @@ class TPExecutor(Executor):
             self.runner = ModelRunner(self.model, shard, num_blocks, block_size,
                                       kv_dtype, eos_token_id, device=rank0, pp=self.pipe,
                                       max_model_len=config.model_config.max_model_len or 0,
+                                      encoder_cache_size=config.scheduler_config.encoder_cache_tokens,
                                       **stage_place(arch, layers))
             self._wait_for("loaded")
             self.rank_weight_bytes = [weight_bytes(self.model)] + [

@@ -45,6 +45,7 @@ class WorkerInit:
     # pipeline parallel on one machine: stage s's tp ranks all-reduce in stage_shm_paths[s]
     stage_shm_paths: list[str] | None = None
     max_model_len: int = 0  # the longest sequence admitted (0: the model's context)
+    encoder_cache_size: int = 0  # image tokens of encoder outputs kept across steps
     # the model's arch config as the driver resolved it (LlamaArchConfig.to_dict): no rank
     # reads config.json or the GGUF header again
     arch: dict | None = None

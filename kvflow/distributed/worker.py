@@ -89,6 +89,7 @@ def run_worker(rendezvous: str, rank: int, world_size: int, parent_pid: int | No
         runner = ModelRunner(model, shard, init.num_blocks, init.block_size,
                              getattr(torch, init.kv_dtype), init.eos_token_id, device=device,
                              kv_memory=kv_memory, pp=pipe, max_model_len=init.max_model_len,
+                             encoder_cache_size=init.encoder_cache_size,
                              **stage_place(full, layers))
         if init.max_loras:  # slots in this rank's projections; adapters come between steps
             runner.enable_lora(init.max_loras, init.max_lora_rank)

@@ -127,21 +127,21 @@ class AsyncLLM:
                        priority: int = 0, cache_salt: str | None = None,
                        lora_request: LoRARequest | None = None, checked: bool = False,
                        multi_modal_data: MultiModalData | None = None,
+                       mm_features: list | None = None,
                        ) -> AsyncIterator[RequestOutput]:
         """Stream DELTA RequestOutputs for one request (all its `n` samples) until finished.
         The input processor checks it first (ValueError naming the field: a 400), unless the
         caller did (`checked`: the server checks every prompt of a request before any runs).
         `multi_modal_data`: its images, one per image-start token of the prompt, in order: the
-        prompt is expanded for them (off the event loop) and checked again."""
+        prompt is expanded for them (off the event loop) and checked again. `mm_features`: the
+        prompt is expanded already (`process_images`, as the server does before its checks)
+        and these are its images' features."""
         if self.dead_error is not None:
             raise type(self.dead_error)(str(self.dead_error))  # keeps its code
-        features = None
+        features = mm_features
         if multi_modal_data:
-            if self.mm_processor is None:
-                raise InvalidRequestError("multi_modal_data: this model does not take images",
-                                          "multi_modal_data")
-            prompt_token_ids, features = await asyncio.to_thread(
-                self.mm_processor.apply, list(prompt_token_ids), multi_modal_data)
+            prompt_token_ids, features = await self.process_images(prompt_token_ids,
+                                                                   multi_modal_data)
             checked = False
         if not checked:
             self.input_processor.process(prompt_token_ids, params, lora_request)
@@ -176,6 +176,17 @@ class AsyncLLM:
                     self.abort(request_id)
             finally:
                 self._forget(request_id)
+
+    async def process_images(self, prompt_token_ids: list[int],
+                             multi_modal_data: MultiModalData) -> tuple[list[int], list]:
+        """The prompt expanded for its images and their features (the model's processor,
+        kvflow/multimodal/processor.py), off the event loop; InvalidRequestError naming
+        multi_modal_data where the model takes no images."""
+        if self.mm_processor is None:
+            raise InvalidRequestError("multi_modal_data: this model does not take images",
+                                      "multi_modal_data")
+        return await asyncio.to_thread(self.mm_processor.apply, list(prompt_token_ids),
+                                       multi_modal_data)
 
     async def encode(self, prompt_token_ids: list[int], params: PoolingParams, request_id: str,
                      prompt: str | None = None, priority: int = 0,

@@ -258,7 +258,8 @@ class EngineCore:
                   if self._on_gpu and not a.num_experts else None)
         return UniProcExecutor(model, a, cc.num_blocks, cc.block_size, self.kv_dtype,
                                a.eos_token_ids, self.device, graphs, max_model_len=self.max_model_len,
-                               num_state_slots=self.num_state_slots * self._state_copies)
+                               num_state_slots=self.num_state_slots * self._state_copies,
+                               encoder_cache_size=sc.encoder_cache_tokens)
 
     def _start_up(self) -> None:
         """What needs the executor's workers: adapters, the KV-transfer agent, the trace,

@@ -168,6 +168,10 @@ class DPAsyncLLM:
         finally:
             self._started(i, hashes, -1)
 
+    async def process_images(self, prompt_token_ids: list[int], multi_modal_data) -> tuple:
+        """AsyncLLM.process_images (the replicas load one model: replica 0's processor)."""
+        return await self.replicas[0].process_images(prompt_token_ids, multi_modal_data)
+
     async def encode(self, prompt_token_ids: list[int], params: PoolingParams, request_id: str,
                      **kwargs) -> EmbeddingRequestOutput:
         """AsyncLLM.encode on the chosen replica."""

@@ -7,7 +7,7 @@ import sys
 
 from kvflow.entrypoints import bench_cli, router, serve_cli, trace_cli
 from kvflow.entrypoints.worker_node import worker_node_status
-from kvflow.options import add_engine_args, engine_kwargs
+from kvflow.options import add_engine_args, engine_kwargs, expand_dotted_flags
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -89,7 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:  # vLLM's dotted keys of a JSON option: --limit-mm-per-prompt.image 4
+        argv = expand_dotted_flags(sys.argv[1:] if argv is None else argv)
+    except ValueError as e:
+        parser.error(str(e))
+    args = parser.parse_args(argv)
     return args.func(args)
 
 

@@ -89,10 +89,11 @@ class UniProcExecutor(Executor):
     def __init__(self, model: torch.nn.Module, arch: LlamaArchConfig, num_blocks: int,
                  block_size: int, kv_dtype: torch.dtype, eos_token_id: int | list[int] | None,
                  device: torch.device | str = "cpu", graphs=None, max_model_len: int = 0,
-                 num_state_slots: int = 0) -> None:
+                 num_state_slots: int = 0, encoder_cache_size: int = 0) -> None:
         self.runner = ModelRunner(model, arch, num_blocks, block_size, kv_dtype, eos_token_id,
                                   device=device, graphs=graphs, max_model_len=max_model_len,
-                                  num_state_slots=num_state_slots)
+                                  num_state_slots=num_state_slots,
+                                  encoder_cache_size=encoder_cache_size)
 
     def execute(self, sched_out: SchedulerOutput, grammar=None) -> ModelRunnerOutput:
         return self.runner.execute(sched_out, grammar)

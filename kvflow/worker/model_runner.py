@@ -17,6 +17,7 @@ from kvflow.model.kv_cache import allocate_group_kv_caches, kv_cache_groups
 from kvflow.model.cuda_graphs import DecodeGraphs
 from kvflow.model.key_scales import set_key_scales
 from kvflow.model.malloc_tuning import retain_freed_memory
+from kvflow.worker.encoder_cache import EncoderCache
 from kvflow.model.pooler import PoolingState, prompt_logprobs_chunk
 from kvflow.model.rejection_sampler import greedy_accept, rejection_sample
 from kvflow.model.sampler import (Sampler, SamplingRow, apply_grammar_bitmask,
@@ -85,7 +86,8 @@ class ModelRunner:
                  eos_token_id: int | Sequence[int] | None, *, device: torch.device | str = "cpu",
                  graphs: DecodeGraphs | None = None, kv_memory=None, pp=None,
                  max_model_len: int = 0, num_state_slots: int = 0,
-                 model_kv_windows: tuple | None = None, first_layer: int = 0) -> None:
+                 model_kv_windows: tuple | None = None, first_layer: int = 0,
+                 encoder_cache_size: int = 0) -> None:
         # kv_memory: where the CPU KV cache lives (allocate_kv_caches's `zeros`); a shared file
         # when the tensor-parallel driver moves this rank's blocks (distributed/shared_kv.py)
         # pp: this rank's pipeline stage (kvflow.distributed.pipeline.PipelineGroup): a stage
@@ -96,6 +98,8 @@ class ModelRunner:
         # model's, as the scheduler's block tables are; the stage holds its layers' tensors
         self.model = model
         self.pp = pp
+        # images' encoder outputs across steps, by content hash (encoder_cache_size image tokens)
+        self.encoder_cache = EncoderCache(encoder_cache_size)
         self.arch = arch
         self.first_layer = first_layer
         self.block_size = block_size
@@ -440,8 +444,8 @@ class ModelRunner:
         """The step's input embeddings with the scheduled images' encoder outputs at their
         placeholder rows; each run's rows computed this step also go to every metadata as a
         bidirectional run (attention/bidirectional.py). An image's encoder output is computed
-        once per step however many requests hold it (by content hash), and is consumed in the
-        step: the scheduler schedules a placeholder run whole."""
+        once however many requests hold it (by content hash), and kept in the encoder cache
+        for later steps and requests; the scheduler schedules a placeholder run whole."""
         row_of = {r: i for i, r in enumerate(req_ids)}
         wanted = {}  # content hash -> feature
         for rid, items in out.scheduled_encoder_inputs.items():
@@ -451,12 +455,17 @@ class ModelRunner:
         outputs = {}
         by_shape: dict[tuple, list] = {}
         for f in wanted.values():
-            by_shape.setdefault(tuple(f.shape), []).append(f)
+            hit = self.encoder_cache.get(f.identifier)
+            if hit is not None:
+                outputs[f.identifier] = hit
+            else:
+                by_shape.setdefault(tuple(f.shape), []).append(f)
         for shape, feats in by_shape.items():
             pixels = torch.stack([torch.frombuffer(bytearray(f.data), dtype=torch.float32).view(shape)
                                   for f in feats]).to(self.device)
             for f, e in zip(feats, self.model.embed_multimodal(pixels)):
                 outputs[f.identifier] = e
+                self.encoder_cache.put(f.identifier, e)
         rows, parts, runs = [], [], []
         for rid, items in out.scheduled_encoder_inputs.items():
             b = row_of[rid]

@@ -293,7 +293,8 @@ class AnthropicServingMessages:
         names: dict[str, str] = {}
         chat_req = validated({"messages": chat_messages(req, names), **_tools_and_choice(req)})
         try:
-            _, ids = await self.chat.render(chat_req.messages, True, tool_dicts(chat_req.tools))
+            ids = (await self.chat.render(chat_req.messages, True,
+                                          tool_dicts(chat_req.tools))).prompt_ids
         except APIError as e:
             raise renamed(e, names) from None
         return {"input_tokens": len(ids)}

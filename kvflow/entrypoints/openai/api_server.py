@@ -230,8 +230,9 @@ def build_app(engine: AsyncLLM | DPAsyncLLM, settings: ServerSettings,
     async def tokenize(req: TokenizeRequest):
         completions.check_model(req.model)
         if req.messages is not None:
-            _, ids = await chat.render(req.messages, req.add_generation_prompt,
-                                       tool_dicts(req.tools), req.chat_template_kwargs)
+            # images counted as the engine runs them: each expanded to its tokens (vLLM's count)
+            ids = (await chat.render(req.messages, req.add_generation_prompt,
+                                     tool_dicts(req.tools), req.chat_template_kwargs)).prompt_ids
         elif req.prompt is not None:
             completions.check_text_size(len(req.prompt), "prompt")
             ids = await off_loop(engine.tokenizer.encode, req.prompt,

@@ -54,7 +54,7 @@ class ChatJob:
     parallel_tool_calls: bool = True
     lora_request: LoRARequest | None = None  # the adapter `model` named; None: the base model
     prompt_logprobs: bool = False  # the response carries vLLM's `prompt_logprobs`
-    multi_modal_data: MultiModalData | None = None  # its images, read and checked
+    mm_features: list | None = None  # its images, processed: prompt_ids is expanded for them
 
     def message_parser(self) -> MessageParser:
         tools = (make_tool_parser(self.tool_call_parser) if self.tool_mode == "auto" else
@@ -66,6 +66,17 @@ class ChatJob:
             reasoning.pass_calls = isinstance(tools, OpenAIToolParser)
         one_call = self.tool_mode == "auto" and not self.parallel_tool_calls
         return MessageParser(reasoning, tools, max_calls=1 if one_call else None)
+
+
+@dataclass
+class RenderedChat:
+    """Messages templated and tokenized, with their images processed."""
+
+    prompt: str
+    prompt_ids: list[int]  # expanded for the images
+    multi_modal_data: MultiModalData | None = None
+    image_names: list[str] | None = None  # where each image came from, for the messages
+    mm_features: list | None = None
 
 
 def _entry(lp: Logprob) -> dict:
@@ -186,11 +197,21 @@ def render_and_encode(tokenizer, convo: list[dict], add_generation_prompt: bool,
 class OpenAIServingChat(OpenAIServing):
     async def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                      tools: list[dict] | None = None,
-                     template_kwargs: dict | None = None) -> tuple[str, list[int]]:
-        """Template and tokenize, with the input bounded first and big work off the loop (an
-        image part is a 400 naming it: `prepare` reads images)."""
-        return await self.render_conversation(conversation(messages), add_generation_prompt,
-                                              tools, template_kwargs)
+                     template_kwargs: dict | None = None) -> RenderedChat:
+        """Template and tokenize, with the input bounded first and big work off the loop. Each
+        image is read and checked (a hostile one named as such), refused by a model that takes
+        none before its template sees its part, and the prompt expanded for the images by the
+        model's processor: its length is the one the engine runs (and vLLM's /tokenize counts)."""
+        refs: list[ImageRef] = []
+        convo = conversation(messages, refs)
+        mm_data, image_names = await self.load_images(refs)
+        self.check_multi_modal(mm_data, image_names)
+        prompt, ids = await self.render_conversation(convo, add_generation_prompt, tools,
+                                                     template_kwargs)
+        features = None
+        if mm_data:
+            ids, features = await self.expand_images(ids, mm_data)
+        return RenderedChat(prompt, ids, mm_data, image_names, features)
 
     async def render_conversation(self, convo: list[dict], add_generation_prompt: bool = True,
                                   tools: list[dict] | None = None,
@@ -266,14 +287,9 @@ class OpenAIServingChat(OpenAIServing):
                 tool_mode == "auto" and self.settings.tool_call_parser == "openai"):
             # harmony's parsers read its special tokens; the text they give out has none
             params.skip_special_tokens = False
-        refs: list[ImageRef] = []
-        convo = conversation(req.messages, refs)
-        # images are read and checked (a hostile one named as such), then refused by a model
-        # that takes none, before its template sees their parts
-        mm_data, image_names = await self.load_images(refs)
-        self.check_multi_modal(mm_data, image_names)
-        prompt, ids = await self.render_conversation(convo, req.add_generation_prompt, tools,
-                                                     req.chat_template_kwargs)
+        rendered = await self.render(req.messages, req.add_generation_prompt, tools,
+                                     req.chat_template_kwargs)
+        prompt, ids = rendered.prompt, rendered.prompt_ids
         if self.settings.reasoning_parser and params.structured_outputs is not None:
             # the thinking is free; the constraint holds from the token after `</think>`
             extra = reasoning_token_ids(
@@ -281,7 +297,7 @@ class OpenAIServingChat(OpenAIServing):
                 lambda text: self.tokenizer.encode(text, add_special_tokens=False), prompt)
             if extra:
                 params.structured_outputs = dataclasses.replace(params.structured_outputs, **extra)
-        self.check_prompt(ids, params, mm_data, image_names)
+        self.check_prompt(ids, params, rendered.multi_modal_data, rendered.image_names)
         self.check_request_tokens(len(ids), params.n)
         self.check_available(params.n)
         return ChatJob(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()),
@@ -289,7 +305,8 @@ class OpenAIServingChat(OpenAIServing):
                        prompt, ids, params, req.top_logprobs or 0, req.include_usage,
                        req.priority, req.cache_salt, tool_mode, tool_name,
                        self.settings.tool_call_parser, self.settings.reasoning_parser,
-                       req.parallel_tool_calls, lora, req.prompt_logprobs is not None, mm_data)
+                       req.parallel_tool_calls, lora, req.prompt_logprobs is not None,
+                       rendered.mm_features)
 
     async def chunks(self, job: ChatJob) -> AsyncIterator[dict]:
         # the adapter is held from here to the end (closing the stream aborts the requests
@@ -306,7 +323,7 @@ class OpenAIServingChat(OpenAIServing):
         gen = self.engine.generate(job.prompt_ids, job.params, job.request_id, prompt=job.prompt,
                                    priority=job.priority, cache_salt=job.cache_salt,
                                    lora_request=job.lora_request, checked=True,
-                                   multi_modal_data=job.multi_modal_data)
+                                   mm_features=job.mm_features)
         for i in range(job.params.n):
             yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}], **extra}

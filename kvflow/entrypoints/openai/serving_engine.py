@@ -155,6 +155,15 @@ class OpenAIServing:
         except ValueError as e:
             raise refused(e) from None
 
+    async def expand_images(self, ids: list[int], multi_modal_data: MultiModalData
+                            ) -> tuple[list[int], list]:
+        """The prompt expanded for its images by the model's processor, and their features:
+        the prompt the engine runs, so its length checks see each image's tokens; a 400."""
+        try:
+            return await self.engine.process_images(ids, multi_modal_data)
+        except ValueError as e:
+            raise refused(e) from None
+
     async def load_images(self, refs: list[ImageRef]
                           ) -> tuple[MultiModalData | None, list[str] | None]:
         """The request's images, counted before any is read, then each read and bounded
