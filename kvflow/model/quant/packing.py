@@ -27,6 +27,8 @@ import numpy as np
 import torch
 
 PANEL = 16
+# each kind's code in the C kernels (kvflow/csrc/kernels.h's QUANT_KIND_*)
+KIND_CODES = {"q4": 0, "q8": 1, "mxfp4": 2, "q4s": 3, "q6": 4, "q4k": 5, "parts": 6}
 BLOCK = 32
 RECORD_BYTES = {"q4": 320, "q4s": 288, "q8": 544, "mxfp4": 272, "q6": 420, "q4k": 288}  # per 32 inputs
 Q4K_RECORD = 2304  # per 256 inputs
@@ -121,8 +123,6 @@ def pack_parts(parts: list[tuple[str, int, torch.Tensor]]) -> torch.Tensor:
     """[(kind, outputs, packed)] stacked by outputs -> one buffer: int64 words [count, then per
     part: its kind's code, first output, outputs, byte offset], then each part's panels at a
     64-byte boundary. Every part but the last has whole panels (outputs a multiple of 16)."""
-    from kvflow.model.quant.qlinear import KIND_CODES
-
     assert all(n % PANEL == 0 for _, n, _ in parts[:-1])
     words, chunks, n0 = [len(parts)], [], 0
     at = -(-8 * (1 + 4 * len(parts)) // 64) * 64
@@ -138,7 +138,6 @@ def pack_parts(parts: list[tuple[str, int, torch.Tensor]]) -> torch.Tensor:
 
 
 def _parts_rows(packed: torch.Tensor, k: int, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    from kvflow.model.quant.qlinear import KIND_CODES
 
     names = {code: name for name, code in KIND_CODES.items()}
     count = int(packed[:8].clone().view(torch.int64))  # clones: a cached weight starts at any byte

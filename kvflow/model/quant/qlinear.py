@@ -10,12 +10,11 @@ from dataclasses import dataclass, field
 import torch
 
 from kvflow.csrc import library, run_kernel
-from kvflow.model.quant.packing import BLOCK, PANEL
+from kvflow.model.quant.packing import BLOCK, KIND_CODES, PANEL
 
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512-vnni": 2}
 # the C kernels' kinds (kernels.h): q4, q4s and q8 in gemm_quant.c, MXFP4 in gemm_mxfp4.c, q6
 # (GGUF Q6_K) in gemm_q6.c, q4k (GGUF Q4_K) in gemm_q4k.c
-KIND_CODES = {"q4": 0, "q8": 1, "mxfp4": 2, "q4s": 3, "q6": 4, "q4k": 5, "parts": 6}
 # Rows from which 8-bit weights are widened to bf16 (benchmarks/README.md, "The quantized linear
 # at batch sizes" and "8-bit weights at decode-sized batches", Zen 4, one thread): the int8 GEMM of 8-bit weights runs 25-30% behind the bf16 GEMM from
 # ~100 rows (its records are twice a 4-bit one's) and the widened path within 5% of it; level at
