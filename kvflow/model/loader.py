@@ -15,6 +15,7 @@ from kvflow.model.arch import LlamaArchConfig, load_arch_config
 from kvflow.model.cpu_features import cpu_features
 from kvflow.model.kernels import KernelOptions, Kernels, select_kernels
 from kvflow.model.kv_scales import apply_kv_scales
+from kvflow.model.malloc_tuning import trim_heap
 from kvflow.model.quant.load import MXFP4, MXFP4_FAMILIES, resolve_quantization
 from kvflow.model.sharding import load_shard
 from kvflow.model.weight_dtype import check_checkpoint, round_weights
@@ -105,10 +106,12 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None 
         kernels = select_kernels(dtype, device=device, options=options)
     model = family.model_class(arch)(arch, dtype, device="meta", kernels=kernels)
     model.load_state_dict(weights, strict=True, assign=True)
+    del weights  # the model holds them now: each goes when its packed copy is made
     model.eval()
     if device is not None:
         model.to(device)
     model.pack_weights()
+    trim_heap()  # the freed float copies back to the OS, not kept by malloc
     apply_kv_scales(model, path, arch.num_hidden_layers, arch.num_key_value_heads)
     return model, arch
 
@@ -155,9 +158,19 @@ def load_sharded_model(path: str, dtype: torch.dtype, tp,
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """The bytes a loaded model (or one rank's shard of it) holds as weights: a quantized one's
-    panels and float tensors (its load's count), else its float parameters (prepacked copies
-    not counted)."""
+    panels and float tensors (its load's count), else its float parameters still in memory and
+    every prepacked copy (panels, oneDNN's, the GEMV's), each tensor once."""
     report = getattr(model, "quant_report", None)
     if report is not None:
         return report["weight_bytes"]
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta")
+    seen: dict[int, int] = {}
+    for p in model.parameters():
+        if p.device.type != "meta":
+            seen[p.data_ptr()] = p.numel() * p.element_size()
+    packs = [getattr(model, "packed_lm_head", None)]
+    packs += [p for layer in getattr(model, "layers", []) for p in getattr(layer, "packed", {}).values()]
+    for packed in packs:  # (oneDNN's copy is opaque: no data pointer, counted by identity)
+        for t in (getattr(packed, f, None) for f in ("panels", "onednn", "gemv")):
+            if t is not None:
+                seen[id(t)] = t.numel() * t.element_size()
+    return sum(seen.values())

@@ -7,7 +7,11 @@ of a 2,048-token prefill step in fp32 on this machine. Pinning the mmap threshol
 trim threshold makes malloc reuse its heap; the engine's memory then stays at its peak
 working set (a few hundred MiB above the weights), which a server reaches anyway.
 
-KVFLOW_MALLOC_TUNING=0 leaves malloc alone. Elsewhere than glibc this does nothing."""
+KVFLOW_MALLOC_TUNING=0 leaves malloc alone. Elsewhere than glibc this does nothing.
+
+Loading is the opposite case: a model's float tensors are freed as their packed copies are
+made, once, and what malloc keeps of them would stay resident for the engine's life, so the
+loader hands the free heap back (`trim_heap`) before the thresholds above are set."""
 from __future__ import annotations
 
 import ctypes
@@ -45,3 +49,15 @@ def retain_freed_memory() -> bool:
         logger.warning("kvflow: mallopt refused the thresholds; activations keep fresh pages")
     _done = ok
     return ok
+
+
+def trim_heap() -> bool:
+    """Give malloc's free memory back to the OS (glibc's malloc_trim); True where it ran."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        malloc_trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return False
+    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    malloc_trim(0)
+    return True

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.csrc import ops
-from kvflow.csrc.gemm import (GATE_UP_ALIGN, amx_panel_gemm, amx_panels_built,
+from kvflow.csrc.gemm import (GATE_UP_ALIGN, PANEL, amx_panel_gemm, amx_panels_built,
                               pack_panels, panel_gemm)
 from kvflow.csrc.gemv import gemv_f32, pack_gemv
 from kvflow.model.quant.qlinear import QuantizedWeight, norm_quant_linear, quant_linear
@@ -120,6 +120,35 @@ def pack_weight(w: torch.Tensor, gate_up: bool = False, *, panels: bool,
             gemv=pack_gemv(w.detach(), gemv_dtype) if gemv else None, gemv_isa=gemv_isa if gemv else "scalar",
             gemv_rows=gemv_rows if gemv else 0)
     return None
+
+
+def serves_alone(packed: PackedWeight | None) -> bool:
+    """`linear` and `linear_silu_mul` never read the plain weight beside `packed`, and the
+    weight can be had back bit for bit (unpack_panels): its bf16 copy can go once packed (the
+    quantized load keeps none either). (An fp32 model's oneDNN and GEMV copies keep theirs.)"""
+    return packed is not None and packed.quant is None and packed.panels is not None
+
+
+def unpack_panels(packed: PackedWeight, n: int) -> torch.Tensor:
+    """The (n, K) weight packed in `packed.panels`, bit for bit (for a released weight)."""
+    p = packed.panels
+    w = p.permute(0, 2, 1, 3).reshape(-1, p.shape[1] * 2)[:n]
+    if packed.gate_up:
+        w = w.view(n // PANEL, 2, PANEL // 2, -1).transpose(0, 1).reshape(n, -1)
+    return w
+
+
+def released(w: torch.Tensor) -> torch.nn.Parameter:
+    """`w`'s place after packing: its shape and dtype on the meta device, no memory."""
+    return torch.nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+
+
+def panel_rows_of(packed: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the weight packed in `packed.panels` (not a gate_up pack), bit for bit: a
+    tied embedding reads its table from the LM head's panels (one copy of the table)."""
+    p = packed.panels
+    ids = ids.reshape(-1).long()
+    return p[ids // PANEL, :, ids % PANEL, :].reshape(ids.shape[0], p.shape[1] * 2)
 
 
 def row_bucket(m: int) -> int:

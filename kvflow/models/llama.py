@@ -15,6 +15,8 @@ shard: its own heads and MLP slice, all-reduced after the row-parallel O and dow
 and a vocab-parallel embedding and LM head (kvflow/model/sharding.py has the layout)."""
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -28,7 +30,7 @@ from kvflow.layers.rotary import ROPE_CACHE_MAX, partial_rope_, rope_tables
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.decode_graph import DecodeGraph
 from kvflow.model.kernels import Kernels, select_kernels
-from kvflow.model.packed_linear import PackedWeight
+from kvflow.model.packed_linear import PackedWeight, panel_rows_of, released, serves_alone, unpack_panels
 from kvflow.model.sharding import local_arch
 from kvflow.model.tp_layers import gather_vocab_logits, vocab_parallel_embedding
 from kvflow.models.family import ModelFamily
@@ -183,19 +185,35 @@ class LlamaForCausalLM(nn.Module):
         self._decode_graph: tuple = (None, None)
 
     def pack_weights(self) -> bool:
-        """Keep prepacked copies of the projections and the LM head beside the weights
-        (which stay as they are for state_dict and the embedding). False: not usable here."""
+        """Pack the projections and the LM head for their kernels; each float weight a pack
+        serves alone goes (released: on the meta device), so a model holds one copy of its
+        weights. A tied embedding then reads its rows from the LM head's panels. False: not
+        usable here (the weights stay as they are)."""
         pack = self.kernels.pack
         if self.layers[0].o_proj.device.type != "cpu" or pack is None:
             return False
-        for layer in self.layers:
-            layer.packed = {name: pack(getattr(layer, name), gate_up=name == "gate_up_proj")
-                            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-                            if getattr(layer, name) is not None}
+        gone: dict[str, PackedWeight] = {}  # state_dict names of released weights -> their packs
+        for i, layer in enumerate(self.layers):
+            layer.packed = {}
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                w = getattr(layer, name)
+                if w is None:
+                    continue
+                layer.packed[name] = pack(w, gate_up=name == "gate_up_proj")
+                if serves_alone(layer.packed[name]):
+                    setattr(layer, name, released(w))
+                    gone[f"layers.{i}.{name}"] = layer.packed[name]
             if layer.moe is not None:
                 layer.moe.pack_weights(pack)
         if self.pp_last:
-            self.packed_lm_head = pack(self.embed_tokens if self.lm_head is None else self.lm_head)
+            name = "embed_tokens" if self.lm_head is None else "lm_head"
+            self.packed_lm_head = pack(getattr(self, name))
+            # a tied table goes too where the embedding can read its rows from the panels
+            if serves_alone(self.packed_lm_head) and (name == "lm_head" or self.tp is None):
+                setattr(self, name, released(getattr(self, name)))
+                gone[name] = self.packed_lm_head
+        if gone:  # state_dict() still gives every weight, from its panels
+            self._register_state_dict_hook(partial(_unpacked_state, gone))
         return True
 
     def cover_positions(self, n_pos: int) -> None:
@@ -228,6 +246,8 @@ class LlamaForCausalLM(nn.Module):
             x, delta = hidden[0], hidden[1]
         elif self.quantized_embedding is not None:
             x = self.quantized_embedding(input_ids)
+        elif self.embed_tokens.device.type == "meta":  # tied: the LM head's panels hold the table
+            x = panel_rows_of(self.packed_lm_head, input_ids)
         elif self.tp is None:
             x = F.embedding(input_ids, self.embed_tokens)
         else:
@@ -304,6 +324,14 @@ _MIXTRAL = "MixtralForCausalLM"
 # llama.cpp's choice where the file does not say (expert_weights_norm): Qwen2-MoE leaves the
 # top-k weights as they come out of the softmax, Qwen3-MoE and Mixtral renormalise them.
 _GGUF_NORM_TOPK = {"Qwen2MoeForCausalLM": False}
+
+
+def _unpacked_state(gone: dict, module, state: dict, prefix: str, local_metadata) -> None:
+    """A state_dict hook: released weights back from their panels, bit for bit."""
+    for name, packed in gone.items():
+        key = prefix + name
+        if key in state and state[key].device.type == "meta":
+            state[key] = unpack_panels(packed, state[key].shape[0])
 
 
 class LlamaFamily(ModelFamily):
