@@ -84,19 +84,20 @@ def requant(src: str, dst: str, type_name: str) -> None:
     _write(writer, plan, make)
 
 
-def llama_shaped(dst: str, type_name: str, tokenizer_from: str, shape: str = "llama3-8b",
+def llama_shaped(dst: str, type_name: str, tokenizer_from: str, shape: str | dict = "llama3-8b",
                  seed: int = 0) -> None:
-    """A Llama of SHAPES[shape] with random weights (vocab None: the tokenizer's own)."""
+    """A Llama of SHAPES[shape] (or the dict `shape`, its keys) with random weights (vocab
+    None: the tokenizer's own)."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
     from gguf.quants import quantize, quant_shape_to_byte_shape
 
     qtype = GGMLQuantizationType[type_name]
     src = GGUFReader(tokenizer_from)
-    s = dict(SHAPES[shape])
+    s = dict(SHAPES[shape] if isinstance(shape, str) else shape)
     if s["vocab"] is None:
         s["vocab"] = len(src.fields["tokenizer.ggml.tokens"].contents())
     writer = GGUFWriter(dst, "llama")
-    writer.add_name(f"random-{shape}-shapes")
+    writer.add_name(f"random-{shape if isinstance(shape, str) else 'llama'}-shapes")
     writer.add_block_count(s["layers"])
     writer.add_context_length(s["ctx"])
     writer.add_embedding_length(s["hidden"])

@@ -17,22 +17,41 @@ DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", to
 _TORCH = {v: k for k, v in DTYPES.items()}
 
 
+class TensorFile:
+    """A safetensors file open for reading tensors one by one (`names`, `read(name)`)."""
+
+    def __init__(self, path: str):
+        self._f = open(path, "rb")
+        n = int.from_bytes(self._f.read(8), "little")
+        self._header = json.loads(self._f.read(n))
+        self._header.pop("__metadata__", None)
+        self._base = 8 + n
+        self.names = sorted(self._header, key=lambda k: self._header[k]["data_offsets"][0])
+
+    def read(self, name: str) -> torch.Tensor:
+        """Tensor `name` in fresh memory."""
+        info = self._header[name]
+        begin, end = info["data_offsets"]
+        t = torch.empty(info["shape"], dtype=_TORCH[info["dtype"]])
+        if end > begin:
+            self._f.seek(self._base + begin)
+            self._f.readinto(memoryview(t.view(-1).view(torch.uint8).numpy()))
+        return t
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> "TensorFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def read_tensors(path: str) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file, each read into its own fresh tensor."""
-    out: dict[str, torch.Tensor] = {}
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-        header.pop("__metadata__", None)
-        base = 8 + n
-        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-            begin, end = info["data_offsets"]
-            t = torch.empty(info["shape"], dtype=_TORCH[info["dtype"]])
-            if end > begin:
-                f.seek(base + begin)
-                f.readinto(memoryview(t.view(-1).view(torch.uint8).numpy()))
-            out[name] = t
-    return out
+    with TensorFile(path) as f:
+        return {name: f.read(name) for name in f.names}
 
 
 def write_tensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:

@@ -25,9 +25,11 @@ def pack_panels(w: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
     if gate_up:
         assert n % GATE_UP_ALIGN == 0, f"gate/up rows {n} are not whole pairs of 32"
         w = w.view(2, n // PANEL, PANEL // 2, k).transpose(0, 1).reshape(n, k)
-    padded = w.new_zeros(-(-n // PANEL) * PANEL, k)
-    padded[:n] = w
-    return padded.view(-1, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    if n % PANEL:  # (a whole number of panels needs no padded copy: one LM head less at load)
+        padded = w.new_zeros(-(-n // PANEL) * PANEL, k)
+        padded[:n] = w
+        w = padded
+    return w.contiguous().view(-1, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 def panel_gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None,

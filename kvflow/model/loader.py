@@ -9,7 +9,8 @@ from dataclasses import replace
 import torch
 
 from kvflow.checkpoint.compressed_tensors import METHOD, checkpoint_method, dequantized, read_raw
-from kvflow.checkpoint.conversion_cache import fuse_weights, load_gguf
+from kvflow.checkpoint.conversion_cache import ensure_gguf_cache, fuse_weights, load_gguf
+from kvflow.checkpoint.safetensors_io import TensorFile
 from kvflow.checkpoint.hf_folder import read_hf_folder
 from kvflow.model.arch import LlamaArchConfig, load_arch_config
 from kvflow.model.cpu_features import cpu_features
@@ -91,6 +92,16 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None 
         if loaded is not None:
             apply_kv_scales(loaded[0], path, loaded[1].num_hidden_layers, loaded[1].num_key_value_heads)
             return loaded
+    if kernels is None:
+        options = replace(KernelOptions.from_env(), gemv_dtype=weight_dtype)
+        kernels = select_kernels(dtype, device=device, options=options)
+    on_cpu = device is None or torch.device(device).type == "cpu"
+    if is_gguf(path) and weight_dtype is None and on_cpu:
+        model = family.model_class(arch)(arch, dtype, device="meta", kernels=kernels)
+        if model.packs_by_layer():  # one layer's float weights at a time beside the packed model
+            _load_packing(model, ensure_gguf_cache(path, dtype))
+            apply_kv_scales(model, path, arch.num_hidden_layers, arch.num_key_value_heads)
+            return model.eval(), arch
     if is_gguf(path):
         weights = load_gguf(path, dtype)
     elif quantization == METHOD:  # no int8 kernels here (or this architecture): as floats
@@ -101,9 +112,6 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None 
     if weight_dtype is not None and not exact:  # a checkpoint in that dtype needs no rounding
         round_weights(weights, weight_dtype)
     # build on the meta device, then adopt the loaded tensors without a second copy
-    if kernels is None:
-        options = replace(KernelOptions.from_env(), gemv_dtype=weight_dtype)
-        kernels = select_kernels(dtype, device=device, options=options)
     model = family.model_class(arch)(arch, dtype, device="meta", kernels=kernels)
     model.load_state_dict(weights, strict=True, assign=True)
     del weights  # the model holds them now: each goes when its packed copy is made
@@ -114,6 +122,34 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None 
     trim_heap()  # the freed float copies back to the OS, not kept by malloc
     apply_kv_scales(model, path, arch.num_hidden_layers, arch.num_key_value_heads)
     return model, arch
+
+
+def _load_packing(model: torch.nn.Module, cache_file: str) -> None:
+    """Adopt a fused safetensors file's tensors, packing each decoder layer as soon as its
+    weights are read: the float copy of one layer at a time sits beside the packed model
+    (read all first, the whole float model did, each weight freed only as it was packed).
+    The names must be the model's parameters exactly, as load_state_dict(strict=True)."""
+    with TensorFile(cache_file) as f:
+        expected = {name for name, _ in model.named_parameters()}
+        if set(f.names) != expected:
+            raise ValueError(f"weights: missing {sorted(expected - set(f.names))[:8]}, "
+                             f"unexpected {sorted(set(f.names) - expected)[:8]}")
+        by_layer: dict[int, list[str]] = {}
+        rest = []
+        for name in f.names:
+            parts = name.split(".")
+            if parts[0] == "layers":
+                by_layer.setdefault(int(parts[1]), []).append(name)
+            else:
+                rest.append(name)
+        model.load_state_dict({name: f.read(name) for name in rest}, strict=False, assign=True)
+        for i in range(len(model.layers)):
+            model.load_state_dict({name: f.read(name) for name in by_layer.get(i, [])},
+                                  strict=False, assign=True)
+            model.pack_layer(i)
+            trim_heap()  # the layer's float weights back to the OS (malloc keeps them otherwise)
+    model.pack_head()
+    trim_heap()
 
 
 def load_sharded_model(path: str, dtype: torch.dtype, tp,

@@ -183,38 +183,53 @@ class LlamaForCausalLM(nn.Module):
         # decode steps' layers in one C call (decode_graph.py): built on the first step, for
         # the kernels of that moment (None: this model's steps run layer by layer)
         self._decode_graph: tuple = (None, None)
+        # state_dict names of weights released after packing -> their packs: state_dict()
+        # still gives every weight, from its panels
+        self._released: dict[str, PackedWeight] = {}
+        self._register_state_dict_hook(partial(_unpacked_state, self._released))
 
     def pack_weights(self) -> bool:
         """Pack the projections and the LM head for their kernels; each float weight a pack
         serves alone goes (released: on the meta device), so a model holds one copy of its
         weights. A tied embedding then reads its rows from the LM head's panels. False: not
         usable here (the weights stay as they are)."""
-        pack = self.kernels.pack
-        if self.layers[0].o_proj.device.type != "cpu" or pack is None:
+        if self.layers[0].o_proj.device.type != "cpu" or self.kernels.pack is None:
             return False
-        gone: dict[str, PackedWeight] = {}  # state_dict names of released weights -> their packs
-        for i, layer in enumerate(self.layers):
-            layer.packed = {}
-            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-                w = getattr(layer, name)
-                if w is None:
-                    continue
-                layer.packed[name] = pack(w, gate_up=name == "gate_up_proj")
-                if serves_alone(layer.packed[name]):
-                    setattr(layer, name, released(w))
-                    gone[f"layers.{i}.{name}"] = layer.packed[name]
-            if layer.moe is not None:
-                layer.moe.pack_weights(pack)
-        if self.pp_last:
-            name = "embed_tokens" if self.lm_head is None else "lm_head"
-            self.packed_lm_head = pack(getattr(self, name))
-            # a tied table goes too where the embedding can read its rows from the panels
-            if serves_alone(self.packed_lm_head) and (name == "lm_head" or self.tp is None):
-                setattr(self, name, released(getattr(self, name)))
-                gone[name] = self.packed_lm_head
-        if gone:  # state_dict() still gives every weight, from its panels
-            self._register_state_dict_hook(partial(_unpacked_state, gone))
+        for i in range(len(self.layers)):
+            self.pack_layer(i)
+        self.pack_head()
         return True
+
+    def packs_by_layer(self) -> bool:
+        """pack_layer and pack_head are this model's pack_weights (a loader may then read and
+        pack one layer at a time: model/loader.py); False where a family packs its own way."""
+        return type(self).pack_weights is LlamaForCausalLM.pack_weights and self.kernels.pack is not None
+
+    def pack_layer(self, i: int) -> None:
+        """Pack layer i's projections (on the CPU), releasing each weight its pack serves alone."""
+        pack, layer = self.kernels.pack, self.layers[i]
+        layer.packed = {}
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            w = getattr(layer, name)
+            if w is None:
+                continue
+            layer.packed[name] = pack(w, gate_up=name == "gate_up_proj")
+            if serves_alone(layer.packed[name]):
+                setattr(layer, name, released(w))
+                self._released[f"layers.{i}.{name}"] = layer.packed[name]
+        if layer.moe is not None:
+            layer.moe.pack_weights(pack)
+
+    def pack_head(self) -> None:
+        """Pack the LM head (the embedding, tied), releasing it where its panels serve alone:
+        a tied table too, where the embedding can read its rows from them (one rank)."""
+        if not self.pp_last:
+            return
+        name = "embed_tokens" if self.lm_head is None else "lm_head"
+        self.packed_lm_head = self.kernels.pack(getattr(self, name))
+        if serves_alone(self.packed_lm_head) and (name == "lm_head" or self.tp is None):
+            setattr(self, name, released(getattr(self, name)))
+            self._released[name] = self.packed_lm_head
 
     def cover_positions(self, n_pos: int) -> None:
         """Make the cos/sin tables hold positions 0..n_pos-1 (the kernels index them without a
