@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -53,17 +52,6 @@ print("RESULT " + json.dumps({"stages": stages, "load_s": load_s,
                                "kv_bytes": core.kv_bytes_per_token * num_blocks * block_size,
                                "startup": core.startup_report()}))
 """
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def build(workdir: str, type_name: str, shape: str) -> str:
@@ -110,10 +98,13 @@ def main() -> None:
     p.add_argument("--delete", action="store_true", help="delete each file and its cache when done")
     a = p.parse_args()
     sys.path.insert(0, ROOT)
+    sys.path.insert(0, HERE)
     os.makedirs(a.workdir, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
-    results = {"cpu": cpu_name(), "cores": os.cpu_count(), "commit": commit, "shape": a.shape,
+    from results_io import cpu_info
+
+    results = {"cpu": cpu_info(), "cores": os.cpu_count(), "commit": commit, "shape": a.shape,
                "num_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE, "runs": {}}
     for type_name in a.types:
         path = build(a.workdir, type_name, a.shape)
