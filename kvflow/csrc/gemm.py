@@ -73,11 +73,15 @@ def amx_panel_gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Te
                    threads: int = 1, silu_mul: bool = False) -> torch.Tensor:
     """panel_gemm's result on AMX's tiles (gemm_amx.c), from the same panels: for batches of
     more than a few rows, where the tiles are several times faster than AVX512-BF16."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
     m, k = x.shape
     out = x.new_empty(m, n // 2 if silu_mul else n)
-    words = [x.data_ptr(), x.stride(0), k, panels.data_ptr(),
+    tiles = -(-m // 16)
+    # x in AMX's A layout: [tiles of 16 rows][K/32][16][32], the last tile zero-padded
+    a = x.new_zeros(tiles * 16, k) if m % 16 else x
+    if m % 16:
+        a[:m] = x
+    a = a.reshape(tiles, 16, k // 32, 32).transpose(1, 2).contiguous()
+    words = [a.data_ptr(), k, k, panels.data_ptr(),
              bias.data_ptr() if bias is not None else None, out.data_ptr(), out.shape[1], n, m,
              int(silu_mul)]
     run_kernel("gemm_amx", words, panels.shape[0], threads)

@@ -8,11 +8,14 @@
  * 16 rows x 32 k of x, tmm1-2 take the panel's four B tiles in turn, tmm4-7 accumulate the
  * panel's 64 outputs in fp32; results round to bf16 once (+ bias first), as the panels' do.
  * With `silu_mul` (a [gate; up] panel: 32 gate then the same 32 up outputs) the panel leaves
- * as bf16(bf16(silu(gate)) * up) in columns 32p..32p+31. K must be a multiple of 32; the
- * last tile of rows is copied into a zero-padded scratch of 16 rows. */
+ * as bf16(bf16(silu(gate)) * up) in columns 32p..32p+31. K must be a multiple of 32.
+ *
+ * x comes in AMX's A layout, [ceil(M/16)][K/32][16][32] (gemm.py packs it, the last tile of
+ * rows zero-padded): each A tile is 1 KiB in one piece. Read in place, x's rows are K * 2 bytes
+ * apart, which for K = 2048 puts all 16 rows of a tile in one L1 set: the tile came from L2 at
+ * every k step. */
 #define _GNU_SOURCE
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
@@ -34,13 +37,12 @@ static void configure(void) {
     _tile_loadconfig(&c);
 }
 
-/* The panel's 64 outputs for 16 rows of x (a: row stride `as` elements) into c [16][64] fp32 */
-static inline void panel_rows16(const uint16_t *a, int64_t as, int64_t K, const uint16_t *panel,
-                                float *c) {
+/* The panel's 64 outputs for one tile of 16 rows (a: its K/32 A tiles) into c [16][64] fp32 */
+static inline void panel_rows16(const uint16_t *a, int64_t K, const uint16_t *panel, float *c) {
     _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
     for (int64_t k = 0; k < K; k += 32) {
         const uint16_t *b = panel + (k / 2) * (2 * PANEL);
-        _tile_loadd(0, a + k, 2 * as);
+        _tile_loadd(0, a + k * TROWS, 64);
         _tile_loadd(1, b, 4 * PANEL);
         _tile_dpbf16ps(4, 0, 1);
         _tile_loadd(2, b + 32, 4 * PANEL);
@@ -81,41 +83,30 @@ static void store_rows(const float *c, int rows, const uint16_t *bias, uint16_t 
     }
 }
 
-/* Panels [p_begin, p_end) of out[M, N] = x[M, K] @ w.T (+ bias), every row; the words and
- * layout of gemm_bf16_panels. */
+/* Panels [p_begin, p_end) of out[M, N] = x[M, K] @ w.T (+ bias), every row; gemm_bf16_panels'
+ * words, x in the A layout above (x_stride unused). */
 void gemm_amx_panels(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K,
                      const uint16_t *packed, const uint16_t *bias, uint16_t *out,
                      int64_t out_stride, int64_t N, int64_t p_begin, int64_t p_end,
                      int64_t silu_mul)
 {
+    (void)x_stride;
     if (!prefill_amx_available() || K % 32 != 0)
         return; /* the caller checks gemm_amx_available() and K first */
     configure();
     float c[TROWS * PANEL] __attribute__((aligned(64)));
-    int64_t full = M / TROWS * TROWS, tail = M - full;
-    uint16_t *pad = NULL;
-    if (tail) { /* the last rows, zero-padded to a whole tile */
-        pad = calloc((size_t)(TROWS * K), sizeof *pad);
-        if (!pad) { _tile_release(); return; }
-        for (int64_t m = 0; m < tail; m++)
-            memcpy(pad + m * K, x + (full + m) * x_stride, (size_t)K * sizeof *pad);
-    }
     int64_t panel_size = (K / 2) * 2 * PANEL;
     for (int64_t p = p_begin; p < p_end; p++) {
         const uint16_t *panel = packed + p * panel_size;
         int64_t n0 = p * PANEL, nv = N - n0 < PANEL ? N - n0 : PANEL;
         const uint16_t *b = bias ? bias + n0 : 0;
         uint16_t *o = out + (silu_mul ? n0 / 2 : n0);
-        for (int64_t m0 = 0; m0 < full; m0 += TROWS) {
-            panel_rows16(x + m0 * x_stride, x_stride, K, panel, c);
-            store_rows(c, TROWS, b, o + m0 * out_stride, out_stride, nv, (int)silu_mul);
-        }
-        if (tail) {
-            panel_rows16(pad, K, K, panel, c);
-            store_rows(c, (int)tail, b, o + full * out_stride, out_stride, nv, (int)silu_mul);
+        for (int64_t m0 = 0; m0 < M; m0 += TROWS) {
+            int rows = M - m0 < TROWS ? (int)(M - m0) : TROWS;
+            panel_rows16(x + m0 * K, K, panel, c);
+            store_rows(c, rows, b, o + m0 * out_stride, out_stride, nv, (int)silu_mul);
         }
     }
-    free(pad);
     _tile_release();
 }
 #else
