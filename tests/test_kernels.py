@@ -82,6 +82,10 @@ def test_bf16_on_an_amx_cpu_takes_the_panels_for_few_rows_and_amx_for_more():
     no_onednn = select_kernels(torch.bfloat16, features=SAPPHIRE_RAPIDS, options=KernelOptions(onednn=False))
     assert no_onednn.names["linear"] == (f"panel-bf16<={rows},{large}+amx-panels" if tiles else "panel-bf16")
     assert no_onednn.pack(w).onednn is None
+    # KVFLOW_NO_AMX_PANELS: oneDNN's AMX GEMM on its own copy beside the panels (two copies)
+    copy = select_kernels(torch.bfloat16, features=SAPPHIRE_RAPIDS, options=KernelOptions(amx_panels=False))
+    assert copy.names["linear"] == f"panel-bf16<={rows},{large}+onednn-amx"
+    assert copy.pack(w).onednn is not None and copy.pack(w).panels is not None
     no_panels = select_kernels(torch.bfloat16, features=SAPPHIRE_RAPIDS, options=KernelOptions(panel_gemm=False))
     assert no_panels.names["linear"] == "onednn" and no_panels.pack(w).panels is None
     # fp32 is as before (the GEMV and oneDNN)

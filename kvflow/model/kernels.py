@@ -62,7 +62,7 @@ from kvflow.model.packed_linear import AMX_PANEL_ROWS, AMX_PANEL_ROWS_LARGE
 @dataclass(frozen=True)
 class KernelOptions:
     """The user's opt-outs (KVFLOW_NO_KERNELS, KVFLOW_NO_ONEDNN, KVFLOW_NO_PANEL_GEMM,
-    KVFLOW_NO_GEMV, KVFLOW_NO_AMX_ATTENTION), a narrower fp32 GEMV path to measure
+    KVFLOW_NO_GEMV, KVFLOW_NO_AMX_ATTENTION, KVFLOW_NO_AMX_PANELS), a narrower fp32 GEMV path to measure
     (KVFLOW_GEMV_ISA), and the storage dtype of the GEMV's weights (the `weight_dtype` option:
     None is fp32; bf16 or fp16 are widened to fp32 in the kernel, model/weight_dtype.py)."""
 
@@ -71,6 +71,7 @@ class KernelOptions:
     panel_gemm: bool = True
     gemv: bool = True
     amx_attention: bool = True
+    amx_panels: bool = True  # False: oneDNN's AMX GEMM on its own copy (KVFLOW_NO_AMX_PANELS)
     gemv_isa: str | None = None  # None: the widest this CPU and build have
     gemv_dtype: torch.dtype | None = None
 
@@ -85,7 +86,8 @@ class KernelOptions:
     def from_env(cls) -> "KernelOptions":
         return cls(c_kernels=not envs.KVFLOW_NO_KERNELS, onednn=not envs.KVFLOW_NO_ONEDNN,
                    panel_gemm=not envs.KVFLOW_NO_PANEL_GEMM, gemv=not envs.KVFLOW_NO_GEMV,
-                   amx_attention=not envs.KVFLOW_NO_AMX_ATTENTION, gemv_isa=envs.KVFLOW_GEMV_ISA)
+                   amx_attention=not envs.KVFLOW_NO_AMX_ATTENTION,
+                   amx_panels=not envs.KVFLOW_NO_AMX_PANELS, gemv_isa=envs.KVFLOW_GEMV_ISA)
 
 
 @dataclass(frozen=True)
@@ -202,7 +204,7 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
     onednn = onednn and not gemv_all  # the GEMV serves every batch: no second copy
     silu_mul = ops.silu_mul if c else ops.silu_mul_torch
     # AMX's tiles over the panels (gemm_amx.c), else oneDNN's AMX GEMM on a copy of its own
-    tiles = panels and features.amx_bf16 and amx_panels_built()
+    tiles = panels and features.amx_bf16 and options.amx_panels and amx_panels_built()
     amx = panels and features.amx_bf16 and (tiles or onednn)
     amx_name = "amx-panels" if tiles else "onednn-amx"
     # rows past these: AMX (the larger for weights over AMX_LARGE_BYTES)
@@ -229,7 +231,7 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
     names["state"] = f"c-{state_isa}" if state_isa else "torch"
     pack = (partial(packed_linear.pack_weight, panels=panels, onednn=onednn, gemv_isa=gemv_isa,
                     gemv_rows=GEMV_MAX_ROWS.get(gemv_isa, 0), gemv_dtype=gemv_dtype,
-                    amx=amx)
+                    amx=amx, amx_tiles=tiles)
             if panels or onednn or gemv_isa else None)
     return Kernels(
         dtype=dtype, kv_dtype=kv_dtype, device_type=device_type, features=features,

@@ -92,19 +92,19 @@ def panels_take(w: torch.Tensor) -> bool:
 def pack_weight(w: torch.Tensor, gate_up: bool = False, *, panels: bool,
                 onednn: bool, gemv_isa: str | None = None, gemv_rows: int = 0,
                 gemv_dtype: torch.dtype | None = None,
-                amx: bool = False) -> PackedWeight | None:
+                amx: bool = False, amx_tiles: bool = True) -> PackedWeight | None:
     """An (out, in) weight packed for `linear`: bf16 panels where `panels` and the kernel takes
     it, else oneDNN's layout where `onednn`; None: plain F.linear. With `amx` (a CPU with AMX)
     batches of up to amx_panel_rows(w) rows take the panels' AVX512-BF16 kernel, longer ones AMX's
     tiles over the same panels (where gemm_amx.c takes them, else oneDNN's copy beside the
-    panels, when `onednn`). `gate_up`: w is an MLP's
+    panels, when `onednn`; `amx_tiles` False: oneDNN's copy always). `gate_up`: w is an MLP's
     [gate; up], for `linear_silu_mul`. An fp32 weight also gets the GEMV's panels when
     `gemv_isa` is given: batches of up to `gemv_rows` rows read those instead (a decode step
     streams the weights at close to the memory's rate there; oneDNN's copy serves longer
     batches), stored in `gemv_dtype` (None: fp32; bf16/fp16 round w, model/weight_dtype.py).
     (kernels.py decides all of these once.)"""
     if panels and panels_take(w):
-        tiles = amx and amx_panels_built() and w.shape[1] % 32 == 0
+        tiles = amx and amx_tiles and amx_panels_built() and w.shape[1] % 32 == 0
         copy = (torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64)
                 if onednn and amx and not tiles else None)
         rows = amx_panel_rows(w) if tiles or copy is not None else None
