@@ -93,9 +93,10 @@ def tiny_model(fmt: str, dtype: torch.dtype, isa: str, arch: LlamaArchConfig = A
         packed = model.layers[0].packed["qkv_proj"]
         assert packed.panels is not None if fmt.startswith("panels") else packed.gemv_isa == isa
         return model
-    for layer in model.layers:
+    dense = model.state_dict()  # (a packed weight was released: this gives it back from its panels)
+    for i, layer in enumerate(model.layers):
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-            layer.packed[name] = PackedWeight(quant=_quantized(getattr(layer, name).detach(), fmt, isa))
+            layer.packed[name] = PackedWeight(quant=_quantized(dense[f"layers.{i}.{name}"], fmt, isa))
     return model
 
 
