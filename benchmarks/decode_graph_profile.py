@@ -21,7 +21,7 @@ def projections_ms(model, threads: int, reps: int = 50) -> float:
     import torch
 
     from kvflow.csrc import library
-    from kvflow.model.quant.qlinear import ISA_CODES, NEVER
+    from kvflow.model.quant.qlinear import ISA_CODES, KIND_CODES, NEVER
 
     lib, dtype = library(), model.dtype
     bf16 = int(dtype == torch.bfloat16)
@@ -33,7 +33,7 @@ def projections_ms(model, threads: int, reps: int = 50) -> float:
             w = layer.packed[name].quant
             n_out = w.n // 2 if name == "gate_up_proj" else w.n
             inp, out = torch.randn(1, w.k).to(dtype), torch.empty(1, n_out, dtype=dtype)
-            common = (w.kb, bf16, int(w.per_row), w.packed.data_ptr(), int(w.kind == "q8"),
+            common = (w.kb, bf16, int(w.per_row), w.packed.data_ptr(), KIND_CODES[w.kind],
                       ISA_CODES[w.isa], None, out.data_ptr(), w.n, bf16, 1, threads,
                       w.wide_rows if bf16 else NEVER, int(name == "gate_up_proj"))
             if name in ("qkv_proj", "gate_up_proj"):

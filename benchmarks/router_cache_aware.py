@@ -16,6 +16,11 @@ rounds of each policy, and the ratios.
 
     flock /tmp/kvflow-bench.lock .venv/bin/python benchmarks/router_cache_aware.py \\
         [--sessions 8] [--turns 5] [--rounds 3] [--output-len 24] [--save-json PATH]
+
+With `--kv-events` the replicas publish their KV events, and a variant's flags may name
+`{events}`, their endpoints in order: `--variant 'events=--policy cache_aware
+--kv-events-endpoints {events}'` routes by the blocks the replicas report rather than by the
+text tree (compare under cache pressure, a small `--kv-cache-memory`, where they evict).
 """
 from __future__ import annotations
 
@@ -92,6 +97,16 @@ def routed(router: str) -> dict[str, float]:
     return out
 
 
+def reasons(router: str) -> dict[str, float]:
+    """Requests routed so far by why (cache_hit, balance, kv_cache_hit, ...)."""
+    out: dict[str, float] = {}
+    text = httpx.get(router + "/metrics", timeout=30).text
+    for why, v in re.findall(r'^kvflow_router:backend_requests_total\{[^}]*reason="([^"]+)"'
+                             r'[^}]*\} (\S+)$', text, re.M):
+        out[why] = out.get(why, 0.0) + float(v)
+    return out
+
+
 def sentence(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n)) + "."
 
@@ -145,6 +160,7 @@ def run_round(policy: str, router: str, replicas: list[str], system: str, seed: 
     reset_caches(replicas)
     before = [replica_counts(u) for u in replicas]
     sent_before = routed(router)
+    why_before = reasons(router)
     rngs = [random.Random(seed * 1000 + s) for s in range(args.sessions)]
 
     async def run():
@@ -162,12 +178,15 @@ def run_round(policy: str, router: str, replicas: list[str], system: str, seed: 
     ttfts = sorted(t for s in results for t, _ in s)
     tokens = sum(n for s in results for _, n in s)
     share = [sent_after.get(u, 0) - sent_before.get(u, 0) for u in replicas]
+    why = {k: v - why_before.get(k, 0) for k, v in reasons(router).items()
+           if v - why_before.get(k, 0)}
     return {"policy": policy, "seed": seed, "wall_s": wall, "requests": len(ttfts),
             "prefix_hit_rate": hits / queries if queries else 0.0,
             "prompt_tokens": int(queries), "prompt_tokens_from_cache": int(hits),
             "ttft_p50_s": ttfts[len(ttfts) // 2],
             "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))],
-            "completion_tokens_per_s": tokens / wall, "requests_per_replica": share}
+            "completion_tokens_per_s": tokens / wall, "requests_per_replica": share,
+            "reasons": why}
 
 
 def main() -> None:
@@ -185,6 +204,8 @@ def main() -> None:
                    help="a router to compare, e.g. 'cache_aware=--policy cache_aware' "
                         "(repeatable; default: cache_aware, cache_aware with SGLang's balance "
                         "threshold of 32, and round_robin)")
+    p.add_argument("--kv-events", action="store_true",
+                   help="replicas publish KV events; `{events}` in a variant's flags names them")
     p.add_argument("--save-json", default=os.path.join(REPO, "benchmarks", "results",
                                                        "router_cache_aware.json"))
     args = p.parse_args()
@@ -196,9 +217,16 @@ def main() -> None:
     procs = []
     try:
         replicas = []
+        events = []
         for _ in range(args.replicas):
+            extra = []
+            if args.kv_events:
+                port = free_port()
+                events.append(f"tcp://127.0.0.1:{port}")
+                extra = ["--kv-events-config", json.dumps(
+                    {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})]
             proc, url, log = start(["serve", "--num-threads", "1", "--max-model-len", "2048",
-                                    "--kv-cache-memory", args.kv_cache_memory], "/health")
+                                    "--kv-cache-memory", args.kv_cache_memory, *extra], "/health")
             procs.append((proc, log))
             replicas.append((proc, url, log))
         for proc, url, log in replicas:
@@ -206,6 +234,7 @@ def main() -> None:
         urls = [u for _, u, _ in replicas]
         routers = {}
         for name, flags in variants.items():
+            flags = flags.replace("{events}", " ".join(events))
             proc, url, log = start(["router", "--replicas", *urls, *flags.split()], "/health")
             procs.append((proc, log))
             wait_ready(proc, url, "/list_workers", log)
@@ -221,7 +250,7 @@ def main() -> None:
             print(f"round {k} {policy:12s} hit rate {r['prefix_hit_rate']:.3f}  TTFT p50 "
                   f"{r['ttft_p50_s'] * 1e3:7.0f} ms  p99 {r['ttft_p99_s'] * 1e3:7.0f} ms  "
                   f"{r['completion_tokens_per_s']:6.1f} tok/s  wall {r['wall_s']:6.1f} s  "
-                  f"per replica {r['requests_per_replica']}", flush=True)
+                  f"per replica {r['requests_per_replica']}  {r['reasons']}", flush=True)
     finally:
         for proc, log in procs:
             if proc.poll() is None:
@@ -248,6 +277,8 @@ def main() -> None:
                   "sessions": args.sessions, "turns": args.turns, "rounds": args.rounds,
                   "system_words": args.system_words, "user_words": args.user_words,
                   "output_len": args.output_len, "variants": variants,
+                  "kv_cache_memory_per_replica": args.kv_cache_memory,
+                  "kv_events": args.kv_events,
                   "model": "SmolLM2-135M-Instruct Q4_1 (default)"},
         "median": summary,
         f"ratio_over_{base}": {name: {

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvflow import envs
 from kvflow.pooling_params import PoolerConfig
@@ -152,6 +152,9 @@ class CacheConfig:
     # set by the engine from the model: each layer's sliding window (None: full attention);
     # any window gives the scheduler one block table per KV cache group. Not an option.
     layer_windows: tuple = ()
+    # and each one's (kv heads, head dim) in the cache, where they differ (Gemma 4): layers of
+    # different shapes are different KV cache groups. Not an option.
+    layer_kv_shapes: tuple = ()
 
     def __post_init__(self) -> None:
         if self.cache_dtype in ("fp8", "fp8_e4m3", "int8"):
@@ -187,17 +190,33 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = option(
         0, "cap on one request's prefill tokens per step, so long prompts don't starve short "
         "ones (0: no cap)")
+    max_num_encoder_input_tokens: int = option(
+        0, "encoder budget of one step: image tokens whose encoder outputs a step may compute "
+        "(0: max_num_batched_tokens)")
+    encoder_cache_size: int = option(
+        0, "image tokens whose encoder outputs may be held at once, awaiting their placeholders "
+        "(0: max_num_batched_tokens)")
     # a waiting request that lacks blocks may be passed over this many steps, then it goes first
     max_admission_skips: int = 16
     policy: str = option(
         "fcfs", "`fcfs`, or `priority`: lower per-request `priority` first, then arrival",
         choices=("fcfs", "priority"), name="scheduling_policy")
 
+    @property
+    def encoder_budget(self) -> int:
+        """Image tokens a step may encode: the encoder budget, within the encoder cache (an
+        encoder output is consumed in the step that computes it: the scheduler never splits
+        an image's placeholder run)."""
+        return min(self.max_num_encoder_input_tokens or self.max_num_batched_tokens,
+                   self.encoder_cache_size or self.max_num_batched_tokens)
+
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be fcfs or priority, got {self.policy!r}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
+        if self.max_num_encoder_input_tokens < 0 or self.encoder_cache_size < 0:
+            raise ValueError("max_num_encoder_input_tokens and encoder_cache_size must be >= 0")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_num_seqs <= 0:
@@ -491,6 +510,135 @@ class KVTransferConfig:
         return cls(**value)
 
 
+KV_EVENTS_PUBLISHERS = ("zmq", "null")
+
+
+@dataclass
+class KVEventsConfig:
+    """The prefix cache's events (vLLM's `--kv-events-config` JSON, its keys): each step's
+    BlockStored / BlockRemoved / AllBlocksCleared, published over a ZeroMQ PUB socket as
+    multipart [topic, sequence number, msgpack KVEventBatch]; `kvflow router
+    --kv-events-endpoints` subscribes (docs/data_parallel_and_routing.md)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # zmq | null; default: zmq when enabled, else null
+    endpoint: str = "tcp://*:5557"  # binds where it has a wildcard (or ipc://), else connects
+    replay_endpoint: str | None = None  # a ROUTER socket that resends buffered batches
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread; past it, dropped
+    topic: str = ""
+    # set per data-parallel replica by for_rank (stamped on its batches); not a key of the JSON
+    data_parallel_rank: int | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
+        if self.publisher not in KV_EVENTS_PUBLISHERS:
+            raise ValueError("kv_events_config: publisher must be zmq or null, got "
+                             f"{self.publisher!r}")
+        for name in ("endpoint", "replay_endpoint"):
+            v = getattr(self, name)
+            if v is None and name == "replay_endpoint":
+                continue
+            if not isinstance(v, str) or not v.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"kv_events_config: {name} must be a tcp://, ipc:// or "
+                                 f"inproc:// address, got {v!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"kv_events_config: {name} must be a positive integer, got {v!r}")
+        if not isinstance(self.topic, str):
+            raise ValueError(f"kv_events_config: topic must be a string, got {self.topic!r}")
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    def for_rank(self, rank: int) -> KVEventsConfig:
+        """Data-parallel replica `rank`'s config: its tcp ports `rank` above these (vLLM's
+        convention), an ipc/inproc address suffixed `_dp{rank}`."""
+        def offset(addr: str | None) -> str | None:
+            if addr is None or rank == 0:
+                return addr
+            if addr.startswith("tcp://"):
+                host, _, port = addr.rpartition(":")
+                return f"{host}:{int(port) + rank}"
+            return f"{addr}_dp{rank}"
+        return replace(self, endpoint=offset(self.endpoint),
+                       replay_endpoint=offset(self.replay_endpoint), data_parallel_rank=rank)
+
+    @classmethod
+    def parse(cls, value: str | dict | KVEventsConfig) -> KVEventsConfig:
+        """From the flag's JSON text (or a dict); an unknown key is refused, naming it."""
+        if isinstance(value, KVEventsConfig):
+            return value
+        value = json_object_option(value, "kv_events_config",
+                                   '{"enable_kv_cache_events": true}')
+        known = set(cls.__dataclass_fields__) - {"data_parallel_rank"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"kv_events_config: unknown key(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(known))}")
+        return cls(**value)
+
+
+MM_MODALITIES = ("image",)
+
+
+@dataclass
+class MultiModalConfig:
+    """Images in (vLLM's flags): how many a prompt may carry and where they may come from. Every
+    source is bounded before its bytes are decoded (kvflow/multimodal/media.py)."""
+
+    limit_mm_per_prompt: dict | str | None = option(
+        None, "most items of each modality one prompt may carry, as JSON, e.g. `{\"image\": 4}` "
+        "(default: `{\"image\": 8}`; 0 refuses images)")
+    allowed_local_media_path: str | None = option(
+        None, "a folder whose files requests may name as `file://` image URLs (default: none; "
+        "`file://` URLs are refused)")
+    allowed_media_domains: list[str] | None = option(
+        None, "host names requests may fetch `http(s)://` image URLs from (default: none; such "
+        "URLs are refused)")
+    max_image_bytes: int | str = option(
+        "20MiB", "largest encoded image (a data URL's decoded bytes, a file, a download)")
+    max_image_pixels: int = option(
+        4096 * 4096, "largest image in pixels (width x height), read from its header before it "
+        "is decoded")
+    media_fetch_timeout: float = option(
+        5.0, "seconds an `http(s)://` image download may take in all")
+
+    def __post_init__(self) -> None:
+        limits = {"image": 8}
+        if self.limit_mm_per_prompt is not None:
+            given = json_object_option(self.limit_mm_per_prompt, "limit_mm_per_prompt",
+                                       '{"image": 4}')
+            for key, value in given.items():
+                if key not in MM_MODALITIES:
+                    raise ValueError(f"limit_mm_per_prompt: {key!r} is not a modality kvflow "
+                                     f"takes ({', '.join(MM_MODALITIES)})")
+                if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 256:
+                    raise ValueError(f"limit_mm_per_prompt.{key} must be an integer in 0..256, "
+                                     f"got {value!r}")
+            limits.update(given)
+        self.limit_mm_per_prompt = limits
+        if isinstance(self.allowed_media_domains, str):
+            self.allowed_media_domains = [self.allowed_media_domains]
+        self.allowed_media_domains = [d.strip().lower().rstrip(".")
+                                      for d in self.allowed_media_domains or () if d.strip()]
+        self.max_image_bytes = parse_memory(self.max_image_bytes)
+        if self.max_image_bytes <= 0:
+            raise ValueError(f"max_image_bytes must be positive, got {self.max_image_bytes}")
+        if not isinstance(self.max_image_pixels, int) or self.max_image_pixels <= 0:
+            raise ValueError(f"max_image_pixels must be positive, got {self.max_image_pixels!r}")
+        if not 0 < self.media_fetch_timeout <= 600:
+            raise ValueError("media_fetch_timeout must be in (0, 600] seconds, got "
+                             f"{self.media_fetch_timeout}")
+
+    def limit(self, modality: str) -> int:
+        return self.limit_mm_per_prompt.get(modality, 0)
+
+
 @dataclass
 class EngineConfig:
     """The whole engine's configuration: one dataclass per concern, plus the process-wide
@@ -502,6 +650,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     lora_config: LoRAConfig = field(default_factory=LoRAConfig)
+    multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)
     num_threads: int | None = option(
         None, "compute threads: torch's and kvflow's kernel pool (default: KVFLOW_NUM_THREADS, "
         "else 1, which leaves the second core to the server's frontend)")
@@ -519,12 +668,20 @@ class EngineConfig:
     kv_transfer_config: str | None = option(
         None, "prefill/decode disaggregation, vLLM's JSON, e.g. {\"kv_role\": \"kv_producer\", "
         "\"kv_port\": 14579}; roles kv_producer, kv_consumer, kv_both (docs/disaggregation.md)")
-    # parsed from kv_transfer_config
+    kv_events_config: str | dict | None = option(
+        None, "publish the prefix cache's block events, vLLM's JSON, e.g. "
+        "{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}: ZeroMQ PUB of "
+        "msgpack KVEventBatch (BlockStored, BlockRemoved, AllBlocksCleared) that `kvflow router "
+        "--kv-events-endpoints` routes by (docs/data_parallel_and_routing.md)")
+    # parsed from kv_transfer_config, kv_events_config
     kv_transfer: KVTransferConfig | None = field(default=None, init=False, repr=False)
+    kv_events: KVEventsConfig | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.kv_transfer_config is not None:
             self.kv_transfer = KVTransferConfig.parse(self.kv_transfer_config)
+        if self.kv_events_config is not None:
+            self.kv_events = KVEventsConfig.parse(self.kv_events_config)
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.num_threads is None:

@@ -14,14 +14,14 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-from kvflow.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig,
-                           SchedulerConfig)
+from kvflow.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, MultiModalConfig,
+                           ParallelConfig, SchedulerConfig)
 
 # EngineConfig's sub-configs, by the field that holds each; None: EngineConfig's own fields
 SECTIONS: dict[str | None, type] = {
     "model_config": ModelConfig, "cache_config": CacheConfig,
     "scheduler_config": SchedulerConfig, "parallel_config": ParallelConfig,
-    "lora_config": LoRAConfig, None: EngineConfig,
+    "lora_config": LoRAConfig, "multimodal_config": MultiModalConfig, None: EngineConfig,
 }
 
 
@@ -135,7 +135,8 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults: Any) -> None:
             raise unknown_option_error(name, OPTIONS)
     titles = {"model_config": "model", "cache_config": "KV cache", "scheduler_config": "scheduler",
               "parallel_config": "tensor parallelism (docs/tensor_parallel.md)",
-              "lora_config": "LoRA adapters (docs/lora.md)", None: "engine"}
+              "lora_config": "LoRA adapters (docs/lora.md)",
+              "multimodal_config": "images in (docs/multimodal.md)", None: "engine"}
     for section in SECTIONS:
         group = parser.add_argument_group(titles[section])
         add_option_args(group, [o for o in OPTIONS.values() if o.section == section], defaults)

@@ -55,6 +55,43 @@ def eos_ids(eos: int | Sequence[int] | None) -> tuple[int, ...]:
     return (int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos)
 
 
+@dataclass(frozen=True, slots=True)
+class PlaceholderRange:
+    """Where an item's placeholder tokens sit in the prompt: [offset, offset + length)."""
+
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class MultiModalFeatureSpec:
+    """One image of a request as the engine carries it (vLLM's name): its placeholder run in
+    the prompt, its content hash (`identifier`: the prefix cache's key for the run's blocks)
+    and the model's encoder input, float32 pixel values in C order of `shape` (bytes, so that
+    the message to the engine core stays plain msgpack)."""
+
+    modality: str
+    identifier: str
+    mm_position: PlaceholderRange
+    data: bytes = b""
+    shape: tuple[int, ...] = ()
+    # the grid (t, h, w) its placeholder tokens lie on, for a model that places them on one
+    # (Qwen3-VL's M-RoPE); empty otherwise
+    grid: tuple[int, ...] = ()
+
+    @property
+    def offset(self) -> int:
+        return self.mm_position.offset
+
+    @property
+    def length(self) -> int:
+        return self.mm_position.length
+
+    @property
+    def end(self) -> int:
+        return self.mm_position.offset + self.mm_position.length
+
+
 @dataclass(eq=False)
 class Request:
     """A prompt plus what has been generated so far. `num_computed_tokens` says how many of
@@ -71,6 +108,8 @@ class Request:
     # runner's); its sampling_params are not used
     pooling_params: PoolingParams | None = None
     lora_request: LoRARequest | None = None  # the adapter it runs under; None: the base model
+    # its images, in prompt order (their placeholder runs do not overlap)
+    mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
     # its decoding constraint, when it has one: a kvflow.structured StructuredOutputRequest
     # (compiling, then the matcher). The scheduler only calls is_ready(), error, accept(token),
     # is_terminated() and close() on it, so that core/ never imports a grammar library.
@@ -128,14 +167,17 @@ class Request:
             return self.cache_salt
         return (self.cache_salt, self.lora_request.lora_int_id)
 
+    def block_mm_keys(self, i: int, block_size: int) -> tuple[str, ...]:
+        """The content hashes of the images whose placeholder runs overlap block i: a block's
+        K/V depend on the images it holds, not only on its (placeholder) token ids."""
+        lo, hi = i * block_size, (i + 1) * block_size
+        return tuple(f.identifier for f in self.mm_features if f.offset < hi and f.end > lo)
+
     @property
     def salt_bytes(self) -> bytes:
         """block_salt as its blocks' hashes take it: the salt's UTF-8, then 0xff (a byte that
         UTF-8 never holds, so no salt can pose as an adapter) and the adapter's id."""
-        salt = self.cache_salt.encode("utf-8", "surrogatepass") if self.cache_salt else b""
-        if self.lora_request is None:
-            return salt
-        return salt + b"\xff" + self.lora_request.lora_int_id.to_bytes(8, "little")
+        return block_salt_bytes(self.cache_salt, self.lora_int_id)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -256,3 +298,12 @@ def check_request_fits(num_prompt_tokens: int, max_tokens: int | None, max_model
                 f"prompt and max_tokens need {total} tokens ({blocks} KV blocks) but the KV cache "
                 f"holds only {num_blocks} blocks; lower max_tokens", "max_tokens")
     return max_tokens
+
+
+def block_salt_bytes(cache_salt: str | None, lora_int_id: int = 0) -> bytes:
+    """Request.salt_bytes from its parts (`lora_int_id` 0: the base model), for whoever hashes
+    a prompt's blocks without a Request (a router scoring replicas by their KV events)."""
+    salt = cache_salt.encode("utf-8", "surrogatepass") if cache_salt else b""
+    if not lora_int_id:
+        return salt
+    return salt + b"\xff" + lora_int_id.to_bytes(8, "little")

@@ -35,7 +35,10 @@ def get_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     if not is_gguf(path):
-        return AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        if not getattr(tokenizer, "chat_template", None):  # a folder without one
+            tokenizer.chat_template = builtin_chat_template(tokenizer)
+        return tokenizer
     cached = os.path.join(cache_dir_for(path), "tokenizer")
     tokenizer = _load_cached(cached, remove_if_broken=False)
     if tokenizer is not None:

@@ -136,3 +136,95 @@ def write_gpt_oss_gguf(hf_dir: str, out_path: str) -> str:
     w.write_tensors_to_file()
     w.close()
     return out_path
+
+
+def save_random_gpt_oss_mxfp4(path: str, hidden: int = 1024, experts: int = 32, layers: int = 4,
+                              vocab: int = 512, seed: int = 0, float_dtype: torch.dtype = torch.bfloat16) -> str:
+    """A gpt-oss MXFP4 folder big enough that its experts dominate (hidden = expert width, so
+    3 * hidden^2 * 17/32 bytes an expert: 214 MB of experts at the defaults against ~20 MB of
+    bf16 floats), written straight from random bytes (no float model is built): random e2m1
+    codes, exponents near gpt-oss's. For measuring a load, not for comparing logits."""
+    from safetensors.torch import save_file
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden,
+                       num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4,
+                       head_dim=64, num_local_experts=experts, num_experts_per_tok=4,
+                       sliding_window=128, layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+                       max_position_embeddings=4096, tie_word_embeddings=False, pad_token_id=0,
+                       architectures=["GptOssForCausalLM"])
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in GptOssForCausalLM(cfg).state_dict().items()}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in shapes.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            e, k, n = shape  # [E, in, out]: n rows of k inputs
+            tensors[name + "_blocks"] = torch.randint(0, 256, (e, n, k // 32, 16), dtype=torch.uint8, generator=g)
+            tensors[name + "_scales"] = torch.randint(118, 122, (e, n, k // 32), dtype=torch.uint8, generator=g)
+        else:  # bf16 as published (fp32 for write_gpt_oss_gguf, which reads them with numpy)
+            tensors[name] = (torch.randn(shape, generator=g) * 0.02).to(float_dtype)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    cfg_dict = cfg.to_dict()
+    cfg_dict["quantization_config"] = QUANTIZATION_CONFIG
+    cfg_dict["torch_dtype"] = str(float_dtype).removeprefix("torch.")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg_dict, f, indent=2)
+    from conftest_model_helpers import save_byte_tokenizer
+
+    save_byte_tokenizer(path, vocab)
+    return path
+
+
+# A fresh process loads `path` and reports its RSS: the high-water mark is reset after the
+# runtime every load needs whatever its size (torch, kvflow, the C kernels, torch's meta-device
+# ops, which import torch._dynamo and triton: ~150 MB), so `peak - before` is the load's own.
+_LOAD_RSS_CHILD = r"""
+import json, os, sys, time
+import torch
+from kvflow.csrc import library
+from kvflow.model.loader import load_model
+
+def status():
+    out = {}
+    for line in open("/proc/self/status"):
+        key, _, value = line.partition(":")
+        if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+torch.set_num_threads(1)
+library()
+torch.cat([torch.empty(2, 2, device="meta")] * 2)
+before = status()["VmRSS"]
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets VmHWM to the current RSS
+t0 = time.perf_counter()
+model, arch = load_model(sys.argv[1], torch.bfloat16, quantization=sys.argv[2])
+seconds = time.perf_counter() - t0
+after = status()
+print(json.dumps({"before": before, "peak": after["VmHWM"], "after": after["VmRSS"], "load_s": seconds, "expert_bytes": model.quant_report["expert_bytes"],
+                  "weight_bytes": model.quant_report["weight_bytes"]}))
+"""
+
+
+def measure_load_rss(path: str, root: str | None = None) -> dict:
+    """Load the MXFP4 folder or llama.cpp gpt-oss file `path` (bf16) in a fresh process: its
+    RSS before the load, the peak during it and after it (bytes), the load's seconds, the
+    experts' and all weights' bytes in memory, and the checkpoint's file bytes. `root`: the
+    kvflow checkout that loads it (default: this one)."""
+    import subprocess
+    import sys
+
+    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    gguf = path.endswith(".gguf")
+    out = subprocess.run([sys.executable, "-c", _LOAD_RSS_CHILD, path, "gguf" if gguf else "mxfp4"],
+                         env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-3000:])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result["file_bytes"] = os.path.getsize(path) if gguf else sum(
+        os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+    return result

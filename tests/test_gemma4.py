@@ -152,7 +152,10 @@ def test_engine_keeps_hf_tokens_through_chunks_a_prefix_hit_and_preemption(tiny,
                               return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
             refs.append((out.sequences[0, len(ids):].tolist(), [s[0].topk(3).indices.tolist() for s in out.logits]))
     trace = tmp_path / "trace.jsonl"
-    llm = LLM(path, dtype="float32", max_model_len=96, block_size=4, num_blocks=40,
+    arch = load_arch_config(path)
+    groups = make_kv_cache_groups(arch.kv_layer_windows(), arch.kv_layer_shapes())
+    # 80 positions in each KV cache group (a token takes a block's slot in each)
+    llm = LLM(path, dtype="float32", max_model_len=96, block_size=4, num_blocks=20 * len(groups),
               max_num_batched_tokens=16, trace=str(trace))
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     first = llm.generate(prompts[:1], params, use_tqdm=False)[0]
@@ -169,14 +172,28 @@ def test_engine_keeps_hf_tokens_through_chunks_a_prefix_hit_and_preemption(tiny,
         identical += got == refs[i][0]
     assert identical >= len(prompts) - 1
     runner = llm.engine.core.executor.runner
-    owners = load_arch_config(path).attention_layers()
+    owners = arch.attention_layers()
     assert all((runner.kv_caches[i] is None) == (i not in owners) for i in range(len(runner.kv_caches)))
+
+
+def _own_kv_bytes_per_token(config: dict, dtype_bytes: int) -> int:
+    """K and V of one token in every layer that owns a cache, each at its own shape, from
+    config.json as transformers writes it (each full layer's head size and, where they differ,
+    kv heads in `per_layer_config`)."""
+    n, shared = config["num_hidden_layers"], config.get("num_kv_shared_layers") or 0
+    per_layer = {int(k): v for k, v in (config.get("per_layer_config") or {}).items()}  # "04", "34"
+    total = 0
+    for i in range(n - shared):
+        own = per_layer.get(i, {})
+        kv = own.get("num_key_value_heads", config["num_key_value_heads"])
+        total += 2 * kv * own.get("head_dim", config["head_dim"]) * dtype_bytes
+    return total
 
 
 def test_kv_budget_counts_only_the_layers_that_own_a_cache(tmp_path):
     """Six layers, the last two sharing KV with layers 2 and 3 (the ones transformers picks):
-    KV bytes per token and the scheduler's KV cache groups count the four owners only, at the
-    cache's widest head (32) and most kv heads (2)."""
+    KV bytes per token and the scheduler's KV cache groups count the four owners only, each
+    at its own head size and kv heads (sliding: 16 x 2, full: 32 x 1)."""
     from transformers import Gemma4TextConfig
 
     from tiny_arch_models import _gemma4_config
@@ -191,10 +208,56 @@ def test_kv_budget_counts_only_the_layers_that_own_a_cache(tmp_path):
     assert [arch.kv_source(i) for i in range(6)] == [0, 1, 2, 3, 2, 3]
     modes = Gemma4TextConfig.from_pretrained(tmp_path).kv_sharing_modes
     assert [i for i, m in enumerate(modes) if m == "store"] == [2, 3]  # transformers' producers
-    assert (arch.head_dim, arch.num_key_value_heads) == (32, 2)
-    assert arch.kv_bytes_per_token(2) == 4 * 2 * 2 * 32 * 2
-    groups = make_kv_cache_groups(arch.kv_layer_windows())
+    assert arch.kv_layer_shapes() == [(2, 16), (1, 32)] * 2
+    with open(tmp_path / "config.json") as f:
+        assert arch.kv_bytes_per_token(2) == _own_kv_bytes_per_token(json.load(f), 2) == 4 * 2 * 32 * 2
+    groups = make_kv_cache_groups(arch.kv_layer_windows(), arch.kv_layer_shapes())
     assert sorted(i for g in groups for i in g.layers) == [0, 1, 2, 3]
+    assert {(g.num_kv_heads, g.head_size) for g in groups} == {(2, 16), (1, 32)}
+
+
+def test_per_layer_config_keys_are_read_as_transformers_writes_them(tmp_path):
+    """transformers writes `per_layer_config`'s keys zero-padded past nine layers ("04" beside
+    "11"): every full layer still gets its head size (Gemma 4 E2B has 35 layers)."""
+    from tiny_arch_models import _gemma4_config
+
+    types = (["sliding_attention"] * 3 + ["full_attention"]) * 3
+    cfg = _gemma4_config(num_hidden_layers=12, layer_types=types, num_kv_shared_layers=4,
+                         hidden_size_per_layer_input=0)
+    cfg.architectures = ["Gemma4ForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    with open(tmp_path / "config.json") as f:
+        assert "03" in json.load(f)["per_layer_config"]
+    arch = load_arch_config(str(tmp_path))
+    assert arch.layer_head_dims == [32 if t == "full_attention" else 16 for t in types]
+    assert arch.kv_layer_shapes() == [(2, 32) if t == "full_attention" else (2, 16) for t in types[:8]]
+
+
+@pytest.mark.parametrize("name", list(GEMMA4_BUILDERS))
+def test_engine_kv_cache_is_sized_per_layer(name, tmp_path):
+    """The engine's KV bytes per token (the start-up line's) is the sum of the cache-owning
+    layers' own K/V sizes, computed here from config.json; each owner's cache has its own
+    shape, and the pool's memory is exactly that per token of each KV cache group (no padding
+    to the widest head: in gemma4_moe the full layers' pages hold two sliding layers' each)."""
+    from kvflow import LLM
+
+    path = GEMMA4_BUILDERS[name](str(tmp_path / "hf"))
+    with open(f"{path}/config.json") as f:
+        config = json.load(f)
+    expected = _own_kv_bytes_per_token(config, 4)
+    llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, num_blocks=12, warmup=False)
+    core = llm.engine.core
+    assert core.kv_bytes_per_token == expected
+    assert f"KV float32 {expected} B/token" in core.startup_report()
+    arch, runner = core.arch, core.executor.runner
+    for i, (kv, d) in zip(arch.attention_layers(), arch.kv_layer_shapes()):
+        assert runner.kv_caches[i][0].shape[1:] == (kv, 4, d)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for pair in runner.kv_caches if pair is not None for t in pair}
+    groups = make_kv_cache_groups(core.cache_config.layer_windows, core.cache_config.layer_kv_shapes)
+    assert sum(storages.values()) == 12 * 4 * expected // len(groups)
+    if name == "gemma4_moe":
+        assert max(g.pages_per_slot for g in groups) == 2
 
 
 def test_what_gemma4_cannot_run_with_is_refused_by_name(tmp_path):
@@ -217,3 +280,50 @@ def test_what_gemma4_cannot_run_with_is_refused_by_name(tmp_path):
     cfg.save_pretrained(tmp_path / "bidi")
     with pytest.raises(ValueError, match="use_bidirectional_attention"):
         load_arch_config(str(tmp_path / "bidi"))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
+def test_one_byte_kv_caches_keep_their_layout_rules(kv_cache_dtype, tmp_path):
+    """fp8 keeps each layer's own shape (one byte a value: the owners' own sizes); int8's
+    per-token scales after each tile make the sliding and full pages no multiples of each
+    other, so every layer takes the widest shape (head 32 + 4 scale bytes, two kv heads) and
+    pads to it. Both serve the tiny model's requests."""
+    from kvflow import LLM, SamplingParams
+
+    path = GEMMA4_BUILDERS["gemma4_moe"](str(tmp_path / "hf"))
+    with open(f"{path}/config.json") as f:
+        config = json.load(f)
+    llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, num_blocks=24,
+              kv_cache_dtype=kv_cache_dtype, warmup=False)
+    core = llm.engine.core
+    owners = core.arch.attention_layers()
+    expected = (_own_kv_bytes_per_token(config, 1) if kv_cache_dtype == "fp8"
+                else len(owners) * 2 * 2 * (32 + 4))
+    assert core.kv_bytes_per_token == expected
+    shapes = {tuple(core.executor.runner.kv_caches[i][0].shape[1:]) for i in owners}
+    assert shapes == ({(2, 4, 16), (2, 4, 32)} if kv_cache_dtype == "fp8" else {(2, 4, 36)})
+    out = llm.generate([[5, 6, 7, 8, 9] * 4], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8
+
+
+def test_sdpa_path_reads_each_layers_own_cache_shape(tmp_path, monkeypatch):
+    """With the PyTorch paths (KVFLOW_NO_KERNELS=1: SDPA attention, the Python KV write) the
+    packed layout (gemma4_moe: two sliding layers to a full layer's page) gives HF's greedy
+    tokens through chunked prefill and a mixed batch, as the C kernels do."""
+    from kvflow import LLM, SamplingParams
+
+    monkeypatch.setenv("KVFLOW_NO_KERNELS", "1")
+    path = GEMMA4_BUILDERS["gemma4_moe"](str(tmp_path / "hf"))
+    hf = hf_model(path)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(4, 320, 30).tolist(), rng.integers(4, 320, 11).tolist()]
+    llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, num_blocks=60,
+              max_num_batched_tokens=16, warmup=False)
+    assert llm.engine.core.executor.runner.model.kernels.names["attention"] == "sdpa"
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    with torch.inference_mode():
+        for ids, out in zip(prompts, outs):
+            ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+            assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()

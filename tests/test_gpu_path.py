@@ -99,6 +99,9 @@ def test_cuda_kernel_choice_is_triton_attention_and_torch_gemms():
     k = select_kernels(torch.bfloat16, device="cuda")
     assert k.names["attention"] == "triton-paged" and k.names["linear"] == "torch" and k.pack is None
     assert k.names["norm"] == k.names["rope"] == k.names["kv_write"] == "triton"
+    # the state layers: Triton's one-token updates, never the CPU's C kernels
+    assert k.state_isa is None and k.names["state"] == k.state_triton.name == "triton"
+    assert k.state_triton.gated_delta_chunks.__module__ == "kvflow.model.triton.state_scan"
     assert k.describe().startswith("kernels [cuda]: linear=torch")
     assert k.with_kv_dtype(torch.float32).names == k.names
 

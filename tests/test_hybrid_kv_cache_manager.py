@@ -7,7 +7,8 @@ from __future__ import annotations
 from kvflow.config import CacheConfig, SchedulerConfig
 from kvflow.core.kv_cache.coordinator import KVCacheCoordinator
 from kvflow.core.kv_cache.full_attention import FullAttentionManager
-from kvflow.core.kv_cache.groups import KVCacheGroup, make_kv_cache_groups
+from kvflow.core.kv_cache.groups import KVCacheGroup, layer_pages, layer_slots, make_kv_cache_groups
+from kvflow.core.kv_cache.spec import SlidingWindowSpec
 from kvflow.core.kv_cache.sliding_window import SlidingWindowManager
 from kvflow.core.scheduler import Scheduler
 from kvflow.request import Request
@@ -124,3 +125,26 @@ def test_a_request_that_can_never_fit_the_groups_is_refused_up_front():
     sched.add_request(_req("fits", list(range(32))))
     with pytest.raises(InvalidRequestError, match="max_tokens"):
         sched.add_request(Request("too-long", list(range(52)), SamplingParams(max_tokens=8)))
+
+
+def test_layers_of_different_shapes_are_different_groups_packed_to_one_page_size():
+    """Gemma 4 E2B's 15 cache-owning layers (4 sliding of head 256 then 1 full of head 512, one
+    kv head): the full layers are a group of 3 tensors, the sliding ones two groups of 6 layers
+    packed two to a tensor page; every layer in exactly one group, each group's spec its shape."""
+    windows = ([512] * 4 + [None]) * 3
+    shapes = ([(1, 256)] * 4 + [(1, 512)]) * 3
+    groups = make_kv_cache_groups(windows, shapes)
+    assert [(g.sliding_window, g.head_size, g.pages_per_slot, len(g.layers)) for g in groups] == \
+        [(None, 512, 1, 3), (512, 256, 2, 6), (512, 256, 2, 6)]
+    assert {g.num_tensors for g in groups} == {3}  # one block: a page of each of 3 tensors
+    assert sorted(i for g in groups for i in g.layers) == list(range(15))
+    assert groups[1].spec == SlidingWindowSpec(512, num_kv_heads=1, head_size=256)
+    assert layer_slots(groups, 15)[1][:4] == [0, 0, 1, 1] and layer_pages(groups, 15)[:4] == [0, 1, 0, 1]
+
+
+def test_a_page_that_does_not_divide_the_largest_gives_every_layer_the_widest_shape():
+    groups = make_kv_cache_groups([8, None, 8, None], [(2, 16), (3, 20)] * 2)  # pages 32 and 60
+    assert {(g.num_kv_heads, g.head_size, g.pages_per_slot) for g in groups} == {(3, 20, 1)}
+    # one shape everywhere: the groups of windows alone, as before shapes were given
+    assert [g.layers for g in make_kv_cache_groups([8, None] * 2, [(2, 16)] * 4)] == \
+        [g.layers for g in make_kv_cache_groups([8, None] * 2)]

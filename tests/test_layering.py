@@ -28,6 +28,8 @@ The layers, bottom to top:
                  field, is a plain leaf type)
     structured/  structured outputs: grammar backends, compiling off the loop, batch masks
                  (given a tokenizer, never loading one itself)
+    multimodal/  images: reading and bounding their sources, a model's image processing (its
+                 `inputs` module, the decoded ImageItem a request carries, is a plain leaf type)
     engine/      EngineCore and its process, the wire protocol, detokenizing; tokenizer.py
                  sits here too (only the engine and above turn text into ids)
     trace/       reading and explaining the engine's step trace
@@ -50,7 +52,7 @@ LAYERS = [
     ("leaf", ["kvflow", "kvflow.config", "kvflow.options", "kvflow.envs", "kvflow.logger",
               "kvflow.sampling_params", "kvflow.request", "kvflow.outputs", "kvflow.model_path",
               "kvflow.utils", "kvflow.kv_transfer.params", "kvflow.pooling_params",
-              "kvflow.lora_request", "kvflow.models.registry"]),
+              "kvflow.lora_request", "kvflow.models.registry", "kvflow.multimodal.inputs"]),
     ("core", ["kvflow.core"]),
     ("csrc", ["kvflow.csrc"]),
     ("attention", ["kvflow.attention"]),
@@ -62,6 +64,7 @@ LAYERS = [
     ("distributed", ["kvflow.distributed"]),
     ("kv_transfer", ["kvflow.kv_transfer"]),
     ("structured", ["kvflow.structured"]),
+    ("multimodal", ["kvflow.multimodal"]),
     ("engine", ["kvflow.engine", "kvflow.tokenizer", "kvflow.chat_templates"]),
     ("trace", ["kvflow.trace"]),
     ("entrypoints", ["kvflow.entrypoints"]),

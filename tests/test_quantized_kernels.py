@@ -1,5 +1,5 @@
-"""The quantized GEMM (kvflow/csrc/gemm_quant.c) against dequantise-then-matmul: every GGUF
-format kvflow serves natively (Q8_0, Q4_0, Q4_1, Q4_K) and two it requantizes (Q5_K, Q6_K),
+"""The quantized GEMM (kvflow/csrc/gemm_quant.c, gemm_q6.c) against dequantise-then-matmul: every
+GGUF format kvflow serves natively (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) and one it requantizes (Q5_K),
 int8 W8A8, on each instruction set this machine has (the scalar reference, AVX2, AVX-512
 VNNI), plus the AVX2 path from a build with AVX-512 switched off. The int8 path is forced
 (wide_rows=NEVER) where the test checks its numbers; the widened path (gemm_quant_wide.c) has
@@ -20,7 +20,7 @@ import kvflow.csrc
 from kvflow.checkpoint.gguf_blocks import decode
 from kvflow.model.quant.int8 import int8_from_channels, quantize_int8
 from kvflow.model.quant.packing import dequantize_rows, pack
-from kvflow.model.quant.qlinear import (NEVER, QuantizedWeight, available_isas,
+from kvflow.model.quant.qlinear import (KIND_CODES, NEVER, QuantizedWeight, available_isas,
                                         quant_linear, quantize_activations)
 
 ISAS = available_isas()
@@ -61,10 +61,10 @@ def reference(x: torch.Tensor, w: torch.Tensor, kb: int, per_row: bool) -> torch
 
 
 # (format, tolerance against dequantise-then-matmul with the same int8 activations, relative
-# to the largest output): the native formats are exact but for float rounding; Q4_K's scales
-# are rounded to fp16; Q5_K and Q6_K are requantized to 8 bits
-FORMATS = [("Q8_0", 1e-5), ("Q4_0", 1e-5), ("Q4_1", 1e-5), ("Q4_K", 2e-3), ("Q5_K", 1.5e-2),
-           ("Q6_K", 1.5e-2)]
+# to the largest output): the native formats are exact but for float rounding; Q5_K is
+# requantized to 8 bits
+FORMATS = [("Q8_0", 1e-5), ("Q4_0", 1e-5), ("Q4_1", 1e-5), ("Q4_K", 1e-5), ("Q5_K", 1.5e-2),
+           ("Q6_K", 1e-5)]
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -136,12 +136,12 @@ def test_one_row_with_an_odd_number_of_blocks(isa, type_name, k):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 def test_a_row_alone_gives_the_numbers_it_gives_in_a_batch(isa, type_name):
     """The decode kernel (M = 1) and the tiles sum in the same order: a row's output does not
     depend on the rows beside it, so greedy tokens are the same alone, batched or verifying
     drafts (fp32)."""
-    w, _ = quantized(type_name, 56, 96 if type_name != "Q4_K" else 512, isa)
+    w, _ = quantized(type_name, 56, 96 if type_name not in ("Q4_K", "Q6_K") else 512, isa)
     x = torch.randn(9, w.k, generator=torch.Generator().manual_seed(3))
     batch = quant_linear(x, w, threads=2, wide_rows=NEVER)
     for i in range(x.shape[0]):
@@ -199,7 +199,7 @@ def test_bf16_activations_bias_and_output(isa):
     assert (got.double() - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()  # bf16 output
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 def test_embedding_rows_are_the_files_rows(type_name):
     """A tied model's embedding reads rows of the packed LM head: exactly gguf's dequantize."""
     n, k = 37, 256
@@ -208,8 +208,79 @@ def test_embedding_rows_are_the_files_rows(type_name):
     ids = torch.tensor([0, 36, 5, 16, 5])
     rows = dequantize_rows(kind, pack(kind, q, d, m), k, ids, torch.float32)
     ref = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).reshape(n, k))[ids]
-    tol = 2e-3 * ref.abs().max().item() if type_name == "Q4_K" else 0  # fp16-rounded scales
-    assert (rows - ref).abs().max().item() <= tol
+    assert torch.equal(rows, ref)
+
+
+@pytest.mark.parametrize("type_name,kind", [("Q8_0", "q8"), ("Q4_0", "q4s"), ("Q4_1", "q4"),
+                                            ("Q6_K", "q6"), ("Q4_K", "q4k")])
+def test_packed_records_take_the_files_bytes(type_name, kind):
+    """Served as stored means read at no more bytes than the file holds: Q8_0's 34 B and
+    Q4_0's 18 B per 32 weights (no stored correction or implied min), Q4_1's 20, Q6_K's 210
+    per 256 (not widened to 8 bits), Q4_K's 144 per 256 (its 6-bit scales kept packed)."""
+    n, k = 64, 512
+    raw = gguf_weight(type_name, n, k)
+    w, _ = quantized(type_name, n, k, "scalar")
+    assert w.kind == kind and w.nbytes == raw.nbytes
+
+
+def _fused(specs: list[tuple[str, int]], k: int, isa: str) -> tuple[QuantizedWeight, list, torch.Tensor]:
+    from kvflow.model.quant.gguf_native import _quantized
+
+    raws = [gguf_weight(t, n, k, seed=i) for i, (t, n) in enumerate(specs)]
+    parts = [decode(raw, t, n, k) for raw, (t, n) in zip(raws, specs)]
+    w = _quantized(parts, (sum(n for _, n in specs), k), isa, "mixed")
+    ref = np.concatenate([dequantize(raw, GGMLQuantizationType[t]).reshape(n, k) for raw, (t, n) in zip(raws, specs)])
+    return w, parts, torch.from_numpy(ref.astype(np.float32))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m", [1, 7, 2048])
+def test_a_fused_weight_of_different_kinds_runs_each_part_as_stored(isa, m):
+    """A Q4_K_M file's qkv (Q4_K q and k, a Q6_K v) is packed part by part in its own kind
+    (no part widened to 8 bits): its bytes are the parts' (and a 64-byte header), and one call
+    gives, column for column, what each part alone gives (bias included), for one row, a tile
+    and rows split over two threads."""
+    k = 512
+    w, parts, ref_w = _fused([("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 40)], k, isa)
+    alone = [QuantizedWeight(kind=p[0], n=p[1].shape[0], k=k, packed=pack(*p), isa=isa, source="") for p in parts]
+    assert w.kind == "parts" and w.nbytes == 128 + sum(-(-a.nbytes // 64) * 64 for a in alone)
+    assert torch.equal(dequantize_rows("parts", w.packed, k, torch.arange(136), torch.float32), ref_w)
+    g = torch.Generator().manual_seed(m)
+    x, bias = torch.randn(m, k, generator=g), torch.randn(136, generator=g)
+    got = quant_linear(x, w, bias, threads=2, wide_rows=NEVER)
+    n0 = 0
+    for a in alone:
+        part = quant_linear(x, a, bias[n0:n0 + a.n], threads=2, wide_rows=NEVER)
+        assert torch.equal(got[:, n0:n0 + a.n], part)
+        n0 += a.n
+    ref = reference(x, ref_w, w.kb, per_row=False) + bias.double()
+    assert (got.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+def test_a_fused_weight_of_different_kinds_read_at_any_byte_offset():
+    """The packed-weights cache may place a weight at any byte of its buffer: a parts weight's
+    header is read there as well (same numbers and rows)."""
+    k = 256
+    w, _, ref_w = _fused([("Q4_K", 32), ("Q6_K", 24)], k, ISAS[-1])
+    buf = torch.zeros(w.nbytes + 3, dtype=torch.uint8)
+    buf[3:] = w.packed
+    moved = QuantizedWeight(kind="parts", n=w.n, k=k, packed=buf[3:], isa=w.isa, source="")
+    x = torch.randn(2, k)
+    assert torch.equal(quant_linear(x, moved), quant_linear(x, w))
+    assert torch.equal(dequantize_rows("parts", moved.packed, k, torch.arange(w.n), torch.float32), ref_w)
+
+
+def test_parts_off_whole_panels_are_requantized_to_8_bits():
+    """Parts of different kinds whose first part does not fill whole panels of 16 cannot be
+    packed apart: they go to q8 (4-bit ones to q4), as close to the file's numbers as 8 bits
+    allow."""
+    w, _, ref_w = _fused([("Q4_K", 40), ("Q6_K", 24)], 256, "scalar")
+    assert w.kind == "q8"
+    w4, _, _ = _fused([("Q4_K", 40), ("Q4_0", 24)], 256, "scalar")
+    assert w4.kind == "q4"
+    x = torch.randn(3, 256)
+    ref = reference(x, ref_w, w.kb, per_row=False)
+    assert (quant_linear(x, w).double() - ref).abs().max().item() <= 1.5e-2 * ref.abs().max().item()
 
 
 def test_avx2_path_from_a_build_without_avx512(tmp_path):
@@ -227,7 +298,7 @@ def test_avx2_path_from_a_build_without_avx512(tmp_path):
                                       i64, i64, i64]
     # M = 1: the decode kernel (Kb = 3: two blocks at a time and one over); M = 7: the tiles;
     # the checkpoint int8 rows have -128 weights
-    for type_name, m, k in (("Q4_1", 7, 256), ("Q8_0", 7, 256), ("checkpoint int8", 7, 256),
+    for type_name, m, k in (("Q4_1", 7, 256), ("Q8_0", 7, 256), ("Q4_0", 7, 256), ("checkpoint int8", 7, 256),
                             ("Q4_1", 1, 96), ("Q8_0", 1, 96), ("Q4_0", 1, 256),
                             ("checkpoint int8", 1, 96)):
         if type_name == "checkpoint int8":
@@ -240,7 +311,7 @@ def test_avx2_path_from_a_build_without_avx512(tmp_path):
         for isa in (0, 1):
             out = torch.zeros(m, 40)
             lib.gemm_quant_panels(qx.data_ptr(), dx.data_ptr(), dxs.data_ptr(), w.kb, m,
-                                  w.packed.data_ptr(), int(w.kind == "q8"), isa, None,
+                                  w.packed.data_ptr(), KIND_CODES[w.kind], isa, None,
                                   out.data_ptr(), 40, 40, 0, 0, 3)
             outs.append(out)
         torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
@@ -250,9 +321,44 @@ def test_avx2_path_from_a_build_without_avx512(tmp_path):
             x2 = torch.cat([x, torch.randn(1, k)])
             qx2, dx2, dxs2 = quantize_activations(x2, w.kb, w.per_row, 1)
             lib.gemm_quant_panels(qx2.data_ptr(), dx2.data_ptr(), dxs2.data_ptr(), w.kb, 2,
-                                  w.packed.data_ptr(), int(w.kind == "q8"), 1, None,
+                                  w.packed.data_ptr(), KIND_CODES[w.kind], 1, None,
                                   out2.data_ptr(), 40, 40, 0, 0, 3)
             assert torch.equal(out2[0], outs[1][0])
+
+
+@pytest.mark.parametrize("type_name,name", [("Q6_K", "q6"), ("Q4_K", "q4k")])
+@pytest.mark.parametrize("flags,isas", [(["-march=x86-64-v3", "-mno-avx512f"], (0, 1)),
+                                        (["-march=x86-64"], (0,))], ids=["avx2", "scalar"])
+def test_k_quant_paths_from_builds_without_avx512(tmp_path, type_name, name, flags, isas):
+    """gemm_q6.c and gemm_q4k.c compiled for an AVX2-only CPU (scalar and AVX2 paths) and for a
+    plain x86-64 (scalar only): each path gives the dequantised GGUF weights' products, as the
+    VNNI build's path does, for one row (decode) and a partial tile of rows, with a bias and
+    bf16 output."""
+    src = os.path.dirname(kvflow.csrc.__file__)
+    so = tmp_path / f"{name}.so"
+    subprocess.run(["cc", "-O3", *flags, "-shared", "-fPIC", "-std=c11", os.path.join(src, f"gemm_{name}.c"),
+                    "-o", str(so), "-lm"], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(so))
+    getattr(lib, f"gemm_{name}_isas").restype = ctypes.c_int64
+    assert getattr(lib, f"gemm_{name}_isas")() == sum(1 << i for i in isas)
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    panels = getattr(lib, f"gemm_{name}_panels")
+    panels.argtypes = [ptr] * (3 if name == "q4k" else 2) + [i64, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64]
+    n, k = 40, 512
+    w, ref_w = quantized(type_name, n, k, "scalar")
+    bias = torch.randn(n)
+    for m in (1, 6):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        qx, dx, dxs = quantize_activations(x, w.kb, False, 1)
+        ref = reference(x, ref_w, w.kb, per_row=False) + bias.double()
+        act = [qx.data_ptr(), dx.data_ptr()] + ([dxs.data_ptr()] if name == "q4k" else [])
+        for isa in isas:
+            for bf16 in (0, 1):
+                out = torch.zeros(m, n, dtype=torch.bfloat16 if bf16 else torch.float32)
+                panels(*act, w.kb, m, w.packed.data_ptr(), isa, bias.data_ptr(), out.data_ptr(), n, n,
+                       bf16, 0, 3)
+                tol = 1e-2 if bf16 else 1e-5
+                assert (out.double() - ref).abs().max().item() <= tol * ref.abs().max().item(), (m, isa, bf16)
 
 
 def test_this_machine_builds_every_path_its_cpu_has():
@@ -320,13 +426,18 @@ WIDE_ISAS = [isa for isa in ISAS if isa != "scalar"]
 
 
 @pytest.mark.parametrize("isa", WIDE_ISAS)
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1", "Q6_K"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 # N: a partial last panel of 16 and a partial group of 64 (and whole groups)
 @pytest.mark.parametrize("m,n,k", [(70, 72, 256), (9, 200, 64)])
 def test_widened_path_matches_dequantise_then_matmul(isa, type_name, dtype, m, n, k):
     """gemm_quant_wide.c: on AVX-512 (bf16 activations: the bf16 panels and vdpbf16ps; fp32:
-    the FMA path) and on AVX2 (the FMA path), with a bias, split over two threads."""
+    the FMA path) and on AVX2 (the FMA path), with a bias, split over two threads. Q6_K records
+    widen on the bf16 path only (elsewhere the call stays on the int8 GEMM)."""
+    if type_name == "Q6_K":
+        if not (isa == "avx512-vnni" and dtype == torch.bfloat16):
+            return
+        k = 256 * -(-k // 256)  # whole super-blocks
     w, ref_w = quantized(type_name, n, k, isa)
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=g).to(dtype)
@@ -362,22 +473,27 @@ def test_which_rows_take_the_widened_path(isa):
     activations): from 64 rows, with per-block activation scales (GGUF Q8_0) and per-row ones
     (int8 W8A8), whatever the number of outputs. Never with fp32 activations or on AVX2,
     where the widened path is the fp32-FMA one and the int8 GEMM beat it at every row count
-    measured; never 4-bit weights."""
+    measured; never 4-bit weights. 6-bit weights (Q6_K) as 8-bit ones, on the bf16 path only."""
     g = torch.Generator().manual_seed(0)
     weights = {("Q8_0", 48): quantized("Q8_0", 48, 128, isa)[0],
-               ("Q4_1", 48): quantized("Q4_1", 48, 128, isa)[0]}
+               ("Q4_1", 48): quantized("Q4_1", 48, 128, isa)[0],
+               ("Q6_K", 48): quantized("Q6_K", 48, 256, isa)[0]}
     for n in (48, 1040, 4112):
         weights["int8", n] = quantize_int8(torch.randn(n, 128, generator=g), isa)
-    widen_from = {("Q8_0", 48): 64, ("int8", 48): 64, ("int8", 1040): 64, ("int8", 4112): 64}
+    widen_from = {("Q8_0", 48): 64, ("Q6_K", 48): 64, ("int8", 48): 64, ("int8", 1040): 64,
+                  ("int8", 4112): 64}
     for (name, n), w in weights.items():
         for dtype in (torch.bfloat16, torch.float32):
             vnni_bf16 = isa == "avx512-vnni" and dtype == torch.bfloat16
             rows = widen_from.get((name, n)) if vnni_bf16 else None
             for m in (15, 16, 31, 32, 63, 64):
-                x = torch.randn(m, 128, generator=g).to(dtype)
+                x = torch.randn(m, w.k, generator=g).to(dtype)
                 int8 = quant_linear(x, w, threads=1, wide_rows=NEVER)
                 wide = quant_linear(x, w, threads=1, wide_rows=1)
-                assert not torch.equal(int8, wide)  # the two paths tell themselves apart
+                if name == "Q6_K" and not vnni_bf16:  # no widened path: the int8 GEMM's numbers
+                    assert torch.equal(int8, wide)
+                else:
+                    assert not torch.equal(int8, wide)  # the two paths tell themselves apart
                 want = wide if rows is not None and m >= rows else int8
                 assert torch.equal(quant_linear(x, w, threads=1), want), (name, n, dtype, m)
 
@@ -399,7 +515,7 @@ def test_widened_avx2_path_from_a_build_without_avx512(tmp_path):
             x = torch.randn(m, k).to(dtype)
             out = torch.zeros(m, n, dtype=dtype)
             assert lib.gemm_quant_wide(x.data_ptr(), k, k, w.kb, int(dtype == torch.bfloat16), m,
-                                       w.packed.data_ptr(), int(w.kind == "q8"), 1, None,
+                                       w.packed.data_ptr(), KIND_CODES[w.kind], 1, None,
                                        out.data_ptr(), n, n, int(dtype == torch.bfloat16), 0, 2) == 0
             ref = x.double() @ ref_w.double().T
             tol = 1e-5 if dtype == torch.float32 else 8e-3

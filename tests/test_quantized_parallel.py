@@ -39,7 +39,9 @@ SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_at
              initializer_range=0.1)
 ENGINE = dict(dtype="float32", max_model_len=256, num_threads=1)
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
-TOL = 0.05  # the largest drift seen over 24 steps was 0.026 (Q4_0)
+# the largest drift seen over 24 steps: 0.026 (Q4_0, a Zen 4), 0.064 (Q8_0, a Sapphire Rapids
+# Xeon, whose fp32 paths round differently); the bit-for-bit check above is the exact one
+TOL = 0.1
 _rng = random.Random(0)
 PROMPTS = [[_rng.randrange(3, 320) for _ in range(n)] for n in (5, 17, 40, 90)]
 

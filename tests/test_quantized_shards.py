@@ -68,7 +68,7 @@ def expected(whole: dict, name: str, arch, lay) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fmt,size", [("Q8_0", 2), ("Q4_0", 2), ("Q4_1", 2), ("Q4_K", 2),
-                                      ("Q6_K", 2), ("Q8_0", 4)])
+                                      ("Q6_K", 2), ("Q8_0", 4), ("Q4_K_M", 2)])
 def test_each_rank_packs_one_process_weights_for_its_rows_and_blocks(gguf_files, fmt, size):
     path = gguf_files(fmt)
     arch = load_arch_config(path)
@@ -81,8 +81,11 @@ def test_each_rank_packs_one_process_weights_for_its_rows_and_blocks(gguf_files,
         assert all(t.dim() == 1 for t in plain.values())
         for name, w in quant.items():
             assert w.packed.dtype == torch.uint8 and w.kind == whole[name].kind
-            assert w.nbytes == -(-w.n // PANEL) * (w.k // BLOCK) * RECORD_BYTES[w.kind]
+            if w.kind != "parts":  # Q4_K_M's qkv: its Q4_K q, k and Q6_K v each as stored
+                assert w.nbytes == -(-w.n // PANEL) * (w.k // BLOCK) * RECORD_BYTES[w.kind]
             assert torch.equal(floats(w), expected(whole, name, arch, lay)), (fmt, rank, name)
+        if fmt == "Q4_K_M":
+            assert whole["layers.0.qkv_proj"].kind == "parts" and whole["layers.0.down_proj"].kind == "q6"
         # a rank holds its share: half (a quarter) of every projection, rows or input blocks
         assert quant["layers.0.down_proj"].k == arch.intermediate_size // size
 

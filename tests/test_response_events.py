@@ -140,8 +140,12 @@ def test_input_items_become_chat_messages():
 @pytest.mark.parametrize("item, param, words", [
     ({"type": "item_reference", "id": "msg_1"}, "input[1]", "'item_reference' items are not supported"),
     ({"type": "web_search_call", "id": "ws_1"}, "input[1]", "not supported"),
-    ({"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}, "input[1]",
-     "'input_image' content is not supported"),
+    ({"role": "assistant", "content": [{"type": "input_image", "image_url": "x"}]}, "input[1]",
+     "'input_image' content is not supported here"),
+    ({"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]},
+     "input[1].content[0]", "file_id: uploaded files are not implemented"),
+    ({"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}, "input[1]",
+     "'input_audio' content is not supported"),
     ({"type": "function_call", "name": "f", "arguments": "{}"}, "input[1]", "call_id"),
     ({"role": "tool", "content": "x"}, "input[1]", "role"),
 ])
@@ -328,3 +332,21 @@ def test_a_model_s_own_tool_call_read_by_its_parser_is_a_function_call_item_and_
     content = messages.message["content"]
     assert [b["type"] for b in content] == ["text", "tool_use"]
     assert content[1]["input"] == {"city": "Paris"} and messages.message["stop_reason"] == "tool_use"
+
+
+def test_input_images_become_image_parts_named_by_their_input_item():
+    items = input_items([
+        {"role": "user", "content": "first"},
+        {"role": "user", "content": [{"type": "input_text", "text": "what is"},
+                                     {"type": "input_image", "image_url": "data:image/png;base64,AA"},
+                                     {"type": "input_image", "image_url": "https://x.test/a.png",
+                                      "detail": "auto"}]}])
+    names: dict = {}
+    messages = chat_messages(items, names, offset=2)  # after a system message and one turn
+    assert messages[0] == {"role": "user", "content": "first"}
+    assert messages[1]["content"] == [
+        {"type": "text", "text": "what is"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA", "detail": "auto"}},
+        {"type": "image_url", "image_url": {"url": "https://x.test/a.png", "detail": "auto"}}]
+    assert names == {"messages[3].content[1]": "input[1].content[1]",
+                     "messages[3].content[2]": "input[1].content[2]"}

@@ -228,6 +228,8 @@ def responses_cases() -> list[tuple[dict | bytes, str]]:
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
         ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0]"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+         "input[0].content[0]"),
+        ({"input": [{"role": "assistant", "content": [{"type": "input_image", "image_url": "x"}]}]},
          "input[0]"),
         ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "x"}] * 300}]},
          "input[0]"),
@@ -386,7 +388,8 @@ def test_errors_are_anthropic_sdk_exceptions(server, claude, clean):
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}])
     assert e.value.body["type"] == "error"
     assert e.value.body["error"]["type"] == "invalid_request_error"
-    assert "messages[0].content[0].type: 'image'" in e.value.body["error"]["message"]
+    # a well-formed image block whose data is no image: refused naming the block
+    assert "messages[0].content[0]: the data is not an image" in e.value.body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError, match="thinking"):
         claude.messages.create(model=MODEL, max_tokens=4, messages=ask(),
                                thinking={"type": "enabled", "budget_tokens": 1024})
@@ -479,7 +482,7 @@ def test_hostile_or_unimplemented_messages_requests_are_a_400_in_anthropics_shap
     assert "over the limit" in anthropic_error(post(server, "/v1/messages", big), 413)
     message = anthropic_error(post(server, "/v1/messages/count_tokens", {
         "model": MODEL, "messages": [{"role": "user", "content": [{"type": "image"}]}]}))
-    assert "'image'" in message
+    assert "messages[0].content[0].source" in message
     assert "at most 4096" in anthropic_error(post(server, "/v1/messages/count_tokens",
                                                   {"model": MODEL, "messages": ask() * 5000}))
     anthropic_error(post(server, "/v1/messages", {"model": "nope", "max_tokens": 2,

@@ -7,7 +7,7 @@ import pytest
 
 from core_helpers import FakeRunner, make_request, make_scheduler, run_to_completion
 from kvflow.core.scheduler_output import AdmissionStop, BlockCheck
-from kvflow.request import RequestStatus
+from kvflow.request import InvalidRequestError, MultiModalFeatureSpec, PlaceholderRange, RequestStatus
 
 
 def step(sched, runner):
@@ -55,7 +55,8 @@ def test_a_request_that_lacks_blocks_is_skipped_and_the_next_one_admitted():
 
 @pytest.mark.parametrize("stop", list(AdmissionStop))
 def test_why_admission_stopped_is_recorded(stop):
-    config = {"max_admission_skips": 0} if stop is AdmissionStop.HELD else {}
+    config = ({"max_admission_skips": 0} if stop is AdmissionStop.HELD else
+              {"max_num_encoder_input_tokens": 4} if stop is AdmissionStop.ENCODER_BUDGET else {})
     sched = make_scheduler(num_blocks={AdmissionStop.PREEMPTION: 6, AdmissionStop.HELD: 10}.get(stop, 64),
                            block_size=4, budget=16 if stop is AdmissionStop.BUDGET else 64,
                            max_num_seqs=1 if stop is AdmissionStop.MAX_NUM_SEQS else 16, **config)
@@ -73,12 +74,62 @@ def test_why_admission_stopped_is_recorded(stop):
         out = sched.schedule()
         assert out.skipped_req_ids == ["B"]  # passed over max_admission_skips (0) times already
         assert "C" not in out.num_scheduled_tokens and "C" not in out.block_checks
+    elif stop is AdmissionStop.ENCODER_BUDGET:  # A's image takes the step's encoder budget
+        for rid, offset in (("A", 2), ("B", 0)):
+            sched.add_request(with_image(make_request(rid, 12), offset, 4))
+        out = sched.schedule()
+        assert out.scheduled_encoder_inputs == {"A": [0]} and list(out.num_scheduled_tokens) == ["A"]
+        assert out.encoder_cuts == {"B": "encoder_budget"}
     else:
         sched.add_request(make_request("A", 20))
         sched.add_request(make_request("B", 4))
         out = sched.schedule()
         assert list(out.num_scheduled_tokens) == ["A"] and "B" not in out.block_checks
     assert out.admission_stop is stop
+
+
+def with_image(req, offset: int, length: int, identifier: str = "img"):
+    """`req` with an image whose placeholder run is [offset, offset + length)."""
+    req.mm_features = [MultiModalFeatureSpec("image", identifier, PlaceholderRange(offset, length))]
+    return req
+
+
+def test_image_runs_are_scheduled_whole_within_the_encoder_budget():
+    """Chunks stop before an image run the token or encoder budget cannot take whole (the
+    request waits for the next step where it could take nothing before it), every run is
+    computed in one step with its encoder, and a step encodes at most its encoder budget."""
+    sched = make_scheduler(budget=12, max_num_encoder_input_tokens=6)
+    sched.add_request(with_image(make_request("A", 9, max_tokens=2), 3, 6, "a"))
+    sched.add_request(with_image(make_request("B", 16, max_tokens=2), 1, 5, "b"))
+    steps = []
+    run_to_completion(sched, on_step=lambda out, updates: steps.append(out))
+    first = steps[0]
+    # A's whole prompt with its run; the 3 tokens left would end inside B's run: B stops before it
+    assert first.num_scheduled_tokens == {"A": 9, "B": 1}
+    assert first.scheduled_encoder_inputs == {"A": [0]} and first.num_encoder_tokens == 6
+    assert first.encoder_cuts == {"B": "image_run"}
+    assert steps[1].scheduled_encoder_inputs == {"B": [0]}
+    runs = {"A": (3, 9), "B": (1, 6)}
+    encoded = {}
+    for out in steps:
+        assert out.num_encoder_tokens <= 6
+        for rid, n in out.num_scheduled_tokens.items():
+            start, (lo, hi) = out.num_computed_tokens[rid], runs[rid]
+            overlaps = start < hi and start + n > lo
+            assert not overlaps or (start <= lo and start + n >= hi)  # whole, never split
+            if overlaps:
+                assert out.scheduled_encoder_inputs[rid] == [0]
+                encoded[rid] = encoded.get(rid, 0) + 1
+    assert encoded == {"A": 1, "B": 1}
+
+
+def test_an_image_no_step_can_take_whole_is_refused():
+    sched = make_scheduler(budget=8)
+    with pytest.raises(InvalidRequestError, match="multi_modal_data"):
+        sched.add_request(with_image(make_request("A", 20), 2, 9))
+    sched = make_scheduler(budget=16, max_num_encoder_input_tokens=4)
+    with pytest.raises(InvalidRequestError, match="encoder budget 4"):
+        sched.add_request(with_image(make_request("A", 20), 2, 5))
 
 
 def test_resumed_request_is_recorded_with_the_prefix_it_finds_cached():

@@ -49,8 +49,8 @@ def test_each_attention_layer_declares_the_spec_of_its_kv_cache_group(tiny):
     _, path = tiny
     model, arch = load_model(path, torch.float32)
     declared = [layer.attn.kv_cache_spec() for layer in model.layers]
-    assert SlidingWindowSpec(WINDOW) in declared
-    for group in make_kv_cache_groups(arch.layer_windows()):
+    assert SlidingWindowSpec(WINDOW, num_kv_heads=arch.num_key_value_heads, head_size=arch.head_dim) in declared
+    for group in make_kv_cache_groups(arch.layer_windows(), arch.kv_layer_shapes()):
         assert {declared[i] for i in group.layers} == {group.spec}
 
 

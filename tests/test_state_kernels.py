@@ -14,8 +14,9 @@ import torch.nn.functional as F
 
 from kvflow.csrc import state_update as su
 from kvflow.layers.causal_conv import causal_conv1d
-from kvflow.layers.gated_deltanet import GatedDeltaNet, l2norm, recurrent_gated_delta_rule
-from kvflow.layers.mamba2 import Mamba2, recurrent_scan
+from kvflow.layers.gated_deltanet import (GatedDeltaNet, chunk_gated_delta_rule, l2norm,
+                                          recurrent_gated_delta_rule)
+from kvflow.layers.mamba2 import Mamba2, chunk_scan, recurrent_scan
 from kvflow.layers.short_conv import ShortConv
 from kvflow.model.cpu_features import cpu_features
 from kvflow.model.kernels import select_kernels
@@ -152,6 +153,21 @@ def test_gated_delta_step_with_the_gated_norm_matches_the_layers(isa, dtype, thr
     torch.testing.assert_close(gated, ref, **(F32_TOL if dtype == torch.float32 else BF16_TOL))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_delta_gated_norm_matches_the_layers(dtype, threads):
+    """A prompt step's output: the layer's _gated_norm of the recurrence's rows."""
+    g = torch.Generator().manual_seed(8)
+    nk, nv, dk, dv, t = 2, 4, 16, 36, 7
+    layer = GatedDeltaNet(16, nk, nv, dk, dv, 4, 1e-6, dtype)
+    with torch.no_grad():
+        layer.norm.copy_(torch.randn(dv, generator=g))
+    out = torch.randn(t, nv, dv, generator=g)
+    z = torch.randn(t, nv * dv + 3, generator=g).to(dtype)[:, 3:]  # strided rows
+    got = su.gdn_gated_norm(out, z, layer.norm, layer.eps)
+    ref = layer._gated_norm(out.to(dtype), z)
+    torch.testing.assert_close(got, ref, **(F32_TOL if dtype == torch.float32 else BF16_TOL))
+
+
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("limit", [(0.0, float("inf")), (0.05, 0.4)])
@@ -197,6 +213,153 @@ def test_ssm_gated_norm_matches_the_layers(dtype, groups):
     ref = layer._gated_norm(ref, z).to(dtype)
     got = su.ssm_gated_norm(y, x, z, layer.D, layer.norm, layer.eps, groups)
     torch.testing.assert_close(got, ref, **(F32_TOL if dtype == torch.float32 else BF16_TOL))
+
+
+# three prompt chunks in scattered slots: past the kernels' 32-token blocks, one token long
+# (a chunk of one), and one with a snapshot inside a block; rows strided in a wider batch
+CHUNK_LENS, CHUNK_SLOTS, CHUNK_SAVES = np.array([37, 1, 70]), np.array([5, 1, 3]), {0: (33, 0), 2: (9, 6)}
+
+
+def _chunk_rows(lens):
+    starts = np.concatenate([[0], np.cumsum(lens)])
+    return starts, [np.arange(starts[i], starts[i + 1]) for i in range(len(lens))]
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dk,dv", [(32, 36), (16, 64)])
+@pytest.mark.parametrize("saves", [CHUNK_SAVES, {}], ids=["snapshots", "none"])
+def test_gated_delta_chunks_match_the_recurrence_token_by_token(isa, dtype, dk, dv, saves, threads):
+    """A prompt chunk through the C scan gives each token's one-token recurrence, its state
+    moved on in its slot and its snapshot kept after the given token."""
+    _need(isa)
+    g = torch.Generator().manual_seed(11)
+    nk, nv = 2, 4
+    starts, rows = _chunk_rows(CHUNK_LENS)
+    t = int(starts[-1])
+    x = torch.randn(t, 2 * nk * dk + nv * dv + 9, generator=g).to(dtype)[:, 9:]
+    ba = torch.randn(t, 3 + 2 * nv, generator=g).to(dtype)[:, 3:]
+    a_log, dt_bias = torch.randn(nv, generator=g) * 0.5, torch.randn(nv, generator=g)
+    state = torch.randn(7, nv, dk, dv, generator=g) * 0.3
+    ref_state = state.clone()
+    ref = torch.full((t, nv, dv), float("nan"))
+    for i, (slot, token_rows) in enumerate(zip(CHUNK_SLOTS, rows)):
+        for n, row in enumerate(token_rows):
+            ref[row] = _gdn_reference(x, ba, a_log, dt_bias, ref_state, torch.tensor([row]),
+                                      torch.tensor([slot]), nk, dk, dv)[0]
+            if i in saves and saves[i][0] == n:
+                ref_state[saves[i][1]] = ref_state[slot]
+    out = torch.full((t, nv, dv), float("nan"))
+    su.gated_delta_chunks(x, ba, a_log, dt_bias, state, starts, CHUNK_LENS, CHUNK_SLOTS, saves,
+                          out, nk, isa)
+    torch.testing.assert_close(out, ref, **F32_TOL)
+    torch.testing.assert_close(state, ref_state, **F32_TOL)  # snapshots and untouched slots too
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+def test_gated_delta_chunk_split_over_column_groups_matches_the_recurrence(isa, monkeypatch):
+    """More threads than heads: each head's columns in groups (here 3 of dv 100: 48, 48 and a
+    tail of 4), each group its own unit; the same outputs, state and snapshot."""
+    _need(isa)
+    monkeypatch.setattr(su, "MIN_PARALLEL_VALUES", 0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(8)
+    try:
+        g = torch.Generator().manual_seed(14)
+        nk, nv, dk, dv, t = 1, 2, 32, 100, 37
+        x = torch.randn(t, 2 * nk * dk + nv * dv, generator=g)
+        ba = torch.randn(t, 2 * nv, generator=g)
+        a_log, dt_bias = torch.randn(nv, generator=g) * 0.5, torch.randn(nv, generator=g)
+        state = torch.randn(3, nv, dk, dv, generator=g) * 0.3
+        ref_state, ref = state.clone(), torch.empty(t, nv, dv)
+        for row in range(t):
+            ref[row] = _gdn_reference(x, ba, a_log, dt_bias, ref_state, torch.tensor([row]),
+                                      torch.tensor([1]), nk, dk, dv)[0]
+            if row == 20:
+                ref_state[2] = ref_state[1]
+        out = torch.empty(t, nv, dv)
+        su.gated_delta_chunks(x, ba, a_log, dt_bias, state, np.array([0, t]), np.array([t]),
+                              np.array([1]), {0: (20, 2)}, out, nk, isa)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, ref, **F32_TOL)
+    torch.testing.assert_close(state, ref_state, **F32_TOL)
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("limit", [(0.0, float("inf")), (0.05, 0.4)])
+# n 40: tails past the vector paths' 64 and 32 columns; n 128: whole blocks
+@pytest.mark.parametrize("p,n", [(24, 40), (16, 128)])
+@pytest.mark.parametrize("saves", [CHUNK_SAVES, {}], ids=["snapshots", "none"])
+def test_ssm_chunks_match_the_recurrence_token_by_token(isa, dtype, limit, p, n, saves, threads):
+    _need(isa)
+    g = torch.Generator().manual_seed(12)
+    nh, groups = 4, 2
+    starts, rows = _chunk_rows(CHUNK_LENS)
+    t = int(starts[-1])
+    x = torch.randn(t, nh * p + 2 * groups * n, generator=g).to(dtype)
+    dt = torch.randn(t, 5 + nh, generator=g).to(dtype)[:, 5:]
+    a_log, dt_bias = torch.randn(nh, generator=g) * 0.5, torch.randn(nh, generator=g)
+    state = torch.randn(7, nh, p, n, generator=g)
+    ref_state = state.clone()
+    xs, b, c = x.float().split([nh * p, groups * n, groups * n], dim=-1)
+    b, c = (y.view(t, groups, n).repeat_interleave(nh // groups, 1) for y in (b, c))
+    d = F.softplus(dt.float() + dt_bias).clamp(*limit)
+    ref = torch.full((t, nh, p), float("nan"))
+    for i, (slot, token_rows) in enumerate(zip(CHUNK_SLOTS, rows)):
+        for k, row in enumerate(token_rows):
+            s = ref_state[slot:slot + 1]  # a view: updated in place
+            ref[row] = recurrent_scan(xs[row:row + 1].view(1, nh, p), d[row:row + 1], -a_log.exp(),
+                                      b[row:row + 1], c[row:row + 1], s)[0]
+            if i in saves and saves[i][0] == k:
+                ref_state[saves[i][1]] = ref_state[slot]
+    y = torch.full((t, nh, p), float("nan"))
+    su.ssm_chunks(x, dt, a_log, dt_bias, state, starts, CHUNK_LENS, CHUNK_SLOTS, saves, y, groups,
+                  limit, isa)
+    torch.testing.assert_close(y, ref, **F32_TOL)
+    torch.testing.assert_close(state, ref_state, **F32_TOL)
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx512"])
+def test_the_scans_agree_with_the_layers_chunked_forms(isa):
+    """The C scans against the PyTorch chunked forms the layers ran before them (the delta
+    rule through triangular solves, the SSD as masked attention): the same outputs and state
+    up to fp32 rounding over 100 tokens."""
+    _need(isa)
+    g = torch.Generator().manual_seed(13)
+    nk, nv, dk, dv, t = 1, 2, 32, 48, 100
+    x = torch.randn(t, 2 * nk * dk + nv * dv, generator=g)
+    ba = torch.randn(t, 2 * nv, generator=g)
+    a_log, dt_bias = torch.randn(nv, generator=g) * 0.5, torch.randn(nv, generator=g)
+    state = torch.randn(1, nv, dk, dv, generator=g) * 0.3
+    q, k, v = x.split([nk * dk, nk * dk, nv * dv], dim=-1)
+    q = (l2norm(q.view(t, nk, dk)) * dk ** -0.5).repeat_interleave(nv // nk, 1)
+    k = l2norm(k.view(t, nk, dk)).repeat_interleave(nv // nk, 1)
+    gate = -a_log.exp() * F.softplus(ba[:, nv:] + dt_bias)
+    ref, ref_state = chunk_gated_delta_rule(q.transpose(0, 1), k.transpose(0, 1),
+                                            v.view(t, nv, dv).transpose(0, 1), gate.T,
+                                            ba[:, :nv].sigmoid().T, state[0])
+    out = torch.empty(t, nv, dv)
+    su.gated_delta_chunks(x, ba, a_log, dt_bias, state, np.array([0, t]), np.array([t]),
+                          np.array([0]), {}, out, nk, isa)
+    torch.testing.assert_close(out, ref.transpose(0, 1), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state[0], ref_state, atol=1e-4, rtol=1e-4)
+
+    nh, groups, p, n = 4, 1, 16, 32
+    x = torch.randn(t, nh * p + 2 * groups * n, generator=g)
+    dt = torch.randn(t, nh, generator=g)
+    a_log, dt_bias = torch.randn(nh, generator=g) * 0.5, torch.randn(nh, generator=g)
+    state = torch.randn(1, nh, p, n, generator=g)
+    xs, b, c = x.split([nh * p, n, n], dim=-1)
+    d = F.softplus(dt + dt_bias)
+    ref, ref_state = chunk_scan(xs.view(t, nh, p).transpose(0, 1), d.T, -a_log.exp(),
+                                b.expand(nh, t, n), c.expand(nh, t, n), state[0])
+    y = torch.empty(t, nh, p)
+    su.ssm_chunks(x, dt, a_log, dt_bias, state, np.array([0, t]), np.array([t]), np.array([0]),
+                  {}, y, groups, (0.0, float("inf")), isa)
+    torch.testing.assert_close(y, ref.transpose(0, 1), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state[0], ref_state, atol=1e-4, rtol=1e-4)
 
 
 def test_wrong_shapes_are_refused():

@@ -387,3 +387,28 @@ def record_golden() -> None:
 
 if __name__ == "__main__":
     record_golden()
+
+
+def test_the_trace_records_which_images_were_encoded_and_which_chunks_stopped_before_one(tmp_path):
+    """A's image takes the step's encoder budget: B's chunk stops before its own image; the
+    trace records both decisions and the reader reads them back, step by step."""
+    from kvflow.request import MultiModalFeatureSpec, PlaceholderRange
+
+    sched = make_scheduler(num_blocks=64, block_size=4, budget=32, max_num_encoder_input_tokens=6)
+    for rid, offset in (("A", 2), ("B", 5)):
+        req = make_request(rid, 16, 2)
+        req.mm_features = [MultiModalFeatureSpec("image", rid, PlaceholderRange(offset, 6))]
+        sched.add_request(req)
+    path = str(tmp_path / "t.jsonl")
+    trace, runner, outs = StepTrace(path, 32, 4, 64), FakeRunner(), []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        updates = sched.update_from_output(out, runner.execute(out))
+        trace.record(out, updates, 0.0, 0.0, sched.kv_cache_manager.num_free_blocks, 0)
+        outs.append(out)
+    trace.close()
+    steps = load_trace(path).steps
+    assert steps[0].encoder_inputs == {"A": [0]} and steps[0].encoder_cuts == {"B": "encoder_budget"}
+    assert steps[0].requests[1].tokens == 5  # B: up to its image
+    assert steps[1].encoder_inputs == {"B": [0]}
+    assert [s.encoder_inputs for s in steps] == [o.scheduled_encoder_inputs for o in outs]

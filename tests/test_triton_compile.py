@@ -108,3 +108,34 @@ def test_one_byte_kv_cache_kernels_compile_for_h200(kind, cache, scales):
              dict(KV_HEADS=8, GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=32, BLOCK_N=32,
                   BLOCK_D=128, USE_CAP=False, USE_WINDOW=False, DOT_FP32=False,
                   PRECISION="tf32", KV_KIND=kind, HAS_SINKS=False))
+
+
+@pytest.mark.parametrize("shape", ["qwen3.5-0.8b", "granite-4.0-h-tiny"])
+def test_state_kernels_compile_for_h200(shape):
+    """The state layers' kernels (kvflow/model/triton/state_update.py, state_scan.py) at the
+    launch parameters their wrappers choose: Qwen3.5-0.8B's Gated DeltaNet (16 q/k and 16 v
+    heads of 128, conv channels 6144) or Granite-4.0-H-tiny's Mamba2 (48 heads of 64, state
+    128, 1 group, conv channels 3328), bf16 activations, fp32 states."""
+    from kvflow.model.triton import state_scan as scan
+    from kvflow.model.triton import state_update as step
+    chunks = dict(starts_ptr="*i64", lens_ptr="*i64", slots_ptr="*i64", snap_after_ptr="*i64",
+                  snap_slot_ptr="*i64")
+    gdn = shape == "qwen3.5-0.8b"
+    _compile(scan._conv_kernel,
+             dict(x_ptr="*bf16", stride_x="i32", out_ptr="*bf16", stride_o="i32", state_ptr="*bf16",
+                  w_ptr="*bf16", bias_ptr="*bf16", C="i32", **chunks),
+             dict(TAPS=3, K_P2=4, TAPS_P2=4, HAS_BIAS=not gdn, SILU=True, HAS_SNAP=True, BLOCK_C=256))
+    if gdn:
+        common = dict(x_ptr="*bf16", stride_x="i32", ba_ptr="*bf16", stride_ba="i32",
+                      a_log_ptr="*fp32", dt_bias_ptr="*fp32", state_ptr="*fp32", out_ptr="*fp32",
+                      scale="fp32")
+        consts = dict(NK=16, NV=16, DK=128, DV=128, BLOCK_K=128, BLOCK_V=32)
+        _compile(step._gdn_decode_kernel, dict(common, rows_ptr="*i64", slots_ptr="*i64"), consts)
+        _compile(scan._gdn_chunk_kernel, dict(common, **chunks), consts)
+    else:
+        common = dict(x_ptr="*bf16", stride_x="i32", dt_ptr="*bf16", stride_dt="i32",
+                      a_log_ptr="*fp32", dt_bias_ptr="*fp32", state_ptr="*fp32", y_ptr="*fp32",
+                      dt_min="fp32", dt_max="fp32")
+        consts = dict(NH=48, G=1, P=64, N=128, BLOCK_P=16, BLOCK_N=128)
+        _compile(step._ssm_decode_kernel, dict(common, rows_ptr="*i64", slots_ptr="*i64"), consts)
+        _compile(scan._ssm_chunk_kernel, dict(common, **chunks), consts)

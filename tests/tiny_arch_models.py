@@ -229,8 +229,9 @@ _GGUF_ARCH = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Phi3For
 def write_gguf(hf_dir: str, out_path: str, quant: str = "F32", legacy_experts: bool = False) -> str:
     """Convert the tiny HF folder to a GGUF file; `quant` "F32", or "Q8_0", "Q4_0" or "Q4_1"
     (the 2-D and 3-D projections quantised, norms and small tensors kept in F32, as llama.cpp
-    does), or a K-quant ("Q4_K", "Q6_K": gguf has no quantizer for them, so matrices 256 wide
-    get random blocks with sane scales, seeded: a file that loads, not the folder's weights).
+    does), or a K-quant ("Q4_K", "Q6_K", or "Q4_K_M": Q4_K with attn_v, ffn_down, output and
+    token_embd in Q6_K; gguf has no quantizer for them, so matrices 256 wide get random blocks
+    with sane scales, seeded: a file that loads, not the folder's weights).
     `legacy_experts`: Mixtral's experts one tensor each (`blk.N.ffn_gate.E.weight`), as
     llama.cpp wrote them before it stacked them."""
     import gguf
@@ -257,9 +258,12 @@ def write_gguf(hf_dir: str, out_path: str, quant: str = "F32", legacy_experts: b
 
     def add(name: str, a: np.ndarray) -> None:
         a = np.ascontiguousarray(a, dtype=np.float32)
-        if quant.endswith("_K") and a.ndim == 2 and a.shape[-1] % 256 == 0:
-            q = random_kquant_blocks(quant, *a.shape, seed=len(name))
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType[quant])
+        kq = quant
+        if quant == "Q4_K_M":  # llama.cpp's mix: attn_v, ffn_down and the output/embedding Q6_K
+            kq = "Q6_K" if any(s in name for s in ("attn_v", "ffn_down", "output.", "token_embd")) else "Q4_K"
+        if kq.endswith("_K") and a.ndim == 2 and a.shape[-1] % 256 == 0:
+            q = random_kquant_blocks(kq, *a.shape, seed=len(name))
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType[kq])
         elif quant != "F32" and not quant.endswith("_K") and a.ndim >= 2 and a.shape[-1] % 32 == 0:
             qtype = gguf.GGMLQuantizationType[quant]
             q = gguf.quants.quantize(a, qtype)
@@ -439,13 +443,15 @@ def save_gemma4(path: str) -> str:
 
 def save_gemma4_moe(path: str) -> str:
     """The Gemma 4 mixture of experts: a dense MLP and 4 experts top-2 beside it in each of
-    four layers (sliding, full, sliding, full), no per-layer embeddings, no shared KV."""
+    four layers (sliding, full, sliding, full), no per-layer embeddings, no shared KV; the full
+    layers keep twice the sliding ones' K/V per token (head 32 vs 16, two kv heads each), so
+    the KV cache packs both sliding layers into one full layer's page."""
     from transformers import Gemma4ForCausalLM
 
     cfg = _gemma4_config(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
                          hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4,
                          top_k_experts=2, moe_intermediate_size=32, attention_k_eq_v=True,
-                         num_global_key_value_heads=1, tie_word_embeddings=False)
+                         num_global_key_value_heads=2, tie_word_embeddings=False)
     path = _save_random(Gemma4ForCausalLM, cfg, path, seed=11)
     _perturb_gemma4(path, 11)
     save_byte_tokenizer(path, VOCAB)

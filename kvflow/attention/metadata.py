@@ -7,7 +7,7 @@ of its own sequence; it attends to its own cached context and never to another r
 K/V are written by slot mapping and read back per request through its block table."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -53,6 +53,9 @@ class AttentionMetadata:
     # device tensor, in a CUDA graph's persistent buffers when one replays the step
     gpu: object | None = None
     device_positions: torch.Tensor | None = None
+    # a vision-language model's image runs in this step's prompt chunks, each attended
+    # bidirectionally within the run (bidirectional.py): empty for text
+    bidirectional_runs: list = field(default_factory=list)
     _torch_decode: tuple | None = None  # tensors of the PyTorch fallback, built on first use
     _token_rows: tuple | None = None  # (rows, seq_lens, tables) of every token, built on first use
     _prefill_arrays: tuple | None = None  # prefill_arrays(), built on first use

@@ -8,13 +8,21 @@ caller) and, for `cache_aware`, keeps a PrefixTree of what it sent where.
 `cache_aware` is SGLang router's policy: when the load is imbalanced (max - min above
 `balance_abs_threshold` and max above `balance_rel_threshold` x min) the least loaded replica
 wins; otherwise the replica holding the longest prefix of the key, if that match covers more
-than `cache_threshold` of the key, else the replica whose tree is smallest (most room)."""
+than `cache_threshold` of the key, else the replica whose tree is smallest (most room).
+
+Given a BlockIndex (the replicas' KV events: kvflow/core/block_index.py) and a request's block
+hashes, `cache_aware` and `least_load`'s ties score by the blocks each replica really holds
+instead of the tree: the longest run of the prompt's leading blocks in its cache (reason
+`kv_cache_hit`; any run, `cache_threshold` is the tree's), else the replica holding the fewest
+blocks (`fewest_blocks`). A request without
+hashes (none computed, or a prompt shorter than a block) is routed by the tree as before."""
 from __future__ import annotations
 
 import random
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+from kvflow.core.block_index import BlockIndex
 from kvflow.core.prefix_tree import PrefixTree
 
 POLICIES = ("round_robin", "least_load", "power_of_two", "cache_aware")
@@ -49,7 +57,8 @@ class CacheAwareConfig:
 @dataclass(frozen=True)
 class Choice:
     """The replica picked and why (`reason`: round_robin, least_load, power_of_two, balance,
-    cache_hit, smallest_tree), with the key's matched length on it (0 where not looked up)."""
+    cache_hit, smallest_tree, kv_cache_hit, fewest_blocks), with the key's matched length on it
+    (blocks where it scored by block hashes; 0 where not looked up)."""
 
     replica: Hashable
     reason: str
@@ -57,12 +66,14 @@ class Choice:
 
 
 class RoutingPolicy:
-    """Picks among `candidates` (replica -> load; never empty). `routed` tells the policy
-    where a request went (the tree learns it); `forget` drops a replica that left."""
+    """Picks among `candidates` (replica -> load; never empty) for a request with `key` and,
+    where known, its prompt's block `hashes`. `routed` tells the policy where a request went
+    (the tree learns it); `forget` drops a replica that left."""
 
     name = ""
 
-    def choose(self, candidates: dict[Hashable, float], key: Sequence) -> Choice:
+    def choose(self, candidates: dict[Hashable, float], key: Sequence,
+               hashes: Sequence[bytes] | None = None) -> Choice:
         raise NotImplementedError
 
     def routed(self, replica: Hashable, key: Sequence) -> None:
@@ -78,7 +89,7 @@ class RoundRobin(RoutingPolicy):
     def __init__(self) -> None:
         self.next = 0
 
-    def choose(self, candidates, key):
+    def choose(self, candidates, key, hashes=None):
         order = list(candidates)
         pick = order[self.next % len(order)]
         self.next += 1
@@ -87,17 +98,24 @@ class RoundRobin(RoutingPolicy):
 
 class LeastLoad(RoutingPolicy):
     """The least loaded; among equals, the longest prefix match when a tree is kept
-    (`tree=True`: the data-parallel front's default), else the first."""
+    (`tree=True`: the data-parallel front's default), else the first. With `blocks` and a
+    request's hashes, among equals the one holding most of its leading blocks."""
 
     name = "least_load"
 
-    def __init__(self, tree: bool = False, max_tree_size: int = 2**20) -> None:
+    def __init__(self, tree: bool = False, max_tree_size: int = 2**20,
+                 blocks: BlockIndex | None = None) -> None:
         self.tree = PrefixTree() if tree else None
         self.max_tree_size = max_tree_size
+        self.blocks = blocks
 
-    def choose(self, candidates, key):
+    def choose(self, candidates, key, hashes=None):
         low = min(candidates.values())
         tied = [r for r, load in candidates.items() if load == low]
+        if len(tied) > 1 and self.blocks is not None and hashes:
+            per = self.blocks.matched(tied, hashes)
+            pick = max(tied, key=lambda r: (per[r], -self.blocks.size(r)))
+            return Choice(pick, self.name, per[pick])
         if len(tied) == 1 or self.tree is None:
             return Choice(tied[0], self.name)
         _, per = self.tree.match(key)
@@ -112,6 +130,8 @@ class LeastLoad(RoutingPolicy):
     def forget(self, replica):
         if self.tree is not None:
             self.tree.remove_tenant(replica)
+        if self.blocks is not None:
+            self.blocks.cleared(replica)
 
 
 class PowerOfTwo(RoutingPolicy):
@@ -122,7 +142,7 @@ class PowerOfTwo(RoutingPolicy):
     def __init__(self, seed: int | None = None) -> None:
         self.rng = random.Random(seed)
 
-    def choose(self, candidates, key):
+    def choose(self, candidates, key, hashes=None):
         order = list(candidates)
         if len(order) == 1:
             return Choice(order[0], self.name)
@@ -133,17 +153,21 @@ class PowerOfTwo(RoutingPolicy):
 class CacheAware(RoutingPolicy):
     name = "cache_aware"
 
-    def __init__(self, config: CacheAwareConfig | None = None) -> None:
+    def __init__(self, config: CacheAwareConfig | None = None,
+                 blocks: BlockIndex | None = None) -> None:
         self.config = config or CacheAwareConfig()
         self.tree = PrefixTree()
+        self.blocks = blocks
 
-    def choose(self, candidates, key):
+    def choose(self, candidates, key, hashes=None):
         cfg = self.config
         loads = candidates.values()
         high, low = max(loads), min(loads)
         if high - low > cfg.balance_abs_threshold and high > cfg.balance_rel_threshold * low:
             pick = min(candidates, key=candidates.__getitem__)
             return Choice(pick, "balance")
+        if self.blocks is not None and hashes:
+            return self._by_blocks(candidates, hashes)
         _, per = self.tree.match(key)
         per = {r: n for r, n in per.items() if r in candidates}
         if per:
@@ -153,12 +177,28 @@ class CacheAware(RoutingPolicy):
         pick = min(candidates, key=lambda r: (self.tree.size(r), candidates[r]))
         return Choice(pick, "smallest_tree", per.get(pick, 0))
 
+    def _by_blocks(self, candidates, hashes):
+        """The replica holding the longest run of the prompt's leading blocks (the less loaded
+        among equals); where none holds even the first, the one holding the fewest blocks.
+        No `cache_threshold` here: the tree's guess needs one, while a block a replica reports
+        is a block it will not compute again (measured: with the threshold, sessions whose
+        replica kept under half of their prompt moved to one that held none of it, and hit
+        less, benchmarks/router_cache_aware.py under cache pressure)."""
+        per = self.blocks.matched(list(candidates), hashes)
+        pick = max(per, key=lambda r: (per[r], -candidates[r]))
+        if per[pick]:
+            return Choice(pick, "kv_cache_hit", per[pick])
+        pick = min(candidates, key=lambda r: (self.blocks.size(r), candidates[r]))
+        return Choice(pick, "fewest_blocks", 0)
+
     def routed(self, replica, key):
         self.tree.insert(key, replica)
         bound_tree(self.tree, replica, self.config.max_tree_size)
 
     def forget(self, replica):
         self.tree.remove_tenant(replica)
+        if self.blocks is not None:
+            self.blocks.cleared(replica)
 
 
 def bound_tree(tree: PrefixTree, replica: Hashable, capacity: int) -> None:
@@ -169,16 +209,16 @@ def bound_tree(tree: PrefixTree, replica: Hashable, capacity: int) -> None:
 
 
 def make_policy(name: str, config: CacheAwareConfig | None = None, tree_ties: bool = False,
-                seed: int | None = None) -> RoutingPolicy:
+                seed: int | None = None, blocks: BlockIndex | None = None) -> RoutingPolicy:
     """The policy called `name` (one of POLICIES); `tree_ties`: least_load breaks ties by the
-    longest prefix match."""
+    longest prefix match; `blocks`: the replicas' KV events, for cache_aware and least_load."""
     if name == "round_robin":
         return RoundRobin()
     if name == "least_load":
         size = (config or CacheAwareConfig()).max_tree_size
-        return LeastLoad(tree=tree_ties, max_tree_size=size)
+        return LeastLoad(tree=tree_ties, max_tree_size=size, blocks=blocks)
     if name == "power_of_two":
         return PowerOfTwo(seed)
     if name == "cache_aware":
-        return CacheAware(config)
+        return CacheAware(config, blocks)
     raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, got {name!r}")

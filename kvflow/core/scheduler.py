@@ -41,7 +41,8 @@ class Scheduler(RemoteKVMixin):
     was admitted or skipped, who was preempted for whom, which tokens are prefill.
 
     `kv_cache_specs`: one KV cache spec per KV cache group of the model (core/kv_cache/),
-    attention groups first; by default the groups of `cache_config.layer_windows`. A model
+    attention groups first; by default the groups of `cache_config.layer_windows` (and
+    `layer_kv_shapes`). A model
     with state layers adds a StateSpec and `num_state_slots` (default: max_num_seqs, so
     that a slot never limits the batch)."""
 
@@ -54,7 +55,8 @@ class Scheduler(RemoteKVMixin):
         self.block_size = cache_config.block_size
         if kv_cache_specs is None:
             windows = cache_config.layer_windows
-            kv_cache_specs = ([g.spec for g in make_kv_cache_groups(windows)] if windows
+            kv_cache_specs = ([g.spec for g in make_kv_cache_groups(windows, cache_config.layer_kv_shapes)]
+                              if windows
                               else [FullAttentionSpec()])
         self.kv_cache_manager = KVCacheCoordinator(
             kv_cache_specs, cache_config.num_blocks, cache_config.block_size,
@@ -76,6 +78,7 @@ class Scheduler(RemoteKVMixin):
         # with LoRA adapters: how many distinct ones may run at once (0: no adapters)
         self.max_loras = 0
         self.spec_stats = SpecDecodeStats()
+        self._encoder_budget = scheduler_config.encoder_budget  # what this step has left
         self.init_remote_kv()  # prefill/decode disaggregation (remote_kv.py)
 
     # -- requests in and out -------------------------------------------------------------
@@ -89,6 +92,7 @@ class Scheduler(RemoteKVMixin):
                 f"prompt ({req.num_prompt_tokens} tokens) and max_tokens ({req.max_tokens}) need "
                 f"{need} KV blocks over the model's KV cache groups; the pool has "
                 f"{kv.num_total_blocks}", "max_tokens")
+        self._check_images(req)
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
@@ -98,6 +102,40 @@ class Scheduler(RemoteKVMixin):
         if p is not None and p.do_remote_prefill:
             req.status = RequestStatus.WAITING_FOR_REMOTE_KV  # until its prompt's K/V arrived
         self._enqueue(req)
+
+    def _check_images(self, req: Request) -> None:
+        """An image's placeholder run is computed in one step (its tokens attend to each other):
+        refuse one that no step's token or encoder budget could ever take whole."""
+        c = self.config
+        room = min(c.max_num_batched_tokens, c.long_prefill_token_threshold or c.max_num_batched_tokens)
+        for f in req.mm_features:
+            if f.length > room or f.length > c.encoder_budget:
+                raise InvalidRequestError(
+                    f"multi_modal_data: an image takes {f.length} tokens, more than one step computes "
+                    f"(max_num_batched_tokens {c.max_num_batched_tokens}, long_prefill_token_threshold "
+                    f"{c.long_prefill_token_threshold}, encoder budget {c.encoder_budget})",
+                    "multi_modal_data")
+
+    def _cut_for_images(self, req: Request, computed: int, n: int,
+                        out: SchedulerOutput) -> tuple[int, list[int]]:
+        """The tokens of `req` this step may take of the `n` planned from `computed`, and the
+        images whose encoder runs for them: a chunk takes an image's remaining run whole or
+        stops before it (for lack of tokens or of this step's encoder budget, recorded in
+        `out.encoder_cuts`), so that the run's tokens are computed together."""
+        encoder, budget = [], self._encoder_budget
+        for i, f in enumerate(req.mm_features):
+            if f.end <= computed:
+                continue  # computed already (or found in the prefix cache)
+            if f.offset >= computed + n:
+                break
+            why = ("image_run" if computed + n < f.end else
+                   "encoder_budget" if f.length > budget else None)
+            if why is not None:
+                out.encoder_cuts[req.request_id] = why
+                return max(0, f.offset - computed), encoder
+            encoder.append(i)
+            budget -= f.length
+        return n, encoder
 
     def _enqueue(self, req: Request, front: bool = False) -> None:
         if self.config.policy == "priority":
@@ -152,6 +190,7 @@ class Scheduler(RemoteKVMixin):
         self._finished_ids = set()
         self._kv_errors = {}
         budget = self.config.max_num_batched_tokens
+        self._encoder_budget = self.config.encoder_budget
         kv = self.kv_cache_manager
 
         cap = self.config.long_prefill_token_threshold
@@ -166,6 +205,12 @@ class Scheduler(RemoteKVMixin):
             if 0 < cap < n:
                 n = cap
             assert n > 0, f"running request {req.request_id} has nothing to compute"
+            encoder = None
+            if req.mm_features:
+                n, encoder = self._cut_for_images(req, req.num_computed_tokens, n, out)
+                if n == 0:  # its next image run waits for a step with room for it
+                    i += 1
+                    continue
             # drafts the budget leaves room for; they are dropped before anyone is preempted
             num_spec = max(0, n - (req.num_tokens - req.num_computed_tokens))
             lookahead = self.num_lookahead_tokens
@@ -186,7 +231,7 @@ class Scheduler(RemoteKVMixin):
                 if victim is req:
                     break
             else:
-                self._schedule(req, n, out, num_spec)
+                self._schedule(req, n, out, num_spec, encoder)
                 budget -= n
                 i += 1
                 continue
@@ -267,10 +312,16 @@ class Scheduler(RemoteKVMixin):
                     break  # it has waited long enough: it goes first once it fits
                 req.num_skips += 1
                 continue
-            req.num_computed_tokens = num_cached
             n = min(req.num_tokens - num_cached, budget)
             if 0 < cap < n:
                 n = cap
+            encoder = None
+            if req.mm_features:
+                n, encoder = self._cut_for_images(req, num_cached, n, out)
+                if n == 0:  # its image run does not fit what is left of this step
+                    out.admission_stop = AdmissionStop.ENCODER_BUDGET
+                    break
+            req.num_computed_tokens = num_cached
             new = kv.allocate_slots(req, n, computed, cache=not req.is_pooling,
                                    num_lookahead_tokens=self.num_lookahead_tokens)
             assert new is not None, "admission checked the blocks"
@@ -287,13 +338,13 @@ class Scheduler(RemoteKVMixin):
             self.running.append(req)
             out.scheduled_new_reqs.append(NewRequestData(
                 req.request_id, list(req.all_token_ids), req.num_prompt_tokens, req.sampling_params,
-                req.pooling_params, req.lora_int_id))
+                req.pooling_params, req.lora_int_id, req.mm_features))
             if resumed:
                 out.resumed_req_ids.append(req.request_id)
             out.num_cached_tokens[req.request_id] = num_cached
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-            self._schedule(req, n, out)
+            self._schedule(req, n, out, encoder=encoder)
             budget -= n
             pending += kv.num_blocks_needed(req, req.num_tokens)
         for req in admitted:
@@ -317,11 +368,17 @@ class Scheduler(RemoteKVMixin):
             return max(running, key=lambda r: (r.priority, r.arrival_time))
         return running[-1]
 
-    def _schedule(self, req: Request, n: int, out: SchedulerOutput, num_spec: int = 0) -> None:
+    def _schedule(self, req: Request, n: int, out: SchedulerOutput, num_spec: int = 0,
+                  encoder: list[int] | None = None) -> None:
         computed = req.num_computed_tokens
         assert computed + n <= self.config.max_model_len
         rid = req.request_id
         out.num_scheduled_tokens[rid] = n
+        if encoder:  # its images' encoder runs this step
+            out.scheduled_encoder_inputs[rid] = encoder
+            used = sum(req.mm_features[i].length for i in encoder)
+            out.num_encoder_tokens += used
+            self._encoder_budget -= used
         if num_spec:  # its last num_spec tokens are drafts; the runner checks them
             out.scheduled_spec_decode_tokens[rid] = req.spec_token_ids[:num_spec]
         req.spec_token_ids = []  # the next drafts come from this step's outcome
@@ -354,6 +411,11 @@ class Scheduler(RemoteKVMixin):
         out.group_block_ids.pop(rid, None)
         out.total_num_scheduled_tokens -= n
         out.scheduled_spec_decode_tokens.pop(rid, None)  # it is preempted next: drafts go
+        encoder = out.scheduled_encoder_inputs.pop(rid, None)
+        if encoder:
+            used = sum(req.mm_features[i].length for i in encoder)
+            out.num_encoder_tokens -= used
+            self._encoder_budget += used
         if rid in out.structured_output_request_ids:
             out.structured_output_request_ids.remove(rid)
             out.structured_output_also_allowed.pop(rid, None)

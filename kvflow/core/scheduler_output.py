@@ -22,6 +22,7 @@ class NewRequestData:
     # an embedding request: the runner pools its prompt's hidden states and samples nothing
     pooling_params: PoolingParams | None = None
     lora_int_id: int = 0  # its LoRA adapter's id; 0: the base model
+    mm_features: list = field(default_factory=list)  # its images (request.MultiModalFeatureSpec)
 
 
 @dataclass(slots=True)
@@ -60,6 +61,8 @@ class AdmissionStop(str, enum.Enum):
     PREEMPTION = "preemption"  # nothing is admitted in a step that preempts
     BUDGET = "budget"  # the token budget is used up
     MAX_NUM_SEQS = "max_num_seqs"  # max_num_seqs requests already run
+    ENCODER_BUDGET = "encoder_budget"  # the next request's image run does not fit this
+    #                step's token or encoder budget (a run is scheduled whole)
     HELD = "held"  # the last skipped request was passed over max_admission_skips times:
     #                nobody overtakes it any more
 
@@ -104,7 +107,14 @@ class SchedulerOutput:
     state_restores: list[tuple[int, int]] = field(default_factory=list)
     state_saves: list[tuple[str, int, int]] = field(default_factory=list)
 
+    # images: request id -> the indices (into its mm_features) of the images whose encoder
+    # runs this step (vLLM's name); their placeholder runs are scheduled whole this step
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    num_encoder_tokens: int = 0  # their image tokens, within SchedulerConfig.encoder_budget
     # -- what was decided and why: the runner does not need these ---------------------------
+    # request id -> why its chunk stopped short of an image run: "image_run" (the token budget
+    # left cannot take the run whole) or "encoder_budget" (the step's encoder budget cannot)
+    encoder_cuts: dict[str, str] = field(default_factory=dict)
     # request id -> True when its tokens this step are prompt tokens (a prefill chunk, or a
     # resumed request recomputing), False for one decode token. The one definition of "prefill".
     is_prefill: dict[str, bool] = field(default_factory=dict)

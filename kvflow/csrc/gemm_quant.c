@@ -10,15 +10,20 @@
  *   q4 record (320 B): 4 vectors, vector v holds quad v in its low nibbles and quad v + 4 in
  *       its high ones (values 0..15, unsigned); then fp16 scale d[16] and fp16 min m[16]:
  *       weight = d * q + m (Q4_0: m = -8 d; Q4_K: its sub-block's scale and min).
- *   q8 record (608 B): 8 vectors of signed int8 (-128..127: GGUF's Q8_0 and kvflow's own
- *       stop at -127, compressed-tensors checkpoints reach -128), fp16 scale d[16], then
- *       int32 bias[16] = -128 * (the sum of the output's 32 weights): `vpdpbusd` takes its
- *       first operand unsigned, so the VNNI path multiplies x + 128 and starts from the bias.
+ *   q4s record (288 B): q4's 4 vectors and fp16 d[16], no min: weight = d * (q - 8) (GGUF
+ *       Q4_0 as stored, 18 B per 32 weights).
+ *   q8 record (544 B): 8 vectors of signed int8 (-128..127: GGUF's Q8_0 and kvflow's own
+ *       stop at -127, compressed-tensors checkpoints reach -128), then fp16 scale d[16]: GGUF
+ *       Q8_0's 34 B per 32 weights.
+ * Q6_K has its own records and kernels (gemm_q6.c).
  *
  * Activations (quantize_rows_q8): per row and block of 32 inputs, int8 values in -127..127,
  * scale dx (x ~ dx * q) and dxs = dx * (sum of the block's q), which carries q4's min term:
  *   sum_k w_k x_k = sum_blocks dx * (d * sum(q_w q_x) + m * sum(q_x)).
- * `per_row` gives a whole row one scale (int8 W8A8's per-token scales).
+ * `per_row` gives a whole row one scale (int8 W8A8's per-token scales). Offsets that a kind
+ * implies (q4s's 8, and the 128 by which the VNNI path reads q8 weights as unsigned) come off
+ * the integer sum as offset * (the block's sum of q_x), one number per row and block
+ * (block_sums), so no record stores a per-output correction.
  *
  * Paths (chosen at load, passed as `isa`): 0 scalar (the tests' reference), 1 AVX2,
  * 2 AVX-512 VNNI. One row (batch-1 decode) has its own loop per path (gemv_*: the weights
@@ -27,6 +32,7 @@
  * its share of the weights) or rows (many rows). */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
@@ -35,7 +41,8 @@
 #define QP 16
 #define QB 32
 #define Q4_REC 320
-#define Q8_REC 608
+#define Q8_REC 544
+#define Q4S_REC 288
 #define PANEL_BLOCK_BYTES (128 * 1024)
 /* How far ahead (bytes) the one-row loops ask for the weights. The hardware prefetcher stops at
  * each 4 KiB page, so a row streaming a projection waited on DRAM at every page start (~26 GB/s
@@ -217,12 +224,24 @@ static inline void finish_row(const float *acc, const float *bias, int64_t n0, i
         store_out(out, row_off + n0 + o, acc[o] + (bias ? bias[n0 + o] : 0.f), bf16);
 }
 
-/* a tile of rows against one panel: its 16 sums per row into res */
-typedef void (*qtile_fn)(const int8_t *, const float *, const float *, int64_t, const uint8_t *, float *);
+/* a tile of rows against one panel: its 16 sums per row into res; sx: the rows' block sums
+ * (block_sums below) where the kind's path needs them */
+typedef void (*qtile_fn)(const int8_t *, const float *, const float *, const int32_t *, int64_t,
+                         const uint8_t *, float *);
+/* one row against one panel (the decode loops), the same words */
+typedef qtile_fn qgemv_fn;
+
+/* the kinds of this file (kernels.h): their records' bytes and where d starts in one */
+enum { KQ4 = 0, KQ8 = 1, KQ4S = 3 };
+static inline int rec_bytes_of(int kind) { return kind == KQ8 ? Q8_REC : kind == KQ4S ? Q4S_REC : Q4_REC; }
+static inline int d_offset(int kind) { return kind == KQ8 ? 512 : 256; }
+/* the integer sum's start for a block whose activations sum to s: the q8 VNNI path multiplies
+ * w + 128, q4s multiplies its stored q = w + 8; both take the offset times s back off */
+static inline int32_t start_of(int kind, int32_t s) { return kind == KQ8 ? -128 * s : kind == KQ4S ? -8 * s : 0; }
 
 /* ---- scalar reference ------------------------------------------------------------------ */
 static void panel_scalar(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb,
-                         int64_t rows, const uint8_t *panel, int q8, const float *bias,
+                         int64_t rows, const uint8_t *panel, int kind, const float *bias,
                          int64_t n0, int64_t nv, void *out, int64_t out_stride, int bf16)
 {
     const int64_t Kp = Kb * QB;
@@ -230,21 +249,23 @@ static void panel_scalar(const int8_t *qx, const float *dx, const float *dxs, in
         float acc[QP] = {0};
         for (int64_t b = 0; b < Kb; b++) {
             const int8_t *xq = qx + r * Kp + b * QB;
-            const uint8_t *rec = panel + b * (q8 ? Q8_REC : Q4_REC);
-            const uint16_t *d16 = (const uint16_t *)(rec + (q8 ? 512 : 256));
+            const uint8_t *rec = panel + b * rec_bytes_of(kind);
+            const uint16_t *d16 = (const uint16_t *)(rec + d_offset(kind));
             for (int o = 0; o < QP; o++) {
                 int32_t dot = 0;
                 for (int j = 0; j < 8; j++)
                     for (int t = 0; t < 4; t++) {
                         int w;
-                        if (q8)
+                        if (kind == KQ8)
                             w = (int8_t)rec[64 * j + 4 * o + t];
                         else
                             w = j < 4 ? rec[64 * j + 4 * o + t] & 0x0f : rec[64 * (j - 4) + 4 * o + t] >> 4;
+                        if (kind == KQ4S)
+                            w -= 8;
                         dot += w * xq[4 * j + t];
                     }
                 acc[o] += dx[r * Kb + b] * f16_to_float(d16[o]) * (float)dot;
-                if (!q8)
+                if (kind == KQ4)
                     acc[o] += dxs[r * Kb + b] * f16_to_float(d16[QP + o]);
             }
         }
@@ -256,7 +277,7 @@ static void panel_scalar(const int8_t *qx, const float *dx, const float *dxs, in
 #include <immintrin.h>
 #define QUANT_AVX2 1
 
-/* one record's cache lines (a q8 record's last line may be the next record's first) */
+/* one record's cache lines (a record's last line may be the next record's first) */
 static inline void prefetch_record(const uint8_t *p, int rec_bytes) {
     for (int l = 0; l < rec_bytes; l += 64)
         _mm_prefetch((const char *)p + l, _MM_HINT_T0);
@@ -270,34 +291,34 @@ static inline __m256i bcast4(const int8_t *p) {
 
 /* AVX2: the panel in two halves of 8 outputs (bytes 0..31 and 32..63 of each vector) */
 static inline __attribute__((always_inline)) void
-tile_avx2(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb, int rows,
-          const uint8_t *panel, int q8, __m256 acc[][2])
+tile_avx2(const int8_t *qx, const float *dx, const float *dxs, const int32_t *sx, int64_t Kb,
+          int rows, const uint8_t *panel, int kind, __m256 acc[][2])
 {
     const int64_t Kp = Kb * QB;
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
     for (int h = 0; h < 2; h++) {
         for (int64_t b = 0; b < Kb; b++) {
-            const uint8_t *rec = panel + b * (q8 ? Q8_REC : Q4_REC);
+            const uint8_t *rec = panel + b * rec_bytes_of(kind);
             __m256i w[8];
             __m256 d, m = _mm256_setzero_ps();
-            if (q8) {
+            if (kind == KQ8) {
                 for (int j = 0; j < 8; j++)
                     w[j] = _mm256_loadu_si256((const __m256i *)(rec + 64 * j + 32 * h));
-                d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 512 + 16 * h)));
             } else {
                 for (int j = 0; j < 4; j++) {
                     __m256i v = _mm256_loadu_si256((const __m256i *)(rec + 64 * j + 32 * h));
                     w[j] = _mm256_and_si256(v, low);
                     w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
                 }
-                d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 256 + 16 * h)));
-                m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 288 + 16 * h)));
+                if (kind == KQ4)
+                    m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 288 + 16 * h)));
             }
+            d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + d_offset(kind) + 16 * h)));
             for (int r = 0; r < rows; r++) {
                 const int8_t *xq = qx + r * Kp + b * QB;
                 __m256i sum;
-                if (q8) { /* |w| * (x with w's sign): |w| <= 128 (a checkpoint's -128 too) and
-                           * |x| <= 127, so a pair stays under 2^15 */
+                if (kind == KQ8) { /* |w| * (x with w's sign): |w| <= 128 (a checkpoint's -128
+                                    * too) and |x| <= 127, so a pair stays under 2^15 */
                     sum = _mm256_setzero_si256();
                     for (int j = 0; j < 8; j++) {
                         const __m256i xb = bcast4(xq + 4 * j);
@@ -309,10 +330,12 @@ tile_avx2(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb, int r
                     for (int j = 1; j < 8; j++)
                         s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[j], bcast4(xq + 4 * j)));
                     sum = _mm256_madd_epi16(s16, ones);
+                    if (kind == KQ4S)
+                        sum = _mm256_add_epi32(sum, _mm256_set1_epi32(start_of(kind, sx[r * Kb + b])));
                 }
                 const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dx[r * Kb + b]));
                 acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[r][h]);
-                if (!q8)
+                if (kind == KQ4)
                     acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(dxs[r * Kb + b]), acc[r][h]);
             }
         }
@@ -321,17 +344,19 @@ tile_avx2(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb, int r
 
 #define AVX2_TILE 4
 #define AVX2_FN(R, Q) static void avx2_##R##_##Q(const int8_t *qx, const float *dx,            \
-        const float *dxs, int64_t Kb, const uint8_t *panel, float *res) {                      \
+        const float *dxs, const int32_t *sx, int64_t Kb, const uint8_t *panel, float *res) {   \
     __m256 acc[R][2];                                                                         \
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                  \
-    tile_avx2(qx, dx, dxs, Kb, R, panel, Q, acc);                                             \
+    tile_avx2(qx, dx, dxs, sx, Kb, R, panel, Q, acc);                                         \
     for (int r = 0; r < R; r++) {                                                             \
         _mm256_storeu_ps(res + r * QP, acc[r][0]);                                            \
         _mm256_storeu_ps(res + r * QP + 8, acc[r][1]); } }
 AVX2_FN(1, 0) AVX2_FN(2, 0) AVX2_FN(3, 0) AVX2_FN(4, 0)
 AVX2_FN(1, 1) AVX2_FN(2, 1) AVX2_FN(3, 1) AVX2_FN(4, 1)
-static const qtile_fn AVX2_TILES[2][AVX2_TILE + 1] = {
-    {0, avx2_1_0, avx2_2_0, avx2_3_0, avx2_4_0}, {0, avx2_1_1, avx2_2_1, avx2_3_1, avx2_4_1}};
+AVX2_FN(1, 3) AVX2_FN(2, 3) AVX2_FN(3, 3) AVX2_FN(4, 3)
+static const qtile_fn AVX2_TILES[3][AVX2_TILE + 1] = {
+    {0, avx2_1_0, avx2_2_0, avx2_3_0, avx2_4_0}, {0, avx2_1_1, avx2_2_1, avx2_3_1, avx2_4_1},
+    {0, avx2_1_3, avx2_2_3, avx2_3_3, avx2_4_3}};
 
 /* AVX2, one row (decode): each record read once, both halves of the panel from it, and the
  * integer sums kept in separate chains (low and high quads) so that consecutive blocks'
@@ -339,14 +364,14 @@ static const qtile_fn AVX2_TILES[2][AVX2_TILE + 1] = {
  * block after block, one accumulator): a row's numbers do not depend on how many rows share
  * its batch, so greedy tokens stay the same alone, batched or verifying drafts. */
 static inline __attribute__((always_inline)) void
-gemv_avx2_block(const uint8_t *rec, const int8_t *xq, float dxb, float dxsb, int q8,
+gemv_avx2_block(const uint8_t *rec, const int8_t *xq, float dxb, float dxsb, int32_t sxb, int kind,
                 __m256 acc[2])
 {
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
     const __m256 vdx = _mm256_set1_ps(dxb);
     for (int h = 0; h < 2; h++) {
         __m256i sum;
-        if (q8) {
+        if (kind == KQ8) {
             /* |w| * (x with w's sign), as tile_avx2: a checkpoint's -128 weights too */
             __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
             for (int j = 0; j < 8; j += 2) {
@@ -366,28 +391,36 @@ gemv_avx2_block(const uint8_t *rec, const int8_t *xq, float dxb, float dxsb, int
                                                                bcast4(xq + 16 + 4 * j)));
             }
             sum = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
+            if (kind == KQ4S)
+                sum = _mm256_add_epi32(sum, _mm256_set1_epi32(start_of(kind, sxb)));
         }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + (q8 ? 512 : 256) + 16 * h)));
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + d_offset(kind) + 16 * h)));
         acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, vdx), acc[h]);
-        if (!q8) {
+        if (kind == KQ4) {
             const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 288 + 16 * h)));
             acc[h] = _mm256_fmadd_ps(m, _mm256_set1_ps(dxsb), acc[h]);
         }
     }
 }
 
-static void gemv_avx2(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb,
-                      const uint8_t *panel, int q8, float *res)
+static void gemv_avx2(const int8_t *qx, const float *dx, const float *dxs, const int32_t *sx,
+                      int64_t Kb, const uint8_t *panel, int kind, float *res)
 {
-    const int rec_bytes = q8 ? Q8_REC : Q4_REC;
+    const int rec_bytes = rec_bytes_of(kind);
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t b = 0; b < Kb; b++) {
         prefetch_record(panel + b * rec_bytes + GEMV_PREFETCH, rec_bytes);
-        gemv_avx2_block(panel + b * rec_bytes, qx + b * QB, dx[b], dxs[b], q8, acc);
+        gemv_avx2_block(panel + b * rec_bytes, qx + b * QB, dx[b], dxs[b], sx ? sx[b] : 0, kind, acc);
     }
     for (int h = 0; h < 2; h++)
         _mm256_storeu_ps(res + 8 * h, acc[h]);
 }
+/* the kinds' three tile tables and gemv calls, one code each */
+#define AVX2_GEMV(K) static void gemv_avx2_##K(const int8_t *qx, const float *dx, const float *dxs, \
+        const int32_t *sx, int64_t Kb, const uint8_t *panel, float *res) {                          \
+    gemv_avx2(qx, dx, dxs, sx, Kb, panel, K, res); }
+AVX2_GEMV(0) AVX2_GEMV(1) AVX2_GEMV(3)
+static const qgemv_fn AVX2_GEMVS[3] = {gemv_avx2_0, gemv_avx2_1, gemv_avx2_3};
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -401,47 +434,46 @@ static inline __m512i dpbusd_bcast(__m512i acc, __m512i a, const int8_t *p) {
     return acc;
 }
 
+/* `vpdpbusd` takes its first operand unsigned: a q8 weight w is read as w + 128 (its sign bit
+ * flipped), against the signed activations, and the block's integer sum starts from
+ * -128 * (the activations' sum), so no per-weight correction is stored. */
+static inline __m512i unsigned_q8(const uint8_t *p) {
+    return _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_set1_epi8((char)0x80));
+}
+
 static inline __attribute__((always_inline)) void
-tile_vnni(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb, int rows,
-          const uint8_t *panel, int q8, __m512 *acc)
+tile_vnni(const int8_t *qx, const float *dx, const float *dxs, const int32_t *sx, int64_t Kb,
+          int rows, const uint8_t *panel, int kind, __m512 *acc)
 {
     const int64_t Kp = Kb * QB;
     const __m512i low = _mm512_set1_epi8(0x0f);
-    const int rec_bytes = q8 ? Q8_REC : Q4_REC;
+    const int rec_bytes = rec_bytes_of(kind);
     for (int64_t b = 0; b < Kb; b++) {
         const uint8_t *rec = panel + b * rec_bytes;
-        __m512i w[8], start = _mm512_setzero_si512();
-        __m512 d, m = _mm512_setzero_ps();
-        if (q8) {
+        __m512i w[8];
+        __m512 m = _mm512_setzero_ps();
+        if (kind == KQ8) {
             for (int j = 0; j < 8; j++)
-                w[j] = _mm512_loadu_si512(rec + 64 * j);
-            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 512)));
-            start = _mm512_loadu_si512(rec + 544);
+                w[j] = unsigned_q8(rec + 64 * j);
         } else {
             for (int j = 0; j < 4; j++) {
                 __m512i v = _mm512_loadu_si512(rec + 64 * j);
                 w[j] = _mm512_and_si512(v, low);
                 w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             }
-            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 256)));
-            m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 288)));
+            if (kind == KQ4)
+                m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 288)));
         }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + d_offset(kind))));
 #pragma GCC unroll 8
         for (int r = 0; r < rows; r++) {
             const int8_t *xq = qx + r * Kp + b * QB;
-            __m512i sum = start;
-            for (int j = 0; j < 8; j++) {
-                int32_t v;
-                memcpy(&v, xq + 4 * j, 4);
-                if (q8) /* x + 128, unsigned (the caller passes those bytes), against signed
-                         * weights; the bias takes 128 * sum(w) off */
-                    sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi32(v), w[j]);
-                else    /* unsigned 4-bit weights against signed x */
-                    sum = dpbusd_bcast(sum, w[j], xq + 4 * j);
-            }
+            __m512i sum = kind == KQ4 ? _mm512_setzero_si512() : _mm512_set1_epi32(start_of(kind, sx[r * Kb + b]));
+            for (int j = 0; j < 8; j++)
+                sum = dpbusd_bcast(sum, w[j], xq + 4 * j);
             const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[r * Kb + b]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r]);
-            if (!q8)
+            if (kind == KQ4)
                 acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(dxs[r * Kb + b]), acc[r]);
         }
     }
@@ -449,70 +481,72 @@ tile_vnni(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb, int r
 
 #define VNNI_TILE 8
 #define VNNI_FN(R, Q) static void vnni_##R##_##Q(const int8_t *qx, const float *dx,            \
-        const float *dxs, int64_t Kb, const uint8_t *panel, float *res) {                      \
+        const float *dxs, const int32_t *sx, int64_t Kb, const uint8_t *panel, float *res) {   \
     __m512 acc[R];                                                                            \
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                                 \
-    tile_vnni(qx, dx, dxs, Kb, R, panel, Q, acc);                                             \
+    tile_vnni(qx, dx, dxs, sx, Kb, R, panel, Q, acc);                                         \
     for (int r = 0; r < R; r++) _mm512_storeu_ps(res + r * QP, acc[r]); }
 VNNI_FN(1, 0) VNNI_FN(2, 0) VNNI_FN(3, 0) VNNI_FN(4, 0) VNNI_FN(5, 0) VNNI_FN(6, 0) VNNI_FN(7, 0) VNNI_FN(8, 0)
 VNNI_FN(1, 1) VNNI_FN(2, 1) VNNI_FN(3, 1) VNNI_FN(4, 1) VNNI_FN(5, 1) VNNI_FN(6, 1) VNNI_FN(7, 1) VNNI_FN(8, 1)
-static const qtile_fn VNNI_TILES[2][VNNI_TILE + 1] = {
+VNNI_FN(1, 3) VNNI_FN(2, 3) VNNI_FN(3, 3) VNNI_FN(4, 3) VNNI_FN(5, 3) VNNI_FN(6, 3) VNNI_FN(7, 3) VNNI_FN(8, 3)
+static const qtile_fn VNNI_TILES[3][VNNI_TILE + 1] = {
     {0, vnni_1_0, vnni_2_0, vnni_3_0, vnni_4_0, vnni_5_0, vnni_6_0, vnni_7_0, vnni_8_0},
-    {0, vnni_1_1, vnni_2_1, vnni_3_1, vnni_4_1, vnni_5_1, vnni_6_1, vnni_7_1, vnni_8_1}};
+    {0, vnni_1_1, vnni_2_1, vnni_3_1, vnni_4_1, vnni_5_1, vnni_6_1, vnni_7_1, vnni_8_1},
+    {0, vnni_1_3, vnni_2_3, vnni_3_3, vnni_4_3, vnni_5_3, vnni_6_3, vnni_7_3, vnni_8_3}};
 
 /* AVX-512 VNNI, one row (decode): the same records, streamed with more independent work per
- * block. A q4 record's high nibbles are masked in place (v & 0xf0: 16x the value, still exact in
- * int32) and summed in their own chain, shifted down once; q8 sums even and odd quads apart and
- * reads x + 128 from `xu`, made once per call (not once per panel): the tile loop's one chain
- * of 8 `vpdpbusd` per block made each block wait on the last. The float sums stay the tile
- * loop's, in its order (see gemv_avx2_block): a row's numbers do not depend on its batch. */
+ * block. A 4-bit record's high nibbles are masked in place (v & 0xf0: 16x the value, still
+ * exact in int32) and summed in their own chain, shifted down once; q8 sums even and odd quads
+ * apart: the tile loop's one chain of 8 `vpdpbusd` per block made each block wait on the
+ * last. The float sums stay the tile loop's, in its order (see gemv_avx2_block): a row's
+ * numbers do not depend on its batch. */
 static inline __attribute__((always_inline)) void
-gemv_vnni_block(const uint8_t *rec, const int8_t *xq, const uint8_t *xu, float dxb, float dxsb,
-                int q8, __m512 *acc)
+gemv_vnni_block(const uint8_t *rec, const int8_t *xq, float dxb, float dxsb, int32_t sxb, int kind,
+                __m512 *acc)
 {
     __m512i sum;
-    if (q8) {
-        __m512i s0 = _mm512_loadu_si512(rec + 544), s1 = _mm512_setzero_si512();
+    if (kind == KQ8) {
+        __m512i s0 = _mm512_set1_epi32(start_of(kind, sxb)), s1 = _mm512_setzero_si512();
         for (int j = 0; j < 8; j += 2) {
-            int32_t v0, v1;
-            memcpy(&v0, xu + 4 * j, 4);
-            memcpy(&v1, xu + 4 * j + 4, 4);
-            s0 = _mm512_dpbusd_epi32(s0, _mm512_set1_epi32(v0), _mm512_loadu_si512(rec + 64 * j));
-            s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(v1), _mm512_loadu_si512(rec + 64 * j + 64));
+            s0 = dpbusd_bcast(s0, unsigned_q8(rec + 64 * j), xq + 4 * j);
+            s1 = dpbusd_bcast(s1, unsigned_q8(rec + 64 * j + 64), xq + 4 * j + 4);
         }
         sum = _mm512_add_epi32(s0, s1);
     } else {
         const __m512i low = _mm512_set1_epi8(0x0f), high = _mm512_set1_epi8((char)0xf0);
-        __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+        __m512i lo = _mm512_set1_epi32(start_of(kind, sxb)), hi = _mm512_setzero_si512();
         for (int j = 0; j < 4; j++) {
-            int32_t x0, x1;
-            memcpy(&x0, xq + 4 * j, 4);
-            memcpy(&x1, xq + 16 + 4 * j, 4);
             const __m512i v = _mm512_loadu_si512(rec + 64 * j);
-            lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(v, low), _mm512_set1_epi32(x0));
-            hi = _mm512_dpbusd_epi32(hi, _mm512_and_si512(v, high), _mm512_set1_epi32(x1));
+            lo = dpbusd_bcast(lo, _mm512_and_si512(v, low), xq + 4 * j);
+            hi = dpbusd_bcast(hi, _mm512_and_si512(v, high), xq + 16 + 4 * j);
         }
         sum = _mm512_add_epi32(lo, _mm512_srai_epi32(hi, 4));
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + (q8 ? 512 : 256))));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + d_offset(kind))));
     *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(dxb)), *acc);
-    if (!q8) {
+    if (kind == KQ4) {
         const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 288)));
         *acc = _mm512_fmadd_ps(m, _mm512_set1_ps(dxsb), *acc);
     }
 }
 
-static void gemv_vnni(const int8_t *qx, const uint8_t *xu, const float *dx, const float *dxs,
-                      int64_t Kb, const uint8_t *panel, int q8, float *res)
+static inline __attribute__((always_inline)) void
+gemv_vnni(const int8_t *qx, const float *dx, const float *dxs, const int32_t *sx, int64_t Kb,
+          const uint8_t *panel, int kind, float *res)
 {
-    const int rec_bytes = q8 ? Q8_REC : Q4_REC;
+    const int rec_bytes = rec_bytes_of(kind);
     __m512 acc = _mm512_setzero_ps();
     for (int64_t b = 0; b < Kb; b++) {
         prefetch_record(panel + b * rec_bytes + GEMV_PREFETCH, rec_bytes);
-        gemv_vnni_block(panel + b * rec_bytes, qx + b * QB, xu + b * QB, dx[b], dxs[b], q8, &acc);
+        gemv_vnni_block(panel + b * rec_bytes, qx + b * QB, dx[b], dxs[b], sx ? sx[b] : 0, kind, &acc);
     }
     _mm512_storeu_ps(res, acc);
 }
+#define VNNI_GEMV(K) static void gemv_vnni_##K(const int8_t *qx, const float *dx, const float *dxs, \
+        const int32_t *sx, int64_t Kb, const uint8_t *panel, float *res) {                          \
+    gemv_vnni(qx, dx, dxs, sx, Kb, panel, K, res); }
+VNNI_GEMV(0) VNNI_GEMV(1) VNNI_GEMV(3)
+static const qgemv_fn VNNI_GEMVS[3] = {gemv_vnni_0, gemv_vnni_1, gemv_vnni_3};
 #endif
 
 /* finish_row for a whole panel in vector code (a wide, shallow projection like an LM head
@@ -564,47 +598,53 @@ int64_t gemm_quant_isas(void)
     return isas;
 }
 
-/* x + 128 as unsigned bytes, which the VNNI q8 kernels read (their weights are the signed
- * operand), made once per call into this pool thread's scratch of the largest size it has
- * seen (the tiles had xor-ed each word and moved it to a vector per vpdpbusd); NULL: no memory */
-static __thread struct { uint8_t *buf; size_t cap; } xu_scratch;
+/* The activations' integer sum per block of 32 (M * Kb of them), which the q8 VNNI path and
+ * q4s take back off (start_of), made once per call into this pool thread's scratch of the
+ * largest size it has seen; NULL: no memory */
+static __thread struct { int32_t *buf; size_t cap; } sx_scratch;
 
-static const uint8_t *x_plus_128(const int8_t *qx, size_t n) {
-    if (n > xu_scratch.cap) {
-        free(xu_scratch.buf);
-        xu_scratch.buf = malloc(n);
-        xu_scratch.cap = xu_scratch.buf ? n : 0;
+static const int32_t *block_sums(const int8_t *qx, size_t blocks) {
+    if (blocks > sx_scratch.cap) {
+        free(sx_scratch.buf);
+        sx_scratch.buf = malloc(blocks * sizeof(int32_t));
+        sx_scratch.cap = sx_scratch.buf ? blocks : 0;
     }
-    if (xu_scratch.buf)
-        for (size_t i = 0; i < n; i++)
-            xu_scratch.buf[i] = (uint8_t)(qx[i] ^ (int8_t)0x80);
-    return xu_scratch.buf;
+    if (sx_scratch.buf)
+        for (size_t i = 0; i < blocks; i++) {
+            int32_t s = 0;
+            for (int j = 0; j < QB; j++)
+                s += qx[i * QB + j];
+            sx_scratch.buf[i] = s;
+        }
+    return sx_scratch.buf;
 }
 
 /* Panels [p_begin, p_end) of out[M, N] (bf16 or fp32, row stride out_stride) for all M rows of
- * the quantized activations; `kind` 0: q4, 1: q8; `bias` fp32 [N] or NULL. */
+ * the quantized activations; `kind` 0: q4, 1: q8, 3: q4s; `bias` fp32 [N] or NULL. */
 void gemm_quant_panels(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb,
                        int64_t M, const uint8_t *packed, int64_t kind, int64_t isa,
                        const float *bias, void *out, int64_t out_stride, int64_t N,
                        int64_t out_bf16, int64_t p_begin, int64_t p_end)
 {
-    const int q8 = (int)kind, bf16 = (int)out_bf16;
-    const int64_t panel_bytes = Kb * (q8 ? Q8_REC : Q4_REC), Kp = Kb * QB;
+    const int k = (int)kind, slot = k == KQ4S ? 2 : k, bf16 = (int)out_bf16;
+    (void)slot; /* a build without vector paths */
+    const int64_t panel_bytes = Kb * rec_bytes_of(k), Kp = Kb * QB;
     int max_tile = 1;
     const qtile_fn *tiles = 0;
-    const uint8_t *xu = 0;
+    qgemv_fn gemv = 0;
+    const int32_t *sx = 0;
 #ifdef QUANT_AVX2
-    if (isa == 1) { tiles = AVX2_TILES[q8]; max_tile = AVX2_TILE; }
+    if (isa == 1) { tiles = AVX2_TILES[slot]; gemv = AVX2_GEMVS[slot]; max_tile = AVX2_TILE; }
 #endif
 #ifdef QUANT_VNNI
-    if (isa == 2) { tiles = VNNI_TILES[q8]; max_tile = VNNI_TILE; }
-    if (isa == 2 && q8 && !(xu = x_plus_128(qx, (size_t)(M * Kp))))
-        tiles = 0; /* no memory for x + 128: the scalar reference */
+    if (isa == 2) { tiles = VNNI_TILES[slot]; gemv = VNNI_GEMVS[slot]; max_tile = VNNI_TILE; }
 #endif
+    if (tiles && (k == KQ4S || (k == KQ8 && isa == 2)) && !(sx = block_sums(qx, (size_t)(M * Kb))))
+        tiles = 0; /* no memory for the sums: the scalar reference */
     if (tiles == 0) {
         for (int64_t p = p_begin; p < p_end; p++) {
             const int64_t n0 = p * QP, nv = N - n0 < QP ? N - n0 : QP;
-            panel_scalar(qx, dx, dxs, Kb, M, packed + p * panel_bytes, q8, bias, n0, nv, out,
+            panel_scalar(qx, dx, dxs, Kb, M, packed + p * panel_bytes, k, bias, n0, nv, out,
                          out_stride, bf16);
         }
         return;
@@ -613,14 +653,7 @@ void gemm_quant_panels(const int8_t *qx, const float *dx, const float *dxs, int6
         for (int64_t p = p_begin; p < p_end; p++) {
             const int64_t n0 = p * QP, nv = N - n0 < QP ? N - n0 : QP;
             float res[QP];
-#ifdef QUANT_VNNI
-            if (isa == 2)
-                gemv_vnni(qx, xu, dx, dxs, Kb, packed + p * panel_bytes, q8, res);
-#endif
-#ifdef QUANT_AVX2
-            if (isa == 1)
-                gemv_avx2(qx, dx, dxs, Kb, packed + p * panel_bytes, q8, res);
-#endif
+            gemv(qx, dx, dxs, sx, Kb, packed + p * panel_bytes, res);
             if (nv == QP)
                 finish_row16(res, bias, n0, out, 0, bf16);
             else
@@ -639,8 +672,6 @@ void gemm_quant_panels(const int8_t *qx, const float *dx, const float *dxs, int6
     if ((out_stride * (bf16 ? 2 : 4)) % 4096 == 0 && max_tile > 4)
         max_tile = 4;
     const int64_t ntiles = (M + max_tile - 1) / max_tile;
-    if (xu)
-        qx = (const int8_t *)xu; /* the q8 tiles' x operand: x + 128 */
     for (int64_t p0 = p_begin; p0 < p_end; p0 += block) {
         const int64_t p1 = p0 + block < p_end ? p0 + block : p_end;
         for (int64_t t = 0, m0 = 0; t < ntiles; t++) {
@@ -648,7 +679,7 @@ void gemm_quant_panels(const int8_t *qx, const float *dx, const float *dxs, int6
             for (int64_t p = p0; p < p1; p++) {
                 const int64_t n0 = p * QP, nv = N - n0 < QP ? N - n0 : QP;
                 float res[16 * QP];
-                tiles[rows](qx + m0 * Kp, dx + m0 * Kb, dxs + m0 * Kb, Kb, packed + p * panel_bytes, res);
+                tiles[rows](qx + m0 * Kp, dx + m0 * Kb, dxs + m0 * Kb, sx ? sx + m0 * Kb : 0, Kb, packed + p * panel_bytes, res);
                 for (int64_t r = 0; r < rows; r++) {
                     if (nv == QP)
                         finish_row16(res + r * QP, bias, n0, out, (m0 + r) * out_stride, bf16);

@@ -22,12 +22,13 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "q6.h"
 #include "simd.h"
 
 #define QP 16
 #define QB 32
 #define Q4_REC 320
-#define Q8_REC 608
+#define Q8_REC 544
 #define GROUP 4 /* quantized panels per widened panel of 64 outputs (gemm_bf16.c's width) */
 
 static __thread struct { void *buf; size_t cap; } wide_scratch;
@@ -214,11 +215,54 @@ static void widen_bf16(const uint8_t *packed, int64_t panel_bytes, int64_t Kb, i
     }
 }
 
+/* widen_bf16 for q6 records (Q6_K): per block of 32 inputs, two sub-blocks' scales d * sc and
+ * offsets -32 d sc (exact: a power of two), the 6-bit values unsigned */
+static void widen_bf16_q6(const uint8_t *packed, int64_t panel_bytes, int64_t Kb, int npanels,
+                          uint16_t *dst)
+{
+    __m512i spread[4];
+    for (int c = 0; c < 4; c++)
+        spread[c] = _mm512_setr_epi32(4 * c, 4 * c, 4 * c, 4 * c, 4 * c + 1, 4 * c + 1, 4 * c + 1,
+                                      4 * c + 1, 4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 2,
+                                      4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3);
+    for (int g = 0; g < GROUP; g++) {
+        uint16_t *col = dst + 2 * QP * g;
+        if (g >= npanels) {
+            for (int64_t kp = 0; kp < Kb * QB / 2; kp++)
+                memset(col + kp * 2 * 64, 0, 2 * QP * sizeof(uint16_t));
+            continue;
+        }
+        const uint8_t *panel = packed + g * panel_bytes;
+        for (int64_t b = 0; b < Kb; b++) {
+            const uint8_t *rec = panel + (b / 8) * Q6_REC, *blk = rec + (b % 8) * Q6_BLOCK;
+            const int8_t *sc = (const int8_t *)(rec + Q6_SC) + (b % 8) * 2 * QP;
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + Q6_D)));
+            __m512i q[8];
+            q6_unpack512(blk, q);
+            uint16_t *rows = col + b * (QB / 2) * 2 * 64;
+            for (int s = 0; s < 2; s++) {
+                const __m512 ds = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                    _mm_loadu_si128((const __m128i *)(sc + s * QP)))));
+                const __m512 off = _mm512_mul_ps(ds, _mm512_set1_ps(-32.f));
+                __m512 dq[4], mq[4];
+                for (int c = 0; c < 4; c++) {
+                    dq[c] = _mm512_permutexvar_ps(spread[c], ds);
+                    mq[c] = _mm512_permutexvar_ps(spread[c], off);
+                }
+                for (int j = 4 * s; j < 4 * s + 4; j++)
+                    widen_quad_bf16(q[j], 0, dq, mq, rows + 2 * j * 2 * 64);
+            }
+        }
+    }
+}
+
 static int64_t wide_bf16(const uint16_t *x, int64_t x_stride, int64_t K, int64_t Kb, int64_t M,
-                         const uint8_t *packed, int q8, const float *bias, uint16_t *out,
+                         const uint8_t *packed, int kind, const float *bias, uint16_t *out,
                          int64_t out_stride, int64_t N, int64_t g_begin, int64_t g_end)
 {
-    const int64_t panel_bytes = Kb * (q8 ? Q8_REC : Q4_REC), panels = (N + QP - 1) / QP;
+    const int q8 = kind == 1, q6 = kind == QUANT_KIND_Q6;
+    const int64_t panel_bytes = q6 ? (Kb / 8) * Q6_REC : Kb * (q8 ? Q8_REC : Q4_REC);
+    const int64_t panels = (N + QP - 1) / QP;
     const size_t w_elems = (size_t)(Kb * QB * 64);
     uint16_t *w = scratch_for(w_elems * 2 + 64 * 2);
     if (!w)
@@ -227,7 +271,10 @@ static int64_t wide_bf16(const uint16_t *x, int64_t x_stride, int64_t K, int64_t
     for (int64_t g = g_begin; g < g_end; g++) {
         const int64_t p0 = g * GROUP, n0 = p0 * QP, nv = N - n0 < 64 ? N - n0 : 64;
         const int np = panels - p0 < GROUP ? (int)(panels - p0) : GROUP;
-        widen_bf16(packed + p0 * panel_bytes, panel_bytes, Kb, q8, np, w);
+        if (q6)
+            widen_bf16_q6(packed + p0 * panel_bytes, panel_bytes, Kb, np, w);
+        else
+            widen_bf16(packed + p0 * panel_bytes, panel_bytes, Kb, q8, np, w);
         if (bias)
             for (int64_t o = 0; o < nv; o++)
                 b16[o] = float_to_bf16(bias[n0 + o]);
@@ -250,15 +297,18 @@ int64_t gemm_quant_wide_isas(void)
     return isas;
 }
 
-/* Whether gemm_quant_wide takes this call (else the caller runs the int8 GEMM). */
-int64_t gemm_quant_wide_takes(int64_t isa, int64_t K, int64_t x_bf16, int64_t out_bf16)
+/* Whether gemm_quant_wide takes this call (else the caller runs the int8 GEMM): q4 and q8
+ * records on either path, q6 on the bf16 one only. */
+int64_t gemm_quant_wide_takes(int64_t kind, int64_t isa, int64_t K, int64_t x_bf16, int64_t out_bf16)
 {
+    if (kind != 0 && kind != 1 && kind != QUANT_KIND_Q6)
+        return 0;
 #ifdef WIDE_BF16
     if (isa == 2 && x_bf16 && out_bf16 && K % 2 == 0)
         return 1;
 #endif
 #ifdef WIDE_AVX2
-    if (isa >= 1)
+    if (isa >= 1 && kind != QUANT_KIND_Q6)
         return 1;
 #endif
     (void)isa; (void)K; (void)x_bf16; (void)out_bf16;
@@ -279,7 +329,7 @@ int64_t gemm_quant_wide(const void *x, int64_t x_stride, int64_t K, int64_t Kb, 
                          g_begin, g_end);
 #endif
 #ifdef WIDE_AVX2
-    if (isa >= 1)
+    if (isa >= 1 && kind != QUANT_KIND_Q6)
         return wide_f32(x, x_stride, K, Kb, (int)x_bf16, M, packed, (int)kind, bias, out,
                         out_stride, N, (int)out_bf16, g_begin, g_end);
 #endif

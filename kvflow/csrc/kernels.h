@@ -55,13 +55,25 @@ void gemm_quant_panels(const int8_t *qx, const float *dx, const float *dxs, int6
                        int64_t M, const uint8_t *packed, int64_t kind, int64_t isa,
                        const float *bias, void *out, int64_t out_stride, int64_t N,
                        int64_t out_bf16, int64_t p_begin, int64_t p_end);
-/* the quantized kinds: 0 q4, 1 q8 (gemm_quant.c), 2 MXFP4 (gemm_mxfp4.c) */
+/* the quantized kinds: 0 q4, 1 q8, 3 q4s (gemm_quant.c), 2 MXFP4 (gemm_mxfp4.c), 4 q6 (gemm_q6.c),
+ * 5 q4k (gemm_q4k.c) */
 #define QUANT_KIND_MXFP4 2
+#define QUANT_KIND_Q6 4
+#define QUANT_KIND_Q4K 5
+#define QUANT_KIND_PARTS 6 /* parts of different kinds (pool.c) */
+void gemm_q4k_panels(const int8_t *qx, const float *dx, const float *dxs, int64_t Kb, int64_t M,
+                     const uint8_t *packed, int64_t isa, const float *bias, void *out,
+                     int64_t out_stride, int64_t N, int64_t out_bf16, int64_t p_begin,
+                     int64_t p_end);
+void gemm_q6_panels(const int8_t *qx, const float *dx, int64_t Kb, int64_t M,
+                    const uint8_t *packed, int64_t isa, const float *bias, void *out,
+                    int64_t out_stride, int64_t N, int64_t out_bf16, int64_t p_begin,
+                    int64_t p_end);
 void gemm_mxfp4_panels(const int8_t *qx, const float *dx, int64_t Kb, int64_t M,
                        const uint8_t *packed, int64_t isa, const float *bias, void *out,
                        int64_t out_stride, int64_t N, int64_t out_bf16, int64_t p_begin,
                        int64_t p_end);
-int64_t gemm_quant_wide_takes(int64_t isa, int64_t K, int64_t x_bf16, int64_t out_bf16);
+int64_t gemm_quant_wide_takes(int64_t kind, int64_t isa, int64_t K, int64_t x_bf16, int64_t out_bf16);
 int64_t gemm_quant_wide(const void *x, int64_t x_stride, int64_t K, int64_t Kb, int64_t x_bf16,
                         int64_t M, const uint8_t *packed, int64_t kind, int64_t isa,
                         const float *bias, void *out, int64_t out_stride, int64_t N,
@@ -113,6 +125,21 @@ void ssm_decode_rows(const void *x, int64_t x_stride, const void *dt, int64_t dt
 void ssm_gated_norm_rows(const float *y, const void *x, int64_t x_stride, const void *z,
                          int64_t z_stride, const float *D, const void *norm, float eps, void *out,
                          int64_t nh, int64_t P, int64_t G, int64_t bf16, int64_t begin, int64_t end);
+void gdn_gated_norm_rows(const float *o, const void *z, int64_t z_stride, const void *norm,
+                         float eps, void *gated, int64_t gated_stride, int64_t nv, int64_t dv,
+                         int64_t bf16, int64_t begin, int64_t end);
+/* state_scan.c: the state layers' prompt chunks */
+void gdn_chunk_rows(const void *x, int64_t x_stride, const void *ba, int64_t ba_stride,
+                    const float *A_log, const float *dt_bias, float *state, const int64_t *starts,
+                    const int64_t *lens, const int64_t *slots, const int64_t *snap_after,
+                    const int64_t *snap_slot, float *out, int64_t nk, int64_t nv, int64_t dk,
+                    int64_t dv, int64_t cols, int64_t bf16, int64_t isa, int64_t begin, int64_t end);
+void ssm_chunk_rows(const void *x, int64_t x_stride, const void *dt, int64_t dt_stride,
+                    const float *A_log, const float *dt_bias, float *state, const int64_t *starts,
+                    const int64_t *lens, const int64_t *slots, const int64_t *snap_after,
+                    const int64_t *snap_slot, float *y, int64_t nh, int64_t G, int64_t P,
+                    int64_t N, float dt_min, float dt_max, int64_t bf16, int64_t isa,
+                    int64_t begin, int64_t end);
 
 /* pool.c: its kernels' indices (the order of its KERNELS table), the split runner, and the
  * quantized projections in one call each (decode_step.c chains them) */
@@ -121,7 +148,7 @@ enum pool_kernel {
     POOL_ROPE_F32, POOL_ROPE_BF16, POOL_SILU_F32, POOL_SILU_BF16, POOL_GEMM_ROWS,
     POOL_GEMM_PANELS, POOL_QUANTIZE_Q8, POOL_QGEMM_ROWS, POOL_QGEMM_PANELS, POOL_QGEMM_WIDE,
     POOL_GEMV_F32, POOL_LORA, POOL_DECODE_Q8, POOL_CAUSAL_CONV, POOL_GDN_DECODE, POOL_SSM_DECODE,
-    POOL_SSM_GATED_NORM, POOL_GEMM_AMX
+    POOL_SSM_GATED_NORM, POOL_GDN_CHUNK, POOL_SSM_CHUNK, POOL_GDN_GATED_NORM, POOL_GEMM_AMX
 };
 void kernel_pool_run(int64_t kernel, const int64_t *args, double farg, int64_t n,
                      const int64_t *weights, int64_t threads);

@@ -98,28 +98,66 @@ static void k_quantize_q8(const int64_t *a, double f, int64_t b, int64_t e) {
     (void)f;
     quantize_rows_q8(P(0), a[1], a[2], a[3], a[4], a[5], P(6), P(7), P(8), b, e);
 }
-/* qx, dx, dxs, Kb, packed, kind, isa, bias, out, out_stride, N, out_bf16, M (rows); kind
- * QUANT_KIND_MXFP4 goes to gemm_mxfp4.c, the others to gemm_quant.c */
+/* One kind's panels [pb, pe) (its own numbering) of the outputs [n0, n0 + n) of out, for M rows
+ * of the quantized activations; `a`: the words below (Kb, isa, bias, out_stride, out_bf16).
+ * QUANT_KIND_MXFP4 goes to gemm_mxfp4.c, QUANT_KIND_Q6 to gemm_q6.c, QUANT_KIND_Q4K to
+ * gemm_q4k.c, the others to gemm_quant.c. */
+static void qgemm_kind(const int64_t *a, int64_t kind, const uint8_t *packed, int64_t n0, int64_t n,
+                       const int8_t *qx, const float *dx, const float *dxs, int64_t M, char *out,
+                       int64_t pb, int64_t pe)
+{
+    const int64_t kb = a[3], isa = a[6], stride = a[9], bf16 = a[11];
+    const float *bias = a[7] ? (const float *)a[7] + n0 : NULL;
+    out += n0 * (bf16 ? 2 : 4);
+    if (kind == QUANT_KIND_MXFP4)
+        gemm_mxfp4_panels(qx, dx, kb, M, packed, isa, bias, out, stride, n, bf16, pb, pe);
+    else if (kind == QUANT_KIND_Q6)
+        gemm_q6_panels(qx, dx, kb, M, packed, isa, bias, out, stride, n, bf16, pb, pe);
+    else if (kind == QUANT_KIND_Q4K)
+        gemm_q4k_panels(qx, dx, dxs, kb, M, packed, isa, bias, out, stride, n, bf16, pb, pe);
+    else
+        gemm_quant_panels(qx, dx, dxs, kb, M, packed, kind, isa, bias, out, stride, n, bf16, pb, pe);
+}
+
+/* A QUANT_KIND_PARTS weight (a fused projection whose parts are stored in different kinds, a
+ * Q4_K_M file's qkv with a Q6_K v): its packed bytes start with int64 words [count, then per
+ * part: kind, first output, outputs (a multiple of 16 but the last), byte offset of its
+ * panels]. Each part runs its own kernel into its columns of out. */
+static void qgemm_parts(const int64_t *a, const int8_t *qx, const float *dx, const float *dxs,
+                        int64_t M, char *out, int64_t pb, int64_t pe)
+{
+    int64_t count;
+    memcpy(&count, (const void *)a[4], 8); /* a cached weight may start at any byte */
+    for (int64_t i = 0; i < count; i++) {
+        int64_t part[4];
+        memcpy(part, (const char *)a[4] + 8 + 32 * i, sizeof part);
+        const int64_t p0 = part[1] / 16, p1 = p0 + (part[2] + 15) / 16;
+        const int64_t lo = pb > p0 ? pb : p0, hi = pe < p1 ? pe : p1;
+        if (lo < hi)
+            qgemm_kind(a, part[0], (const uint8_t *)a[4] + part[3], part[1], part[2], qx, dx, dxs, M,
+                       out, lo - p0, hi - p0);
+    }
+}
+
+/* qx, dx, dxs, Kb, packed, kind, isa, bias, out, out_stride, N, out_bf16, M (rows) */
 static void k_qgemm_rows(const int64_t *a, double f, int64_t b, int64_t e) {
     (void)f;
     const int64_t kb = a[3];
+    const int8_t *qx = (const int8_t *)a[0] + b * kb * 32;
+    const float *dx = (const float *)a[1] + b * kb, *dxs = (const float *)a[2] + b * kb;
     char *out = (char *)a[8] + b * a[9] * (a[11] ? 2 : 4);
-    if (a[5] == QUANT_KIND_MXFP4)
-        gemm_mxfp4_panels((const int8_t *)a[0] + b * kb * 32, (const float *)a[1] + b * kb, kb,
-                          e - b, P(4), a[6], P(7), out, a[9], a[10], a[11], 0, (a[10] + 15) / 16);
+    if (a[5] == QUANT_KIND_PARTS)
+        qgemm_parts(a, qx, dx, dxs, e - b, out, 0, (a[10] + 15) / 16);
     else
-        gemm_quant_panels((const int8_t *)a[0] + b * kb * 32, (const float *)a[1] + b * kb,
-                          (const float *)a[2] + b * kb, kb, e - b, P(4), a[5], a[6], P(7), out,
-                          a[9], a[10], a[11], 0, (a[10] + 15) / 16);
+        qgemm_kind(a, a[5], P(4), 0, a[10], qx, dx, dxs, e - b, out, 0, (a[10] + 15) / 16);
 }
 /* the same words; the ranges are panels of 16 outputs, every thread takes all M rows */
 static void k_qgemm_panels(const int64_t *a, double f, int64_t b, int64_t e) {
     (void)f;
-    if (a[5] == QUANT_KIND_MXFP4)
-        gemm_mxfp4_panels(P(0), P(1), a[3], a[12], P(4), a[6], P(7), P(8), a[9], a[10], a[11], b, e);
+    if (a[5] == QUANT_KIND_PARTS)
+        qgemm_parts(a, P(0), P(1), P(2), a[12], P(8), b, e);
     else
-        gemm_quant_panels(P(0), P(1), P(2), a[3], a[12], P(4), a[5], a[6], P(7), P(8), a[9],
-                          a[10], a[11], b, e);
+        qgemm_kind(a, a[5], P(4), 0, a[10], P(0), P(1), P(2), a[12], P(8), b, e);
 }
 /* x, x_stride, K, Kb, x_bf16, M, packed, kind, isa, bias, out, out_stride, N, out_bf16,
  * failed (int64_t *): the ranges are groups of 64 outputs, every thread takes all M rows */
@@ -173,6 +211,25 @@ static void k_ssm_gated_norm(const int64_t *a, double f, int64_t b, int64_t e) {
     ssm_gated_norm_rows(P(0), P(1), a[2], P(3), a[4], P(5), P(6), (float)f, P(7), a[8], a[9],
                         a[10], a[11], b, e);
 }
+/* state_scan.c's prompt chunks; the SSD's dt_min and dt_max as float32 bits */
+static void k_gdn_chunk(const int64_t *a, double f, int64_t b, int64_t e) {
+    (void)f;
+    gdn_chunk_rows(P(0), a[1], P(2), a[3], P(4), P(5), P(6), P(7), P(8), P(9), P(10), P(11),
+                   P(12), a[13], a[14], a[15], a[16], a[17], a[18], a[19], b, e);
+}
+static void k_ssm_chunk(const int64_t *a, double f, int64_t b, int64_t e) {
+    (void)f;
+    float lo, hi;
+    const uint32_t lo_bits = (uint32_t)a[17], hi_bits = (uint32_t)a[18];
+    memcpy(&lo, &lo_bits, 4);
+    memcpy(&hi, &hi_bits, 4);
+    ssm_chunk_rows(P(0), a[1], P(2), a[3], P(4), P(5), P(6), P(7), P(8), P(9), P(10), P(11),
+                   P(12), a[13], a[14], a[15], a[16], lo, hi, a[19], a[20], b, e);
+}
+/* the float: the gated norm's eps */
+static void k_gdn_gated_norm(const int64_t *a, double f, int64_t b, int64_t e) {
+    gdn_gated_norm_rows(P(0), P(1), a[2], P(3), (float)f, P(4), a[5], a[6], a[7], a[8], b, e);
+}
 #undef P
 
 /* in enum pool_kernel's order (kernels.h) */
@@ -180,7 +237,8 @@ static const range_fn KERNELS[] = {
     k_decode_f32, k_decode_bf16, k_prefill_bf16, k_norm_f32, k_norm_bf16, k_rope_f32,
     k_rope_bf16, k_silu_f32, k_silu_bf16, k_gemm_rows, k_gemm_panels, k_quantize_q8,
     k_qgemm_rows, k_qgemm_panels, k_qgemm_wide, k_gemv_f32, k_lora, k_decode_q8,
-    k_causal_conv, k_gdn_decode, k_ssm_decode, k_ssm_gated_norm, k_gemm_amx,
+    k_causal_conv, k_gdn_decode, k_ssm_decode, k_ssm_gated_norm, k_gdn_chunk, k_ssm_chunk,
+    k_gdn_gated_norm, k_gemm_amx,
 };
 #define NUM_KERNELS ((int64_t)(sizeof KERNELS / sizeof KERNELS[0]))
 
@@ -350,7 +408,7 @@ int64_t quant_linear(const void *x, int64_t x_stride, int64_t K, int64_t Kb, int
                         M * (N / 2) >= PARALLEL_VALUES ? threads : 1);
         return 0;
     }
-    if (M >= wide_rows && kind != QUANT_KIND_MXFP4 && gemm_quant_wide_takes(isa, K, x_bf16, out_bf16)) {
+    if (M >= wide_rows && gemm_quant_wide_takes(kind, isa, K, x_bf16, out_bf16)) {
         int64_t failed = 0;
         const int64_t wargs[15] = {(int64_t)x, x_stride, K, Kb, x_bf16, M, (int64_t)packed, kind,
                                    isa, (int64_t)bias, (int64_t)out, N, N, out_bf16,

@@ -28,25 +28,11 @@
 
 #include "kernels.h"
 #include "simd.h"
+#include "state.h"
 
 #define CONV_BLOCK 128   /* channels per conv work unit */
 #define CONV_MAX_TAPS 8  /* kernel sizes up to this (the models': 3 and 4) */
 #define HEAD_MAX 512     /* dk, dv, P and N up to this (state_update.py checks) */
-
-static inline float ld(const void *p, int bf, int64_t i)
-{
-    return bf ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline float round_to(int bf, float v) { return bf ? bf16_to_float(float_to_bf16(v)) : v; }
-
-static inline void st(void *p, int bf, int64_t i, float v)
-{
-    if (bf) ((uint16_t *)p)[i] = float_to_bf16(v);
-    else ((float *)p)[i] = v;
-}
-
-static inline float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 
 /* the conv's output for one channel: bias, rounding to the model dtype, then SiLU (PyTorch's
  * F.silu on the rounded tensor) */
@@ -362,6 +348,25 @@ void causal_conv_rows(const void *x, int64_t x_stride, void *out, int64_t out_st
     }
 }
 
+/* Gated DeltaNet's gated norm of one head's output o [dv] (overwritten): RMSNorm with eps
+ * over o rounded to the model dtype, times norm [dv], times silu(z) (z [dv]), each rounding of
+ * the layer's _gated_norm kept, into dst [dv] in the model dtype. */
+static void gated_norm_head(float *o, int64_t dv, const void *z, const void *norm, float eps, int bf,
+                            void *dst)
+{
+    float ss = 0.f;
+    for (int64_t j = 0; j < dv; j++) {
+        o[j] = round_to(bf, o[j]);
+        ss += o[j] * o[j];
+    }
+    const float inv = 1.f / sqrtf(ss / (float)dv + eps);
+    for (int64_t j = 0; j < dv; j++) {
+        const float zj = ld(z, bf, j);
+        const float n = round_to(bf, round_to(bf, o[j] * inv) * ld(norm, bf, j));
+        st(dst, bf, j, n * (zj / (1.f + expf(-zj))));
+    }
+}
+
 /* Gated DeltaNet's step for one token of each request r: its token's row rows[r] of x
  * [T][x_stride] (the conv's output q|k|v: nk * dk, nk * dk, nv * dv channels) and of ba
  * [T][ba_stride] (b's nv values, then a's), its state in slot slots[r] of state
@@ -417,19 +422,25 @@ void gdn_decode_rows(const void *x, int64_t x_stride, const void *ba, int64_t ba
         } else {
             gdn_head_columns(S, dk, dv, 0, eg, beta, k, v, q, o);
         }
-        if (z) { /* RMSNorm over the head (o rounded to the model dtype first), the weight, silu(z) */
-            float ss = 0.f;
-            for (int64_t j = 0; j < dv; j++) {
-                o[j] = round_to(bf, o[j]);
-                ss += o[j] * o[j];
-            }
-            const float inv = 1.f / sqrtf(ss / (float)dv + eps);
-            for (int64_t j = 0; j < dv; j++) {
-                const float zj = ld(z, bf, row * z_stride + h * dv + j);
-                const float n = round_to(bf, round_to(bf, o[j] * inv) * ld(norm, bf, j));
-                st(gated, bf, row * gated_stride + h * dv + j, n * (zj / (1.f + expf(-zj))));
-            }
-        }
+        if (z) gated_norm_head(o, dv, (const char *)z + (row * z_stride + h * dv) * (bf ? 2 : 4), norm, eps, bf,
+                               (char *)gated + (row * gated_stride + h * dv) * (bf ? 2 : 4));
+    }
+}
+
+/* Gated DeltaNet's output for rows [begin, end) of units (row, head) = u / nv, u % nv: o
+ * [T][nv][dv] fp32 (the recurrence's), z [T][z_stride] (nv * dv values a row), norm [dv];
+ * gated [T][gated_stride] in the model dtype, as gated_norm_head makes it. */
+void gdn_gated_norm_rows(const float *o, const void *z, int64_t z_stride, const void *norm,
+                         float eps, void *gated, int64_t gated_stride, int64_t nv, int64_t dv,
+                         int64_t bf16, int64_t begin, int64_t end)
+{
+    const int bf = (int)bf16, esz = bf ? 2 : 4;
+    float buf[HEAD_MAX];
+    for (int64_t u = begin; u < end; u++) {
+        const int64_t row = u / nv, h = u % nv;
+        memcpy(buf, o + u * dv, sizeof(float) * (size_t)dv);
+        gated_norm_head(buf, dv, (const char *)z + (row * z_stride + h * dv) * esz, norm, eps, bf,
+                        (char *)gated + (row * gated_stride + h * dv) * esz);
     }
 }
 

@@ -1,12 +1,15 @@
-"""Tensor-level entry of the state layers' kernels (state_update.c): the causal conv over a
-step's requests (decodes and prompt chunks, with their carried windows), Gated DeltaNet's and
-Mamba2's one-token state updates, their instruction sets, and the calls, split over the
-kernel pool. Each reads and writes the states in their slots in place; the PyTorch references
-are kvflow/layers/causal_conv.py's `causal_conv1d`, gated_deltanet.py's
-`recurrent_gated_delta_rule` and mamba2.py's `recurrent_scan`."""
+"""Tensor-level entry of the state layers' kernels (state_update.c, state_scan.c): the causal
+conv over a step's requests (decodes and prompt chunks, with their carried windows), Gated
+DeltaNet's and Mamba2's one-token state updates and their prompt chunks, their instruction
+sets, and the calls, split over the kernel pool. Each reads and writes the states in their
+slots in place; the PyTorch references are kvflow/layers/causal_conv.py's `causal_conv1d`,
+gated_deltanet.py's `recurrent_gated_delta_rule` / `chunk_gated_delta_rule` and mamba2.py's
+`recurrent_scan` / `chunk_scan`."""
 from __future__ import annotations
 
 import struct
+from functools import lru_cache, partial
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -138,6 +141,24 @@ def gated_delta_decode(x: torch.Tensor, ba: torch.Tensor, a_log: torch.Tensor,
                len(rows) * nv, _threads(len(rows) * nv * dk * dv), farg=eps)
 
 
+def gdn_gated_norm(out: torch.Tensor, z: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gated DeltaNet's output of a step: the layer's _gated_norm of out [T, nv, dv] fp32 (the
+    recurrence's, rounded to z's dtype first) with z [T, nv dv] (rows may be strided) and the
+    norm weight [dv]; [T, nv, dv] in z's dtype."""
+    _rows_of(z, "gdn_gated_norm")
+    t, nv, dv = out.shape
+    if not (out.dtype == torch.float32 and out.is_contiguous() and z.shape == (t, nv * dv)
+            and norm.dtype == z.dtype and norm.shape == (dv,) and dv <= HEAD_MAX):
+        raise ValueError(f"gdn_gated_norm: out {tuple(out.shape)} {out.dtype}, z {tuple(z.shape)} "
+                         f"and norm {tuple(norm.shape)} {norm.dtype} do not fit")
+    gated = torch.empty(t, nv, dv, dtype=z.dtype)
+    norm = norm.contiguous()
+    run_kernel("gdn_gated_norm", [out.data_ptr(), z.data_ptr(), z.stride(0), norm.data_ptr(),
+                                  gated.data_ptr(), nv * dv, nv, dv, int(z.dtype == torch.bfloat16)],
+               t * nv, _threads(t * nv * dv * 8), farg=eps)
+    return gated
+
+
 def _f32_bits(v: float) -> int:
     return struct.unpack("<I", struct.pack("<f", v))[0]
 
@@ -191,3 +212,90 @@ def ssm_gated_norm(y: torch.Tensor, x: torch.Tensor, z: torch.Tensor, d: torch.T
                                   p, n_groups, int(x.dtype == torch.bfloat16)],
                t, _threads(t * width * 8), farg=eps)
     return out
+
+
+def _chunks(starts: np.ndarray, lens: np.ndarray, slots: np.ndarray, saves: dict):
+    """The chunks' int64 arrays for the kernels, and their snapshots' (None, None: none)."""
+    n = len(lens)
+    arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (starts[:n], lens, slots)]
+    snap_after = snap_slot = None
+    if saves:
+        snap_after, snap_slot = np.zeros(n, dtype=np.int64), np.full(n, -1, dtype=np.int64)
+        for i, (after, snap) in saves.items():
+            snap_after[i], snap_slot[i] = after, snap
+    return arrays, snap_after, snap_slot
+
+
+def gated_delta_chunks(x: torch.Tensor, ba: torch.Tensor, a_log: torch.Tensor,
+                       dt_bias: torch.Tensor, state: torch.Tensor, starts: np.ndarray,
+                       lens: np.ndarray, slots: np.ndarray, saves: dict, out: torch.Tensor,
+                       num_k_heads: int, isa: str) -> None:
+    """Gated DeltaNet over prompt chunks, token after token: chunk i is rows
+    [starts[i], starts[i] + lens[i]) of x [T, 2 nk dk + nv dv] (the conv's q|k|v after SiLU)
+    and ba [T, 2 nv] (b, then a; rows may be strided), its state in slot slots[i] of state
+    [slots, nv, dk, dv] fp32, moved on in place; `saves` (chunk -> (after, slot)) keeps the
+    state after a token in a snapshot slot. out [T, nv, dv] fp32 gets the chunks' rows."""
+    _rows_of(x, "gated_delta_chunks")
+    _rows_of(ba, "gated_delta_chunks")
+    _, nv, dk, dv = state.shape
+    if not (x.dtype == ba.dtype and state.dtype == out.dtype == torch.float32
+            and state.is_contiguous() and out.is_contiguous() and out.shape[1:] == (nv, dv)
+            and x.shape[1] == 2 * num_k_heads * dk + nv * dv and ba.shape[1] == 2 * nv
+            and nv % num_k_heads == 0 and a_log.dtype == dt_bias.dtype == torch.float32):
+        raise ValueError(f"gated_delta_chunks: x {tuple(x.shape)}, ba {tuple(ba.shape)}, state "
+                         f"{tuple(state.shape)} and out {tuple(out.shape)} {out.dtype} do not fit")
+    (starts, lens, slots), snap_after, snap_slot = _chunks(starts, lens, slots, saves)
+    a_log, dt_bias = a_log.contiguous(), dt_bias.contiguous()
+    threads = _threads(int(lens.sum()) * dk * dv)
+    # more threads than heads to split: each head's columns in groups of 32 or more (a group
+    # prepares its tokens' q and k again, so no more groups than the threads need)
+    cols = max(1, min(dv // 32, -(-threads // (len(lens) * nv))))
+    run_kernel("gdn_chunk", [x.data_ptr(), x.stride(0), ba.data_ptr(), ba.stride(0),
+                             a_log.data_ptr(), dt_bias.data_ptr(), state.data_ptr(),
+                             starts.ctypes.data, lens.ctypes.data, slots.ctypes.data,
+                             None if snap_after is None else snap_after.ctypes.data,
+                             None if snap_slot is None else snap_slot.ctypes.data,
+                             out.data_ptr(), num_k_heads, nv, dk, dv, cols,
+                             int(x.dtype == torch.bfloat16), STATE_ISAS[isa]],
+               len(lens) * nv * cols, threads, weights=np.repeat(lens, nv * cols))
+
+
+def ssm_chunks(x: torch.Tensor, dt: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+               state: torch.Tensor, starts: np.ndarray, lens: np.ndarray, slots: np.ndarray,
+               saves: dict, y: torch.Tensor, n_groups: int, dt_limit: tuple[float, float],
+               isa: str) -> None:
+    """Mamba2's SSD over prompt chunks, token after token: chunk i is rows
+    [starts[i], starts[i] + lens[i]) of x [T, nh P + 2 G N] (the conv's x|B|C after SiLU) and
+    dt [T, nh] raw (rows may be strided), its state in slot slots[i] of state [slots, nh, P, N]
+    fp32, moved on in place; snapshots as gated_delta_chunks'. y [T, nh, P] fp32 gets the
+    chunks' rows (without the D skip)."""
+    _rows_of(x, "ssm_chunks")
+    _rows_of(dt, "ssm_chunks")
+    _, nh, p, n = state.shape
+    if not (x.dtype == dt.dtype and state.dtype == y.dtype == torch.float32
+            and state.is_contiguous() and y.is_contiguous() and y.shape[1:] == (nh, p)
+            and x.shape[1] == nh * p + 2 * n_groups * n and dt.shape[1] == nh
+            and nh % n_groups == 0 and a_log.dtype == dt_bias.dtype == torch.float32):
+        raise ValueError(f"ssm_chunks: x {tuple(x.shape)}, dt {tuple(dt.shape)}, state "
+                         f"{tuple(state.shape)} and y {tuple(y.shape)} do not fit")
+    (starts, lens, slots), snap_after, snap_slot = _chunks(starts, lens, slots, saves)
+    a_log, dt_bias = a_log.contiguous(), dt_bias.contiguous()
+    run_kernel("ssm_chunk", [x.data_ptr(), x.stride(0), dt.data_ptr(), dt.stride(0),
+                             a_log.data_ptr(), dt_bias.data_ptr(), state.data_ptr(),
+                             starts.ctypes.data, lens.ctypes.data, slots.ctypes.data,
+                             None if snap_after is None else snap_after.ctypes.data,
+                             None if snap_slot is None else snap_slot.ctypes.data,
+                             y.data_ptr(), nh, n_groups, p, n, _f32_bits(dt_limit[0]),
+                             _f32_bits(dt_limit[1]), int(x.dtype == torch.bfloat16),
+                             STATE_ISAS[isa]],
+               len(lens) * nh, _threads(int(lens.sum()) * p * n), weights=np.repeat(lens, nh))
+
+
+@lru_cache(maxsize=None)
+def ops(isa: str) -> SimpleNamespace:
+    """The state layers' operations on this CPU's path `isa`, by the names the layers call (the
+    GPU's are kvflow/model/triton/state_scan.py's `ops()`); built once per path."""
+    return SimpleNamespace(name=f"c-{isa}", causal_conv=partial(causal_conv, isa=isa),
+                           gated_delta_decode=partial(gated_delta_decode, isa=isa),
+                           gated_delta_chunks=partial(gated_delta_chunks, isa=isa),
+                           ssm_decode=partial(ssm_decode, isa=isa), ssm_chunks=partial(ssm_chunks, isa=isa))

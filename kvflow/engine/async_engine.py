@@ -26,8 +26,11 @@ from kvflow.engine.output_processor import OutputKind, OutputProcessor
 from kvflow.engine.protocol import (CoreMessage, EngineCoreOutputs, EngineCoreReady,
                                     EngineCoreRequestType, SchedulerStats, UtilityCall)
 from kvflow.lora_request import LoRARequest
+from kvflow.multimodal.inputs import MultiModalData
+from kvflow.multimodal.processor import multimodal_processor
 from kvflow.model_path import resolve_model_path
 from kvflow.outputs import EmbeddingRequestOutput, RequestOutput
+from kvflow.request import InvalidRequestError
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 from kvflow.tokenizer import get_tokenizer, tokenizer_source
@@ -57,6 +60,7 @@ class AsyncLLM:
                                        and pc.data_parallel_backend == "ray")
         self.stat_logger = stat_logger or StatLogger()
         self.tokenizer = None
+        self.mm_processor = None  # a model that takes images: kvflow/multimodal/processor.py
         self.processor: OutputProcessor | None = None
         self._input_processor: InputProcessor | None = None  # once the core reports its limits
         self.info: EngineCoreReady | None = None
@@ -85,6 +89,11 @@ class AsyncLLM:
             raise
         self.tokenizer = await tok_task
         self.processor = OutputProcessor(self.tokenizer)
+        if getattr(self.info, "supports_images", False):  # its image processing, here
+            from kvflow.model.arch import load_arch_config
+
+            self.mm_processor = multimodal_processor(self.model_path, load_arch_config(self.model_path),
+                                                     self.tokenizer)
         self._output_task = asyncio.create_task(self._output_loop(), name="kvflow-outputs")
         if self.stall_timeout > 0:
             self._heartbeat_task = asyncio.create_task(self._heartbeat(), name="kvflow-heartbeat")
@@ -117,12 +126,23 @@ class AsyncLLM:
                        prompt: str | None = None, arrival_time: float | None = None,
                        priority: int = 0, cache_salt: str | None = None,
                        lora_request: LoRARequest | None = None, checked: bool = False,
+                       multi_modal_data: MultiModalData | None = None,
                        ) -> AsyncIterator[RequestOutput]:
         """Stream DELTA RequestOutputs for one request (all its `n` samples) until finished.
         The input processor checks it first (ValueError naming the field: a 400), unless the
-        caller did (`checked`: the server checks every prompt of a request before any runs)."""
+        caller did (`checked`: the server checks every prompt of a request before any runs).
+        `multi_modal_data`: its images, one per image-start token of the prompt, in order: the
+        prompt is expanded for them (off the event loop) and checked again."""
         if self.dead_error is not None:
             raise type(self.dead_error)(str(self.dead_error))  # keeps its code
+        features = None
+        if multi_modal_data:
+            if self.mm_processor is None:
+                raise InvalidRequestError("multi_modal_data: this model does not take images",
+                                          "multi_modal_data")
+            prompt_token_ids, features = await asyncio.to_thread(
+                self.mm_processor.apply, list(prompt_token_ids), multi_modal_data)
+            checked = False
         if not checked:
             self.input_processor.process(prompt_token_ids, params, lora_request)
         core_reqs = self.processor.add_request(
@@ -140,6 +160,7 @@ class AsyncLLM:
             self._core_ids[request_id] = len(core_reqs)
             self.num_core_requests += len(core_reqs)
             for r in core_reqs:
+                r.mm_features = features
                 self.client.add_request(r)
             while True:
                 item = await queue.get()

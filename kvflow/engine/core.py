@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvflow.models.registry import family_of
 from kvflow.config import EngineConfig
 from kvflow.core.kv_cache.groups import make_kv_cache_groups
 from kvflow.core.kv_cache.spec import StateSpec
@@ -15,6 +16,7 @@ from kvflow.core.scheduler import Scheduler, SchedulerOutput
 from kvflow.distributed.executor import TPExecutor
 from kvflow.distributed.pipeline import stage_layers
 from kvflow.engine.input_processor import InputProcessor, RequestLimits
+from kvflow.engine.kv_events import KVEventBatch, make_publisher, to_wire
 from kvflow.engine.kv_sizing import max_concurrency, num_kv_blocks
 from kvflow.engine.memory_report import kv_cache_bytes, memory_line
 from kvflow.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
@@ -31,6 +33,7 @@ from kvflow.model.executor import CompletedStep, Executor, UniProcExecutor
 from kvflow.model import gpu_memory
 from kvflow.model.cuda_graphs import decode_graphs_for
 from kvflow.model.key_scales import key_scales_digest
+from kvflow.model.kv_cache import kv_bytes_per_token, kv_cache_groups, kv_layer_shapes
 from kvflow.attention.kv_layout import INT8_SCALE_BYTES, resolve_kv_dtype
 from kvflow.model.loader import load_model, resolve_device, resolve_dtype, weight_bytes
 from kvflow.model.quant.load import resolve_quantization
@@ -73,9 +76,11 @@ class EngineCore:
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config,
                                    self._kv_cache_specs(), self.num_state_slots or None)
         # checks what callers other than the frontends hand add_request (EngineCoreRequest.checked)
+        self.supports_images = bool(getattr(family_of(self.arch.architecture).model_class(self.arch),
+                                            "supports_images", False))
         self.input_processor = InputProcessor(config, RequestLimits(
             self.arch.vocab_size, self.max_model_len, self.cache_config.block_size,
-            self.cache_config.num_blocks))
+            self.cache_config.num_blocks, self.supports_images))
         self.structured = self._structured_outputs()
         self.spec = self._speculator()
         self.trace = None
@@ -84,6 +89,8 @@ class EngineCore:
         if config.kv_transfer is not None:  # refused before any worker starts
             check_engine(self.cache_config, self.device.type)
         self._batch_queue: deque[_StartedStep] = deque()  # steps started, not yet finished
+        # the prefix cache's block events, drained once a step (docs: --kv-events-config)
+        self.kv_event_publisher = None
         self.executor = self._make_executor(model)
         self.scheduler.max_concurrent_batches = self.executor.max_concurrent_batches
         try:
@@ -170,7 +177,8 @@ class EngineCore:
 
     def _kv_cache_specs(self) -> list:
         """One spec per KV cache group, attention groups first, then the state layers'."""
-        specs = [g.spec for g in make_kv_cache_groups(self.cache_config.layer_windows or (None,))]
+        cc = self.cache_config
+        specs = [g.spec for g in make_kv_cache_groups(cc.layer_windows or (None,), cc.layer_kv_shapes)]
         if self.num_state_slots:
             specs.append(StateSpec(self.state_bytes_per_request, snapshots=self._state_snapshots))
         return specs
@@ -185,9 +193,11 @@ class EngineCore:
         num_layers = self.arch.num_hidden_layers
         if self.pp_size > 1:  # a stage holds its layers' KV only; the largest stage decides
             return (per_token * len(stage_layers(num_layers, self.pp_size, 0)) // num_layers,) * 2
-        # with sliding windows a block spans one KV cache group's layers, not all of them
-        windows = tuple(self.arch.kv_layer_windows())
-        return per_token, per_token * len(make_kv_cache_groups(windows)[0].layers) // len(windows)
+        if self.tp_size > 1:  # with sliding windows a block spans one group's layers, not all
+            windows = tuple(self.arch.kv_layer_windows())
+            return per_token, per_token * len(make_kv_cache_groups(windows)[0].layers) // len(windows)
+        # each layer at its own shape; a block spans one group's tensors (kv_cache.py)
+        return kv_bytes_per_token(kv_cache_groups(self.arch, self.kv_dtype), self.kv_dtype)
 
     def _cache_configs(self, model, block_bytes_per_token: int, free_at_start: int):
         """The scheduler's and the cache's configs, resolved: max_model_len, and the block
@@ -208,7 +218,8 @@ class EngineCore:
             num_blocks = num_kv_blocks(replace(cc, kv_cache_memory=max(cc.kv_cache_memory - state, 0)),
                                        block_bytes_per_token)
         return sc, replace(cc, num_blocks=num_blocks,
-                           layer_windows=tuple(self.arch.kv_layer_windows()))
+                           layer_windows=tuple(self.arch.kv_layer_windows()),
+                           layer_kv_shapes=kv_layer_shapes(self.arch, self.kv_dtype))
 
     def _structured_outputs(self) -> StructuredOutputManager:
         # grammars compile in its thread; the tokenizer loads there on the first constrained request
@@ -260,6 +271,12 @@ class EngineCore:
             self.scheduler.max_loras = lc.max_loras
             for i, (name, path) in enumerate(lc.modules(), start=1):
                 self.add_lora(LoRARequest(name, i, path))
+        self.kv_event_publisher = make_publisher(config.kv_events)
+        if self.kv_event_publisher is not None:
+            self.scheduler.kv_cache_manager.record_events()
+            logger.info("KV events: publishing on %s%s", config.kv_events.endpoint,
+                        f" (replay on {config.kv_events.replay_endpoint})"
+                        if config.kv_events.replay_endpoint else "")
         if config.kv_transfer is not None:
             self.kv_connector = PDConnector(config.kv_transfer, self.kv_compat(),
                                             self._paged_kv(), cc.block_size)
@@ -296,11 +313,12 @@ class EngineCore:
 
     def startup_report(self) -> str:
         cc, a = self.cache_config, self.arch
-        groups = make_kv_cache_groups(cc.layer_windows or (None,))
+        groups = make_kv_cache_groups(cc.layer_windows or (None,), cc.layer_kv_shapes)
         # with several groups a token takes a block's slot in each (a lower bound on the
         # concurrency: local groups need only their window)
         tokens = cc.num_blocks * cc.block_size // len(groups)
-        group_note = (f" in {len(groups)} KV cache groups of {len(groups[0].layers)} layers"
+        sizes = sorted({len(g.layers) for g in groups})  # layers packed k to a page: k times as many
+        group_note = (f" in {len(groups)} KV cache groups of {'/'.join(map(str, sizes))} layers"
                       if len(groups) > 1 else "")
         return (f"kvflow: model {self.model_path} ({a.architecture}, "
                 f"{a.num_parameters() / 1e6:.1f}M params, {str(self.dtype).removeprefix('torch.')}); "
@@ -408,7 +426,8 @@ class EngineCore:
         eos = r.eos_token_ids if r.eos_token_ids is not None else self.arch.eos_token_ids
         req = Request(r.request_id, r.prompt_token_ids, params, eos_token_id=eos,
                       arrival_time=r.arrival_time or time.time(), priority=r.priority,
-                      cache_salt=r.cache_salt, lora_request=r.lora_request)
+                      cache_salt=r.cache_salt, lora_request=r.lora_request,
+                      mm_features=list(r.mm_features or ()))
         if so is not None:
             req.structured_output = self.structured.request(so)  # compiles off the loop
         try:
@@ -466,10 +485,28 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         """Clear the prefix cache; refused (False) while requests are running."""
-        return self.scheduler.reset_prefix_cache()
+        done = self.scheduler.reset_prefix_cache()
+        self.publish_kv_events()
+        return done
+
+    def publish_kv_events(self) -> None:
+        """Hand the block events recorded since the last call to the publisher, as one batch
+        (the publisher's thread sends it)."""
+        if self.kv_event_publisher is None:
+            return
+        events = self.scheduler.kv_cache_manager.take_events()
+        if events:
+            medium = "GPU" if self._on_gpu else "CPU"
+            self.kv_event_publisher.publish(KVEventBatch(time.time(), to_wire(events, medium)))
 
     # -- the loop ------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
+        """One turn of the loop (_step), then its KV events out."""
+        out = self._step()
+        self.publish_kv_events()
+        return out
+
+    def _step(self) -> EngineCoreOutputs:
         """One turn of the loop: schedule a step and start it, then finish the oldest step in
         flight. With one step in flight at most (no pipeline) that is the step just started;
         under pipeline parallelism (vLLM's batch queue) up to `max_concurrent_batches` steps
@@ -570,7 +607,8 @@ class EngineCore:
             spec_decode_num_drafts=s.spec_stats.num_drafts,
             spec_decode_num_draft_tokens=s.spec_stats.num_draft_tokens,
             spec_decode_num_accepted_tokens=s.spec_stats.num_accepted_tokens,
-            kv_transfer=self.kv_connector.stats(s))
+            kv_transfer=self.kv_connector.stats(s),
+            num_encoder_tokens=sched_out.num_encoder_tokens)
 
     def check_health(self) -> None:
         """WorkerFailedError if a tensor-parallel worker has died (checked while idle, so that
@@ -578,6 +616,9 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
+            self.kv_event_publisher = None
         self.structured.shutdown()
         self.kv_connector.shutdown()
         self.kv_connector = KVConnector()

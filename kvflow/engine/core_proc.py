@@ -57,7 +57,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
     ready = EngineCoreReady(
         os.getpid(), core.model_path, core.max_model_len, core.cache_config.num_blocks,
         core.cache_config.block_size, core.scheduler_config.max_num_seqs, core.arch.vocab_size,
-        core.startup_report())
+        core.startup_report(), core.supports_images)
     out_sock.send_multipart([CoreMessage.READY, encoder.encode(ready)])
     try:
         EngineCoreLoop(core, in_sock, out_sock, parent_pid).run()

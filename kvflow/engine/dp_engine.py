@@ -6,6 +6,9 @@ server. The pick (kvflow/core/routing.py) sees each replica's requests in flight
 default, `least_load`, breaks ties by the longest prefix of the prompt's token ids that the
 replica was sent before (an approximate tree, bounded per replica), so that a shared system
 prompt meets its cached blocks. `cache_aware` (SGLang's policy) and `round_robin` are the others.
+With `--kv-events-config` each replica publishes its KV events (replica i on the endpoint's port
++ i, as vLLM) and this front follows them: the tie (or, for `cache_aware`, the choice) goes by
+the blocks each replica's prefix cache really holds rather than by the tree of what it was sent.
 
 Death is the engine's, as in vLLM: if one replica's core dies, the server is dead (its in-flight
 requests and the other replicas' end with the error, /health answers 503 and the server exits),
@@ -13,16 +16,20 @@ so that a supervisor or `kvflow router` sees one failed instance rather than a d
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import AsyncIterator
 
 from kvflow.config import EngineConfig
+from kvflow.core.kv_cache.block_pool import hash_token_blocks
 from kvflow.core.routing import CacheAwareConfig, make_policy
 from kvflow.engine.async_engine import AsyncLLM, StatLogger
 from kvflow.engine.core_client import EngineDeadError
+from kvflow.engine.kv_events_subscriber import KVEventListeners
 from kvflow.engine.protocol import EngineCoreReady
 from kvflow.lora_request import LoRARequest
 from kvflow.outputs import EmbeddingRequestOutput, RequestOutput
 from kvflow.pooling_params import PoolingParams
+from kvflow.request import block_salt_bytes
 from kvflow.sampling_params import SamplingParams
 from kvflow.tokenizer import get_tokenizer
 
@@ -37,8 +44,16 @@ class DPAsyncLLM:
         if len(stat_loggers) != n:
             raise ValueError(f"one stat logger per replica: {n} replicas, {len(stat_loggers)}")
         self.config = config
-        self.replicas = [AsyncLLM(config, stat_loggers[i], stall_timeout) for i in range(n)]
-        self.policy = make_policy(policy, cache, tree_ties=True)
+        configs = [rank_config(config, i) for i in range(n)]
+        self.replicas = [AsyncLLM(configs[i], stat_loggers[i], stall_timeout) for i in range(n)]
+        # the replicas' own KV events, where they publish somewhere this process can listen
+        addrs = [listen_address(c) for c in configs]
+        self.kv_events = KVEventListeners(config.kv_events.topic) if all(addrs) else None
+        self.policy = make_policy(policy, cache, tree_ties=True,
+                                  blocks=self.kv_events.index if self.kv_events else None)
+        if self.kv_events is not None:
+            for i, addr in enumerate(addrs):
+                self.kv_events.listen(i, addr)
         self.inflight = [0] * n  # requests sent to each replica and not finished
         self.routed = [0] * n  # requests sent to each replica since start
         self.dead_error: EngineDeadError | None = None
@@ -109,44 +124,62 @@ class DPAsyncLLM:
     # -- requests --------------------------------------------------------------------
     def choose(self, prompt_token_ids: list[int], cache_salt: str | None = None,
                lora_request: LoRARequest | None = None) -> int:
+        return self._pick(prompt_token_ids, cache_salt, lora_request)[0]
+
+    def _pick(self, prompt_token_ids: list[int], cache_salt: str | None = None,
+              lora_request: LoRARequest | None = None) -> tuple[int, list[bytes] | None]:
+        """The replica for a prompt, and its block hashes where KV events are followed."""
         # a salted prompt (or an adapter's) shares cached blocks only with its own salt
         # (adapter): its key starts with it
         key = prompt_token_ids
+        lora_id = lora_request.lora_int_id if lora_request is not None else 0
         if lora_request is not None:
             key = [-1 - (lora_request.lora_int_id & 0x7FFFFFFF), *key]
         if cache_salt:
             key = [-1 - (hash(cache_salt) & 0x7FFFFFFF), *key]
-        i = self.policy.choose(dict(enumerate(self.inflight)), key).replica
+        hashes = None
+        if self.kv_events is not None and self.kv_events.index.block_size:
+            hashes = hash_token_blocks(prompt_token_ids, self.kv_events.index.block_size,
+                                       block_salt_bytes(cache_salt, lora_id))
+        i = self.policy.choose(dict(enumerate(self.inflight)), key, hashes).replica
         self.policy.routed(i, key)
-        return i
+        return i, hashes
+
+    def _started(self, i: int, hashes: list[bytes] | None, delta: int) -> None:
+        """A request began (+1) or ended (-1) on replica i: its prompt's blocks count as held
+        there while it runs (kvflow/core/block_index.py)."""
+        self.inflight[i] += delta
+        if hashes:
+            self.kv_events.index.running(i, hashes, delta)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, **kwargs) -> AsyncIterator[RequestOutput]:
         """AsyncLLM.generate on the chosen replica."""
         if self.dead_error is not None:
             raise type(self.dead_error)(str(self.dead_error))
-        i = self.choose(prompt_token_ids, kwargs.get("cache_salt"), kwargs.get("lora_request"))
-        self.inflight[i] += 1
+        i, hashes = self._pick(prompt_token_ids, kwargs.get("cache_salt"),
+                               kwargs.get("lora_request"))
+        self._started(i, hashes, 1)
         self.routed[i] += 1
         try:
             async for out in self.replicas[i].generate(prompt_token_ids, params, request_id,
                                                        **kwargs):
                 yield out
         finally:
-            self.inflight[i] -= 1
+            self._started(i, hashes, -1)
 
     async def encode(self, prompt_token_ids: list[int], params: PoolingParams, request_id: str,
                      **kwargs) -> EmbeddingRequestOutput:
         """AsyncLLM.encode on the chosen replica."""
         if self.dead_error is not None:
             raise type(self.dead_error)(str(self.dead_error))
-        i = self.choose(prompt_token_ids, lora_request=kwargs.get("lora_request"))
-        self.inflight[i] += 1
+        i, hashes = self._pick(prompt_token_ids, lora_request=kwargs.get("lora_request"))
+        self._started(i, hashes, 1)
         self.routed[i] += 1
         try:
             return await self.replicas[i].encode(prompt_token_ids, params, request_id, **kwargs)
         finally:
-            self.inflight[i] -= 1
+            self._started(i, hashes, -1)
 
     async def add_lora(self, lora_request: LoRARequest) -> None:
         """Load the adapter in every replica (any may be chosen for its requests); a refusal
@@ -192,9 +225,39 @@ class DPAsyncLLM:
             self.on_dead(self.dead_error)
 
     def replica_status(self) -> list[dict]:
-        return [{"replica": i, "pid": r.info.pid if r.info else None, "inflight": self.inflight[i],
-                 "routed": self.routed[i], "dead": r.is_dead}
-                for i, r in enumerate(self.replicas)]
+        out = [{"replica": i, "pid": r.info.pid if r.info else None, "inflight": self.inflight[i],
+                "routed": self.routed[i], "dead": r.is_dead}
+               for i, r in enumerate(self.replicas)]
+        if self.kv_events is not None:  # the blocks each holds, as its KV events say
+            for i, status in enumerate(out):
+                status["kv_cache_blocks"] = self.kv_events.index.size(i)
+        return out
 
     async def shutdown(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
         await asyncio.gather(*(r.shutdown() for r in self.replicas), return_exceptions=True)
+
+
+def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """Replica `rank`'s config: its own KV events endpoint (KVEventsConfig.for_rank)."""
+    if config.kv_events is None:
+        return config
+    out = copy.copy(config)
+    out.kv_events = config.kv_events.for_rank(rank)
+    return out
+
+
+def listen_address(config: EngineConfig) -> str | None:
+    """Where this process can subscribe to a replica's events: its bound tcp endpoint on the
+    loopback (a wildcard host) or its ipc path; None where it publishes nothing, connects out
+    to a collector, or runs elsewhere (a Ray replica)."""
+    ev = config.kv_events
+    if ev is None or not ev.publishes or config.parallel_config.data_parallel_backend == "ray":
+        return None
+    if ev.endpoint.startswith("ipc://"):
+        return ev.endpoint
+    host, _, port = ev.endpoint.removeprefix("tcp://").rpartition(":")
+    if ev.endpoint.startswith("tcp://") and host in ("*", "0.0.0.0", "127.0.0.1", "localhost"):
+        return f"tcp://127.0.0.1:{port}"
+    return None

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from kvflow.config import EngineConfig
 from kvflow.kv_transfer.params import check_role
 from kvflow.lora_request import LoRARequest
+from kvflow.multimodal.inputs import ImageItem, MultiModalData
 from kvflow.pooling_params import PoolingParams
 from kvflow.request import InvalidRequestError, check_request_fits
 from kvflow.sampling_params import SamplingParams, check_token_ids
@@ -34,11 +35,13 @@ class RequestLimits:
     max_model_len: int
     block_size: int
     num_blocks: int
+    supports_images: bool = False  # the loaded model takes images
 
     @classmethod
     def of(cls, ready) -> "RequestLimits":
-        """The limits an EngineCoreReady (or anything with these four fields) reports."""
-        return cls(ready.vocab_size, ready.max_model_len, ready.block_size, ready.num_blocks)
+        """The limits an EngineCoreReady (or anything with these fields) reports."""
+        return cls(ready.vocab_size, ready.max_model_len, ready.block_size, ready.num_blocks,
+                   getattr(ready, "supports_images", False))
 
 
 class InputProcessor:
@@ -55,9 +58,14 @@ class InputProcessor:
 
     # -- the whole check --------------------------------------------------------------------
     def process(self, prompt_token_ids: list[int], params: SamplingParams,
-                lora_request: LoRARequest | None = None) -> None:
-        """ValueError naming the field if this generation request can never run here."""
+                lora_request: LoRARequest | None = None,
+                multi_modal_data: MultiModalData | None = None,
+                image_names: list[str] | None = None) -> None:
+        """ValueError naming the field if this generation request can never run here
+        (`image_names`: where each image came from, for the messages; default
+        `multi_modal_data.image[i]`)."""
         check_token_ids("prompt", prompt_token_ids, self.limits.vocab_size)
+        self.check_multi_modal(multi_modal_data, image_names)
         self.check_params(params, lora_request)
         self.check_constraint(params)
         self.check_fits(prompt_token_ids, params)
@@ -92,6 +100,42 @@ class InputProcessor:
             raise ValueError(f"model {lora_request.lora_name!r} is a LoRA adapter: the engine "
                              f"serves adapters only with enable_lora (--enable-lora)")
 
+    def check_image_count(self, names: list[str]) -> None:
+        """At most limit_mm_per_prompt images, checked before any is read or decoded; the
+        refusal names the first image over the limit."""
+        limit = self.config.multimodal_config.limit("image")
+        if len(names) > limit:
+            at = names[limit]
+            raise InvalidRequestError(f"{at}: {len(names)} images in one prompt; at most {limit} "
+                                      "(limit_mm_per_prompt, --limit-mm-per-prompt)", at)
+
+    def check_multi_modal(self, multi_modal_data: MultiModalData | None,
+                          image_names: list[str] | None = None) -> None:
+        """Images only for a model that takes them, at most limit_mm_per_prompt of them, each
+        an ImageItem (read and bounded by kvflow/multimodal/media.py). The refusal names the
+        part (`image_names[i]`)."""
+        if not multi_modal_data:
+            return
+        if not isinstance(multi_modal_data, dict):
+            raise InvalidRequestError("multi_modal_data: a dict of modality -> items, e.g. "
+                                      '{"image": [...]}', "multi_modal_data")
+        for key in multi_modal_data:
+            if key != "image":
+                raise InvalidRequestError(f"multi_modal_data.{str(key)[:32]}: kvflow takes images "
+                                          "only", "multi_modal_data")
+        images = multi_modal_data.get("image") or []
+        names = image_names or [f"multi_modal_data.image[{i}]" for i in range(len(images))]
+        if len(names) != len(images):
+            raise ValueError(f"{len(images)} images but {len(names)} names for them")
+        for name, item in zip(names, images):
+            if not isinstance(item, ImageItem):
+                raise InvalidRequestError(f"{name}: expected an ImageItem (a decoded image), got "
+                                          f"{type(item).__name__}", name)
+        self.check_image_count(names)
+        if images and not self.limits.supports_images:
+            raise InvalidRequestError(f"{names[0]}: the loaded model takes no images (it is a "
+                                      "text-only model); send text only", names[0])
+
     def check_prompt_logprobs(self, params: SamplingParams) -> None:
         """InvalidRequestError for prompt_logprobs where they cannot be computed correctly: with
         speculative decoding (a draft model keeps its own prefix state; not verified together),
@@ -111,9 +155,13 @@ class InputProcessor:
             validate_structured_outputs(params.structured_outputs,
                                         self.config.structured_outputs_backend)
 
-    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """The prompt's ids within the vocabulary, then `check_fits`."""
+    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams,
+                     multi_modal_data: MultiModalData | None = None,
+                     image_names: list[str] | None = None) -> None:
+        """The prompt's ids within the vocabulary, its images (`check_multi_modal`), then
+        `check_fits`."""
         check_token_ids("prompt", prompt_token_ids, self.limits.vocab_size)
+        self.check_multi_modal(multi_modal_data, image_names)
         self.check_fits(prompt_token_ids, params)
 
     def check_fits(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -123,11 +171,34 @@ class InputProcessor:
         check_request_fits(len(prompt_token_ids), params.max_tokens, lim.max_model_len,
                            lim.block_size, lim.num_blocks, params.min_tokens)
 
+    def check_mm_features(self, prompt_len: int, features) -> None:
+        """Processed images (request.MultiModalFeatureSpec) a core request carries: a model
+        that takes images, placeholder runs in order inside the prompt, pixel values that fill
+        their shape (float32)."""
+        if not self.limits.supports_images:
+            raise InvalidRequestError("multi_modal_data: this model does not take images",
+                                      "multi_modal_data")
+        end = 0
+        for f in features:
+            if f.offset < end or f.length <= 0 or f.end > prompt_len:
+                raise InvalidRequestError("multi_modal_data: image placeholder runs must lie in "
+                                          "the prompt, in order, without overlapping",
+                                          "multi_modal_data")
+            n = 4
+            for d in f.shape:
+                n *= d
+            if not f.shape or n != len(f.data):
+                raise InvalidRequestError("multi_modal_data: an image's pixel values do not fill "
+                                          f"its shape {tuple(f.shape)}", "multi_modal_data")
+            end = f.end
+
     # -- the core's door --------------------------------------------------------------------
     def process_core_request(self, r) -> None:
         """The whole check of an EngineCoreRequest handed to the core by a caller that did not
         go through a frontend (its `checked` is False)."""
         check_token_ids("eos_token_ids", r.eos_token_ids, self.limits.vocab_size)
+        if r.mm_features:
+            self.check_mm_features(len(r.prompt_token_ids), r.mm_features)
         if r.pooling_params is not None:
             self.process_pooling(r.prompt_token_ids, r.pooling_params, r.lora_request)
         else:

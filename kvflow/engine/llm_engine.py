@@ -6,6 +6,9 @@ from kvflow.engine.core import EngineCore
 from kvflow.engine.input_processor import InputProcessor
 from kvflow.engine.output_processor import OutputKind, OutputProcessor
 from kvflow.lora_request import LoRARequest
+from kvflow.multimodal.inputs import MultiModalData
+from kvflow.multimodal.processor import multimodal_processor
+from kvflow.request import InvalidRequestError
 from kvflow.outputs import EmbeddingRequestOutput, RequestOutput
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
@@ -23,6 +26,9 @@ class LLMEngine:
                                                         self.core.model_path))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = list(self.core.arch.eos_token_ids)
+        # a model that takes images: its processor (expanded prompt ids, pixel values)
+        self.mm_processor = (multimodal_processor(self.core.model_path, self.core.arch, self.tokenizer)
+                             if self.core.supports_images else None)
 
     @property
     def max_model_len(self) -> int:
@@ -36,9 +42,16 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, kind: OutputKind = OutputKind.FINAL,
                     priority: int = 0, cache_salt: str | None = None,
-                    lora_request: LoRARequest | None = None, checked: bool = False) -> None:
+                    lora_request: LoRARequest | None = None, checked: bool = False,
+                    multi_modal_data: MultiModalData | None = None) -> None:
         """Queue a request; ValueError naming the field if the input processor refuses it
-        (`checked`: the caller ran `input_processor.process` on it already)."""
+        (`checked`: the caller ran `input_processor.process` on it already). With
+        `multi_modal_data` ({"image": [ImageItem, ...]}, one per image-start token of the
+        prompt, in order) the prompt is expanded by the model's processor first."""
+        features = None
+        if multi_modal_data:
+            prompt_token_ids, features = self.process_images(prompt_token_ids, multi_modal_data)
+            checked = False  # the expanded prompt is checked below
         if not checked:
             self.input_processor.process(prompt_token_ids, params, lora_request)
         if lora_request is not None:  # loaded on first use, as vLLM does
@@ -48,10 +61,20 @@ class LLMEngine:
             priority=priority, cache_salt=cache_salt, lora_request=lora_request, checked=True)
         try:
             for r in core_reqs:
+                r.mm_features = features
                 self.core.add_request(r)
         except ValueError:
             self.core.abort_requests(self.output_processor.abort_request(request_id))
             raise
+
+    def process_images(self, prompt_token_ids: list[int],
+                       multi_modal_data: MultiModalData) -> tuple[list[int], list]:
+        """The prompt expanded for its images and their features (kvflow/multimodal/processor.py);
+        ValueError naming multi_modal_data where the model takes no images."""
+        if self.mm_processor is None:
+            raise InvalidRequestError("multi_modal_data: this model does not take images",
+                                      "multi_modal_data")
+        return self.mm_processor.apply(list(prompt_token_ids), multi_modal_data)
 
     def add_pooling_request(self, request_id: str, prompt_token_ids: list[int],
                             params: PoolingParams, prompt: str | None = None,

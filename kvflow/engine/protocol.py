@@ -29,6 +29,7 @@ from kvflow.kv_transfer.stats import KVTransferStats  # noqa: F401 - part of the
 from kvflow.lora_request import LoRARequest
 from kvflow.outputs import PromptLogprobsChunk, TokenLogprobs
 from kvflow.pooling_params import PoolingParams
+from kvflow.request import MultiModalFeatureSpec
 from kvflow.sampling_params import SamplingParams
 
 
@@ -79,6 +80,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # passed the frontend's input processor: the core only asserts its invariants (False: the
     # core runs the same input processor on it, for callers that hand it requests directly)
     checked: bool = False
+    # its images, processed (kvflow/multimodal/processor.py): placeholder runs, hashes, pixels
+    mm_features: list[MultiModalFeatureSpec] | None = None
 
 
 # -- core -> frontend ------------------------------------------------------------------------
@@ -93,6 +96,7 @@ class EngineCoreReady(msgspec.Struct, array_like=True):
     max_num_seqs: int
     vocab_size: int
     startup_report: str
+    supports_images: bool = False  # the model takes images (multi_modal_data)
 
 
 class LoRAResult(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -135,6 +139,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     kv_transfer: KVTransferStats | None = None  # with --kv-transfer-config
+    num_encoder_tokens: int = 0  # image tokens encoded this step (within the prompt tokens)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -166,11 +171,13 @@ class RequestView(msgspec.Struct):
 
 
 class StepTokens(msgspec.Struct, array_like=True):
-    """Tokens one step scheduled, split by phase."""
+    """Tokens one step scheduled, split by phase; `encoder`: of the prefill tokens, the image
+    tokens whose encoder ran in this step."""
 
     step: int
     prefill: int
     decode: int
+    encoder: int = 0
 
 
 class EngineSnapshot(msgspec.Struct):

@@ -84,7 +84,7 @@ class SnapshotSource:
         """Call after every step; returns a snapshot when one is due."""
         if stats is not None and stats.num_prompt_tokens + stats.num_generation_tokens:
             self.steps.append(StepTokens(self.scheduler.step_index - 1, stats.num_prompt_tokens,
-                                         stats.num_generation_tokens))
+                                         stats.num_generation_tokens, stats.num_encoder_tokens))
         self._dirty = True
         return self.poll()
 

@@ -70,6 +70,13 @@ class StepTrace:
             record["prefix_cache_bypassed"] = out.prefix_cache_bypassed
         if out.admission_stop is not None:
             record["admission_stop"] = out.admission_stop.value
+        # images: whose encoder ran (indices into each request's images), how many image
+        # tokens that was, and whose chunk stopped short of an image run, and why
+        if out.scheduled_encoder_inputs:
+            record["encoder_inputs"] = out.scheduled_encoder_inputs
+            record["num_encoder_tokens"] = out.num_encoder_tokens
+        if out.encoder_cuts:
+            record["encoder_cuts"] = out.encoder_cuts
         # prefill/decode disaggregation: pulls started, requests still waiting for their K/V,
         # and transfers that ended since the last traced step (loaded, failed, leases ended)
         if out.kv_loads:

@@ -13,8 +13,10 @@ unload to every worker.
 
 Replicas (and prefill instances) are picked by `--policy` (kvflow/core/routing.py), by default
 SGLang router's cache-aware one over an approximate tree of the prompts' text each was sent;
-load is requests in flight through this router. A replica that fails before any token reached
-the client (unreachable, a 5xx, a stream cut before its first token) is retried once on another.
+with `--kv-events-endpoints`, over the blocks each replica's prefix cache really holds, as its
+KV events say (kvflow/entrypoints/router_kv_events.py); load is requests in flight through this
+router. A replica that fails before any token reached the client (unreachable, a 5xx, a stream
+cut before its first token) is retried once on another.
 Workers join and leave at run time (kvflow/entrypoints/router_workers.py). The router holds no
 model and no KV: it only moves JSON and SSE bytes."""
 from __future__ import annotations
@@ -35,6 +37,7 @@ from kvflow.entrypoints.router_endpoints import (ANTHROPIC_PREFIX, ANY_WORKER, F
                                                  PREAMBLE_EVENTS, RESPONSES, FanOut,
                                                  ResponseHomes, ResponseIdScan, check_response_id,
                                                  error, stored_path)
+from kvflow.entrypoints.router_kv_events import KVEventRouting, check_endpoint
 from kvflow.entrypoints.router_workers import Backend, HealthConfig, Workers
 
 MAX_BODY_BYTES = 32 * 2**20
@@ -154,21 +157,34 @@ class Router:
     def __init__(self, prefill: list[str], decode: list[str], replicas: list[str],
                  timeout_s: float = 600.0, policy: str = "cache_aware",
                  cache: CacheAwareConfig | None = None, health: HealthConfig | None = None,
-                 admin_api_key: str | None = None) -> None:
+                 admin_api_key: str | None = None, kv_events_endpoints: list[str] | None = None,
+                 kv_events_topic: str = "") -> None:
         if replicas and (prefill or decode):
             raise ValueError("router: give --replicas, or --prefill and --decode, not both")
         if not replicas and not (prefill and decode):
             raise ValueError("router: give --prefill URL... and --decode URL..., or --replicas URL...")
         self.pd = bool(prefill)
         cache = cache or CacheAwareConfig()
+        # the pool whose prefix caches matter: where prompts are computed
+        self.cached_role = "prefill" if self.pd else "replica"
+        cached_pool = prefill if self.pd else replicas
+        endpoints = [check_endpoint(e, "kv_events_endpoints") for e in kv_events_endpoints or ()]
+        if endpoints and len(endpoints) != len(cached_pool):
+            flag = "--prefill" if self.pd else "--replicas"
+            raise ValueError(f"kv_events_endpoints: give one per {flag} URL, in the same order "
+                             f"({len(cached_pool)}), got {len(endpoints)}")
+        self.kv_events = KVEventRouting(kv_events_topic) if endpoints else None
+        blocks = self.kv_events.index if self.kv_events else None
         if self.pd:  # the prompt is computed (and cached) on the prefill side
             pools = {"prefill": prefill, "decode": decode}
-            policies = {"prefill": make_policy(policy, cache),
+            policies = {"prefill": make_policy(policy, cache, blocks=blocks),
                         "decode": make_policy("least_load")}
         else:
             pools = {"replica": replicas}
-            policies = {"replica": make_policy(policy, cache)}
+            policies = {"replica": make_policy(policy, cache, blocks=blocks)}
         self.workers = Workers(pools, policies, health or HealthConfig())
+        for b, endpoint in zip(self.workers.pools[self.cached_role], endpoints):
+            b.kv_events_endpoint = endpoint
         self.policy_name = policy
         self.admin_api_key = admin_api_key
         self.timeout = httpx.Timeout(timeout_s, connect=5.0)
@@ -188,14 +204,16 @@ class Router:
     def pool(self, role: str) -> list[Backend]:
         return self.workers.pools[role]
 
-    def pick(self, role: str, key: str, exclude: set = frozenset()) -> Backend | None:
-        """The policy's choice among the pool's healthy workers (all of them if none is)."""
+    def pick(self, role: str, key: str, exclude: set = frozenset(),
+             hashes: list[bytes] | None = None) -> Backend | None:
+        """The policy's choice among the pool's healthy workers (all of them if none is);
+        `hashes`: the prompt's block hashes, where the replicas' KV events are followed."""
         live = [b for b in self.pool(role) if b not in exclude]
         candidates = [b for b in live if b.healthy] or live
         if not candidates:
             return None
         policy = self.workers.policies[role]
-        choice = policy.choose({b: b.inflight for b in candidates}, key)
+        choice = policy.choose({b: b.inflight for b in candidates}, key, hashes)
         policy.routed(choice.replica, key)
         self.metrics.routed.labels(choice.replica.url, choice.reason).inc()
         return choice.replica
@@ -211,7 +229,11 @@ class Router:
         pool = self.pool(role) if role else self.backends
         return min(pool, key=lambda b: (not b.healthy, b.inflight), default=None)
 
-    def _count(self, b: Backend, delta: int) -> None:
+    def _count(self, b: Backend, delta: int, hashes: list[bytes] | None = None) -> None:
+        """A request started (+1) or ended (-1) on `b`; with KV events followed, its prompt's
+        blocks count as `b`'s while it runs (block_index.py)."""
+        if hashes and self.kv_events is not None:
+            self.kv_events.index.running(b, hashes, delta)
         b.inflight += delta
         if self.workers.find(b.url) is b:  # a removed worker's gauge stays removed
             self.metrics.inflight.labels(b.url).set(b.inflight)
@@ -221,16 +243,18 @@ class Router:
         if unreachable:
             self.workers.take_out(b)
 
-    async def _post(self, b: Backend, path: str, body: dict, headers: dict) -> httpx.Response:
-        self._count(b, 1)
+    async def _post(self, b: Backend, path: str, body: dict, headers: dict,
+                    hashes: list[bytes] | None = None) -> httpx.Response:
+        self._count(b, 1, hashes)
         try:
             return await self.client.post(b.url + path, json=body, headers=headers)
         finally:
-            self._count(b, -1)
+            self._count(b, -1, hashes)
 
     async def _forward(self, role: str, path: str, body: dict, headers: dict, key: str,
                        mode: str, retries: int, reply_headers: dict | None = None,
-                       pinned: Backend | None = None, on_id=None) -> Response:
+                       pinned: Backend | None = None, on_id=None,
+                       hashes: list[bytes] | None = None) -> Response:
         """Send `body` to a worker of `role` (or to `pinned`, no retry) and hand its answer
         (JSON, or the SSE stream) back, with `reply_headers` added. A worker that fails before
         the answer's first token (unreachable, a 5xx, a stream cut before it) is retried on
@@ -239,7 +263,7 @@ class Router:
         if pinned is not None:
             retries = 0
         while True:
-            b = pinned or self.pick(role, key, tried)
+            b = pinned or self.pick(role, key, tried, hashes)
             if b is None:
                 self.metrics.requests.labels(mode, "no_backend").inc()
                 return error(503, f"router: no {role} instance could take the request",
@@ -247,7 +271,7 @@ class Router:
             tried.add(b)
             try:
                 return await self._attempt(b, path, body, headers, mode, retries > 0,
-                                           reply_headers, on_id)
+                                           reply_headers, on_id, hashes)
             except (httpx.TransportError, StreamCutError) as e:
                 self._failed(b, unreachable=True)
                 if retries <= 0:
@@ -260,9 +284,10 @@ class Router:
             self.metrics.retries.inc()
 
     async def _attempt(self, b: Backend, path: str, body: dict, headers: dict, mode: str,
-                       may_retry: bool, reply_headers: dict | None, on_id=None) -> Response:
+                       may_retry: bool, reply_headers: dict | None, on_id=None,
+                       hashes: list[bytes] | None = None) -> Response:
         """One try on `b`; raises (with nothing sent to the client) where a retry may follow."""
-        self._count(b, 1)
+        self._count(b, 1, hashes)
         resp = None
         handed_over = False
         try:
@@ -286,14 +311,14 @@ class Router:
             self.metrics.requests.labels(mode, "ok" if resp.status_code < 400 else "error").inc()
             handed_over = True
             scan = ResponseIdScan(lambda rid: on_id(rid, b)) if on_id is not None else None
-            return StreamingResponse(self._relay(b, resp, held, chunks, scan),
+            return StreamingResponse(self._relay(b, resp, held, chunks, scan, hashes),
                                      status_code=resp.status_code, media_type=ctype,
                                      headers=reply_headers)
         finally:
             if not handed_over:
                 if resp is not None:
                     await resp.aclose()
-                self._count(b, -1)
+                self._count(b, -1, hashes)
 
     @staticmethod
     async def _hold_until_first_token(chunks) -> bytes:
@@ -315,7 +340,7 @@ class Router:
         raise StreamCutError("the stream ended before its first token")
 
     async def _relay(self, b: Backend, resp: httpx.Response, held: bytes, chunks,
-                     scan: ResponseIdScan | None = None):
+                     scan: ResponseIdScan | None = None, hashes: list[bytes] | None = None):
         try:
             if held:
                 if scan is not None:
@@ -329,7 +354,7 @@ class Router:
             self._failed(b, unreachable=True)  # cut mid-answer: the client sees it end early
         finally:  # the client went away or the stream ended: the instance is told by the close
             await resp.aclose()
-            self._count(b, -1)
+            self._count(b, -1, hashes)
 
     async def handle(self, path: str, raw: Request) -> Response:
         """One client request; if the client leaves before the answer, the instances' calls are
@@ -378,8 +403,10 @@ class Router:
         key = prompt_text(body)
         if path == RESPONSES:
             return await self._response(body, headers, key)
+        hashes = await self._block_hashes(path, body, headers)
         if not self.pd:
-            return await self._forward("replica", path, body, headers, key, "replicas", 1)
+            return await self._forward("replica", path, body, headers, key, "replicas", 1,
+                                       hashes=hashes)
         if path == "/v1/embeddings":  # a prompt only: where prompts are computed
             return await self._forward("prefill", path, body, headers, key, "pd", 1)
         if body.get("n", 1) != 1:
@@ -391,13 +418,13 @@ class Router:
         t0 = time.perf_counter()
         tried: set = set()
         while True:
-            b = self.pick("prefill", key, tried)
+            b = self.pick("prefill", key, tried, hashes)
             if b is None:
                 self.metrics.requests.labels("pd", "no_prefill").inc()
                 return error(503, "router: no prefill instance could take the request")
             tried.add(b)
             try:
-                resp = await self._post(b, path, prefill_body, headers)
+                resp = await self._post(b, path, prefill_body, headers, hashes)
             except httpx.TransportError:
                 resp = None
             if resp is not None and resp.status_code < 500:
@@ -420,6 +447,15 @@ class Router:
         return await self._forward("decode", path, dict(body, kv_transfer_params=params),
                                    headers, key, "pd", 0,
                                    {PREFILL_HEADER: f"{prefill_s * 1e3:.3f}"})
+
+    async def _block_hashes(self, path: str, body: dict, headers: dict) -> list[bytes] | None:
+        """The prompt's block hashes where KV events are followed (router_kv_events.py)."""
+        if self.kv_events is None:
+            return None
+        b = self.pick_any(self.cached_role)
+        if b is None:
+            return None
+        return await self.kv_events.block_hashes(self.client, b.url, path, body, headers)
 
     @staticmethod
     def _not_in_pd(path: str) -> Response:
@@ -536,25 +572,54 @@ class Router:
                                        "type": "invalid_request_error", "param": None,
                                        "code": 401}}, status_code=401)
 
-    async def add_worker(self, url: str | None, role: str | None) -> Response:
+    async def add_worker(self, url: str | None, role: str | None,
+                         kv_events_endpoint: str | None = None) -> Response:
         if role is None:
             if self.pd:
                 return error(400, "role: give role=prefill or role=decode", "role")
             role = "replica"
+        if kv_events_endpoint is not None:
+            if self.kv_events is None or role != self.cached_role:
+                return error(400, "kv_events_endpoint: only for a router started with "
+                                  f"--kv-events-endpoints, for a {self.cached_role} worker",
+                             "kv_events_endpoint")
+            try:
+                check_endpoint(kv_events_endpoint)
+            except ValueError as e:
+                return error(400, f"router: {e}", "kv_events_endpoint")
         try:
             b = self.workers.add(url, role)
         except ValueError as e:
             param = str(e).split(":", 1)[0]
             return error(400, f"router: {e}", param if param in ("url", "role") else None)
+        if kv_events_endpoint is not None:
+            b.kv_events_endpoint = kv_events_endpoint
+            self.kv_events.listen(b, kv_events_endpoint)
         # it takes requests as soon as it answers; until then the health checks watch it
         b.oks = self.workers.health.success_threshold - 1
         await self.workers.probe(b)
         return JSONResponse({"added": b.url, "role": b.role, "healthy": b.healthy})
 
+    def listing(self) -> dict:
+        """The workers, the policy and, for a worker whose KV events are followed, how many
+        blocks its prefix cache holds as they say, the batches applied, the gaps in their
+        numbering (batches lost) and the messages skipped as malformed."""
+        out = dict(self.workers.listing(), policy=self.policy_name)
+        if self.kv_events is not None:
+            for w, b in zip(out["workers"], self.workers.all):
+                listener = self.kv_events.listeners.get(b)
+                if listener is not None:
+                    w.update(kv_cache_blocks=self.kv_events.index.size(b),
+                             kv_event_batches=listener.batches, kv_event_gaps=listener.gaps,
+                             kv_event_bad_messages=listener.bad)
+        return out
+
     async def remove_worker(self, url: str | None) -> Response:
         b = self.workers.remove(url) if url else None
         if b is None:
             return error(404, f"router: {str(url)[:200]!r} is not a worker", "url")
+        if self.kv_events is not None:
+            self.kv_events.drop(b)
         return JSONResponse({"removed": b.url, "role": b.role, "inflight": b.inflight})
 
     async def start(self) -> None:
@@ -562,8 +627,14 @@ class Router:
         self.client = self.workers.client = httpx.AsyncClient(timeout=self.timeout, limits=limits)
         if self.workers.health.interval_s > 0:
             self._checks = asyncio.create_task(self.workers.run_checks(), name="router-health")
+        if self.kv_events is not None:
+            for b in self.pool(self.cached_role):
+                if b.kv_events_endpoint is not None:
+                    self.kv_events.listen(b, b.kv_events_endpoint)
 
     async def stop(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self._checks is not None:
             self._checks.cancel()
             await asyncio.gather(self._checks, return_exceptions=True)
@@ -636,8 +707,10 @@ def build_app(router: Router) -> FastAPI:
         return Response(generate_latest(router.metrics.registry), media_type="text/plain")
 
     @app.post("/add_worker")
-    async def add_worker(raw: Request, url: str | None = None, role: str | None = None):
-        return router.admin_refusal(raw) or await router.add_worker(url, role)
+    async def add_worker(raw: Request, url: str | None = None, role: str | None = None,
+                         kv_events_endpoint: str | None = None):
+        return router.admin_refusal(raw) or await router.add_worker(url, role,
+                                                                    kv_events_endpoint)
 
     @app.post("/remove_worker")
     async def remove_worker(raw: Request, url: str | None = None):
@@ -645,8 +718,7 @@ def build_app(router: Router) -> FastAPI:
 
     @app.get("/list_workers")
     async def list_workers(raw: Request):
-        return router.admin_refusal(raw) or JSONResponse(
-            dict(router.workers.listing(), policy=router.policy_name))
+        return router.admin_refusal(raw) or JSONResponse(router.listing())
 
     return app
 
@@ -660,7 +732,8 @@ def cmd_router(args: argparse.Namespace) -> int:
         health = HealthConfig(args.health_check_interval_secs, args.health_check_timeout_secs,
                               args.health_failure_threshold, args.health_success_threshold)
         router = Router(args.prefill or [], args.decode or [], args.replicas or [], args.timeout,
-                        args.policy, cache, health, args.admin_api_key)
+                        args.policy, cache, health, args.admin_api_key,
+                        args.kv_events_endpoints, args.kv_events_topic)
     except ValueError as e:
         print(f"error: {e}")
         return 2
@@ -693,6 +766,13 @@ def register(sub) -> None:
     g.add_argument("--max-tree-size", type=int, default=d.max_tree_size,
                    help="cache_aware: characters remembered per replica, LRU beyond (default: "
                         f"{d.max_tree_size})")
+    g.add_argument("--kv-events-endpoints", nargs="+", metavar="ADDR",
+                   help="each replica's (PD: each prefill instance's) KV events publisher, "
+                        "tcp://HOST:PORT or ipc://PATH, in the order of --replicas (--prefill): "
+                        "cache_aware and least_load then score by the blocks each one really "
+                        "holds (replicas started with --kv-events-config)")
+    g.add_argument("--kv-events-topic", default="",
+                   help="the topic the replicas publish under (kv_events_config's `topic`)")
     h = HealthConfig()
     g = p.add_argument_group("workers")
     g.add_argument("--health-check-interval-secs", type=float, default=h.interval_s,

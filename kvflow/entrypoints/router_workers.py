@@ -27,6 +27,7 @@ class Backend:
     healthy: bool = True
     fails: int = 0  # failed probes (or calls) in a row
     oks: int = 0  # answered probes in a row
+    kv_events_endpoint: str | None = None  # its KV events publisher, where the router follows it
 
 
 @dataclass
@@ -139,4 +140,6 @@ class Workers:
 
     def listing(self) -> dict:
         return {"workers": [{"url": b.url, "role": b.role, "healthy": b.healthy,
-                             "inflight": b.inflight} for b in self.all]}
+                             "inflight": b.inflight,
+                             **({"kv_events_endpoint": b.kv_events_endpoint}
+                                if b.kv_events_endpoint else {})} for b in self.all]}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvflow.attention.bidirectional import attend_runs
 from kvflow.attention.kv_layout import UNIT_KV_SCALES
 from kvflow.attention.metadata import AttentionMetadata
 from kvflow.core.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
@@ -38,9 +39,11 @@ class Attention(nn.Module):
         self.sinks: torch.Tensor | None = None
 
     def kv_cache_spec(self) -> KVCacheSpec:
+        """Its window and its own shape: layers of another window or shape are another group."""
+        shape = {"num_kv_heads": self.num_kv_heads, "head_size": self.head_dim}
         if self.sliding_window:
-            return SlidingWindowSpec(self.sliding_window)
-        return FullAttentionSpec()
+            return SlidingWindowSpec(self.sliding_window, **shape)
+        return FullAttentionSpec(**shape)
 
     def forward(self, qkv: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, kernels: Kernels) -> torch.Tensor:
@@ -62,5 +65,9 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         if write:
             kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, self.kv_scales)
-        return kernels.attention(q, k_cache, v_cache, meta, self.scale, self.num_kv_heads, k=k, v=v,
-                                 kv_scales=self.kv_scales, sinks=self.sinks)
+        # the cache's kv heads: a layer's own, or more where its cache is a wider layer's
+        out = kernels.attention(q, k_cache, v_cache, meta, self.scale, k_cache.shape[1], k=k, v=v,
+                                kv_scales=self.kv_scales, sinks=self.sinks)
+        if meta.bidirectional_runs:  # an image's tokens see each other (attention/bidirectional.py)
+            out = attend_runs(out, q, k_cache, v_cache, meta, self.scale, self.kv_scales)
+        return out

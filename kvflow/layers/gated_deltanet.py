@@ -19,8 +19,11 @@ recurrence above for all of them at once; a prompt chunk runs the chunked form (
 over chunks of up to 64 tokens through a triangular solve, HF's torch_chunk_gated_delta_rule).
 Where the backend has the C kernels (`kernels.state_isa`), the conv (decodes and chunks) and
 the decodes' step run in kvflow/csrc/state_update.c on the states in their slots, the step with
-its l2norm, beta and g fused (and, in a decode-only step, the gated norm); the chunked form
-stays in PyTorch."""
+its l2norm, beta and g fused (and, in a decode-only step, the gated norm); a prompt chunk runs
+the same recurrence token after token in kvflow/csrc/state_scan.c (on a CPU the one pass, a
+strip of S in L1 across the tokens, is faster than the chunked form's solves and products).
+On a GPU (`kernels.state_triton`) the conv, the decodes' step and the chunks' scan are the
+Triton kernels of kvflow/model/triton/state_update.py and state_scan.py, the same way."""
 from __future__ import annotations
 
 import numpy as np
@@ -149,9 +152,11 @@ class GatedDeltaNet(nn.Module):
             self.recurrent_state[fresh] = 0
         saves = meta.state_saves or {}
         isa = kernels.state_isa if self.c_kernels else None
-        if isa:  # conv + SiLU in one pass, windows moved on in place
-            x = state_update.causal_conv(self.conv_state, self.conv_weight, None, mixed, starts, lens,
-                                         slot_ids, saves, True, isa)
+        # the kernels' operations: C on this CPU's path, or Triton on a GPU; None: PyTorch
+        ops = kernels.state_triton or (state_update.ops(isa) if isa else None)
+        if ops:  # conv + SiLU in one pass, windows moved on in place
+            x = ops.causal_conv(self.conv_state, self.conv_weight, None, mixed, starts, lens,
+                                slot_ids, saves, True)
         else:
             x = F.silu(causal_conv1d(self.conv_state, self.conv_weight, None, mixed, starts, lens,
                                      slots, saves))
@@ -165,18 +170,37 @@ class GatedDeltaNet(nn.Module):
             self._snapshots_after_one_token(one, saves, slots)
             return kernels.linear(gated.view(t, -1), self.out_proj, packed.get("out_proj"))
         out = torch.empty(t, nv, self.head_v_dim, dtype=torch.float32, device=h.device)
-        heads = self._heads(x, b, a) if not isa or len(one) < len(lens) else None
-        if len(one) and isa:  # decodes: the C step reads and writes the states in their slots
-            state_update.gated_delta_decode(x, proj[:, self.conv_dim + self.value_dim:], self.A_log,
-                                            self.dt_bias, self.recurrent_state, starts[one],
-                                            slot_ids[one], out, self.num_k_heads, isa)
-        elif len(one):  # decodes (and one-token prompts) together: one recurrent update
+        chunks = np.flatnonzero(lens > 1)
+        if ops:  # the kernels: decodes' step, then the prompt chunks' scan, in their slots
+            ba = proj[:, self.conv_dim + self.value_dim:]
+            if len(one):
+                ops.gated_delta_decode(x, ba, self.A_log, self.dt_bias, self.recurrent_state,
+                                       starts[one], slot_ids[one], out, self.num_k_heads)
+            self._snapshots_after_one_token(one, saves, slots)
+            if len(chunks):
+                chunk_saves = {j: saves[i] for j, i in enumerate(chunks) if i in saves}
+                ops.gated_delta_chunks(x, ba, self.A_log, self.dt_bias, self.recurrent_state,
+                                       starts[chunks], lens[chunks], slot_ids[chunks], chunk_saves,
+                                       out, self.num_k_heads)
+            if isa:  # the gated norm in C too
+                gated = state_update.gdn_gated_norm(out, z, self.norm, self.eps)
+                return kernels.linear(gated.view(t, -1), self.out_proj, packed.get("out_proj"))
+        else:
+            self._torch_recurrence(x, b, a, out, one, chunks, starts, lens, slots, saves)
+        return kernels.linear(self._gated_norm(out.to(h.dtype), z).view(t, -1), self.out_proj,
+                              packed.get("out_proj"))
+
+    def _torch_recurrence(self, x, b, a, out, one, chunks, starts, lens, slots, saves) -> None:
+        """The PyTorch path: decodes (and one-token prompts) in one recurrent update, then each
+        prompt chunk in the chunked form; outputs into `out` [T, nv, dv] fp32."""
+        heads = self._heads(x, b, a)
+        if len(one):
             rows, s = torch.from_numpy(starts[one]), slots[one]
             state = self.recurrent_state[s]  # a copy (gathered), written back after
             out[rows] = recurrent_gated_delta_rule(*(y[rows] for y in heads), state)
             self.recurrent_state[s] = state
         self._snapshots_after_one_token(one, saves, slots)
-        for i in np.flatnonzero(lens > 1):  # prompt chunks, one by one, in the chunked form
+        for i in chunks:  # prompt chunks, one by one
             start, n, slot = int(starts[i]), int(lens[i]), int(slots[i])
             # a snapshot after token `after` splits the chunk there
             after, snap = saves.get(i, (n - 1, None))
@@ -189,8 +213,6 @@ class GatedDeltaNet(nn.Module):
                 out[span] = o.transpose(0, 1)
                 if snap is not None and hi == after + 1:
                     self.recurrent_state[snap] = self.recurrent_state[slot]
-        return kernels.linear(self._gated_norm(out.to(h.dtype), z).view(t, -1), self.out_proj,
-                              packed.get("out_proj"))
 
     def _snapshots_after_one_token(self, one: np.ndarray, saves: dict, slots: torch.Tensor) -> None:
         for i in one:  # a snapshot after its one token: the state just written

@@ -19,10 +19,13 @@ given token of a request's chunk, written into a snapshot slot; `copy_states`); 
 windows are kvflow/layers/causal_conv.py's. Decodes (one token) run the recurrence above for
 all of them at once; a prompt chunk runs the chunked form (SSD over chunks of up to 64 tokens:
 within a chunk as masked attention, between chunks through the state; HF's torch chunk scan).
-Where the backend has the C kernels (`kernels.state_isa`), the conv (decodes and chunks) and the
-decodes' update (dt's softplus and clamp fused; in a decode-only step also the D skip and the
-gated norm) run in kvflow/csrc/state_update.c on the states in their slots; the chunked form
-stays in PyTorch.
+Where the backend has the C kernels (`kernels.state_isa`), the conv (decodes and chunks), the
+decodes' update (dt's softplus and clamp fused), the D skip and the gated norm run in
+kvflow/csrc/state_update.c on the states in their slots, and a prompt chunk runs the same
+recurrence token after token in kvflow/csrc/state_scan.c (a row of S held in registers across
+the tokens: on a CPU faster than the chunked form's products). On a GPU (`kernels.state_triton`)
+the conv, the decodes' update and the chunks' scan are the Triton kernels of
+kvflow/model/triton/state_update.py and state_scan.py; D, the gate and the norm in PyTorch.
 
 Numerics: HF's chunked path (prompts) computes the scan and the gated norm in fp32 and rounds
 once before out_proj; kvflow does that for decodes too (HF's one-token path rounds the scan's
@@ -137,6 +140,7 @@ class Mamba2(nn.Module):
         # whether the C kernels can serve these shapes and dtypes (where the backend has them)
         self.c_kernels = (device.type == "cpu" and dtype == self.in_proj.dtype
                           and state_update.supports(dtype, self.head_dim, self.state_size)
+                          and self.intermediate // self.n_groups <= 8 * state_update.HEAD_MAX
                           and self.kernel_size <= state_update.CONV_MAX_TAPS)
 
     def copy_states(self, pairs: list[tuple[int, int]]) -> None:
@@ -161,23 +165,32 @@ class Mamba2(nn.Module):
             self.recurrent_state[fresh] = 0
         saves = meta.state_saves or {}
         isa = kernels.state_isa if self.c_kernels else None
-        if isa:  # conv + bias + SiLU in one pass, windows moved on in place
-            xbc = state_update.causal_conv(self.conv_state, self.conv_weight, self.conv_bias, xbc,
-                                           starts, lens, slot_ids, saves, True, isa)
+        # the kernels' operations: C on this CPU's path, or Triton on a GPU; None: PyTorch
+        ops = kernels.state_triton or (state_update.ops(isa) if isa else None)
+        if ops:  # conv + bias + SiLU in one pass, windows moved on in place
+            xbc = ops.causal_conv(self.conv_state, self.conv_weight, self.conv_bias, xbc, starts, lens,
+                                  slot_ids, saves, True)
         else:
             xbc = F.silu(causal_conv1d(self.conv_state, self.conv_weight, self.conv_bias, xbc,
                                        starts, lens, slots, saves))
         y = torch.empty(t, nh, p, dtype=torch.float32, device=h.device)
-        one = np.flatnonzero(lens == 1)
-        if isa and len(one):  # decodes: the C step reads and writes the states in their slots
-            state_update.ssm_decode(xbc, dt, self.A_log, self.dt_bias, self.recurrent_state,
-                                    starts[one], slot_ids[one], y, self.n_groups,
-                                    self.time_step_limit, isa)
-            if len(one) == len(lens):  # a decode-only step: D, the gate and the norm in C too
-                self._snapshots_after_one_token(one, saves, slots)
-                out = state_update.ssm_gated_norm(y, xbc, z, self.D, self.norm, self.eps,
-                                                  self.n_groups)
-                return kernels.linear(out, self.out_proj, packed.get("out_proj"), self.out_bias)
+        one, chunks = np.flatnonzero(lens == 1), np.flatnonzero(lens > 1)
+        if ops:  # the kernels: decodes' step, the prompt chunks' scan, then D, gate and norm
+            if len(one):
+                ops.ssm_decode(xbc, dt, self.A_log, self.dt_bias, self.recurrent_state, starts[one],
+                               slot_ids[one], y, self.n_groups, self.time_step_limit)
+            self._snapshots_after_one_token(one, saves, slots)
+            if len(chunks):
+                chunk_saves = {j: saves[i] for j, i in enumerate(chunks) if i in saves}
+                ops.ssm_chunks(xbc, dt, self.A_log, self.dt_bias, self.recurrent_state, starts[chunks],
+                               lens[chunks], slot_ids[chunks], chunk_saves, y, self.n_groups,
+                               self.time_step_limit)
+            if isa:  # D, the gate and the norm in C, rounded once
+                out = state_update.ssm_gated_norm(y, xbc, z, self.D, self.norm, self.eps, self.n_groups)
+            else:
+                y += self.D[:, None] * xbc[:, :self.intermediate].float().view(t, nh, p)
+                out = self._gated_norm(y.view(t, -1), z).to(h.dtype)
+            return kernels.linear(out, self.out_proj, packed.get("out_proj"), self.out_bias)
         bc = self.n_groups * self.state_size
         x, b, c = xbc.float().split([self.intermediate, bc, bc], dim=-1)
         x = x.view(t, nh, p)
@@ -186,7 +199,7 @@ class Mamba2(nn.Module):
         c = c.view(t, self.n_groups, -1).repeat_interleave(per_group, 1)
         dt = F.softplus(dt.float() + self.dt_bias).clamp(*self.time_step_limit)
         a = -self.A_log.exp()
-        if len(one) and not isa:  # decodes (and one-token prompts) together: one recurrent update
+        if len(one):  # decodes (and one-token prompts) together: one recurrent update
             one = one[np.argsort(meta.state_slots[one], kind="stable")]  # in slot order
             rows, s = torch.from_numpy(starts[one]), slots[one]
             first, last = int(s[0]), int(s[-1])
@@ -197,7 +210,7 @@ class Mamba2(nn.Module):
                 y[rows] = recurrent_scan(x[rows], dt[rows], a, b[rows], c[rows], state)
                 self.recurrent_state[s] = state
         self._snapshots_after_one_token(one, saves, slots)
-        for i in np.flatnonzero(lens > 1):  # prompt chunks, one by one, in the chunked form
+        for i in chunks:  # prompt chunks, one by one, in the chunked form
             start, n, slot = int(starts[i]), int(lens[i]), int(slots[i])
             # a snapshot after token `after` splits the chunk there
             after, snap = saves.get(i, (n - 1, None))

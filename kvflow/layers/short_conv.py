@@ -59,8 +59,11 @@ class ShortConv(nn.Module):
         bcx = kernels.linear(h, self.in_proj, packed.get("in_proj"), self.in_bias)
         b, c, x = bcx.split(self.hidden_size, dim=-1)
         bx = b * x
-        if kernels.state_isa and self.c_kernels:  # every request's conv in one C call
-            return kernels.linear(c * self._conv_c(bx, meta, kernels.state_isa), self.out_proj,
+        # the kernels' conv: C on this CPU's path, or Triton on a GPU; None: the loop below
+        ops = kernels.state_triton or (state_update.ops(kernels.state_isa)
+                                       if kernels.state_isa and self.c_kernels else None)
+        if ops:  # every request's conv in one call
+            return kernels.linear(c * self._conv_kernel(bx, meta, ops), self.out_proj,
                                   packed.get("out_proj"), self.out_bias)
         conv = torch.empty_like(bx)
         state, taps = self.state, self.kernel_size - 1
@@ -83,14 +86,14 @@ class ShortConv(nn.Module):
             conv += self.conv_bias
         return kernels.linear(c * conv, self.out_proj, packed.get("out_proj"), self.out_bias)
 
-    def _conv_c(self, bx: torch.Tensor, meta: AttentionMetadata, isa: str) -> torch.Tensor:
+    def _conv_kernel(self, bx: torch.Tensor, meta: AttentionMetadata, ops) -> torch.Tensor:
         """The convolution plus bias of all requests' tokens (decodes and prompt chunks) over
-        their windows, the states moved on in place (kvflow/csrc/state_update.c). Its sums
-        are fp32, rounded once (the loop above rounds each product in bf16)."""
+        their windows, the states moved on in place (kvflow/csrc/state_update.c, or Triton's
+        kvflow/model/triton/state_scan.py on a GPU). Its sums are fp32, rounded once (the loop
+        above rounds each product in bf16)."""
         lens, slots = meta.query_lens, np.asarray(meta.state_slots, dtype=np.int64)
         fresh_rows = meta.seq_lens == lens  # their first token is in this step: no earlier inputs
         if fresh_rows.any():
             self.state[torch.from_numpy(slots[fresh_rows])] = 0
-        return state_update.causal_conv(self.state, self.conv_weight, self.conv_bias, bx,
-                                        meta.query_start_loc, lens, slots, meta.state_saves or {},
-                                        False, isa)
+        return ops.causal_conv(self.state, self.conv_weight, self.conv_bias, bx, meta.query_start_loc,
+                               lens, slots, meta.state_saves or {}, False)

@@ -101,15 +101,19 @@ class LlamaArchConfig:
         windows = self.layer_windows()
         return [windows[i] for i in self.attention_layers()]
 
+    def kv_layer_shapes(self) -> list[tuple[int, int]]:
+        """The (kv heads, head dim) of each layer that holds a KV cache, in layer order: one
+        shape for all but where a family's layers differ (Gemma 4)."""
+        return [(self.num_key_value_heads, self.head_dim)] * len(self.attention_layers())
+
     def state_bytes_per_request(self, dtype_bytes: int) -> int:
         """Bytes of the fixed-size state one request holds across the state layers (0: none)."""
         return 0
 
     def kv_bytes_per_token(self, dtype_bytes: int, scale_bytes: int = 0) -> int:
-        """Bytes of K and V that one token occupies across all layers: `dtype_bytes` a value,
-        plus `scale_bytes` per token and kv head (an int8 cache's scales, kv_layout.py)."""
-        return (len(self.attention_layers()) * 2 * self.num_key_value_heads
-                * (self.head_dim * dtype_bytes + scale_bytes))
+        """Bytes of K and V that one token occupies across all layers, each at its own shape:
+        `dtype_bytes` a value, plus `scale_bytes` per token and kv head (an int8 cache's scales, kv_layout.py)."""
+        return sum(2 * kv * (d * dtype_bytes + scale_bytes) for kv, d in self.kv_layer_shapes())
 
     @property
     def rope_dim(self) -> int:

@@ -38,7 +38,7 @@ from kvflow.csrc import library, ops
 from kvflow.csrc.gemv import GEMV_ISAS, GEMV_WEIGHT_DTYPES
 from kvflow.model.cpu_features import cpu_features
 from kvflow.model.packed_linear import FUSED_ROWS, PackedWeight
-from kvflow.model.quant.qlinear import ISA_CODES, NEVER
+from kvflow.model.quant.qlinear import ISA_CODES, KIND_CODES, NEVER
 from kvflow.models.registry import family_of
 
 logger = logging.getLogger("kvflow")
@@ -75,7 +75,7 @@ def _projection_words(p: PackedWeight, n: int, k: int, bf16: bool) -> list[int]:
     if w is None:
         return [p.gemv.data_ptr(), GEMV_WEIGHT_DTYPES[p.gemv.dtype], GEMV_ISAS[p.gemv_isa], 0, n, k,
                 0, 0, GEMM_GEMV_F32]
-    return [w.packed.data_ptr(), int(w.kind == "q8"), ISA_CODES[w.isa], int(w.per_row), w.n, w.k,
+    return [w.packed.data_ptr(), KIND_CODES[w.kind], ISA_CODES[w.isa], int(w.per_row), w.n, w.k,
             w.kb, w.wide_rows if bf16 else NEVER, GEMM_QUANT]
 
 

@@ -18,8 +18,8 @@ What serves here, and why:
   panels or, with `weight_dtype` bfloat16/float16, from half-precision ones (half the bytes);
   on AVX2 it serves every batch (a GEMM ahead of oneDNN's there) and oneDNN keeps no copy;
 - the state layers' (short conv, Gated DeltaNet, Mamba2) causal conv and one-token state
-  updates: csrc/state_update.c (AVX-512, AVX2 or scalar, chosen once) where the kernels built,
-  else PyTorch; their prompt chunks' scans stay in PyTorch;
+  updates: csrc/state_update.c, and their prompt chunks' scans: csrc/state_scan.c (AVX-512,
+  AVX2 or scalar, chosen once) where the kernels built, else PyTorch;
 - attention, norm, RoPE, SiLU, KV write, argmax: the C kernels (kvflow/csrc) where they built,
   else PyTorch; attention's prompt kernel exists only where the CPU has AVX512-BF16, elsewhere
   prompt tokens run as rows of the decode kernel; a one-byte KV cache (`kv_cache_dtype` fp8 or
@@ -28,8 +28,9 @@ What serves here, and why:
   Attention's backend and the KV writer are kvflow/attention/selector.py's choice, made here
   once the KV cache's dtype is known (`with_kv_dtype` when the runner's cache differs).
 
-On an NVIDIA GPU (device cuda) the set is gpu_kernels.py's: torch GEMMs in bf16 and the Triton
-paged attention of kvflow/model/triton.
+On an NVIDIA GPU (device cuda) the set is gpu_kernels.py's: torch GEMMs in bf16, the Triton
+paged attention of kvflow/model/triton and the state layers' Triton conv, state updates and
+prompt scans (triton/state_update.py, triton/state_scan.py).
 
 Quantized weights (kvflow/model/quant) are served by kvflow/csrc/gemm_quant.c (and, for 8-bit
 weights at batch sizes, gemm_quant_wide.c) through the same `linear(x, w, packed)` seam: their
@@ -124,6 +125,9 @@ class Kernels:
     # the state layers' conv and one-token state updates (csrc/state_update.py): the C path's
     # instruction set, None for their PyTorch paths
     state_isa: str | None = None
+    # on an NVIDIA GPU: the state layers' conv, one-token updates and prompt-chunk scans in
+    # Triton (kvflow/model/triton/state_scan.py's `ops()`, imported with the GPU set); None elsewhere
+    state_triton: object | None = None
 
     def norm_linear(self, x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,
                     eps: float, w: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:

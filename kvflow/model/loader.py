@@ -16,7 +16,7 @@ from kvflow.model.arch import LlamaArchConfig, load_arch_config
 from kvflow.model.cpu_features import cpu_features
 from kvflow.model.kernels import KernelOptions, Kernels, select_kernels
 from kvflow.model.kv_scales import apply_kv_scales
-from kvflow.model.malloc_tuning import trim_heap
+from kvflow.model.malloc_tuning import release_free_memory
 from kvflow.model.quant.load import MXFP4, MXFP4_FAMILIES, resolve_quantization
 from kvflow.model.sharding import load_shard
 from kvflow.model.weight_dtype import check_checkpoint, round_weights
@@ -119,7 +119,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None 
     if device is not None:
         model.to(device)
     model.pack_weights()
-    trim_heap()  # the freed float copies back to the OS, not kept by malloc
+    release_free_memory()  # the freed float copies back to the OS, not kept by malloc
     apply_kv_scales(model, path, arch.num_hidden_layers, arch.num_key_value_heads)
     return model, arch
 
@@ -147,9 +147,9 @@ def _load_packing(model: torch.nn.Module, cache_file: str) -> None:
             model.load_state_dict({name: f.read(name) for name in by_layer.get(i, [])},
                                   strict=False, assign=True)
             model.pack_layer(i)
-            trim_heap()  # the layer's float weights back to the OS (malloc keeps them otherwise)
+            release_free_memory()  # the layer's float weights back to the OS (malloc keeps them otherwise)
     model.pack_head()
-    trim_heap()
+    release_free_memory()
 
 
 def load_sharded_model(path: str, dtype: torch.dtype, tp,

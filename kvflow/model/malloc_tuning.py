@@ -11,7 +11,7 @@ KVFLOW_MALLOC_TUNING=0 leaves malloc alone. Elsewhere than glibc this does nothi
 
 Loading is the opposite case: a model's float tensors are freed as their packed copies are
 made, once, and what malloc keeps of them would stay resident for the engine's life, so the
-loader hands the free heap back (`trim_heap`) before the thresholds above are set."""
+loader hands the free heap back (`release_free_memory`) before the thresholds above are set."""
 from __future__ import annotations
 
 import ctypes
@@ -51,13 +51,15 @@ def retain_freed_memory() -> bool:
     return ok
 
 
-def trim_heap() -> bool:
-    """Give malloc's free memory back to the OS (glibc's malloc_trim); True where it ran."""
+def release_free_memory() -> bool:
+    """Hand the free memory inside malloc's heaps back to the OS (glibc's malloc_trim): after
+    a load that made and freed many large temporaries (one expert's codes and packing buffers
+    at a time), the heap keeps their high-water mark otherwise. True where it ran."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        malloc_trim = libc.malloc_trim
+        trim = libc.malloc_trim
     except (OSError, AttributeError):  # not glibc
         return False
-    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
-    malloc_trim(0)
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
     return True

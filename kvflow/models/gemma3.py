@@ -144,15 +144,16 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | np.ndarray,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 attn_metadata: AttentionMetadata | list[AttentionMetadata],
-                hidden: torch.Tensor | None = None, lora=None) -> torch.Tensor:
+                hidden: torch.Tensor | None = None, lora=None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """As LlamaForCausalLM.forward (a later pipeline stage takes the previous one's
-        `hidden`; one other than the last returns its pair, not normed); no adapters."""
+        `hidden`; one other than the last returns its pair, not normed); no adapters.
+        `inputs_embeds`: the step's embeddings where the caller made them (images placed)."""
         if hidden is not None:
             x, delta = hidden[0], hidden[1]
         else:
-            x = (F.embedding(input_ids, self.embed_tokens) if self.tp is None
-                 else vocab_parallel_embedding(input_ids, self.embed_tokens, self.tp))
-            x, delta = x * self.embed_scale, None
+            x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+            delta = None
         pos = np.ascontiguousarray(positions if isinstance(positions, np.ndarray) else positions.numpy(),
                                    dtype=np.int64)
         full = (pos, self.rope_cos, self.rope_sin)
@@ -165,6 +166,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if not self.pp_last:
             return torch.stack((x, delta))
         return kernels.add_rms_norm_fp32_weight(x, delta, self.norm, self.arch.rms_norm_eps)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings times sqrt(hidden), [T, hidden]."""
+        x = (F.embedding(input_ids, self.embed_tokens) if self.tp is None
+             else vocab_parallel_embedding(input_ids, self.embed_tokens, self.tp))
+        return x * self.embed_scale
 
     def compute_logits(self, hidden: torch.Tensor, as_float: bool = True) -> torch.Tensor | None:
         """Logits [S, vocab] (fp32, or the model's dtype for an argmax), soft-capped where

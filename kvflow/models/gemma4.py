@@ -23,9 +23,11 @@ What differs from Gemma 3 (kvflow/models/gemma3.py, whose text-part renaming it 
   summed;
 - final logit soft-capping (cap * tanh(logits / cap)).
 
-The KV cache has one shape for every layer (kvflow/model/kv_cache.py): the widest head and the
-most kv heads of any cache-owning layer. A narrower layer stores its heads zero-padded to that
-width (zero dims add nothing to q.k, and v's padding is cut from the output) and its kv heads
+Each cache-owning layer's KV cache has its own shape (kv heads, head dim): the sliding and the
+full layers are different KV cache groups (kvflow/core/kv_cache/groups.py), each with tensors
+of its shape (kvflow/model/kv_cache.py). Where a cache is wider than its layer (an int8 cache
+takes the widest shape for every layer), the layer stores its heads zero-padded to that width
+(zero dims add nothing to q.k, and v's padding is cut from the output) and its kv heads
 repeated (each query head still reads its own kv head): exact, at the cost of the padding."""
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow.attention.kv_layout import cache_geometry
 from kvflow.attention.metadata import AttentionMetadata
 from kvflow.layers.attention import Attention
 from kvflow.layers.moe import SparseMoeBlock
@@ -95,6 +98,9 @@ class Gemma4ArchConfig(LlamaArchConfig):
     def attention_layers(self) -> list[int]:
         """The layers that own a KV cache: all but the last num_kv_shared_layers."""
         return list(range(self.num_hidden_layers - self.num_kv_shared_layers))
+
+    def kv_layer_shapes(self) -> list[tuple[int, int]]:
+        return [(self.layer_kv_heads[i], self.layer_head_dims[i]) for i in self.attention_layers()]
 
     def kv_source(self, i: int) -> int:
         """The layer whose KV cache layer i reads: its own, or for a KV-shared layer the last
@@ -178,8 +184,8 @@ class Gemma4DecoderLayer(nn.Module):
         self.owns_kv = self.source == i
         self.has_v = not (arch.attention_k_eq_v and self.layer_type == FULL)
         d, kv = self.head_dim, self.kv_heads
-        # the attention over the cache's shape (heads padded, kv heads repeated), unscaled
-        self.attn = Attention(heads, arch.num_key_value_heads, arch.head_dim, 1.0, arch.layer_windows()[i])
+        # the layer's own shape (its cache's, unless the cache pads it), unscaled
+        self.attn = Attention(heads, kv, d, 1.0, arch.layer_windows()[i])
         self.eps = arch.rms_norm_eps
         for name in _LAYER_NORMS:
             setattr(self, name, _norm_weight(h, device))
@@ -223,16 +229,18 @@ class Gemma4DecoderLayer(nn.Module):
             v = _rms(qkv[:, k_end:].reshape(t, self.kv_heads, d) if self.has_v else k_raw, None, eps)
             qkv[:, q_end:k_end] = _rms(k_raw, self.k_norm, eps).view(t, -1)
             kernels.rope(qkv, heads + self.kv_heads, d, *rope)
-            k = self._to_cache(qkv[:, q_end:k_end].reshape(t, self.kv_heads, d))
-            shared[self.layer_type] = k, self._to_cache(v)
+            k = self._to_cache(qkv[:, q_end:k_end].reshape(t, self.kv_heads, d), kv_cache)
+            shared[self.layer_type] = k, self._to_cache(v, kv_cache)
         else:
             kernels.rope(qkv, heads, d, *rope)
         q = qkv[:, :q_end].reshape(t, heads, d)
-        if d != a.head_dim:
-            q = F.pad(q, (0, a.head_dim - d))
+        cache_d = cache_geometry(kv_cache[0])[2]
+        if d != cache_d:
+            q = F.pad(q, (0, cache_d - d))
         k, v = shared[self.layer_type]
         out = a.attend(q, k, v, kv_cache, meta, kernels, write=self.owns_kv)
-        out = out.view(t, heads, a.head_dim)[..., :d].reshape(t, heads * d)
+        if d != cache_d:
+            out = out.view(t, heads, cache_d)[..., :d].reshape(t, heads * d)
         o = _rms(kernels.linear(out, self.o_proj, pk.get("o_proj")), self.post_attention_layernorm, eps)
         x = x + o
         h = _rms(x, self.pre_feedforward_layernorm, eps)
@@ -256,13 +264,14 @@ class Gemma4DecoderLayer(nn.Module):
         out = moe.dispatch(h, weights, experts, kernels)
         return _rms(out, self.post_feedforward_layernorm_2, self.eps)
 
-    def _to_cache(self, kv: torch.Tensor) -> torch.Tensor:
-        """[T, kv_heads, d] -> the cache's [T, cache kv heads, cache head dim]."""
-        a = self.attn
-        if self.kv_heads != a.num_kv_heads:
-            kv = kv.repeat_interleave(a.num_kv_heads // self.kv_heads, dim=1)
-        if self.head_dim != a.head_dim:
-            kv = F.pad(kv, (0, a.head_dim - self.head_dim))
+    def _to_cache(self, kv: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """[T, kv_heads, d] -> the cache's [T, cache kv heads, cache head dim] (the same but
+        where the cache is the widest layer's: an int8 one, or a test's one shape)."""
+        _, cache_kv, cache_d = cache_geometry(kv_cache[0])
+        if self.kv_heads != cache_kv:
+            kv = kv.repeat_interleave(cache_kv // self.kv_heads, dim=1)
+        if self.head_dim != cache_d:
+            kv = F.pad(kv, (0, cache_d - self.head_dim))
         return kv.contiguous()
 
 
@@ -391,7 +400,10 @@ class Gemma4Family(ModelFamily):
             if k_eq_v and cfg.get("num_global_key_value_heads") is not None:
                 full["num_key_value_heads"] = cfg["num_global_key_value_heads"]
             per_layer = {str(i): full for i, t in enumerate(types) if t == FULL}
-        entries = [per_layer.get(str(i)) or per_layer.get(i) or {} for i in range(n)]
+        # keyed by the layer's index as a string, zero-padded to the widest (transformers
+        # writes "04" beside "34")
+        per_layer = {int(k): v for k, v in per_layer.items()}
+        entries = [per_layer.get(i) or {} for i in range(n)]
         head_dims = [int(e.get("head_dim", d)) for e in entries]
         kv_heads = [int(e.get("num_key_value_heads", kv)) for e in entries]
         shared = int(cfg.get("num_kv_shared_layers") or 0)

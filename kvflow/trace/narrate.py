@@ -202,6 +202,8 @@ def _running_phase(step: Step, before: Before, clauses: list[str]) -> int:
 _STOPS = {
     "preemption": "nothing is admitted in a step that preempts",
     "budget": "no budget left",
+    "encoder_budget": "the next image run does not fit what is left of the step's token or "
+                      "encoder budget (a run is computed whole)",
 }
 
 

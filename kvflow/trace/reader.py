@@ -61,6 +61,10 @@ class Step:
     # with "id" and "event": lent, loaded, load_failed, load_cancelled, lease_done, ...)
     kv_loads: list[dict] = field(default_factory=list)
     kv_transfers: list[dict] = field(default_factory=list)
+    # images: id -> the indices of its images encoded in the step; id -> why its chunk stopped
+    # short of an image run ("image_run": tokens, "encoder_budget": the encoder's)
+    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    encoder_cuts: dict[str, str] = field(default_factory=dict)
 
     @property
     def used_blocks(self) -> int:
@@ -121,7 +125,10 @@ def parse_step(obj: dict) -> Step:
                                        in obj.get("prefix_cache_bypassed", {}).items()},
                 kv_loads=[d for d in obj.get("kv_loads", []) if isinstance(d, dict) and "id" in d],
                 kv_transfers=[d for d in obj.get("kv_transfers", [])
-                              if isinstance(d, dict) and "id" in d and "event" in d])
+                              if isinstance(d, dict) and "id" in d and "event" in d],
+                encoder_inputs={str(k): [int(i) for i in v]
+                                for k, v in obj.get("encoder_inputs", {}).items()},
+                encoder_cuts={str(k): str(v) for k, v in obj.get("encoder_cuts", {}).items()})
 
 
 def _release(tables: dict[str, list[int]], rid: str) -> list[int]:
@@ -214,5 +221,7 @@ def select(trace: Trace, requests: list[str] | None = None,
                             {k: v for k, v in s.block_checks.items() if k in wanted},
                             [i for i in s.skipped if i in wanted], s.admission_stop,
                             {k: v for k, v in s.prefix_cache_bypassed.items() if k in wanted},
-                            freed={k: v for k, v in s.freed.items() if k in wanted}))
+                            freed={k: v for k, v in s.freed.items() if k in wanted},
+                            encoder_inputs={k: v for k, v in s.encoder_inputs.items() if k in wanted},
+                            encoder_cuts={k: v for k, v in s.encoder_cuts.items() if k in wanted}))
     return out

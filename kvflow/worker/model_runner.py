@@ -7,12 +7,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvflow.core.kv_cache.groups import layer_slots, make_kv_cache_groups
+from kvflow.core.kv_cache.groups import layer_pages, layer_slots
 from kvflow.core.scheduler_output import SchedulerOutput
 from kvflow.model import hugepages
 from kvflow.model.arch import LlamaArchConfig
+from kvflow.attention.bidirectional import BidirectionalRun
 from kvflow.attention.metadata import build_attention_metadata
-from kvflow.model.kv_cache import allocate_kv_caches
+from kvflow.model.kv_cache import allocate_group_kv_caches, kv_cache_groups
 from kvflow.model.cuda_graphs import DecodeGraphs
 from kvflow.model.key_scales import set_key_scales
 from kvflow.model.malloc_tuning import retain_freed_memory
@@ -40,6 +41,7 @@ class CachedRequestState:
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None  # made once, used every step
     pooling: PoolingState | None = None  # an embedding request: pooled, never sampled
     prompt_logprobs: int | None = None  # top-N of each prompt position, while its prompt runs
+    mm_features: list = field(default_factory=list)  # its images (request.MultiModalFeatureSpec)
 
     @property
     def reads_prompt_rows(self) -> bool:
@@ -101,43 +103,44 @@ class ModelRunner:
         self.device = torch.device(device)
         on_cpu = self.device.type == "cpu"
         # KV cache groups (core/kv_cache/groups.py) of the layers that hold a KV cache: one
-        # group of them all without windows; with windows, layer j of each group uses shared
-        # tensor pair j. A hybrid model's state layers hold none: they read the step's
-        # metadata for the requests' state slots (the scheduler's last group: one slot each).
+        # group of them all without windows; with windows, or layers of different shapes, one
+        # group per kind, layer j of each group in shared tensor j (a layer whose page is a
+        # k-th of the largest: k of them per tensor, each with its own metadata). A hybrid
+        # model's state layers hold none: they read the step's metadata for the requests'
+        # state slots (the scheduler's last group: one slot each).
         kv_layers = arch.attention_layers()
         if model_kv_windows is not None and len(kv_layers) != arch.num_hidden_layers:
             raise ValueError("a pipeline stage of a model with state layers is not supported")
-        windows = arch.kv_layer_windows() if model_kv_windows is None else model_kv_windows
-        self.groups = make_kv_cache_groups(windows)
+        self.groups = kv_cache_groups(arch, kv_dtype, model_kv_windows)
         if not on_cpu and any(g.sliding_window is not None for g in self.groups):
             raise ValueError("sliding-window attention runs on the CPU only for now "
                              "(the GPU kernels take no window)")
-        group_of, tensor_of = layer_slots(self.groups, len(windows))
-        group_of, tensor_of = (group_of[first_layer:first_layer + len(kv_layers)],
-                               tensor_of[first_layer:first_layer + len(kv_layers)])
-        # the shared tensors this rank's layers use (all of them but under pipeline parallelism)
-        used = sorted(set(tensor_of))
-        tensor_of = [used.index(t) for t in tensor_of]
+        num_kv = sum(len(g.layers) for g in self.groups)
+        group_of, _ = layer_slots(self.groups, num_kv)
+        page_of = layer_pages(self.groups, num_kv)
+        # one metadata per group and place in its tensors' pages; each group's first one's index
+        first_meta = np.cumsum([0] + [g.pages_per_slot for g in self.groups]).tolist()
+        self.meta_pages = [g.pages_per_slot for g in self.groups for _ in range(g.pages_per_slot)]
         self.state_group = len(self.groups) if num_state_slots else None
         if num_state_slots:
             model.allocate_state(num_state_slots)
         # each model layer's metadata (a state layer: group 0's, which has every request)
-        self.layer_group = [0] * arch.num_hidden_layers
+        local = range(first_layer, first_layer + len(kv_layers))
+        self.layer_meta = [0] * arch.num_hidden_layers
         for j, i in enumerate(kv_layers):
-            self.layer_group[i] = group_of[j]
+            self.layer_meta[i] = first_meta[group_of[local[j]]] + page_of[local[j]]
         if hasattr(model, "cover_positions"):  # max_model_len 0: the model's context
             model.cover_positions(longest_position(arch, max_model_len, num_blocks, block_size))
         if pp is None:  # before the cache: its calibration run needs the memory for a moment
             set_key_scales(model, arch, kv_dtype)
-        tensors = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype,
-                                     None if on_cpu else self.device,
-                                     num_layers=len(used), zeros=kv_memory)
+        views, tensors = allocate_group_kv_caches(self.groups, list(local), num_blocks, block_size,
+                                                  kv_dtype, None if on_cpu else self.device,
+                                                  zeros=kv_memory)
         self.kv_caches = [None] * arch.num_hidden_layers
         for j, i in enumerate(kv_layers):
-            self.kv_caches[i] = tensors[tensor_of[j]]
+            self.kv_caches[i] = views[j]
         model.kernels = model.kernels.with_kv_dtype(kv_dtype)  # attention chosen for this cache
-        k0 = tensors[0][0]
-        self._block_bytes = k0[0].numel() * k0.element_size()
+        self._block_bytes = tensors[0][0].numel() * tensors[0][0].element_size() // num_blocks
         # the cache's pages are faulted in ahead of the writes (KVFLOW_KV_POPULATE=0: on first write)
         self.populator = (hugepages.Populator([t for pair in tensors for t in pair])
                           if envs.KVFLOW_KV_POPULATE and on_cpu else None)
@@ -198,7 +201,7 @@ class ModelRunner:
                 # resumed with outputs: its prompt's logprobs were all sent before
                 prompt_logprobs=(p.prompt_logprobs if pp is None
                                  and len(new.token_ids) == new.num_prompt_tokens else None),
-                lora_int_id=new.lora_int_id)
+                lora_int_id=new.lora_int_id, mm_features=list(new.mm_features))
             if state.reads_prompt_rows:
                 self._num_reading_prompt_rows += 1
 
@@ -251,14 +254,20 @@ class ModelRunner:
             metas = [meta]
             if self.state_group is not None:
                 meta.state_slots, meta.state_saves = self._state_slots(out, req_ids)
-        else:  # one metadata per group (its block tables and window), handed to its layers
+        else:  # one metadata per group (its block tables and window) and page, handed to its layers
             # (a step built without groups, the warm-up's, gives every group its one table)
             tables = [out.group_block_ids.get(r) or (out.block_ids[r],) * len(self.groups)
                       for r in req_ids]
-            metas = [build_attention_metadata(query_lens, seq_lens, [t[g] for t in tables],
-                                              self.block_size, sliding_window=group.sliding_window,
-                                              queries_as_decodes=as_decodes)
-                     for g, group in enumerate(self.groups)]
+            metas = []
+            for g, group in enumerate(self.groups):
+                k = group.pages_per_slot
+                group_tables = [t[g] for t in tables]
+                for page in range(k):  # k layers to a page: block b is page k * b + the layer's place
+                    metas.append(build_attention_metadata(
+                        query_lens, seq_lens,
+                        group_tables if k == 1 else [np.asarray(t, dtype=np.int64) * k + page for t in group_tables],
+                        self.block_size, sliding_window=group.sliding_window,
+                        queries_as_decodes=as_decodes))
             meta = metas[0]
             if self.state_group is not None:
                 meta.state_slots, meta.state_saves = self._state_slots(out, req_ids)
@@ -267,8 +276,9 @@ class ModelRunner:
                 m.slot_mapping = m.slot_mapping.to(self.device, non_blocking=True)
                 m.device_positions = torch.from_numpy(m.positions).to(self.device, non_blocking=True)
         if self.populator is not None:  # every cache's bytes up to the furthest block written
-            max_slot = max(int(m.slot_mapping.max()) for m in metas)
-            self.populator.need((max_slot // self.block_size + 1) * self._block_bytes)
+            last = max(int(m.slot_mapping.max()) // self.block_size // k
+                       for m, k in zip(metas, self.meta_pages))
+            self.populator.need((last + 1) * self._block_bytes)
         # the rows of adapters: their slots (None: every row is the base model's)
         lora = (self.lora.step([s.lora_int_id for s in states], query_lens)
                 if self.lora is not None else None)
@@ -279,11 +289,20 @@ class ModelRunner:
             size, padded = graphs.prepare(meta, input_ids)
             hidden = graphs.run(size, padded, self._forward)[:n]
         else:
-            layer_metas = meta if len(metas) == 1 else [metas[g] for g in self.layer_group]
+            layer_metas = meta if len(metas) == 1 else [metas[m] for m in self.layer_meta]
             if out.state_restores:  # prefix-cache hits resume from state snapshots
                 self.model.copy_states(out.state_restores)
-            hidden = self._forward(torch.tensor(input_ids, dtype=torch.long).to(self.device),
-                                   layer_metas, lora)
+            ids = torch.tensor(input_ids, dtype=torch.long).to(self.device)
+            embeds = None
+            if out.scheduled_encoder_inputs:  # images: their embeddings and bidirectional runs
+                embeds = self._place_images(out, ids, states, starts, seq_lens,
+                                            meta.query_start_loc, req_ids, metas)
+            mrope = None
+            if getattr(self.model, "uses_mrope", False):  # each token's (t, h, w) positions
+                mrope = np.concatenate([self.model.mrope_positions(s.mm_features, b, e)
+                                        for s, b, e in zip(states, starts.tolist(), seq_lens.tolist())],
+                                       axis=1)
+            hidden = self._forward(ids, layer_metas, lora, embeds, mrope)
 
         result = ModelRunnerOutput()
         if self.pp is not None and not self.pp.is_last:
@@ -415,12 +434,59 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.capture_all(self._forward, self.block_size)
 
-    def _forward(self, input_ids: torch.Tensor, meta, lora=None) -> torch.Tensor:
+    def _place_images(self, out: SchedulerOutput, ids: torch.Tensor, states, starts: np.ndarray,
+                      seq_lens: np.ndarray, query_start_loc: np.ndarray, req_ids: list[str],
+                      metas) -> torch.Tensor:
+        """The step's input embeddings with the scheduled images' encoder outputs at their
+        placeholder rows; each run's rows computed this step also go to every metadata as a
+        bidirectional run (attention/bidirectional.py). An image's encoder output is computed
+        once per step however many requests hold it (by content hash), and is consumed in the
+        step: the scheduler schedules a placeholder run whole."""
+        row_of = {r: i for i, r in enumerate(req_ids)}
+        wanted = {}  # content hash -> feature
+        for rid, items in out.scheduled_encoder_inputs.items():
+            for i in items:
+                f = states[row_of[rid]].mm_features[i]
+                wanted.setdefault(f.identifier, f)
+        outputs = {}
+        by_shape: dict[tuple, list] = {}
+        for f in wanted.values():
+            by_shape.setdefault(tuple(f.shape), []).append(f)
+        for shape, feats in by_shape.items():
+            pixels = torch.stack([torch.frombuffer(bytearray(f.data), dtype=torch.float32).view(shape)
+                                  for f in feats]).to(self.device)
+            for f, e in zip(feats, self.model.embed_multimodal(pixels)):
+                outputs[f.identifier] = e
+        rows, parts, runs = [], [], []
+        for rid, items in out.scheduled_encoder_inputs.items():
+            b = row_of[rid]
+            start, end = int(starts[b]), int(seq_lens[b])
+            for i in items:
+                f = states[b].mm_features[i]
+                first = max(start, f.offset)
+                assert f.end <= end, "the scheduler schedules a placeholder run whole"
+                row = int(query_start_loc[b]) + first - start
+                rows.append(torch.arange(row, row + f.end - first))
+                parts.append(outputs[f.identifier][first - f.offset:])
+                runs.append(BidirectionalRun(b, row, first, f.end))
+        if getattr(self.model, "bidirectional_images", True):
+            for m in metas:
+                m.bidirectional_runs = runs
+        return self.model.embed_input_ids(ids, torch.cat(parts), torch.cat(rows).to(self.device))
+
+    def _forward(self, input_ids: torch.Tensor, meta, lora=None,
+                 inputs_embeds: torch.Tensor | None = None,
+                 mrope_positions: np.ndarray | None = None) -> torch.Tensor:
         """`meta`: one AttentionMetadata, or one per layer (its KV cache group's); `lora`: the
-        step's adapter rows (model/lora.py), if any."""
+        step's adapter rows (model/lora.py), if any; `inputs_embeds`: the step's embeddings
+        where images were placed in them."""
         positions = (meta[0] if isinstance(meta, list) else meta).positions
         pp = self.pp
         extra = {} if lora is None else {"lora": lora}
+        if inputs_embeds is not None:
+            extra["inputs_embeds"] = inputs_embeds
+        if mrope_positions is not None:
+            extra["mrope_positions"] = mrope_positions
         if pp is None:
             return self.model(input_ids, positions, self.kv_caches, meta, **extra)
         hidden = (None if pp.is_first else

@@ -16,6 +16,7 @@ from array import array
 
 from kvflow.core.kv_cache.block_pool import BlockPool, KVBlock, hash_block
 from kvflow.core.kv_cache.full_attention import FullAttentionManager
+from kvflow.core.kv_cache.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from kvflow.core.kv_cache.sliding_window import SlidingWindowManager
 from kvflow.core.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, StateSpec
 from kvflow.core.kv_cache.state import StateManager
@@ -136,7 +137,12 @@ class KVCacheCoordinator:
         salt = req.salt_bytes
         parent = hashes[-1] if hashes else None
         for i in range(num_full_blocks - start):
-            parent = hash_block(parent, data[i * n:(i + 1) * n], salt)
+            extra = salt
+            if req.mm_features:  # the images in the block (0xfe: never in a UTF-8 salt)
+                keys = req.block_mm_keys(start + i, bs)
+                if keys:
+                    extra = salt + b"\xfe" + "|".join(keys).encode()
+            parent = hash_block(parent, data[i * n:(i + 1) * n], extra)
             hashes.append(parent)
         return hashes
 
@@ -245,6 +251,35 @@ class KVCacheCoordinator:
             for m in self._stateful:
                 m.reset_prefix_cache()
         return done
+
+    # -- KV events -------------------------------------------------------------------------
+    def record_events(self) -> None:
+        """Record a KV event for every block cached or evicted, for `take_events`."""
+        self.block_pool.record_events()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV events since the last call, oldest first. With several KV cache groups a
+        pool hash ends with its group's suffix (_make_manager): here each event carries the
+        sequence's own hash and the group in `group_idx` (a removal touching several groups
+        becomes one event per group), so that a consumer hashing token ids finds it."""
+        events = self.block_pool.take_events()
+        if len(self.specs) == 1 or not events:
+            return events
+        out: list[KVCacheEvent] = []
+        for e in events:
+            if type(e) is BlockStored:
+                e.group_idx = int.from_bytes(e.block_hashes[0][32:], "little")
+                e.block_hashes = [h[:32] for h in e.block_hashes]
+                e.parent_block_hash = e.parent_block_hash[:32] if e.parent_block_hash else None
+                out.append(e)
+            elif type(e) is BlockRemoved:
+                by_group: dict[int, list[bytes]] = {}
+                for h in e.block_hashes:
+                    by_group.setdefault(int.from_bytes(h[32:], "little"), []).append(h[:32])
+                out += [BlockRemoved(hs, g) for g, hs in by_group.items()]
+            else:
+                out.append(e)
+        return out
 
     # -- state snapshots (models with state layers, prefix caching on) ----------------------
     def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[str, int, int]]]:

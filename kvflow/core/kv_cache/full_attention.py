@@ -61,7 +61,8 @@ class FullAttentionManager:
         bs = self.block_size
         return BlockKey(parent.cache_id if parent is not None else 0,
                         tuple(req.all_token_ids[i * bs:(i + 1) * bs]),
-                        req.block_salt if parent is None else None)
+                        req.block_salt if parent is None else None,
+                        req.block_mm_keys(i, bs) if req.mm_features else ())
 
     def _parent(self, table: list[KVBlock], i: int) -> KVBlock | None:
         return table[i - 1] if i else None
@@ -102,7 +103,10 @@ class FullAttentionManager:
             block, parent = table[i], self._parent(table, i)
             if block is self.null_block or (parent is not None and parent.block_hash is None):
                 break  # its parent is not findable (another block won its hash): nor is it
-            self.block_pool.cache_block(block, hashes[i] + self.hash_suffix, self.block_key(req, i, parent))
+            self.block_pool.cache_block(block, hashes[i] + self.hash_suffix,
+                                        self.block_key(req, i, parent),
+                                        hashes[i - 1] + self.hash_suffix if i else None,
+                                        req.lora_int_id or None)
         self.num_cached_blocks[rid] = num_full
 
     # -- taking and giving back ------------------------------------------------------------

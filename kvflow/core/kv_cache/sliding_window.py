@@ -59,7 +59,8 @@ class SlidingWindowManager(FullAttentionManager):
         # a window's earlier blocks may be gone: the chained hash stands for the prefix
         bs = self.block_size
         return BlockKey(0, tuple(req.all_token_ids[i * bs:(i + 1) * bs]),
-                        req.block_salt if i == 0 else None)
+                        req.block_salt if i == 0 else None,
+                        req.block_mm_keys(i, bs) if req.mm_features else ())
 
     def _parent(self, table: list[KVBlock], i: int) -> KVBlock | None:
         return None

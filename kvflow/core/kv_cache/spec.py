@@ -6,7 +6,7 @@ block are the engine's business (it owns the tensors); the core counts blocks an
 so no torch here."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -15,13 +15,23 @@ class KVCacheSpec:
 
 
 @dataclass(frozen=True)
-class FullAttentionSpec(KVCacheSpec):
+class AttentionSpec(KVCacheSpec):
+    """Layers that keep K and V per token: `num_kv_heads` x `head_size` each (vLLM's names;
+    0: the model's one shape). Layers of different shapes are different specs, so they form
+    different KV cache groups, each with tensors of its own shape (groups.py)."""
+
+    num_kv_heads: int = field(default=0, kw_only=True)
+    head_size: int = field(default=0, kw_only=True)
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(AttentionSpec):
     """Layers that attend to the whole context: one block per `block_size` positions, held
     until the request ends, findable by the prefix cache."""
 
 
 @dataclass(frozen=True)
-class SlidingWindowSpec(KVCacheSpec):
+class SlidingWindowSpec(AttentionSpec):
     """Layers that attend to the last `sliding_window` positions only: blocks wholly before the
     window go back to the pool while the request runs."""
 

@@ -1,6 +1,6 @@
 """Anthropic Messages API request models. Unknown fields are ignored (as Anthropic's own API
 does for forward compatibility of clients), a field or content block kvflow does not implement
-(images, documents, server tools, extended thinking, ...) is a 400 naming it, and every count
+(documents, server tools, extended thinking, ...) is a 400 naming it, and every count
 and string is bounded. Content blocks are read one by one (`blocks_of`) so that an error names
 `messages[i].content[j]`."""
 from __future__ import annotations
@@ -60,7 +60,37 @@ class ThinkingBlock(OpenAIBaseModel):
     type: Literal["thinking", "redacted_thinking"]
 
 
-BLOCK_TYPES = {"text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock,
+class ImageSource(OpenAIBaseModel):
+    """An image block's source: base64 with its media type, or a URL (read like OpenAI's
+    image_url: from --allowed-media-domains only). Anthropic's Files API (`file`) is not
+    implemented."""
+
+    type: Literal["base64", "url"]
+    media_type: str | None = Field(None, max_length=64)
+    data: str | None = None
+    url: str | None = None
+
+    @model_validator(mode="after")
+    def _complete(self):
+        if self.type == "base64" and (self.media_type is None or self.data is None):
+            raise ValueError("a base64 source needs media_type and data")
+        if self.type == "url" and self.url is None:
+            raise ValueError("a url source needs its url")
+        return self
+
+
+class ImageBlock(OpenAIBaseModel):
+    type: Literal["image"]
+    source: ImageSource
+
+    def chat_part(self) -> dict:
+        """The chat path's image_url part for this image (a base64 source as a data URL)."""
+        src = self.source
+        url = f"data:{src.media_type};base64,{src.data}" if src.type == "base64" else src.url
+        return {"type": "image_url", "image_url": {"url": url}}
+
+
+BLOCK_TYPES = {"text": TextBlock, "image": ImageBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock,
                "thinking": ThinkingBlock, "redacted_thinking": ThinkingBlock}
 
 
@@ -76,7 +106,7 @@ def blocks_of(content: str | list[dict], where: str) -> list:
         model = BLOCK_TYPES.get(kind) if isinstance(kind, str) else None
         if model is None:
             raise APIError(400, f"{at}.type: {kind!r} content blocks are not supported (kvflow "
-                                "reads text, tool_use and tool_result)", param=at,
+                                "reads text, image, tool_use and tool_result)", param=at,
                            code="unsupported_content")
         if kind == "tool_result" and isinstance(raw.get("content"), list):
             for k, part in enumerate(raw["content"]):

@@ -18,9 +18,9 @@ from pydantic import ValidationError
 
 from kvflow.entrypoints.anthropic.errors import (AnthropicRoute, anthropic_error_body,
                                                  as_anthropic)
-from kvflow.entrypoints.anthropic.protocol import (CountTokensRequest, MessagesRequest, TextBlock,
-                                                   ToolResultBlock, ToolUseBlock, _Request,
-                                                   blocks_of)
+from kvflow.entrypoints.anthropic.protocol import (CountTokensRequest, ImageBlock,
+                                                   MessagesRequest, TextBlock, ToolResultBlock,
+                                                   ToolUseBlock, _Request, blocks_of)
 from kvflow.entrypoints.openai.errors import APIError, renamed, validation_message
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest
 from kvflow.entrypoints.openai.serving_chat import OpenAIServingChat, tool_dicts
@@ -31,8 +31,11 @@ _PARAMS = {"stop": "stop_sequences", "max_completion_tokens": "max_tokens",
            "response_format": "output_config.format", "structured_outputs": "output_config.format"}
 
 
-def chat_messages(req: _Request) -> list[dict]:
-    """`system` and the messages as chat messages; a 400 naming the block kvflow cannot read."""
+def chat_messages(req: _Request, names: dict[str, str] | None = None) -> list[dict]:
+    """`system` and the messages as chat messages; a 400 naming the block kvflow cannot read.
+    An image block becomes an image_url part, and `names` maps that part's name on the chat
+    path (`messages[k].content[j]`) to the block's (`messages[i].content[j']`)."""
+    names = {} if names is None else names
     messages = [{"role": "system", "content": req.system_text()}] if req.system else []
     for i, m in enumerate(req.messages):
         where = f"messages[{i}]"
@@ -41,6 +44,11 @@ def chat_messages(req: _Request) -> list[dict]:
             if any(isinstance(b, ToolResultBlock) for b in blocks):
                 raise APIError(400, f"{where}: a tool_result block belongs in a user message",
                                param=where, code="invalid_value")
+            for j, b in enumerate(blocks):
+                if isinstance(b, ImageBlock):
+                    at = f"{where}.content[{j}]"
+                    raise APIError(400, f"{at}: an image block belongs in a user message",
+                                   param=at, code="invalid_value")
             text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
             calls = [{"id": b.id, "type": "function",
                       "function": {"name": b.name, "arguments": b.input}}
@@ -50,22 +58,34 @@ def chat_messages(req: _Request) -> list[dict]:
                 message["tool_calls"] = calls
             messages.append(message)
             continue
-        text: list[str] = []
-        for b in blocks:
+        parts: list[tuple[dict, str | None]] = []  # (chat part, the image block's name)
+
+        def flush() -> None:
+            if not any(at for _, at in parts):
+                messages.append({"role": "user", "content": "".join(p["text"] for p, _ in parts)})
+            else:
+                for j, (_, at) in enumerate(parts):
+                    if at is not None:
+                        names[f"messages[{len(messages)}].content[{j}]"] = at
+                messages.append({"role": "user", "content": [p for p, _ in parts]})
+            parts.clear()
+
+        for j, b in enumerate(blocks):
             if isinstance(b, ToolUseBlock):
                 raise APIError(400, f"{where}: a tool_use block belongs in an assistant message",
                                param=where, code="invalid_value")
             if isinstance(b, ToolResultBlock):
-                if text:
-                    messages.append({"role": "user", "content": "".join(text)})
-                    text = []
+                if parts:
+                    flush()
                 content = b.text()
                 messages.append({"role": "tool", "tool_call_id": b.tool_use_id,
                                  "content": f"Error: {content}" if b.is_error else content})
             elif isinstance(b, TextBlock):
-                text.append(b.text)
-        if text or not blocks:
-            messages.append({"role": "user", "content": "".join(text)})
+                parts.append(({"type": "text", "text": b.text}, None))
+            elif isinstance(b, ImageBlock):
+                parts.append((b.chat_part(), f"{where}.content[{j}]"))
+        if parts or not blocks:
+            flush()
     return messages
 
 
@@ -83,15 +103,17 @@ def _tools_and_choice(req: _Request) -> dict:
     return body
 
 
-def chat_request(req: MessagesRequest, auto_tools: bool) -> ChatCompletionRequest:
+def chat_request(req: MessagesRequest, auto_tools: bool,
+                 names: dict[str, str] | None = None) -> ChatCompletionRequest:
     """The chat completion that serves `req`; `auto_tools`: the server reads the model's own
-    tool calls (--tool-call-parser), which tool_choice auto needs."""
+    tool calls (--tool-call-parser), which tool_choice auto needs. `names`: as in
+    chat_messages."""
     if req.messages and req.messages[-1].role == "assistant":
         at = f"messages[{len(req.messages) - 1}]"
         raise APIError(400, f"{at}: a final assistant message (a prefill for the model to "
                             "continue) is not supported; end with a user message",
                        param=at, code="unsupported_value")
-    body = {"model": None, "messages": chat_messages(req), "max_tokens": req.max_tokens,
+    body = {"model": None, "messages": chat_messages(req, names), "max_tokens": req.max_tokens,
             "stop": req.stop_sequences, "temperature": req.temperature, "top_p": req.top_p,
             "top_k": req.top_k, "user": req.metadata.user_id if req.metadata else None,
             **_tools_and_choice(req)}
@@ -182,6 +204,9 @@ class MessageStream:
         if not chunk["choices"]:
             usage = chunk.get("usage") or {}
             self.message["usage"]["output_tokens"] = usage.get("completion_tokens", 0)
+            # the prompt as the engine ran it (an image's tokens counted once it was expanded)
+            self.message["usage"]["input_tokens"] = usage.get(
+                "prompt_tokens", self.message["usage"]["input_tokens"])
             return []
         choice = chunk["choices"][0]
         delta = choice["delta"]
@@ -226,11 +251,12 @@ class AnthropicServingMessages:
 
     async def create(self, req: MessagesRequest, raw: Request):
         self.chat.check_model(req.model)
-        chat_req = chat_request(req, self.chat.settings.tool_call_parser is not None)
+        names: dict[str, str] = {}  # image parts on the chat path -> their blocks here
+        chat_req = chat_request(req, self.chat.settings.tool_call_parser is not None, names)
         try:
             job = await self.chat.prepare(chat_req)
         except APIError as e:
-            raise renamed(e, _PARAMS) from None
+            raise renamed(e, {**_PARAMS, **names}) from None
         job.include_usage = True
         stream = MessageStream(req.model, len(job.prompt_ids), req.stop_sequences)
         events = self.events(job, stream)
@@ -264,8 +290,12 @@ class AnthropicServingMessages:
 
     async def count_tokens(self, req: CountTokensRequest) -> dict:
         self.chat.check_model(req.model)
-        chat_req = validated({"messages": chat_messages(req), **_tools_and_choice(req)})
-        _, ids = await self.chat.render(chat_req.messages, True, tool_dicts(chat_req.tools))
+        names: dict[str, str] = {}
+        chat_req = validated({"messages": chat_messages(req, names), **_tools_and_choice(req)})
+        try:
+            _, ids = await self.chat.render(chat_req.messages, True, tool_dicts(chat_req.tools))
+        except APIError as e:
+            raise renamed(e, names) from None
         return {"input_tokens": len(ids)}
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -297,9 +297,19 @@ class CompletionRequest(SamplingFields):
         return body
 
 
-class TextPart(OpenAIBaseModel):
-    type: str
+MAX_CONTENT_PARTS = 256  # content parts of one message
+
+
+class ContentPart(OpenAIBaseModel):
+    """A content part: `text`, or `image_url` (read by kvflow/multimodal/media.py); any other
+    type is refused by name when the conversation is templated."""
+
+    type: str = Field(max_length=64)
     text: str | None = None
+    image_url: dict[str, Any] | str | None = None
+
+    def as_dict(self) -> dict:
+        return {"type": self.type, "text": self.text, "image_url": self.image_url}
 
 
 class FunctionCall(OpenAIBaseModel):
@@ -315,19 +325,11 @@ class ToolCall(OpenAIBaseModel):
 
 class ChatMessage(OpenAIBaseModel):
     role: str
-    content: str | list[TextPart] | None = None
+    # (the count is given to the list alone: on the union it would cap the string)
+    content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # role "tool": the call this answers
-
-    def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise ValueError(f"messages: content part of type {part.type!r} is not supported "
-                                 "(only text)")
-        return "".join(p.text for p in self.content)
 
 
 MAX_TOOLS = 128

@@ -47,16 +47,44 @@ class InputText(OpenAIBaseModel):
         return (self.refusal if self.type == "refusal" else self.text) or ""
 
 
+class InputImage(OpenAIBaseModel):
+    """An image: `image_url` is read like the chat API's (a data URL, or a URL the server's
+    options allow); uploaded files (`file_id`) are not implemented."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: None = None
+    detail: str = "auto"
+
+    @model_validator(mode="after")
+    def _has_url(self):
+        if self.image_url is None:
+            raise ValueError("an input_image needs its image_url")
+        return self
+
+    def chat_part(self) -> dict:
+        return {"type": "image_url", "image_url": {"url": self.image_url, "detail": self.detail}}
+
+
 # (a count on `str | list` is given to the list alone: on the union it would cap the string)
 class MessageItem(OpenAIBaseModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | Annotated[list[InputText], Field(max_length=MAX_CONTENT_PARTS)]
+    content: str | Annotated[list[InputText | InputImage], Field(max_length=MAX_CONTENT_PARTS)]
 
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.value() for p in self.content)
+        return "".join(p.value() for p in self.content if isinstance(p, InputText))
+
+    def chat_content(self) -> str | list[dict]:
+        """The content as the chat path takes it: text, or its parts in order when it holds an
+        image (part j stays part j, so that a refusal's name maps back)."""
+        if isinstance(self.content, str) or not any(isinstance(p, InputImage)
+                                                    for p in self.content):
+            return self.text()
+        return [p.chat_part() if isinstance(p, InputImage) else {"type": "text", "text": p.value()}
+                for p in self.content]
 
 
 class FunctionCallItem(OpenAIBaseModel):
@@ -109,12 +137,20 @@ def input_items(raw: str | list[dict]) -> list:
                                 f"{', '.join(ITEM_TYPES)})", param=where, code="unsupported_item")
         if kind in ("message", "function_call_output"):
             parts = item.get("content" if kind == "message" else "output")
+            # images in a user's (or system's) message only
+            images = kind == "message" and item.get("role") != "assistant"
             for j, part in enumerate(parts if isinstance(parts, list) else ()):
                 ptype = part.get("type") if isinstance(part, dict) else None
-                if ptype not in _CONTENT_TYPES:
-                    raise APIError(400, f"{where}.content[{j}].type: {ptype!r} content is not "
-                                        "supported (only text: input_text, output_text)",
+                if ptype not in _CONTENT_TYPES and not (images and ptype == "input_image"):
+                    raise APIError(400, f"{where}.content[{j}].type: {str(ptype)[:64]!r} content "
+                                        "is not supported here (input_text, output_text; "
+                                        "input_image in a user message)",
                                    param=where, code="unsupported_content")
+                if ptype == "input_image" and part.get("file_id") is not None:
+                    at = f"{where}.content[{j}]"
+                    raise APIError(400, f"{at}.file_id: uploaded files are not implemented; "
+                                        "send the image as image_url (a data URL)", param=at,
+                                   code="unsupported_content")
         try:
             items.append(model.model_validate(item))
         except ValidationError as e:

@@ -20,14 +20,18 @@ from kvflow.entrypoints.openai.reasoning_parsers import (GptOssReasoningParser,
                                                          make_reasoning_parser,
                                                          reasoning_token_ids)
 from kvflow.entrypoints.openai.serving_completion import prompt_logprobs_json
-from kvflow.entrypoints.openai.serving_engine import (MAX_MESSAGES, OpenAIServing, off_loop, sse,
-                                                      until_disconnected, usage_info)
+from kvflow.entrypoints.openai.serving_engine import (MAX_MESSAGES, OpenAIServing, off_loop,
+                                                      refused, sse, until_disconnected,
+                                                      usage_info)
 from kvflow.entrypoints.openai.tool_parsers import (TOOL_PARSERS, JsonArrayToolParser,
                                                     NamedToolParser, OpenAIToolParser,
                                                     make_tool_parser)
 from kvflow.entrypoints.openai.tool_schema import named_tool_schema, required_tools_schema
 from kvflow.outputs import Logprob
 from kvflow.lora_request import LoRARequest
+from kvflow.multimodal.inputs import MultiModalData
+from kvflow.multimodal.parts import ImageRef, template_content
+from kvflow.request import InvalidRequestError
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -50,6 +54,7 @@ class ChatJob:
     parallel_tool_calls: bool = True
     lora_request: LoRARequest | None = None  # the adapter `model` named; None: the base model
     prompt_logprobs: bool = False  # the response carries vLLM's `prompt_logprobs`
+    multi_modal_data: MultiModalData | None = None  # its images, read and checked
 
     def message_parser(self) -> MessageParser:
         tools = (make_tool_parser(self.tool_call_parser) if self.tool_mode == "auto" else
@@ -77,23 +82,40 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], top_
     return {"content": content}
 
 
-def conversation(messages: list[ChatMessage]) -> list[dict]:
-    """The messages as the chat template takes them; a 400 for what it cannot hold."""
+def conversation(messages: list[ChatMessage], images: list[ImageRef] | None = None) -> list[dict]:
+    """The messages as the chat template takes them; a 400 for what it cannot hold. Image
+    parts are appended to `images` in order (None: this endpoint takes none, a 400 naming
+    the part)."""
     if not messages:
         raise bad_request("messages must not be empty")
     if len(messages) > MAX_MESSAGES:
         raise APIError(400, f"messages: {len(messages)} messages; at most {MAX_MESSAGES} per "
                             "request", param="messages", code="invalid_value")
+    refs: list[ImageRef] = []
     try:
-        return [_template_message(m) for m in messages]
+        convo = [_template_message(m, f"messages[{i}]", refs) for i, m in enumerate(messages)]
+    except InvalidRequestError as e:
+        raise refused(e) from None
     except ValueError as e:
         raise bad_request(e) from None
+    if refs and images is None:
+        at = refs[0].where
+        raise APIError(400, f"{at}: images are not counted by this endpoint; send text only",
+                       param=at, code="unsupported_content")
+    if images is not None:
+        images.extend(refs)
+    return convo
 
 
-def _template_message(m: ChatMessage) -> dict:
-    """One message as templates expect it: an assistant's `tool_calls` with their arguments
-    as objects (templates write them with `tojson`), a tool's answer with its call's id."""
-    out = {"role": m.role, "content": m.text()}
+def _template_message(m: ChatMessage, where: str, refs: list[ImageRef]) -> dict:
+    """One message as templates expect it: its parts (text joined, or text and `{"type":
+    "image"}` in order), an assistant's `tool_calls` with their arguments as objects
+    (templates write them with `tojson`), a tool's answer with its call's id."""
+    content = m.content
+    if isinstance(content, list):
+        content = template_content([p.as_dict() for p in content], f"{where}.content", refs,
+                                   offline=False)
+    out = {"role": m.role, "content": content or ""}
     if m.name is not None:
         out["name"] = m.name
     if m.tool_call_id is not None:
@@ -112,6 +134,13 @@ def _template_message(m: ChatMessage) -> dict:
                           "function": {"name": call.function.name, "arguments": args}})
         out["tool_calls"] = calls
     return out
+
+
+def content_chars(content) -> int:
+    """The text characters of a templated message's content (a string, or parts)."""
+    if isinstance(content, list):
+        return sum(len(p.get("text") or "") for p in content)
+    return len(content or "")
 
 
 def json_chars(value, param: str) -> int:
@@ -158,9 +187,16 @@ class OpenAIServingChat(OpenAIServing):
     async def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                      tools: list[dict] | None = None,
                      template_kwargs: dict | None = None) -> tuple[str, list[int]]:
-        """Template and tokenize, with the input bounded first and big work off the loop."""
-        convo = conversation(messages)
-        chars = sum(len(m["content"]) + len(m["role"]) for m in convo)
+        """Template and tokenize, with the input bounded first and big work off the loop (an
+        image part is a 400 naming it: `prepare` reads images)."""
+        return await self.render_conversation(conversation(messages), add_generation_prompt,
+                                              tools, template_kwargs)
+
+    async def render_conversation(self, convo: list[dict], add_generation_prompt: bool = True,
+                                  tools: list[dict] | None = None,
+                                  template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+        """`render` of messages already as the template takes them (`conversation`)."""
+        chars = sum(content_chars(m["content"]) + len(m["role"]) for m in convo)
         # tool calls' arguments and the tools are templated too (as JSON)
         chars += sum(json_chars(m["tool_calls"], "messages") for m in convo if "tool_calls" in m)
         if tools:
@@ -230,8 +266,14 @@ class OpenAIServingChat(OpenAIServing):
                 tool_mode == "auto" and self.settings.tool_call_parser == "openai"):
             # harmony's parsers read its special tokens; the text they give out has none
             params.skip_special_tokens = False
-        prompt, ids = await self.render(req.messages, req.add_generation_prompt, tools,
-                                        req.chat_template_kwargs)
+        refs: list[ImageRef] = []
+        convo = conversation(req.messages, refs)
+        # images are read and checked (a hostile one named as such), then refused by a model
+        # that takes none, before its template sees their parts
+        mm_data, image_names = await self.load_images(refs)
+        self.check_multi_modal(mm_data, image_names)
+        prompt, ids = await self.render_conversation(convo, req.add_generation_prompt, tools,
+                                                     req.chat_template_kwargs)
         if self.settings.reasoning_parser and params.structured_outputs is not None:
             # the thinking is free; the constraint holds from the token after `</think>`
             extra = reasoning_token_ids(
@@ -239,7 +281,7 @@ class OpenAIServingChat(OpenAIServing):
                 lambda text: self.tokenizer.encode(text, add_special_tokens=False), prompt)
             if extra:
                 params.structured_outputs = dataclasses.replace(params.structured_outputs, **extra)
-        self.check_prompt(ids, params)
+        self.check_prompt(ids, params, mm_data, image_names)
         self.check_request_tokens(len(ids), params.n)
         self.check_available(params.n)
         return ChatJob(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()),
@@ -247,7 +289,7 @@ class OpenAIServingChat(OpenAIServing):
                        prompt, ids, params, req.top_logprobs or 0, req.include_usage,
                        req.priority, req.cache_salt, tool_mode, tool_name,
                        self.settings.tool_call_parser, self.settings.reasoning_parser,
-                       req.parallel_tool_calls, lora, req.prompt_logprobs is not None)
+                       req.parallel_tool_calls, lora, req.prompt_logprobs is not None, mm_data)
 
     async def chunks(self, job: ChatJob) -> AsyncIterator[dict]:
         # the adapter is held from here to the end (closing the stream aborts the requests
@@ -263,15 +305,19 @@ class OpenAIServingChat(OpenAIServing):
         extra = {"usage": None} if job.include_usage else {}
         gen = self.engine.generate(job.prompt_ids, job.params, job.request_id, prompt=job.prompt,
                                    priority=job.priority, cache_salt=job.cache_salt,
-                                   lora_request=job.lora_request, checked=True)
+                                   lora_request=job.lora_request, checked=True,
+                                   multi_modal_data=job.multi_modal_data)
         for i in range(job.params.n):
             yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}], **extra}
         completion_tokens = 0
         cached_tokens = 0
+        n_prompt = len(job.prompt_ids)
         parsers: dict[int, MessageParser] = {}
         prompt_lps = None  # on the next chunk, once the engine has them
         async for out in gen:
+            # the prompt as the engine runs it: a model's processor expands each image there
+            n_prompt = len(out.prompt_token_ids)
             cached_tokens = max(cached_tokens, out.num_cached_tokens)
             if out.prompt_logprobs is not None and job.prompt_logprobs:
                 prompt_lps = prompt_logprobs_json(out.prompt_logprobs)
@@ -300,7 +346,6 @@ class OpenAIServingChat(OpenAIServing):
                     more["kv_transfer_params"] = out.kv_transfer_params
                 yield {**head, "choices": [choice], **more}
         if job.include_usage:
-            n_prompt = len(job.prompt_ids)
             details = self.settings.enable_prompt_tokens_details
             yield {**head, "choices": [], "usage": usage_info(
                 n_prompt, completion_tokens, cached_tokens if details else None)}

@@ -15,6 +15,9 @@ from kvflow.engine.core_client import EngineDeadError
 from kvflow.entrypoints.openai.errors import APIError, bad_request, error_body
 from kvflow.entrypoints.openai.server_settings import ServerSettings
 from kvflow.entrypoints.openai.serving_lora import LoRAAdapters
+from kvflow.multimodal.inputs import MultiModalData
+from kvflow.multimodal.media import MediaConnector
+from kvflow.multimodal.parts import ImageRef
 from kvflow.request import InvalidRequestError
 from kvflow.sampling_params import SamplingParams
 
@@ -56,6 +59,7 @@ class OpenAIServing:
         self.settings = settings
         self.loras = loras if loras is not None else LoRAAdapters(
             settings.lora_modules, settings.served_model_names, settings.lora_allowed_root)
+        self.media = MediaConnector.of(engine.config.multimodal_config)
 
     @property
     def tokenizer(self):
@@ -134,12 +138,38 @@ class OpenAIServing:
                                 f"tokens; at most {MAX_REQUEST_TOKENS} per request",
                            param="prompt", code="too_many_tokens")
 
-    def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
-        """The input processor's prompt check (ids, length, KV pool), as a 400."""
+    def check_prompt(self, ids: list[int], params: SamplingParams,
+                     multi_modal_data: MultiModalData | None = None,
+                     image_names: list[str] | None = None) -> None:
+        """The input processor's prompt check (ids, images, length, KV pool), as a 400."""
         try:
-            self.input_processor.check_prompt(ids, params)
+            self.input_processor.check_prompt(ids, params, multi_modal_data, image_names)
         except ValueError as e:
             raise refused(e) from None
+
+    def check_multi_modal(self, multi_modal_data: MultiModalData | None,
+                          image_names: list[str] | None) -> None:
+        """The input processor's image check (the model takes them, their count), as a 400."""
+        try:
+            self.input_processor.check_multi_modal(multi_modal_data, image_names)
+        except ValueError as e:
+            raise refused(e) from None
+
+    async def load_images(self, refs: list[ImageRef]
+                          ) -> tuple[MultiModalData | None, list[str] | None]:
+        """The request's images, counted before any is read, then each read and bounded
+        (kvflow/multimodal/media.py) off the event loop, one at a time; a 400 naming the
+        part. Whether the model takes images at all is `check_multi_modal`'s, after these
+        checks, so that a hostile part is named as such on any model."""
+        if not refs:
+            return None, None
+        names = [r.where for r in refs]
+        try:
+            self.input_processor.check_image_count(names)
+            items = [await asyncio.to_thread(self.media.load_url, r.url, r.where) for r in refs]
+        except ValueError as e:
+            raise refused(e) from None
+        return {"image": items}, names
 
 
 def refused(e: ValueError) -> APIError:

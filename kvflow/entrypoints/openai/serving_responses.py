@@ -38,14 +38,23 @@ def _hex(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def chat_messages(items: list) -> list[dict]:
+def chat_messages(items: list, names: dict[str, str] | None = None,
+                  offset: int = 0) -> list[dict]:
     """Input items as chat messages: function calls join the assistant turn they follow,
-    their outputs are `tool` messages, earlier reasoning is left out."""
+    their outputs are `tool` messages, earlier reasoning is left out. `names` maps each image
+    part's name on the chat path (`messages[k].content[j]`, the messages starting at index
+    `offset` there) to its input item's (`input[i].content[j]`)."""
     messages: list[dict] = []
-    for item in items:
+    for i, item in enumerate(items):
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
-            messages.append({"role": role, "content": item.text()})
+            content = item.chat_content()
+            if names is not None and isinstance(content, list):
+                for j, part in enumerate(content):
+                    if part["type"] == "image_url":
+                        names[f"messages[{offset + len(messages)}].content[{j}]"] = \
+                            f"input[{i}].content[{j}]"
+            messages.append({"role": role, "content": content})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
@@ -306,12 +315,13 @@ class OpenAIServingResponses:
                                     "ones)", param="previous_response_id", code="not_found")
             history = previous.history
         items = input_items(req.input)
-        turn = chat_messages(items)
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+        names: dict[str, str] = {}  # image parts on the chat path -> their input items
+        turn = chat_messages(items, names, len(system) + len(history))
         try:
             job = await self.chat.prepare(chat_request(req, system + history + turn))
         except APIError as e:
-            raise renamed(e, _PARAMS) from None
+            raise renamed(e, {**_PARAMS, **names}) from None
         job.include_usage = True
         stream = ResponseStream(response_skeleton(req, job.model), self._count_tokens)
         stored = (history + turn, listed_items(req.input, items)) if req.store else None

@@ -21,7 +21,7 @@ from kvflow.utils.files import publish
 _META_KEY = "kvflow_quantized"
 # the panel layout's version (packing.py, gemm_quant.c): a file packed for another layout is
 # never read as this one
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 _COUNT_KEY = "kvflow_num_tensors"
 
 

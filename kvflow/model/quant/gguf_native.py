@@ -10,9 +10,9 @@ import numpy as np
 import torch
 
 from kvflow.checkpoint.gguf import hf_name, unpermute_qk
-from kvflow.checkpoint.gguf_blocks import decode, to_q8
+from kvflow.checkpoint.gguf_blocks import as_q4, decode, to_q8
 from kvflow.model.arch import LlamaArchConfig, arch_from_gguf_reader, save_arch_cache
-from kvflow.model.quant.packing import pack
+from kvflow.model.quant.packing import PANEL, pack, pack_parts
 from kvflow.model.quant.qlinear import QuantizedWeight
 from kvflow.models.registry import family_of
 
@@ -26,13 +26,23 @@ def gguf_is_quantized(reader) -> bool:
 
 
 def _quantized(parts: list[tuple], n_k: tuple[int, int], isa: str, source: str) -> QuantizedWeight:
+    """The (kind, q, d, m) parts of one projection, stacked by outputs, packed: in their kind
+    where they share one; where they differ (a Q4_K_M qkv with a Q6_K v), each part in its own
+    kind (pack_parts) where all but the last fill whole panels of 16, else as q4 (4-bit parts)
+    or requantized to q8."""
     kinds = {p[0] for p in parts}
+    if len(kinds) > 1 and all(p[1].shape[0] % PANEL == 0 for p in parts[:-1]):
+        packed = pack_parts([(p[0], p[1].shape[0], pack(*p)) for p in parts])
+        return QuantizedWeight(kind="parts", n=n_k[0], k=n_k[1], packed=packed, isa=isa, source=source)
+    if len(kinds) > 1 and kinds <= {"q4", "q4s", "q4k"}:  # all as q4, a d and m per 32
+        parts = [as_q4(*p) for p in parts]
+        kinds = {"q4"}
     if len(kinds) == 1:
         kind = kinds.pop()
         q = np.concatenate([p[1] for p in parts])
         d = np.concatenate([p[2] for p in parts])
-        m = np.concatenate([p[3] for p in parts]) if kind == "q4" else None
-    else:  # parts of different kinds (Q4_K q/k with a Q6_K v): all as q8
+        m = np.concatenate([p[3] for p in parts]) if kind in ("q4", "q6", "q4k") else None
+    else:  # parts of different kinds, not on whole panels: all requantized to q8
         kind = "q8"
         pairs = [to_q8(*p) for p in parts]
         q, d, m = np.concatenate([a for a, _ in pairs]), np.concatenate([b for _, b in pairs]), None

@@ -13,8 +13,9 @@ from kvflow.csrc import library, run_kernel
 from kvflow.model.quant.packing import BLOCK, PANEL
 
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512-vnni": 2}
-# the C kernels' kinds (kernels.h): q4 and q8 in gemm_quant.c, MXFP4 in gemm_mxfp4.c
-KIND_CODES = {"q4": 0, "q8": 1, "mxfp4": 2}
+# the C kernels' kinds (kernels.h): q4, q4s and q8 in gemm_quant.c, MXFP4 in gemm_mxfp4.c, q6
+# (GGUF Q6_K) in gemm_q6.c, q4k (GGUF Q4_K) in gemm_q4k.c
+KIND_CODES = {"q4": 0, "q8": 1, "mxfp4": 2, "q4s": 3, "q6": 4, "q4k": 5, "parts": 6}
 # Rows from which 8-bit weights are widened to bf16 (benchmarks/README.md, "The quantized linear
 # at batch sizes" and "8-bit weights at decode-sized batches", Zen 4, one thread): the int8 GEMM of 8-bit weights runs 25-30% behind the bf16 GEMM from
 # ~100 rows (its records are twice a 4-bit one's) and the widened path within 5% of it; level at
@@ -24,10 +25,15 @@ KIND_CODES = {"q4": 0, "q8": 1, "mxfp4": 2}
 # 8-512 rows.
 # Per-row activation scales (int8 W8A8) take the same threshold: their row maximum is found in
 # vector code like the per-block ones (it was scalar, and then widening from 16-32 rows paid).
+# 6-bit weights (Q6_K as stored, which were requantized to 8 bits before) take the same
+# threshold, on the bf16 path only, so a Q4_K_M file's prefill runs its Q6_K tensors as it did:
+# widened, q6 and q8 records alike cost 21.9 and 21.6 ms at 64 rows of 2048x8192 (one thread,
+# Sapphire Rapids, CPU time). There the int8 GEMM was the faster one at 16-128 rows for both
+# (q6 11.4 ms, q8 8.1 at 64 rows): a threshold per CPU kind is still to be measured.
 # MXFP4 (gpt-oss's experts) is never widened: one expert's gate_up (5760 x 2880) ran ahead of the
 # bf16 panel GEMM at every row count from 1 to 256 (0.36 vs 2.13 ms at 1 row, 8.4 vs 10.5 at 64,
 # 33.9 vs 39.0 at 256; one thread, Zen 4).
-WIDE_ROWS = {"q8": 64}
+WIDE_ROWS = {"q8": 64, "q6": 64}
 NEVER = 1 << 62
 
 
@@ -43,7 +49,7 @@ class QuantizedWeight:
     """One (n, k) projection in the panel layout (packing.py). `source` names where it came
     from (a GGUF type like Q4_1, or int8), `per_row`: quantize activations per row (W8A8)."""
 
-    kind: str  # q4 | q8 | mxfp4
+    kind: str  # q4 | q4s | q4k | q8 | q6 | mxfp4 | parts
     n: int
     k: int
     packed: torch.Tensor  # uint8

@@ -57,7 +57,7 @@ function renderQueue(el, reqs, running) {
 // -- tokens per step -------------------------------------------------------------------
 function renderSteps(snap) {
   const { ctx, w, h } = fitCanvas($("steps"), 180);
-  const steps = snap.steps; // [step, prefill, decode]
+  const steps = snap.steps; // [step, prefill, decode, image tokens encoded (of prefill)]
   const used = steps.map((s) => s[1] + s[2]);
   const top = Math.min(snap.budget, Math.max(8, ...used) * 1.2);
   const pad = { l: 36, r: 6, t: 10, b: 18 };
@@ -74,6 +74,10 @@ function renderSteps(snap) {
     ctx.fillRect(x, y(s[2]), Math.max(1, slot - 1), y(0) - y(s[2]));
     ctx.fillStyle = color("--prefill");
     ctx.fillRect(x, y(s[1] + s[2]), Math.max(1, slot - 1), y(s[2]) - y(s[1] + s[2]));
+    if (s[3]) { // the prefill's image tokens, whose encoder ran this step
+      ctx.fillStyle = color("--encoder");
+      ctx.fillRect(x, y(s[2] + s[3]), Math.max(1, slot - 1), y(s[2]) - y(s[2] + s[3]));
+    }
   });
   ctx.strokeStyle = color("--budget");
   ctx.fillStyle = color("--budget");
@@ -88,7 +92,9 @@ function renderSteps(snap) {
     ctx.fillText(`step ${steps[steps.length - 1][0]}`, w - pad.r - 60, h - 4);
   }
   const last = used.length ? used[used.length - 1] : 0;
-  $("budget").textContent = `budget ${snap.budget} · last step ${last} tokens`;
+  const encoded = steps.length ? steps[steps.length - 1][3] || 0 : 0;
+  $("budget").textContent = `budget ${snap.budget} · last step ${last} tokens` +
+    (encoded ? ` (${encoded} image tokens encoded)` : "");
 }
 
 // -- block map -------------------------------------------------------------------------
