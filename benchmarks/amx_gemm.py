@@ -11,10 +11,13 @@ call, and the GFLOP/s they make):
 - `F.linear`: torch's bf16 linear on the plain (N, K) weight: oneDNN's matmul, which takes its
   AMX kernel (`brg_matmul:avx10_1_512_amx` under ONEDNN_VERBOSE=1) where the CPU has AMX;
 - `onednn`: torch's prepacked mkldnn linear (`_reorder_linear_weight` once, then
-  `_linear_pointwise`; AMX's blocked weight layout): what kvflow's oneDNN path calls.
+  `_linear_pointwise`; AMX's blocked weight layout, a second copy of the weight);
+- `amx-panels`: kvflow's AMX kernel over the same panels as `panel` (kvflow/csrc/gemm_amx.c),
+  where this build has AMX: what serves bf16 batches past a few rows on AMX CPUs.
 The shapes are the default model's (SmolLM2-135M: hidden 576, 9 query and 3 KV heads of 64,
 MLP 1536, vocabulary 49152): qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576, and
-the LM head 576->49152 (rows up to 256: only sampled rows reach it). `--verbose-check` runs
+the LM head 576->49152 (rows up to 256: only sampled rows reach it); `--shapes 1b_qkv,...` the
+Llama-3.2-1B shapes (hidden 2048, 32/8 heads of 64, MLP 8192). `--verbose-check` runs
 one call of each under ONEDNN_VERBOSE=1 and prints the kernel oneDNN names."""
 from __future__ import annotations
 
@@ -29,7 +32,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576),
-          "lm_head": (576, 49152)}
+          "lm_head": (576, 49152), "1b_qkv": (2048, 3072), "1b_o": (2048, 2048),
+          "1b_gate_up": (2048, 16384), "1b_down": (8192, 2048)}
+DEFAULT_SHAPES = "qkv,o,gate_up,down,lm_head"
 LM_HEAD_MAX_ROWS = 256
 
 
@@ -65,7 +70,7 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rows", default="1,4,16,64,256,1024")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--json", help="write a results file (benchmarks/results_io.py's 'table')")
     args = ap.parse_args()
 
@@ -73,7 +78,7 @@ def main() -> None:
     import torch.nn.functional as F
 
     from benchmarks import results_io
-    from kvflow.csrc.gemm import pack_panels, panel_gemm, panel_gemm_built
+    from kvflow.csrc.gemm import amx_panel_gemm, amx_panels_built, pack_panels, panel_gemm, panel_gemm_built
 
     if not panel_gemm_built():
         sys.exit("the panel GEMM did not build here (it needs AVX512-BF16)")
@@ -100,6 +105,8 @@ def main() -> None:
                     "F.linear": lambda: F.linear(x, w),
                     "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, prepacked, None, "none", [], ""),
                 }
+                if amx_panels_built():
+                    methods["amx-panels"] = lambda: amx_panel_gemm(x, panels, n, None, threads)
                 for label, fn in methods.items():  # each agrees with fp32 to bf16 rounding
                     err = (fn().float() - ref).abs().max().item()
                     assert err <= 0.02 * ref.abs().max().item() + 1e-3, (label, name, m, err)
@@ -113,6 +120,8 @@ def main() -> None:
                 cells = [f"{med[lbl] * 1e6:,.1f} us ({flops / med[lbl] / 1e9:.0f})" for lbl in methods]
                 row = [str(threads), name, f"{k}x{n}", str(m), *cells, best,
                        f"{med['panel'] / med['onednn']:.2f}x"]
+                if "amx-panels" in med:
+                    row.append(f"{med['amx-panels'] / med['onednn']:.2f}x")
                 rows_out.append(row)
                 print(" | ".join(row), flush=True)
     end = time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())
@@ -120,6 +129,9 @@ def main() -> None:
     columns = ["threads", "projection", "K x N", "rows M", "panel (GFLOP/s)",
                "F.linear bf16 (GFLOP/s)", "oneDNN prepacked (GFLOP/s)", "fastest",
                "panel / oneDNN prepacked"]
+    if amx_panels_built():
+        columns[-2:-2] = ["AMX over the panels (GFLOP/s)"]
+        columns.append("AMX over the panels / oneDNN prepacked")
     print(f"load average before {load_before:.1f}, after {load_after:.1f}")
     if args.json:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

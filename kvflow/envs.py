@@ -66,6 +66,10 @@ _VARS = [
            "or AMX; kvflow's kernel choices, its C kernels' build and (when set before torch "
            "loads) PyTorch's and oneDNN's kernels are capped there, to measure the other kind's "
            "paths end to end (docs/performance.md)"),
+    EnvVar("KVFLOW_NO_AMX_PANELS", bool, False,
+           "1: on a CPU with AMX, bf16 batches past a few rows take oneDNN's AMX GEMM from a second, "
+           "blocked copy of every weight, not AMX's tiles over the panels (more memory; "
+           "docs/performance.md's Memory after load)"),
     EnvVar("KVFLOW_NO_AMX_ATTENTION", bool, False,
            "1: prompt attention on AVX512-BF16 even on a CPU with AMX (to measure the AMX path)"),
     EnvVar("KVFLOW_NO_DECODE_GRAPH", bool, False,

@@ -31,10 +31,10 @@ def fake_gguf(tmp_path, monkeypatch):
     path.write_bytes(b"GGUF stand-in")
     calls = []
 
-    def read_gguf(p):
+    def read_gguf(p, convert=lambda a: a):
         calls.append(p)
         time.sleep(0.3)  # long enough for racing starts to overlap
-        return arch, arrays
+        return arch, {k: convert(a) for k, a in arrays.items()}
 
     monkeypatch.setattr(weights_mod, "read_gguf", read_gguf)
     return str(path), calls

@@ -71,12 +71,13 @@ def tiny_model(fmt: str, dtype: torch.dtype, isa: str, arch: LlamaArchConfig = A
     """A random Llama whose projections are quantized to `fmt` (the LM head stays float); fmt
     "gemv", "gemv-bf16" or "gemv-fp16": an fp32 one on the fp32 GEMV's `isa` path, its panels
     stored in fp32, bf16 or fp16 (the `weight_dtype` option); "panels": a bf16 one on the bf16
-    panel GEMM alone (as on a CPU without AMX); "panels-amx": the panels beside oneDNN's copy
-    (as on a CPU with AMX, whatever this one has)."""
+    panel GEMM alone (as on a CPU without AMX, whatever this one has); "panels-amx": the panels
+    for few rows, AMX for more (as on a CPU with AMX)."""
     torch.manual_seed(seed)
     kernels = None
     if fmt == "panels":
-        kernels = select_kernels(dtype, options=KernelOptions(onednn=False))
+        kernels = select_kernels(dtype, features=CpuFeatures(cpu_features().flags - {"amx_bf16", "amx_tile"}),
+                                 options=KernelOptions(onednn=False))
     elif fmt == "panels-amx":
         kernels = select_kernels(dtype, features=CpuFeatures(cpu_features().flags | {"amx_bf16", "amx_tile"}))
     elif fmt.startswith("gemv"):
@@ -92,9 +93,10 @@ def tiny_model(fmt: str, dtype: torch.dtype, isa: str, arch: LlamaArchConfig = A
         packed = model.layers[0].packed["qkv_proj"]
         assert packed.panels is not None if fmt.startswith("panels") else packed.gemv_isa == isa
         return model
-    for layer in model.layers:
+    dense = model.state_dict()  # (a packed weight was released: this gives it back from its panels)
+    for i, layer in enumerate(model.layers):
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-            layer.packed[name] = PackedWeight(quant=_quantized(getattr(layer, name).detach(), fmt, isa))
+            layer.packed[name] = PackedWeight(quant=_quantized(dense[f"layers.{i}.{name}"], fmt, isa))
     return model
 
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from conftest_model_helpers import PagedDriver, save_tiny_llama3
 from kvflow.csrc import library, ops
-from kvflow.csrc.gemm import panel_gemm
+from kvflow.csrc.gemm import amx_panel_gemm, amx_panels_built, pack_panels, panel_gemm
 from kvflow.model import packed_linear
 from kvflow import attention as A
 from kvflow.model.cpu_features import CpuFeatures, cpu_features
@@ -59,15 +59,20 @@ def test_bf16_on_an_avx512_bf16_cpu_takes_the_panel_gemm_and_the_prompt_kernel()
 
 
 @pytest.mark.skipif(not PANELS_BUILT, reason="the panel GEMM needs AVX512-BF16")
-def test_bf16_on_an_amx_cpu_takes_the_panels_for_few_rows_and_onednn_amx_for_more():
+def test_bf16_on_an_amx_cpu_takes_the_panels_for_few_rows_and_amx_for_more():
     k = select_kernels(torch.bfloat16, features=SAPPHIRE_RAPIDS, options=ALL_ON)
     rows, large = packed_linear.AMX_PANEL_ROWS, packed_linear.AMX_PANEL_ROWS_LARGE
-    assert k.names["linear"] == f"panel-bf16<={rows},{large}+onednn-amx"
-    assert k.names["gate_up"] == f"panel-bf16-silu<={rows},{large}+onednn-amx+c-silu"
-    assert k.describe().startswith(f"kernels [avx512-bf16]: linear=panel-bf16<={rows},{large}+onednn-amx, ")
+    # AMX's tiles read the panels where this build has them and Linux grants them (one copy
+    # of the weights); else oneDNN's AMX GEMM keeps its own copy beside the panels
+    tiles = amx_panels_built()
+    amx = "amx-panels" if tiles else "onednn-amx"
+    assert k.names["linear"] == f"panel-bf16<={rows},{large}+{amx}"
+    assert k.names["gate_up"] == (f"panel-bf16-silu<={rows},{large}+amx-panels-silu" if tiles
+                                  else f"panel-bf16-silu<={rows},{large}+onednn-amx+c-silu")
+    assert k.describe().startswith(f"kernels [avx512-bf16]: linear=panel-bf16<={rows},{large}+{amx}, ")
     w = torch.randn(128, 64).bfloat16()
     packed = k.pack(w, gate_up=True)
-    assert packed.panels is not None and packed.onednn is not None and packed.panel_rows == rows
+    assert packed.panels is not None and (packed.onednn is None) == tiles and packed.panel_rows == rows
     # a weight past AMX_LARGE_BYTES (an LM head) streams from memory: the panels keep more rows
     head = torch.empty(packed_linear.AMX_LARGE_BYTES // 2 // 64 + 64, 64, dtype=torch.bfloat16)
     assert k.pack(head).panel_rows == large
@@ -75,7 +80,12 @@ def test_bf16_on_an_amx_cpu_takes_the_panels_for_few_rows_and_onednn_amx_for_mor
     zen4 = select_kernels(torch.bfloat16, features=ZEN4, options=ALL_ON).pack(w)
     assert zen4.onednn is None and zen4.panel_rows is None
     no_onednn = select_kernels(torch.bfloat16, features=SAPPHIRE_RAPIDS, options=KernelOptions(onednn=False))
-    assert no_onednn.names["linear"] == "panel-bf16" and no_onednn.pack(w).onednn is None
+    assert no_onednn.names["linear"] == (f"panel-bf16<={rows},{large}+amx-panels" if tiles else "panel-bf16")
+    assert no_onednn.pack(w).onednn is None
+    # KVFLOW_NO_AMX_PANELS: oneDNN's AMX GEMM on its own copy beside the panels (two copies)
+    copy = select_kernels(torch.bfloat16, features=SAPPHIRE_RAPIDS, options=KernelOptions(amx_panels=False))
+    assert copy.names["linear"] == f"panel-bf16<={rows},{large}+onednn-amx"
+    assert copy.pack(w).onednn is not None and copy.pack(w).panels is not None
     no_panels = select_kernels(torch.bfloat16, features=SAPPHIRE_RAPIDS, options=KernelOptions(panel_gemm=False))
     assert no_panels.names["linear"] == "onednn" and no_panels.pack(w).panels is None
     # fp32 is as before (the GEMV and oneDNN)
@@ -94,7 +104,7 @@ def test_bf16_on_an_amx_cpu_takes_the_panels_for_few_rows_and_onednn_amx_for_mor
 
 
 @pytest.mark.skipif(not PANELS_BUILT, reason="the panel GEMM needs AVX512-BF16")
-def test_the_row_threshold_picks_the_panels_or_onednn_and_both_agree():
+def test_the_row_threshold_picks_the_panels_or_amx_and_both_agree():
     torch.manual_seed(0)
     rows = packed_linear.AMX_PANEL_ROWS
     k = select_kernels(torch.bfloat16, features=SAPPHIRE_RAPIDS, options=ALL_ON)
@@ -105,8 +115,9 @@ def test_the_row_threshold_picks_the_panels_or_onednn_and_both_agree():
         x = torch.randn(m, 128).bfloat16()
         got = k.linear(x, w, packed, bias)
         panels = panel_gemm(x, packed.panels, 192, bias)
-        onednn = torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
-        assert torch.equal(got, panels if m <= rows else onednn), m
+        amx = (amx_panel_gemm(x, packed.panels, 192, bias) if packed.onednn is None
+               else torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], ""))
+        assert torch.equal(got, panels if m <= rows else amx), m
         torch.testing.assert_close(got.float(), F.linear(x.float(), w.float(), bias.float()),
                                    atol=2e-2, rtol=2e-2)
         want = ops.silu_mul_torch(F.linear(x.float(), gate_up.float())).bfloat16()
@@ -220,14 +231,16 @@ def test_no_kernels_gives_the_same_tokens(tiny_path, monkeypatch):
 def test_the_amx_choice_gives_the_same_greedy_tokens_as_the_panels(tiny_path):
     torch.set_num_threads(1)
     rng = np.random.default_rng(1)
-    # a 37-token prompt runs through oneDNN (AMX where the CPU has it), decode rows the panels
+    # a 37-token prompt runs through AMX (the tiles over the panels, or oneDNN where the CPU
+    # has no AMX), decode rows the panels
     prompts = {"a": rng.integers(0, 320, 37).tolist(), "b": rng.integers(0, 320, 6).tolist()}
     panels, arch = load_model(tiny_path, torch.bfloat16,
                               kernels=select_kernels(torch.bfloat16, features=ZEN4, options=ALL_ON))
     amx, _ = load_model(tiny_path, torch.bfloat16,
                         kernels=select_kernels(torch.bfloat16, features=SAPPHIRE_RAPIDS, options=ALL_ON))
-    assert amx.layers[0].packed["qkv_proj"].onednn is not None
-    assert panels.layers[0].packed["qkv_proj"].onednn is None
+    assert amx.layers[0].packed["qkv_proj"].panel_rows == packed_linear.AMX_PANEL_ROWS
+    assert (amx.layers[0].packed["qkv_proj"].onednn is None) == amx_panels_built()
+    assert panels.layers[0].packed["qkv_proj"].panel_rows is None
     want_tokens, want_logits = _greedy(panels, arch, prompts, steps=6)
     got_tokens, got_logits = _greedy(amx, arch, prompts, steps=6)
     assert got_tokens == want_tokens
@@ -257,3 +270,25 @@ def test_the_start_up_line_names_the_kernels_and_both_choices_give_the_same_toke
     assert "attention=c-decode" in fast_report and "norm=c," in fast_report
     assert "attention=sdpa" in plain_report and "norm=torch," in plain_report
     assert plain_tokens == fast_tokens
+
+
+@pytest.mark.skipif(not PANELS_BUILT, reason="the panel GEMM needs AVX512-BF16")
+def test_amx_tiles_over_the_panels_give_the_panel_gemm_result():
+    if not amx_panels_built():  # no AMX here: oneDNN's copy serves long batches instead
+        k = select_kernels(torch.bfloat16, features=SAPPHIRE_RAPIDS, options=ALL_ON)
+        assert k.pack(torch.randn(64, 64).bfloat16()).onednn is not None
+        return
+    torch.manual_seed(0)
+    # rows: under a tile, whole tiles, a tail; N: a partial panel; K: one and several tiles
+    for m, k, n, gate_up in ((5, 32, 200, False), (16, 64, 64, False), (37, 576, 960, False),
+                             (40, 256, 256, True), (1, 96, 130, False)):
+        w = (torch.randn(n, k) * 0.1).bfloat16()
+        x = torch.randn(m, k).bfloat16()
+        bias = None if gate_up else torch.randn(n).bfloat16()
+        panels = pack_panels(w, gate_up=gate_up)
+        want = panel_gemm(x, panels, n, bias, silu_mul=gate_up).float()
+        for threads in (1, 2):
+            got = amx_panel_gemm(x, panels, n, bias, threads, silu_mul=gate_up).float()
+            # the same bf16 rounding, the fp32 sums in another order: at most one bf16 step
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, atol=1e-2, rtol=2 ** -7)

@@ -18,6 +18,7 @@ import tempfile
 import torch
 
 from kvflow.checkpoint.gguf import read_gguf
+from kvflow.checkpoint.safetensors_io import read_tensors, write_tensors
 from kvflow.model.arch import LlamaArchConfig, save_arch_cache
 from kvflow.model_path import cache_dir_for
 from kvflow.models.registry import family_of
@@ -62,15 +63,9 @@ def cache_file_is_complete(path: str) -> bool:
 
 
 def load_gguf(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The fused weights of a GGUF file, from the conversion cache (made on a miss)."""
-    from safetensors.torch import load_file
-
-    cached = gguf_cache_file(path, dtype)
-    if not cache_file_is_complete(cached):
-        with _conversion_lock(cached):
-            if not cache_file_is_complete(cached):  # another start may have made it meanwhile
-                return _convert_gguf(path, dtype, cached)[1]
-    return load_file(cached)
+    """The fused weights of a GGUF file, from the conversion cache (made on a miss), each in
+    fresh memory (safetensors_io.py): a model that packs them frees each as it goes."""
+    return read_tensors(ensure_gguf_cache(path, dtype))
 
 
 def ensure_gguf_cache(path: str, dtype: torch.dtype) -> str:
@@ -80,7 +75,7 @@ def ensure_gguf_cache(path: str, dtype: torch.dtype) -> str:
     if not cache_file_is_complete(cached):
         with _conversion_lock(cached):
             if not cache_file_is_complete(cached):
-                _convert_gguf(path, dtype, cached)  # the returned full weights are dropped
+                _convert_gguf(path, dtype, cached)
     return cached
 
 
@@ -88,26 +83,27 @@ def _conversion_lock(cached: str):
     return file_lock(os.path.join(os.path.dirname(cached), "convert.lock"))
 
 
-def _convert_gguf(path: str, dtype: torch.dtype, cached: str
-                  ) -> tuple[LlamaArchConfig, dict[str, torch.Tensor]]:
-    """Dequantise and fuse, then publish the cache file (call with the conversion lock held)."""
-    from safetensors.torch import save_file
-
+def _convert_gguf(path: str, dtype: torch.dtype, cached: str) -> None:
+    """Dequantise and fuse, then publish the cache file (call with the conversion lock held).
+    Each tensor is in `dtype` as soon as it is read (a bf16 model never exists in fp32 at once:
+    9.1 GB peak for a 2.15 GB bf16 file before, benchmarks/load_memory.py)."""
     if os.path.exists(cached):
         logger.warning("kvflow: the weight cache %s is incomplete; converting again", cached)
-    arch, arrays = read_gguf(path)
-    hf = {name: torch.from_numpy(a if a.flags.writeable else a.copy()) for name, a in arrays.items()}
+
+    def convert(a):
+        return torch.from_numpy(a if a.flags.writeable else a.copy()).to(dtype)
+    arch, hf = read_gguf(path, convert=convert)
     weights = fuse_weights(hf, arch, dtype)
+    del hf
     cache = os.path.dirname(cached)
     os.makedirs(cache, exist_ok=True)
     save_arch_cache(arch, path)
     fd, tmp = tempfile.mkstemp(prefix="weights.", suffix=".tmp", dir=cache)
     os.close(fd)
     try:
-        save_file(weights, tmp, metadata={_COUNT_KEY: str(len(weights))})
+        write_tensors(weights, tmp, {_COUNT_KEY: str(len(weights))})
         publish(tmp, cached)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    return arch, weights

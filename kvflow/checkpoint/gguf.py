@@ -76,11 +76,13 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def read_gguf(path: str, raw_types: tuple[str, ...] = (), raw: dict | None = None
-              ) -> tuple[LlamaArchConfig, dict[str, np.ndarray]]:
+def read_gguf(path: str, raw_types: tuple[str, ...] = (), raw: dict | None = None,
+              convert=None) -> tuple[LlamaArchConfig, dict[str, np.ndarray]]:
     """Dequantise every tensor (Q4_*/Q8_0/F16/BF16/F32...) to float32 with HF names and shapes;
     tensors of `raw_types` (GGUF type names) go to `raw` under their HF names as the reader's
-    tensors instead, their blocks untouched (gpt-oss's MXFP4 experts, served as stored)."""
+    tensors instead, their blocks untouched (gpt-oss's MXFP4 experts, served as stored).
+    `convert` (an array -> what is kept) applies to each tensor as soon as it is read, so
+    that the whole model is never held in float32 (a 3-D expert tensor: to each expert)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -102,7 +104,7 @@ def read_gguf(path: str, raw_types: tuple[str, ...] = (), raw: dict | None = Non
         # GGUF lists dims innermost first; numpy's row-major shape is the reverse = HF's (out, in)
         w = w.reshape(tuple(int(d) for d in reversed(tensor.shape)))
         if experts is not None:  # [experts, out, in]
-            weights.update(zip(experts, w))
+            weights.update(zip(experts, w if convert is None else map(convert, w)))
             continue
         if name.endswith("shared_expert_gate.weight"):
             w = w.reshape(1, -1)  # llama.cpp stores this [1, hidden] row as a vector
@@ -113,5 +115,5 @@ def read_gguf(path: str, raw_types: tuple[str, ...] = (), raw: dict | None = Non
         if norm_shift and name.endswith("norm.weight"):
             w = w - np.float32(norm_shift)
         name, w = family.gguf_tensor(name, w, arch)
-        weights[name] = w
+        weights[name] = w if convert is None else convert(w)
     return arch, weights

@@ -26,7 +26,7 @@ logger = logging.getLogger("kvflow")
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [os.path.join(_DIR, f) for f in ("paged_attention.c", "paged_attention_quant.c",
-                                              "prefill_attention.c", "fused_ops.c", "gemm_bf16.c",
+                                              "prefill_attention.c", "fused_ops.c", "gemm_bf16.c", "gemm_amx.c",
                                               "gemm_quant.c", "gemm_q6.c", "gemm_q4k.c", "gemm_mxfp4.c",
                                               "gemm_quant_wide.c",
                                               "gemv_f32.c", "pool.c", "populate.c", "decode_step.c", "lora.c",
@@ -173,6 +173,7 @@ def library() -> ctypes.CDLL | None:
     lib.decode_step_layout.restype, lib.decode_step_layout.argtypes = _i64, [_i64]
     lib.gemm_bf16_available.restype, lib.gemm_bf16_available.argtypes = ctypes.c_int, []
     lib.prefill_amx_available.restype, lib.prefill_amx_available.argtypes = ctypes.c_int, []
+    lib.gemm_amx_available.restype, lib.gemm_amx_available.argtypes = ctypes.c_int, []
     lib.paged_prefill_bf16_supported.restype = ctypes.c_int
     lib.paged_prefill_bf16_supported.argtypes = [_i64, _i64, _i64, _i64]
     lib.kernel_pool_run.restype = None
@@ -188,7 +189,7 @@ POOL_KERNELS = {name: i for i, name in enumerate((
     "add_rms_norm_bf16", "rope_f32", "rope_bf16", "silu_mul_f32", "silu_mul_bf16",
     "gemm_rows", "gemm_panels", "quantize_q8", "qgemm_rows", "qgemm_panels",
     "qgemm_wide", "gemv_f32", "lora", "paged_decode_q8", "causal_conv", "gdn_decode",
-    "ssm_decode", "ssm_gated_norm", "gdn_chunk", "ssm_chunk", "gdn_gated_norm"))}
+    "ssm_decode", "ssm_gated_norm", "gdn_chunk", "ssm_chunk", "gdn_gated_norm", "gemm_amx"))}
 
 
 def run_kernel(name: str, words: list, num_rows: int, threads: int, farg: float = 0.0,

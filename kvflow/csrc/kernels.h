@@ -43,6 +43,11 @@ void gemm_bf16_panels(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K,
                       const uint16_t *packed, const uint16_t *bias, uint16_t *out,
                       int64_t out_stride, int64_t N, int64_t p_begin, int64_t p_end,
                       int64_t silu_mul);
+int gemm_amx_available(void);
+void gemm_amx_panels(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K,
+                     const uint16_t *packed, const uint16_t *bias, uint16_t *out,
+                     int64_t out_stride, int64_t N, int64_t p_begin, int64_t p_end,
+                     int64_t silu_mul);
 void quantize_rows_q8(const void *x, int64_t x_stride, int64_t K, int64_t Kb, int64_t bf16,
                       int64_t per_row, int8_t *qx, float *dx, float *dxs, int64_t begin,
                       int64_t end);
@@ -143,7 +148,7 @@ enum pool_kernel {
     POOL_ROPE_F32, POOL_ROPE_BF16, POOL_SILU_F32, POOL_SILU_BF16, POOL_GEMM_ROWS,
     POOL_GEMM_PANELS, POOL_QUANTIZE_Q8, POOL_QGEMM_ROWS, POOL_QGEMM_PANELS, POOL_QGEMM_WIDE,
     POOL_GEMV_F32, POOL_LORA, POOL_DECODE_Q8, POOL_CAUSAL_CONV, POOL_GDN_DECODE, POOL_SSM_DECODE,
-    POOL_SSM_GATED_NORM, POOL_GDN_CHUNK, POOL_SSM_CHUNK, POOL_GDN_GATED_NORM
+    POOL_SSM_GATED_NORM, POOL_GDN_CHUNK, POOL_SSM_CHUNK, POOL_GDN_GATED_NORM, POOL_GEMM_AMX
 };
 void kernel_pool_run(int64_t kernel, const int64_t *args, double farg, int64_t n,
                      const int64_t *weights, int64_t threads);

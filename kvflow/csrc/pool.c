@@ -88,6 +88,11 @@ static void k_gemm_panels(const int64_t *a, double f, int64_t b, int64_t e) {
     (void)f;
     gemm_bf16_panels(P(0), a[1], a[8], a[2], P(3), P(4), P(5), a[6], a[7], b, e, a[9]);
 }
+/* the same words on AMX's tiles (gemm_amx.c), split by panels */
+static void k_gemm_amx(const int64_t *a, double f, int64_t b, int64_t e) {
+    (void)f;
+    gemm_amx_panels(P(0), a[1], a[8], a[2], P(3), P(4), P(5), a[6], a[7], b, e, a[9]);
+}
 /* x, x_stride, K, Kb, bf16, per_row, qx, dx, dxs (rows of x) */
 static void k_quantize_q8(const int64_t *a, double f, int64_t b, int64_t e) {
     (void)f;
@@ -233,7 +238,7 @@ static const range_fn KERNELS[] = {
     k_rope_bf16, k_silu_f32, k_silu_bf16, k_gemm_rows, k_gemm_panels, k_quantize_q8,
     k_qgemm_rows, k_qgemm_panels, k_qgemm_wide, k_gemv_f32, k_lora, k_decode_q8,
     k_causal_conv, k_gdn_decode, k_ssm_decode, k_ssm_gated_norm, k_gdn_chunk, k_ssm_chunk,
-    k_gdn_gated_norm,
+    k_gdn_gated_norm, k_gemm_amx,
 };
 #define NUM_KERNELS ((int64_t)(sizeof KERNELS / sizeof KERNELS[0]))
 

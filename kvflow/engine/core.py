@@ -18,6 +18,7 @@ from kvflow.distributed.pipeline import stage_layers
 from kvflow.engine.input_processor import InputProcessor, RequestLimits
 from kvflow.engine.kv_events import KVEventBatch, make_publisher, to_wire
 from kvflow.engine.kv_sizing import max_concurrency, num_kv_blocks
+from kvflow.engine.memory_report import kv_cache_bytes, memory_line
 from kvflow.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kvflow.engine.speculator import build_speculator
 from kvflow.engine.step_trace import StepTrace
@@ -34,7 +35,7 @@ from kvflow.model.cuda_graphs import decode_graphs_for
 from kvflow.model.key_scales import key_scales_digest
 from kvflow.model.kv_cache import kv_bytes_per_token, kv_cache_groups, kv_layer_shapes
 from kvflow.attention.kv_layout import INT8_SCALE_BYTES, resolve_kv_dtype
-from kvflow.model.loader import load_model, resolve_device, resolve_dtype
+from kvflow.model.loader import load_model, resolve_device, resolve_dtype, weight_bytes
 from kvflow.model.quant.load import resolve_quantization
 from kvflow.model.sharding import kv_bytes_per_token_per_rank, shard_layout
 from kvflow.model.weight_dtype import storage_dtype
@@ -340,10 +341,18 @@ class EngineCore:
                    f"{self._rank_weights_report()}; " if self.num_ranks > 1 else "")
                 + (self._gpu_report() if self.device.type == "cuda" else "")
                 + f"{self.executor.runner.model.kernels.describe()}; "
+                + (f"{self._memory_report()}; " if self.device.type == "cpu" else "")
                 + self._lora_report()
                 + (f"{self.spec.describe()}; " if self.spec is not None else "")
                 + (f"{self.kv_connector.describe()}; " if self.kv_connector.describe() else "")
                 + f"ready in {self.startup_time:.1f}s")
+
+    def _memory_report(self) -> str:
+        """This process's weights, KV cache and runtime memory (memory_report.py)."""
+        runner = self.executor.runner
+        sizes = getattr(self.executor, "rank_weight_bytes", None)
+        weights = sizes[0] if sizes else weight_bytes(runner.model)
+        return memory_line(weights, kv_cache_bytes(getattr(runner, "kv_caches", None)))
 
     def _rank_weights_report(self) -> str:
         """Each rank's weights in memory, as each rank loaded them (quantized: as stored)."""

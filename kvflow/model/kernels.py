@@ -8,9 +8,10 @@ What serves here, and why:
 
 - projections: kvflow's bf16 panel GEMM where the CPU has AVX512-BF16 (faster than oneDNN on
   decode-sized batches, level on long prefills: packed_linear.py); where it also has AMX, the
-  panels serve only batches of up to AMX_PANEL_ROWS rows (AMX_PANEL_ROWS_LARGE for the LM head)
-  and oneDNN's AMX GEMM the longer ones (2-14x the panels' rate from 16 rows:
-  packed_linear.amx_panel_rows); else oneDNN's prepacked
+  panels' AVX512-BF16 kernel serves only batches of up to AMX_PANEL_ROWS rows
+  (AMX_PANEL_ROWS_LARGE for the LM head) and AMX's tiles the longer ones, reading the same
+  panels (2-14x the AVX512-BF16 rate from 16 rows: packed_linear.amx_panel_rows; one copy of the
+  weights, csrc/gemm_amx.c); else oneDNN's prepacked
   GEMM (fp32; bf16 only on CPUs with native bf16, elsewhere oneDNN emulates it), else F.linear;
   in fp32, batches of up to GEMV_MAX_ROWS rows take kvflow's fp32 GEMV (AVX-512 or AVX2:
   csrc/gemv_f32.c), which streams a decode step's weights faster than oneDNN, from fp32
@@ -55,13 +56,14 @@ from kvflow.csrc.lora import best_lora_isa, lora_add, lora_add_torch
 from kvflow.csrc.state_update import best_state_isa
 from kvflow.model import packed_linear
 from kvflow.model.cpu_features import CpuFeatures, cpu_features
+from kvflow.csrc.gemm import amx_panels_built
 from kvflow.model.packed_linear import AMX_PANEL_ROWS, AMX_PANEL_ROWS_LARGE
 
 
 @dataclass(frozen=True)
 class KernelOptions:
     """The user's opt-outs (KVFLOW_NO_KERNELS, KVFLOW_NO_ONEDNN, KVFLOW_NO_PANEL_GEMM,
-    KVFLOW_NO_GEMV, KVFLOW_NO_AMX_ATTENTION), a narrower fp32 GEMV path to measure
+    KVFLOW_NO_GEMV, KVFLOW_NO_AMX_ATTENTION, KVFLOW_NO_AMX_PANELS), a narrower fp32 GEMV path to measure
     (KVFLOW_GEMV_ISA), and the storage dtype of the GEMV's weights (the `weight_dtype` option:
     None is fp32; bf16 or fp16 are widened to fp32 in the kernel, model/weight_dtype.py)."""
 
@@ -70,6 +72,7 @@ class KernelOptions:
     panel_gemm: bool = True
     gemv: bool = True
     amx_attention: bool = True
+    amx_panels: bool = True  # False: oneDNN's AMX GEMM on its own copy (KVFLOW_NO_AMX_PANELS)
     gemv_isa: str | None = None  # None: the widest this CPU and build have
     gemv_dtype: torch.dtype | None = None
 
@@ -84,7 +87,8 @@ class KernelOptions:
     def from_env(cls) -> "KernelOptions":
         return cls(c_kernels=not envs.KVFLOW_NO_KERNELS, onednn=not envs.KVFLOW_NO_ONEDNN,
                    panel_gemm=not envs.KVFLOW_NO_PANEL_GEMM, gemv=not envs.KVFLOW_NO_GEMV,
-                   amx_attention=not envs.KVFLOW_NO_AMX_ATTENTION, gemv_isa=envs.KVFLOW_GEMV_ISA)
+                   amx_attention=not envs.KVFLOW_NO_AMX_ATTENTION,
+                   amx_panels=not envs.KVFLOW_NO_AMX_PANELS, gemv_isa=envs.KVFLOW_GEMV_ISA)
 
 
 @dataclass(frozen=True)
@@ -203,12 +207,15 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
     gemv_all = gemv_isa is not None and GEMV_MAX_ROWS.get(gemv_isa, 0) >= GEMV_ALL_ROWS
     onednn = onednn and not gemv_all  # the GEMV serves every batch: no second copy
     silu_mul = ops.silu_mul if c else ops.silu_mul_torch
-    amx = panels and onednn and features.amx_bf16
-    # rows past these: oneDNN's AMX GEMM (the larger for weights over AMX_LARGE_BYTES)
+    # AMX's tiles over the panels (gemm_amx.c), else oneDNN's AMX GEMM on a copy of its own
+    tiles = panels and features.amx_bf16 and options.amx_panels and amx_panels_built()
+    amx = panels and features.amx_bf16 and (tiles or onednn)
+    amx_name = "amx-panels" if tiles else "onednn-amx"
+    # rows past these: AMX (the larger for weights over AMX_LARGE_BYTES)
     amx_rows = f"<={AMX_PANEL_ROWS},{AMX_PANEL_ROWS_LARGE}" if amx else ""
     linear_name = "panel-bf16" if panels else "onednn" if onednn else "torch"
     if amx:
-        linear_name = f"panel-bf16{amx_rows}+onednn-amx"
+        linear_name = f"panel-bf16{amx_rows}+{amx_name}"
     gemv_dtype = options.gemv_dtype if gemv_isa is not None else None
     if gemv_isa is not None:  # decode-sized batches: the GEMV; longer ones as above
         stored = {torch.bfloat16: "-bf16", torch.float16: "-fp16"}.get(gemv_dtype, "")
@@ -218,7 +225,8 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
                             amx_attention=options.amx_attention)
     c_name = "c" if c else "torch"
     names = {"linear": linear_name,
-             "gate_up": (f"panel-bf16-silu{amx_rows}+onednn-amx+{c_name}-silu" if amx
+             "gate_up": ((f"panel-bf16-silu{amx_rows}+amx-panels-silu" if tiles
+                          else f"panel-bf16-silu{amx_rows}+onednn-amx+{c_name}-silu") if amx
                          else "panel-bf16-silu" if panels else f"{linear_name}+{c_name}-silu"),
              "attention": attn.name, "norm": c_name, "rope": c_name, "kv_write": attn.write_name,
              "argmax": "c" if c and dtype == bf16 else "torch"}
@@ -227,7 +235,7 @@ def select_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
     names["state"] = f"c-{state_isa}" if state_isa else "torch"
     pack = (partial(packed_linear.pack_weight, panels=panels, onednn=onednn, gemv_isa=gemv_isa,
                     gemv_rows=GEMV_MAX_ROWS.get(gemv_isa, 0), gemv_dtype=gemv_dtype,
-                    amx=amx)
+                    amx=amx, amx_tiles=tiles)
             if panels or onednn or gemv_isa else None)
     return Kernels(
         dtype=dtype, kv_dtype=kv_dtype, device_type=device_type, features=features,

@@ -9,12 +9,14 @@ from dataclasses import replace
 import torch
 
 from kvflow.checkpoint.compressed_tensors import METHOD, checkpoint_method, dequantized, read_raw
-from kvflow.checkpoint.conversion_cache import fuse_weights, load_gguf
+from kvflow.checkpoint.conversion_cache import ensure_gguf_cache, fuse_weights, load_gguf
+from kvflow.checkpoint.safetensors_io import TensorFile
 from kvflow.checkpoint.hf_folder import read_hf_folder
 from kvflow.model.arch import LlamaArchConfig, load_arch_config
 from kvflow.model.cpu_features import cpu_features
 from kvflow.model.kernels import KernelOptions, Kernels, select_kernels
 from kvflow.model.kv_scales import apply_kv_scales
+from kvflow.model.malloc_tuning import release_free_memory
 from kvflow.model.quant.load import MXFP4, MXFP4_FAMILIES, resolve_quantization
 from kvflow.model.sharding import load_shard
 from kvflow.model.weight_dtype import check_checkpoint, round_weights
@@ -90,6 +92,16 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None 
         if loaded is not None:
             apply_kv_scales(loaded[0], path, loaded[1].num_hidden_layers, loaded[1].num_key_value_heads)
             return loaded
+    if kernels is None:
+        options = replace(KernelOptions.from_env(), gemv_dtype=weight_dtype)
+        kernels = select_kernels(dtype, device=device, options=options)
+    on_cpu = device is None or torch.device(device).type == "cpu"
+    if is_gguf(path) and weight_dtype is None and on_cpu:
+        model = family.model_class(arch)(arch, dtype, device="meta", kernels=kernels)
+        if model.packs_by_layer():  # one layer's float weights at a time beside the packed model
+            _load_packing(model, ensure_gguf_cache(path, dtype))
+            apply_kv_scales(model, path, arch.num_hidden_layers, arch.num_key_value_heads)
+            return model.eval(), arch
     if is_gguf(path):
         weights = load_gguf(path, dtype)
     elif quantization == METHOD:  # no int8 kernels here (or this architecture): as floats
@@ -100,17 +112,44 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None 
     if weight_dtype is not None and not exact:  # a checkpoint in that dtype needs no rounding
         round_weights(weights, weight_dtype)
     # build on the meta device, then adopt the loaded tensors without a second copy
-    if kernels is None:
-        options = replace(KernelOptions.from_env(), gemv_dtype=weight_dtype)
-        kernels = select_kernels(dtype, device=device, options=options)
     model = family.model_class(arch)(arch, dtype, device="meta", kernels=kernels)
     model.load_state_dict(weights, strict=True, assign=True)
+    del weights  # the model holds them now: each goes when its packed copy is made
     model.eval()
     if device is not None:
         model.to(device)
     model.pack_weights()
+    release_free_memory()  # the freed float copies back to the OS, not kept by malloc
     apply_kv_scales(model, path, arch.num_hidden_layers, arch.num_key_value_heads)
     return model, arch
+
+
+def _load_packing(model: torch.nn.Module, cache_file: str) -> None:
+    """Adopt a fused safetensors file's tensors, packing each decoder layer as soon as its
+    weights are read: the float copy of one layer at a time sits beside the packed model
+    (read all first, the whole float model did, each weight freed only as it was packed).
+    The names must be the model's parameters exactly, as load_state_dict(strict=True)."""
+    with TensorFile(cache_file) as f:
+        expected = {name for name, _ in model.named_parameters()}
+        if set(f.names) != expected:
+            raise ValueError(f"weights: missing {sorted(expected - set(f.names))[:8]}, "
+                             f"unexpected {sorted(set(f.names) - expected)[:8]}")
+        by_layer: dict[int, list[str]] = {}
+        rest = []
+        for name in f.names:
+            parts = name.split(".")
+            if parts[0] == "layers":
+                by_layer.setdefault(int(parts[1]), []).append(name)
+            else:
+                rest.append(name)
+        model.load_state_dict({name: f.read(name) for name in rest}, strict=False, assign=True)
+        for i in range(len(model.layers)):
+            model.load_state_dict({name: f.read(name) for name in by_layer.get(i, [])},
+                                  strict=False, assign=True)
+            model.pack_layer(i)
+            release_free_memory()  # the layer's float weights back to the OS (malloc keeps them otherwise)
+    model.pack_head()
+    release_free_memory()
 
 
 def load_sharded_model(path: str, dtype: torch.dtype, tp,
@@ -155,9 +194,19 @@ def load_sharded_model(path: str, dtype: torch.dtype, tp,
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """The bytes a loaded model (or one rank's shard of it) holds as weights: a quantized one's
-    panels and float tensors (its load's count), else its float parameters (prepacked copies
-    not counted)."""
+    panels and float tensors (its load's count), else its float parameters still in memory and
+    every prepacked copy (panels, oneDNN's, the GEMV's), each tensor once."""
     report = getattr(model, "quant_report", None)
     if report is not None:
         return report["weight_bytes"]
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta")
+    seen: dict[int, int] = {}
+    for p in model.parameters():
+        if p.device.type != "meta":
+            seen[p.data_ptr()] = p.numel() * p.element_size()
+    packs = [getattr(model, "packed_lm_head", None)]
+    packs += [p for layer in getattr(model, "layers", []) for p in getattr(layer, "packed", {}).values()]
+    for packed in packs:  # (oneDNN's copy is opaque: no data pointer, counted by identity)
+        for t in (getattr(packed, f, None) for f in ("panels", "onednn", "gemv")):
+            if t is not None:
+                seen[id(t)] = t.numel() * t.element_size()
+    return sum(seen.values())

@@ -7,7 +7,11 @@ of a 2,048-token prefill step in fp32 on this machine. Pinning the mmap threshol
 trim threshold makes malloc reuse its heap; the engine's memory then stays at its peak
 working set (a few hundred MiB above the weights), which a server reaches anyway.
 
-KVFLOW_MALLOC_TUNING=0 leaves malloc alone. Elsewhere than glibc this does nothing."""
+KVFLOW_MALLOC_TUNING=0 leaves malloc alone. Elsewhere than glibc this does nothing.
+
+Loading is the opposite case: a model's float tensors are freed as their packed copies are
+made, once, and what malloc keeps of them would stay resident for the engine's life, so the
+loader hands the free heap back (`release_free_memory`) before the thresholds above are set."""
 from __future__ import annotations
 
 import ctypes

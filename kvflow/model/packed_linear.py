@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.csrc import ops
-from kvflow.csrc.gemm import GATE_UP_ALIGN, pack_panels, panel_gemm
+from kvflow.csrc.gemm import (GATE_UP_ALIGN, PANEL, amx_panel_gemm, amx_panels_built,
+                              pack_panels, panel_gemm)
 from kvflow.csrc.gemv import gemv_f32, pack_gemv
 from kvflow.model.quant.qlinear import QuantizedWeight, norm_quant_linear, quant_linear
 
@@ -36,18 +37,20 @@ from kvflow.model.quant.qlinear import QuantizedWeight, norm_quant_linear, quant
 # the two-step path and its short-lived tensors; 256 is vLLM's default max_num_seqs.
 FUSED_ROWS = 256
 
-# On CPUs with AMX, bf16 batches of more than AMX_PANEL_ROWS rows take oneDNN's AMX GEMM instead
-# of the panels, more than AMX_PANEL_ROWS_LARGE for weights of over AMX_LARGE_BYTES (the LM
-# head), which stream from memory at those rows (benchmarks/amx_gemm.py, Xeon with AMX, one
-# thread: the panels ahead at 1-2 rows, AMX from 4-8 rows on the projections and 2-14x ahead
-# from 16; on the LM head the panels ahead to 4 rows and level at 8).
+# On CPUs with AMX, bf16 batches of more than AMX_PANEL_ROWS rows take AMX's tiles instead of
+# the panels' AVX512-BF16 kernel, more than AMX_PANEL_ROWS_LARGE for weights of over
+# AMX_LARGE_BYTES (the LM head), which stream from memory at those rows (benchmarks/amx_gemm.py,
+# Xeon with AMX, one thread: the panels ahead at 1-2 rows, AMX from 4-8 rows on the projections
+# and 2-14x ahead from 16; on the LM head the panels ahead to 4 rows and level at 8). The tiles
+# read the same panels (gemm_amx.c): one copy of the weights; oneDNN's AMX GEMM, which needs
+# its own blocked copy, serves only weights whose K is not a multiple of 32.
 AMX_PANEL_ROWS = 4
 AMX_PANEL_ROWS_LARGE = 8
 AMX_LARGE_BYTES = 16 << 20
 
 
 def amx_panel_rows(w: torch.Tensor) -> int:
-    """The most rows for which the panels serve `w` beside oneDNN's AMX copy."""
+    """The most rows for which the panels' AVX512-BF16 kernel serves `w` on a CPU with AMX."""
     large = w.numel() * w.element_size() > AMX_LARGE_BYTES
     return AMX_PANEL_ROWS_LARGE if large else AMX_PANEL_ROWS
 
@@ -55,14 +58,16 @@ def amx_panel_rows(w: torch.Tensor) -> int:
 @dataclass
 class PackedWeight:
     """One projection's weight in the layout its GEMM reads (exactly one is set, but `gemv`
-    may sit beside `onednn`, and on CPUs with AMX `onednn` beside `panels`)."""
+    may sit beside `onednn`, and on CPUs with AMX `onednn` beside `panels` where AMX's tiles
+    cannot read the panels)."""
     panels: torch.Tensor | None = None  # kvflow's bf16 panels (kvflow/csrc/gemm.py)
     onednn: torch.Tensor | None = None  # oneDNN's blocked copy
     gemv: torch.Tensor | None = None  # GEMV panels (fp32, bf16 or fp16) for up to gemv_rows rows
     gemv_isa: str = "scalar"
     gemv_rows: int = 0
-    # with `onednn` beside `panels` (CPUs with AMX): batches of up to this many rows take the
-    # panels, longer ones oneDNN's AMX GEMM; None: the panels take every batch
+    # CPUs with AMX: batches of up to this many rows take the panels' AVX512-BF16 kernel, longer
+    # ones AMX's tiles (over the panels, or oneDNN's copy where that is set); None: the panels'
+    # kernel takes every batch
     panel_rows: int | None = None
     gate_up: bool = False  # panels of an MLP's [gate; up], for the GEMM with SiLU fused
     quant: QuantizedWeight | None = None  # quantized weights (kvflow/model/quant): the only copy
@@ -87,19 +92,22 @@ def panels_take(w: torch.Tensor) -> bool:
 def pack_weight(w: torch.Tensor, gate_up: bool = False, *, panels: bool,
                 onednn: bool, gemv_isa: str | None = None, gemv_rows: int = 0,
                 gemv_dtype: torch.dtype | None = None,
-                amx: bool = False) -> PackedWeight | None:
+                amx: bool = False, amx_tiles: bool = True) -> PackedWeight | None:
     """An (out, in) weight packed for `linear`: bf16 panels where `panels` and the kernel takes
-    it, else oneDNN's layout where `onednn`; None: plain F.linear. With `amx` (and `onednn`:
-    a CPU with AMX) a bf16 weight gets both: batches of up to amx_panel_rows(w) rows read the
-    panels, longer ones oneDNN's copy (two copies of the weight). `gate_up`: w is an MLP's
+    it, else oneDNN's layout where `onednn`; None: plain F.linear. With `amx` (a CPU with AMX)
+    batches of up to amx_panel_rows(w) rows take the panels' AVX512-BF16 kernel, longer ones AMX's
+    tiles over the same panels (where gemm_amx.c takes them, else oneDNN's copy beside the
+    panels, when `onednn`; `amx_tiles` False: oneDNN's copy always). `gate_up`: w is an MLP's
     [gate; up], for `linear_silu_mul`. An fp32 weight also gets the GEMV's panels when
     `gemv_isa` is given: batches of up to `gemv_rows` rows read those instead (a decode step
     streams the weights at close to the memory's rate there; oneDNN's copy serves longer
     batches), stored in `gemv_dtype` (None: fp32; bf16/fp16 round w, model/weight_dtype.py).
     (kernels.py decides all of these once.)"""
     if panels and panels_take(w):
-        copy = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64) if onednn and amx else None
-        rows = amx_panel_rows(w) if copy is not None else None
+        tiles = amx and amx_tiles and amx_panels_built() and w.shape[1] % 32 == 0
+        copy = (torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64)
+                if onednn and amx and not tiles else None)
+        rows = amx_panel_rows(w) if tiles or copy is not None else None
         if gate_up and w.shape[0] % GATE_UP_ALIGN == 0:
             return PackedWeight(panels=pack_panels(w.detach(), gate_up=True), gate_up=True,
                                 onednn=copy, panel_rows=rows)
@@ -112,6 +120,35 @@ def pack_weight(w: torch.Tensor, gate_up: bool = False, *, panels: bool,
             gemv=pack_gemv(w.detach(), gemv_dtype) if gemv else None, gemv_isa=gemv_isa if gemv else "scalar",
             gemv_rows=gemv_rows if gemv else 0)
     return None
+
+
+def serves_alone(packed: PackedWeight | None) -> bool:
+    """`linear` and `linear_silu_mul` never read the plain weight beside `packed`, and the
+    weight can be had back bit for bit (unpack_panels): its bf16 copy can go once packed (the
+    quantized load keeps none either). (An fp32 model's oneDNN and GEMV copies keep theirs.)"""
+    return packed is not None and packed.quant is None and packed.panels is not None
+
+
+def unpack_panels(packed: PackedWeight, n: int) -> torch.Tensor:
+    """The (n, K) weight packed in `packed.panels`, bit for bit (for a released weight)."""
+    p = packed.panels
+    w = p.permute(0, 2, 1, 3).reshape(-1, p.shape[1] * 2)[:n]
+    if packed.gate_up:
+        w = w.view(n // PANEL, 2, PANEL // 2, -1).transpose(0, 1).reshape(n, -1)
+    return w
+
+
+def released(w: torch.Tensor) -> torch.nn.Parameter:
+    """`w`'s place after packing: its shape and dtype on the meta device, no memory."""
+    return torch.nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+
+
+def panel_rows_of(packed: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the weight packed in `packed.panels` (not a gate_up pack), bit for bit: a
+    tied embedding reads its table from the LM head's panels (one copy of the table)."""
+    p = packed.panels
+    ids = ids.reshape(-1).long()
+    return p[ids // PANEL, :, ids % PANEL, :].reshape(ids.shape[0], p.shape[1] * 2)
 
 
 def row_bucket(m: int) -> int:
@@ -129,9 +166,12 @@ def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, packed: PackedWeight | Non
     gate_up=True (the [M, 2I] projection is never stored and the SiLU pass is gone: ~1% of
     W1), else `linear` then `silu_mul` (the chosen one). The same numbers either way."""
     if packed is not None and packed.gate_up:
+        threads = torch.get_num_threads()
         if packed.panel_rows is not None and x.shape[0] > packed.panel_rows:
-            return silu_mul(_onednn_linear(x, packed.onednn, None))
-        return panel_gemm(x, packed.panels, w.shape[0], None, torch.get_num_threads(), silu_mul=True)
+            if packed.onednn is not None:
+                return silu_mul(_onednn_linear(x, packed.onednn, None))
+            return amx_panel_gemm(x, packed.panels, w.shape[0], None, threads, silu_mul=True)
+        return panel_gemm(x, packed.panels, w.shape[0], None, threads, silu_mul=True)
     if (packed is not None and packed.quant is not None and silu_mul is ops.silu_mul
             and x.shape[0] <= FUSED_ROWS):
         return quant_linear(x, packed.quant, silu_mul=True)  # the C kernel's numbers, one call
@@ -146,17 +186,25 @@ def linear(x: torch.Tensor, w: torch.Tensor, packed: PackedWeight | None,
     if packed is not None and packed.quant is not None:
         return quant_linear(x, packed.quant, bias)
     m = x.shape[0]
-    if packed is not None and packed.panel_rows is not None and m > packed.panel_rows:
-        return _onednn_linear(x, packed.onednn, bias)  # AMX, also for a gate_up pack
-    if packed is None or packed.gate_up:
+    if packed is None:
         return F.linear(x, w, bias)
+    if packed.panel_rows is not None and m > packed.panel_rows and packed.onednn is not None:
+        return _onednn_linear(x, packed.onednn, bias)  # AMX, also for a gate_up pack
     if packed.panels is not None:
-        return panel_gemm(x, packed.panels, w.shape[0], bias, torch.get_num_threads())
+        gemm = amx_panel_gemm if packed.panel_rows is not None and m > packed.panel_rows else panel_gemm
+        out = gemm(x, packed.panels, w.shape[0], bias, torch.get_num_threads())
+        return _gate_up_order(out) if packed.gate_up else out
     if packed.gemv is not None and m <= packed.gemv_rows and x.dtype == torch.float32:
         return gemv_f32(x, packed.gemv, w.shape[0], bias, packed.gemv_isa, torch.get_num_threads())
     if packed.onednn is None:
         return F.linear(x, w, bias)
     return _onednn_linear(x, packed.onednn, bias)
+
+
+def _gate_up_order(out: torch.Tensor) -> torch.Tensor:
+    """[gate; up] columns back from a gate_up pack's order (per panel: 32 gate, then 32 up)."""
+    m, n = out.shape
+    return out.view(m, n // GATE_UP_ALIGN, 2, GATE_UP_ALIGN // 2).transpose(1, 2).reshape(m, n)
 
 
 def _onednn_linear(x: torch.Tensor, onednn: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -15,6 +15,8 @@ shard: its own heads and MLP slice, all-reduced after the row-parallel O and dow
 and a vocab-parallel embedding and LM head (kvflow/model/sharding.py has the layout)."""
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -28,7 +30,7 @@ from kvflow.layers.rotary import ROPE_CACHE_MAX, partial_rope_, rope_tables
 from kvflow.model.arch import LlamaArchConfig
 from kvflow.model.decode_graph import DecodeGraph
 from kvflow.model.kernels import Kernels, select_kernels
-from kvflow.model.packed_linear import PackedWeight
+from kvflow.model.packed_linear import PackedWeight, panel_rows_of, released, serves_alone, unpack_panels
 from kvflow.model.sharding import local_arch
 from kvflow.model.tp_layers import gather_vocab_logits, vocab_parallel_embedding
 from kvflow.models.family import ModelFamily
@@ -181,22 +183,53 @@ class LlamaForCausalLM(nn.Module):
         # decode steps' layers in one C call (decode_graph.py): built on the first step, for
         # the kernels of that moment (None: this model's steps run layer by layer)
         self._decode_graph: tuple = (None, None)
+        # state_dict names of weights released after packing -> their packs: state_dict()
+        # still gives every weight, from its panels
+        self._released: dict[str, PackedWeight] = {}
+        self._register_state_dict_hook(partial(_unpacked_state, self._released))
 
     def pack_weights(self) -> bool:
-        """Keep prepacked copies of the projections and the LM head beside the weights
-        (which stay as they are for state_dict and the embedding). False: not usable here."""
-        pack = self.kernels.pack
-        if self.layers[0].o_proj.device.type != "cpu" or pack is None:
+        """Pack the projections and the LM head for their kernels; each float weight a pack
+        serves alone goes (released: on the meta device), so a model holds one copy of its
+        weights. A tied embedding then reads its rows from the LM head's panels. False: not
+        usable here (the weights stay as they are)."""
+        if self.layers[0].o_proj.device.type != "cpu" or self.kernels.pack is None:
             return False
-        for layer in self.layers:
-            layer.packed = {name: pack(getattr(layer, name), gate_up=name == "gate_up_proj")
-                            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-                            if getattr(layer, name) is not None}
-            if layer.moe is not None:
-                layer.moe.pack_weights(pack)
-        if self.pp_last:
-            self.packed_lm_head = pack(self.embed_tokens if self.lm_head is None else self.lm_head)
+        for i in range(len(self.layers)):
+            self.pack_layer(i)
+        self.pack_head()
         return True
+
+    def packs_by_layer(self) -> bool:
+        """pack_layer and pack_head are this model's pack_weights (a loader may then read and
+        pack one layer at a time: model/loader.py); False where a family packs its own way."""
+        return type(self).pack_weights is LlamaForCausalLM.pack_weights and self.kernels.pack is not None
+
+    def pack_layer(self, i: int) -> None:
+        """Pack layer i's projections (on the CPU), releasing each weight its pack serves alone."""
+        pack, layer = self.kernels.pack, self.layers[i]
+        layer.packed = {}
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            w = getattr(layer, name)
+            if w is None:
+                continue
+            layer.packed[name] = pack(w, gate_up=name == "gate_up_proj")
+            if serves_alone(layer.packed[name]):
+                setattr(layer, name, released(w))
+                self._released[f"layers.{i}.{name}"] = layer.packed[name]
+        if layer.moe is not None:
+            layer.moe.pack_weights(pack)
+
+    def pack_head(self) -> None:
+        """Pack the LM head (the embedding, tied), releasing it where its panels serve alone:
+        a tied table too, where the embedding can read its rows from them (one rank)."""
+        if not self.pp_last:
+            return
+        name = "embed_tokens" if self.lm_head is None else "lm_head"
+        self.packed_lm_head = self.kernels.pack(getattr(self, name))
+        if serves_alone(self.packed_lm_head) and (name == "lm_head" or self.tp is None):
+            setattr(self, name, released(getattr(self, name)))
+            self._released[name] = self.packed_lm_head
 
     def cover_positions(self, n_pos: int) -> None:
         """Make the cos/sin tables hold positions 0..n_pos-1 (the kernels index them without a
@@ -228,6 +261,8 @@ class LlamaForCausalLM(nn.Module):
             x, delta = hidden[0], hidden[1]
         elif self.quantized_embedding is not None:
             x = self.quantized_embedding(input_ids)
+        elif self.embed_tokens.device.type == "meta":  # tied: the LM head's panels hold the table
+            x = panel_rows_of(self.packed_lm_head, input_ids)
         elif self.tp is None:
             x = F.embedding(input_ids, self.embed_tokens)
         else:
@@ -304,6 +339,14 @@ _MIXTRAL = "MixtralForCausalLM"
 # llama.cpp's choice where the file does not say (expert_weights_norm): Qwen2-MoE leaves the
 # top-k weights as they come out of the softmax, Qwen3-MoE and Mixtral renormalise them.
 _GGUF_NORM_TOPK = {"Qwen2MoeForCausalLM": False}
+
+
+def _unpacked_state(gone: dict, module, state: dict, prefix: str, local_metadata) -> None:
+    """A state_dict hook: released weights back from their panels, bit for bit."""
+    for name, packed in gone.items():
+        key = prefix + name
+        if key in state and state[key].device.type == "meta":
+            state[key] = unpack_panels(packed, state[key].shape[0])
 
 
 class LlamaFamily(ModelFamily):

@@ -213,8 +213,10 @@ def load_quantized_model(path: str, dtype: torch.dtype, quantization: str,
         model.quantized_embedding = QuantizedEmbedding(quant["embed_tokens"], dtype, tp)
     weight_bytes = sum(w.nbytes for w in {id(w): w for w in quant.values()}.values())
     weight_bytes += sum(t.numel() * t.element_size() for t in plain.values())
+    from kvflow.model.malloc_tuning import release_free_memory
     from kvflow.model.quant.gguf_native import describe
 
+    release_free_memory()  # what packing freed goes back to the OS, not kept by malloc
     rss = rss_bytes()
     where = "" if not sharded else f" on rank {rank} of {size}" + (
         "" if layers is None else f", layers {layers.start}-{layers.stop - 1}")
