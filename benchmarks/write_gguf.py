@@ -8,7 +8,11 @@ never in memory at once). Files go where you say (not the repository: they are l
     python benchmarks/write_gguf.py llama3-8b DST.gguf --type Q4_0 --tokenizer-from SRC.gguf
         Llama-3-8B's shapes (32 layers, hidden 4096, 32/8 heads, FFN 14336, vocab 128256,
         untied output) with random weights in --type blocks, and SRC's tokenizer padded to the
-        vocabulary with unused control tokens."""
+        vocabulary with unused control tokens.
+    python benchmarks/write_gguf.py llama32-1b DST.gguf --type BF16 --tokenizer-from SRC.gguf
+        Llama-3.2-1B's shapes (16 layers, hidden 2048, 32/8 heads, FFN 8192, tied output) with
+        SRC's vocabulary (the default model's: 49152 tokens, not Llama 3's 128256, so that its
+        tokenizer fits): 1.07B parameters, 2.15 GB in BF16."""
 from __future__ import annotations
 
 import argparse
@@ -18,7 +22,10 @@ import sys
 import numpy as np
 
 LLAMA3_8B = dict(hidden=4096, ffn=14336, layers=32, heads=32, kv_heads=8, vocab=128256,
-                 rope_theta=500000.0, ctx=8192, eps=1e-5)
+                 rope_theta=500000.0, ctx=8192, eps=1e-5, tied=False)
+LLAMA32_1B = dict(hidden=2048, ffn=8192, layers=16, heads=32, kv_heads=8, vocab=None,
+                  rope_theta=500000.0, ctx=8192, eps=1e-5, tied=True)
+SHAPES = {"llama3-8b": LLAMA3_8B, "llama32-1b": LLAMA32_1B}
 
 
 def _copy_metadata(reader, writer, skip: tuple[str, ...] = ()) -> None:
@@ -77,15 +84,20 @@ def requant(src: str, dst: str, type_name: str) -> None:
     _write(writer, plan, make)
 
 
-def llama3_8b(dst: str, type_name: str, tokenizer_from: str, seed: int = 0) -> None:
+def llama_shaped(dst: str, type_name: str, tokenizer_from: str, shape: str | dict = "llama3-8b",
+                 seed: int = 0) -> None:
+    """A Llama of SHAPES[shape] (or the dict `shape`, its keys) with random weights (vocab
+    None: the tokenizer's own)."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
     from gguf.quants import quantize, quant_shape_to_byte_shape
 
-    s = LLAMA3_8B
     qtype = GGMLQuantizationType[type_name]
     src = GGUFReader(tokenizer_from)
+    s = dict(SHAPES[shape] if isinstance(shape, str) else shape)
+    if s["vocab"] is None:
+        s["vocab"] = len(src.fields["tokenizer.ggml.tokens"].contents())
     writer = GGUFWriter(dst, "llama")
-    writer.add_name("random-llama3-8b-shapes")
+    writer.add_name(f"random-{shape if isinstance(shape, str) else 'llama'}-shapes")
     writer.add_block_count(s["layers"])
     writer.add_context_length(s["ctx"])
     writer.add_embedding_length(s["hidden"])
@@ -108,8 +120,9 @@ def llama3_8b(dst: str, type_name: str, tokenizer_from: str, seed: int = 0) -> N
         sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, value, vtype, sub_type=sub)
     h, f, kv = s["hidden"], s["ffn"], s["kv_heads"] * (s["hidden"] // s["heads"])
-    shapes = {"token_embd.weight": (s["vocab"], h), "output_norm.weight": (h,),
-              "output.weight": (s["vocab"], h)}
+    shapes = {"token_embd.weight": (s["vocab"], h), "output_norm.weight": (h,)}
+    if not s["tied"]:
+        shapes["output.weight"] = (s["vocab"], h)
     for i in range(s["layers"]):
         b = f"blk.{i}."
         shapes.update({b + "attn_norm.weight": (h,), b + "ffn_norm.weight": (h,),
@@ -142,7 +155,7 @@ def llama3_8b(dst: str, type_name: str, tokenizer_from: str, seed: int = 0) -> N
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["requant", "llama3-8b"])
+    p.add_argument("what", choices=["requant", *SHAPES])
     p.add_argument("src_or_dst")
     p.add_argument("dst", nargs="?")
     p.add_argument("--type", default="Q8_0")
@@ -151,7 +164,7 @@ def main() -> None:
     if a.what == "requant":
         requant(a.src_or_dst, a.dst, a.type)
     else:
-        llama3_8b(a.src_or_dst, a.type, a.tokenizer_from)
+        llama_shaped(a.src_or_dst, a.type, a.tokenizer_from, a.what)
     print(f"wrote {a.dst or a.src_or_dst}: {os.path.getsize(a.dst or a.src_or_dst) / 1e9:.2f} GB")
 
 
