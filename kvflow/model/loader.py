@@ -98,7 +98,9 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str | None 
     on_cpu = device is None or torch.device(device).type == "cpu"
     if is_gguf(path) and weight_dtype is None and on_cpu:
         model = family.model_class(arch)(arch, dtype, device="meta", kernels=kernels)
-        if model.packs_by_layer():  # one layer's float weights at a time beside the packed model
+        # one layer's float weights at a time beside the packed model, where the family packs so
+        by_layer = getattr(model, "packs_by_layer", None)
+        if by_layer is not None and by_layer():
             _load_packing(model, ensure_gguf_cache(path, dtype))
             apply_kv_scales(model, path, arch.num_hidden_layers, arch.num_key_value_heads)
             return model.eval(), arch
