@@ -19,8 +19,8 @@ kvflow's encoder cache and prefix cache never hit) and the same token ids:
 Each engine runs in its own process (loaded once); after a warm-up round the rounds alternate
 between the engines and the medians are reported.
 
-    python benchmarks/image_ttft.py --build --model /tmp/benchimg/q3vl2b
-    python benchmarks/image_ttft.py --model /tmp/benchimg/q3vl2b --threads 2,1 --rounds 3
+    python benchmarks/image_ttft.py --build --model FOLDER
+    python benchmarks/image_ttft.py --model FOLDER --threads 1,2 --rounds 3 --images 2
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -226,7 +227,8 @@ def loadavg() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="/tmp/benchimg/q3vl2b")
+    ap.add_argument("--model", default=os.path.join(tempfile.gettempdir(), "kvflow-image-bench"),
+                    help="the model folder (--build writes it; ~4 GB)")
     ap.add_argument("--build", action="store_true", help="save the random model first")
     ap.add_argument("--text-layers", type=int, default=28)
     ap.add_argument("--threads", default="2")
@@ -291,7 +293,8 @@ def main() -> None:
                  "images/s through the vision tower, kvflow vs HF transformers (Qwen3-VL-2B shapes, bf16)",
         "date": time.strftime("%Y-%m-%dT%H:%MZ", start), "end": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
         "commit": results_io.git_commit(ROOT),
-        "command": "python benchmarks/image_ttft.py " + " ".join(sys.argv[1:]),
+        "command": "python benchmarks/image_ttft.py " + " ".join(
+            "FOLDER" if a == args.model else a for a in sys.argv[1:]),
         "cpu": results_io.cpu_info(),
         "source": "measured by benchmarks/image_ttft.py",
         "notes": [
