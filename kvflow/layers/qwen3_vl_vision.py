@@ -69,7 +69,10 @@ class Qwen3VLVisionBlock(nn.Module):
         c, s = cos[:, None, :], sin[:, None, :]
         q = (q.float() * c + _rotate_half(q.float()) * s).to(v.dtype)
         k = (k.float() * c + _rotate_half(k.float()) * s).to(v.dtype)
-        outs = [F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1))
+        # 4-D [1, heads, N, D]: PyTorch's CPU flash kernel takes only 4-D inputs (3-D ones fall
+        # back to the math path, which materialises the N x N scores: 2-3x the ViT's time)
+        outs = [F.scaled_dot_product_attention(qi.transpose(0, 1)[None], ki.transpose(0, 1)[None],
+                                               vi.transpose(0, 1)[None])[0]
                 for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths))]
         a = torch.cat(outs, dim=1).transpose(0, 1).reshape(n, h)  # each image attends to itself
         x = x + self.proj(a)
