@@ -144,7 +144,10 @@ def test_runtime_endpoints_exist_only_when_allowed(monkeypatch, allowed):
     from kvflow.entrypoints.openai.server_settings import ServerSettings
 
     monkeypatch.setenv("KVFLOW_ALLOW_RUNTIME_LORA_UPDATING", allowed)
-    engine = types.SimpleNamespace(model_path="/m", max_model_len=512, is_dead=False)
+    from kvflow.config import MultiModalConfig
+
+    engine = types.SimpleNamespace(model_path="/m", max_model_len=512, is_dead=False,
+                                   config=types.SimpleNamespace(multimodal_config=MultiModalConfig()))
     settings = ServerSettings(served_model_names=["base"], lora_modules=[("sql", "/a/sql")])
     client = TestClient(build_app(engine, settings, ServerMetrics("base")))
     cards = client.get("/v1/models").json()["data"]
