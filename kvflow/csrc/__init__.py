@@ -32,7 +32,7 @@ _SOURCES = [os.path.join(_DIR, f) for f in ("paged_attention.c", "paged_attentio
                                               "gemv_f32.c", "pool.c", "populate.c", "decode_step.c", "lora.c",
                                               "state_update.c", "state_scan.c")]
 _HEADERS = [os.path.join(_DIR, f) for f in ("simd.h", "kernels.h", "tiles.h", "rotation.h", "state.h",
-                                            "q6.h")]  # part of the build key, not of the command line
+                                            "q6.h", "panel_store.h")]  # part of the build key, not of the command line
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC", "-std=c11",
           "-pthread"]
 

@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "panel_store.h"
 #include "simd.h"
 
 #define QP 16
@@ -32,13 +33,6 @@ static const int8_t E2M1_X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -
 /* 2^(e - 128): the block's scale, halved for the doubled values (e = 255, NaN in the format,
  * is read as 2^127: no checkpoint has it) */
 static inline float e8m0_half(uint8_t e) { return ldexpf(1.f, (int)e - 128); }
-
-static inline void store_out(void *out, int64_t i, float v, int bf16) {
-    if (bf16)
-        ((uint16_t *)out)[i] = float_to_bf16(v);
-    else
-        ((float *)out)[i] = v;
-}
 
 static void finish(const float *acc, int64_t rows, const float *bias, int64_t n0, int64_t nv,
                    void *out, int64_t out_stride, int bf16)

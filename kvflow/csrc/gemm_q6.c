@@ -26,6 +26,7 @@
 
 #include "kernels.h"
 #include "q6.h"
+#include "panel_store.h"
 #include "simd.h"
 
 #define QP 16
@@ -33,34 +34,6 @@
 #define Q6_PREFETCH 8192
 #define Q6_TILE 8 /* rows, AVX-512 (AVX2: 4, its 16 registers) */
 #define Q6_PANEL_BLOCK (128 * 1024)
-
-static inline void store_out(void *out, int64_t i, float v, int bf16) {
-    if (bf16)
-        ((uint16_t *)out)[i] = float_to_bf16(v);
-    else
-        ((float *)out)[i] = v;
-}
-
-/* one row's sums of a panel (+ bias) -> out: 16 at once where the build has AVX512-BF16 (the
- * rounding store_out's: to nearest even), else one by one */
-static inline void store_row(const float *res, const float *bias, int64_t n0, int64_t nv, void *out,
-                             int64_t at, int bf16)
-{
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-    if (nv == QP) {
-        __m512 v = _mm512_loadu_ps(res);
-        if (bias)
-            v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0));
-        if (bf16)
-            _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), (__m256i)_mm512_cvtneps_pbh(v));
-        else
-            _mm512_storeu_ps((float *)out + at, v);
-        return;
-    }
-#endif
-    for (int64_t o = 0; o < nv; o++)
-        store_out(out, at + o, res[o] + (bias ? bias[n0 + o] : 0.f), bf16);
-}
 
 /* the 6-bit value of output o, input 4j + t of block `blk` (j: quad 0..7) */
 static inline int q6_value(const uint8_t *blk, int o, int j, int t) {
