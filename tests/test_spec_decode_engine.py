@@ -136,10 +136,12 @@ FORMATS = {"fp32": dict(quantization="none", dtype="float32"),
 def test_ngram_on_the_default_model_equals_plain_decoding(fmt, default_model_path, monkeypatch):
     from kvflow import LLM
     if fmt == "bf16":
-        # bf16 on the panel GEMM, whose rows do not depend on the batch: oneDNN's AMX GEMM
-        # (bf16 batches past 4 rows on CPUs with AMX) rounds by its blocking, so there bf16
-        # outputs may change with the batch, speculation's included (docs/speculative_decoding.md)
+        # bf16 on the panel GEMM, whose rows do not depend on the batch: AMX's tiles (bf16
+        # batches past 4 rows on CPUs with AMX, over the panels or oneDNN's copy) sum in another
+        # order, so there bf16 outputs may change with the batch, speculation's included
+        # (docs/speculative_decoding.md); with neither, the panels take every batch
         monkeypatch.setenv("KVFLOW_NO_ONEDNN", "1")
+        monkeypatch.setenv("KVFLOW_NO_AMX_PANELS", "1")
     llm = LLM(default_model_path, **FORMATS[fmt], num_blocks=64, max_model_len=512,
               warmup=False, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     try:
