@@ -20,6 +20,9 @@ class ModelFamily:
     name = "model"
     supports = Supports()
     config_class: type = LlamaArchConfig
+    # how its prompts take images: a key of kvflow/multimodal/processor.py's PROCESSORS (None:
+    # text only; a folder of such a family without a vision config is text only too)
+    image_processor: str | None = None
 
     def hf_fields(self, cfg: dict, architecture: str) -> dict:
         """This family's own config fields from an HF config.json (beyond the shared ones)."""

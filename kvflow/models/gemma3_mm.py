@@ -98,6 +98,7 @@ class Gemma3VisionFamily(Gemma3Family):
     tower's and projector's tensors where the config has a vision part."""
 
     config_class = Gemma3VisionArchConfig
+    image_processor = "gemma3"
     supports = Supports(tensor_parallel=True, pipeline_parallel=True, lora=False,
                         quantized=False, decode_step=False)
 

@@ -160,6 +160,7 @@ def _vision_name(name: str) -> str:
 class Qwen3VLFamily(LlamaFamily):
     name = "Qwen3-VL"
     config_class = Qwen3VLArchConfig
+    image_processor = "qwen3_vl"
     supports = Supports(tensor_parallel=False, pipeline_parallel=False, lora=False,
                         quantized=False, decode_step=False)
 

@@ -16,6 +16,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from kvflow.models.registry import family_of
 from kvflow.multimodal.inputs import ImageItem
 from kvflow.request import InvalidRequestError, MultiModalFeatureSpec, PlaceholderRange
 
@@ -137,10 +138,13 @@ def _images_of(mm_data: dict[str, list[ImageItem]]) -> list[ImageItem]:
     return list(mm_data.get("image") or [])
 
 
+PROCESSORS = {"gemma3": Gemma3MultiModalProcessor, "qwen3_vl": Qwen3VLMultiModalProcessor}
+
+
 def multimodal_processor(model_path: str, arch, tokenizer):
-    """The image processing of a model that takes images (None for one that does not)."""
+    """The image processing of a model that takes images (None for one that does not): the
+    one its family names."""
     if not getattr(arch, "vision_config", None):
         return None
-    if arch.architecture == "Qwen3VLForConditionalGeneration":
-        return Qwen3VLMultiModalProcessor(model_path, arch, tokenizer)
-    return Gemma3MultiModalProcessor(model_path, arch, tokenizer)
+    name = family_of(arch.architecture).image_processor
+    return None if name is None else PROCESSORS[name](model_path, arch, tokenizer)
