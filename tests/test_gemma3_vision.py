@@ -8,23 +8,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from PIL import Image
 
+from image_prompts import mm_prompt, random_image
 from vision_models import BOI, IMAGE, MM_TOKENS, hf_greedy, hf_model, save_tiny_gemma3_vision
 
-from kvflow.multimodal.inputs import image_item
 from kvflow.sampling_params import SamplingParams
 
 ENGINE = dict(dtype="float32", max_model_len=256, num_threads=1, quantization="none")
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-def _image(h: int, w: int, seed: int):
-    rng = np.random.default_rng(seed)
-    return image_item(Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)))
-
-
-A, B, C = _image(40, 50, 0), _image(20, 64, 1), _image(33, 33, 2)
+A, B, C = random_image(40, 50, 0), random_image(20, 64, 1), random_image(33, 33, 2)
 ONE = ([1, 40, 41, BOI, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60], [A])
 TWO = ([1, 70, BOI, 71, 72, 73, BOI, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83], [B, A])
 TEXT = ([1] + list(range(100, 121)), [])
@@ -39,11 +33,6 @@ def folder(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def hf(folder):
     return hf_model(folder)
-
-
-def _prompt(p):
-    ids, images = p
-    return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
 
 
 def _reference(folder, hf, out, images, params=PARAMS) -> list[int]:
@@ -70,7 +59,7 @@ def test_one_and_two_images_in_a_mixed_batch_equal_hf(folder, hf):
 
     llm = LLM(folder, **ENGINE)
     try:
-        outs = llm.generate([_prompt(p) for p in (ONE, TWO, TEXT, TWICE)], PARAMS, use_tqdm=False)
+        outs = llm.generate([mm_prompt(p) for p in (ONE, TWO, TEXT, TWICE)], PARAMS, use_tqdm=False)
     finally:
         llm.engine.shutdown()
     for out, (ids, images) in zip(outs, (ONE, TWO, TEXT, TWICE)):
@@ -92,7 +81,7 @@ def test_chunked_prefill_stops_before_image_runs_and_preemption_stay_exact(folde
     seen = _watch(llm)
     prompts = (ONE, TWO, TEXT)
     try:
-        outs = llm.generate([_prompt(p) for p in prompts], params, use_tqdm=False)
+        outs = llm.generate([mm_prompt(p) for p in prompts], params, use_tqdm=False)
         features = {}
         for out in seen:
             for new in out.scheduled_new_reqs:
@@ -122,9 +111,9 @@ def test_prefix_cache_hits_a_repeated_image_and_misses_a_different_one(folder, h
     llm = LLM(folder, **ENGINE, block_size=4)
     ids = ONE[0]
     try:
-        first = llm.generate(_prompt((ids, [A])), PARAMS, use_tqdm=False)[0]
-        again = llm.generate(_prompt((ids, [A])), PARAMS, use_tqdm=False)[0]
-        other = llm.generate(_prompt((ids, [C])), PARAMS, use_tqdm=False)[0]
+        first = llm.generate(mm_prompt((ids, [A])), PARAMS, use_tqdm=False)[0]
+        again = llm.generate(mm_prompt((ids, [A])), PARAMS, use_tqdm=False)[0]
+        other = llm.generate(mm_prompt((ids, [C])), PARAMS, use_tqdm=False)[0]
     finally:
         llm.engine.shutdown()
     expanded = list(first.prompt_token_ids)
@@ -148,10 +137,10 @@ def test_the_image_run_attends_bidirectionally(folder, monkeypatch):
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=3)
     llm = LLM(folder, **ENGINE)
     try:
-        exact = llm.generate(_prompt(TWO), params, use_tqdm=False)[0].outputs[0].logprobs[0]
+        exact = llm.generate(mm_prompt(TWO), params, use_tqdm=False)[0].outputs[0].logprobs[0]
         monkeypatch.setattr(attention, "attend_runs", lambda out, *a, **k: out)
         llm.reset_prefix_cache()
-        causal = llm.generate(_prompt(TWO), params, use_tqdm=False)[0].outputs[0].logprobs[0]
+        causal = llm.generate(mm_prompt(TWO), params, use_tqdm=False)[0].outputs[0].logprobs[0]
     finally:
         llm.engine.shutdown()
     top = max(exact, key=lambda t: exact[t].logprob)
@@ -165,7 +154,7 @@ def test_images_must_pair_with_image_start_tokens(folder):
     llm = LLM(folder, **ENGINE)
     try:
         with pytest.raises(InvalidRequestError, match="multi_modal_data"):
-            llm.generate(_prompt((ONE[0], [A, B])), PARAMS, use_tqdm=False)
+            llm.generate(mm_prompt((ONE[0], [A, B])), PARAMS, use_tqdm=False)
         assert llm.engine.input_processor.limits.supports_images
         assert not llm.engine.has_unfinished_requests()
     finally:
@@ -238,8 +227,8 @@ def test_a_prefix_hit_that_ends_inside_an_image_run_stays_exact(folder, hf):
     llm = LLM(folder, **ENGINE, block_size=8)
     seen = _watch(llm)
     try:
-        llm.generate(_prompt((ids, [A])), PARAMS, use_tqdm=False)
-        out = llm.generate(_prompt((changed, [A])), PARAMS, use_tqdm=False)[0]
+        llm.generate(mm_prompt((ids, [A])), PARAMS, use_tqdm=False)
+        out = llm.generate(mm_prompt((changed, [A])), PARAMS, use_tqdm=False)[0]
     finally:
         llm.engine.shutdown()
     expanded = list(out.prompt_token_ids)
@@ -301,7 +290,7 @@ def test_the_dashboard_steps_show_the_image_tokens_encoded(folder):
             return out
 
         core.step = recorded
-        llm.generate([_prompt(TWO)], PARAMS, use_tqdm=False)
+        llm.generate([mm_prompt(TWO)], PARAMS, use_tqdm=False)
     finally:
         llm.engine.shutdown()
     assert sum(encoded) == 2 * MM_TOKENS and encoded[-1] == 0  # both images, then decodes

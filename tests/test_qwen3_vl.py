@@ -8,23 +8,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
+from image_prompts import mm_prompt, random_image
 from qwen3_vl_models import IMAGE_PAD, VISION_END, VISION_START, hf_greedy, hf_model, save_tiny_qwen3_vl
 
-from kvflow.multimodal.inputs import image_item
 from kvflow.sampling_params import SamplingParams
 
 ENGINE = dict(dtype="float32", max_model_len=256, num_threads=1, quantization="none", num_blocks=64)
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
-def _image(h: int, w: int, seed: int):
-    rng = np.random.default_rng(seed)
-    return image_item(Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)))
-
-
-A, B = _image(40, 50, 0), _image(20, 64, 1)  # 3 x 2 and 1 x 4 merged tokens
+A, B = random_image(40, 50, 0), random_image(20, 64, 1)  # 3 x 2 and 1 x 4 merged tokens
 IMG = [VISION_START, IMAGE_PAD, VISION_END]
 ONE = ([1, 40] + IMG + [50, 51, 52], [A])
 TWO = ([1, 60] + IMG + [61] + IMG + [62, 63, 64], [B, A])
@@ -41,11 +35,6 @@ def hf(folder):
     return hf_model(folder)
 
 
-def _prompt(p):
-    ids, images = p
-    return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
-
-
 def _reference(folder, hf, out, images, params=PARAMS) -> list[int]:
     return hf_greedy(folder, hf, list(out.prompt_token_ids), [i.image for i in images],
                      params.max_tokens)
@@ -56,7 +45,7 @@ def test_one_and_two_images_of_different_sizes_in_a_mixed_batch_equal_hf(folder,
 
     llm = LLM(folder, **ENGINE)
     try:
-        outs = llm.generate([_prompt(p) for p in (ONE, TWO, TEXT)], PARAMS, use_tqdm=False)
+        outs = llm.generate([mm_prompt(p) for p in (ONE, TWO, TEXT)], PARAMS, use_tqdm=False)
     finally:
         llm.engine.shutdown()
     assert [list(o.prompt_token_ids).count(IMAGE_PAD) for o in outs] == [6, 10, 0]
@@ -77,7 +66,7 @@ def test_chunked_prefill_and_preemption_equal_hf(folder, hf):
     sched.schedule = lambda: seen.append(schedule()) or seen[-1]
     prompts = (ONE, TWO, TEXT)
     try:
-        outs = llm.generate([_prompt(p) for p in prompts], params, use_tqdm=False)
+        outs = llm.generate([mm_prompt(p) for p in prompts], params, use_tqdm=False)
     finally:
         llm.engine.shutdown()
     assert sum(len(o.preempted_req_ids) for o in seen) > 0
@@ -91,9 +80,9 @@ def test_a_repeated_image_hits_the_prefix_cache(folder, hf):
 
     llm = LLM(folder, **ENGINE, block_size=4)
     try:
-        first = llm.generate(_prompt(TWO), PARAMS, use_tqdm=False)[0]
-        again = llm.generate(_prompt(TWO), PARAMS, use_tqdm=False)[0]
-        other = llm.generate(_prompt((TWO[0], [A, B])), PARAMS, use_tqdm=False)[0]
+        first = llm.generate(mm_prompt(TWO), PARAMS, use_tqdm=False)[0]
+        again = llm.generate(mm_prompt(TWO), PARAMS, use_tqdm=False)[0]
+        other = llm.generate(mm_prompt((TWO[0], [A, B])), PARAMS, use_tqdm=False)[0]
     finally:
         llm.engine.shutdown()
     ids = list(first.prompt_token_ids)
