@@ -1,7 +1,7 @@
 """Images through the offline `LLM` and down to the engine: `LLM.chat` image parts and
 `LLM.generate` with `multi_modal_data` are read, checked and refused by name on a text-only model
 (never dropped, not even by the engine); with a model that takes images (the capability stubbed
-here), the images reach the engine's `add_request` in the prompt's order, and the chat server's
+here), the images reach the engine (processed once, then `add_request`) in the prompt's order, and the chat server's
 job hands them to `engine.generate`."""
 from __future__ import annotations
 
@@ -87,11 +87,12 @@ def vision_llm(llm, monkeypatch):
     seen = []
 
     def add_request(request_id, prompt_token_ids, params, prompt=None, **kw):
-        seen.append((prompt, prompt_token_ids, kw["multi_modal_data"]))
+        seen.append((prompt, prompt_token_ids, kw["mm_features"]))
         raise RuntimeError("recorded")
 
     monkeypatch.setattr(llm.engine, "add_request", add_request)
-    monkeypatch.setattr(llm.engine, "process_images", lambda ids, mm: (ids, []))
+    # the images, processed once before add_request, stand for their features here
+    monkeypatch.setattr(llm.engine, "process_images", lambda ids, mm: (ids, mm))
     return llm, seen
 
 

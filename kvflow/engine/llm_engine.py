@@ -43,12 +43,14 @@ class LLMEngine:
                     prompt: str | None = None, kind: OutputKind = OutputKind.FINAL,
                     priority: int = 0, cache_salt: str | None = None,
                     lora_request: LoRARequest | None = None, checked: bool = False,
-                    multi_modal_data: MultiModalData | None = None) -> None:
+                    multi_modal_data: MultiModalData | None = None,
+                    mm_features: list | None = None) -> None:
         """Queue a request; ValueError naming the field if the input processor refuses it
         (`checked`: the caller ran `input_processor.process` on it already). With
         `multi_modal_data` ({"image": [ImageItem, ...]}, one per image-start token of the
-        prompt, in order) the prompt is expanded by the model's processor first."""
-        features = None
+        prompt, in order) the prompt is expanded by the model's processor first; `mm_features`:
+        a prompt the caller expanded already (`process_images`), with its features."""
+        features = mm_features
         if multi_modal_data:
             prompt_token_ids, features = self.process_images(prompt_token_ids, multi_modal_data)
             checked = False  # the expanded prompt is checked below

@@ -71,17 +71,22 @@ class LLM:
         if prompt_texts is not None:
             encoded = [(text, ids) for text, (_, ids) in zip(prompt_texts, encoded)]
         check = self.engine.input_processor
+        features = []  # each prompt's images, processed once: (expanded ids, features) or None
         for (_, ids), p, lr, (mm, names) in zip(encoded, params, loras, mm_data):
+            expanded = None
             if mm:  # the part named first, then checked once expanded for its images
                 check.check_multi_modal(mm, names)
-                ids = self.engine.process_images(ids, mm)[0]
+                expanded = self.engine.process_images(ids, mm)
+                ids = expanded[0]
             check.process(ids, p, lr, mm, names)  # every prompt, before any is queued
+            features.append(expanded)
         order = {}
-        for (text, ids), p, prio, lr, (mm, _) in zip(encoded, params, priority, loras, mm_data):
+        for (text, ids), p, prio, lr, expanded in zip(encoded, params, priority, loras, features):
             rid = str(next(self._ids))
             order[rid] = len(order)
+            ids, mm_features = expanded if expanded is not None else (ids, None)
             self.engine.add_request(rid, ids, p, prompt=text, priority=prio, cache_salt=cache_salt,
-                                    lora_request=lr, checked=not mm, multi_modal_data=mm)
+                                    lora_request=lr, checked=True, mm_features=mm_features)
         return self._run(order, use_tqdm)
 
     def embed(self, prompts: Prompt | Sequence[Prompt],
